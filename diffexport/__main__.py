@@ -1,0 +1,3 @@
+from diffexport.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""Checkpoints users can trust: save, load, import, with one-line errors for every bad input.
+
+Native formats:
+  ckpt.pt      a plain dict {format, format_version, family, config, state_dict} written by
+               torch.save and read with weights_only=True: no code from the file ever runs.
+  safetensors  model.safetensors (tensors only) + config.json {format, format_version, family, config}.
+Imports: Hugging Face DiffLlama directories (config.json + safetensors or .bin), and bare
+state dicts (unilm-named or ours) given a config or a preset. Foreign layouts are permuted
+into the canonical one here, once (diffexport.layouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from diffexport import layouts
+from diffexport.errors import DiffExportError
+from diffexport.modeling import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict
+from diffexport.modeling.common import DecoderLM, ModelConfig
+
+FORMAT = "diffexport.checkpoint"
+FORMAT_VERSION = 1
+LAYOUTS = ("auto", "native", "unilm")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: DecoderLM
+    config: ModelConfig
+    source: str  # "native", "safetensors", "hf-diffllama", "state-dict:native", "state-dict:unilm", "preset"
+    path: str | None = None
+
+
+# ---------------------------------------------------------------- saving
+
+def canonical_state_dict(model: DecoderLM) -> dict[str, torch.Tensor]:
+    """The state dict we save: tied LM heads are stored once (as embed.weight)."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _header(cfg: ModelConfig) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "family": cfg.family, "config": cfg.to_dict()}
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file in the same folder, then rename: no half-written output."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(model: DecoderLM, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    payload = {**_header(model.config), "state_dict": canonical_state_dict(model)}
+    _atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    return path
+
+
+def save_safetensors(model: DecoderLM, directory: str | os.PathLike) -> Path:
+    """Write directory/model.safetensors and directory/config.json."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    state = {k: v.contiguous() for k, v in canonical_state_dict(model).items()}
+    _atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": FORMAT}))
+    _atomic_write(directory / "config.json",
+                  lambda tmp: Path(tmp).write_text(json.dumps(_header(model.config), indent=2) + "\n"))
+    return directory
+
+
+# ---------------------------------------------------------------- reading files
+
+def _torch_load(path: Path) -> Any:
+    """torch.load with weights_only=True; every failure becomes one line."""
+    is_zip = zipfile.is_zipfile(path)
+    try:
+        # mmap keeps big checkpoints out of RAM until used; only the zip format supports it.
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()
+        detail = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line), "")
+        if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
+            raise DiffExportError(
+                f"refusing to load {path}: it holds Python objects that weights_only=True forbids"
+                f"{' (' + detail + ')' if detail else ''}; re-save it as a plain dict of tensors or as safetensors"
+            ) from None
+        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {exc}") from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, TypeError,
+            AttributeError, IndexError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {msg}") from None
+
+
+def _safetensors_load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise DiffExportError(f"{path} is not a readable safetensors file (corrupt or truncated): {exc}") from None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DiffExportError(f"{path} not found: a safetensors checkpoint needs its config.json beside it") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DiffExportError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DiffExportError(f"{path} must hold a JSON object")
+    return data
+
+
+# ---------------------------------------------------------------- building from a state dict
+
+def _check_header(header: Mapping, where: str) -> ModelConfig:
+    version = header.get("format_version")
+    if version != FORMAT_VERSION:
+        raise DiffExportError(f"{where}: unknown format_version {version!r}; this diffexport reads version "
+                              f"{FORMAT_VERSION} (upgrade diffexport, or re-save the checkpoint)")
+    family = header.get("family")
+    if family not in FAMILIES:
+        raise DiffExportError(f"{where}: family {family!r} is not a supported model family "
+                              f"({', '.join(sorted(FAMILIES))})")
+    return config_from_dict(family, header.get("config"))
+
+
+def model_from_state(cfg: ModelConfig, state: Mapping, where: str, dtype: torch.dtype | None = None) -> DecoderLM:
+    """Check names, shapes and dtypes against cfg, then load without a second copy of the weights."""
+    if not isinstance(state, Mapping):
+        raise DiffExportError(f"{where}: state_dict must be a mapping of names to tensors")
+    model = build_model(cfg, device="meta")
+    expected = {k: v for k, v in model.state_dict().items()
+                if not (cfg.tie_embeddings and k == "lm_head.weight")}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+    if missing:
+        raise DiffExportError(f"{where}: missing key(s) {', '.join(missing[:3])}"
+                              f"{f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''} for a {cfg.family} "
+                              f"model with this config")
+    if unexpected:
+        raise DiffExportError(f"{where}: unexpected key(s) {', '.join(unexpected[:3])}"
+                              f"{f' (+{len(unexpected) - 3} more)' if len(unexpected) > 3 else ''}")
+    for name, ref in expected.items():
+        t = state[name]
+        if not isinstance(t, torch.Tensor):
+            raise DiffExportError(f"{where}: {name} is a {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != tuple(ref.shape):
+            raise DiffExportError(f"{where}: wrong shape for {name}: got {list(t.shape)}, "
+                                  f"expected {list(ref.shape)} for this config")
+        if not t.is_floating_point():
+            raise DiffExportError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point tensor")
+        if not torch.isfinite(t).all():
+            raise DiffExportError(f"{where}: {name} contains NaN or infinity")
+    target = dtype or state["embed.weight"].dtype
+    weights = {k: state[k].to(target) for k in expected}
+    model.load_state_dict(weights, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.eval()
+
+
+def _require_diff(state: Mapping, where: str) -> None:
+    if not any(k.endswith(("lambda_q1", "lambda_proj.weight")) for k in state):
+        raise DiffExportError(f"{where}: not a DIFF model: no differential-attention parameters "
+                              f"(lambda_q1 / lambda_proj) in its state dict")
+
+
+# ---------------------------------------------------------------- the entry point
+
+def load_model(path: str | os.PathLike | None = None, *, preset: str | None = None,
+               config: ModelConfig | None = None, layout: str = "auto", seed: int = 0,
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load any supported checkpoint (or build a seeded preset when only `preset` is given)."""
+    from diffexport.presets import preset_config
+
+    if layout not in LAYOUTS:
+        raise DiffExportError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    if preset is not None and config is not None:
+        raise DiffExportError("give either a preset or a config, not both")
+    given_cfg = config if config is not None else (preset_config(preset) if preset else None)
+    if path is None:
+        if given_cfg is None:
+            raise DiffExportError("nothing to load: give a checkpoint path or --preset NAME")
+        model = build_model(given_cfg, seed=seed, dtype=dtype or torch.float32)
+        return LoadedModel(model, given_cfg, "preset")
+
+    path = Path(path)
+    if not path.exists():
+        raise DiffExportError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        return _load_directory(path, dtype)
+    if path.suffix == ".safetensors":
+        return _load_safetensors(path, path.parent / "config.json", dtype)
+    if path.suffix == ".json":
+        raise DiffExportError(f"{path} is a config file: give the checkpoint (or its directory) instead")
+
+    obj = _torch_load(path)
+    if isinstance(obj, Mapping) and "format" in obj:
+        if obj["format"] != FORMAT:
+            raise DiffExportError(f"{path}: unknown checkpoint format {obj['format']!r} (expected {FORMAT!r})")
+        cfg = _check_header(obj, str(path))
+        model = model_from_state(cfg, obj.get("state_dict"), str(path), dtype)
+        return LoadedModel(model, cfg, "native", str(path))
+    if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return _load_bare_state(dict(obj), given_cfg, layout, str(path), dtype)
+    raise DiffExportError(f"{path} is not a diffexport checkpoint: expected a dict with 'format': {FORMAT!r} "
+                          f"or a bare state dict of tensors")
+
+
+def _load_bare_state(state: dict, cfg: ModelConfig | None, layout: str, where: str, dtype) -> LoadedModel:
+    if cfg is None:
+        raise DiffExportError(f"{where} is a bare state dict without a config: give --preset NAME or --config "
+                              f"FILE (and --layout unilm for official-code names)")
+    if cfg.family in DIFF_FAMILIES:
+        _require_diff(state, where)
+    if layout == "auto":
+        layout = "unilm" if layouts.looks_unilm(state) else "native"
+    if layout == "unilm":
+        if cfg.family != "diff_v1":
+            raise DiffExportError(f"--layout unilm reads DIFF V1 checkpoints, not {cfg.family}")
+        state = layouts.unilm_state(state, cfg)
+    elif cfg.rope_interleaved:
+        state = layouts.rope_to_halves(state, cfg)
+    if cfg.rope_interleaved:  # the weights are now rotate-half
+        cfg = dataclasses.replace(cfg, rope_interleaved=False)
+    model = model_from_state(cfg, state, where, dtype)
+    return LoadedModel(model, cfg, f"state-dict:{layout}", where)
+
+
+def _load_safetensors(path: Path, config_path: Path, dtype) -> LoadedModel:
+    header = _read_json(config_path)
+    if header.get("format") != FORMAT:
+        raise DiffExportError(f"{config_path} is not a diffexport config (no 'format': {FORMAT!r})")
+    cfg = _check_header(header, str(config_path))
+    model = model_from_state(cfg, _safetensors_load(path), str(path), dtype)
+    return LoadedModel(model, cfg, "safetensors", str(path))
+
+
+def _load_directory(path: Path, dtype) -> LoadedModel:
+    config_path = path / "config.json"
+    header = _read_json(config_path)
+    if header.get("format") == FORMAT:
+        return _load_safetensors(path / "model.safetensors", config_path, dtype)
+    model_type = header.get("model_type")
+    if model_type != "diffllama":
+        raise DiffExportError(f"{path}: not a DIFF model: config.json has model_type {model_type!r}; "
+                              f"diffexport imports Hugging Face DiffLlama (model_type 'diffllama')")
+    cfg = config_from_dict("diff_v1", layouts.hf_diffllama_config(header))
+    state: dict[str, torch.Tensor] = {}
+    shards = sorted(path.glob("*.safetensors"))
+    for shard in shards:
+        state.update(_safetensors_load(shard))
+    if not shards:
+        bins = sorted(path.glob("pytorch_model*.bin"))
+        if not bins:
+            raise DiffExportError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
+        for shard in bins:
+            part = _torch_load(shard)
+            if not isinstance(part, Mapping):
+                raise DiffExportError(f"{shard} does not hold a state dict")
+            state.update(part)
+    model = model_from_state(cfg, layouts.hf_diffllama_state(state, cfg), str(path), dtype)
+    return LoadedModel(model, cfg, "hf-diffllama", str(path))
+
+
+def load_config_file(path: str | os.PathLike) -> ModelConfig:
+    """A JSON config for bare state dicts: {"family": ..., "config": {...}} or a preset-style entry."""
+    data = _read_json(Path(path))
+    if "family" not in data or "config" not in data:
+        raise DiffExportError(f"{path}: a config file needs 'family' and 'config' keys")
+    return config_from_dict(data["family"], data["config"])

@@ -1,0 +1,196 @@
+"""The DiffAttention op contract: defined once, read by every layer.
+
+The torch custom op (`diffexport::diff_attention`), the ONNX exporter, the graph passes, the
+ONNX function body and the TensorRT plugin's field list all take their names, input order,
+attributes and checks from here. docs/OP_SPEC.md is the human-readable form of this module.
+Pure Python on purpose: no torch, no onnx, so any tool can read it cheaply.
+
+Layout (one canonical layout, whatever checkpoint the model came from):
+  diff-head h (0 <= h < H) owns query maps 2h (map 1) and 2h+1 (map 2), adjacent ("pairs").
+  V1: kv-group g owns key maps 2g (K1) and 2g+1 (K2) and one value head of width 2D.
+  V2: kv-group g owns one key head and one value head, both of width D, shared by both maps.
+  Diff-head h reads kv-group g = h // (H / Hkv)  (flash-attention GQA semantics: each map
+  attends its own key, never the other map's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from diffexport.errors import DiffExportError
+
+OP_NAME = "DiffAttention"
+ONNX_DOMAIN = "diffexport"
+OP_VERSION = 1
+TORCH_OP = "diffexport::diff_attention"
+PLUGIN_NAME = OP_NAME
+PLUGIN_NAMESPACE = "diffexport"
+PLUGIN_VERSION = "1"
+
+VARIANT_V1 = 1  # two maps with their own K, V of width 2D, scalar lambda per layer
+VARIANT_V2 = 2  # two maps share K and V of width D, lambda per token and head
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[str, ...]
+    doc: str
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class AttributeSpec:
+    name: str
+    kind: str  # "int" or "float": the ONNX attribute type and the TensorRT field type
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] = ()
+    minimum: float | None = None
+    exclusive_minimum: bool = False
+
+    def check(self, value: Any) -> None:
+        if self.kind == "int" and not isinstance(value, int):
+            raise DiffExportError(f"attribute {self.name} must be an int, got {value!r}")
+        if self.kind == "float" and not isinstance(value, (int, float)):
+            raise DiffExportError(f"attribute {self.name} must be a float, got {value!r}")
+        if self.kind == "float" and not math.isfinite(float(value)):
+            raise DiffExportError(f"attribute {self.name} must be finite, got {value!r}")
+        if self.choices and value not in self.choices:
+            raise DiffExportError(f"attribute {self.name}={value!r} is not one of {list(self.choices)}")
+        if self.minimum is not None:
+            low_ok = value > self.minimum if self.exclusive_minimum else value >= self.minimum
+            if not low_ok:
+                sign = ">" if self.exclusive_minimum else ">="
+                raise DiffExportError(f"attribute {self.name}={value!r} must be {sign} {self.minimum}")
+
+
+# Symbols: B batch, Sq query length, Skv key length, H diff-heads, Hkv kv-groups,
+# D query/key head dim, Dv value head dim (2D for V1, D for V2).
+INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("query", ("B", "Sq", "2*H*D"), "rotated queries; maps 2h, 2h+1 belong to diff-head h"),
+    TensorSpec("key", ("B", "Skv", "Kw"), "rotated keys; Kw = 2*Hkv*D (V1: K1, K2 per group) or Hkv*D (V2)"),
+    TensorSpec("value", ("B", "Skv", "Hkv*Dv"), "values; Dv = 2*D (V1) or D (V2)"),
+    TensorSpec("lambda_full", ("L",), "V1: shape [1], the layer's lambda; V2: shape [B, Sq, H], after sigmoid"),
+    TensorSpec("norm_weight", ("2*D",), "per-head RMSNorm weight (V1, norm=1); omit for a weightless norm",
+               optional=True),
+)
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("output", ("B", "Sq", "H*Dv"), "diff-heads concatenated, ready for the output projection"),
+)
+ATTRIBUTES: tuple[AttributeSpec, ...] = (
+    AttributeSpec("variant", "int", VARIANT_V1, "1: DIFF V1, 2: DIFF V2", choices=(VARIANT_V1, VARIANT_V2)),
+    AttributeSpec("num_heads", "int", None, "H, differential heads (half the query maps)", minimum=1),
+    AttributeSpec("num_kv_heads", "int", None, "Hkv, kv-groups; must divide H", minimum=1),
+    AttributeSpec("head_dim", "int", None, "D, query/key head dim of one map", minimum=1),
+    AttributeSpec("causal", "int", 1, "1: key j visible to query i iff j <= i + Skv - Sq (bottom-right)",
+                  choices=(0, 1)),
+    AttributeSpec("scale", "float", 0.0, "logit scale; 0 means 1/sqrt(D)", minimum=0.0),
+    AttributeSpec("norm", "int", 1, "1: per-head RMSNorm over Dv after the lambda combination",
+                  choices=(0, 1)),
+    AttributeSpec("norm_eps", "float", 1e-5, "RMSNorm epsilon", minimum=0.0, exclusive_minimum=True),
+    AttributeSpec("output_scale", "float", 1.0, "multiplies the output last: (1 - lambda_init) for V1"),
+)
+ATTRIBUTE_NAMES = tuple(a.name for a in ATTRIBUTES)
+INPUT_NAMES = tuple(t.name for t in INPUTS)
+
+
+@dataclass(frozen=True)
+class DiffAttentionAttrs:
+    """Validated attribute values of one DiffAttention node (field order = ATTRIBUTES order)."""
+
+    variant: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: int = 1
+    scale: float = 0.0
+    norm: int = 1
+    norm_eps: float = 1e-5
+    output_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for spec in ATTRIBUTES:
+            spec.check(getattr(self, spec.name))
+            if spec.kind == "int":  # store True/False flags as the ints ONNX and TensorRT carry
+                object.__setattr__(self, spec.name, int(getattr(self, spec.name)))
+            else:
+                object.__setattr__(self, spec.name, float(getattr(self, spec.name)))
+        if self.num_heads % self.num_kv_heads:
+            raise DiffExportError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                "(each diff-head reads one kv-group)"
+            )
+        if self.variant == VARIANT_V2 and self.norm:
+            raise DiffExportError("variant 2 (DIFF V2) has no per-head norm: set norm=0")
+
+    @property
+    def value_dim(self) -> int:
+        return 2 * self.head_dim if self.variant == VARIANT_V1 else self.head_dim
+
+    @property
+    def key_width(self) -> int:
+        maps = 2 if self.variant == VARIANT_V1 else 1
+        return maps * self.num_kv_heads * self.head_dim
+
+    @property
+    def effective_scale(self) -> float:
+        return self.scale if self.scale > 0 else 1.0 / math.sqrt(self.head_dim)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ATTRIBUTE_NAMES}
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "DiffAttentionAttrs":
+        unknown = sorted(set(values) - set(ATTRIBUTE_NAMES))
+        if unknown:
+            raise DiffExportError(f"unknown DiffAttention attribute(s) {unknown}; known: {list(ATTRIBUTE_NAMES)}")
+        missing = [a.name for a in ATTRIBUTES if a.default is None and a.name not in values]
+        if missing:
+            raise DiffExportError(f"DiffAttention attribute(s) {missing} are required")
+        return cls(**values)
+
+
+def check_shapes(
+    attrs: DiffAttentionAttrs,
+    query: tuple[int, ...],
+    key: tuple[int, ...],
+    value: tuple[int, ...],
+    lambda_full: tuple[int, ...],
+    norm_weight: tuple[int, ...] | None,
+) -> tuple[int, int, int]:
+    """Validate input shapes against the attributes; return the output shape (B, Sq, H*Dv)."""
+    H, Hkv, D, Dv = attrs.num_heads, attrs.num_kv_heads, attrs.head_dim, attrs.value_dim
+    for name, shape in (("query", query), ("key", key), ("value", value)):
+        if len(shape) != 3:
+            raise DiffExportError(f"{name} must be 3-D [batch, seq, width], got shape {list(shape)}")
+    B, Sq, qw = query
+    if qw != 2 * H * D:
+        raise DiffExportError(f"query width {qw} != 2*num_heads*head_dim = {2 * H * D}")
+    if key[0] != B or value[0] != B:
+        raise DiffExportError(f"batch sizes differ: query {B}, key {key[0]}, value {value[0]}")
+    Skv = key[1]
+    if value[1] != Skv:
+        raise DiffExportError(f"key length {Skv} != value length {value[1]}")
+    if key[2] != attrs.key_width:
+        raise DiffExportError(f"key width {key[2]} != {attrs.key_width} for variant {attrs.variant}")
+    if value[2] != Hkv * Dv:
+        raise DiffExportError(f"value width {value[2]} != num_kv_heads*{Dv} = {Hkv * Dv}")
+    if Skv < 1:
+        raise DiffExportError("key length must be at least 1")
+    if attrs.causal and Sq > Skv:
+        raise DiffExportError(f"causal attention needs Sq <= Skv (bottom-right alignment), got {Sq} > {Skv}")
+    expected_lambda = (1,) if attrs.variant == VARIANT_V1 else (B, Sq, H)
+    if tuple(lambda_full) != expected_lambda:
+        raise DiffExportError(f"lambda_full shape {list(lambda_full)} != {list(expected_lambda)} "
+                              f"for variant {attrs.variant}")
+    if norm_weight is not None:
+        if not attrs.norm:
+            raise DiffExportError("norm_weight given but norm=0")
+        if tuple(norm_weight) != (Dv,):
+            raise DiffExportError(f"norm_weight shape {list(norm_weight)} != [{Dv}]")
+    return (B, Sq, H * Dv)

@@ -1,0 +1,190 @@
+"""Layout conversion: permute foreign DIFF weights once, at load time, into the canonical layout.
+
+Canonical (diffexport.contract): query maps of diff-head h at rows (h, map, D); V1 keys at
+(g, map, D); values (g, 2D); RoPE rotate-half. Everything here is a pure re-indexing of rows:
+attention logits q.k are unchanged when q and k get the same permutation inside a head, so the
+converted model computes exactly what the original computed.
+
+  HF DiffLlama: num_attention_heads counts single maps; map 1 = first half of the heads,
+  map 2 = second half ("halves"); kv heads likewise; the 2D value of kv-group g is
+  [v_g ; v_{g + Hkv/2}]. RoPE rotate-half, head norm without weight, lambda_init from the
+  0-based layer index.
+  unilm official V1: maps 2h, 2h+1 adjacent (already canonical), RoPE interleaved (GPT-J).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from diffexport.errors import DiffExportError
+
+
+def interleaved_to_halves(head_dim: int) -> torch.Tensor:
+    """Index p with new[i] = old[p[i]]: pairs (2i, 2i+1) -> (i, i + D/2)."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def permute_rows_within_heads(weight: torch.Tensor, head_dim: int, perm: torch.Tensor) -> torch.Tensor:
+    """Apply the same row permutation inside every head_dim-row block of a projection weight."""
+    rows, cols = weight.shape
+    return weight.reshape(rows // head_dim, head_dim, cols)[:, perm].reshape(rows, cols)
+
+
+def reorder_head_blocks(weight: torch.Tensor, block_rows: int, order: list[int]) -> torch.Tensor:
+    """new block i = old block order[i] (blocks of block_rows rows)."""
+    rows, cols = weight.shape
+    return weight.reshape(rows // block_rows, block_rows, cols)[order].reshape(rows, cols)
+
+
+def halves_to_pairs_order(n_maps: int) -> list[int]:
+    """HF head order (map-major) -> canonical (head-major): new (h, m) <- old m*(n/2) + h."""
+    half = n_maps // 2
+    return [m * half + h for h in range(half) for m in range(2)]
+
+
+def _take(state: dict, key: str) -> torch.Tensor:
+    if key not in state:
+        raise DiffExportError(f"missing key {key!r} in the checkpoint's state dict")
+    return state.pop(key)
+
+
+def hf_diffllama_config(hf: Mapping) -> dict:
+    """DiffLlama config.json -> diff_v1 config values (one-line errors for what we cannot represent)."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise DiffExportError(f"DiffLlama with {flag}=true is not supported (diffexport models have no biases)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise DiffExportError(f"DiffLlama hidden_act={hf['hidden_act']!r} is not supported (only silu)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise DiffExportError(f"DiffLlama rope_type={rope_type!r} is not supported (only default RoPE)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    try:
+        heads, kv_heads = int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        cfg = {
+            "vocab_size": int(hf["vocab_size"]),
+            "d_model": hidden,
+            "n_layers": int(hf["num_hidden_layers"]),
+            "ffn_hidden": int(hf["intermediate_size"]),
+            "rope_theta": float(theta),
+            "rope_interleaved": False,
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "n_heads": heads // 2,
+            "n_kv_heads": kv_heads // 2,
+            "head_dim": int(hf.get("head_dim") or hidden // heads),
+            "head_norm_affine": False,
+            "head_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            "lambda_init": None,
+            "lambda_std": float(hf.get("lambda_std_dev", 0.1)),
+        }
+    except KeyError as exc:
+        raise DiffExportError(f"DiffLlama config.json lacks {exc.args[0]!r}") from None
+    if heads % 2 or kv_heads % 2:
+        raise DiffExportError(f"DiffLlama needs even num_attention_heads and num_key_value_heads, "
+                              f"got {heads} and {kv_heads}")
+    return cfg
+
+
+def hf_diffllama_state(state: dict, cfg) -> dict:
+    """HF DiffLlamaForCausalLM state dict -> canonical diff_v1 state dict (consumes `state`)."""
+    D, H2, Hkv2 = cfg.head_dim, 2 * cfg.n_heads, 2 * cfg.n_kv_heads
+    out = {"embed.weight": _take(state, "model.embed_tokens.weight"),
+           "norm.weight": _take(state, "model.norm.weight")}
+    if "lm_head.weight" in state:
+        lm_head = state.pop("lm_head.weight")
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = lm_head
+    elif not cfg.tie_embeddings:
+        raise DiffExportError("missing key 'lm_head.weight' (and tie_word_embeddings is false)")
+    for i in range(cfg.n_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        out[dst + "attn_norm.weight"] = _take(state, src + "input_layernorm.weight")
+        out[dst + "mlp_norm.weight"] = _take(state, src + "post_attention_layernorm.weight")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[dst + f"mlp.{name}.weight"] = _take(state, src + f"mlp.{name}.weight")
+        a = src + "self_attn."
+        out[dst + "attn.q_proj.weight"] = reorder_head_blocks(_take(state, a + "q_proj.weight"), D,
+                                                              halves_to_pairs_order(H2))
+        out[dst + "attn.k_proj.weight"] = reorder_head_blocks(_take(state, a + "k_proj.weight"), D,
+                                                              halves_to_pairs_order(Hkv2))
+        # value of kv-group g = [v_g ; v_{g + Hkv/2}]: the same map-major -> head-major reorder
+        out[dst + "attn.v_proj.weight"] = reorder_head_blocks(_take(state, a + "v_proj.weight"), D,
+                                                              halves_to_pairs_order(Hkv2))
+        out[dst + "attn.o_proj.weight"] = _take(state, a + "o_proj.weight")  # (h, 2D) columns already
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            out[dst + f"attn.{name}"] = _take(state, a + name)
+    _reject_leftovers(state)
+    return out
+
+
+# unilm's official code defines the attention module (q_proj, k_proj, v_proj, out_proj, lambda_*,
+# subln); the names around it are those of its torchscale-style decoder (our documented assumption).
+UNILM_NAMES = {
+    "embed.weight": "embed_tokens.weight",
+    "norm.weight": "layer_norm.weight",
+    "lm_head.weight": "output_projection.weight",
+}
+UNILM_LAYER_NAMES = {
+    "attn_norm.weight": "self_attn_layer_norm.weight",
+    "mlp_norm.weight": "final_layer_norm.weight",
+    "mlp.gate_proj.weight": "ffn.gate.weight",
+    "mlp.up_proj.weight": "ffn.fc1.weight",
+    "mlp.down_proj.weight": "ffn.fc2.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.out_proj.weight",
+    "attn.lambda_q1": "self_attn.lambda_q1",
+    "attn.lambda_k1": "self_attn.lambda_k1",
+    "attn.lambda_q2": "self_attn.lambda_q2",
+    "attn.lambda_k2": "self_attn.lambda_k2",
+    "attn.head_norm.weight": "self_attn.subln.weight",
+}
+
+
+def looks_unilm(state: Mapping) -> bool:
+    return any(k.endswith("self_attn.out_proj.weight") or k.endswith("subln.weight") for k in state)
+
+
+def unilm_state(state: dict, cfg) -> dict:
+    """unilm-named V1 state dict -> canonical (consumes `state`). The cfg says whether the
+    checkpoint's RoPE was interleaved (the official code's choice); the result is rotate-half."""
+    perm = interleaved_to_halves(cfg.head_dim) if cfg.rope_interleaved else None
+    out = {ours: _take(state, theirs) for ours, theirs in UNILM_NAMES.items()
+           if not (ours == "lm_head.weight" and cfg.tie_embeddings)}
+    if cfg.tie_embeddings:
+        state.pop(UNILM_NAMES["lm_head.weight"], None)
+    for i in range(cfg.n_layers):
+        for ours, theirs in UNILM_LAYER_NAMES.items():
+            key = f"layers.{i}.{theirs}"
+            if ours == "attn.head_norm.weight" and not cfg.head_norm_affine:
+                state.pop(key, None)
+                continue
+            tensor = _take(state, key)
+            if perm is not None and ours in ("attn.q_proj.weight", "attn.k_proj.weight"):
+                tensor = permute_rows_within_heads(tensor, cfg.head_dim, perm)
+            out[f"layers.{i}.{ours}"] = tensor
+    _reject_leftovers(state)
+    return out
+
+
+def rope_to_halves(state: dict, cfg) -> dict:
+    """A canonical-named state dict whose RoPE is interleaved -> rotate-half (Q/K rows permuted)."""
+    perm = interleaved_to_halves(cfg.head_dim)
+    out = dict(state)
+    for key in state:
+        if key.endswith("attn.q_proj.weight") or key.endswith("attn.k_proj.weight"):
+            out[key] = permute_rows_within_heads(state[key], cfg.head_dim, perm)
+    return out
+
+
+def _reject_leftovers(state: Mapping) -> None:
+    if state:
+        names = sorted(state)
+        more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+        raise DiffExportError(f"unexpected key(s) in the checkpoint: {', '.join(names[:3])}{more}")

@@ -1,0 +1,47 @@
+"""Model families and how to build them (seeded, without holding the weights twice)."""
+
+from __future__ import annotations
+
+import torch
+
+from diffexport.errors import DiffExportError
+from diffexport.modeling.common import DecoderLM, ModelConfig
+from diffexport.modeling.diff_v1 import DiffV1Config, DiffV1LM
+from diffexport.modeling.diff_v2 import DiffV2Config, DiffV2LM
+from diffexport.modeling.transformer import TransformerConfig, TransformerLM, baseline_for
+
+FAMILIES: dict[str, tuple[type[ModelConfig], type[DecoderLM]]] = {
+    "diff_v1": (DiffV1Config, DiffV1LM),
+    "diff_v2": (DiffV2Config, DiffV2LM),
+    "transformer": (TransformerConfig, TransformerLM),
+}
+DIFF_FAMILIES = ("diff_v1", "diff_v2")
+
+
+def config_from_dict(family: str, values) -> ModelConfig:
+    if family not in FAMILIES:
+        raise DiffExportError(f"unknown model family {family!r}; supported: {sorted(FAMILIES)}")
+    return FAMILIES[family][0].from_dict(values)
+
+
+def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", seed: int | None = 0,
+                dtype: torch.dtype = torch.float32) -> DecoderLM:
+    """Build on the meta device, then allocate once on `device` (no second full copy of the weights).
+
+    device="meta" returns the shape-only model (for summaries of huge presets). seed=None leaves
+    the memory uninitialised, for callers that load a state_dict right after.
+    """
+    with torch.device("meta"):
+        model = FAMILIES[cfg.family][1](cfg)
+    if str(device) == "meta":
+        return model
+    model = model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty re-creates parameters: tie again
+        model.lm_head.weight = model.embed.weight
+    if seed is not None:
+        model.init_weights(seed)
+    return model.to(dtype).eval()
+
+
+__all__ = ["FAMILIES", "DIFF_FAMILIES", "DiffV1Config", "DiffV1LM", "DiffV2Config", "DiffV2LM",
+           "TransformerConfig", "TransformerLM", "baseline_for", "build_model", "config_from_dict"]

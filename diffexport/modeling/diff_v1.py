@@ -1,0 +1,107 @@
+"""DIFF Transformer V1 (Ye et al. 2024): multi-head differential attention, as the paper and official code.
+
+Per layer l (1-based): lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init,
+lambda_init = 0.8 - 0.6*exp(-0.3*(l-1)) (or a constant). Each diff-head output is RMS-normed
+over 2D (optionally with a weight) and scaled by (1 - lambda_init).
+
+Weights are kept in the canonical layout of diffexport.contract: query maps 2h and 2h+1 belong
+to diff-head h ("pairs"), K likewise per kv-group, V of width 2D per kv-group. Checkpoints in
+other layouts are permuted into this one when loaded (diffexport.layouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+
+from diffexport import op, reference
+from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
+from diffexport.errors import DiffExportError
+from diffexport.modeling.common import DecoderLM, ModelConfig, RMSNorm, apply_rope, check_heads
+
+
+def lambda_init_schedule(layer_index: int) -> float:
+    """The paper's depth schedule; layer_index is 0-based (= l - 1)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+
+
+@dataclasses.dataclass
+class DiffV1Config(ModelConfig):
+    family = "diff_v1"
+
+    n_heads: int = 2  # H differential heads (half of the matching Transformer's heads)
+    n_kv_heads: int | None = None  # kv-groups (GQA); default n_heads
+    head_dim: int | None = None  # D of one map; default d_model / (2 * n_heads)
+    head_norm_affine: bool = True  # the official code's later commit; HF DiffLlama: False
+    head_norm_eps: float = 1e-5
+    lambda_init: float | None = None  # None: the depth schedule; a number: that constant
+    lambda_std: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.d_model % (2 * self.n_heads):
+                raise DiffExportError(f"diff_v1 config: d_model={self.d_model} is not divisible by "
+                                      f"2*n_heads={2 * self.n_heads}; give head_dim")
+            self.head_dim = self.d_model // (2 * self.n_heads)
+        check_heads(self.family, self.n_heads, self.n_kv_heads, self.head_dim)
+
+    def layer_lambda_init(self, layer_index: int) -> float:
+        return lambda_init_schedule(layer_index) if self.lambda_init is None else float(self.lambda_init)
+
+
+class DiffV1Attention(nn.Module):
+    def __init__(self, cfg: DiffV1Config, layer_index: int):
+        super().__init__()
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.interleaved = cfg.rope_interleaved
+        self.lambda_init = cfg.layer_lambda_init(layer_index)
+        self.q_proj = nn.Linear(cfg.d_model, 2 * H * D, bias=False)  # (h, map, D)
+        self.k_proj = nn.Linear(cfg.d_model, 2 * Hkv * D, bias=False)  # (g, map, D)
+        self.v_proj = nn.Linear(cfg.d_model, Hkv * 2 * D, bias=False)  # (g, 2D)
+        self.o_proj = nn.Linear(H * 2 * D, cfg.d_model, bias=False)
+        self.lambda_q1 = nn.Parameter(torch.zeros(D))
+        self.lambda_k1 = nn.Parameter(torch.zeros(D))
+        self.lambda_q2 = nn.Parameter(torch.zeros(D))
+        self.lambda_k2 = nn.Parameter(torch.zeros(D))
+        self.head_norm = RMSNorm(2 * D, cfg.head_norm_eps, affine=cfg.head_norm_affine)
+        self.attrs = DiffAttentionAttrs(variant=VARIANT_V1, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                                        causal=1, norm=1, norm_eps=cfg.head_norm_eps,
+                                        output_scale=1.0 - self.lambda_init)
+        self.impl = "op"  # "op": diffexport::diff_attention; "naive": plain torch ops (Eq. 1)
+
+    def lambda_full(self) -> torch.Tensor:
+        """The layer's lambda as a [1] fp32 tensor (exp re-parameterisation, computed in fp32)."""
+        l1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        l2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return (l1 - l2 + self.lambda_init).reshape(1)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape  # (B, T, d_model)
+        D = self.attrs.head_dim
+        q = apply_rope(self.q_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).flatten(2)
+        k = apply_rope(self.k_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).flatten(2)
+        v = self.v_proj(x)
+        lam = self.lambda_full().to(x.dtype)
+        weight = self.head_norm.weight
+        if self.impl == "op":
+            out = op.call(q, k, v, lam, weight, self.attrs)
+        else:
+            out = reference.naive_diff_attention(q, k, v, lam, weight, self.attrs)
+        return self.o_proj(out)  # out: (B, T, H * 2D)
+
+
+class DiffV1LM(DecoderLM):
+    def __init__(self, cfg: DiffV1Config):
+        super().__init__(cfg, [DiffV1Attention(cfg, i) for i in range(cfg.n_layers)])
+
+    def param_init_std(self, name: str) -> float:
+        return self.config.lambda_std if ".lambda_" in name else self.config.init_std
+
+    def lambdas(self) -> list[float]:
+        return [float(layer.attn.lambda_full()) for layer in self.layers]

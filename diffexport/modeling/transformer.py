@@ -1,0 +1,69 @@
+"""The baseline Transformer the paper compares against: standard causal attention, same block.
+
+baseline_for(diff_v1_config) gives the matching baseline: twice the heads of head_dim D, twice
+the kv heads, so Q/K/V/O projections have exactly the DIFF model's shapes (same parameters
+and FLOPs apart from DIFF's 4*D lambda and 2*D norm weights per layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from diffexport import reference
+from diffexport.errors import DiffExportError
+from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, check_heads
+
+
+@dataclasses.dataclass
+class TransformerConfig(ModelConfig):
+    family = "transformer"
+
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise DiffExportError(f"transformer config: d_model={self.d_model} is not divisible by "
+                                      f"n_heads={self.n_heads}; give head_dim")
+            self.head_dim = self.d_model // self.n_heads
+        check_heads(self.family, self.n_heads, self.n_kv_heads, self.head_dim)
+
+
+def baseline_for(diff_cfg) -> TransformerConfig:
+    """The Transformer matching a DIFF V1 config: 2H heads and 2Hkv kv heads of head_dim D."""
+    shared = {f.name: getattr(diff_cfg, f.name) for f in dataclasses.fields(ModelConfig)}
+    return TransformerConfig(**shared, n_heads=2 * diff_cfg.n_heads, n_kv_heads=2 * diff_cfg.n_kv_heads,
+                             head_dim=diff_cfg.head_dim)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig, layer_index: int):
+        super().__init__()
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.head_dim = D
+        self.interleaved = cfg.rope_interleaved
+        self.q_proj = nn.Linear(cfg.d_model, H * D, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        D = self.head_dim
+        q = apply_rope(self.q_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).transpose(1, 2)
+        k = apply_rope(self.k_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        out = reference.attend(q, k, v, causal=True, scale=D ** -0.5)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class TransformerLM(DecoderLM):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__(cfg, [CausalSelfAttention(cfg, i) for i in range(cfg.n_layers)])

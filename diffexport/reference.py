@@ -1,0 +1,153 @@
+"""Eager references of differential attention, on the op contract's inputs.
+
+Every function here takes the DiffAttention inputs exactly as the contract lays them out
+(query [B, Sq, 2*H*D], key, value, lambda_full, norm_weight) plus validated attributes, and
+returns the contract's output [B, Sq, H*Dv]:
+
+  naive_diff_attention   the paper's Eq. 1 written out: two explicit softmax maps, subtract, times V
+  flash_diff_attention_1 the paper's FlashDiffAttn_1: two attention calls with V of width Dv
+  flash_diff_attention_2 the paper's FlashDiffAttn_2: four attention calls with V halves
+
+The attention calls go to flash_attn when it is importable and can take the call (CUDA,
+fp16/bf16, equal q/v head dims), else to torch's scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
+
+
+def split_maps(query, key, value, attrs: DiffAttentionAttrs):
+    """Contract layout -> (q1, q2 [B,H,Sq,D]; k1, k2 [B,Hkv,Skv,D]; v [B,Hkv,Skv,Dv])."""
+    B, Sq, _ = query.shape
+    Skv = key.shape[1]
+    H, Hkv, D, Dv = attrs.num_heads, attrs.num_kv_heads, attrs.head_dim, attrs.value_dim
+    q = query.view(B, Sq, H, 2, D)
+    q1, q2 = q[:, :, :, 0].transpose(1, 2), q[:, :, :, 1].transpose(1, 2)
+    if attrs.variant == VARIANT_V1:
+        k = key.view(B, Skv, Hkv, 2, D)
+        k1, k2 = k[:, :, :, 0].transpose(1, 2), k[:, :, :, 1].transpose(1, 2)
+    else:
+        k1 = k2 = key.view(B, Skv, Hkv, D).transpose(1, 2)
+    v = value.view(B, Skv, Hkv, Dv).transpose(1, 2)
+    return q1, q2, k1, k2, v
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Bottom-right aligned causal mask [Sq, Skv], True = visible (query i sees key j <= i + Skv - Sq)."""
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def lambda_as_bhs1(lambda_full, attrs: DiffAttentionAttrs) -> torch.Tensor:
+    """lambda_full as fp32 broadcastable to [B, H, Sq, 1]: V1 [1] -> [1,1,1,1], V2 [B,Sq,H] -> [B,H,Sq,1]."""
+    if attrs.variant == VARIANT_V1:
+        return lambda_full.float().reshape(1, 1, 1, 1)
+    return lambda_full.float().permute(0, 2, 1).unsqueeze(-1)
+
+
+def finish_heads(diff_out, norm_weight, attrs: DiffAttentionAttrs, dtype) -> torch.Tensor:
+    """The epilogue after the lambda combination: per-head RMSNorm (fp32), output scale, [B,H,Sq,Dv] -> [B,Sq,H*Dv]."""
+    B, H, Sq, Dv = diff_out.shape
+    out = diff_out.float()
+    if attrs.norm:
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + attrs.norm_eps)
+        if norm_weight is not None:
+            out = out * norm_weight.float()
+    out = out * attrs.output_scale
+    return out.to(dtype).transpose(1, 2).reshape(B, Sq, H * Dv)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func  # optional extra: diffexport[flash-attn]
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def attention_backend(q: torch.Tensor, v: torch.Tensor) -> str:
+    """Which library an attention call on these tensors goes to: 'flash_attn' or 'sdpa'."""
+    usable = (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] == v.shape[-1]  # stock flash-attention 2 refuses head_dim_v != head_dim_qk
+    )
+    return "flash_attn" if usable and _flash_attn_func() is not None else "sdpa"
+
+
+def attend(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+    """softmax(scale*q k^T [+ bottom-right causal mask]) v with GQA; q [B,H,Sq,D], k/v [B,Hkv,Skv,*]."""
+    if attention_backend(q, v) == "flash_attn":
+        # flash_attn wants [B, S, H, D] and aligns causal masks bottom-right, as the contract does.
+        out = _flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 softmax_scale=scale, causal=causal)
+        return out.transpose(1, 2)
+    Sq, Skv = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if causal and Sq != Skv:
+        # SDPA's is_causal aligns top-left; decode with a KV cache needs bottom-right.
+        mask = causal_mask(Sq, Skv, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
+                         *, clamp_renormalise: bool = False) -> torch.Tensor:
+    """Eq. 1 written out with explicit maps.
+
+    clamp_renormalise=True is a TEXTBOOK VARIANT, not the paper: it clamps negative entries of
+    A1 - lambda*A2 to zero and renormalises each row to sum 1. No released model uses it; it is
+    here only so the textbook's worked example can be reproduced.
+    """
+    q1, q2, k1, k2, v = split_maps(query, key, value, attrs)
+    rep = attrs.num_heads // attrs.num_kv_heads
+    k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
+    scale = attrs.effective_scale
+    mask = causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+
+    def softmax_map(q, k):
+        logits = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        return logits.softmax(-1)
+
+    diff_map = softmax_map(q1, k1) - lambda_as_bhs1(lambda_full, attrs) * softmax_map(q2, k2)
+    if clamp_renormalise:
+        diff_map = diff_map.clamp_min(0)
+        diff_map = diff_map / diff_map.sum(-1, keepdim=True)
+    return finish_heads(diff_map @ v.float(), norm_weight, attrs, query.dtype)
+
+
+def flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
+    """FlashDiffAttn_1: one attention call per map, each with the full-width V (12*N^2*d FLOPs)."""
+    q1, q2, k1, k2, v = split_maps(query, key, value, attrs)
+    causal, scale = bool(attrs.causal), attrs.effective_scale
+    o1 = attend(q1, k1, v, causal=causal, scale=scale)
+    o2 = attend(q2, k2, v, causal=causal, scale=scale)
+    return finish_heads(o1.float() - lambda_as_bhs1(lambda_full, attrs) * o2.float(), norm_weight, attrs, query.dtype)
+
+
+def flash_diff_attention_2(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
+    """FlashDiffAttn_2: four calls with V halves, for kernels that need head_dim_v == head_dim_qk."""
+    q1, q2, k1, k2, v = split_maps(query, key, value, attrs)
+    causal, scale = bool(attrs.causal), attrs.effective_scale
+    va, vb = v.chunk(2, dim=-1)
+    o1 = torch.cat([attend(q1, k1, va, causal=causal, scale=scale),
+                    attend(q1, k1, vb, causal=causal, scale=scale)], dim=-1)
+    o2 = torch.cat([attend(q2, k2, va, causal=causal, scale=scale),
+                    attend(q2, k2, vb, causal=causal, scale=scale)], dim=-1)
+    return finish_heads(o1.float() - lambda_as_bhs1(lambda_full, attrs) * o2.float(), norm_weight, attrs, query.dtype)
+
+
+REFERENCES = {
+    "naive": naive_diff_attention,
+    "flash_diff_1": flash_diff_attention_1,
+    "flash_diff_2": flash_diff_attention_2,
+}
