@@ -190,8 +190,9 @@ def _require_diff(state: Mapping, where: str) -> None:
 
 def load_model(path: str | os.PathLike | None = None, *, preset: str | None = None,
                config: ModelConfig | None = None, layout: str = "auto", seed: int = 0,
-               dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load any supported checkpoint (or build a seeded preset when only `preset` is given)."""
+               dtype: torch.dtype | None = None, device: str = "cpu") -> LoadedModel:
+    """Load any supported checkpoint (or build a seeded preset when only `preset` is given;
+    device="meta" then builds shapes only, for summaries of presets too big to materialise)."""
     from diffexport.presets import preset_config
 
     if layout not in LAYOUTS:
@@ -202,8 +203,8 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
     if path is None:
         if given_cfg is None:
             raise DiffExportError("nothing to load: give a checkpoint path or --preset NAME")
-        model = build_model(given_cfg, seed=seed, dtype=dtype or torch.float32)
-        return LoadedModel(model, given_cfg, "preset")
+        model = build_model(given_cfg, seed=seed, dtype=dtype or torch.float32, device=device)
+        return LoadedModel(model, given_cfg, "preset" if device != "meta" else "preset (shapes only)")
 
     path = Path(path)
     if not path.exists():

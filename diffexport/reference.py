@@ -44,21 +44,27 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32 for fp16/bf16/fp32 inputs, fp64 stays fp64 (for float64 oracles)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def lambda_as_bhs1(lambda_full, attrs: DiffAttentionAttrs) -> torch.Tensor:
     """lambda_full as fp32 broadcastable to [B, H, Sq, 1]: V1 [1] -> [1,1,1,1], V2 [B,Sq,H] -> [B,H,Sq,1]."""
+    lam = lambda_full.to(acc_dtype(lambda_full))
     if attrs.variant == VARIANT_V1:
-        return lambda_full.float().reshape(1, 1, 1, 1)
-    return lambda_full.float().permute(0, 2, 1).unsqueeze(-1)
+        return lam.reshape(1, 1, 1, 1)
+    return lam.permute(0, 2, 1).unsqueeze(-1)
 
 
 def finish_heads(diff_out, norm_weight, attrs: DiffAttentionAttrs, dtype) -> torch.Tensor:
     """The epilogue after the lambda combination: per-head RMSNorm (fp32), output scale, [B,H,Sq,Dv] -> [B,Sq,H*Dv]."""
     B, H, Sq, Dv = diff_out.shape
-    out = diff_out.float()
+    out = diff_out.to(acc_dtype(diff_out))
     if attrs.norm:
         out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + attrs.norm_eps)
         if norm_weight is not None:
-            out = out * norm_weight.float()
+            out = out * norm_weight.to(out.dtype)
     out = out * attrs.output_scale
     return out.to(dtype).transpose(1, 2).reshape(B, Sq, H * Dv)
 
@@ -98,6 +104,11 @@ def attend(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
+def _subtract(o1, o2, lambda_full, attrs):
+    acc = acc_dtype(o1)
+    return o1.to(acc) - lambda_as_bhs1(lambda_full, attrs) * o2.to(acc)
+
+
 def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
                          *, clamp_renormalise: bool = False) -> torch.Tensor:
     """Eq. 1 written out with explicit maps.
@@ -113,7 +124,8 @@ def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: Dif
     mask = causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
 
     def softmax_map(q, k):
-        logits = (q.float() @ k.float().transpose(-1, -2)) * scale
+        acc = acc_dtype(q)
+        logits = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf"))
         return logits.softmax(-1)
@@ -122,7 +134,7 @@ def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: Dif
     if clamp_renormalise:
         diff_map = diff_map.clamp_min(0)
         diff_map = diff_map / diff_map.sum(-1, keepdim=True)
-    return finish_heads(diff_map @ v.float(), norm_weight, attrs, query.dtype)
+    return finish_heads(diff_map @ v.to(diff_map.dtype), norm_weight, attrs, query.dtype)
 
 
 def flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
@@ -131,7 +143,7 @@ def flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs: D
     causal, scale = bool(attrs.causal), attrs.effective_scale
     o1 = attend(q1, k1, v, causal=causal, scale=scale)
     o2 = attend(q2, k2, v, causal=causal, scale=scale)
-    return finish_heads(o1.float() - lambda_as_bhs1(lambda_full, attrs) * o2.float(), norm_weight, attrs, query.dtype)
+    return finish_heads(_subtract(o1, o2, lambda_full, attrs), norm_weight, attrs, query.dtype)
 
 
 def flash_diff_attention_2(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
@@ -143,7 +155,7 @@ def flash_diff_attention_2(query, key, value, lambda_full, norm_weight, attrs: D
                     attend(q1, k1, vb, causal=causal, scale=scale)], dim=-1)
     o2 = torch.cat([attend(q2, k2, va, causal=causal, scale=scale),
                     attend(q2, k2, vb, causal=causal, scale=scale)], dim=-1)
-    return finish_heads(o1.float() - lambda_as_bhs1(lambda_full, attrs) * o2.float(), norm_weight, attrs, query.dtype)
+    return finish_heads(_subtract(o1, o2, lambda_full, attrs), norm_weight, attrs, query.dtype)
 
 
 REFERENCES = {

@@ -1,0 +1,42 @@
+"""Random DiffAttention inputs in the contract layout, and the dtype-aware comparison rules."""
+
+import torch
+
+from diffexport.contract import DiffAttentionAttrs
+
+
+def make_inputs(attrs: DiffAttentionAttrs, batch, q_len, kv_len, *, dtype=torch.float32, rng=None,
+                norm_weight=True):
+    """Fresh non-zero random inputs; lambda in a realistic range (V1 ~0.2-0.8, V2 in (0,1))."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=rng).to(dtype)
+
+    H, D = attrs.num_heads, attrs.head_dim
+    query = randn(batch, q_len, 2 * H * D)
+    key = randn(batch, kv_len, attrs.key_width)
+    value = randn(batch, kv_len, attrs.num_kv_heads * attrs.value_dim)
+    if attrs.variant == 1:
+        lam = (0.2 + 0.6 * torch.rand(1, generator=rng)).to(dtype)
+    else:
+        lam = torch.sigmoid(torch.randn(batch, q_len, H, generator=rng)).to(dtype)
+    weight = (1 + 0.5 * torch.randn(attrs.value_dim, generator=rng)).to(dtype) if (norm_weight and attrs.norm) else None
+    return query, key, value, lam, weight
+
+
+def assert_close_fp32(out, ref, what=""):
+    out64, ref64 = out.double(), torch.as_tensor(ref, dtype=torch.float64)
+    assert torch.isfinite(out64).all(), f"{what}: non-finite output"
+    scale = max(1.0, ref64.abs().max().item())
+    err = (out64 - ref64).abs().max().item()
+    assert err <= 1e-5 * scale, f"{what}: max abs {err:.3e} > {1e-5 * scale:.3e}"
+
+
+def assert_close_lowprec(out, baseline, ref, what="", atol=1e-3, min_cosine=0.9999):
+    """flash-attention's rule: |out - ref| <= 2*|baseline - ref| + atol, plus a cosine floor."""
+    out64, base64, ref64 = out.double(), baseline.double(), torch.as_tensor(ref, dtype=torch.float64)
+    assert torch.isfinite(out64).all(), f"{what}: non-finite output"
+    err = (out64 - ref64).abs().max().item()
+    base_err = (base64 - ref64).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(out64.flatten(), ref64.flatten(), dim=0).item()
+    assert err <= 2 * base_err + atol, f"{what}: max abs {err:.3e} > 2*{base_err:.3e} + {atol}"
+    assert cos >= min_cosine, f"{what}: cosine {cos:.6f} < {min_cosine}"
