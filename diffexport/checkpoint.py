@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -88,21 +89,62 @@ def save_safetensors(model: DecoderLM, directory: str | os.PathLike) -> Path:
 
 # ---------------------------------------------------------------- reading files
 
+def _check_zip_crc(path: Path) -> None:
+    """torch.load does not verify the CRC-32 of each archive member; flipped bytes in tensor data
+    would load as silently different weights. zipfile's testzip reads every member once and does."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
+        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {exc}") from None
+    if bad is not None:
+        raise DiffExportError(f"{path} is corrupt: checksum mismatch in archive member {bad}")
+
+
+def _is_wellformed_pickle(path: Path, is_zip: bool) -> bool:
+    """Parse (never run) the pickle opcodes: tells a foreign-but-valid pickle from garbage."""
+    import pickletools
+
+    try:
+        if is_zip:
+            with zipfile.ZipFile(path) as archive:
+                name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+                data = archive.read(name)
+        else:
+            data = path.read_bytes()
+        for opcode, _, _ in pickletools.genops(data):
+            if opcode.name == "STOP":
+                return True
+    except Exception:  # any parse failure means: not a well-formed pickle
+        return False
+    return False
+
+
 def _torch_load(path: Path) -> Any:
     """torch.load with weights_only=True; every failure becomes one line."""
     is_zip = zipfile.is_zipfile(path)
+    if is_zip:
+        _check_zip_crc(path)
     try:
         # mmap keeps big checkpoints out of RAM until used; only the zip format supports it.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        with warnings.catch_warnings():  # torch warns about foreign pickle protocols: our error says it
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()
-        detail = next((line.strip() for line in first if "GLOBAL" in line or "Unsupported" in line), "")
-        if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
+        text = str(exc)
+        detail = next((ln.strip() for ln in text.splitlines() if "global" in ln.lower()), "")
+        if detail:  # the file names a Python callable or class: code we refuse to run
             raise DiffExportError(
-                f"refusing to load {path}: it holds Python objects that weights_only=True forbids"
-                f"{' (' + detail + ')' if detail else ''}; re-save it as a plain dict of tensors or as safetensors"
+                f"refusing to load {path}: it holds Python objects that weights_only=True forbids ({detail}); "
+                "re-save it as a plain dict of tensors or as safetensors"
             ) from None
-        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {exc}") from None
+        if _is_wellformed_pickle(path, is_zip):  # e.g. a protocol-4 pickle with objects we cannot vet
+            raise DiffExportError(
+                f"refusing to load {path}: it is a pickle that weights_only=True cannot read safely; "
+                "re-save it with torch.save as a plain dict of tensors, or as safetensors"
+            ) from None
+        first = text.strip().splitlines()[0] if text.strip() else "unpickling failed"
+        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {first}") from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, TypeError,
             AttributeError, IndexError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -174,8 +216,10 @@ def model_from_state(cfg: ModelConfig, state: Mapping, where: str, dtype: torch.
             raise DiffExportError(f"{where}: {name} contains NaN or infinity")
     target = dtype or state["embed.weight"].dtype
     weights = {k: state[k].to(target) for k in expected}
-    model.load_state_dict(weights, strict=True, assign=True)
     if cfg.tie_embeddings:
+        weights["lm_head.weight"] = weights["embed.weight"]
+    model.load_state_dict(weights, strict=True, assign=True)
+    if cfg.tie_embeddings:  # assign=True sets two Parameters: make them one again
         model.lm_head.weight = model.embed.weight
     return model.eval()
 

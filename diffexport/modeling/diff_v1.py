@@ -104,4 +104,5 @@ class DiffV1LM(DecoderLM):
         return self.config.lambda_std if ".lambda_" in name else self.config.init_std
 
     def lambdas(self) -> list[float]:
-        return [float(layer.attn.lambda_full()) for layer in self.layers]
+        with torch.no_grad():
+            return [float(layer.attn.lambda_full()) for layer in self.layers]

@@ -1,0 +1,287 @@
+"""Checkpoints: round trips, Hugging Face DiffLlama and unilm imports, and every kind of bad input."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffexport import layouts
+from diffexport.checkpoint import FORMAT, load_model, save_checkpoint, save_safetensors
+from diffexport.errors import DiffExportError
+from diffexport.modeling import DiffV1Config, build_model
+from diffexport.presets import preset_config
+
+
+def _logits(model, rng, vocab, seq=13):
+    ids = torch.randint(0, vocab, (2, seq), generator=rng)
+    with torch.no_grad():
+        return ids, model(ids)
+
+
+@pytest.mark.parametrize("preset", ["diff-v1-tiny", "diff-v2-tiny", "transformer-tiny"])
+def test_native_round_trips(preset, tmp_path, rng):
+    model = build_model(preset_config(preset), seed=11)
+    ids, ref = _logits(model, rng, model.config.vocab_size)
+    for loaded in (load_model(save_checkpoint(model, tmp_path / "m.pt")),
+                   load_model(save_safetensors(model, tmp_path / "st")),
+                   load_model(tmp_path / "st" / "model.safetensors")):
+        assert loaded.config == model.config
+        with torch.no_grad():
+            assert torch.equal(loaded.model(ids), ref)
+    assert not list(tmp_path.rglob("*.tmp")), "temporary files left behind"
+
+
+def test_tied_embeddings_round_trip(tmp_path, rng):
+    cfg = DiffV1Config(n_heads=2, tie_embeddings=True)
+    model = build_model(cfg, seed=12)
+    loaded = load_model(save_checkpoint(model, tmp_path / "tied.pt")).model
+    assert loaded.lm_head.weight is loaded.embed.weight
+    ids, ref = _logits(model, rng, cfg.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), ref)
+
+
+def _hf_model(tmp_path, heads, kv_heads, tie, safe=True, **extra):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(heads * 10 + kv_heads)
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                                       tie_word_embeddings=tie, **extra)
+    hf = transformers.DiffLlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF's init leaves norms at 1: perturb so the test sees the weights move
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path / f"hf-{heads}-{kv_heads}-{tie}-{safe}"
+    hf.save_pretrained(path, safe_serialization=safe) if not safe else hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.mark.parametrize("heads,kv_heads,tie", [(4, 4, False), (8, 4, False), (8, 2, True), (4, 2, False)])
+def test_hf_diffllama_logits_match(heads, kv_heads, tie, tmp_path, rng):
+    hf, path = _hf_model(tmp_path, heads, kv_heads, tie)
+    loaded = load_model(path)
+    assert loaded.source == "hf-diffllama"
+    assert (loaded.config.n_heads, loaded.config.n_kv_heads) == (heads // 2, kv_heads // 2)
+    ids = torch.randint(0, 96, (2, 15), generator=rng)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        ours = loaded.model(ids)
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_hf_diffllama_rejects_unsupported(tmp_path):
+    _, path = _hf_model(tmp_path, 4, 2, False)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["attention_bias"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DiffExportError, match="attention_bias"):
+        load_model(path)
+
+
+def _to_unilm(state, cfg):
+    """Our canonical names -> unilm's (the inverse of layouts.unilm_state's renaming)."""
+    out = {theirs: state[ours] for ours, theirs in layouts.UNILM_NAMES.items() if ours in state}
+    for i in range(cfg.n_layers):
+        for ours, theirs in layouts.UNILM_LAYER_NAMES.items():
+            out[f"layers.{i}.{theirs}"] = state[f"layers.{i}.{ours}"]
+    return out
+
+
+def test_unilm_state_dict_with_interleaved_rope(tmp_path, rng):
+    cfg = DiffV1Config(vocab_size=80, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, rope_interleaved=True)
+    official = build_model(cfg, seed=13)  # our model with the official code's interleaved RoPE
+    path = tmp_path / "unilm.pt"
+    torch.save(_to_unilm(official.state_dict(), cfg), path)
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(json.dumps({"family": "diff_v1", "config": cfg.to_dict()}))
+    from diffexport.checkpoint import load_config_file
+
+    loaded = load_model(path, config=load_config_file(cfg_file))
+    assert loaded.source == "state-dict:unilm" and loaded.config.rope_interleaved is False
+    ids, ref = _logits(official, rng, 80)
+    with torch.no_grad():
+        assert (loaded.model(ids) - ref).abs().max() < 1e-5
+
+
+# ------------------------------------------------------------------ bad input
+
+def _cli(*args, cwd=None):
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def _assert_one_line_error(result, pattern):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert pattern in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("good") / "tiny.pt"
+    save_checkpoint(build_model(preset_config("diff-v1-tiny"), seed=0), path)
+    return path
+
+
+def test_missing_file(tmp_path):
+    _assert_one_line_error(_cli("info", tmp_path / "nope.pt"), "checkpoint not found")
+
+
+def test_truncated_file(good_ckpt, tmp_path):
+    bad = tmp_path / "truncated.pt"
+    bad.write_bytes(good_ckpt.read_bytes()[: good_ckpt.stat().st_size // 2])
+    _assert_one_line_error(_cli("info", bad), "corrupt or truncated")
+
+
+def test_corrupted_file(good_ckpt, tmp_path):
+    data = bytearray(good_ckpt.read_bytes())
+    gen = torch.Generator().manual_seed(1)
+    for i in torch.randint(100, len(data) - 100, (200,), generator=gen).tolist():
+        data[i] ^= 0xFF
+    bad = tmp_path / "corrupt.pt"
+    bad.write_bytes(bytes(data))
+    result = _cli("info", bad)
+    _assert_one_line_error(result, "")
+    bad.write_bytes(os.urandom(4096))
+    _assert_one_line_error(_cli("info", bad), "corrupt or truncated")
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('pwned')",))
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "pickle.dump"])
+def test_pickle_with_code_is_not_executed(writer, tmp_path):
+    marker = tmp_path / "EXECUTED"
+    evil = tmp_path / "evil.pt"
+    payload = {"format": FORMAT, "format_version": 1, "family": "diff_v1", "config": {}, "state_dict": _Payload(marker)}
+    if writer == "torch.save":
+        torch.save(payload, evil)
+    else:
+        evil.write_bytes(pickle.dumps(payload))
+    # the check itself: unpickling with plain pickle WOULD run it (proof the payload is live)
+    probe = tmp_path / "probe"
+    pickle.loads(pickle.dumps(_Payload(probe)))
+    assert probe.exists()
+    result = _cli("info", evil)
+    _assert_one_line_error(result, "refusing to load")
+    assert not marker.exists(), "code from the checkpoint ran"
+    with pytest.raises(DiffExportError, match="refusing"):
+        load_model(evil)
+    assert not marker.exists()
+
+
+def _resave(good_ckpt, tmp_path, edit):
+    obj = torch.load(good_ckpt, weights_only=True)
+    edit(obj)
+    path = tmp_path / "edited.pt"
+    torch.save(obj, path)
+    return path
+
+
+def test_missing_key(good_ckpt, tmp_path):
+    path = _resave(good_ckpt, tmp_path, lambda o: o["state_dict"].pop("layers.1.attn.lambda_q2"))
+    _assert_one_line_error(_cli("info", path), "missing key(s) layers.1.attn.lambda_q2")
+
+
+def test_unexpected_key(good_ckpt, tmp_path):
+    path = _resave(good_ckpt, tmp_path, lambda o: o["state_dict"].update({"layers.9.extra": torch.ones(2)}))
+    _assert_one_line_error(_cli("info", path), "unexpected key(s) layers.9.extra")
+
+
+def test_wrong_shape(good_ckpt, tmp_path):
+    path = _resave(good_ckpt, tmp_path,
+                   lambda o: o["state_dict"].update({"layers.0.attn.q_proj.weight": torch.ones(64, 128)}))
+    _assert_one_line_error(_cli("info", path), "wrong shape for layers.0.attn.q_proj.weight")
+
+
+def test_nan_weights(good_ckpt, tmp_path):
+    def poison(o):
+        o["state_dict"]["norm.weight"][3] = float("nan")
+    _assert_one_line_error(_cli("info", _resave(good_ckpt, tmp_path, poison)), "NaN")
+
+
+def test_unknown_format_version(good_ckpt, tmp_path):
+    path = _resave(good_ckpt, tmp_path, lambda o: o.update({"format_version": 99}))
+    _assert_one_line_error(_cli("info", path), "unknown format_version 99")
+
+
+def test_bad_config_values(good_ckpt, tmp_path):
+    path = _resave(good_ckpt, tmp_path, lambda o: o["config"].update({"n_kv_heads": 3}))
+    _assert_one_line_error(_cli("info", path), "must divide")
+
+
+def test_non_diff_hf_directory(tmp_path):
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    _assert_one_line_error(_cli("info", d), "not a DIFF model")
+
+
+def test_non_diff_state_dict(tmp_path):
+    path = tmp_path / "gpt2.pt"
+    torch.save({"wte.weight": torch.randn(10, 4), "h.0.attn.c_attn.weight": torch.randn(4, 12)}, path)
+    _assert_one_line_error(_cli("info", path, "--preset", "diff-v1-tiny"), "not a DIFF model")
+    _assert_one_line_error(_cli("info", path), "without a config")
+
+
+def test_truncated_safetensors(tmp_path):
+    directory = save_safetensors(build_model(preset_config("diff-v1-tiny"), seed=0), tmp_path / "st")
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    _assert_one_line_error(_cli("info", directory), "corrupt or truncated")
+
+
+def test_safetensors_without_config(tmp_path):
+    directory = save_safetensors(build_model(preset_config("diff-v1-tiny"), seed=0), tmp_path / "st")
+    (directory / "config.json").unlink()
+    _assert_one_line_error(_cli("info", directory / "model.safetensors"), "config.json")
+
+
+def test_not_a_checkpoint_object(tmp_path):
+    path = tmp_path / "list.pt"
+    torch.save([1, 2, 3], path)
+    _assert_one_line_error(_cli("info", path), "not a diffexport checkpoint")
+
+
+def test_unknown_preset():
+    _assert_one_line_error(_cli("info", "--preset", "diff-v9"), "unknown preset")
+
+
+def test_failed_save_leaves_nothing(tmp_path):
+    model = build_model(preset_config("diff-v1-tiny"), seed=0)
+    model.layers[0].attn.q_proj.weight.data = model.layers[0].attn.q_proj.weight.data.t()  # non-contiguous is fine
+    target = tmp_path / "out.pt"
+
+    class Boom(Exception):
+        pass
+
+    import diffexport.checkpoint as ck
+    original = ck.torch.save
+
+    def failing_save(obj, f):
+        Path(f).write_bytes(b"partial")
+        raise Boom()
+
+    ck.torch.save = failing_save
+    try:
+        with pytest.raises(Boom):
+            save_checkpoint(model, target)
+    finally:
+        ck.torch.save = original
+    assert not target.exists() and not list(tmp_path.iterdir())
