@@ -116,3 +116,12 @@ def test_bad_attributes_are_refused(values, message):
 def test_missing_required_attribute():
     with pytest.raises(DiffExportError, match="required"):
         DiffAttentionAttrs.from_mapping(dict(variant=1, num_heads=4))
+
+
+def test_op_spec_lists_the_contract():
+    from pathlib import Path
+
+    spec = (Path(__file__).parent.parent / "docs" / "OP_SPEC.md").read_text()
+    for name in contract.INPUT_NAMES + contract.ATTRIBUTE_NAMES + tuple(t.name for t in contract.OUTPUTS):
+        assert f"`{name}`" in spec, f"{name} missing from docs/OP_SPEC.md"
+    assert f"version {contract.OP_VERSION}" in spec and f"domain `{contract.ONNX_DOMAIN}`" in spec
