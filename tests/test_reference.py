@@ -8,7 +8,7 @@ import torch
 from diffexport import reference
 from diffexport.contract import DiffAttentionAttrs
 from diffexport.modeling.diff_v1 import lambda_init_schedule
-from helpers import assert_close_fp32, assert_close_lowprec, make_inputs
+from helpers import assert_close_fp32, assert_close_lowprec, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
 
 REFS = sorted(reference.REFERENCES)
@@ -49,30 +49,6 @@ def test_epilogue_variants(ref, norm_weight, rng):
     assert_close_fp32(reference.REFERENCES[ref](*inputs, attrs), oracle(inputs, attrs), ref)
 
 
-def _lowprec_baseline(query, key, value, lam, weight, attrs):
-    """Plain PyTorch in the low-precision dtype throughout (no upcast): the error yardstick."""
-    q1, q2, k1, k2, v = reference.split_maps(query, key, value, attrs)
-    rep = attrs.num_heads // attrs.num_kv_heads
-    k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
-    mask = reference.causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
-
-    def amap(q, k):
-        s = (q @ k.transpose(-1, -2)) * attrs.effective_scale
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        return s.softmax(-1)
-
-    lam4 = lam.reshape(1, 1, 1, 1) if attrs.variant == 1 else lam.permute(0, 2, 1).unsqueeze(-1)
-    o = (amap(q1, k1) - lam4 * amap(q2, k2)) @ v
-    if attrs.norm:
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + attrs.norm_eps)
-        if weight is not None:
-            o = o * weight
-    o = o * attrs.output_scale
-    B, H, S, Dv = o.shape
-    return o.transpose(1, 2).reshape(B, S, H * Dv)
-
-
 @pytest.mark.parametrize("ref", REFS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("variant", [1, 2])
@@ -81,7 +57,7 @@ def test_lowprec_rule(ref, dtype, variant, rng):
     inputs = make_inputs(attrs, 2, 33, 47, dtype=dtype, rng=rng)
     out = reference.REFERENCES[ref](*inputs, attrs)
     assert out.dtype == dtype
-    baseline = _lowprec_baseline(*inputs, attrs)
+    baseline = lowprec_baseline(*inputs, attrs)
     assert_close_lowprec(out, baseline, oracle(inputs, attrs), f"{ref} {dtype} v{variant}",
                          min_cosine=0.9999 if dtype == torch.float16 else 0.999)
 
