@@ -55,8 +55,6 @@ def cmd_presets(args) -> int:
 
 def cmd_demo(args) -> int:
     """The main job on the built-in default model: summary, then the op checked against eager Eq. 1."""
-    import torch
-
     from diffexport.summary import describe, self_check
 
     loaded = _load(args)

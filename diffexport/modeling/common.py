@@ -59,6 +59,19 @@ class ModelConfig:
             raise DiffExportError(f"{cls.family} config: {exc}") from None
 
 
+def resolve_heads(cfg, maps_per_head: int) -> None:
+    """Fill n_kv_heads (default n_heads) and head_dim (default d_model / (maps_per_head * n_heads)), then check."""
+    if cfg.n_kv_heads is None:
+        cfg.n_kv_heads = cfg.n_heads
+    if cfg.head_dim is None:
+        width = maps_per_head * cfg.n_heads
+        if cfg.d_model % width:
+            raise DiffExportError(f"{cfg.family} config: d_model={cfg.d_model} is not divisible by "
+                                  f"{maps_per_head}*n_heads={width}; give head_dim")
+        cfg.head_dim = cfg.d_model // width
+    check_heads(cfg.family, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+
+
 def check_heads(family: str, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
     for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

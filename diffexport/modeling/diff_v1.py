@@ -19,8 +19,7 @@ import torch.nn as nn
 
 from diffexport import op, reference
 from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
-from diffexport.errors import DiffExportError
-from diffexport.modeling.common import DecoderLM, ModelConfig, RMSNorm, apply_rope, check_heads
+from diffexport.modeling.common import DecoderLM, ModelConfig, RMSNorm, apply_rope, resolve_heads
 
 
 def lambda_init_schedule(layer_index: int) -> float:
@@ -42,14 +41,7 @@ class DiffV1Config(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.head_dim is None:
-            if self.d_model % (2 * self.n_heads):
-                raise DiffExportError(f"diff_v1 config: d_model={self.d_model} is not divisible by "
-                                      f"2*n_heads={2 * self.n_heads}; give head_dim")
-            self.head_dim = self.d_model // (2 * self.n_heads)
-        check_heads(self.family, self.n_heads, self.n_kv_heads, self.head_dim)
+        resolve_heads(self, maps_per_head=2)
 
     def layer_lambda_init(self, layer_index: int) -> float:
         return lambda_init_schedule(layer_index) if self.lambda_init is None else float(self.lambda_init)

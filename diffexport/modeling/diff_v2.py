@@ -15,8 +15,7 @@ import torch.nn as nn
 
 from diffexport import op, reference
 from diffexport.contract import VARIANT_V2, DiffAttentionAttrs
-from diffexport.errors import DiffExportError
-from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, check_heads
+from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, resolve_heads
 
 
 @dataclasses.dataclass
@@ -29,14 +28,7 @@ class DiffV2Config(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.n_kv_heads is None:
-            self.n_kv_heads = self.n_heads
-        if self.head_dim is None:
-            if self.d_model % self.n_heads:
-                raise DiffExportError(f"diff_v2 config: d_model={self.d_model} is not divisible by "
-                                      f"n_heads={self.n_heads}; give head_dim")
-            self.head_dim = self.d_model // self.n_heads
-        check_heads(self.family, self.n_heads, self.n_kv_heads, self.head_dim)
+        resolve_heads(self, maps_per_head=1)
 
 
 class DiffV2Attention(nn.Module):
