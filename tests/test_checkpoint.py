@@ -46,7 +46,7 @@ def test_tied_embeddings_round_trip(tmp_path, rng):
         assert torch.equal(loaded(ids), ref)
 
 
-def _hf_model(tmp_path, heads, kv_heads, tie, safe=True, **extra):
+def _hf_model(tmp_path, heads, kv_heads, tie, **extra):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(heads * 10 + kv_heads)
     cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
@@ -57,8 +57,8 @@ def _hf_model(tmp_path, heads, kv_heads, tie, safe=True, **extra):
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path / f"hf-{heads}-{kv_heads}-{tie}-{safe}"
-    hf.save_pretrained(path, safe_serialization=safe) if not safe else hf.save_pretrained(path)
+    path = tmp_path / f"hf-{heads}-{kv_heads}-{tie}"
+    hf.save_pretrained(path)
     return hf, path
 
 
@@ -73,6 +73,16 @@ def test_hf_diffllama_logits_match(heads, kv_heads, tie, tmp_path, rng):
         ref = hf(ids).logits
         ours = loaded.model(ids)
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_hf_diffllama_bin_weights(tmp_path, rng):
+    """Older HF directories hold pytorch_model.bin (read with weights_only=True)."""
+    hf, path = _hf_model(tmp_path, 4, 2, False)
+    (path / "model.safetensors").unlink()
+    torch.save(hf.state_dict(), path / "pytorch_model.bin")
+    ids = torch.randint(0, 96, (1, 7), generator=rng)
+    with torch.no_grad():
+        assert (load_model(path).model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
 
 
 def test_hf_diffllama_rejects_unsupported(tmp_path):

@@ -208,3 +208,24 @@ def test_training_step_through_the_op(rng):
         losses.append(loss.item())
     assert model.layers[0].attn.lambda_q1.grad is not None
     assert losses[-1] < losses[0]
+
+
+def test_building_allocates_the_weights_once(tmp_path):
+    """Peak RSS while building a ~170M-parameter model stays near one copy of its fp32 weights."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from diffexport.modeling import DiffV1Config, build_model
+cfg = DiffV1Config(vocab_size=32000, d_model=1024, n_layers=8, n_heads=4)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model = build_model(cfg, seed=0)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+print((after - before) * 1024 / weights)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    ratio = float(result.stdout.strip())
+    assert ratio < 1.3, f"building took {ratio:.2f}x the weight bytes"

@@ -174,9 +174,8 @@ class DecoderLM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                std = self.param_init_std(name)
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:  # drawn in place: no temporary the size of the parameter
+                p.normal_(0.0, self.param_init_std(name), generator=gen)
 
     def param_init_std(self, name: str) -> float:
         return self.config.init_std
