@@ -27,6 +27,7 @@ from diffexport import layouts
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict
 from diffexport.modeling.common import DecoderLM, ModelConfig
+from diffexport.progress import Progress
 
 FORMAT = "diffexport.checkpoint"
 FORMAT_VERSION = 1
@@ -187,6 +188,18 @@ def _check_header(header: Mapping, where: str) -> ModelConfig:
     return config_from_dict(family, header.get("config"))
 
 
+def _check_tensor(name: str, t, ref: torch.Tensor, where: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise DiffExportError(f"{where}: {name} is a {type(t).__name__}, not a tensor")
+    if tuple(t.shape) != tuple(ref.shape):
+        raise DiffExportError(f"{where}: wrong shape for {name}: got {list(t.shape)}, "
+                              f"expected {list(ref.shape)} for this config")
+    if not t.is_floating_point():
+        raise DiffExportError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point tensor")
+    if not torch.isfinite(t).all():
+        raise DiffExportError(f"{where}: {name} contains NaN or infinity")
+
+
 def model_from_state(cfg: ModelConfig, state: Mapping, where: str, dtype: torch.dtype | None = None) -> DecoderLM:
     """Check names, shapes and dtypes against cfg, then load without a second copy of the weights."""
     if not isinstance(state, Mapping):
@@ -203,17 +216,11 @@ def model_from_state(cfg: ModelConfig, state: Mapping, where: str, dtype: torch.
     if unexpected:
         raise DiffExportError(f"{where}: unexpected key(s) {', '.join(unexpected[:3])}"
                               f"{f' (+{len(unexpected) - 3} more)' if len(unexpected) > 3 else ''}")
-    for name, ref in expected.items():
-        t = state[name]
-        if not isinstance(t, torch.Tensor):
-            raise DiffExportError(f"{where}: {name} is a {type(t).__name__}, not a tensor")
-        if tuple(t.shape) != tuple(ref.shape):
-            raise DiffExportError(f"{where}: wrong shape for {name}: got {list(t.shape)}, "
-                                  f"expected {list(ref.shape)} for this config")
-        if not t.is_floating_point():
-            raise DiffExportError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point tensor")
-        if not torch.isfinite(t).all():
-            raise DiffExportError(f"{where}: {name} contains NaN or infinity")
+    total = sum(ref.numel() for ref in expected.values())
+    with Progress("checking weights", total, min_total=1e8) as progress:
+        for name, ref in expected.items():
+            _check_tensor(name, state[name], ref, where)
+            progress.advance(ref.numel())
     target = dtype or state["embed.weight"].dtype
     weights = {k: state[k].to(target) for k in expected}
     if cfg.tie_embeddings:

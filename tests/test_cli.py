@@ -49,3 +49,26 @@ def test_info_shows_lambdas(tmp_path):
     expected = [f"{lam:.4f}" for lam in model.lambdas()]
     assert all(value in result.stdout for value in expected)
     assert "0.2000" in result.stdout  # lambda_init of layer 0
+
+
+def test_progress_only_on_a_terminal():
+    import io
+
+    from diffexport.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    quiet = io.StringIO()
+    with Progress("work", 10, stream=quiet) as p:
+        p.advance(10)
+    assert quiet.getvalue() == ""
+    shown = Tty()
+    with Progress("work", 10, stream=shown) as p:
+        p.advance(10)
+    assert "work" in shown.getvalue() and shown.getvalue().endswith("\n")
+    small = Tty()
+    with Progress("work", 10, min_total=100, stream=small) as p:
+        p.advance(10)
+    assert small.getvalue() == ""

@@ -170,12 +170,16 @@ class DecoderLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Seeded init in place (works after to_empty on a meta-built model)."""
+        from diffexport.progress import Progress
+
         gen = torch.Generator().manual_seed(seed)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:  # drawn in place: no temporary the size of the parameter
-                p.normal_(0.0, self.param_init_std(name), generator=gen)
+        with Progress("initialising weights", self.num_parameters(), min_total=1e8) as progress:
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:  # drawn in place: no temporary the size of the parameter
+                    p.normal_(0.0, self.param_init_std(name), generator=gen)
+                progress.advance(p.numel())
 
     def param_init_std(self, name: str) -> float:
         return self.config.init_std
