@@ -45,7 +45,7 @@ def self_check(model, seed: int = 0, batch: int = 2, seq: int = 17) -> tuple[boo
     """Logits through diffexport::diff_attention vs the same model through naive Eq. 1 (fp32)."""
     attns = [layer.attn for layer in model.layers if hasattr(layer.attn, "impl")]
     if not attns:
-        return True, "self-check     skipped (baseline Transformer has no differential attention)"
+        return True, "self-check    skipped (baseline Transformer has no differential attention)"
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
     logits_op = model(ids)
