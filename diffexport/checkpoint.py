@@ -90,6 +90,12 @@ def save_safetensors(model: DecoderLM, directory: str | os.PathLike) -> Path:
 
 # ---------------------------------------------------------------- reading files
 
+def _corrupt(path: Path, detail: object) -> DiffExportError:
+    text = str(detail).strip()
+    first = text.splitlines()[0] if text else type(detail).__name__
+    return DiffExportError(f"{path} is not a readable checkpoint (corrupt or truncated): {first}")
+
+
 def _check_zip_crc(path: Path) -> None:
     """torch.load does not verify the CRC-32 of each archive member; flipped bytes in tensor data
     would load as silently different weights. zipfile's testzip reads every member once and does."""
@@ -97,7 +103,7 @@ def _check_zip_crc(path: Path) -> None:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError) as exc:
-        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {exc}") from None
+        raise _corrupt(path, exc) from None
     if bad is not None:
         raise DiffExportError(f"{path} is corrupt: checksum mismatch in archive member {bad}")
 
@@ -144,12 +150,10 @@ def _torch_load(path: Path) -> Any:
                 f"refusing to load {path}: it is a pickle that weights_only=True cannot read safely; "
                 "re-save it with torch.save as a plain dict of tensors, or as safetensors"
             ) from None
-        first = text.strip().splitlines()[0] if text.strip() else "unpickling failed"
-        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {first}") from None
+        raise _corrupt(path, exc) from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError, TypeError,
             AttributeError, IndexError) as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DiffExportError(f"{path} is not a readable PyTorch checkpoint (corrupt or truncated): {msg}") from None
+        raise _corrupt(path, exc) from None
 
 
 def _safetensors_load(path: Path) -> dict[str, torch.Tensor]:
@@ -159,14 +163,14 @@ def _safetensors_load(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise DiffExportError(f"{path} is not a readable safetensors file (corrupt or truncated): {exc}") from None
+        raise _corrupt(path, exc) from None
 
 
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DiffExportError(f"{path} not found: a safetensors checkpoint needs its config.json beside it") from None
+        raise DiffExportError(f"{path} not found: a checkpoint directory or .safetensors file needs its config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DiffExportError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
