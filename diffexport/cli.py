@@ -11,10 +11,11 @@ import os
 import sys
 
 
-def _add_model_source(parser: argparse.ArgumentParser, ckpt_required: bool = False) -> None:
-    parser.add_argument("ckpt", nargs=None if ckpt_required else "?",
-                        help="ckpt.pt, a .safetensors file, a diffexport or Hugging Face DiffLlama directory, "
-                             "or a bare state dict (with --preset/--config)")
+def _add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        parser.add_argument("ckpt", nargs="?",
+                            help="ckpt.pt, a .safetensors file, a diffexport or Hugging Face DiffLlama directory, "
+                                 "or a bare state dict (with --preset/--config)")
     parser.add_argument("--preset", help="a model zoo preset (see `diffexport presets`); alone: a seeded random model")
     parser.add_argument("--config", help="JSON {family, config} for a bare state dict")
     parser.add_argument("--layout", default="auto", choices=["auto", "native", "unilm"],
@@ -22,7 +23,7 @@ def _add_model_source(parser: argparse.ArgumentParser, ckpt_required: bool = Fal
     parser.add_argument("--seed", type=int, default=0, help="seed for random preset weights")
 
 
-def _load(args, device: str = "cpu"):
+def _load(args, device: str = "cpu", dtype: str | None = None):
     from diffexport.checkpoint import load_config_file, load_model
     from diffexport.presets import DEFAULT_PRESET
 
@@ -30,8 +31,10 @@ def _load(args, device: str = "cpu"):
     preset = args.preset
     if args.ckpt is None and preset is None and config is None:
         preset = DEFAULT_PRESET
+    import torch
+
     return load_model(args.ckpt, preset=preset, config=config, layout=args.layout, seed=args.seed,
-                      device=device)
+                      device=device, dtype=getattr(torch, dtype) if dtype else None)
 
 
 def cmd_info(args) -> int:
@@ -53,19 +56,74 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def _export_options(args):
+    from diffexport.export import ExportOptions
+
+    dtype = "float16" if args.fp16 else "bfloat16" if args.bf16 else "float32"
+    return ExportOptions(dtype=dtype, body_style=args.body, opset=args.opset, hidden=args.hidden,
+                         external_data=True if args.external_data else None, legacy=args.legacy)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def cmd_onnx(args) -> int:
+    """Export a DIFF checkpoint to ONNX: one DiffAttention node per attention, runnable in ONNX Runtime and TensorRT."""
+    from pathlib import Path
+
+    from diffexport.export import export_onnx
+    from diffexport.export.exporter import check_target
+
+    options = _export_options(args)
+    check_target(Path(args.output), options)  # before loading a possibly big checkpoint
+    loaded = _load(args, dtype=options.dtype)
+    summary = export_onnx(loaded, args.output, options, log=_log)
+    print(summary.report())
+    return 0
+
+
+def _check_options(args):
+    from pathlib import Path
+
+    from diffexport.check import CheckOptions, DEFAULT_SHAPES, parse_shapes
+
+    return CheckOptions(shapes=parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
+                        provider=args.provider, seed=args.seed,
+                        save_dir=Path(args.save_dir) if args.save_dir else None)
+
+
+def cmd_check(args) -> int:
+    """Run an exported ONNX model in ONNX Runtime against the eager PyTorch model; non-zero exit on mismatch."""
+    from diffexport.check import read_export_metadata, run_check
+
+    read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
+    report = run_check(args.model, _load(args), _check_options(args), log=_log)
+    print(report.text())
+    return 0 if report.passed else 1
+
+
 def cmd_demo(args) -> int:
-    """The main job on the built-in default model: summary, then the op checked against eager Eq. 1."""
-    from diffexport.summary import describe, self_check
+    """The main job on the built-in default model: export to ONNX, run it in ONNX Runtime (CPU), check against eager."""
+    import tempfile
+    from pathlib import Path
+
+    from diffexport.check import CheckOptions, run_check
+    from diffexport.export import ExportOptions, export_onnx
+    from diffexport.summary import describe
 
     loaded = _load(args)
     print(describe(loaded))
-    ok, report = self_check(loaded.model, seed=args.seed)
-    print(report)
-    print("ONNX export is not available yet in this version; the summary and eager check above are the demo.")
-    return 0 if ok else 1
+    out_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="diffexport-demo-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(), log=_log)
+    print(summary.report())
+    report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=_log)
+    print(report.text())
+    return 0 if report.passed else 1
 
 
-COMMANDS = {"info": cmd_info, "presets": cmd_presets, "demo": cmd_demo}
+COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "demo": cmd_demo, "info": cmd_info, "presets": cmd_presets}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,8 +133,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
-        if name in ("info", "demo"):
+        if name == "check":
+            p.add_argument("model", help="the exported .onnx file")
+            p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
+            _add_model_source(p, positional=False)
+        elif name in ("info", "demo", "onnx"):
             _add_model_source(p)
+        if name == "onnx":
+            p.add_argument("-o", "--output", default="model.onnx", help="output .onnx path (default model.onnx)")
+            precision = p.add_mutually_exclusive_group()
+            precision.add_argument("--fp16", action="store_true", help="float16 weights and activations")
+            precision.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations")
+            p.add_argument("--body", default="decomposed", choices=["decomposed", "attention"],
+                           help="DiffAttention function body for ONNX Runtime: decomposed MatMul/Softmax "
+                                "(opset 18, default) or opset-23 Attention")
+            p.add_argument("--opset", type=int, help="default-domain opset (default: 18, or 23 for --body attention)")
+            p.add_argument("--hidden", action="store_true", help="also output last_hidden_state")
+            p.add_argument("--external-data", action="store_true",
+                           help="weights in model.onnx.data (automatic above the 2 GiB protobuf limit)")
+            p.add_argument("--legacy", action="store_true",
+                           help="fallback: torch's deprecated TorchScript exporter instead of dynamo")
+        if name == "check":
+            p.add_argument("--shapes", help="BATCHxSEQ list (default 1x1,1x17,2x33,3x64)")
+            p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                           help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
+            p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
+        if name == "demo":
+            p.add_argument("--out-dir", help="folder for model.onnx and the check files (default: a temp folder)")
         p.set_defaults(func=fn)
     return parser
 

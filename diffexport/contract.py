@@ -41,6 +41,7 @@ class TensorSpec:
     shape: tuple[str, ...]
     doc: str
     optional: bool = False
+    dtype: str = "T"  # "T": the activation dtype shared by query/key/value/lambda; else a fixed type
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("key", ("B", "Skv", "Kw"), "rotated keys; Kw = 2*Hkv*D (V1: K1, K2 per group) or Hkv*D (V2)"),
     TensorSpec("value", ("B", "Skv", "Hkv*Dv"), "values; Dv = 2*D (V1) or D (V2)"),
     TensorSpec("lambda_full", ("L",), "V1: shape [1], the layer's lambda; V2: shape [B, Sq, H], after sigmoid"),
-    TensorSpec("norm_weight", ("2*D",), "per-head RMSNorm weight (V1, norm=1); omit for a weightless norm",
-               optional=True),
+    TensorSpec("norm_weight", ("2*D",), "per-head RMSNorm weight (V1, norm=1), float32 whatever T is "
+               "(the norm runs in fp32); omit for a weightless norm", optional=True, dtype="float32"),
 )
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("output", ("B", "Sq", "H*Dv"), "diff-heads concatenated, ready for the output projection"),

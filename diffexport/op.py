@@ -16,6 +16,7 @@ import torch
 
 from diffexport import contract
 from diffexport.contract import DiffAttentionAttrs
+from diffexport.errors import DiffExportError
 from diffexport.reference import flash_diff_attention_1
 
 
@@ -49,6 +50,8 @@ def diff_attention(
 ) -> torch.Tensor:
     attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm,
                             norm_eps, output_scale)
+    if norm_weight is not None and norm_weight.dtype not in (torch.float32, torch.float64):
+        raise DiffExportError(f"norm_weight must be float32 (the norm runs in fp32), got {norm_weight.dtype}")
     contract.check_shapes(attrs, _shape(query), _shape(key), _shape(value), _shape(lambda_full),
                           _shape(norm_weight))
     return flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs)

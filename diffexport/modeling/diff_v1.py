@@ -76,11 +76,11 @@ class DiffV1Attention(nn.Module):
     def forward(self, x, cos, sin):
         B, T, _ = x.shape  # (B, T, d_model)
         D = self.attrs.head_dim
-        q = apply_rope(self.q_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).flatten(2)
-        k = apply_rope(self.k_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).flatten(2)
+        q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
+        k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
         v = self.v_proj(x)
         lam = self.lambda_full().to(x.dtype)
-        weight = self.head_norm.weight
+        weight = None if self.head_norm.weight is None else self.head_norm.weight.float()  # fp32 by contract
         if self.impl == "op":
             out = op.call(q, k, v, lam, weight, self.attrs)
         else:

@@ -48,8 +48,8 @@ class DiffV2Attention(nn.Module):
     def forward(self, x, cos, sin):
         B, T, _ = x.shape  # (B, T, d_model)
         D = self.attrs.head_dim
-        q = apply_rope(self.q_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).flatten(2)
-        k = apply_rope(self.k_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).flatten(2)
+        q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
+        k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
         v = self.v_proj(x)
         lam = torch.sigmoid(self.lambda_proj(x))  # (B, T, H): per token, per head
         if self.impl == "op":

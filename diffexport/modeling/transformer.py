@@ -49,9 +49,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
         D = self.head_dim
-        q = apply_rope(self.q_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).transpose(1, 2)
-        k = apply_rope(self.k_proj(x).view(B, T, -1, D), cos, sin, self.interleaved).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)
+        q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).transpose(1, 2)
+        k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (-1, D)).transpose(1, 2)
         out = reference.attend(q, k, v, causal=True, scale=D ** -0.5)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 

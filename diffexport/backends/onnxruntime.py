@@ -1,0 +1,56 @@
+"""ONNX Runtime sessions for exported models: provider choice and one-line errors for bad files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from diffexport.errors import DiffExportError
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+def _import_ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise DiffExportError("onnxruntime is not installed: pip install 'diffexport[onnx]' "
+                              "(or onnxruntime-gpu for the CUDA provider)") from None
+    return onnxruntime
+
+
+def resolve_provider(provider: str = "auto") -> str:
+    """'auto': the CUDA provider when onnxruntime-gpu and a GPU are present, else the CPU one."""
+    ort = _import_ort()
+    available = ort.get_available_providers()
+    if provider == "auto":
+        import torch
+
+        provider = "cuda" if PROVIDERS["cuda"] in available and torch.cuda.is_available() else "cpu"
+    if provider not in PROVIDERS:
+        raise DiffExportError(f"unknown provider {provider!r}; choose one of {['auto', *PROVIDERS]}")
+    if PROVIDERS[provider] not in available:
+        raise DiffExportError(f"this onnxruntime has no {PROVIDERS[provider]} (it has {available}); "
+                              "install onnxruntime-gpu for CUDA")
+    return provider
+
+
+def open_session(path: str | os.PathLike, provider: str = "cpu", threads: int | None = None):
+    """An InferenceSession on `path`; corrupt, foreign or unsupported files give one clear line."""
+    ort = _import_ort()
+    path = Path(path)
+    if not path.is_file():
+        raise DiffExportError(f"{path} does not exist or is not a file")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors reach the user through our message, not ORT's log
+    if threads:
+        options.intra_op_num_threads = threads
+    providers = [PROVIDERS[provider]] + ([PROVIDERS["cpu"]] if provider != "cpu" else [])
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "NOT_IMPLEMENTED" in detail or "Could not find an implementation" in detail:
+            raise DiffExportError(f"onnxruntime's {PROVIDERS[provider]} cannot run {path.name}: {detail} "
+                                  "(bfloat16 models need the CUDA provider or TensorRT)") from None
+        raise DiffExportError(f"{path} is not a valid ONNX model for onnxruntime: {detail}") from None

@@ -1,0 +1,192 @@
+"""`diffexport check`: an exported ONNX model in ONNX Runtime against the eager PyTorch model.
+
+Seeded random token ids at several (batch, sequence) shapes go through both; every output is
+compared under the dtype-aware rule of diffexport.tolerances. The inputs and the eager outputs
+are saved in polygraphy's JSON formats, with the `polygraphy run` command that repeats the
+comparison independently of this tool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from diffexport import fingerprint, reference, tolerances
+from diffexport.checkpoint import LoadedModel
+from diffexport.errors import DiffExportError
+from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
+
+DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))  # batch x sequence: 1, odd lengths, batch > 1
+EAGER_RUNNER = "eager-pytorch"
+
+
+@dataclasses.dataclass
+class CheckOptions:
+    shapes: tuple[tuple[int, int], ...] = DEFAULT_SHAPES
+    provider: str = "auto"
+    seed: int = 0
+    save_dir: Path | None = None  # default: <model>.check/ beside the model
+
+
+@dataclasses.dataclass
+class CheckReport:
+    passed: bool
+    lines: list[str]
+    polygraphy_command: str
+    inputs_path: Path
+    outputs_path: Path
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """'1x1,2x33' -> ((1, 1), (2, 33))."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            batch, seq = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise DiffExportError(f"bad shape {item!r} in --shapes: write BATCHxSEQ pairs like 1x1,2x33") from None
+        if batch < 1 or seq < 1:
+            raise DiffExportError(f"bad shape {item!r} in --shapes: batch and sequence must be >= 1")
+        shapes.append((batch, seq))
+    return tuple(shapes)
+
+
+def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """diffexport's metadata_props of an ONNX file (weights are not read)."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise DiffExportError(f"{path} does not exist or is not a file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__}): "
+                              "re-export it with `diffexport onnx`") from None
+    meta = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
+    if "config" not in meta or "dtype" not in meta:
+        raise DiffExportError(f"{path} carries no diffexport metadata: check only compares files written "
+                              "by `diffexport onnx`")
+    if meta["dtype"] not in DTYPES:
+        raise DiffExportError(f"{path} declares an unknown dtype {meta['dtype']!r}")
+    return meta
+
+
+def check_same_model(meta: dict[str, str], loaded: LoadedModel, onnx_path: Path) -> None:
+    """The checkpoint must be the one the ONNX file was exported from: say which field differs."""
+    exported = json.loads(meta["config"])
+    if meta.get("family") != loaded.config.family:
+        raise DiffExportError(f"{onnx_path.name} holds a {meta.get('family')} model but the checkpoint is "
+                              f"{loaded.config.family}: pass the checkpoint it was exported from")
+    ours = loaded.config.to_dict()
+    differing = [f"{k} {exported.get(k)!r} vs {ours.get(k)!r}" for k in sorted(set(exported) | set(ours))
+                 if exported.get(k) != ours.get(k)]
+    if differing:
+        raise DiffExportError(f"{onnx_path.name} was exported from a different configuration ("
+                              f"{'; '.join(differing[:3])}): pass the checkpoint it was exported from")
+    if fingerprint.weights_fingerprint(loaded.model, meta["dtype"]) != meta.get("weights"):
+        raise DiffExportError(f"{onnx_path.name} was exported from other weights than this checkpoint "
+                              "(same configuration, different values): pass the checkpoint it was exported from")
+
+
+def _eager_models(loaded: LoadedModel, dtype: str, device: str):
+    """(model in the export dtype, fp32 model on the same rounded weights or None for fp32)."""
+    model = loaded.model.eval()
+    low = model.to(device=device, dtype=DTYPES[dtype])
+    if dtype == "float32":
+        return low, None
+    import copy
+
+    return low, copy.deepcopy(low).float()
+
+
+def _run_eager(model, ids: np.ndarray, device: str, outputs: list[str]) -> dict[str, np.ndarray]:
+    with torch.no_grad():
+        result = model(torch.from_numpy(ids).to(device), return_hidden=len(outputs) > 1)
+    tensors = result if isinstance(result, tuple) else (result,)
+    return {name: t.float().cpu().numpy() for name, t in zip(outputs, tensors)}
+
+
+def _save_polygraphy(save_dir: Path, feeds: list[dict], eager: list[dict[str, np.ndarray]], dtype: str):
+    try:
+        from polygraphy.comparator import RunResults
+        from polygraphy.comparator.struct import IterationResult
+        from polygraphy.json import save_json
+        from polygraphy.logger import G_LOGGER
+    except ImportError:
+        raise DiffExportError("polygraphy is not installed: pip install 'diffexport[onnx]'") from None
+    G_LOGGER.module_severity = G_LOGGER.ERROR  # its "Saving ..." lines would drown our report
+    save_dir.mkdir(parents=True, exist_ok=True)
+    inputs_path, outputs_path = save_dir / "inputs.json", save_dir / "eager_outputs.json"
+    np_dtype = np.float16 if dtype == "float16" else np.float32  # numpy has no bfloat16
+    save_json(feeds, str(inputs_path), description="diffexport check inputs")
+    iterations = [IterationResult({k: v.astype(np_dtype) for k, v in outs.items()}, runner_name=EAGER_RUNNER)
+                  for outs in eager]
+    RunResults([(EAGER_RUNNER, iterations)]).save(str(outputs_path))
+    return inputs_path, outputs_path
+
+
+def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
+              log: Callable[[str], None] = print) -> CheckReport:
+    from diffexport.backends.onnxruntime import open_session, resolve_provider
+
+    options = options or CheckOptions()
+    onnx_path = Path(onnx_path)
+    meta = read_export_metadata(onnx_path)
+    dtype = meta["dtype"]
+    check_same_model(meta, loaded, onnx_path)
+    provider = resolve_provider(options.provider)
+    session = open_session(onnx_path, provider)
+    outputs = [o.name for o in session.get_outputs()]
+    if outputs != meta.get("outputs", "").split(","):
+        raise DiffExportError(f"{onnx_path.name} outputs {outputs} differ from its metadata: re-export it")
+    device = "cuda" if provider == "cuda" else "cpu"
+    low, ref32 = _eager_models(loaded, dtype, device)
+    head_dim = loaded.config.head_dim  # which library the attention calls reach, for the report
+    value_dim = 2 * head_dim if loaded.config.family == "diff_v1" else head_dim
+    probe_q = torch.empty(1, 1, 1, head_dim, device=device, dtype=DTYPES[dtype])
+    probe_v = torch.empty(1, 1, 1, value_dim, device=device, dtype=DTYPES[dtype])
+    eager_name = f"eager PyTorch ({reference.attention_backend(probe_q, probe_v)}, {device})"
+    log(f"checking      {onnx_path.name} ({dtype}) in onnxruntime {provider} against {eager_name}")
+
+    rng = np.random.default_rng(options.seed)
+    vocab = loaded.config.vocab_size
+    feeds, saved, comparisons, lines = [], [], [], []
+    for batch, seq in options.shapes:
+        ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64)
+        feeds.append({INPUT_NAMES[0]: ids})
+        got = dict(zip(outputs, session.run(outputs, {INPUT_NAMES[0]: ids})))
+        base = _run_eager(low, ids, device, outputs)
+        ref = base if ref32 is None else _run_eager(ref32, ids, device, outputs)
+        saved.append(ref)
+        for name in outputs:
+            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
+                                   baseline=None if ref32 is None else base[name])
+            comparisons.append((name, c))
+            lines.append(c.line())
+    inputs_path, outputs_path = _save_polygraphy(options.save_dir or onnx_path.with_suffix(".check"),
+                                                 feeds, saved, dtype)
+    atols = []
+    for name in outputs:
+        ref_max = max(float(np.abs(r[name]).max()) for r in saved)
+        atol = tolerances.elementwise_atol([c for n, c in comparisons if n == name], dtype, ref_max)
+        atols.append(f"{name}:{atol:.3g}")
+    command = " ".join(["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider,
+                        "--load-inputs", shlex.quote(str(inputs_path)),
+                        "--load-outputs", shlex.quote(str(outputs_path)),
+                        "--atol", *atols, "--rtol", "0"])
+    passed = all(c.passed for _, c in comparisons)
+    lines.append(f"result        {'PASS' if passed else 'FAIL'}: {sum(c.passed for _, c in comparisons)}/"
+                 f"{len(comparisons)} comparisons within tolerance")
+    lines.append(f"polygraphy    {command}")
+    return CheckReport(passed, lines, command, inputs_path, outputs_path)

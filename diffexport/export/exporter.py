@@ -1,0 +1,313 @@
+"""Trace a DIFF model to ONNX: one DiffAttention node per attention, its function body attached.
+
+Steps (each a small function below):
+  trace     torch.onnx.export(dynamo=True) with the custom translation of our op, dynamic batch
+            and sequence axes; or the legacy TorchScript exporter with a symbolic (fallback)
+  finish    attach the model-local function, stamp plugin_namespace/plugin_version on the nodes,
+            record what was exported in metadata_props (read back by `diffexport check`)
+  publish   write into a temporary folder beside the output, run onnx.checker's full check on
+            that file, then rename into place: an interrupted export leaves nothing half-written
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from diffexport import contract, fingerprint
+from diffexport.checkpoint import LoadedModel
+from diffexport.errors import DiffExportError
+from diffexport.export import function_body
+from diffexport.modeling import DIFF_FAMILIES
+from diffexport.progress import Progress
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INPUT_NAMES = ("input_ids",)
+LOGITS, HIDDEN = "logits", "last_hidden_state"
+PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx protobuf cannot exceed 2 GiB
+IR_VERSION = 10  # onnxruntime 1.20+ reads it; onnx >= 1.16 writes newer ones by default
+META_PREFIX = "diffexport."
+
+
+@dataclasses.dataclass
+class ExportOptions:
+    dtype: str = "float32"
+    body_style: str = function_body.DEFAULT_BODY_STYLE
+    opset: int | None = None  # default: the body style's minimum (18 or 23)
+    hidden: bool = False  # also output the last hidden state
+    external_data: bool | None = None  # None: only when the weights pass the 2 GiB protobuf limit
+    legacy: bool = False  # TorchScript exporter instead of dynamo
+
+    def resolved_opset(self) -> int:
+        return function_body.MIN_OPSET[self.body_style] if self.opset is None else self.opset
+
+
+@dataclasses.dataclass
+class ExportSummary:
+    path: Path
+    data_path: Path | None
+    nodes: int
+    diff_attention_nodes: int
+    parameters: int
+    weight_bytes: int
+    file_bytes: int
+    opset: int
+    dtype: str
+    body_style: str
+    exporter: str
+    seconds: float
+
+    def report(self) -> str:
+        data = f" + {self.data_path.name}" if self.data_path else ""
+        return "\n".join([
+            f"exported      {self.path}{data} ({self.file_bytes / 1e6:.1f} MB, {self.dtype}, opset {self.opset}, "
+            f"{self.exporter} exporter, {self.seconds:.1f}s)",
+            f"graph         {self.nodes} nodes, {self.diff_attention_nodes} {contract.OP_NAME} "
+            f"({contract.ONNX_DOMAIN} v{contract.OP_VERSION}, {self.body_style} function body), "
+            f"{self.parameters:,} parameters",
+        ])
+
+
+class _OutputsOf(torch.nn.Module):
+    """input_ids -> logits (and the last hidden state): the graph's documented interface."""
+
+    def __init__(self, model: torch.nn.Module, hidden: bool):
+        super().__init__()
+        self.model, self.hidden = model, hidden
+
+    def forward(self, input_ids):
+        return self.model(input_ids, return_hidden=self.hidden)
+
+
+def _log_default(message: str) -> None:
+    print(message, flush=True)
+
+
+# ---------------------------------------------------------------- checks before any work
+
+def check_family(loaded: LoadedModel) -> None:
+    if loaded.config.family not in DIFF_FAMILIES:
+        raise DiffExportError(f"{loaded.config.family!r} is not a DIFF model: diffexport exports "
+                              f"{sorted(DIFF_FAMILIES)} (differential attention) checkpoints")
+
+
+def check_target(out_path: Path, options: ExportOptions) -> None:
+    """Options and output path, checked before any checkpoint is loaded."""
+    if options.dtype not in DTYPES:
+        raise DiffExportError(f"unsupported dtype {options.dtype!r}; choose one of {list(DTYPES)}")
+    if options.body_style not in function_body.BODY_STYLES:
+        raise DiffExportError(f"unknown function body style {options.body_style!r}; "
+                              f"choose one of {list(function_body.BODY_STYLES)}")
+    low = function_body.MIN_OPSET[options.body_style]
+    if not low <= options.resolved_opset() <= 23:
+        raise DiffExportError(f"opset {options.opset} is out of range for the {options.body_style} body: "
+                              f"use {low}..23")
+    if options.legacy and options.resolved_opset() > 20:
+        raise DiffExportError("the legacy exporter stops at opset 20: drop --legacy or use the decomposed body")
+    if out_path.suffix != ".onnx":
+        raise DiffExportError(f"output {out_path} should end in .onnx")
+    if not out_path.parent.is_dir():
+        raise DiffExportError(f"output folder {out_path.parent} does not exist: create it first")
+    if out_path.is_dir():
+        raise DiffExportError(f"output {out_path} is a folder: give a file name ending in .onnx")
+
+
+# ---------------------------------------------------------------- trace
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """The exporter's own chatter (torchvision notices, deprecations) is not for our users."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _example_ids(model) -> torch.Tensor:
+    # 2 x 17: neither dimension is 0 or 1, which torch.export would specialise on.
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, model.config.vocab_size, (2, 17), generator=gen)
+
+
+def _trace_dynamo(model, options: ExportOptions):
+    from diffexport.export.op_schema import register_schema, translation_table
+
+    register_schema()
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    outputs = [LOGITS, HIDDEN] if options.hidden else [LOGITS]
+    with _quiet_exporter():
+        program = torch.onnx.export(
+            _OutputsOf(model, options.hidden), (_example_ids(model),), dynamo=True,
+            opset_version=options.resolved_opset(), custom_translation_table=translation_table(),
+            dynamic_shapes=({0: batch, 1: seq},), input_names=list(INPUT_NAMES), output_names=outputs,
+            optimize=True, verbose=False)
+    return program.model
+
+
+def _trace_legacy(model, options: ExportOptions):
+    """The TorchScript exporter (deprecated by torch, kept as a fallback) through a symbolic."""
+    import onnx
+    import onnx_ir as ir
+    from torch.onnx import register_custom_op_symbolic
+
+    register_custom_op_symbolic(contract.TORCH_OP, _legacy_symbolic, options.resolved_opset())
+    outputs = [LOGITS, HIDDEN] if options.hidden else [LOGITS]
+    axes = {name: {0: "batch", 1: "sequence"} for name in [*INPUT_NAMES, *outputs]}
+    buffer = io.BytesIO()
+    with _quiet_exporter():
+        torch.onnx.export(_OutputsOf(model, options.hidden), (_example_ids(model),), buffer, dynamo=False,
+                          opset_version=options.resolved_opset(), input_names=list(INPUT_NAMES),
+                          output_names=outputs, dynamic_axes=axes,
+                          custom_opsets={contract.ONNX_DOMAIN: contract.OP_VERSION})
+    return ir.serde.deserialize_model(onnx.load_from_string(buffer.getvalue()))
+
+
+def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, *attr_values):
+    from torch.onnx import symbolic_helper
+
+    attrs = {}
+    for spec, value_ in zip(contract.ATTRIBUTES, attr_values):
+        parsed = symbolic_helper._maybe_get_const(value_, "i" if spec.kind == "int" else "f")
+        attrs[f"{spec.name}_{'i' if spec.kind == 'int' else 'f'}"] = parsed
+    inputs = [query, key, value, lambda_full]
+    if not symbolic_helper._is_none(norm_weight):
+        inputs.append(norm_weight)
+    out = g.op(f"{contract.ONNX_DOMAIN}::{contract.OP_NAME}", *inputs, **attrs)
+    width = attrs["num_heads_i"] * attrs["head_dim_i"] * (2 if attrs["variant_i"] == 1 else 1)
+    out.setType(query.type().with_sizes([None, None, width]))
+    return out
+
+
+# ---------------------------------------------------------------- finish
+
+def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str) -> int:
+    """Attach the function, plugin fields and metadata in place; return the DiffAttention count."""
+    import onnx_ir as ir
+
+    opset = options.resolved_opset()
+    function = ir.serde.deserialize_function(function_body.build_function(options.body_style, opset))
+    model_ir.functions[function.identifier()] = function
+    model_ir.opset_imports[contract.ONNX_DOMAIN] = contract.OP_VERSION
+    model_ir.ir_version = IR_VERSION
+    count = 0
+    for node in model_ir.graph.all_nodes():
+        if node.domain == contract.ONNX_DOMAIN and node.op_type == contract.OP_NAME:
+            node.attributes["plugin_namespace"] = ir.AttrString("plugin_namespace", contract.PLUGIN_NAMESPACE)
+            node.attributes["plugin_version"] = ir.AttrString("plugin_version", contract.PLUGIN_VERSION)
+            count += 1
+    expected = loaded.config.n_layers
+    if count != expected:
+        raise DiffExportError(f"internal: expected {expected} {contract.OP_NAME} nodes, the trace has {count}")
+    from diffexport import __version__
+
+    model_ir.producer_name, model_ir.producer_version = "diffexport", __version__
+    model_ir.metadata_props.update({
+        META_PREFIX + "family": loaded.config.family,
+        META_PREFIX + "config": json.dumps(loaded.config.to_dict(), sort_keys=True),
+        META_PREFIX + "dtype": options.dtype,
+        META_PREFIX + "body_style": options.body_style,
+        META_PREFIX + "outputs": ",".join([LOGITS, HIDDEN] if options.hidden else [LOGITS]),
+        META_PREFIX + "weights": weights_id,
+        META_PREFIX + "op_version": str(contract.OP_VERSION),
+    })
+    return count
+
+
+# ---------------------------------------------------------------- publish
+
+def _weight_bytes(model_ir) -> tuple[int, int]:
+    params = nbytes = 0
+    for value in model_ir.graph.initializers.values():
+        if value.const_value is not None:
+            params += value.const_value.size
+            nbytes += value.const_value.nbytes
+    return params, nbytes
+
+
+def _save(model_ir, tmp_model: Path, external: bool, log: Callable[[str], None]) -> None:
+    import onnx_ir as ir
+
+    if not external:
+        ir.save(model_ir, tmp_model)
+        return
+    total = len(model_ir.graph.initializers)
+    with Progress("writing weights", total, min_total=1) as progress:
+        ir.save(model_ir, tmp_model, external_data=tmp_model.name + ".data",
+                callback=lambda tensor, info: progress.advance(1))
+
+
+def _publish(tmp_dir: Path, out_path: Path, external: bool) -> Path | None:
+    """Move the checked files into place (data first, so a model file never points at nothing)."""
+    data_path = None
+    if external:
+        data_path = out_path.with_name(out_path.name + ".data")
+        os.replace(tmp_dir / (out_path.name + ".data"), data_path)
+    os.replace(tmp_dir / out_path.name, out_path)
+    return data_path
+
+
+def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: ExportOptions | None = None,
+                log: Callable[[str], None] = _log_default) -> ExportSummary:
+    """Export `loaded` to `out_path` and return what was written."""
+    import onnx
+
+    options = options or ExportOptions()
+    out_path = Path(out_path)
+    check_target(out_path, options)
+    check_family(loaded)
+    start = time.monotonic()
+    model = loaded.model.eval()
+    dtype = DTYPES[options.dtype]
+    if next(model.parameters()).dtype != dtype:
+        model = model.to(dtype)
+    weights_id = fingerprint.weights_fingerprint(model, options.dtype)
+    exporter = "legacy" if options.legacy else "dynamo"
+    log(f"tracing       {loaded.config.family} ({model.num_parameters():,} parameters, {options.dtype}) "
+        f"with the {exporter} exporter, opset {options.resolved_opset()}")
+    with torch.no_grad():
+        model_ir = (_trace_legacy if options.legacy else _trace_dynamo)(model, options)
+    count = _finish(model_ir, loaded, options, weights_id)
+    params, nbytes = _weight_bytes(model_ir)
+    external = nbytes > PROTOBUF_LIMIT - 64 * 1024**2 if options.external_data is None else options.external_data
+    log(f"writing       {out_path}" + (" with external data" if external else ""))
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp"))
+    try:
+        tmp_model = tmp_dir / out_path.name
+        _save(model_ir, tmp_model, external, log)
+        del model_ir
+        log("checking      onnx.checker full check")
+        try:
+            onnx.checker.check_model(str(tmp_model), full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise DiffExportError(f"internal: the exported graph fails onnx.checker: {str(exc).splitlines()[0]}")
+        data_path = _publish(tmp_dir, out_path, external)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    if not external:  # an older export's weights beside this file would be stale
+        stale = out_path.with_name(out_path.name + ".data")
+        stale.unlink(missing_ok=True)
+    graph = onnx.load(str(out_path), load_external_data=False).graph
+    file_bytes = out_path.stat().st_size + (data_path.stat().st_size if data_path else 0)
+    return ExportSummary(path=out_path, data_path=data_path, nodes=len(graph.node), diff_attention_nodes=count,
+                         parameters=params, weight_bytes=nbytes, file_bytes=file_bytes,
+                         opset=options.resolved_opset(), dtype=options.dtype, body_style=options.body_style,
+                         exporter=exporter, seconds=time.monotonic() - start)

@@ -1,0 +1,215 @@
+"""The ONNX model-local function `diffexport.DiffAttention`: the op spelled in standard ONNX ops.
+
+ONNX Runtime (any execution provider) and polygraphy's ORT runner inline this body; TensorRT's
+parser takes our plugin instead when the node carries `plugin_namespace` and the plugin is
+registered. The same .onnx file therefore runs in both.
+
+One body serves every node of a model: it reads the node's attributes through attribute
+references and derives everything else from the input shapes (TensorRT's parser keys local
+functions by name only, so per-configuration overloads would be unsafe there):
+  - V1 vs V2 needs no branch: keys are viewed as [B, Skv, Hkv, M, D] with M = 2 (K1, K2)
+    or 1 (one key shared by both maps) taken from the key width, and broadcasting does the rest;
+  - lambda [1] (V1) and [B, Sq, H] (V2) are both expanded to [B, Sq, H];
+  - the causal mask is always bottom-right (query i sees key j <= i + Skv - Sq), OR-ed with
+    `not causal`;
+  - the optional norm_weight is tested with OptionalHasElement (opset 18 accepts a plain tensor
+    and answers false for a missing input) and applied inside an If.
+Everything is computed in fp32 (inputs are cast up, the output is cast back like the query):
+fp16 softmax sums overflow at long key lengths.
+
+Body styles:
+  decomposed  MatMul/Softmax written out as Eq. 1 (opset 18): both maps in one batched MatMul,
+              A1 - lambda*A2 formed before the single product with V. Runs on every runtime.
+  attention   two opset-23 `Attention` calls (one per map, V of width Dv) with an explicit
+              bottom-right boolean mask (onnxruntime's is_causal aligns top-left when Sq != Skv).
+              Needs the whole model at opset >= 23.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from diffexport import contract
+from diffexport.errors import DiffExportError
+
+BODY_STYLES = ("decomposed", "attention")
+DEFAULT_BODY_STYLE = "decomposed"
+MIN_OPSET = {"decomposed": 18, "attention": 23}
+
+
+class _Body:
+    """A tiny node builder: `b.op("MatMul", x, y)` appends a node and returns its output name."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self._count = 0
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
+        names = [f"{op_type.lower()}_{self._count}_{i}" for i in range(outputs)]
+        self._count += 1
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, **attrs))
+        return names[0] if outputs == 1 else names
+
+    def const_ints(self, values: list[int]) -> str:
+        return self.op("Constant", value_ints=values)
+
+    def const_float(self, value: float) -> str:
+        return self.op("Constant", value_float=value)
+
+    def attr_ref(self, name: str, kind: str) -> str:
+        """A scalar tensor holding the node's attribute `name` (int64 or float)."""
+        node = helper.make_node("Constant", [], [f"attr_{name}"])
+        ref = onnx.AttributeProto(name=f"value_{kind}", ref_attr_name=name,
+                                  type=onnx.AttributeProto.INT if kind == "int" else onnx.AttributeProto.FLOAT)
+        node.attribute.append(ref)
+        self.nodes.append(node)
+        return f"attr_{name}"
+
+    def dim(self, scalar: str) -> str:
+        """A scalar int64 as a 1-element shape piece."""
+        return self.op("Reshape", scalar, self.const_ints([1]))
+
+
+def _attribute_defaults() -> list[onnx.AttributeProto]:
+    """Attributes with a contract default are declared with it, so a node may omit them."""
+    protos = []
+    for spec in contract.ATTRIBUTES:
+        if spec.default is not None:
+            protos.append(helper.make_attribute(spec.name, spec.default))
+    return protos
+
+
+def _common_prologue(b: _Body) -> dict[str, str]:
+    """Attributes, sizes and fp32 copies of the inputs shared by both body styles."""
+    names = {a.name: b.attr_ref(a.name, a.kind) for a in contract.ATTRIBUTES if a.name != "variant"}
+    heads, kv_heads, head_dim = names["num_heads"], names["num_kv_heads"], names["head_dim"]
+    v = {"H": b.dim(heads), "Hkv": b.dim(kv_heads), "D": b.dim(head_dim)}
+    v["rep"] = b.dim(b.op("Div", heads, kv_heads))
+    # effective logit scale: the attribute, or 1/sqrt(D) when it is 0
+    d_float = b.op("Cast", head_dim, to=TensorProto.FLOAT)
+    default_scale = b.op("Reciprocal", b.op("Sqrt", d_float))
+    v["scale"] = b.op("Where", b.op("Greater", names["scale"], b.const_float(0.0)), names["scale"], default_scale)
+    v["norm_eps"], v["output_scale"] = names["norm_eps"], names["output_scale"]
+    v["norm_on"] = b.op("Cast", names["norm"], to=TensorProto.BOOL)
+    v["causal_off"] = b.op("Not", b.op("Cast", names["causal"], to=TensorProto.BOOL))
+    for name in ("query", "key", "value", "lambda_full"):
+        v[name] = b.op("Cast", name, to=TensorProto.FLOAT)
+    zero, one = b.const_ints([0]), b.const_ints([1])
+    v["B"] = b.op("Slice", b.op("Shape", "query"), zero, one)
+    v["Sq"] = b.op("Slice", b.op("Shape", "query"), one, b.const_ints([2]))
+    v["Skv"] = b.op("Slice", b.op("Shape", "key"), one, b.const_ints([2]))
+    return v
+
+
+def _visible_mask(b: _Body, v: dict[str, str]) -> str:
+    """Boolean [Sq, Skv]: bottom-right causal visibility, all true when causal=0."""
+    sq = b.op("Squeeze", v["Sq"], b.const_ints([0]))
+    skv = b.op("Squeeze", v["Skv"], b.const_ints([0]))
+    zero, step = b.op("Constant", value_int=0), b.op("Constant", value_int=1)
+    rows = b.op("Add", b.op("Range", zero, sq, step), b.op("Sub", skv, sq))  # last visible key per query
+    cols = b.op("Range", zero, skv, step)
+    visible = b.op("LessOrEqual", b.op("Unsqueeze", cols, b.const_ints([0])),
+                   b.op("Unsqueeze", rows, b.const_ints([1])))
+    return b.op("Or", visible, v["causal_off"])
+
+
+def _lambda_grouped(b: _Body, v: dict[str, str], trailing: list[int]) -> str:
+    """lambda as [B, Hkv, rep, *trailing-shaped Sq dims]: V1 [1] and V2 [B, Sq, H] alike."""
+    full = b.op("Expand", v["lambda_full"], b.op("Concat", v["B"], v["Sq"], v["H"], axis=0))
+    per_head = b.op("Transpose", full, perm=[0, 2, 1])  # [B, H, Sq]
+    shape = b.op("Concat", b.const_ints([0]), v["Hkv"], v["rep"], b.const_ints(trailing), axis=0)
+    return b.op("Reshape", per_head, shape)
+
+
+def _epilogue(b: _Body, v: dict[str, str], heads_out: str) -> None:
+    """[B, H, Sq, Dv] fp32 -> RMSNorm (if norm), weight (if given), output_scale, -> [B, Sq, H*Dv] like query."""
+    mean_sq = b.op("ReduceMean", b.op("Mul", heads_out, heads_out), b.const_ints([-1]), keepdims=1)
+    inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", mean_sq, v["norm_eps"])))
+    inv_rms = b.op("Where", v["norm_on"], inv_rms, b.const_float(1.0))
+    normed = b.op("Mul", heads_out, inv_rms)
+    # The optional weight, or ones when the node has none. A missing input may only sit in an
+    # optional slot (a branch of If that reads it is rejected even when not taken), so:
+    # OptionalHasElement tells whether it is there, and Gemm(0, 0, C) returns its optional
+    # bias C (the weight) or zeros.
+    dv = b.op("Slice", b.op("Shape", heads_out), b.const_ints([3]), b.const_ints([4]))
+    row = b.op("Concat", b.const_ints([1]), dv, axis=0)
+    zeros_1x1 = b.op("ConstantOfShape", b.const_ints([1, 1]))  # float32, like norm_weight
+    zeros_1xdv = b.op("ConstantOfShape", row)
+    weight_or_zero = b.op("Gemm", zeros_1x1, zeros_1xdv, "norm_weight")  # [1, Dv]
+    has_weight = b.op("OptionalHasElement", "norm_weight")
+    weight = b.op("Where", has_weight, b.op("Cast", weight_or_zero, to=TensorProto.FLOAT), b.const_float(1.0))
+    weighted = b.op("Where", v["norm_on"], b.op("Mul", normed, weight), normed)
+    scaled = b.op("Mul", weighted, v["output_scale"])
+    bshd = b.op("Transpose", scaled, perm=[0, 2, 1, 3])  # [B, Sq, H, Dv]
+    flat = b.op("Reshape", bshd, b.const_ints([0, 0, -1]))
+    b.nodes.append(helper.make_node("CastLike", [flat, "query"], ["output"]))
+
+
+def _decomposed(b: _Body, v: dict[str, str]) -> None:
+    # q: [B, Sq, H*2*D] -> [B, Hkv, rep, 2, Sq, D]   (diff-head h = g*rep + r, maps 2h, 2h+1)
+    q_shape = b.op("Concat", b.const_ints([0, 0]), v["Hkv"], v["rep"], b.const_ints([2]), v["D"], axis=0)
+    q = b.op("Transpose", b.op("Reshape", v["query"], q_shape), perm=[0, 2, 3, 4, 1, 5])
+    q = b.op("Mul", q, v["scale"])
+    # k: [B, Skv, Hkv*M*D] -> [B, Hkv, 1, M, D, Skv]   (M = 2 for V1, 1 for V2: broadcast over maps)
+    k_shape = b.op("Concat", b.const_ints([0, 0]), v["Hkv"], b.const_ints([-1]), v["D"], axis=0)
+    k = b.op("Transpose", b.op("Reshape", v["key"], k_shape), perm=[0, 2, 3, 4, 1])
+    k = b.op("Unsqueeze", k, b.const_ints([2]))
+    logits = b.op("MatMul", q, k)  # [B, Hkv, rep, 2, Sq, Skv]
+    logits = b.op("Where", _visible_mask(b, v), logits, b.const_float(float("-inf")))
+    probs = b.op("Softmax", logits, axis=-1)
+    p1, p2 = b.op("Split", probs, axis=3, num_outputs=2, outputs=2)  # each [B, Hkv, rep, 1, Sq, Skv]
+    lam = _lambda_grouped(b, v, [1, -1, 1])  # [B, Hkv, rep, 1, Sq, 1]
+    diff = b.op("Sub", p1, b.op("Mul", lam, p2))
+    # v: [B, Skv, Hkv*Dv] -> [B, Hkv, 1, 1, Skv, Dv]
+    val = b.op("Reshape", v["value"], b.op("Concat", b.const_ints([0, 0]), v["Hkv"], b.const_ints([-1]), axis=0))
+    val = b.op("Unsqueeze", b.op("Transpose", val, perm=[0, 2, 1, 3]), b.const_ints([2, 3]))
+    out = b.op("MatMul", diff, val)  # [B, Hkv, rep, 1, Sq, Dv]
+    heads = b.op("Reshape", out, b.op("Concat", b.const_ints([0]), v["H"], v["Sq"], b.const_ints([-1]), axis=0))
+    _epilogue(b, v, heads)
+
+
+def _attention(b: _Body, v: dict[str, str]) -> None:
+    # q: [B, Sq, H*2*D] -> [B, H, 2, Sq, D] -> maps [B, H, Sq, D]
+    q_shape = b.op("Concat", b.const_ints([0, 0]), v["H"], b.const_ints([2]), v["D"], axis=0)
+    q = b.op("Transpose", b.op("Reshape", v["query"], q_shape), perm=[0, 2, 3, 1, 4])
+    q = b.op("Mul", q, v["scale"])
+    q1, q2 = (b.op("Squeeze", t, b.const_ints([2])) for t in b.op("Split", q, axis=2, num_outputs=2, outputs=2))
+    # k: [B, Skv, Hkv*M*D] -> [B, Hkv, M, Skv, D]; map 2 reads key M-1 (its own for V1, the shared one for V2)
+    k_shape = b.op("Concat", b.const_ints([0, 0]), v["Hkv"], b.const_ints([-1]), v["D"], axis=0)
+    k = b.op("Transpose", b.op("Reshape", v["key"], k_shape), perm=[0, 2, 3, 1, 4])
+    maps = b.op("Slice", b.op("Shape", k), b.const_ints([2]), b.const_ints([3]))
+    k2_index = b.op("Squeeze", b.op("Sub", maps, b.const_ints([1])), b.const_ints([0]))
+    k1 = b.op("Gather", k, b.op("Constant", value_int=0), axis=2)
+    k2 = b.op("Gather", k, k2_index, axis=2)
+    val = b.op("Reshape", v["value"], b.op("Concat", b.const_ints([0, 0]), v["Hkv"], b.const_ints([-1]), axis=0))
+    val = b.op("Transpose", val, perm=[0, 2, 1, 3])  # [B, Hkv, Skv, Dv]
+    mask = _visible_mask(b, v)
+    o1 = b.op("Attention", q1, k1, val, mask, scale=1.0)
+    o2 = b.op("Attention", q2, k2, val, mask, scale=1.0)
+    lam = _lambda_grouped(b, v, [-1, 1])  # [B, Hkv, rep, Sq, 1]
+    lam = b.op("Reshape", lam, b.op("Concat", b.const_ints([0]), v["H"], b.const_ints([-1, 1]), axis=0))
+    _epilogue(b, v, b.op("Sub", o1, b.op("Mul", lam, o2)))
+
+
+def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None) -> onnx.FunctionProto:
+    """The FunctionProto `diffexport.DiffAttention` in the given body style, importing the model's
+    default-domain opset (checkers require the function and the model to agree)."""
+    if style not in BODY_STYLES:
+        raise DiffExportError(f"unknown function body style {style!r}; choose one of {list(BODY_STYLES)}")
+    opset = MIN_OPSET[style] if opset is None else opset
+    if opset < MIN_OPSET[style]:
+        raise DiffExportError(f"the {style} function body needs opset >= {MIN_OPSET[style]}, got {opset}")
+    b = _Body()
+    values = _common_prologue(b)
+    (_decomposed if style == "decomposed" else _attention)(b, values)
+    required = [a.name for a in contract.ATTRIBUTES if a.default is None]
+    fn = helper.make_function(
+        contract.ONNX_DOMAIN, contract.OP_NAME,
+        inputs=list(contract.INPUT_NAMES), outputs=[t.name for t in contract.OUTPUTS], nodes=b.nodes,
+        opset_imports=[helper.make_opsetid("", opset)], attributes=required,
+        attribute_protos=_attribute_defaults(),
+        doc_string=f"DiffAttention v{contract.OP_VERSION} in standard ONNX ops ({style} body); "
+                   "see docs/OP_SPEC.md",
+    )
+    return fn

@@ -1,0 +1,75 @@
+"""Dtype-aware comparison of a runtime's output with an eager reference (docs/NUMERICS policy).
+
+fp32: max |out - ref| <= 1e-5 * max(1, max|ref|).
+fp16 / bf16 (flash-attention's rule): max |out - ref| <= 2 * max |baseline - ref| + atol, where
+ref is the computation in fp32 on the same low-precision weights and baseline is plain PyTorch
+in the low-precision dtype; plus a cosine floor, because differential attention subtracts two
+similar maps and relative errors of small outputs mean nothing.
+NaN or inf never passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+FP32_RTOL_OF_SCALE = 1e-5
+LOWPREC_ATOL_OF_SCALE = {"float16": 1e-3, "bfloat16": 8e-3}
+MIN_COSINE = {"float32": 0.99999, "float16": 0.9999, "bfloat16": 0.999}
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+@dataclasses.dataclass
+class Comparison:
+    name: str
+    max_abs: float
+    mean_abs: float
+    cosine: float
+    bound: float  # what max_abs had to stay under
+    baseline_max_abs: float | None
+    finite: bool
+    min_cosine: float
+
+    @property
+    def passed(self) -> bool:
+        return self.finite and self.max_abs <= self.bound and self.cosine >= self.min_cosine
+
+    def line(self) -> str:
+        base = "" if self.baseline_max_abs is None else f"  (torch low-precision baseline {self.baseline_max_abs:.2e})"
+        verdict = "PASS" if self.passed else ("FAIL (non-finite)" if not self.finite else "FAIL")
+        return (f"{self.name:<18s} max abs {self.max_abs:.2e} (bound {self.bound:.2e})  mean abs {self.mean_abs:.2e}"
+                f"  cosine {self.cosine:.7f}{base}  {verdict}")
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    denom = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(np.dot(a, b) / denom) if denom > 0 else (1.0 if not a.any() and not b.any() else 0.0)
+
+
+def compare(name: str, out: np.ndarray, ref: np.ndarray, dtype: str, baseline: np.ndarray | None = None) -> Comparison:
+    """Compare `out` (the runtime) with `ref`; `baseline` is required for fp16/bf16."""
+    out64, ref64 = np.asarray(out, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
+    if out64.shape != ref64.shape:
+        raise ValueError(f"{name}: shapes differ, {np.shape(out)} vs {np.shape(ref)}")
+    finite = bool(np.isfinite(out64).all())
+    diff = np.abs(out64 - ref64)
+    scale = max(1.0, float(np.abs(ref64).max(initial=0.0)))
+    base_err = None
+    if dtype == "float32":
+        bound = FP32_RTOL_OF_SCALE * scale
+    else:
+        if baseline is None:
+            raise ValueError(f"{name}: a {dtype} comparison needs the low-precision baseline")
+        base_err = float(np.abs(np.asarray(baseline, np.float64).ravel() - ref64).max(initial=0.0))
+        bound = 2 * base_err + LOWPREC_ATOL_OF_SCALE[dtype] * scale
+    return Comparison(name=name, max_abs=float(diff.max(initial=0.0)) if finite else float("inf"),
+                      mean_abs=float(diff.mean()) if finite else float("inf"),
+                      cosine=_cosine(out64, ref64) if finite else 0.0, bound=bound,
+                      baseline_max_abs=base_err, finite=finite, min_cosine=MIN_COSINE[dtype])
+
+
+def elementwise_atol(comparisons: list[Comparison], dtype: str, ref_max: float) -> float:
+    """An atol for polygraphy's elementwise check against the saved reference (cast to `dtype`):
+    the largest bound, plus the rounding of the reference into `dtype`."""
+    return max(c.bound for c in comparisons) + UNIT_ROUNDOFF[dtype] * max(1.0, ref_max)

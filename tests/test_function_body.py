@@ -1,0 +1,122 @@
+"""The ONNX function body of DiffAttention, alone in a one-node model, in onnxruntime vs the NumPy oracle."""
+
+import inspect
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from onnx import TensorProto, helper  # noqa: E402
+
+from diffexport import contract  # noqa: E402
+from diffexport.contract import DiffAttentionAttrs  # noqa: E402
+from diffexport.export import function_body, op_schema  # noqa: E402
+from helpers import make_inputs  # noqa: E402
+from oracle import diff_attention_oracle  # noqa: E402
+
+ELEM = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
+
+
+def one_node_model(attrs: DiffAttentionAttrs, style: str, tensors: dict, dtype=torch.float32):
+    """A model whose only node is DiffAttention, with the function attached (what the exporter ships)."""
+    fn = function_body.build_function(style)
+    names = [n for n in contract.INPUT_NAMES if tensors.get(n) is not None]
+    node = helper.make_node(contract.OP_NAME, names, ["output"], domain=contract.ONNX_DOMAIN,
+                            plugin_namespace=contract.PLUGIN_NAMESPACE, plugin_version=contract.PLUGIN_VERSION,
+                            **attrs.as_dict())
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT if n == "norm_weight" else ELEM[dtype],
+                                            [None] * tensors[n].dim()) for n in names]
+    graph = helper.make_graph([node], "diff_attention", inputs,
+                              [helper.make_tensor_value_info("output", ELEM[dtype], [None] * 3)])
+    model = helper.make_model(graph, functions=[fn], ir_version=10,
+                              opset_imports=[helper.make_opsetid("", fn.opset_import[0].version),
+                                             helper.make_opsetid(contract.ONNX_DOMAIN, contract.OP_VERSION)])
+    onnx.checker.check_model(model, full_check=True)
+    return model, names
+
+
+def run_one_node(attrs, style, tensors, dtype=torch.float32):
+    model, names = one_node_model(attrs, style, tensors, dtype)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {n: tensors[n].numpy() for n in names})[0]
+
+
+def oracle(attrs, tensors):
+    return diff_attention_oracle(*(None if tensors.get(n) is None else tensors[n].double().numpy()
+                                   for n in contract.INPUT_NAMES), **attrs.as_dict())
+
+
+CASES = [  # variant, kv-groups, causal, (q_len, kv_len), with norm weight
+    (variant, hkv, causal, lengths, weight)
+    for variant, hkv, causal, lengths, weight in itertools.product(
+        (1, 2), (1, 2, 4), (0, 1), ((1, 1), (17, 17), (5, 33), (33, 5)), (True, False))
+    if not (causal and lengths[0] > lengths[1])
+]
+
+
+@pytest.mark.parametrize("style", function_body.BODY_STYLES)
+@pytest.mark.parametrize("variant,hkv,causal,lengths,weight", CASES)
+def test_body_matches_oracle_fp32(style, variant, hkv, causal, lengths, weight, rng):
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=hkv, head_dim=8, causal=causal,
+                               norm=1 if variant == 1 else 0, output_scale=0.65 if variant == 1 else 1.0,
+                               scale=0.0 if weight else 0.3)
+    tensors = dict(zip(contract.INPUT_NAMES, make_inputs(attrs, 2, *lengths, rng=rng, norm_weight=weight)))
+    out = run_one_node(attrs, style, tensors)
+    ref = oracle(attrs, tensors)
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("style", function_body.BODY_STYLES)
+def test_body_fp16_keeps_fp32_accuracy(style, rng):
+    """fp16 inputs: the body computes in fp32, so only the final rounding to fp16 remains."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=4, num_kv_heads=2, head_dim=16, output_scale=0.5)
+    tensors = dict(zip(contract.INPUT_NAMES, make_inputs(attrs, 2, 37, 37, rng=rng, dtype=torch.float16)))
+    out = run_one_node(attrs, style, tensors, dtype=torch.float16)
+    assert out.dtype == np.float16
+    ref = oracle(attrs, tensors)
+    assert np.abs(out.astype(np.float64) - ref).max() <= 2.0**-11 * np.abs(ref).max() + 1e-4
+
+
+def test_contract_defaults_apply_when_the_node_omits_them(rng):
+    """A node carrying only the required attributes runs with the contract's defaults."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    tensors = dict(zip(contract.INPUT_NAMES, make_inputs(attrs, 1, 9, 9, rng=rng)))
+    model, names = one_node_model(attrs, "decomposed", tensors)
+    node = model.graph.node[0]
+    keep = [a for a in node.attribute if a.name in ("num_heads", "num_kv_heads", "head_dim")]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = session.run(None, {n: tensors[n].numpy() for n in names})[0]
+    assert np.abs(out - oracle(attrs, tensors)).max() <= 1e-5 * 10
+
+
+def test_attention_body_needs_opset_23():
+    from diffexport.errors import DiffExportError
+
+    with pytest.raises(DiffExportError, match="opset >= 23"):
+        function_body.build_function("attention", opset=18)
+    with pytest.raises(DiffExportError, match="unknown function body"):
+        function_body.build_function("fused")
+
+
+def test_translation_follows_the_contract():
+    fn = next(iter(op_schema.translation_table().values()))
+    params = list(inspect.signature(fn).parameters)
+    assert params == [*contract.INPUT_NAMES, *contract.ATTRIBUTE_NAMES]
+
+
+def test_schema_is_registered_once_and_types_the_weight_fp32():
+    op_schema.register_schema()
+    op_schema.register_schema()
+    schema = onnx.defs.get_schema(contract.OP_NAME, contract.OP_VERSION, contract.ONNX_DOMAIN)
+    assert [i.name for i in schema.inputs] == list(contract.INPUT_NAMES)
+    weight = schema.inputs[contract.INPUT_NAMES.index("norm_weight")]
+    allowed = {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints}
+    assert allowed[weight.type_str] == ["tensor(float)"]
+    assert set(schema.attributes) >= set(contract.ATTRIBUTE_NAMES) | {"plugin_namespace", "plugin_version"}
