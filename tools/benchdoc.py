@@ -1,0 +1,62 @@
+"""Shared by the benchmark tools: hardware/commit stamp and replacing a tool's section in docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+HEADER = """# Benchmarks
+
+Every table here is written by a tool in `tools/`, with the command that produced it, the date,
+the hardware and the commit. Rerun the command to refresh a section; the tool replaces it.
+Nothing here is a test: tests never time anything.
+"""
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def stamp() -> str:
+    """Date, hardware, software and commit, as one markdown paragraph."""
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=DOC.parent, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=DOC.parent).stdout.strip()
+        commit += " (with uncommitted changes)" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    try:
+        import onnxruntime
+
+        ort = f", onnxruntime {onnxruntime.__version__}"
+    except ImportError:
+        ort = ""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    return (f"Date {datetime.date.today().isoformat()}; {cpu_name()}, {os.cpu_count()} cores, {memory:.0f} GiB; "
+            f"torch {torch.__version__}{ort}, Python {platform.python_version()}; commit {commit}.")
+
+
+def write_section(key: str, body: str) -> Path:
+    """Replace (or append) the section between the markers of `key` in docs/BENCHMARKS.md."""
+    start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
+    text = DOC.read_text() if DOC.exists() else HEADER
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(text)
+    return DOC
