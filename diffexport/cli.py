@@ -104,23 +104,28 @@ def cmd_check(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The main job on the built-in default model: export to ONNX, run it in ONNX Runtime (CPU), check against eager."""
+    """The main job on the built-in default model: export to ONNX, run it in ONNX Runtime (CPU), check against eager.
+
+    Prints the model summary, the op-vs-Eq.-1 self-check, the export summary and the check report.
+    """
     import tempfile
     from pathlib import Path
 
     from diffexport.check import CheckOptions, run_check
     from diffexport.export import ExportOptions, export_onnx
-    from diffexport.summary import describe
+    from diffexport.summary import describe, self_check
 
     loaded = _load(args)
     print(describe(loaded))
+    op_ok, op_report = self_check(loaded.model, seed=args.seed)  # the op vs eager Eq. 1, before exporting it
+    print(op_report)
     out_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="diffexport-demo-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(), log=_log)
     print(summary.report())
     report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=_log)
     print(report.text())
-    return 0 if report.passed else 1
+    return 0 if report.passed and op_ok else 1
 
 
 COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "demo": cmd_demo, "info": cmd_info, "presets": cmd_presets}

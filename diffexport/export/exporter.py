@@ -234,13 +234,8 @@ def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: s
 
 # ---------------------------------------------------------------- publish
 
-def _weight_bytes(model_ir) -> tuple[int, int]:
-    params = nbytes = 0
-    for value in model_ir.graph.initializers.values():
-        if value.const_value is not None:
-            params += value.const_value.size
-            nbytes += value.const_value.nbytes
-    return params, nbytes
+def _weight_bytes(model_ir) -> int:
+    return sum(v.const_value.nbytes for v in model_ir.graph.initializers.values() if v.const_value is not None)
 
 
 def _save(model_ir, tmp_model: Path, external: bool, log: Callable[[str], None]) -> None:
@@ -286,7 +281,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     with torch.no_grad():
         model_ir = (_trace_legacy if options.legacy else _trace_dynamo)(model, options)
     count = _finish(model_ir, loaded, options, weights_id)
-    params, nbytes = _weight_bytes(model_ir)
+    nbytes = _weight_bytes(model_ir)
     external = nbytes > PROTOBUF_LIMIT - 64 * 1024**2 if options.external_data is None else options.external_data
     log(f"writing       {out_path}" + (" with external data" if external else ""))
     tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp"))
@@ -308,6 +303,6 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     graph = onnx.load(str(out_path), load_external_data=False).graph
     file_bytes = out_path.stat().st_size + (data_path.stat().st_size if data_path else 0)
     return ExportSummary(path=out_path, data_path=data_path, nodes=len(graph.node), diff_attention_nodes=count,
-                         parameters=params, weight_bytes=nbytes, file_bytes=file_bytes,
+                         parameters=model.num_parameters(), weight_bytes=nbytes, file_bytes=file_bytes,
                          opset=options.resolved_opset(), dtype=options.dtype, body_style=options.body_style,
                          exporter=exporter, seconds=time.monotonic() - start)
