@@ -23,15 +23,22 @@ def _add_model_source(parser: argparse.ArgumentParser, positional: bool = True) 
     parser.add_argument("--seed", type=int, default=0, help="seed for random preset weights")
 
 
-def _load(args, device: str = "cpu", dtype: str | None = None):
+def _load(args, device: str = "cpu", dtype: str | None = None, default_model: bool = True):
+    """The model the arguments name; with none named, the default preset (or an error where a
+    silent random model would surprise: export and check)."""
+    import torch
+
     from diffexport.checkpoint import load_config_file, load_model
+    from diffexport.errors import DiffExportError
     from diffexport.presets import DEFAULT_PRESET
 
     config = load_config_file(args.config) if args.config else None
     preset = args.preset
     if args.ckpt is None and preset is None and config is None:
+        if not default_model:
+            raise DiffExportError(f"name the model: a checkpoint{' (--ckpt)' if args.command == 'check' else ''} "
+                                  f"or --preset NAME (e.g. --preset {DEFAULT_PRESET} for a seeded random model)")
         preset = DEFAULT_PRESET
-    import torch
 
     return load_model(args.ckpt, preset=preset, config=config, layout=args.layout, seed=args.seed,
                       device=device, dtype=getattr(torch, dtype) if dtype else None)
@@ -77,7 +84,7 @@ def cmd_onnx(args) -> int:
 
     options = _export_options(args)
     check_target(Path(args.output), options)  # before loading a possibly big checkpoint
-    loaded = _load(args, dtype=options.dtype)
+    loaded = _load(args, dtype=options.dtype, default_model=False)
     summary = export_onnx(loaded, args.output, options, log=_log)
     print(summary.report())
     return 0
@@ -98,7 +105,7 @@ def cmd_check(args) -> int:
     from diffexport.check import read_export_metadata, run_check
 
     read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
-    report = run_check(args.model, _load(args), _check_options(args), log=_log)
+    report = run_check(args.model, _load(args, default_model=False), _check_options(args), log=_log)
     print(report.text())
     return 0 if report.passed else 1
 

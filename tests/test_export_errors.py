@@ -140,3 +140,12 @@ def test_failed_check_of_the_graph_leaves_an_older_export_intact(tmp_path, monke
         export_onnx(loaded, tmp_path / "model.onnx", log=lambda _: None)
     assert good.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
+
+
+@pytest.mark.parametrize("command", [["onnx", "-o", "x.onnx"], ["check", "x.onnx"]])
+def test_a_model_must_be_named(command, tmp_path, tiny):
+    """No silent random model: export and check need a checkpoint or --preset."""
+    _, model = tiny
+    args = [model if a == "x.onnx" and command[0] == "check" else tmp_path / a if a == "x.onnx" else a
+            for a in command]
+    _assert_one_line_error(_cli(*args), "name the model")

@@ -96,6 +96,16 @@ def test_bad_shapes_are_refused(change, message):
                 tensors["norm_weight"], attrs)
 
 
+def test_norm_weight_must_be_float32():
+    """The contract types norm_weight float32 whatever the activation dtype (docs/OP_SPEC.md)."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    q, k, v = torch.randn(2, 5, 64).half(), torch.randn(2, 5, 32).half(), torch.randn(2, 5, 32).half()
+    lam = torch.tensor([0.5]).half()
+    with pytest.raises(DiffExportError, match="norm_weight must be float32"):
+        op.call(q, k, v, lam, torch.ones(32).half(), attrs)
+    assert op.call(q, k, v, lam, torch.ones(32), attrs).dtype == torch.float16
+
+
 @pytest.mark.parametrize("values,message", [
     (dict(variant=3), "variant"),
     (dict(num_kv_heads=3), "must divide"),
