@@ -77,8 +77,9 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("key", ("B", "Skv", "Kw"), "rotated keys; Kw = 2*Hkv*D (V1: K1, K2 per group) or Hkv*D (V2)"),
     TensorSpec("value", ("B", "Skv", "Hkv*Dv"), "values; Dv = 2*D (V1) or D (V2)"),
     TensorSpec("lambda_full", ("L",), "V1: shape [1], the layer's lambda; V2: shape [B, Sq, H], after sigmoid"),
-    TensorSpec("norm_weight", ("2*D",), "per-head RMSNorm weight (V1, norm=1), float32 whatever T is "
-               "(the norm runs in fp32); omit for a weightless norm", optional=True, dtype="float32"),
+    TensorSpec("norm_weight", ("Dv",), "per-channel weight of every diff-head, applied after the RMSNorm "
+               "(or alone when norm=0); float32 whatever T is; all ones where the model has none",
+               dtype="float32"),
 )
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("output", ("B", "Sq", "H*Dv"), "diff-heads concatenated, ready for the output projection"),
@@ -162,7 +163,7 @@ def check_shapes(
     key: tuple[int, ...],
     value: tuple[int, ...],
     lambda_full: tuple[int, ...],
-    norm_weight: tuple[int, ...] | None,
+    norm_weight: tuple[int, ...],
 ) -> tuple[int, int, int]:
     """Validate input shapes against the attributes; return the output shape (B, Sq, H*Dv)."""
     H, Hkv, D, Dv = attrs.num_heads, attrs.num_kv_heads, attrs.head_dim, attrs.value_dim
@@ -189,9 +190,8 @@ def check_shapes(
     if tuple(lambda_full) != expected_lambda:
         raise DiffExportError(f"lambda_full shape {list(lambda_full)} != {list(expected_lambda)} "
                               f"for variant {attrs.variant}")
-    if norm_weight is not None:
-        if not attrs.norm:
-            raise DiffExportError("norm_weight given but norm=0")
-        if tuple(norm_weight) != (Dv,):
-            raise DiffExportError(f"norm_weight shape {list(norm_weight)} != [{Dv}]")
+    if norm_weight is None:
+        raise DiffExportError("norm_weight is required (pass all ones where the model has no weight)")
+    if tuple(norm_weight) != (Dv,):
+        raise DiffExportError(f"norm_weight shape {list(norm_weight)} != [{Dv}]")
     return (B, Sq, H * Dv)

@@ -37,7 +37,7 @@ def diff_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     lambda_full: torch.Tensor,
-    norm_weight: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
     variant: int,
     num_heads: int,
     num_kv_heads: int,
@@ -50,10 +50,10 @@ def diff_attention(
 ) -> torch.Tensor:
     attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm,
                             norm_eps, output_scale)
-    if norm_weight is not None and norm_weight.dtype not in (torch.float32, torch.float64):
-        raise DiffExportError(f"norm_weight must be float32 (the norm runs in fp32), got {norm_weight.dtype}")
     contract.check_shapes(attrs, _shape(query), _shape(key), _shape(value), _shape(lambda_full),
                           _shape(norm_weight))
+    if norm_weight.dtype not in (torch.float32, torch.float64):
+        raise DiffExportError(f"norm_weight must be float32 (the norm runs in fp32), got {norm_weight.dtype}")
     return flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs)
 
 

@@ -20,8 +20,9 @@ def make_inputs(attrs: DiffAttentionAttrs, batch, q_len, kv_len, *, dtype=torch.
         lam = (0.2 + 0.6 * torch.rand(1, generator=rng)).to(dtype)
     else:
         lam = torch.sigmoid(torch.randn(batch, q_len, H, generator=rng)).to(dtype)
-    # norm_weight is float32 whatever the activation dtype (the contract's choice: the norm runs in fp32)
-    weight = (1 + 0.5 * torch.randn(attrs.value_dim, generator=rng)) if (norm_weight and attrs.norm) else None
+    # norm_weight is float32 whatever the activation dtype (the contract's choice: the norm runs in fp32);
+    # norm_weight=False gives the all-ones weight of a model that has none
+    weight = 1 + 0.5 * torch.randn(attrs.value_dim, generator=rng) if norm_weight else torch.ones(attrs.value_dim)
     return query, key, value, lam, weight
 
 
@@ -61,8 +62,8 @@ def lowprec_baseline(query, key, value, lam, weight, attrs):
     o = (amap(q1, k1) - lam4 * amap(q2, k2)) @ v
     if attrs.norm:
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + attrs.norm_eps)
-        if weight is not None:
-            o = o * weight.to(o.dtype)
+    if weight is not None:
+        o = o * weight.to(o.dtype)
     o = o * attrs.output_scale
     B, H, S, Dv = o.shape
     return o.transpose(1, 2).reshape(B, S, H * Dv)

@@ -45,7 +45,7 @@ def diff_attention_oracle(query, key, value, lambda_full, norm_weight, *, varian
             o = (a1 - lam * a2) @ vg
             if norm:
                 o = o / np.sqrt((o ** 2).mean(axis=-1, keepdims=True) + norm_eps)
-                if norm_weight is not None:
-                    o = o * np.asarray(norm_weight, dtype=np.float64)
+            if norm_weight is not None:  # per-channel weight, after the norm or alone
+                o = o * np.asarray(norm_weight, dtype=np.float64)
             out[b, :, h * Dv:(h + 1) * Dv] = o * output_scale
     return out

@@ -96,6 +96,15 @@ def test_bad_shapes_are_refused(change, message):
                 tensors["norm_weight"], attrs)
 
 
+@pytest.mark.parametrize("norm", [0, 1])
+def test_norm_weight_is_always_required(norm):
+    """Five inputs always (all-ones weight where a model has none): the plugin's input list is fixed."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=16, norm=norm)
+    q, k, v, lam = torch.randn(2, 5, 64), torch.randn(2, 5, 32), torch.randn(2, 5, 32), torch.tensor([0.5])
+    with pytest.raises(DiffExportError, match="norm_weight is required"):
+        op.call(q, k, v, lam, None, attrs)
+
+
 def test_norm_weight_must_be_float32():
     """The contract types norm_weight float32 whatever the activation dtype (docs/OP_SPEC.md)."""
     attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=16)

@@ -188,10 +188,7 @@ def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, *attr_value
     for spec, value_ in zip(contract.ATTRIBUTES, attr_values):
         parsed = symbolic_helper._maybe_get_const(value_, "i" if spec.kind == "int" else "f")
         attrs[f"{spec.name}_{'i' if spec.kind == 'int' else 'f'}"] = parsed
-    inputs = [query, key, value, lambda_full]
-    if not symbolic_helper._is_none(norm_weight):
-        inputs.append(norm_weight)
-    out = g.op(f"{contract.ONNX_DOMAIN}::{contract.OP_NAME}", *inputs, **attrs)
+    out = g.op(f"{contract.ONNX_DOMAIN}::{contract.OP_NAME}", query, key, value, lambda_full, norm_weight, **attrs)
     width = attrs["num_heads_i"] * attrs["head_dim_i"] * (2 if attrs["variant_i"] == 1 else 1)
     out.setType(query.type().with_sizes([None, None, width]))
     return out

@@ -12,8 +12,8 @@ functions by name only, so per-configuration overloads would be unsafe there):
   - lambda [1] (V1) and [B, Sq, H] (V2) are both expanded to [B, Sq, H];
   - the causal mask is always bottom-right (query i sees key j <= i + Skv - Sq), OR-ed with
     `not causal`;
-  - the optional norm_weight is tested with OptionalHasElement (opset 18 accepts a plain tensor
-    and answers false for a missing input) and applied inside an If.
+  - norm_weight is always an input (all ones where a model has none), so there is no presence
+    test: TensorRT's parser can inline this body when our plugin is not loaded.
 Everything is computed in fp32 (inputs are cast up, the output is cast back like the query):
 fp16 softmax sums overflow at long key lengths.
 
@@ -31,6 +31,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from diffexport import contract
+from diffexport.contract import DiffAttentionAttrs
 from diffexport.errors import DiffExportError
 
 BODY_STYLES = ("decomposed", "attention")
@@ -80,9 +81,13 @@ def _attribute_defaults() -> list[onnx.AttributeProto]:
     return protos
 
 
-def _common_prologue(b: _Body) -> dict[str, str]:
-    """Attributes, sizes and fp32 copies of the inputs shared by both body styles."""
-    names = {a.name: b.attr_ref(a.name, a.kind) for a in contract.ATTRIBUTES if a.name != "variant"}
+def _common_prologue(b: _Body, attrs: DiffAttentionAttrs | None) -> dict[str, str]:
+    """Attributes (references, or constants when lowering one node), sizes and fp32 copies of the inputs."""
+    if attrs is None:
+        names = {a.name: b.attr_ref(a.name, a.kind) for a in contract.ATTRIBUTES if a.name != "variant"}
+    else:
+        names = {a.name: b.op("Constant", **{f"value_{a.kind}": getattr(attrs, a.name)})
+                 for a in contract.ATTRIBUTES if a.name != "variant"}
     heads, kv_heads, head_dim = names["num_heads"], names["num_kv_heads"], names["head_dim"]
     v = {"H": b.dim(heads), "Hkv": b.dim(kv_heads), "D": b.dim(head_dim)}
     v["rep"] = b.dim(b.op("Div", heads, kv_heads))
@@ -123,24 +128,12 @@ def _lambda_grouped(b: _Body, v: dict[str, str], trailing: list[int]) -> str:
 
 
 def _epilogue(b: _Body, v: dict[str, str], heads_out: str) -> None:
-    """[B, H, Sq, Dv] fp32 -> RMSNorm (if norm), weight (if given), output_scale, -> [B, Sq, H*Dv] like query."""
+    """[B, H, Sq, Dv] fp32 -> RMSNorm (if norm), weight, output_scale -> [B, Sq, H*Dv] like the query."""
     mean_sq = b.op("ReduceMean", b.op("Mul", heads_out, heads_out), b.const_ints([-1]), keepdims=1)
     inv_rms = b.op("Reciprocal", b.op("Sqrt", b.op("Add", mean_sq, v["norm_eps"])))
     inv_rms = b.op("Where", v["norm_on"], inv_rms, b.const_float(1.0))
-    normed = b.op("Mul", heads_out, inv_rms)
-    # The optional weight, or ones when the node has none. A missing input may only sit in an
-    # optional slot (a branch of If that reads it is rejected even when not taken), so:
-    # OptionalHasElement tells whether it is there, and Gemm(0, 0, C) returns its optional
-    # bias C (the weight) or zeros.
-    dv = b.op("Slice", b.op("Shape", heads_out), b.const_ints([3]), b.const_ints([4]))
-    row = b.op("Concat", b.const_ints([1]), dv, axis=0)
-    zeros_1x1 = b.op("ConstantOfShape", b.const_ints([1, 1]))  # float32, like norm_weight
-    zeros_1xdv = b.op("ConstantOfShape", row)
-    weight_or_zero = b.op("Gemm", zeros_1x1, zeros_1xdv, "norm_weight")  # [1, Dv]
-    has_weight = b.op("OptionalHasElement", "norm_weight")
-    weight = b.op("Where", has_weight, b.op("Cast", weight_or_zero, to=TensorProto.FLOAT), b.const_float(1.0))
-    weighted = b.op("Where", v["norm_on"], b.op("Mul", normed, weight), normed)
-    scaled = b.op("Mul", weighted, v["output_scale"])
+    weight = b.op("Cast", "norm_weight", to=TensorProto.FLOAT)
+    scaled = b.op("Mul", b.op("Mul", b.op("Mul", heads_out, inv_rms), weight), v["output_scale"])
     bshd = b.op("Transpose", scaled, perm=[0, 2, 1, 3])  # [B, Sq, H, Dv]
     flat = b.op("Reshape", bshd, b.const_ints([0, 0, -1]))
     b.nodes.append(helper.make_node("CastLike", [flat, "query"], ["output"]))
@@ -192,19 +185,24 @@ def _attention(b: _Body, v: dict[str, str]) -> None:
     _epilogue(b, v, b.op("Sub", o1, b.op("Mul", lam, o2)))
 
 
-def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None) -> onnx.FunctionProto:
-    """The FunctionProto `diffexport.DiffAttention` in the given body style, importing the model's
-    default-domain opset (checkers require the function and the model to agree)."""
+def _check_style(style: str, opset: int | None) -> int:
     if style not in BODY_STYLES:
         raise DiffExportError(f"unknown function body style {style!r}; choose one of {list(BODY_STYLES)}")
     opset = MIN_OPSET[style] if opset is None else opset
     if opset < MIN_OPSET[style]:
         raise DiffExportError(f"the {style} function body needs opset >= {MIN_OPSET[style]}, got {opset}")
+    return opset
+
+
+def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None) -> onnx.FunctionProto:
+    """The FunctionProto `diffexport.DiffAttention` in the given body style, importing the model's
+    default-domain opset (checkers require the function and the model to agree)."""
+    opset = _check_style(style, opset)
     b = _Body()
-    values = _common_prologue(b)
+    values = _common_prologue(b, None)
     (_decomposed if style == "decomposed" else _attention)(b, values)
     required = [a.name for a in contract.ATTRIBUTES if a.default is None]
-    fn = helper.make_function(
+    return helper.make_function(
         contract.ONNX_DOMAIN, contract.OP_NAME,
         inputs=list(contract.INPUT_NAMES), outputs=[t.name for t in contract.OUTPUTS], nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)], attributes=required,
@@ -212,4 +210,15 @@ def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None) ->
         doc_string=f"DiffAttention v{contract.OP_VERSION} in standard ONNX ops ({style} body); "
                    "see docs/OP_SPEC.md",
     )
-    return fn
+
+
+def build_specialised_function(attrs: DiffAttentionAttrs, style: str, opset: int, domain: str,
+                               name: str) -> onnx.FunctionProto:
+    """The body for ONE node with its attributes as constants: what the lowering pass inlines for
+    runtimes without function support (constant folding then removes the attribute plumbing)."""
+    opset = _check_style(style, opset)
+    b = _Body()
+    values = _common_prologue(b, attrs)
+    (_decomposed if style == "decomposed" else _attention)(b, values)
+    return helper.make_function(domain, name, inputs=list(contract.INPUT_NAMES), outputs=[t.name for t in contract.OUTPUTS],
+                                nodes=b.nodes, opset_imports=[helper.make_opsetid("", opset)], attributes=[])

@@ -80,7 +80,8 @@ class DiffV1Attention(nn.Module):
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
         v = self.v_proj(x)
         lam = self.lambda_full().to(x.dtype)
-        weight = None if self.head_norm.weight is None else self.head_norm.weight.float()  # fp32 by contract
+        weight = self.head_norm.weight  # the contract wants it fp32, and all ones for a weightless norm
+        weight = torch.ones(2 * D, device=x.device) if weight is None else weight.float()
         if self.impl == "op":
             out = op.call(q, k, v, lam, weight, self.attrs)
         else:

@@ -53,7 +53,7 @@ class DiffV2Attention(nn.Module):
         v = self.v_proj(x)
         lam = torch.sigmoid(self.lambda_proj(x))  # (B, T, H): per token, per head
         if self.impl == "op":
-            out = op.call(q, k, v, lam, None, self.attrs)
+            out = op.call(q, k, v, lam, torch.ones(D, device=x.device), self.attrs)  # V2 has no weight
         else:
             out = reference.naive_diff_attention(q, k, v, lam, None, self.attrs)
         return self.o_proj(out)  # out: (B, T, H * D)

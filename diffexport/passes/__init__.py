@@ -1,0 +1,1 @@
+"""Graph passes on ONNX models: lowering DiffAttention to standard ops, and cleanup."""

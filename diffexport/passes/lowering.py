@@ -1,0 +1,84 @@
+"""Lower every DiffAttention node to standard ONNX ops, specialised to that node.
+
+For runtimes that run neither our plugin nor model-local functions: each node gets a body with
+its attributes as constants, inlined in place; the cleanup pass then folds the attribute plumbing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+import onnx.inliner
+
+from diffexport import contract
+from diffexport.contract import DiffAttentionAttrs
+from diffexport.errors import DiffExportError
+from diffexport.export.function_body import BODY_STYLES, MIN_OPSET, build_specialised_function
+
+_LOWERED_DOMAIN = "diffexport.lowered"  # private: gone again once inlined
+PLUGIN_FIELDS = ("plugin_namespace", "plugin_version")
+
+
+@dataclasses.dataclass
+class LoweringResult:
+    model: onnx.ModelProto
+    lowered: int
+
+
+def is_diff_attention(node: onnx.NodeProto) -> bool:
+    return node.op_type == contract.OP_NAME and node.domain == contract.ONNX_DOMAIN
+
+
+def node_attrs(node: onnx.NodeProto) -> DiffAttentionAttrs:
+    """The contract attributes of a DiffAttention node (plugin fields left aside), validated."""
+    values = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name not in PLUGIN_FIELDS}
+    try:
+        return DiffAttentionAttrs.from_mapping(values)
+    except DiffExportError as exc:
+        raise DiffExportError(f"DiffAttention node {node.name or '(unnamed)'}: {exc}") from None
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def lower_diff_attention(model: onnx.ModelProto, style: str = "decomposed") -> LoweringResult:
+    """A copy of `model` with every DiffAttention node replaced by its specialised standard-op body."""
+    if style not in BODY_STYLES:
+        raise DiffExportError(f"unknown body style {style!r}; choose one of {list(BODY_STYLES)}")
+    opset = _default_opset(model)
+    if opset < MIN_OPSET[style]:
+        raise DiffExportError(f"lowering to the {style} body needs the model at opset >= {MIN_OPSET[style]}, "
+                              f"it imports opset {opset}")
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    selected = []
+    for index, node in enumerate(model.graph.node):
+        if not is_diff_attention(node):
+            continue
+        attrs = node_attrs(node)
+        if len(node.input) != len(contract.INPUTS) or not all(node.input):
+            raise DiffExportError(f"DiffAttention node {node.name or index} has inputs {list(node.input)}; "
+                                  f"the contract needs {list(contract.INPUT_NAMES)}")
+        name = f"DiffAttention_{index}"
+        model.functions.append(build_specialised_function(attrs, style, opset, _LOWERED_DOMAIN, name))
+        del node.attribute[:]
+        node.op_type, node.domain = name, _LOWERED_DOMAIN
+        selected.append((_LOWERED_DOMAIN, name))
+    if not selected:
+        return LoweringResult(model, 0)
+    model.opset_import.append(onnx.helper.make_opsetid(_LOWERED_DOMAIN, 1))
+    model = onnx.inliner.inline_selected_functions(model, selected, exclude=False)
+    _drop_unused(model)
+    return LoweringResult(model, len(selected))
+
+
+def _drop_unused(model: onnx.ModelProto) -> None:
+    """Remove the generic function and opset imports no node refers to any more."""
+    used = {n.domain for n in model.graph.node} | {n.domain for f in model.functions for n in f.node}
+    keep = [f for f in model.functions if f.domain in used and f.domain != _LOWERED_DOMAIN]
+    del model.functions[:]
+    model.functions.extend(keep)
+    imports = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
