@@ -110,6 +110,15 @@ def cmd_check(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_inspect(args) -> int:
+    """Describe an ONNX file: opsets, I/O shapes, node histogram, DiffAttention nodes, weights, runnable where."""
+    from diffexport.inspect_onnx import inspect_onnx, render, to_json
+
+    info = inspect_onnx(args.model)
+    print(to_json(info) if args.json else render(info))
+    return 0
+
+
 def cmd_demo(args) -> int:
     """The main job on the built-in default model: export to ONNX, run it in ONNX Runtime (CPU), check against eager.
 
@@ -135,7 +144,8 @@ def cmd_demo(args) -> int:
     return 0 if report.passed and op_ok else 1
 
 
-COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "demo": cmd_demo, "info": cmd_info, "presets": cmd_presets}
+COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
+            "presets": cmd_presets}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
+        if name == "inspect":
+            p.add_argument("model", help="an .onnx file (weights are not loaded)")
+            p.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "check":
             p.add_argument("model", help="the exported .onnx file")
             p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")

@@ -1,0 +1,132 @@
+"""`diffexport inspect`: what an ONNX file holds and which runtimes can run it. Weights are not loaded."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from diffexport import contract
+from diffexport.errors import DiffExportError
+
+
+def _load_graph_only(path: Path):
+    import onnx
+
+    if not path.is_file():
+        raise DiffExportError(f"{path} does not exist or is not a file")
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__})") from None
+
+
+def _dims(value) -> list[Any]:
+    shape = value.type.tensor_type.shape
+    return [d.dim_param or (d.dim_value if d.HasField("dim_value") else "?") for d in shape.dim]
+
+
+def _io(values) -> list[dict]:
+    import onnx
+
+    return [{"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name
+             if v.type.tensor_type.elem_type else "?", "shape": _dims(v)} for v in values]
+
+
+def _weights(model, folder: Path) -> dict:
+    import numpy as np
+    import onnx
+
+    count = nbytes = 0
+    files: dict[str, bool] = {}
+    for init in model.graph.initializer:
+        numel = int(np.prod(init.dims)) if init.dims else 1
+        count += numel
+        nbytes += numel * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            location = next(e.value for e in init.external_data if e.key == "location")
+            files[location] = (folder / location).is_file()
+    return {"parameters": count, "bytes": nbytes, "external_data": files}
+
+
+def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int) -> dict[str, str]:
+    has_body = (contract.ONNX_DOMAIN, contract.OP_NAME) in functions
+    if not nodes:
+        return {"onnxruntime": "yes (standard ops only)", "tensorrt_plugin": "not needed (no DiffAttention)",
+                "tensorrt_native": "yes if TensorRT supports every op"}
+    return {
+        "onnxruntime": "yes: inlines the DiffAttention function body" if has_body else
+                       "no: DiffAttention nodes without a function body (re-export with `diffexport onnx`)",
+        "tensorrt_plugin": (f"ready: {plugin_nodes}/{len(nodes)} nodes carry plugin_namespace for the "
+                            f"DiffAttention plugin (namespace {contract.PLUGIN_NAMESPACE}, version "
+                            f"{contract.PLUGIN_VERSION}), which this diffexport version does not build yet")
+                           if plugin_nodes else
+                           "no: the nodes carry no plugin_namespace",
+        "tensorrt_native": "yes: without the plugin TensorRT's parser inlines the function body (checked with "
+                           "TensorRT-RTX)" if has_body else "no: nothing to inline",
+    }
+
+
+def inspect_onnx(path: str | os.PathLike) -> dict:
+    """A JSON-able description of the model at `path`."""
+    import onnx
+
+    path = Path(path)
+    model = _load_graph_only(path)
+    histogram = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node)
+    diff_nodes = []
+    plugin_nodes = 0
+    for node in model.graph.node:
+        if node.op_type == contract.OP_NAME and node.domain == contract.ONNX_DOMAIN:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            order = [*contract.ATTRIBUTE_NAMES, "plugin_namespace", "plugin_version"]
+            attrs = {k: v.decode() if isinstance(v, bytes) else v
+                     for k, v in sorted(attrs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)}
+            plugin_nodes += "plugin_namespace" in attrs
+            diff_nodes.append({"name": node.name, "inputs": list(node.input), "attributes": attrs})
+    functions = {(f.domain, f.name) for f in model.functions}
+    return {
+        "path": str(path),
+        "ir_version": model.ir_version,
+        "producer": f"{model.producer_name} {model.producer_version}".strip(),
+        "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        "inputs": _io(model.graph.input),
+        "outputs": _io(model.graph.output),
+        "nodes": len(model.graph.node),
+        "histogram": dict(histogram.most_common()),
+        "functions": [f"{d}.{n}" for d, n in sorted(functions)],
+        "diff_attention": diff_nodes,
+        "weights": _weights(model, path.parent),
+        "metadata": {p.key: p.value for p in model.metadata_props if p.key.startswith("diffexport.")},
+        "runtimes": _runtimes(diff_nodes, functions, plugin_nodes),
+    }
+
+
+def render(info: dict) -> str:
+    """Plain text of inspect_onnx's result."""
+    lines = [f"file          {info['path']} (IR {info['ir_version']}, producer {info['producer'] or '?'})",
+             "opsets        " + ", ".join(f"{d} {v}" for d, v in info["opsets"].items())]
+    for kind in ("inputs", "outputs"):
+        for value in info[kind]:
+            shape = "[" + ", ".join(str(d) for d in value["shape"]) + "]"
+            lines.append(f"{kind[:-1]:<13s} {value['name']} {value['dtype']} {shape}")
+    w = info["weights"]
+    external = ", ".join(f"{f}{'' if ok else ' (MISSING)'}" for f, ok in w["external_data"].items()) or "none"
+    lines.append(f"weights       {w['parameters']:,} values, {w['bytes'] / 1e6:.1f} MB; external data: {external}")
+    top = ", ".join(f"{op} {n}" for op, n in list(info["histogram"].items())[:12])
+    more = len(info["histogram"]) - 12
+    lines.append(f"nodes         {info['nodes']}: {top}" + (f", ... {more} more op types" if more > 0 else ""))
+    lines.append(f"functions     {', '.join(info['functions']) or 'none'}")
+    lines.append(f"DiffAttention {len(info['diff_attention'])} node(s)")
+    for node in info["diff_attention"]:
+        attrs = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in node["attributes"].items())
+        lines.append(f"  {node['name']}: {attrs}")
+    for runtime, verdict in info["runtimes"].items():
+        lines.append(f"{runtime:<16s} {verdict}")
+    return "\n".join(lines)
+
+
+def to_json(info: dict) -> str:
+    return json.dumps(info, indent=2)

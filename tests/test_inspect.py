@@ -1,0 +1,67 @@
+"""`diffexport inspect`: what an ONNX file holds, in text and JSON, without loading weights."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+onnx = pytest.importorskip("onnx")
+
+from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.export import ExportOptions, export_onnx  # noqa: E402
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ))
+
+
+@pytest.fixture(scope="module")
+def external_export(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inspect") / "m.onnx"
+    export_onnx(load_model(None, preset="diff-v1-tiny"), path, ExportOptions(external_data=True, hidden=True),
+                log=lambda _: None)
+    return path
+
+
+def test_json_describes_the_export(external_export):
+    result = _cli("inspect", external_export, "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["opsets"] == {"ai.onnx": 18, "diffexport": 1}
+    assert info["inputs"] == [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}]
+    assert [o["name"] for o in info["outputs"]] == ["logits", "last_hidden_state"]
+    assert info["outputs"][0]["shape"] == ["batch", "sequence", 512]
+    assert len(info["diff_attention"]) == 2 and info["histogram"]["diffexport::DiffAttention"] == 2
+    node = info["diff_attention"][0]["attributes"]
+    assert list(node)[:4] == ["variant", "num_heads", "num_kv_heads", "head_dim"]
+    assert node["plugin_namespace"] == "diffexport" and node["num_heads"] == 2
+    assert info["weights"]["external_data"] == {"m.onnx.data": True}
+    assert 499_000 < info["weights"]["parameters"] < 501_000
+    assert 4 * info["weights"]["parameters"] <= info["weights"]["bytes"] < 4.01 * info["weights"]["parameters"]
+    assert info["metadata"]["diffexport.family"] == "diff_v1"
+    assert info["runtimes"]["onnxruntime"].startswith("yes")
+
+
+def test_text_report_and_missing_external_data(external_export, tmp_path):
+    text = _cli("inspect", external_export).stdout
+    assert "input         input_ids int64 [batch, sequence]" in text and "DiffAttention 2 node(s)" in text
+    lonely = tmp_path / "m.onnx"
+    lonely.write_bytes(external_export.read_bytes())  # the .data file stays behind
+    assert "m.onnx.data (MISSING)" in _cli("inspect", lonely).stdout
+
+
+def test_foreign_and_bad_files(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
+    onnx.save(helper.make_model(graph), tmp_path / "neg.onnx")
+    info = json.loads(_cli("inspect", tmp_path / "neg.onnx", "--json").stdout)
+    assert info["diff_attention"] == [] and info["runtimes"]["onnxruntime"].startswith("yes")
+    (tmp_path / "bad.onnx").write_bytes(b"\x01\x02not onnx" * 5)
+    result = _cli("inspect", tmp_path / "bad.onnx")
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "bad.onnx" in result.stderr
