@@ -110,6 +110,26 @@ def cmd_check(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_optimize(args) -> int:
+    """Fuse differential attention written in standard ops (e.g. a plain torch.onnx export) into DiffAttention nodes."""
+    from diffexport.passes.optimize import optimize_file
+
+    result = optimize_file(args.model, args.output, expect_fused=args.expect_fused, lower=args.lower,
+                           body=args.body)
+    report = result.report
+    fired = ", ".join(f"{rule} {count}" for rule, count in report.fired.items())
+    print(f"fused         {report.total} differential attention(s) ({fired})")
+    if result.max_abs is not None:
+        print(f"verified      onnxruntime outputs before vs after: max abs {result.max_abs:.2e}")
+    if result.lowered:
+        print(f"lowered       {result.lowered} DiffAttention node(s) to standard ops ({args.body} body)")
+    if args.verbose or report.total == 0:
+        for miss in report.misses:
+            print(f"not fused     {miss}")
+    print(f"wrote         {args.output}")
+    return 0
+
+
 def cmd_inspect(args) -> int:
     """Describe an ONNX file: opsets, I/O shapes, node histogram, DiffAttention nodes, weights, runnable where."""
     from diffexport.inspect_onnx import inspect_onnx, render, to_json
@@ -144,7 +164,7 @@ def cmd_demo(args) -> int:
     return 0 if report.passed and op_ok else 1
 
 
-COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
+COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
             "presets": cmd_presets}
 
 
@@ -155,6 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
+        if name == "optimize":
+            p.add_argument("model", help="input .onnx")
+            p.add_argument("-o", "--output", required=True, help="output .onnx")
+            p.add_argument("--expect-fused", type=int, help="exit non-zero when fewer attentions are fused")
+            p.add_argument("--verbose", action="store_true", help="say why each candidate was not fused")
+            p.add_argument("--lower", action="store_true",
+                           help="then replace DiffAttention nodes by standard ops (runtimes without functions)")
+            p.add_argument("--body", default="decomposed", choices=["decomposed", "attention"],
+                           help="function body / lowering style (attention needs opset 23)")
         if name == "inspect":
             p.add_argument("model", help="an .onnx file (weights are not loaded)")
             p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -65,7 +65,9 @@ class DiffV1Attention(nn.Module):
         self.attrs = DiffAttentionAttrs(variant=VARIANT_V1, num_heads=H, num_kv_heads=Hkv, head_dim=D,
                                         causal=1, norm=1, norm_eps=cfg.head_norm_eps,
                                         output_scale=1.0 - self.lambda_init)
-        self.impl = "op"  # "op": diffexport::diff_attention; "naive": plain torch ops (Eq. 1)
+        # "op": diffexport::diff_attention; a name of reference.REFERENCES ("naive" Eq. 1, "flash_diff_1",
+        # "flash_diff_2"): plain torch ops, what a model exported without our op looks like
+        self.impl = "op"
 
     def lambda_full(self) -> torch.Tensor:
         """The layer's lambda as a [1] fp32 tensor (exp re-parameterisation, computed in fp32)."""
@@ -85,7 +87,7 @@ class DiffV1Attention(nn.Module):
         if self.impl == "op":
             out = op.call(q, k, v, lam, weight, self.attrs)
         else:
-            out = reference.naive_diff_attention(q, k, v, lam, weight, self.attrs)
+            out = reference.REFERENCES[self.impl](q, k, v, lam, weight, self.attrs)
         return self.o_proj(out)  # out: (B, T, H * 2D)
 
 

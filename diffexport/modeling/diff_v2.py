@@ -43,7 +43,7 @@ class DiffV2Attention(nn.Module):
         self.lambda_proj = nn.Linear(cfg.d_model, H, bias=False)
         self.attrs = DiffAttentionAttrs(variant=VARIANT_V2, num_heads=H, num_kv_heads=Hkv, head_dim=D,
                                         causal=1, norm=0, output_scale=1.0)
-        self.impl = "op"
+        self.impl = "op"  # or a name of reference.REFERENCES (see diff_v1)
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape  # (B, T, d_model)
@@ -55,7 +55,7 @@ class DiffV2Attention(nn.Module):
         if self.impl == "op":
             out = op.call(q, k, v, lam, torch.ones(D, device=x.device), self.attrs)  # V2 has no weight
         else:
-            out = reference.naive_diff_attention(q, k, v, lam, None, self.attrs)
+            out = reference.REFERENCES[self.impl](q, k, v, lam, None, self.attrs)
         return self.o_proj(out)  # out: (B, T, H * D)
 
 

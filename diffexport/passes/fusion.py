@@ -1,0 +1,473 @@
+"""Fuse differential attention written out in standard ONNX ops into one DiffAttention node.
+
+A rule is declarative: `match` returns the pieces or a reason, a numeric probe checks what
+structure cannot prove (causal or not, a key or value shared by both maps), `rewrite` emits the
+node. Every differential attention ends in a subtraction `X - lambda * Y`; the rules differ in
+what X and Y are:
+
+  eq1      X, Y = softmax maps A1, A2; the Sub feeds one MatMul with V   (the paper's Eq. 1)
+  flash1   X, Y = A1 V, A2 V: two attention outputs over one V          (FlashDiffAttn_1)
+  flash2   X, Y = Concat(A V_a, A' V_b): four attention outputs over V halves (FlashDiffAttn_2)
+
+Scores are recognised as MatMul(q, kT) with constant scalar factors on q, kT or the product,
+and an additive or Where mask. The node's inputs are built from q1, q2 [B, H, Sq, D], the
+two kT [B, H, D, Skv] and V [B, H, Skv, Dv] with small layout adapters (Transpose/Reshape);
+the adapters and the dead pattern are left to the cleanup pass and the runtime's optimiser.
+GQA expansions in the source graph are kept (num_kv_heads = num_heads on the fused node), and
+the per-head norm after the attention stays as standard ops (norm = 0, unit weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from diffexport import contract
+from diffexport.contract import VARIANT_V1, VARIANT_V2, DiffAttentionAttrs
+from diffexport.errors import DiffExportError
+
+
+class NoMatch(Exception):
+    """Why a rule did not fire at a node."""
+
+
+@dataclasses.dataclass
+class Branch:
+    """One attention map: probabilities = Softmax(scale * q kT [+ mask])."""
+
+    softmax: onnx.NodeProto
+    q: str
+    kt: str
+    scale: float
+
+
+@dataclasses.dataclass
+class Match:
+    rule: str
+    anchor: onnx.NodeProto  # the node whose output the fused node replaces
+    first: Branch
+    second: Branch
+    lam: str
+    value: str  # [B, H, Skv, Dv]
+    extra_probe: list[tuple[str, str]]  # pairs of tensors that must be numerically equal
+
+
+class Graph:
+    """Read-only indexes over a ModelProto: producers, consumers, constants, static shapes."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.producer = {o: n for n in model.graph.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in model.graph.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.initializers = {i.name: i for i in model.graph.initializer}
+        self.shapes = {}
+        for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+            if v.type.tensor_type.HasField("shape"):
+                self.shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None
+                                       for d in v.type.tensor_type.shape.dim]
+
+    def const(self, name: str) -> np.ndarray | None:
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name])
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant" and node.attribute:
+            attr = node.attribute[0]
+            if attr.name == "value":
+                return numpy_helper.to_array(attr.t)
+            if attr.name in ("value_float", "value_int"):
+                return np.array(helper.get_attribute_value(attr))
+        return None
+
+    def scalar(self, name: str) -> float | None:
+        value = self.const(name)
+        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+    def op(self, name: str, *op_types: str) -> onnx.NodeProto:
+        node = self.producer.get(name)
+        if node is None or node.op_type not in op_types:
+            found = "a graph input or initializer" if node is None else node.op_type
+            raise NoMatch(f"{name} is {found}, not {'/'.join(op_types)}")
+        return node
+
+    def rank(self, name: str) -> int | None:
+        shape = self.shapes.get(name)
+        return None if shape is None else len(shape)
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+# ---------------------------------------------------------------- recognising one attention map
+
+def _strip_scalar_mul(g: Graph, name: str) -> tuple[str, float]:
+    """x * c, c * x or x / c with a constant scalar c -> (x, factor)."""
+    node = g.producer.get(name)
+    if node is not None and node.op_type in ("Mul", "Div"):
+        for i, other in ((0, 1), (1, 0)):
+            c = g.scalar(node.input[other])
+            if c is not None and (node.op_type == "Mul" or i == 0):
+                return node.input[i], (c if node.op_type == "Mul" else 1.0 / c)
+    return name, 1.0
+
+
+def branch_of(g: Graph, probs: str) -> Branch:
+    """probs must be Softmax(scale * MatMul(q, kT) [+ mask]) over the key axis."""
+    softmax = g.op(probs, "Softmax")
+    axis, rank = _attr(softmax, "axis", -1), g.rank(probs)
+    if not (axis == -1 or (rank is not None and axis == rank - 1)):
+        raise NoMatch(f"Softmax {softmax.name} normalises axis {axis}, not the key axis (last)")
+    scale, name = 1.0, softmax.input[0]
+    for _ in range(8):  # mask and scale in any order, then the MatMul
+        node = g.producer.get(name)
+        if node is None:
+            raise NoMatch(f"the scores of {softmax.name} do not come from a MatMul")
+        if node.op_type == "MatMul":
+            q, fq = _strip_scalar_mul(g, node.input[0])
+            kt, fk = _strip_scalar_mul(g, node.input[1])
+            return Branch(softmax, q, kt, scale * fq * fk)
+        if node.op_type in ("Mul", "Div"):
+            name, factor = _strip_scalar_mul(g, name)
+            if factor == 1.0 and name == node.output[0]:
+                raise NoMatch(f"{node.op_type} {node.name} scales the scores by a non-constant")
+            scale *= factor
+        elif node.op_type == "Add":  # additive mask: follow the side that leads to the MatMul
+            name = next((i for i in node.input if _leads_to_matmul(g, i)), None)
+            if name is None:
+                raise NoMatch(f"Add {node.name} before {softmax.name} has no MatMul side")
+        elif node.op_type == "Where":  # Where(cond, fill, s) or Where(cond, s, fill)
+            fills = [i for i in node.input[1:] if g.scalar(i) is not None]
+            others = [i for i in node.input[1:] if g.scalar(i) is None]
+            if len(fills) != 1 or len(others) != 1:
+                raise NoMatch(f"Where {node.name} before {softmax.name} is not a mask with a constant fill")
+            name = others[0]
+        else:
+            raise NoMatch(f"{node.op_type} {node.name} between the scores and {softmax.name} is not a scale or mask")
+    raise NoMatch(f"too many ops between the scores and {softmax.name}")
+
+
+def _leads_to_matmul(g: Graph, name: str, depth: int = 6) -> bool:
+    node = g.producer.get(name)
+    if node is None or depth == 0:
+        return False
+    if node.op_type == "MatMul":
+        return True
+    return node.op_type in ("Mul", "Div", "Where", "Add") and any(_leads_to_matmul(g, i, depth - 1)
+                                                                  for i in node.input)
+
+
+def _lambda_times(g: Graph, name: str) -> tuple[str, str]:
+    """Mul(lambda, Y) in either order -> (lambda, Y); Y is the side that is not lambda-like."""
+    node = g.op(name, "Mul")
+    a, b = node.input
+    # lambda is the operand that is not an attention map / output (it is a constant or a small tensor)
+    for lam, other in ((a, b), (b, a)):
+        if _is_attention_term(g, other):
+            return lam, other
+    raise NoMatch(f"Mul {node.name} multiplies no attention map or output")
+
+
+def _is_attention_term(g: Graph, name: str) -> bool:
+    node = g.producer.get(name)
+    if node is None:
+        return False
+    if node.op_type == "Softmax":
+        return True
+    if node.op_type == "MatMul":
+        return g.producer.get(node.input[0]) is not None and g.producer[node.input[0]].op_type == "Softmax"
+    if node.op_type == "Concat":
+        return all(_is_attention_term(g, i) for i in node.input)
+    return False
+
+
+def _pv(g: Graph, name: str) -> tuple[str, str]:
+    """MatMul(Softmax, V) -> (probabilities, V)."""
+    node = g.op(name, "MatMul")
+    if g.producer.get(node.input[0]) is None or g.producer[node.input[0]].op_type != "Softmax":
+        raise NoMatch(f"MatMul {node.name} does not multiply a Softmax map by V")
+    return node.input[0], node.input[1]
+
+
+# ---------------------------------------------------------------- the rules
+
+def _split_sub(g: Graph, sub: onnx.NodeProto) -> tuple[str, str, str]:
+    """Sub(X, Mul(lambda, Y)) -> (X, Y, lambda); X must be an attention term itself."""
+    first, scaled = sub.input
+    if not _is_attention_term(g, first):
+        producer = g.producer.get(first)
+        if producer is not None and producer.op_type == "Mul" and any(_is_attention_term(g, i) for i in producer.input):
+            raise NoMatch(f"Sub {sub.name}: lambda multiplies the first term (X - lambda*Y expected)")
+        raise NoMatch(f"Sub {sub.name}: the first term is not an attention map or output")
+    lam, second = _lambda_times(g, scaled)
+    return first, second, lam
+
+
+def rule_eq1(g: Graph, sub: onnx.NodeProto) -> Match:
+    first, second, lam = _split_sub(g, sub)
+    b1, b2 = branch_of(g, first), branch_of(g, second)
+    users = g.consumers.get(sub.output[0], [])
+    if len(users) != 1 or users[0].op_type != "MatMul" or users[0].input[0] != sub.output[0]:
+        raise NoMatch(f"Sub {sub.name}: the map difference must feed exactly one MatMul with V")
+    return Match("eq1", users[0], b1, b2, lam, users[0].input[1], [])
+
+
+def rule_flash1(g: Graph, sub: onnx.NodeProto) -> Match:
+    first, second, lam = _split_sub(g, sub)
+    (p1, v1), (p2, v2) = _pv(g, first), _pv(g, second)
+    return Match("flash1", sub, branch_of(g, p1), branch_of(g, p2), lam, v1, [(v1, v2)] if v1 != v2 else [])
+
+
+def rule_flash2(g: Graph, sub: onnx.NodeProto) -> Match:
+    first, second, lam = _split_sub(g, sub)
+    halves = []
+    for term in (first, second):
+        cat = g.op(term, "Concat")
+        if len(cat.input) != 2 or _attr(cat, "axis") not in (-1, 3):
+            raise NoMatch(f"Concat {cat.name} does not join two V halves on the last axis")
+        halves.append([_pv(g, i) for i in cat.input])
+    (p1a, va), (p1b, vb) = halves[0]
+    (p2a, va2), (p2b, vb2) = halves[1]
+    b1, b1b, b2, b2b = (branch_of(g, p) for p in (p1a, p1b, p2a, p2b))
+    probe = [(p1a, p1b), (p2a, p2b)] + [(x, y) for x, y in ((va, va2), (vb, vb2)) if x != y]
+    return Match("flash2", sub, b1, b2, lam, _concat_value(va, vb), probe)
+
+
+def _concat_value(va: str, vb: str) -> str:
+    return f"__concat__{va}__{vb}"  # built by the rewrite (the halves joined again)
+
+
+RULES: dict[str, Callable[[Graph, onnx.NodeProto], Match]] = {
+    "flash2": rule_flash2, "flash1": rule_flash1, "eq1": rule_eq1}
+
+
+# ---------------------------------------------------------------- numeric probe
+
+def _probe_feeds(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feeds = {}
+    initializers = {i.name for i in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        t = value.type.tensor_type
+        rank = len(t.shape.dim)
+        shape = [batch, seq][:rank] + [1] * max(0, rank - 2)
+        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+        if np.issubdtype(dtype, np.integer):
+            if "mask" in value.name:
+                feeds[value.name] = np.ones(shape, dtype)
+            elif "position" in value.name:
+                feeds[value.name] = np.broadcast_to(np.arange(seq, dtype=dtype), shape).copy()
+            else:
+                feeds[value.name] = rng.integers(0, 2, size=shape).astype(dtype)  # valid for any vocab >= 2
+        else:
+            feeds[value.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def probe(model: onnx.ModelProto, names: list[str], seq: int = 7) -> dict[str, np.ndarray]:
+    """Values of intermediate tensors on a small seeded input, through onnxruntime."""
+    import onnxruntime as ort
+
+    probe_model = onnx.ModelProto.FromString(model.SerializeToString())
+    del probe_model.graph.output[:]
+    probe_model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(probe_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return dict(zip(names, session.run(names, _probe_feeds(model, 1, seq))))
+
+
+def _causal_from_map(probs: np.ndarray) -> int:
+    sq, skv = probs.shape[-2:]
+    above = np.triu(np.ones((sq, skv), bool), k=1 + skv - sq)
+    if np.all(probs[..., above] == 0) and np.all(probs[..., ~above] > 0):
+        return 1
+    if np.all(probs > 0):
+        return 0
+    raise NoMatch("the attention mask is neither causal (bottom-right) nor absent")
+
+
+# ---------------------------------------------------------------- rewrite
+
+@dataclasses.dataclass
+class FusionReport:
+    fired: dict[str, int]
+    misses: list[str]  # "node: rule: reason", for the verbose flag
+
+    @property
+    def total(self) -> int:
+        return sum(self.fired.values())
+
+
+class _Emitter:
+    def __init__(self, prefix: str):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.prefix = prefix
+
+    def op(self, op_type, *inputs, output=None, **attrs) -> str:
+        out = output or f"{self.prefix}_{op_type.lower()}_{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=f"{self.prefix}/{op_type}_{len(self.nodes)}",
+                                           **attrs))
+        return out
+
+    def ints(self, values) -> str:
+        name = f"{self.prefix}_const_{len(self.initializers)}"
+        self.initializers.append(numpy_helper.from_array(np.array(values, np.int64), name))
+        return name
+
+
+def _pairs(e: _Emitter, a: str, b: str) -> str:
+    """a, b [B, H, S, D] -> [B, S, H*2*D] with a and b adjacent per head (the contract's pairs)."""
+    axis2 = e.ints([2])
+    stacked = e.op("Concat", e.op("Unsqueeze", a, axis2), e.op("Unsqueeze", b, axis2), axis=2)
+    return e.op("Reshape", e.op("Transpose", stacked, perm=[0, 3, 1, 2, 4]), e.ints([0, 0, -1]))
+
+
+def _flat(e: _Emitter, x: str) -> str:
+    """[B, H, S, W] -> [B, S, H*W]."""
+    return e.op("Reshape", e.op("Transpose", x, perm=[0, 2, 1, 3]), e.ints([0, 0, -1]))
+
+
+def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> tuple[list, list]:
+    q_shape, v_name = g.shapes.get(m.first.q), m.value
+    e = _Emitter(f"diff_attention_fused_{index}")
+    if v_name.startswith("__concat__"):
+        va, vb = v_name[len("__concat__"):].split("__", 1)
+        v_name = e.op("Concat", va, vb, axis=-1)
+        v_shape = [*g.shapes.get(va, [None] * 4)[:3], None]
+        dv = values[va].shape[-1] + values[vb].shape[-1]
+    else:
+        v_shape = g.shapes.get(v_name, [None] * 4)
+        dv = values[m.value].shape[-1]
+    heads, head_dim = values[m.first.q].shape[1], values[m.first.q].shape[-1]
+    if values[m.first.kt].shape[1] != heads or values[m.second.kt].shape[1] != heads or \
+            values[m.first.kt].shape[-2] != head_dim:
+        raise NoMatch("q and k head counts or widths differ (expand GQA before the scores)")
+    if abs(m.first.scale - m.second.scale) > 1e-6 * abs(m.first.scale):
+        raise NoMatch(f"the two maps use different scales ({m.first.scale:g}, {m.second.scale:g})")
+    lam = values[m.lam]
+    if lam.size > 1 and (lam.ndim != 4 or lam.shape[1] != heads or lam.shape[3] != 1):
+        raise NoMatch(f"lambda of shape {list(lam.shape)} is neither a scalar nor per token and head [B, H, Sq, 1]")
+    shared_k = np.array_equal(values[m.first.kt], values[m.second.kt])
+    per_token = lam.size > 1
+    if per_token and shared_k and dv == head_dim:
+        variant = VARIANT_V2
+    elif not per_token and dv == 2 * head_dim:
+        variant = VARIANT_V1
+    else:
+        raise NoMatch(f"no contract variant fits: {'per-token' if per_token else 'scalar'} lambda, "
+                      f"{'shared' if shared_k else 'separate'} keys, value width {dv} for head dim {head_dim}")
+    causal = _causal_from_map(values[m.first.softmax.output[0]])
+    if _causal_from_map(values[m.second.softmax.output[0]]) != causal:
+        raise NoMatch("the two maps are masked differently")
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
+                               causal=causal, scale=m.first.scale, norm=0, output_scale=1.0)
+    q1, q2 = m.first.q, m.second.q
+    k1 = e.op("Transpose", m.first.kt, perm=[0, 1, 3, 2])
+    if variant == VARIANT_V1:
+        key = _pairs(e, k1, e.op("Transpose", m.second.kt, perm=[0, 1, 3, 2]))
+        lam_in = e.op("Reshape", m.lam, e.ints([1]))
+    else:
+        key = _flat(e, k1)
+        lam_in = e.op("Transpose", e.op("Squeeze", m.lam, e.ints([3])), perm=[0, 2, 1])  # [B,H,Sq,1] -> [B,Sq,H]
+    weight = f"{e.prefix}_unit_weight"
+    e.initializers.append(numpy_helper.from_array(np.ones(dv, np.float32), weight))
+    fused = helper.make_node(contract.OP_NAME, [_pairs(e, q1, q2), key, _flat(e, v_name), lam_in, weight],
+                             [f"{e.prefix}_out"], name=f"{e.prefix}/DiffAttention", domain=contract.ONNX_DOMAIN,
+                             plugin_namespace=contract.PLUGIN_NAMESPACE, plugin_version=contract.PLUGIN_VERSION,
+                             **attrs.as_dict())
+    e.nodes.append(fused)
+    split = e.op("Reshape", fused.output[0], e.ints([0, 0, heads, dv]))
+    e.op("Transpose", split, perm=[0, 2, 1, 3], output=m.anchor.output[0])
+    del q_shape, v_shape
+    return e.nodes, e.initializers
+
+
+def _candidate_anchors(g: Graph) -> list[onnx.NodeProto]:
+    """Sub nodes with a Softmax within a few producers: where a differential attention may end."""
+    found = []
+    for node in g.model.graph.node:
+        if node.op_type == "Sub" and any(_has_softmax_above(g, i, 4) for i in node.input):
+            found.append(node)
+    return found
+
+
+def _has_softmax_above(g: Graph, name: str, depth: int) -> bool:
+    node = g.producer.get(name)
+    if node is None or depth == 0:
+        return False
+    return node.op_type == "Softmax" or any(_has_softmax_above(g, i, depth - 1) for i in node.input)
+
+
+def fuse_diff_attention(model: onnx.ModelProto, rules=tuple(RULES)) -> tuple[onnx.ModelProto, FusionReport]:
+    """Find differential attention and replace each by one DiffAttention node (not yet cleaned up)."""
+    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    g = Graph(model)
+    fired = {name: 0 for name in rules}
+    misses: list[str] = []
+    matches = []
+    for sub in _candidate_anchors(g):
+        reasons = []
+        for name in rules:
+            try:
+                matches.append(RULES[name](g, sub))
+                break
+            except NoMatch as exc:
+                reasons.append(f"{name}: {exc}")
+        else:
+            misses.append(f"{sub.name or sub.output[0]}: " + "; ".join(reasons))
+    if not matches:
+        return model, FusionReport(fired, misses)
+    wanted = set()
+    for m in matches:
+        wanted |= {m.first.q, m.second.q, m.first.kt, m.second.kt, m.lam, m.first.softmax.output[0],
+                   m.second.softmax.output[0]}
+        if m.value.startswith("__concat__"):
+            wanted |= set(m.value[len("__concat__"):].split("__", 1))
+        else:
+            wanted.add(m.value)
+        for a, b in m.extra_probe:
+            wanted |= {a, b}
+    constants = {n: g.const(n) for n in wanted}
+    values = probe(model, sorted(n for n, c in constants.items() if c is None))
+    values.update({n: c for n, c in constants.items() if c is not None})
+    replacements: dict[str, tuple[list, list]] = {}
+    for index, m in enumerate(matches):
+        try:
+            for a, b in m.extra_probe:
+                if not np.allclose(values[a], values[b], rtol=1e-5, atol=1e-6):
+                    raise NoMatch(f"{a} and {b} should be the same tensor (one map's pieces), they differ")
+            replacements[m.anchor.output[0]] = _rewrite(g, m, index, values)
+            fired[m.rule] += 1
+        except NoMatch as exc:
+            misses.append(f"{m.anchor.name or m.anchor.output[0]}: {m.rule}: {exc}")
+    if not replacements:
+        return model, FusionReport(fired, misses)
+    nodes = []
+    for node in model.graph.node:
+        if node.output and node.output[0] in replacements:
+            new_nodes, inits = replacements[node.output[0]]
+            nodes.extend(new_nodes)
+            model.graph.initializer.extend(inits)
+        else:
+            nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model, FusionReport(fired, misses)
+
+
+def check_fusable_model(model: onnx.ModelProto) -> None:
+    if any(n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN for n in model.graph.node):
+        raise DiffExportError("the graph already has DiffAttention nodes: nothing to fuse (use `inspect`)")

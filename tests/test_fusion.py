@@ -1,0 +1,161 @@
+"""Fusion: differential attention written out in standard ops (plain torch.onnx exports of models
+without our op) becomes one DiffAttention node per layer, numerics kept; near misses are refused."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from diffexport import contract  # noqa: E402
+from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.errors import DiffExportError  # noqa: E402
+from diffexport.passes.optimize import optimize_model  # noqa: E402
+
+
+def plain_export(preset, impl, path, seed=0, opset=18):
+    """torch.onnx.export of a model whose attention is plain torch ops (no diffexport op)."""
+    model = load_model(None, preset=preset, seed=seed).model.eval()
+    for layer in model.layers:
+        layer.attn.impl = impl
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    dims = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")},)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, (ids,), dynamo=True, opset_version=opset, dynamic_shapes=dims,
+                                    input_names=["input_ids"], output_names=["logits"], verbose=False)
+    program.save(str(path))
+    return onnx.load(str(path))
+
+
+def _run(model, ids):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]
+
+
+EXPECTED_RULE = {"naive": "eq1", "flash_diff_1": "flash1", "flash_diff_2": "flash2"}
+
+
+@pytest.mark.parametrize("preset,variant", [("diff-v1-tiny", 1), ("diff-v2-tiny", 2)])
+@pytest.mark.parametrize("impl", ["naive", "flash_diff_1", "flash_diff_2"])
+def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, tmp_path):
+    source = plain_export(preset, impl, tmp_path / "plain.onnx")
+    assert not any(n.op_type == contract.OP_NAME for n in source.graph.node)
+    result = optimize_model(source)
+    assert result.report.total == 2 and result.report.fired[EXPECTED_RULE[impl]] == 2, result.report
+    fused = result.model
+    nodes = [n for n in fused.graph.node if n.op_type == contract.OP_NAME]
+    assert len(nodes) == 2 and not any(n.op_type == "Softmax" for n in fused.graph.node)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert attrs["variant"] == variant and attrs["causal"] == 1
+    assert attrs["scale"] == pytest.approx(32 ** -0.5, rel=1e-6)
+    onnx.checker.check_model(fused, full_check=True)
+    rng = np.random.default_rng(5)
+    for shape in [(1, 1), (3, 29)]:
+        ids = rng.integers(0, 512, size=shape, dtype=np.int64)
+        before, after = _run(source, ids), _run(fused, ids)
+        assert np.abs(before - after).max() <= 1e-5 * max(1.0, np.abs(before).max())
+
+
+@pytest.fixture(scope="module")
+def naive_v1(tmp_path_factory):
+    return plain_export("diff-v1-tiny", "naive", tmp_path_factory.mktemp("near") / "plain.onnx")
+
+
+def _producer(model, name):
+    return next((n for n in model.graph.node if name in n.output), None)
+
+
+def _is_softmax(model, name):
+    node = _producer(model, name)
+    return node is not None and node.op_type == "Softmax"
+
+
+def _diff_subs(model):
+    """The Sub nodes that subtract the two softmax maps (one per layer)."""
+    softmax_out = {n.output[0] for n in model.graph.node if n.op_type == "Softmax"}
+    return [n for n in model.graph.node if n.op_type == "Sub" and n.input[0] in softmax_out]
+
+
+def test_softmax_over_the_wrong_axis_is_refused(naive_v1):
+    near = onnx.ModelProto.FromString(naive_v1.SerializeToString())
+    for node in near.graph.node:
+        if node.op_type == "Softmax":
+            next(a for a in node.attribute if a.name == "axis").i = 2
+    result = optimize_model(near)
+    assert result.report.total == 0
+    assert any("axis 2" in miss for miss in result.report.misses), result.report.misses
+
+
+def test_lambda_on_the_wrong_branch_is_refused(naive_v1):
+    """A1*lambda - A2 instead of A1 - lambda*A2."""
+    near = onnx.ModelProto.FromString(naive_v1.SerializeToString())
+    for sub in _diff_subs(near):
+        first, scaled = sub.input
+        mul = _producer(near, scaled)
+        second = next(i for i in mul.input if _is_softmax(near, i))
+        mul.input[list(mul.input).index(second)] = first
+        sub.input[0], sub.input[1] = mul.output[0], second
+    result = optimize_model(near)
+    assert result.report.total == 0
+    assert any("lambda multiplies the first term" in miss for miss in result.report.misses), result.report.misses
+
+
+def test_difference_without_lambda_is_refused(naive_v1):
+    """(A1 - A2) * lambda is not differential attention."""
+    near = onnx.ModelProto.FromString(naive_v1.SerializeToString())
+    for sub in _diff_subs(near):
+        mul = _producer(near, sub.input[1])
+        sub.input[1] = next(i for i in mul.input if _is_softmax(near, i))
+    result = optimize_model(near)
+    assert result.report.total == 0
+    assert any("not Mul" in miss for miss in result.report.misses), result.report.misses
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ))
+
+
+def test_cli_counts_expect_fused_and_lower(naive_v1, tmp_path):
+    src = tmp_path / "in.onnx"
+    onnx.save(naive_v1, src)
+    ok = _cli("optimize", src, "-o", tmp_path / "out.onnx", "--expect-fused", "2")
+    assert ok.returncode == 0, ok.stderr
+    assert "fused         2 differential attention(s)" in ok.stdout
+    low = _cli("optimize", tmp_path / "out.onnx", "-o", tmp_path / "low.onnx", "--lower")
+    assert low.returncode == 0 and "lowered       2" in low.stdout, low.stderr
+    lowered = onnx.load(str(tmp_path / "low.onnx"))
+    assert not any(n.domain.startswith("diffexport") for n in lowered.graph.node) and not lowered.functions
+
+
+def test_graph_without_differential_attention(tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], axis=-1)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.save(model, tmp_path / "plain.onnx")
+    result = _cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out.onnx")
+    assert result.returncode == 0 and "fused         0" in result.stdout, result.stderr
+    assert onnx.load(str(tmp_path / "out.onnx")).graph == model.graph
+    strict = _cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out2.onnx", "--expect-fused", "1")
+    assert strict.returncode == 2 and "0 differential attention(s) fused, expected 1" in strict.stderr
+    assert not (tmp_path / "out2.onnx").exists()
+
+
+def test_bad_input_files(tmp_path):
+    (tmp_path / "bad.onnx").write_bytes(b"not an onnx file at all")
+    result = _cli("optimize", tmp_path / "bad.onnx", "-o", tmp_path / "out.onnx")
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "bad.onnx" in result.stderr
+    with pytest.raises(DiffExportError, match="already has DiffAttention"):
+        from diffexport.export import export_onnx
+
+        export_onnx(load_model(None, preset="diff-v1-tiny"), tmp_path / "ours.onnx", log=lambda _: None)
+        optimize_model(onnx.load(str(tmp_path / "ours.onnx")))
