@@ -120,7 +120,8 @@ def cmd_optimize(args) -> int:
     fired = ", ".join(f"{rule} {count}" for rule, count in report.fired.items())
     print(f"fused         {report.total} differential attention(s) ({fired})")
     if result.max_abs is not None:
-        print(f"verified      onnxruntime outputs before vs after: max abs {result.max_abs:.2e}")
+        note = "" if result.verified_batch == 2 else " (batch 1 only: the input graph fails at batch 2)"
+        print(f"verified      onnxruntime outputs before vs after: max abs {result.max_abs:.2e}{note}")
     if result.lowered:
         print(f"lowered       {result.lowered} DiffAttention node(s) to standard ops ({args.body} body)")
     if args.verbose or report.total == 0:

@@ -42,9 +42,9 @@ EXPECTED_RULE = {"naive": "eq1", "flash_diff_1": "flash1", "flash_diff_2": "flas
 
 
 @pytest.mark.parametrize("preset,variant", [("diff-v1-tiny", 1), ("diff-v2-tiny", 2)])
-@pytest.mark.parametrize("impl", ["naive", "flash_diff_1", "flash_diff_2"])
-def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, tmp_path):
-    source = plain_export(preset, impl, tmp_path / "plain.onnx")
+@pytest.mark.parametrize("impl,opset", [("naive", 18), ("flash_diff_1", 18), ("flash_diff_2", 18), ("naive", 23)])
+def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, opset, tmp_path):
+    source = plain_export(preset, impl, tmp_path / "plain.onnx", opset=opset)
     assert not any(n.op_type == contract.OP_NAME for n in source.graph.node)
     result = optimize_model(source)
     assert result.report.total == 2 and result.report.fired[EXPECTED_RULE[impl]] == 2, result.report
@@ -159,3 +159,53 @@ def test_bad_input_files(tmp_path):
 
         export_onnx(load_model(None, preset="diff-v1-tiny"), tmp_path / "ours.onnx", log=lambda _: None)
         optimize_model(onnx.load(str(tmp_path / "ours.onnx")))
+
+
+def hf_export(impl, opset, path, heads=8, kv_heads=4):
+    """A plain torch.onnx export of an HF DiffLlamaForCausalLM (halves layout, GQA, weightless head norm)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(heads + kv_heads)
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                                       attn_implementation=impl)
+    hf = transformers.DiffLlamaForCausalLM(cfg).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids, use_cache=False).logits
+
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
+    dims = ({0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")},)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(Logits(hf), (ids,), dynamo=True, opset_version=opset, dynamic_shapes=dims,
+                                    input_names=["input_ids"], output_names=["logits"], verbose=False)
+    program.save(str(path))
+    return hf, onnx.load(str(path))
+
+
+@pytest.mark.parametrize("impl,opset,batch", [("eager", 18, 3), ("sdpa", 18, 3), ("eager", 23, 1)])
+def test_hf_diffllama_graphs_fuse(impl, opset, batch, tmp_path):
+    """HF DiffLlama eager and sdpa at opset 18 (and eager at 23, whose RotaryEmbedding nodes only run at batch 1)."""
+    hf, source = hf_export(impl, opset, tmp_path / "hf.onnx")
+    result = optimize_model(source)
+    assert result.report.fired["stacked"] == 3 and result.report.total == 3, result.report
+    assert result.verified_batch == (2 if opset == 18 else 1)
+    nodes = [n for n in result.model.graph.node if n.op_type == contract.OP_NAME]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert (attrs["variant"], attrs["num_heads"], attrs["head_dim"], attrs["causal"]) == (1, 4, 16, 1)
+    ids = np.random.default_rng(8).integers(0, 96, size=(batch, 21), dtype=np.int64)
+    with torch.no_grad():
+        expected = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
+    assert np.abs(_run(result.model, ids) - expected).max() <= 1e-4
+
+
+def test_opset23_attention_graphs_say_why_nothing_fused(tmp_path):
+    _, source = hf_export("sdpa", 23, tmp_path / "hf.onnx")
+    result = optimize_model(source)
+    assert result.report.total == 0
+    assert any("opset-23 Attention" in miss for miss in result.report.misses)

@@ -43,7 +43,7 @@ class Branch:
     q: str
     kt: str
     scale: float
-
+    half: int | None = None  # stacked maps: this map is half 0 or 1 of the head axis of q, kT and P
 
 @dataclasses.dataclass
 class Match:
@@ -52,8 +52,9 @@ class Match:
     first: Branch
     second: Branch
     lam: str
-    value: str  # [B, H, Skv, Dv]
+    value: tuple[str, ...]  # V [B, H, Skv, Dv], or its two halves (FlashDiffAttn_2), joined by the rewrite
     extra_probe: list[tuple[str, str]]  # pairs of tensors that must be numerically equal
+    out_perm: tuple[int, ...] = (0, 1, 2, 3)  # anchor axis i holds axis out_perm[i] of [B, H, Sq, Dv]
 
 
 class Graph:
@@ -181,21 +182,38 @@ def _is_attention_term(g: Graph, name: str) -> bool:
     node = g.producer.get(name)
     if node is None:
         return False
-    if node.op_type == "Softmax":
+    if _probabilities(g, name) is not None:
         return True
     if node.op_type == "MatMul":
-        return g.producer.get(node.input[0]) is not None and g.producer[node.input[0]].op_type == "Softmax"
+        return _probabilities(g, node.input[0]) is not None
     if node.op_type == "Concat":
         return all(_is_attention_term(g, i) for i in node.input)
     return False
 
 
+def _probabilities(g: Graph, name: str) -> str | None:
+    """The Softmax output behind `name`: itself, or through SDPA's guard Where(IsNaN(P), 0, P)."""
+    node = g.producer.get(name)
+    if node is None:
+        return None
+    if node.op_type == "Softmax":
+        return name
+    if node.op_type == "Where" and len(node.input) == 3:
+        guard = g.producer.get(node.input[0])
+        if guard is not None and guard.op_type == "IsNaN" and guard.input[0] == node.input[2] \
+                and g.scalar(node.input[1]) == 0.0 and g.producer.get(node.input[2]) is not None \
+                and g.producer[node.input[2]].op_type == "Softmax":
+            return node.input[2]
+    return None
+
+
 def _pv(g: Graph, name: str) -> tuple[str, str]:
     """MatMul(Softmax, V) -> (probabilities, V)."""
     node = g.op(name, "MatMul")
-    if g.producer.get(node.input[0]) is None or g.producer[node.input[0]].op_type != "Softmax":
+    probs = _probabilities(g, node.input[0])
+    if probs is None:
         raise NoMatch(f"MatMul {node.name} does not multiply a Softmax map by V")
-    return node.input[0], node.input[1]
+    return probs, node.input[1]
 
 
 # ---------------------------------------------------------------- the rules
@@ -218,13 +236,13 @@ def rule_eq1(g: Graph, sub: onnx.NodeProto) -> Match:
     users = g.consumers.get(sub.output[0], [])
     if len(users) != 1 or users[0].op_type != "MatMul" or users[0].input[0] != sub.output[0]:
         raise NoMatch(f"Sub {sub.name}: the map difference must feed exactly one MatMul with V")
-    return Match("eq1", users[0], b1, b2, lam, users[0].input[1], [])
+    return Match("eq1", users[0], b1, b2, lam, (users[0].input[1],), [])
 
 
 def rule_flash1(g: Graph, sub: onnx.NodeProto) -> Match:
     first, second, lam = _split_sub(g, sub)
     (p1, v1), (p2, v2) = _pv(g, first), _pv(g, second)
-    return Match("flash1", sub, branch_of(g, p1), branch_of(g, p2), lam, v1, [(v1, v2)] if v1 != v2 else [])
+    return Match("flash1", sub, branch_of(g, p1), branch_of(g, p2), lam, (v1,), [(v1, v2)] if v1 != v2 else [])
 
 
 def rule_flash2(g: Graph, sub: onnx.NodeProto) -> Match:
@@ -237,17 +255,70 @@ def rule_flash2(g: Graph, sub: onnx.NodeProto) -> Match:
         halves.append([_pv(g, i) for i in cat.input])
     (p1a, va), (p1b, vb) = halves[0]
     (p2a, va2), (p2b, vb2) = halves[1]
-    b1, b1b, b2, b2b = (branch_of(g, p) for p in (p1a, p1b, p2a, p2b))
+    b1, _, b2, _ = (branch_of(g, p) for p in (p1a, p1b, p2a, p2b))  # all four must be attention maps
     probe = [(p1a, p1b), (p2a, p2b)] + [(x, y) for x, y in ((va, va2), (vb, vb2)) if x != y]
-    return Match("flash2", sub, b1, b2, lam, _concat_value(va, vb), probe)
+    return Match("flash2", sub, b1, b2, lam, (va, vb), probe)
 
 
-def _concat_value(va: str, vb: str) -> str:
-    return f"__concat__{va}__{vb}"  # built by the rewrite (the halves joined again)
+def rule_stacked(g: Graph, sub: onnx.NodeProto) -> Match:
+    """Both maps in one attention over 2H heads (HF DiffLlama): Sub(half 0, lambda * half 1) of a head split."""
+    first, scaled = sub.input
+    split = g.op(first, "Split")
+    if len(split.output) != 2 or split.output[0] != first:
+        raise NoMatch(f"Split {split.name} is not a split of the heads in two, first half first")
+    lam, second = _lambda_times_split(g, scaled, split)
+    total = split.input[0]
+    perm, parts, probs = _attention_output_layout(g, total)
+    axis = _attr(split, "axis", 0)
+    axis = axis + 4 if axis < 0 else axis
+    if axis != perm.index(1):
+        raise NoMatch(f"Split {split.name} cuts axis {axis}, not the head axis {perm.index(1)}")
+    if len(split.input) > 1 and split.input[1]:
+        sizes = g.const(split.input[1])
+        if sizes is None or len(set(sizes.tolist())) != 1:
+            raise NoMatch(f"Split {split.name} does not cut the heads in equal halves")
+    branch = branch_of(g, probs)
+    first_map = dataclasses.replace(branch, half=0)
+    second_map = dataclasses.replace(branch, half=1)
+    return Match("stacked", sub, first_map, second_map, lam, parts, [], tuple(perm))
+
+
+def _lambda_times_split(g: Graph, scaled: str, split: onnx.NodeProto) -> tuple[str, str]:
+    node = g.op(scaled, "Mul")
+    if split.output[1] not in node.input:
+        raise NoMatch(f"Mul {node.name} does not scale the second half of {split.name}")
+    lam = node.input[0] if node.input[1] == split.output[1] else node.input[1]
+    return lam, split.output[1]
+
+
+def _attention_output_layout(g: Graph, name: str) -> tuple[list[int], tuple[str, ...], str]:
+    """name = [Transpose](P V) or Concat([Transpose](P Va), [Transpose](P Vb)) on the last axis.
+    Returns (perm from [B, H, Sq, W], the V parts, P)."""
+    node = g.producer.get(name)
+    terms = list(node.input) if node is not None and node.op_type == "Concat" else [name]
+    if node is not None and node.op_type == "Concat" and _attr(node, "axis") not in (-1, 3):
+        raise NoMatch(f"Concat {node.name} does not join value halves on the last axis")
+    perms, parts, probs = set(), [], set()
+    for term in terms:
+        perm = [0, 1, 2, 3]
+        producer = g.producer.get(term)
+        if producer is not None and producer.op_type == "Transpose":
+            perm = list(_attr(producer, "perm"))
+            term = producer.input[0]
+        p, v = _pv(g, term)
+        perms.add(tuple(perm))
+        parts.append(v)
+        probs.add(p)
+    if len(perms) != 1 or len(probs) != 1:
+        raise NoMatch("the attention outputs joined here come from different maps or layouts")
+    perm = list(perms.pop())
+    if perm[3] != 3:
+        raise NoMatch("the value axis is not last in the attention output")
+    return perm, tuple(parts), probs.pop()
 
 
 RULES: dict[str, Callable[[Graph, onnx.NodeProto], Match]] = {
-    "flash2": rule_flash2, "flash1": rule_flash1, "eq1": rule_eq1}
+    "flash2": rule_flash2, "flash1": rule_flash1, "eq1": rule_eq1, "stacked": rule_stacked}
 
 
 # ---------------------------------------------------------------- numeric probe
@@ -283,7 +354,7 @@ def probe(model: onnx.ModelProto, names: list[str], seq: int = 7) -> dict[str, n
     del probe_model.graph.output[:]
     probe_model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # failures reach the user through our message
     session = ort.InferenceSession(probe_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return dict(zip(names, session.run(names, _probe_feeds(model, 1, seq))))
 
@@ -316,11 +387,12 @@ class _Emitter:
         self.initializers: list[onnx.TensorProto] = []
         self.prefix = prefix
 
-    def op(self, op_type, *inputs, output=None, **attrs) -> str:
-        out = output or f"{self.prefix}_{op_type.lower()}_{len(self.nodes)}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=f"{self.prefix}/{op_type}_{len(self.nodes)}",
-                                           **attrs))
-        return out
+    def op(self, op_type, *inputs, output=None, outputs: int = 1, **attrs):
+        names = [output] if output else [f"{self.prefix}_{op_type.lower()}_{len(self.nodes)}_{i}"
+                                         for i in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names,
+                                           name=f"{self.prefix}/{op_type}_{len(self.nodes)}", **attrs))
+        return names[0] if outputs == 1 else names
 
     def ints(self, values) -> str:
         name = f"{self.prefix}_const_{len(self.initializers)}"
@@ -341,26 +413,25 @@ def _flat(e: _Emitter, x: str) -> str:
 
 
 def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> tuple[list, list]:
-    q_shape, v_name = g.shapes.get(m.first.q), m.value
     e = _Emitter(f"diff_attention_fused_{index}")
-    if v_name.startswith("__concat__"):
-        va, vb = v_name[len("__concat__"):].split("__", 1)
-        v_name = e.op("Concat", va, vb, axis=-1)
-        v_shape = [*g.shapes.get(va, [None] * 4)[:3], None]
-        dv = values[va].shape[-1] + values[vb].shape[-1]
-    else:
-        v_shape = g.shapes.get(v_name, [None] * 4)
-        dv = values[m.value].shape[-1]
-    heads, head_dim = values[m.first.q].shape[1], values[m.first.q].shape[-1]
-    if values[m.first.kt].shape[1] != heads or values[m.second.kt].shape[1] != heads or \
-            values[m.first.kt].shape[-2] != head_dim:
+    v_name = m.value[0] if len(m.value) == 1 else e.op("Concat", *m.value, axis=-1)
+    dv = sum(values[v].shape[-1] for v in m.value)
+    q1_val, q2_val = _map_array(values, m.first, m.first.q), _map_array(values, m.second, m.second.q)
+    kt1_val, kt2_val = _map_array(values, m.first, m.first.kt), _map_array(values, m.second, m.second.kt)
+    if m.first.half is not None:  # stacked maps share one V tensor: both halves must hold the same values
+        v_all = np.concatenate([values[v] for v in m.value], axis=-1)
+        if not np.allclose(v_all[:, : v_all.shape[1] // 2], v_all[:, v_all.shape[1] // 2:], rtol=1e-5, atol=1e-6):
+            raise NoMatch("the two maps of a diff-head read different values (not a contract layout)")
+        v_name = _map_tensor(e, v_name, 0)
+    heads, head_dim = q1_val.shape[1], q1_val.shape[-1]
+    if kt1_val.shape[1] != heads or kt2_val.shape[1] != heads or kt1_val.shape[-2] != head_dim:
         raise NoMatch("q and k head counts or widths differ (expand GQA before the scores)")
     if abs(m.first.scale - m.second.scale) > 1e-6 * abs(m.first.scale):
         raise NoMatch(f"the two maps use different scales ({m.first.scale:g}, {m.second.scale:g})")
     lam = values[m.lam]
     if lam.size > 1 and (lam.ndim != 4 or lam.shape[1] != heads or lam.shape[3] != 1):
         raise NoMatch(f"lambda of shape {list(lam.shape)} is neither a scalar nor per token and head [B, H, Sq, 1]")
-    shared_k = np.array_equal(values[m.first.kt], values[m.second.kt])
+    shared_k = np.array_equal(kt1_val, kt2_val)
     per_token = lam.size > 1
     if per_token and shared_k and dv == head_dim:
         variant = VARIANT_V2
@@ -369,15 +440,15 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
     else:
         raise NoMatch(f"no contract variant fits: {'per-token' if per_token else 'scalar'} lambda, "
                       f"{'shared' if shared_k else 'separate'} keys, value width {dv} for head dim {head_dim}")
-    causal = _causal_from_map(values[m.first.softmax.output[0]])
-    if _causal_from_map(values[m.second.softmax.output[0]]) != causal:
+    causal = _causal_from_map(_map_array(values, m.first, m.first.softmax.output[0]))
+    if _causal_from_map(_map_array(values, m.second, m.second.softmax.output[0])) != causal:
         raise NoMatch("the two maps are masked differently")
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
                                causal=causal, scale=m.first.scale, norm=0, output_scale=1.0)
-    q1, q2 = m.first.q, m.second.q
-    k1 = e.op("Transpose", m.first.kt, perm=[0, 1, 3, 2])
+    q1, q2 = _map_tensor(e, m.first.q, m.first.half), _map_tensor(e, m.second.q, m.second.half)
+    k1 = e.op("Transpose", _map_tensor(e, m.first.kt, m.first.half), perm=[0, 1, 3, 2])
     if variant == VARIANT_V1:
-        key = _pairs(e, k1, e.op("Transpose", m.second.kt, perm=[0, 1, 3, 2]))
+        key = _pairs(e, k1, e.op("Transpose", _map_tensor(e, m.second.kt, m.second.half), perm=[0, 1, 3, 2]))
         lam_in = e.op("Reshape", m.lam, e.ints([1]))
     else:
         key = _flat(e, k1)
@@ -389,17 +460,32 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
                              plugin_namespace=contract.PLUGIN_NAMESPACE, plugin_version=contract.PLUGIN_VERSION,
                              **attrs.as_dict())
     e.nodes.append(fused)
-    split = e.op("Reshape", fused.output[0], e.ints([0, 0, heads, dv]))
-    e.op("Transpose", split, perm=[0, 2, 1, 3], output=m.anchor.output[0])
-    del q_shape, v_shape
+    split = e.op("Reshape", fused.output[0], e.ints([0, 0, heads, dv]))  # [B, Sq, H, Dv]
+    to_anchor = [[0, 2, 1, 3].index(a) for a in m.out_perm]  # [B, Sq, H, Dv] -> the anchor's layout
+    e.op("Transpose", split, perm=to_anchor, output=m.anchor.output[0])
     return e.nodes, e.initializers
+
+
+def _map_array(values: dict[str, np.ndarray], branch: Branch, name: str) -> np.ndarray:
+    """The probed tensor of one map: all of it, or its half of the head axis (axis 1)."""
+    array = values[name]
+    if branch.half is None:
+        return array
+    half = array.shape[1] // 2
+    return array[:, :half] if branch.half == 0 else array[:, half:]
+
+
+def _map_tensor(e: _Emitter, name: str, half: int | None) -> str:
+    if half is None:
+        return name
+    return e.op("Split", name, axis=1, num_outputs=2, outputs=2)[half]
 
 
 def _candidate_anchors(g: Graph) -> list[onnx.NodeProto]:
     """Sub nodes with a Softmax within a few producers: where a differential attention may end."""
     found = []
     for node in g.model.graph.node:
-        if node.op_type == "Sub" and any(_has_softmax_above(g, i, 4) for i in node.input):
+        if node.op_type == "Sub" and any(_has_softmax_above(g, i, 6) for i in node.input):
             found.append(node)
     return found
 
@@ -428,16 +514,15 @@ def fuse_diff_attention(model: onnx.ModelProto, rules=tuple(RULES)) -> tuple[onn
                 reasons.append(f"{name}: {exc}")
         else:
             misses.append(f"{sub.name or sub.output[0]}: " + "; ".join(reasons))
+    if any(n.op_type == "Attention" and n.domain in ("", "ai.onnx") for n in model.graph.node):
+        misses.append("opset-23 Attention nodes: differential attention built from them is not fused "
+                      "by this version (export at opset 18)")
     if not matches:
         return model, FusionReport(fired, misses)
     wanted = set()
     for m in matches:
         wanted |= {m.first.q, m.second.q, m.first.kt, m.second.kt, m.lam, m.first.softmax.output[0],
-                   m.second.softmax.output[0]}
-        if m.value.startswith("__concat__"):
-            wanted |= set(m.value[len("__concat__"):].split("__", 1))
-        else:
-            wanted.add(m.value)
+                   m.second.softmax.output[0], *m.value}
         for a, b in m.extra_probe:
             wanted |= {a, b}
     constants = {n: g.const(n) for n in wanted}
