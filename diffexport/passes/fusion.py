@@ -424,7 +424,8 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
             raise NoMatch("the two maps of a diff-head read different values (not a contract layout)")
         v_name = _map_tensor(e, v_name, 0)
     heads, head_dim = q1_val.shape[1], q1_val.shape[-1]
-    if kt1_val.shape[1] != heads or kt2_val.shape[1] != heads or kt1_val.shape[-2] != head_dim:
+    if q2_val.shape != q1_val.shape or kt1_val.shape[1] != heads or kt2_val.shape[1] != heads \
+            or kt1_val.shape[-2] != head_dim:
         raise NoMatch("q and k head counts or widths differ (expand GQA before the scores)")
     if abs(m.first.scale - m.second.scale) > 1e-6 * abs(m.first.scale):
         raise NoMatch(f"the two maps use different scales ({m.first.scale:g}, {m.second.scale:g})")
