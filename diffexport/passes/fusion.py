@@ -37,13 +37,29 @@ class NoMatch(Exception):
 
 @dataclasses.dataclass
 class Branch:
-    """One attention map: probabilities = Softmax(scale * q kT [+ mask])."""
+    """One attention map: Softmax(scale * q kT [+ mask]) written out, or an opset-23 Attention node."""
 
-    softmax: onnx.NodeProto
     q: str
-    kt: str
-    scale: float
-    half: int | None = None  # stacked maps: this map is half 0 or 1 of the head axis of q, kT and P
+    scale: float | None  # None: 1/sqrt(D), Attention's default
+    kt: str | None = None  # written-out form: kT [B, H, D, Skv]
+    probs: str | None = None  # written-out form: the map itself (probed for the mask)
+    attention: onnx.NodeProto | None = None  # Attention form: q, k [B, Hkv, Skv, D], v, optional mask
+    half: int | None = None  # stacked maps: this map is half 0 or 1 of the head axis of q, k and P
+
+    @property
+    def k(self) -> str | None:
+        return self.attention.input[1] if self.attention is not None else None
+
+    @property
+    def mask(self) -> str | None:
+        node = self.attention
+        return node.input[3] if node is not None and len(node.input) > 3 and node.input[3] else None
+
+    def identity(self) -> tuple:
+        """Two branches with equal identities compute the same map (no probe needed)."""
+        if self.attention is None:
+            return ("probs", self.probs)
+        return ("attention", self.q, self.k, self.mask, self.scale, _attr(self.attention, "is_causal", 0))
 
 @dataclasses.dataclass
 class Match:
@@ -68,10 +84,10 @@ class Graph:
             for i in n.input:
                 self.consumers.setdefault(i, []).append(n)
         self.initializers = {i.name: i for i in model.graph.initializer}
-        self.shapes = {}
+        self.shapes = {}  # static sizes as ints, symbolic ones as their names, unknown as None
         for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
             if v.type.tensor_type.HasField("shape"):
-                self.shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None
+                self.shapes[v.name] = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                                        for d in v.type.tensor_type.shape.dim]
 
     def const(self, name: str) -> np.ndarray | None:
@@ -136,7 +152,7 @@ def branch_of(g: Graph, probs: str) -> Branch:
         if node.op_type == "MatMul":
             q, fq = _strip_scalar_mul(g, node.input[0])
             kt, fk = _strip_scalar_mul(g, node.input[1])
-            return Branch(softmax, q, kt, scale * fq * fk)
+            return Branch(q=q, scale=scale * fq * fk, kt=kt, probs=softmax.output[0])
         if node.op_type in ("Mul", "Div"):
             name, factor = _strip_scalar_mul(g, name)
             if factor == 1.0 and name == node.output[0]:
@@ -182,7 +198,7 @@ def _is_attention_term(g: Graph, name: str) -> bool:
     node = g.producer.get(name)
     if node is None:
         return False
-    if _probabilities(g, name) is not None:
+    if _probabilities(g, name) is not None or (node.op_type == "Attention" and node.domain in ("", "ai.onnx")):
         return True
     if node.op_type == "MatMul":
         return _probabilities(g, node.input[0]) is not None
@@ -207,13 +223,30 @@ def _probabilities(g: Graph, name: str) -> str | None:
     return None
 
 
-def _pv(g: Graph, name: str) -> tuple[str, str]:
-    """MatMul(Softmax, V) -> (probabilities, V)."""
-    node = g.op(name, "MatMul")
+def _pv(g: Graph, name: str) -> tuple[Branch, str]:
+    """MatMul(Softmax map, V) or an opset-23 Attention node -> (the map, V)."""
+    node = g.op(name, "MatMul", "Attention")
+    if node.op_type == "Attention":
+        return branch_of_attention(g, node), node.input[2]
     probs = _probabilities(g, node.input[0])
     if probs is None:
         raise NoMatch(f"MatMul {node.name} does not multiply a Softmax map by V")
-    return probs, node.input[1]
+    return branch_of(g, probs), node.input[1]
+
+
+def branch_of_attention(g: Graph, node: onnx.NodeProto) -> Branch:
+    """An opset-23 Attention node over 4-D q, k, v with at most a mask (no KV cache, no softcap)."""
+    if node.domain not in ("", "ai.onnx") or len(node.input) > 4 or len([o for o in node.output if o]) != 1:
+        raise NoMatch(f"Attention {node.name} has a KV cache or extra outputs")
+    if _attr(node, "softcap", 0.0) or _attr(node, "qk_matmul_output_mode", 0):
+        raise NoMatch(f"Attention {node.name} uses softcap or a qk output mode")
+    if any(g.rank(i) not in (4, None) for i in node.input[:3]):
+        raise NoMatch(f"Attention {node.name} takes 3-D inputs; only [B, heads, S, D] is fused")
+    q_len, k_len = (g.shapes.get(node.input[i], [None] * 4)[2] for i in (0, 1))
+    if _attr(node, "is_causal", 0) and (q_len is None or q_len != k_len):
+        raise NoMatch(f"Attention {node.name}: is_causal aligns top-left; fused only where q and k lengths are equal")
+    scale = _attr(node, "scale")
+    return Branch(q=node.input[0], scale=None if scale is None else float(scale), attention=node)
 
 
 # ---------------------------------------------------------------- the rules
@@ -241,8 +274,17 @@ def rule_eq1(g: Graph, sub: onnx.NodeProto) -> Match:
 
 def rule_flash1(g: Graph, sub: onnx.NodeProto) -> Match:
     first, second, lam = _split_sub(g, sub)
-    (p1, v1), (p2, v2) = _pv(g, first), _pv(g, second)
-    return Match("flash1", sub, branch_of(g, p1), branch_of(g, p2), lam, (v1,), [(v1, v2)] if v1 != v2 else [])
+    (b1, v1), (b2, v2) = _pv(g, first), _pv(g, second)
+    return Match("flash1", sub, b1, b2, lam, (v1,), [(v1, v2)] if v1 != v2 else [])
+
+
+def _same_map(a: Branch, b: Branch) -> list[tuple[str, str]]:
+    """Probe pairs proving two branches are one map (none when their inputs are the same tensors)."""
+    if a.identity() == b.identity():
+        return []
+    if a.probs is not None and b.probs is not None:
+        return [(a.probs, b.probs)]
+    raise NoMatch("the attention calls of one map read different q, k, mask or scale")
 
 
 def rule_flash2(g: Graph, sub: onnx.NodeProto) -> Match:
@@ -253,10 +295,9 @@ def rule_flash2(g: Graph, sub: onnx.NodeProto) -> Match:
         if len(cat.input) != 2 or _attr(cat, "axis") not in (-1, 3):
             raise NoMatch(f"Concat {cat.name} does not join two V halves on the last axis")
         halves.append([_pv(g, i) for i in cat.input])
-    (p1a, va), (p1b, vb) = halves[0]
-    (p2a, va2), (p2b, vb2) = halves[1]
-    b1, _, b2, _ = (branch_of(g, p) for p in (p1a, p1b, p2a, p2b))  # all four must be attention maps
-    probe = [(p1a, p1b), (p2a, p2b)] + [(x, y) for x, y in ((va, va2), (vb, vb2)) if x != y]
+    (b1, va), (b1b, vb) = halves[0]
+    (b2, va2), (b2b, vb2) = halves[1]
+    probe = _same_map(b1, b1b) + _same_map(b2, b2b) + [(x, y) for x, y in ((va, va2), (vb, vb2)) if x != y]
     return Match("flash2", sub, b1, b2, lam, (va, vb), probe)
 
 
@@ -268,7 +309,7 @@ def rule_stacked(g: Graph, sub: onnx.NodeProto) -> Match:
         raise NoMatch(f"Split {split.name} is not a split of the heads in two, first half first")
     lam, second = _lambda_times_split(g, scaled, split)
     total = split.input[0]
-    perm, parts, probs = _attention_output_layout(g, total)
+    perm, parts, branch = _attention_output_layout(g, total)
     axis = _attr(split, "axis", 0)
     axis = axis + 4 if axis < 0 else axis
     if axis != perm.index(1):
@@ -277,7 +318,6 @@ def rule_stacked(g: Graph, sub: onnx.NodeProto) -> Match:
         sizes = g.const(split.input[1])
         if sizes is None or len(set(sizes.tolist())) != 1:
             raise NoMatch(f"Split {split.name} does not cut the heads in equal halves")
-    branch = branch_of(g, probs)
     first_map = dataclasses.replace(branch, half=0)
     second_map = dataclasses.replace(branch, half=1)
     return Match("stacked", sub, first_map, second_map, lam, parts, [], tuple(perm))
@@ -291,9 +331,9 @@ def _lambda_times_split(g: Graph, scaled: str, split: onnx.NodeProto) -> tuple[s
     return lam, split.output[1]
 
 
-def _attention_output_layout(g: Graph, name: str) -> tuple[list[int], tuple[str, ...], str]:
+def _attention_output_layout(g: Graph, name: str) -> tuple[list[int], tuple[str, ...], Branch]:
     """name = [Transpose](P V) or Concat([Transpose](P Va), [Transpose](P Vb)) on the last axis.
-    Returns (perm from [B, H, Sq, W], the V parts, P)."""
+    Returns (perm from [B, H, Sq, W], the V parts, the map)."""
     node = g.producer.get(name)
     terms = list(node.input) if node is not None and node.op_type == "Concat" else [name]
     if node is not None and node.op_type == "Concat" and _attr(node, "axis") not in (-1, 3):
@@ -305,16 +345,16 @@ def _attention_output_layout(g: Graph, name: str) -> tuple[list[int], tuple[str,
         if producer is not None and producer.op_type == "Transpose":
             perm = list(_attr(producer, "perm"))
             term = producer.input[0]
-        p, v = _pv(g, term)
+        branch, v = _pv(g, term)
         perms.add(tuple(perm))
         parts.append(v)
-        probs.add(p)
+        probs.add(branch.identity())
     if len(perms) != 1 or len(probs) != 1:
         raise NoMatch("the attention outputs joined here come from different maps or layouts")
     perm = list(perms.pop())
     if perm[3] != 3:
         raise NoMatch("the value axis is not last in the attention output")
-    return perm, tuple(parts), probs.pop()
+    return perm, tuple(parts), branch
 
 
 RULES: dict[str, Callable[[Graph, onnx.NodeProto], Match]] = {
@@ -417,22 +457,24 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
     v_name = m.value[0] if len(m.value) == 1 else e.op("Concat", *m.value, axis=-1)
     dv = sum(values[v].shape[-1] for v in m.value)
     q1_val, q2_val = _map_array(values, m.first, m.first.q), _map_array(values, m.second, m.second.q)
-    kt1_val, kt2_val = _map_array(values, m.first, m.first.kt), _map_array(values, m.second, m.second.kt)
+    k1_val, k2_val = _key_array(values, m.first), _key_array(values, m.second)  # [B, Hk, Skv, D]
     if m.first.half is not None:  # stacked maps share one V tensor: both halves must hold the same values
         v_all = np.concatenate([values[v] for v in m.value], axis=-1)
         if not np.allclose(v_all[:, : v_all.shape[1] // 2], v_all[:, v_all.shape[1] // 2:], rtol=1e-5, atol=1e-6):
             raise NoMatch("the two maps of a diff-head read different values (not a contract layout)")
         v_name = _map_tensor(e, v_name, 0)
     heads, head_dim = q1_val.shape[1], q1_val.shape[-1]
-    if q2_val.shape != q1_val.shape or kt1_val.shape[1] != heads or kt2_val.shape[1] != heads \
-            or kt1_val.shape[-2] != head_dim:
-        raise NoMatch("q and k head counts or widths differ (expand GQA before the scores)")
-    if abs(m.first.scale - m.second.scale) > 1e-6 * abs(m.first.scale):
-        raise NoMatch(f"the two maps use different scales ({m.first.scale:g}, {m.second.scale:g})")
+    kv_heads = k1_val.shape[1]
+    if q2_val.shape != q1_val.shape or k2_val.shape != k1_val.shape or k1_val.shape[-1] != head_dim \
+            or heads % kv_heads or (kv_heads != heads and m.first.attention is None):
+        raise NoMatch("q and k head counts or widths do not pair up")
+    scales = [head_dim ** -0.5 if b.scale is None else b.scale for b in (m.first, m.second)]
+    if abs(scales[0] - scales[1]) > 1e-6 * abs(scales[0]):
+        raise NoMatch(f"the two maps use different scales ({scales[0]:g}, {scales[1]:g})")
     lam = values[m.lam]
     if lam.size > 1 and (lam.ndim != 4 or lam.shape[1] != heads or lam.shape[3] != 1):
         raise NoMatch(f"lambda of shape {list(lam.shape)} is neither a scalar nor per token and head [B, H, Sq, 1]")
-    shared_k = np.array_equal(kt1_val, kt2_val)
+    shared_k = np.array_equal(k1_val, k2_val)
     per_token = lam.size > 1
     if per_token and shared_k and dv == head_dim:
         variant = VARIANT_V2
@@ -441,15 +483,15 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
     else:
         raise NoMatch(f"no contract variant fits: {'per-token' if per_token else 'scalar'} lambda, "
                       f"{'shared' if shared_k else 'separate'} keys, value width {dv} for head dim {head_dim}")
-    causal = _causal_from_map(_map_array(values, m.first, m.first.softmax.output[0]))
-    if _causal_from_map(_map_array(values, m.second, m.second.softmax.output[0])) != causal:
+    causal = _causal_from_map(_visible(values, m.first))
+    if _causal_from_map(_visible(values, m.second)) != causal:
         raise NoMatch("the two maps are masked differently")
-    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads, head_dim=head_dim,
-                               causal=causal, scale=m.first.scale, norm=0, output_scale=1.0)
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                               causal=causal, scale=scales[0], norm=0, output_scale=1.0)
     q1, q2 = _map_tensor(e, m.first.q, m.first.half), _map_tensor(e, m.second.q, m.second.half)
-    k1 = e.op("Transpose", _map_tensor(e, m.first.kt, m.first.half), perm=[0, 1, 3, 2])
+    k1 = _key_tensor(e, m.first)
     if variant == VARIANT_V1:
-        key = _pairs(e, k1, e.op("Transpose", _map_tensor(e, m.second.kt, m.second.half), perm=[0, 1, 3, 2]))
+        key = _pairs(e, k1, _key_tensor(e, m.second))
         lam_in = e.op("Reshape", m.lam, e.ints([1]))
     else:
         key = _flat(e, k1)
@@ -476,6 +518,37 @@ def _map_array(values: dict[str, np.ndarray], branch: Branch, name: str) -> np.n
     return array[:, :half] if branch.half == 0 else array[:, half:]
 
 
+def _key_array(values: dict[str, np.ndarray], branch: Branch) -> np.ndarray:
+    """The map's keys as [B, Hk, Skv, D] (written-out scores hold kT)."""
+    if branch.attention is not None:
+        return _map_array(values, branch, branch.k)
+    return np.swapaxes(_map_array(values, branch, branch.kt), -1, -2)
+
+
+def _key_tensor(e: _Emitter, branch: Branch) -> str:
+    if branch.attention is not None:
+        return _map_tensor(e, branch.k, branch.half)
+    return e.op("Transpose", _map_tensor(e, branch.kt, branch.half), perm=[0, 1, 3, 2])
+
+
+def _visible(values: dict[str, np.ndarray], branch: Branch) -> np.ndarray:
+    """What the map lets each query see, as positive entries: the probed map itself, or for an
+    Attention node its is_causal (top-left) and mask, applied to a map of ones."""
+    if branch.attention is None:
+        return _map_array(values, branch, branch.probs)
+    sq, skv = values[branch.q].shape[2], values[branch.k].shape[2]
+    visible = np.ones((sq, skv), bool)
+    if _attr(branch.attention, "is_causal", 0):
+        visible &= np.tril(np.ones((sq, skv), bool))
+    if branch.mask is not None:
+        mask = values[branch.mask]
+        mask = mask if mask.dtype == bool else mask > -1e30
+        if mask.ndim == 4 and mask.shape[1] > 1 and branch.half is not None:
+            mask = _map_array(values, branch, branch.mask) > (-1e30 if mask.dtype != bool else False)
+        visible = visible & mask
+    return visible.astype(np.float32)
+
+
 def _map_tensor(e: _Emitter, name: str, half: int | None) -> str:
     if half is None:
         return name
@@ -483,7 +556,7 @@ def _map_tensor(e: _Emitter, name: str, half: int | None) -> str:
 
 
 def _candidate_anchors(g: Graph) -> list[onnx.NodeProto]:
-    """Sub nodes with a Softmax within a few producers: where a differential attention may end."""
+    """Sub nodes with a Softmax or Attention within a few producers: where a differential attention may end."""
     found = []
     for node in g.model.graph.node:
         if node.op_type == "Sub" and any(_has_softmax_above(g, i, 6) for i in node.input):
@@ -495,7 +568,7 @@ def _has_softmax_above(g: Graph, name: str, depth: int) -> bool:
     node = g.producer.get(name)
     if node is None or depth == 0:
         return False
-    return node.op_type == "Softmax" or any(_has_softmax_above(g, i, depth - 1) for i in node.input)
+    return node.op_type in ("Softmax", "Attention") or any(_has_softmax_above(g, i, depth - 1) for i in node.input)
 
 
 def fuse_diff_attention(model: onnx.ModelProto, rules=tuple(RULES)) -> tuple[onnx.ModelProto, FusionReport]:
@@ -515,15 +588,13 @@ def fuse_diff_attention(model: onnx.ModelProto, rules=tuple(RULES)) -> tuple[onn
                 reasons.append(f"{name}: {exc}")
         else:
             misses.append(f"{sub.name or sub.output[0]}: " + "; ".join(reasons))
-    if any(n.op_type == "Attention" and n.domain in ("", "ai.onnx") for n in model.graph.node):
-        misses.append("opset-23 Attention nodes: differential attention built from them is not fused "
-                      "by this version (export at opset 18)")
     if not matches:
         return model, FusionReport(fired, misses)
     wanted = set()
     for m in matches:
-        wanted |= {m.first.q, m.second.q, m.first.kt, m.second.kt, m.lam, m.first.softmax.output[0],
-                   m.second.softmax.output[0], *m.value}
+        for b in (m.first, m.second):
+            wanted |= {n for n in (b.q, b.kt, b.probs, b.k, b.mask) if n}
+        wanted |= {m.lam, *m.value}
         for a, b in m.extra_probe:
             wanted |= {a, b}
     constants = {n: g.const(n) for n in wanted}
