@@ -54,8 +54,9 @@ def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, opset, tmp_p
     assert len(nodes) == 2 and not any(n.op_type in ("Softmax", "Attention") for n in fused.graph.node)
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     assert attrs["variant"] == variant and attrs["causal"] == 1
-    # opset 23 exports SDPA as Attention nodes, which keep GQA: the fused node keeps it too
-    gqa = opset == 23 and impl != "naive"
+    # GQA is kept where the source shows it: Eq. 1's repeat_interleave and opset-23 Attention nodes;
+    # torch's opset-18 SDPA decomposition hides it behind reshapes, so those nodes get num_kv_heads = num_heads
+    gqa = impl == "naive" or opset == 23
     assert attrs["num_kv_heads"] == ({1: 1, 2: 2}[variant] if gqa else attrs["num_heads"])
     assert attrs["scale"] == pytest.approx(32 ** -0.5, rel=1e-6)
     if variant == 1:  # lambda, computed from its four parameter vectors in the source, is folded to a constant
@@ -206,6 +207,9 @@ def test_hf_diffllama_graphs_fuse(impl, opset, batch, tmp_path):
     nodes = [n for n in result.model.graph.node if n.op_type == contract.OP_NAME]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
     assert (attrs["variant"], attrs["num_heads"], attrs["head_dim"], attrs["causal"]) == (1, 4, 16, 1)
+    # repeat_kv absorbed (8 query maps over 4 kv heads = 4 diff-heads over 2 kv-groups), except
+    # behind the reshapes of torch's opset-18 SDPA decomposition
+    assert attrs["num_kv_heads"] == (4 if (impl, opset) == ("sdpa", 18) else 2)
     ids = np.random.default_rng(8).integers(0, 96, size=(batch, 21), dtype=np.int64)
     with torch.no_grad():
         expected = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()

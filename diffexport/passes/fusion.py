@@ -454,7 +454,10 @@ def _flat(e: _Emitter, x: str) -> str:
 
 def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> tuple[list, list]:
     e = _Emitter(f"diff_attention_fused_{index}")
-    v_name = m.value[0] if len(m.value) == 1 else e.op("Concat", *m.value, axis=-1)
+    # GQA written out before the scores (Unsqueeze/Expand/Reshape of K and V): read the kv heads instead
+    sources = _unexpanded_sources(g, m)
+    v_parts = sources["value"] if sources else list(m.value)
+    v_name = v_parts[0] if len(v_parts) == 1 else e.op("Concat", *v_parts, axis=-1)
     dv = sum(values[v].shape[-1] for v in m.value)
     q1_val, q2_val = _map_array(values, m.first, m.first.q), _map_array(values, m.second, m.second.q)
     k1_val, k2_val = _key_array(values, m.first), _key_array(values, m.second)  # [B, Hk, Skv, D]
@@ -464,9 +467,9 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
             raise NoMatch("the two maps of a diff-head read different values (not a contract layout)")
         v_name = _map_tensor(e, v_name, 0)
     heads, head_dim = q1_val.shape[1], q1_val.shape[-1]
-    kv_heads = k1_val.shape[1]
+    kv_heads = k1_val.shape[1] // (sources["rep"] if sources else 1)
     if q2_val.shape != q1_val.shape or k2_val.shape != k1_val.shape or k1_val.shape[-1] != head_dim \
-            or heads % kv_heads or (kv_heads != heads and m.first.attention is None):
+            or heads % kv_heads or (kv_heads != heads and m.first.attention is None and not sources):
         raise NoMatch("q and k head counts or widths do not pair up")
     scales = [head_dim ** -0.5 if b.scale is None else b.scale for b in (m.first, m.second)]
     if abs(scales[0] - scales[1]) > 1e-6 * abs(scales[0]):
@@ -489,9 +492,12 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                                causal=causal, scale=scales[0], norm=0, output_scale=1.0)
     q1, q2 = _map_tensor(e, m.first.q, m.first.half), _map_tensor(e, m.second.q, m.second.half)
-    k1 = _key_tensor(e, m.first)
+    if sources:
+        k1, k2 = (_map_tensor(e, k, b.half) for k, b in zip(sources["key"], (m.first, m.second)))
+    else:
+        k1, k2 = _key_tensor(e, m.first), _key_tensor(e, m.second)
     if variant == VARIANT_V1:
-        key = _pairs(e, k1, _key_tensor(e, m.second))
+        key = _pairs(e, k1, k2)
         lam_in = e.op("Reshape", m.lam, e.ints([1]))
     else:
         key = _flat(e, k1)
@@ -516,6 +522,45 @@ def _map_array(values: dict[str, np.ndarray], branch: Branch, name: str) -> np.n
         return array
     half = array.shape[1] // 2
     return array[:, :half] if branch.half == 0 else array[:, half:]
+
+
+def _unexpand(g: Graph, name: str) -> tuple[str, int] | None:
+    """Reshape(Expand(Unsqueeze(src, [2]), [B, Hkv, rep, S, D]), [B, Hkv*rep, S, D]) -> (src, rep):
+    head h of the result is kv head h // rep of src, the contract's GQA grouping."""
+    reshape = g.producer.get(name)
+    expand = g.producer.get(reshape.input[0]) if reshape is not None and reshape.op_type == "Reshape" else None
+    unsqueeze = g.producer.get(expand.input[0]) if expand is not None and expand.op_type == "Expand" else None
+    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze":
+        return None
+    axes = g.const(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else _attr(unsqueeze, "axes")
+    src, out = g.shapes.get(unsqueeze.input[0]), g.shapes.get(name)
+    if axes is None or np.atleast_1d(axes).tolist() != [2] or not src or not out or len(src) != 4 or len(out) != 4:
+        return None
+    if not isinstance(src[1], int) or not isinstance(out[1], int) or out[1] % src[1] or src[2:] != out[2:]:
+        return None
+    return unsqueeze.input[0], out[1] // src[1]
+
+
+def _unexpanded_sources(g: Graph, m: Match) -> dict | None:
+    """The kv-head tensors behind expanded K (both maps) and V (every part), when all were expanded
+    by one factor; None leaves the expansion in the graph."""
+    keys = []
+    for b in (m.first, m.second):
+        name = b.k
+        if b.attention is None:
+            transpose = g.producer.get(b.kt)
+            if transpose is None or transpose.op_type != "Transpose" or list(_attr(transpose, "perm")) != [0, 1, 3, 2]:
+                return None
+            name = transpose.input[0]
+        keys.append(_unexpand(g, name))
+    values = [_unexpand(g, v) for v in m.value]
+    found = keys + values
+    if any(f is None for f in found) or len({rep for _, rep in found}) != 1:
+        return None
+    rep = found[0][1]
+    if m.first.half is not None and (g.shapes[keys[0][0]][1] % 2 or rep * g.shapes[keys[0][0]][1] % 2):
+        return None  # stacked maps split the kv heads in two as well
+    return {"key": [k for k, _ in keys], "value": [v for v, _ in values], "rep": rep}
 
 
 def _key_array(values: dict[str, np.ndarray], branch: Branch) -> np.ndarray:
