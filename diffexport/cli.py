@@ -119,6 +119,8 @@ def cmd_optimize(args) -> int:
     report = result.report
     fired = ", ".join(f"{rule} {count}" for rule, count in report.fired.items())
     print(f"fused         {report.total} differential attention(s) ({fired})")
+    if result.absorbed:
+        print(f"absorbed      {result.absorbed} head-norm epilogue(s) into the fused nodes")
     if result.max_abs is not None:
         note = "" if result.verified_batch == 2 else " (batch 1 only: the input graph fails at batch 2)"
         print(f"verified      onnxruntime outputs before vs after: max abs {result.max_abs:.2e}{note}")

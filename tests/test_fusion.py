@@ -61,8 +61,15 @@ def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, opset, tmp_p
     assert attrs["scale"] == pytest.approx(32 ** -0.5, rel=1e-6)
     if variant == 1:  # lambda, computed from its four parameter vectors in the source, is folded to a constant
         inits = {i.name: onnx.numpy_helper.to_array(i) for i in fused.graph.initializer}
+        model = load_model(None, preset=preset, seed=0).model
         lambdas = [float(inits[n.input[3]].reshape(())) for n in nodes]
-        assert lambdas == pytest.approx(load_model(None, preset=preset, seed=0).model.lambdas(), rel=1e-6)
+        assert lambdas == pytest.approx(model.lambdas(), rel=1e-6)
+        # the head RMSNorm, its weight and (1 - lambda_init) after the attention moved into the nodes
+        assert result.absorbed == 2
+        for node, layer in zip(nodes, model.layers):
+            got = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert got["norm"] == 1 and got["output_scale"] == pytest.approx(1 - layer.attn.lambda_init, rel=1e-6)
+            assert np.allclose(inits[node.input[4]], layer.attn.head_norm.weight.detach().numpy())
     onnx.checker.check_model(fused, full_check=True)
     rng = np.random.default_rng(5)
     for shape in [(1, 1), (3, 29)]:
@@ -210,6 +217,10 @@ def test_hf_diffllama_graphs_fuse(impl, opset, batch, tmp_path):
     # repeat_kv absorbed (8 query maps over 4 kv heads = 4 diff-heads over 2 kv-groups), except
     # behind the reshapes of torch's opset-18 SDPA decomposition
     assert attrs["num_kv_heads"] == (4 if (impl, opset) == ("sdpa", 18) else 2)
+    # the weightless head norm and (1 - lambda_init) move into the nodes at opset 18; at opset 23 the
+    # norm is an RMSNormalization whose (all-ones) scale is computed, not a constant, and stays
+    if opset == 18:
+        assert result.absorbed == 3 and attrs["norm"] == 1 and attrs["output_scale"] == pytest.approx(0.8)
     ids = np.random.default_rng(8).integers(0, 96, size=(batch, 21), dtype=np.int64)
     with torch.no_grad():
         expected = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()

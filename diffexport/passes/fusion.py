@@ -673,3 +673,113 @@ def fuse_diff_attention(model: onnx.ModelProto, rules=tuple(RULES)) -> tuple[onn
 def check_fusable_model(model: onnx.ModelProto) -> None:
     if any(n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN for n in model.graph.node):
         raise DiffExportError("the graph already has DiffAttention nodes: nothing to fuse (use `inspect`)")
+
+
+# ---------------------------------------------------------------- epilogue: the per-head norm after the attention
+
+def _only_consumer(g: Graph, name: str, op_type: str) -> onnx.NodeProto:
+    users = g.consumers.get(name, [])
+    if len(users) != 1 or users[0].op_type != op_type:
+        raise NoMatch(f"{name} does not feed exactly one {op_type}")
+    return users[0]
+
+
+def _rms_chain(g: Graph, x: str) -> tuple[list[onnx.NodeProto], str, float, np.ndarray | None]:
+    """x -> RMSNorm over the last axis, written out (Pow, ReduceMean, Add eps, Sqrt, Reciprocal, Mul) or as
+    opset-23 RMSNormalization: (the nodes, the normed tensor, eps, the norm's own scale or None).
+    Shape(x) consumers are allowed (they are moved to the final tensor, which has x's shape)."""
+    users = [u for u in g.consumers.get(x, []) if u.op_type != "Shape"]
+    if len(users) == 1 and users[0].op_type == "RMSNormalization":
+        rms = users[0]
+        gain = g.const(rms.input[1])
+        if _attr(rms, "axis", -1) not in (-1, 3) or gain is None or _attr(rms, "stash_type", 1) != 1:
+            raise NoMatch("RMSNormalization is not over the last axis in fp32 with a constant scale")
+        return [rms], rms.output[0], float(_attr(rms, "epsilon", 1e-5)), gain.reshape(-1)
+    square = next((u for u in users if (u.op_type == "Pow" and g.scalar(u.input[1]) == 2.0)
+                   or (u.op_type == "Mul" and u.input[0] == u.input[1] == x)), None)
+    scale = next((u for u in users if u.op_type == "Mul" and u is not square), None)
+    if len(users) != 2 or square is None or scale is None:
+        raise NoMatch("the attention output is not followed by an RMSNorm")
+    mean = _only_consumer(g, square.output[0], "ReduceMean")
+    axes = g.const(mean.input[1]) if len(mean.input) > 1 else _attr(mean, "axes")
+    if axes is None or np.atleast_1d(axes).tolist() not in ([-1], [3]) or _attr(mean, "keepdims", 1) != 1:
+        raise NoMatch("the RMSNorm does not average over the last axis")
+    add = _only_consumer(g, mean.output[0], "Add")
+    eps = next((g.scalar(i) for i in add.input if g.scalar(i) is not None), None)
+    sqrt = _only_consumer(g, add.output[0], "Sqrt")
+    recip = _only_consumer(g, sqrt.output[0], "Reciprocal")
+    if eps is None or eps <= 0 or recip.output[0] not in scale.input:
+        raise NoMatch("the RMSNorm's epsilon or reciprocal does not fit")
+    return [square, mean, add, sqrt, recip, scale], scale.output[0], eps, None
+
+
+def absorb_epilogues(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int, list[str]]:
+    """Move RMSNorm, per-channel weight and constant scale after fused nodes into the node
+    (norm=1, norm_weight, output_scale), as the contract allows."""
+    g = Graph(model)
+    dead: set[int] = set()
+    renames: dict[str, str] = {}
+    misses: list[str] = []
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != contract.OP_NAME or node.domain != contract.ONNX_DOMAIN:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        weight = g.const(node.input[4])
+        if attrs.get("norm") or attrs.get("output_scale", 1.0) != 1.0 or weight is None or not np.all(weight == 1):
+            continue
+        try:
+            tail = _only_consumer(g, node.output[0], "Reshape")
+            users = g.consumers.get(tail.output[0], [])
+            if len(users) == 1 and users[0].op_type == "Transpose":
+                tail = users[0]
+            chain, y, eps, norm_gain = _rms_chain(g, tail.output[0])
+            dv = weight.shape[0]
+            scale, gain = 1.0, np.ones(dv, np.float64)
+            if norm_gain is not None:
+                if norm_gain.size != dv:
+                    raise NoMatch(f"RMSNormalization scale has {norm_gain.size} values, not {dv}")
+                gain = gain * norm_gain
+            while True:
+                users = g.consumers.get(y, [])
+                if len(users) != 1 or users[0].op_type != "Mul":
+                    break
+                other = next(i for i in users[0].input if i != y)
+                value = g.const(other)
+                if value is None:
+                    break
+                if value.size == 1:
+                    scale *= float(value.reshape(-1)[0])
+                elif value.shape[-1] == dv and value.size == dv:
+                    gain = gain * value.reshape(-1)
+                else:
+                    break
+                chain.append(users[0])
+                y = users[0].output[0]
+        except NoMatch as exc:
+            misses.append(f"{node.name}: epilogue: {exc}")
+            continue
+        weight_name = f"{node.name.replace('/', '_')}_norm_weight"
+        model.graph.initializer.append(numpy_helper.from_array(gain.astype(np.float32), weight_name))
+        node.input[4] = weight_name
+        for a in node.attribute:
+            if a.name == "norm":
+                a.i = 1
+            elif a.name == "norm_eps":
+                a.f = eps
+            elif a.name == "output_scale":
+                a.f = scale
+        for shape_user in g.consumers.get(tail.output[0], []):
+            if shape_user.op_type == "Shape":
+                shape_user.input[0] = y
+        renames[tail.output[0]] = y
+        dead |= {id(n) for n in chain}
+        count += 1
+    kept = [n for n in model.graph.node if id(n) not in dead]
+    for n in kept:
+        for i, out in enumerate(n.output):
+            if out in renames:
+                n.output[i] = renames[out]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return model, count, misses

@@ -30,6 +30,7 @@ class OptimizeResult:
     max_abs: float | None  # fused vs original outputs on the probe input
     lowered: int = 0
     verified_batch: int | None = None
+    absorbed: int = 0  # norm epilogues moved into the fused nodes
 
 
 def _load(path: Path) -> onnx.ModelProto:
@@ -66,11 +67,13 @@ def optimize_model(model: onnx.ModelProto, verify: bool = True, body: str = DEFA
     if report.total == 0:
         return OptimizeResult(model, report, None)
     attach_function(fused, body)
+    fused, absorbed, misses = fusion.absorb_epilogues(cleanup(fused))
+    report.misses.extend(misses)
     fused = cleanup(fused)
     if not verify:
-        return OptimizeResult(fused, report, None)
+        return OptimizeResult(fused, report, None, absorbed=absorbed)
     max_abs, batch = _verify(base, fused)
-    return OptimizeResult(fused, report, max_abs, verified_batch=batch)
+    return OptimizeResult(fused, report, max_abs, verified_batch=batch, absorbed=absorbed)
 
 
 def _verify(base: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[float, int]:
