@@ -19,9 +19,9 @@ from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.passes.optimize import optimize_model  # noqa: E402
 
 
-def plain_export(preset, impl, path, seed=0, opset=18):
+def plain_export(preset, impl, path, seed=0, opset=18, dtype=torch.float32):
     """torch.onnx.export of a model whose attention is plain torch ops (no diffexport op)."""
-    model = load_model(None, preset=preset, seed=seed).model.eval()
+    model = load_model(None, preset=preset, seed=seed, dtype=dtype).model.eval()
     for layer in model.layers:
         layer.attn.impl = impl
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -76,6 +76,17 @@ def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, opset, tmp_p
         ids = rng.integers(0, 512, size=shape, dtype=np.int64)
         before, after = _run(source, ids), _run(fused, ids)
         assert np.abs(before - after).max() <= 1e-5 * max(1.0, np.abs(before).max())
+
+
+def test_fp16_source_fuses_with_its_dtype_bound(tmp_path):
+    source = plain_export("diff-v1-tiny", "naive", tmp_path / "fp16.onnx", dtype=torch.float16)
+    result = optimize_model(source)
+    assert result.report.total == 2 and result.absorbed == 2 and result.max_abs is not None
+    ids = np.random.default_rng(2).integers(0, 512, size=(2, 19), dtype=np.int64)
+    out = _run(result.model, ids)
+    assert out.dtype == np.float16
+    ref = _run(source, ids).astype(np.float64)
+    assert np.abs(out - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")
