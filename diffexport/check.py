@@ -22,6 +22,7 @@ from diffexport import fingerprint, reference, tolerances
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
+from diffexport.files import load_onnx
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))  # batch x sequence: 1, odd lengths, batch > 1
 EAGER_RUNNER = "eager-pytorch"
@@ -63,16 +64,8 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:
     """diffexport's metadata_props of an ONNX file (weights are not read)."""
-    import onnx
-
     path = Path(path)
-    if not path.is_file():
-        raise DiffExportError(f"{path} does not exist or is not a file")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf DecodeError and friends
-        raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__}): "
-                              "re-export it with `diffexport onnx`") from None
+    model = load_onnx(path, weights=False)
     meta = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
     if "config" not in meta or "dtype" not in meta:
         raise DiffExportError(f"{path} carries no diffexport metadata: check only compares files written "

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import pickle
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from diffexport import layouts
 from diffexport.errors import DiffExportError
+from diffexport.files import atomic_write
 from diffexport.modeling import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict
 from diffexport.modeling.common import DecoderLM, ModelConfig
 from diffexport.progress import Progress
@@ -56,23 +56,10 @@ def _header(cfg: ModelConfig) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "family": cfg.family, "config": cfg.to_dict()}
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then rename: no half-written output."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_checkpoint(model: DecoderLM, path: str | os.PathLike) -> Path:
     path = Path(path)
     payload = {**_header(model.config), "state_dict": canonical_state_dict(model)}
-    _atomic_write(path, lambda tmp: torch.save(payload, tmp))
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
     return path
 
 
@@ -82,8 +69,8 @@ def save_safetensors(model: DecoderLM, directory: str | os.PathLike) -> Path:
 
     directory = Path(directory)
     state = {k: v.contiguous() for k, v in canonical_state_dict(model).items()}
-    _atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": FORMAT}))
-    _atomic_write(directory / "config.json",
+    atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": FORMAT}))
+    atomic_write(directory / "config.json",
                   lambda tmp: Path(tmp).write_text(json.dumps(_header(model.config), indent=2) + "\n"))
     return directory
 

@@ -9,18 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from diffexport import contract
-from diffexport.errors import DiffExportError
-
-
-def _load_graph_only(path: Path):
-    import onnx
-
-    if not path.is_file():
-        raise DiffExportError(f"{path} does not exist or is not a file")
-    try:
-        return onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf DecodeError and friends
-        raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__})") from None
+from diffexport.files import load_onnx
 
 
 def _dims(value) -> list[Any]:
@@ -74,7 +63,7 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
     import onnx
 
     path = Path(path)
-    model = _load_graph_only(path)
+    model = load_onnx(path, weights=False)
     histogram = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     diff_nodes = []
     plugin_nodes = 0

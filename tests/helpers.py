@@ -67,3 +67,43 @@ def lowprec_baseline(query, key, value, lam, weight, attrs):
     o = o * attrs.output_scale
     B, H, S, Dv = o.shape
     return o.transpose(1, 2).reshape(B, S, H * Dv)
+
+
+# ------------------------------------------------------------------ command line and onnxruntime
+
+def run_cli(*args, cwd=None):
+    """`python -m diffexport ARGS` in a subprocess, as a user runs it."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
+                          env=dict(os.environ), cwd=cwd, timeout=300)
+
+
+def assert_one_line_error(result, pattern):
+    """Exit 2, and stderr is exactly one line `error: ...` containing `pattern`."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert pattern in lines[0], lines[0]
+
+
+def ort_logits(model, ids):
+    """First output of an in-memory ONNX model on the CPU provider."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"input_ids": ids})[0]
+
+
+def assert_same_logits(before, after, shapes, seed, vocab=512):
+    """Two ONNX models agree in fp32 (1e-5 of max(1, |logits|)) on seeded token ids of each shape."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    for shape in shapes:
+        ids = rng.integers(0, vocab, size=shape, dtype=np.int64)
+        a, b = ort_logits(before, ids), ort_logits(after, ids)
+        assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(a).max())

@@ -3,8 +3,6 @@
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from diffexport.checkpoint import FORMAT, load_model, save_checkpoint, save_safe
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DiffV1Config, build_model
 from diffexport.presets import preset_config
+from helpers import assert_one_line_error, run_cli  # noqa: E402
 
 
 def _logits(model, rng, vocab, seq=13):
@@ -121,20 +120,6 @@ def test_unilm_state_dict_with_interleaved_rope(tmp_path, rng):
 
 # ------------------------------------------------------------------ bad input
 
-def _cli(*args, cwd=None):
-    env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
-
-
-def _assert_one_line_error(result, pattern):
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    assert pattern in lines[0], lines[0]
-
-
 @pytest.fixture(scope="module")
 def good_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("good") / "tiny.pt"
@@ -143,13 +128,13 @@ def good_ckpt(tmp_path_factory):
 
 
 def test_missing_file(tmp_path):
-    _assert_one_line_error(_cli("info", tmp_path / "nope.pt"), "checkpoint not found")
+    assert_one_line_error(run_cli("info", tmp_path / "nope.pt"), "checkpoint not found")
 
 
 def test_truncated_file(good_ckpt, tmp_path):
     bad = tmp_path / "truncated.pt"
     bad.write_bytes(good_ckpt.read_bytes()[: good_ckpt.stat().st_size // 2])
-    _assert_one_line_error(_cli("info", bad), "corrupt or truncated")
+    assert_one_line_error(run_cli("info", bad), "corrupt or truncated")
 
 
 def test_corrupted_file(good_ckpt, tmp_path):
@@ -159,10 +144,10 @@ def test_corrupted_file(good_ckpt, tmp_path):
         data[i] ^= 0xFF
     bad = tmp_path / "corrupt.pt"
     bad.write_bytes(bytes(data))
-    result = _cli("info", bad)
-    _assert_one_line_error(result, "")
+    result = run_cli("info", bad)
+    assert_one_line_error(result, "")
     bad.write_bytes(os.urandom(4096))
-    _assert_one_line_error(_cli("info", bad), "corrupt or truncated")
+    assert_one_line_error(run_cli("info", bad), "corrupt or truncated")
 
 
 class _Payload:
@@ -188,8 +173,8 @@ def test_pickle_with_code_is_not_executed(writer, tmp_path):
     probe = tmp_path / "probe"
     pickle.loads(pickle.dumps(_Payload(probe)))
     assert probe.exists()
-    result = _cli("info", evil)
-    _assert_one_line_error(result, "refusing to load")
+    result = run_cli("info", evil)
+    assert_one_line_error(result, "refusing to load")
     assert not marker.exists(), "code from the checkpoint ran"
     with pytest.raises(DiffExportError, match="refusing"):
         load_model(evil)
@@ -206,71 +191,71 @@ def _resave(good_ckpt, tmp_path, edit):
 
 def test_missing_key(good_ckpt, tmp_path):
     path = _resave(good_ckpt, tmp_path, lambda o: o["state_dict"].pop("layers.1.attn.lambda_q2"))
-    _assert_one_line_error(_cli("info", path), "missing key(s) layers.1.attn.lambda_q2")
+    assert_one_line_error(run_cli("info", path), "missing key(s) layers.1.attn.lambda_q2")
 
 
 def test_unexpected_key(good_ckpt, tmp_path):
     path = _resave(good_ckpt, tmp_path, lambda o: o["state_dict"].update({"layers.9.extra": torch.ones(2)}))
-    _assert_one_line_error(_cli("info", path), "unexpected key(s) layers.9.extra")
+    assert_one_line_error(run_cli("info", path), "unexpected key(s) layers.9.extra")
 
 
 def test_wrong_shape(good_ckpt, tmp_path):
     path = _resave(good_ckpt, tmp_path,
                    lambda o: o["state_dict"].update({"layers.0.attn.q_proj.weight": torch.ones(64, 128)}))
-    _assert_one_line_error(_cli("info", path), "wrong shape for layers.0.attn.q_proj.weight")
+    assert_one_line_error(run_cli("info", path), "wrong shape for layers.0.attn.q_proj.weight")
 
 
 def test_nan_weights(good_ckpt, tmp_path):
     def poison(o):
         o["state_dict"]["norm.weight"][3] = float("nan")
-    _assert_one_line_error(_cli("info", _resave(good_ckpt, tmp_path, poison)), "NaN")
+    assert_one_line_error(run_cli("info", _resave(good_ckpt, tmp_path, poison)), "NaN")
 
 
 def test_unknown_format_version(good_ckpt, tmp_path):
     path = _resave(good_ckpt, tmp_path, lambda o: o.update({"format_version": 99}))
-    _assert_one_line_error(_cli("info", path), "unknown format_version 99")
+    assert_one_line_error(run_cli("info", path), "unknown format_version 99")
 
 
 def test_bad_config_values(good_ckpt, tmp_path):
     path = _resave(good_ckpt, tmp_path, lambda o: o["config"].update({"n_kv_heads": 3}))
-    _assert_one_line_error(_cli("info", path), "must divide")
+    assert_one_line_error(run_cli("info", path), "must divide")
 
 
 def test_non_diff_hf_directory(tmp_path):
     d = tmp_path / "llama"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    _assert_one_line_error(_cli("info", d), "not a DIFF model")
+    assert_one_line_error(run_cli("info", d), "not a DIFF model")
 
 
 def test_non_diff_state_dict(tmp_path):
     path = tmp_path / "gpt2.pt"
     torch.save({"wte.weight": torch.randn(10, 4), "h.0.attn.c_attn.weight": torch.randn(4, 12)}, path)
-    _assert_one_line_error(_cli("info", path, "--preset", "diff-v1-tiny"), "not a DIFF model")
-    _assert_one_line_error(_cli("info", path), "without a config")
+    assert_one_line_error(run_cli("info", path, "--preset", "diff-v1-tiny"), "not a DIFF model")
+    assert_one_line_error(run_cli("info", path), "without a config")
 
 
 def test_truncated_safetensors(tmp_path):
     directory = save_safetensors(build_model(preset_config("diff-v1-tiny"), seed=0), tmp_path / "st")
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    _assert_one_line_error(_cli("info", directory), "corrupt or truncated")
+    assert_one_line_error(run_cli("info", directory), "corrupt or truncated")
 
 
 def test_safetensors_without_config(tmp_path):
     directory = save_safetensors(build_model(preset_config("diff-v1-tiny"), seed=0), tmp_path / "st")
     (directory / "config.json").unlink()
-    _assert_one_line_error(_cli("info", directory / "model.safetensors"), "config.json")
+    assert_one_line_error(run_cli("info", directory / "model.safetensors"), "config.json")
 
 
 def test_not_a_checkpoint_object(tmp_path):
     path = tmp_path / "list.pt"
     torch.save([1, 2, 3], path)
-    _assert_one_line_error(_cli("info", path), "not a diffexport checkpoint")
+    assert_one_line_error(run_cli("info", path), "not a diffexport checkpoint")
 
 
 def test_unknown_preset():
-    _assert_one_line_error(_cli("info", "--preset", "diff-v9"), "unknown preset")
+    assert_one_line_error(run_cli("info", "--preset", "diff-v9"), "unknown preset")
 
 
 def test_failed_save_leaves_nothing(tmp_path):

@@ -3,9 +3,7 @@
 import subprocess
 import sys
 
-
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", "diffexport", *args], capture_output=True, text=True, timeout=300)
+from helpers import run_cli
 
 
 def test_help_does_not_import_heavy_modules():
@@ -17,7 +15,7 @@ def test_help_does_not_import_heavy_modules():
 
 
 def test_demo_runs_on_default_model():
-    result = _run("demo")
+    result = run_cli("demo")
     assert result.returncode == 0, result.stderr
     assert "preset        diff-v1-tiny" in result.stdout
     assert "PASS" in result.stdout
@@ -26,14 +24,14 @@ def test_demo_runs_on_default_model():
 
 
 def test_presets_lists_the_zoo():
-    result = _run("presets")
+    result = run_cli("presets")
     assert result.returncode == 0
     for name in ("diff-v1-tiny", "diff-v2-tiny", "transformer-tiny", "diff-v1-3b", "diff-v1-13.1b"):
         assert name in result.stdout
 
 
 def test_info_on_a_huge_preset_is_shape_only_and_quick():
-    result = _run("info", "--preset", "diff-v1-13.1b")
+    result = run_cli("info", "--preset", "diff-v1-13.1b")
     assert result.returncode == 0, result.stderr
     assert "13,2" in result.stdout and "(shape only)" in result.stdout
 
@@ -45,7 +43,7 @@ def test_info_shows_lambdas(tmp_path):
 
     model = build_model(preset_config("diff-v1-tiny"), seed=3)
     path = save_checkpoint(model, tmp_path / "m.pt")
-    result = _run("info", str(path))
+    result = run_cli("info", str(path))
     assert result.returncode == 0, result.stderr
     expected = [f"{lam:.4f}" for lam in model.lambdas()]
     assert all(value in result.stdout for value in expected)

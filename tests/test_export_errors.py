@@ -1,9 +1,5 @@
 """Bad input to `diffexport onnx` / `diffexport check`: one line `error: ...`, exit 2, nothing half-written."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 onnx = pytest.importorskip("onnx")
@@ -14,19 +10,7 @@ from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ))
-
-
-def _assert_one_line_error(result, pattern):
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: "), result.stderr
-    assert sum(line.startswith("error: ") for line in lines) == 1 and "Traceback" not in result.stderr
-    assert pattern in lines[-1], lines[-1]
+from helpers import assert_one_line_error, run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +18,7 @@ def tiny(tmp_path_factory):
     """A V1 checkpoint and its export, made once through the CLI."""
     folder = tmp_path_factory.mktemp("tiny")
     ckpt = save_checkpoint(build_model(preset_config("diff-v1-tiny"), seed=1), folder / "ckpt.pt")
-    result = _cli("onnx", ckpt, "-o", folder / "model.onnx")
+    result = run_cli("onnx", ckpt, "-o", folder / "model.onnx")
     assert result.returncode == 0, result.stderr
     assert "2 DiffAttention" in result.stdout
     return ckpt, folder / "model.onnx"
@@ -42,29 +26,29 @@ def tiny(tmp_path_factory):
 
 def test_cli_check_passes_on_its_own_export(tiny):
     ckpt, model = tiny
-    result = _cli("check", model, "--ckpt", ckpt, "--shapes", "1x3,2x5")
+    result = run_cli("check", model, "--ckpt", ckpt, "--shapes", "1x3,2x5")
     assert result.returncode == 0, result.stderr
     assert "result        PASS" in result.stdout and "polygraphy run" in result.stdout
 
 
 def test_non_diff_checkpoint_is_refused(tmp_path):
     ckpt = save_checkpoint(build_model(preset_config("transformer-tiny"), seed=0), tmp_path / "base.pt")
-    result = _cli("onnx", ckpt, "-o", tmp_path / "m.onnx")
-    _assert_one_line_error(result, "is not a DIFF model")
+    result = run_cli("onnx", ckpt, "-o", tmp_path / "m.onnx")
+    assert_one_line_error(result, "is not a DIFF model")
     assert not (tmp_path / "m.onnx").exists()
 
 
 def test_output_in_a_missing_folder(tmp_path):
-    result = _cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "nope" / "m.onnx")
-    _assert_one_line_error(result, "does not exist")
+    result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "nope" / "m.onnx")
+    assert_one_line_error(result, "does not exist")
 
 
 @pytest.mark.parametrize("content", [b"", b"\x08\x07garbage-not-a-protobuf" * 10])
 def test_corrupt_onnx_given_to_check(tmp_path, content):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(content)
-    result = _cli("check", bad, "--preset", "diff-v1-tiny")
-    _assert_one_line_error(result, "")
+    result = run_cli("check", bad, "--preset", "diff-v1-tiny")
+    assert_one_line_error(result, "")
     assert "bad.onnx" in result.stderr
 
 
@@ -72,7 +56,7 @@ def test_truncated_onnx_given_to_check(tiny, tmp_path):
     _, model = tiny
     cut = tmp_path / "cut.onnx"
     cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
-    _assert_one_line_error(_cli("check", cut, "--preset", "diff-v1-tiny"), "cut.onnx")
+    assert_one_line_error(run_cli("check", cut, "--preset", "diff-v1-tiny"), "cut.onnx")
 
 
 def test_foreign_onnx_without_metadata(tmp_path):
@@ -82,29 +66,29 @@ def test_foreign_onnx_without_metadata(tmp_path):
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     onnx.save(helper.make_model(graph), tmp_path / "neg.onnx")
-    _assert_one_line_error(_cli("check", tmp_path / "neg.onnx", "--preset", "diff-v1-tiny"), "no diffexport metadata")
+    assert_one_line_error(run_cli("check", tmp_path / "neg.onnx", "--preset", "diff-v1-tiny"), "no diffexport metadata")
 
 
 def test_checkpoint_of_another_preset(tiny):
     _, model = tiny
-    _assert_one_line_error(_cli("check", model, "--preset", "diff-v2-tiny"), "holds a diff_v1 model")
-    _assert_one_line_error(_cli("check", model, "--preset", "diff-v1-3b"), "different configuration")
+    assert_one_line_error(run_cli("check", model, "--preset", "diff-v2-tiny"), "holds a diff_v1 model")
+    assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-3b"), "different configuration")
 
 
 def test_same_preset_other_weights(tiny):
     _, model = tiny
-    _assert_one_line_error(_cli("check", model, "--preset", "diff-v1-tiny", "--seed", "7"), "other weights")
+    assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-tiny", "--seed", "7"), "other weights")
 
 
 def test_bad_shapes_argument(tiny):
     ckpt, model = tiny
-    _assert_one_line_error(_cli("check", model, "--ckpt", ckpt, "--shapes", "2by3"), "BATCHxSEQ")
+    assert_one_line_error(run_cli("check", model, "--ckpt", ckpt, "--shapes", "2by3"), "BATCHxSEQ")
 
 
 def test_bf16_on_the_cpu_provider_says_what_to_use(tmp_path):
     loaded = load_model(None, preset="diff-v1-tiny", dtype=__import__("torch").bfloat16)
     export_onnx(loaded, tmp_path / "bf16.onnx", ExportOptions(dtype="bfloat16"), log=lambda _: None)
-    _assert_one_line_error(_cli("check", tmp_path / "bf16.onnx", "--preset", "diff-v1-tiny", "--provider", "cpu"),
+    assert_one_line_error(run_cli("check", tmp_path / "bf16.onnx", "--preset", "diff-v1-tiny", "--provider", "cpu"),
                            "CUDA provider or TensorRT")
 
 
@@ -148,4 +132,4 @@ def test_a_model_must_be_named(command, tmp_path, tiny):
     _, model = tiny
     args = [model if a == "x.onnx" and command[0] == "check" else tmp_path / a if a == "x.onnx" else a
             for a in command]
-    _assert_one_line_error(_cli(*args), "name the model")
+    assert_one_line_error(run_cli(*args), "name the model")

@@ -1,9 +1,6 @@
 """Fusion: differential attention written out in standard ops (plain torch.onnx exports of models
 without our op) becomes one DiffAttention node per layer, numerics kept; near misses are refused."""
 
-import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -17,6 +14,7 @@ from diffexport import contract  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.passes.optimize import optimize_model  # noqa: E402
+from helpers import assert_same_logits, ort_logits, run_cli  # noqa: E402
 
 
 def plain_export(preset, impl, path, seed=0, opset=18, dtype=torch.float32):
@@ -32,10 +30,6 @@ def plain_export(preset, impl, path, seed=0, opset=18, dtype=torch.float32):
                                     input_names=["input_ids"], output_names=["logits"], verbose=False)
     program.save(str(path))
     return onnx.load(str(path))
-
-
-def _run(model, ids):
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]
 
 
 EXPECTED_RULE = {"naive": "eq1", "flash_diff_1": "flash1", "flash_diff_2": "flash2"}
@@ -71,11 +65,7 @@ def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, opset, tmp_p
             assert got["norm"] == 1 and got["output_scale"] == pytest.approx(1 - layer.attn.lambda_init, rel=1e-6)
             assert np.allclose(inits[node.input[4]], layer.attn.head_norm.weight.detach().numpy())
     onnx.checker.check_model(fused, full_check=True)
-    rng = np.random.default_rng(5)
-    for shape in [(1, 1), (3, 29)]:
-        ids = rng.integers(0, 512, size=shape, dtype=np.int64)
-        before, after = _run(source, ids), _run(fused, ids)
-        assert np.abs(before - after).max() <= 1e-5 * max(1.0, np.abs(before).max())
+    assert_same_logits(source, fused, [(1, 1), (3, 29)], seed=5)
 
 
 def test_fp16_source_fuses_with_its_dtype_bound(tmp_path):
@@ -83,9 +73,9 @@ def test_fp16_source_fuses_with_its_dtype_bound(tmp_path):
     result = optimize_model(source)
     assert result.report.total == 2 and result.absorbed == 2 and result.max_abs is not None
     ids = np.random.default_rng(2).integers(0, 512, size=(2, 19), dtype=np.int64)
-    out = _run(result.model, ids)
+    out = ort_logits(result.model, ids)
     assert out.dtype == np.float16
-    ref = _run(source, ids).astype(np.float64)
+    ref = ort_logits(source, ids).astype(np.float64)
     assert np.abs(out - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max())
 
 
@@ -144,18 +134,13 @@ def test_difference_without_lambda_is_refused(naive_v1):
     _assert_refused(near, "not Mul")
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ))
-
-
 def test_cli_counts_expect_fused_and_lower(naive_v1, tmp_path):
     src = tmp_path / "in.onnx"
     onnx.save(naive_v1, src)
-    ok = _cli("optimize", src, "-o", tmp_path / "out.onnx", "--expect-fused", "2")
+    ok = run_cli("optimize", src, "-o", tmp_path / "out.onnx", "--expect-fused", "2")
     assert ok.returncode == 0, ok.stderr
     assert "fused         2 differential attention(s)" in ok.stdout
-    low = _cli("optimize", tmp_path / "out.onnx", "-o", tmp_path / "low.onnx", "--lower")
+    low = run_cli("optimize", tmp_path / "out.onnx", "-o", tmp_path / "low.onnx", "--lower")
     assert low.returncode == 0 and "lowered       2" in low.stdout, low.stderr
     lowered = onnx.load(str(tmp_path / "low.onnx"))
     assert not any(n.domain.startswith("diffexport") for n in lowered.graph.node) and not lowered.functions
@@ -169,17 +154,17 @@ def test_graph_without_differential_attention(tmp_path):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     onnx.save(model, tmp_path / "plain.onnx")
-    result = _cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out.onnx")
+    result = run_cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out.onnx")
     assert result.returncode == 0 and "fused         0" in result.stdout, result.stderr
     assert onnx.load(str(tmp_path / "out.onnx")).graph == model.graph
-    strict = _cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out2.onnx", "--expect-fused", "1")
+    strict = run_cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out2.onnx", "--expect-fused", "1")
     assert strict.returncode == 2 and "0 differential attention(s) fused, expected 1" in strict.stderr
     assert not (tmp_path / "out2.onnx").exists()
 
 
 def test_bad_input_files(tmp_path):
     (tmp_path / "bad.onnx").write_bytes(b"not an onnx file at all")
-    result = _cli("optimize", tmp_path / "bad.onnx", "-o", tmp_path / "out.onnx")
+    result = run_cli("optimize", tmp_path / "bad.onnx", "-o", tmp_path / "out.onnx")
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "bad.onnx" in result.stderr
     with pytest.raises(DiffExportError, match="already has DiffAttention"):
         from diffexport.export import export_onnx
@@ -235,4 +220,4 @@ def test_hf_diffllama_graphs_fuse(impl, opset, batch, tmp_path):
     ids = np.random.default_rng(8).integers(0, 96, size=(batch, 21), dtype=np.int64)
     with torch.no_grad():
         expected = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
-    assert np.abs(_run(result.model, ids) - expected).max() <= 1e-4
+    assert np.abs(ort_logits(result.model, ids) - expected).max() <= 1e-4

@@ -1,9 +1,6 @@
 """`diffexport inspect`: what an ONNX file holds, in text and JSON, without loading weights."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -11,11 +8,7 @@ onnx = pytest.importorskip("onnx")
 
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
-
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ))
+from helpers import run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +20,7 @@ def external_export(tmp_path_factory):
 
 
 def test_json_describes_the_export(external_export):
-    result = _cli("inspect", external_export, "--json")
+    result = run_cli("inspect", external_export, "--json")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["opsets"] == {"ai.onnx": 18, "diffexport": 1}
@@ -46,11 +39,11 @@ def test_json_describes_the_export(external_export):
 
 
 def test_text_report_and_missing_external_data(external_export, tmp_path):
-    text = _cli("inspect", external_export).stdout
+    text = run_cli("inspect", external_export).stdout
     assert "input         input_ids int64 [batch, sequence]" in text and "DiffAttention 2 node(s)" in text
     lonely = tmp_path / "m.onnx"
     lonely.write_bytes(external_export.read_bytes())  # the .data file stays behind
-    assert "m.onnx.data (MISSING)" in _cli("inspect", lonely).stdout
+    assert "m.onnx.data (MISSING)" in run_cli("inspect", lonely).stdout
 
 
 def test_foreign_and_bad_files(tmp_path):
@@ -60,8 +53,8 @@ def test_foreign_and_bad_files(tmp_path):
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
     onnx.save(helper.make_model(graph), tmp_path / "neg.onnx")
-    info = json.loads(_cli("inspect", tmp_path / "neg.onnx", "--json").stdout)
+    info = json.loads(run_cli("inspect", tmp_path / "neg.onnx", "--json").stdout)
     assert info["diff_attention"] == [] and info["runtimes"]["onnxruntime"].startswith("yes")
     (tmp_path / "bad.onnx").write_bytes(b"\x01\x02not onnx" * 5)
-    result = _cli("inspect", tmp_path / "bad.onnx")
+    result = run_cli("inspect", tmp_path / "bad.onnx")
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "bad.onnx" in result.stderr

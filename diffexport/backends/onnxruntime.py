@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
@@ -35,19 +34,24 @@ def resolve_provider(provider: str = "auto") -> str:
     return provider
 
 
-def open_session(path: str | os.PathLike, provider: str = "cpu", threads: int | None = None):
-    """An InferenceSession on `path`; corrupt, foreign or unsupported files give one clear line."""
+def open_session(source, provider: str = "cpu", threads: int | None = None):
+    """An InferenceSession on a file path or an in-memory ModelProto; corrupt, foreign or
+    unsupported models give one clear line."""
     ort = _import_ort()
-    path = Path(path)
-    if not path.is_file():
-        raise DiffExportError(f"{path} does not exist or is not a file")
+    if hasattr(source, "SerializeToString"):
+        model, path = source.SerializeToString(), Path("the in-memory model")
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise DiffExportError(f"{path} does not exist or is not a file")
+        model = str(path)
     options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors reach the user through our message, not ORT's log
+    options.log_severity_level = 4  # failures reach the user through our message, not ORT's log
     if threads:
         options.intra_op_num_threads = threads
     providers = [PROVIDERS[provider]] + ([PROVIDERS["cpu"]] if provider != "cpu" else [])
     try:
-        return ort.InferenceSession(str(path), options, providers=providers)
+        return ort.InferenceSession(model, options, providers=providers)
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "NOT_IMPLEMENTED" in detail or "Could not find an implementation" in detail:

@@ -363,7 +363,7 @@ RULES: dict[str, Callable[[Graph, onnx.NodeProto], Match]] = {
 
 # ---------------------------------------------------------------- numeric probe
 
-def _probe_feeds(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, np.ndarray]:
+def probe_feeds(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds = {}
     initializers = {i.name for i in model.graph.initializer}
@@ -388,15 +388,12 @@ def _probe_feeds(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, np.n
 
 def probe(model: onnx.ModelProto, names: list[str], seq: int = 7) -> dict[str, np.ndarray]:
     """Values of intermediate tensors on a small seeded input, through onnxruntime."""
-    import onnxruntime as ort
+    from diffexport.backends.onnxruntime import open_session
 
     probe_model = onnx.ModelProto.FromString(model.SerializeToString())
     del probe_model.graph.output[:]
     probe_model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # failures reach the user through our message
-    session = ort.InferenceSession(probe_model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return dict(zip(names, session.run(names, _probe_feeds(model, 1, seq))))
+    return dict(zip(names, open_session(probe_model).run(names, probe_feeds(model, 1, seq))))
 
 
 def _causal_from_map(probs: np.ndarray) -> int:

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 from diffexport import contract
+from diffexport.backends.onnxruntime import open_session
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import IR_VERSION
 from diffexport.export.function_body import DEFAULT_BODY_STYLE, build_function
+from diffexport.files import atomic_write, load_onnx
 from diffexport.passes import fusion
 from diffexport.passes.cleanup import cleanup
 
@@ -33,15 +33,6 @@ class OptimizeResult:
     absorbed: int = 0  # norm epilogues moved into the fused nodes
 
 
-def _load(path: Path) -> onnx.ModelProto:
-    if not path.is_file():
-        raise DiffExportError(f"{path} does not exist or is not a file")
-    try:
-        return onnx.load(str(path))
-    except Exception as exc:
-        raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__})") from None
-
-
 def attach_function(model: onnx.ModelProto, style: str = DEFAULT_BODY_STYLE) -> None:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
     if not any(f.domain == contract.ONNX_DOMAIN and f.name == contract.OP_NAME for f in model.functions):
@@ -52,12 +43,7 @@ def attach_function(model: onnx.ModelProto, style: str = DEFAULT_BODY_STYLE) -> 
 
 
 def _outputs(model: onnx.ModelProto, feeds) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # failures reach the user through our message
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)
+    return open_session(model).run(None, feeds)
 
 
 def optimize_model(model: onnx.ModelProto, verify: bool = True, body: str = DEFAULT_BODY_STYLE) -> OptimizeResult:
@@ -87,7 +73,7 @@ def _verify(base: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[float, int]:
     rtols = [VERIFY_RTOL_OF_SCALE.get(o.type.tensor_type.elem_type, 1e-5) for o in base.graph.output]
     failure = None
     for batch in (2, 1):
-        feeds = fusion._probe_feeds(base, batch, 9)
+        feeds = fusion.probe_feeds(base, batch, 9)
         try:
             before = _outputs(base, feeds)
         except Exception as exc:  # onnxruntime's own error types
@@ -110,7 +96,7 @@ def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: 
     src, dst = Path(src), Path(dst)
     if not dst.parent.is_dir():
         raise DiffExportError(f"output folder {dst.parent} does not exist: create it first")
-    model = _load(src)
+    model = load_onnx(src)
     already = sum(n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN for n in model.graph.node)
     if already and lower:  # an export of ours: nothing to fuse, only lower
         result = OptimizeResult(model, fusion.FusionReport({}, []), None)
@@ -122,10 +108,5 @@ def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: 
     if lower:
         lowered = lower_diff_attention(result.model, body)
         result.model, result.lowered = cleanup(lowered.model), lowered.lowered
-    tmp_dir = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp"))
-    try:
-        onnx.save(result.model, str(tmp_dir / dst.name))
-        os.replace(tmp_dir / dst.name, dst)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    atomic_write(dst, lambda tmp: onnx.save(result.model, tmp))
     return result
