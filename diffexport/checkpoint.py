@@ -40,6 +40,7 @@ class LoadedModel:
     config: ModelConfig
     source: str  # "native", "safetensors", "hf-diffllama", "state-dict:native", "state-dict:unilm", "preset"
     path: str | None = None
+    task: dict | None = None  # what the weights were trained on, when the checkpoint says (tools/train_tiny.py)
 
 
 # ---------------------------------------------------------------- saving
@@ -56,9 +57,12 @@ def _header(cfg: ModelConfig) -> dict[str, Any]:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "family": cfg.family, "config": cfg.to_dict()}
 
 
-def save_checkpoint(model: DecoderLM, path: str | os.PathLike) -> Path:
+def save_checkpoint(model: DecoderLM, path: str | os.PathLike, *, task: Mapping | None = None) -> Path:
+    """task: an optional plain record of the training task (e.g. {"name": "needles", "context_len": 128})."""
     path = Path(path)
     payload = {**_header(model.config), "state_dict": canonical_state_dict(model)}
+    if task is not None:
+        payload["task"] = dict(task)
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
     return path
 
@@ -264,7 +268,8 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
             raise DiffExportError(f"{path}: unknown checkpoint format {obj['format']!r} (expected {FORMAT!r})")
         cfg = _check_header(obj, str(path))
         model = model_from_state(cfg, obj.get("state_dict"), str(path), dtype)
-        return LoadedModel(model, cfg, "native", str(path))
+        task = obj.get("task")
+        return LoadedModel(model, cfg, "native", str(path), task if isinstance(task, dict) else None)
     if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return _load_bare_state(dict(obj), given_cfg, layout, str(path), dtype)
     raise DiffExportError(f"{path} is not a diffexport checkpoint: expected a dict with 'format': {FORMAT!r} "

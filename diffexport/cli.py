@@ -167,8 +167,157 @@ def cmd_demo(args) -> int:
     return 0 if report.passed and op_ok else 1
 
 
+# ---------------------------------------------------------------- analysis (stats, quant-sweep, retrieval)
+
+def _add_models(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpts", nargs="*", metavar="CKPT",
+                        help="checkpoints (DIFF or baseline Transformer), compared side by side")
+    parser.add_argument("--preset", action="append", default=[],
+                        help="a zoo preset with seeded random weights (repeatable); no model at all: the default preset")
+    parser.add_argument("--seed", type=int, default=0, help="seed for preset weights and synthetic inputs")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--plot", help="also write a PNG plot here (needs matplotlib: diffexport[plots])")
+
+
+def _add_stream(parser: argparse.ArgumentParser, tokens: int) -> None:
+    parser.add_argument("--text", help="a UTF-8 text file to run on (default: a built-in synthetic stream)")
+    parser.add_argument("--tokenizer", help="Hugging Face tokenizer (folder or hub name) for --text; "
+                                            "without it the text is read as bytes")
+    parser.add_argument("--tokens", type=int, default=tokens, help=f"tokens to run (default {tokens})")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass (default 8)")
+
+
+def _load_models(args) -> dict:
+    """label -> LoadedModel for every CKPT and --preset; the default preset when none is named."""
+    from pathlib import Path
+
+    from diffexport.checkpoint import load_model
+    from diffexport.presets import DEFAULT_PRESET
+
+    models = {}
+    for path in args.ckpts:
+        label = Path(path).stem if Path(path).stem not in models else path
+        models[label] = load_model(path)
+    for preset in args.preset or ([] if args.ckpts else [DEFAULT_PRESET]):
+        models[preset if preset not in models else f"{preset}#{len(models)}"] = load_model(preset=preset, seed=args.seed)
+    return models
+
+
+def _progress(label: str, total: int):
+    from diffexport.progress import Progress
+
+    progress = Progress(label, total)
+    return progress, (lambda done: progress.advance(done - progress.done))
+
+
+def _stream(args, loaded):
+    from diffexport.analysis.streams import stream_batches
+
+    return stream_batches(loaded.config.vocab_size, text=args.text, tokenizer=args.tokenizer,
+                          tokens=args.tokens, seq_len=args.seq_len, batch=args.batch, seed=args.seed)
+
+
+def cmd_stats(args) -> int:
+    """Largest attention-logit and hidden-state magnitudes per layer (the paper's Table 5), for DIFF or baseline models."""
+    import json
+
+    from diffexport.analysis import plots, stats
+
+    plots.check_plot_path(args.plot)
+    results, sources, families = {}, {}, {}
+    for name, loaded in _load_models(args).items():
+        families[name] = loaded.config.family
+        batches, sources[name] = _stream(args, loaded)
+        progress, advance = _progress(f"{name}: statistics", len(batches))
+        with progress:
+            results[name] = stats.collect(loaded.model, batches, advance)
+    if args.json:
+        print(json.dumps({name: {"family": families[name], "stream": sources[name], **result.to_dict()}
+                          for name, result in results.items()}, indent=2))
+    else:
+        print("\n".join(f"{name}: stream {src}" for name, src in sources.items()))
+        print(stats.render(results))
+    if args.plot:
+        _log(f"wrote {plots.plot_stats(results, args.plot)}")
+    return 0
+
+
+def _task_eval(loaded, args):
+    """quant -> needle retrieval accuracy, when the checkpoint was trained on that task (or --task needles)."""
+    from diffexport.analysis import needles
+
+    task = loaded.task or {}
+    wanted = args.task if args.task != "auto" else task.get("name")
+    if wanted != needles.TASK_NAME:
+        return None
+    context = int(task.get("context_len", 128))
+    return lambda quant: needles.evaluate(loaded.model, context_len=context, samples=args.samples,
+                                          seed=args.seed + 1, quant=quant).accuracy()
+
+
+def cmd_quant_sweep(args) -> int:
+    """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
+    import json
+
+    from diffexport.analysis import plots, sweep
+    from diffexport.quantization import LogitQuant
+
+    for bits in args.bits:
+        LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
+    plots.check_plot_path(args.plot)
+    bits_list = sorted(set(args.bits) | {16}, reverse=True)
+    describe = LogitQuant(8, args.scheme, not args.no_smooth_k).describe().replace("8-bit ", "")
+    results = {}
+    for name, loaded in _load_models(args).items():
+        batches, source = _stream(args, loaded)
+        progress, advance = _progress(f"{name}: sweep", len(batches))
+        with progress:
+            results[name] = sweep.sweep(loaded.model, bits_list, batches, scheme=args.scheme,
+                                        smooth_k=not args.no_smooth_k, task_eval=_task_eval(loaded, args),
+                                        progress=advance)
+        _log(f"{name}: {source}, {sum(b.numel() for b in batches):,} tokens")
+    if args.json:
+        print(json.dumps({"scheme": describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
+                         indent=2))
+    else:
+        print(sweep.render(results, describe))
+    if args.plot:
+        _log(f"wrote {plots.plot_sweep(results, args.plot, describe)}")
+    return 0
+
+
+def cmd_retrieval(args) -> int:
+    """Multi-needle retrieval: accuracy per (needles, queries, depth) and the attention on the answer vs the rest."""
+    import json
+
+    from diffexport.analysis import needles, plots
+    from diffexport.quantization import LogitQuant
+
+    quant = LogitQuant(args.logit_bits, args.scheme)
+    plots.check_plot_path(args.plot)
+    results = {}
+    for name, loaded in _load_models(args).items():
+        context = args.context or int((loaded.task or {}).get("context_len", 128))
+        cells = sum(1 for n in args.needles for r in args.queries if r <= n) * len(args.depths)
+        progress, advance = _progress(f"{name}: retrieval", cells)
+        with progress:
+            results[name] = needles.evaluate(
+                loaded.model, needles=tuple(args.needles), queries=tuple(args.queries), depths=tuple(args.depths),
+                context_len=context, samples=args.samples, seed=args.seed + 1, quant=quant,
+                progress=lambda done, total: advance(done))
+    if args.json:
+        print(json.dumps({n: {"context_len": r.context_len, "samples": r.samples, "accuracy": r.accuracy(),
+                              "cells": [vars(c) for c in r.cells]} for n, r in results.items()}, indent=2))
+    else:
+        print(needles.render(results, quant.describe()))
+    if args.plot:
+        _log(f"wrote {plots.plot_retrieval(results, args.plot)}")
+    return 0
+
+
 COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
-            "presets": cmd_presets}
+            "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep, "retrieval": cmd_retrieval}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +364,30 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
                            help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
             p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
+        if name in ("stats", "quant-sweep", "retrieval"):
+            _add_models(p)
+        if name in ("stats", "quant-sweep"):
+            _add_stream(p, tokens=16384 if name == "stats" else 8192)
+        if name in ("quant-sweep", "retrieval"):
+            p.add_argument("--scheme", default="qk", choices=["qk", "logits"],
+                           help="qk: Q and K quantised per block, as the INT8 kernel (default); "
+                                "logits: each row of logits quantised (the paper's study)")
+        if name == "quant-sweep":
+            p.add_argument("--bits", type=int, nargs="+", default=[16, 8, 6, 4],
+                           help="logit bit widths, 2..16 (16 = not quantised, always the reference)")
+            p.add_argument("--no-smooth-k", action="store_true", help="qk scheme without K-smoothing")
+            p.add_argument("--task", default="auto", choices=["auto", "needles", "none"],
+                           help="task metric: auto = what the checkpoint was trained on")
+            p.add_argument("--samples", type=int, default=32, help="task documents per (needles, queries, depth) cell")
+        if name == "retrieval":
+            p.add_argument("--needles", type=int, nargs="+", default=[1, 2, 4, 6], help="needle counts N")
+            p.add_argument("--queries", type=int, nargs="+", default=[1, 2], help="asked needles R (R <= N)")
+            p.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100],
+                           help="depth of the first asked needle, percent of the document")
+            p.add_argument("--context", type=int, help="document tokens (default: the checkpoint's training "
+                                                       "context, else 128)")
+            p.add_argument("--samples", type=int, default=32, help="documents per cell (default 32)")
+            p.add_argument("--logit-bits", type=int, default=16, help="run with quantised logits (16 = not)")
         if name == "demo":
             p.add_argument("--out-dir", help="folder for model.onnx and the check files (default: a temp folder)")
         p.set_defaults(func=fn)

@@ -163,3 +163,8 @@ REFERENCES = {
     "flash_diff_1": flash_diff_attention_1,
     "flash_diff_2": flash_diff_attention_2,
 }
+
+
+def resolve(impl):
+    """A model's attention `impl`: a REFERENCES name, or a callable with the same signature."""
+    return impl if callable(impl) else REFERENCES[impl]

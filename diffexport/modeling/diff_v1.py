@@ -66,7 +66,8 @@ class DiffV1Attention(nn.Module):
                                         causal=1, norm=1, norm_eps=cfg.head_norm_eps,
                                         output_scale=1.0 - self.lambda_init)
         # "op": diffexport::diff_attention; a name of reference.REFERENCES ("naive" Eq. 1, "flash_diff_1",
-        # "flash_diff_2"): plain torch ops, what a model exported without our op looks like
+        # "flash_diff_2"): plain torch ops, what a model exported without our op looks like; or a callable
+        # with the references' signature (the analysis probes: explicit maps, quantised logits)
         self.impl = "op"
 
     def lambda_full(self) -> torch.Tensor:
@@ -87,7 +88,7 @@ class DiffV1Attention(nn.Module):
         if self.impl == "op":
             out = op.call(q, k, v, lam, weight, self.attrs)
         else:
-            out = reference.REFERENCES[self.impl](q, k, v, lam, weight, self.attrs)
+            out = reference.resolve(self.impl)(q, k, v, lam, weight, self.attrs)
         return self.o_proj(out)  # out: (B, T, H * 2D)
 
 

@@ -55,7 +55,7 @@ class DiffV2Attention(nn.Module):
         if self.impl == "op":
             out = op.call(q, k, v, lam, torch.ones(D, device=x.device), self.attrs)  # V2 has no weight
         else:
-            out = reference.REFERENCES[self.impl](q, k, v, lam, None, self.attrs)
+            out = reference.resolve(self.impl)(q, k, v, lam, None, self.attrs)
         return self.o_proj(out)  # out: (B, T, H * D)
 
 

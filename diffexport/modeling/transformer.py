@@ -45,6 +45,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, Hkv * D, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, Hkv * D, bias=False)
         self.o_proj = nn.Linear(H * D, cfg.d_model, bias=False)
+        self.impl = reference.attend  # or a callable with its signature (the analysis probes)
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
@@ -52,7 +53,7 @@ class CausalSelfAttention(nn.Module):
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).transpose(1, 2)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (-1, D)).transpose(1, 2)
-        out = reference.attend(q, k, v, causal=True, scale=D ** -0.5)  # (B, H, T, D)
+        out = self.impl(q, k, v, causal=True, scale=D ** -0.5)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -1,0 +1,1 @@
+"""Deployment analysis: attention-logit statistics, low-bit logit sweeps, the needle retrieval task."""

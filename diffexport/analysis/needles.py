@@ -1,0 +1,232 @@
+"""A synthetic multi-needle retrieval task: the paper's section 3.4 protocol, scaled down.
+
+A document is filler "sentences" with N needles `CITY NUMBER .` ("the magic number of CITY is
+NUMBER") inserted; R of the cities are then asked, `? CITY`, and the model must answer that
+city's number as the next token. The first asked
+needle sits at a chosen depth (0% = start of the context, 100% = end); the others at random
+places. Everything is generated from a seed: no downloads, no tokenizer.
+
+Token ids (the task needs vocab_size >= TASK_VOCAB):
+  0 pad, 1 bos, 3 ".", 4 "?"; cities 8..71; numbers 72..199; filler words 200..511.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from diffexport.errors import DiffExportError
+
+PAD, BOS, DOT, ASK = 0, 1, 3, 4
+CITY_FIRST, N_CITIES = 8, 64
+NUMBER_FIRST, N_NUMBERS = 72, 128
+FILLER_FIRST, N_FILLER = 200, 312
+TASK_VOCAB = FILLER_FIRST + N_FILLER  # 512
+NEEDLE_LEN = 3  # CITY NUMBER .
+QUERY_LEN = 3  # ? CITY NUMBER
+TASK_NAME = "needles"
+
+
+@dataclass
+class Sample:
+    tokens: list[int]
+    answer_positions: list[int]  # positions whose next-token prediction is an answer (the asked CITY tokens)
+    answers: list[int]  # the number tokens expected there
+    answer_spans: list[tuple[int, int]]  # [start, end) of each asked needle in the document
+    context: tuple[int, int]  # [start, end) of the document (needles + filler)
+    n_needles: int
+    depth: float | None = None
+
+
+def check_vocab(vocab_size: int) -> None:
+    if vocab_size < TASK_VOCAB:
+        raise DiffExportError(f"the needle task needs a model vocabulary of at least {TASK_VOCAB} tokens, "
+                              f"this model has {vocab_size}")
+
+
+def _filler(rng: random.Random, length: int) -> list[int]:
+    """Filler "sentences": 3-9 random words then '.', cut to `length` tokens."""
+    out: list[int] = []
+    while len(out) < length:
+        out += [FILLER_FIRST + rng.randrange(N_FILLER) for _ in range(rng.randint(3, 9))] + [DOT]
+    return out[:length]
+
+
+def make_sample(rng: random.Random, context_len: int, n_needles: int, n_queries: int,
+                depth: float | None = None) -> Sample:
+    """One document of exactly `context_len` tokens (needles included) and its R questions.
+
+    depth (0..100) places the first asked needle; None places every needle at random.
+    """
+    if not 1 <= n_queries <= n_needles <= N_CITIES:
+        raise DiffExportError(f"need 1 <= queries ({n_queries}) <= needles ({n_needles}) <= {N_CITIES}")
+    if depth is not None and not 0 <= depth <= 100:
+        raise DiffExportError(f"needle depth must be a percentage from 0 to 100, got {depth:g}")
+    n_filler = context_len - NEEDLE_LEN * n_needles
+    if n_filler < 0:
+        raise DiffExportError(f"context of {context_len} tokens cannot hold {n_needles} needles "
+                              f"({NEEDLE_LEN} tokens each)")
+    cities = rng.sample(range(N_CITIES), n_needles)
+    numbers = rng.sample(range(N_NUMBERS), n_needles)
+    filler = _filler(rng, n_filler)
+    # insertion points into the filler; ties keep needle order
+    slots = [rng.randint(0, n_filler) for _ in range(n_needles)]
+    if depth is not None:
+        slots[0] = round(depth / 100 * n_filler)
+    order = sorted(range(n_needles), key=lambda i: (slots[i], i))
+    doc: list[int] = []
+    starts: dict[int, int] = {}
+    cursor = 0
+    for i in order:
+        doc += filler[cursor:slots[i]]
+        cursor = slots[i]
+        starts[i] = 1 + len(doc)  # +1: BOS comes first
+        doc += [CITY_FIRST + cities[i], NUMBER_FIRST + numbers[i], DOT]
+    doc += filler[cursor:]
+    tokens = [BOS] + doc
+    positions, answers, spans = [], [], []
+    for i in range(n_queries):  # the first n_queries needles are the asked ones (cities are random)
+        tokens += [ASK, CITY_FIRST + cities[i]]
+        positions.append(len(tokens) - 1)
+        answers.append(NUMBER_FIRST + numbers[i])
+        tokens.append(NUMBER_FIRST + numbers[i])
+        spans.append((starts[i], starts[i] + NEEDLE_LEN))
+    return Sample(tokens, positions, answers, spans, (1, 1 + context_len), n_needles, depth)
+
+
+def collate(samples: list[Sample]):
+    """(input_ids [B, T-1], targets [B, T-1] with -100 outside answers); samples must share a length."""
+    if len({len(s.tokens) for s in samples}) != 1:
+        raise DiffExportError("samples of one batch must have the same length")
+    tokens = torch.tensor([s.tokens for s in samples], dtype=torch.long)
+    targets = torch.full_like(tokens[:, 1:], -100)
+    for b, s in enumerate(samples):
+        for pos, ans in zip(s.answer_positions, s.answers):
+            targets[b, pos] = ans
+    return tokens[:, :-1], targets
+
+
+def training_batch(rng: random.Random, batch: int, context_len: int, max_needles: int = 6, max_queries: int = 4):
+    """A batch with random needle counts (R..max_needles), questions R (1..max_queries, one per batch), random places."""
+    n_queries = rng.randint(1, max_queries)
+    samples = [make_sample(rng, context_len, rng.randint(n_queries, max(n_queries, max_needles)), n_queries)
+               for _ in range(batch)]
+    return collate(samples)
+
+
+@dataclass
+class CellResult:
+    n_needles: int
+    n_queries: int
+    depth: float
+    accuracy: float
+    answer_attention: float  # attention mass on the asked needle, from the question (mean of layers, heads)
+    noise_attention: float  # attention mass on the rest of the document
+    per_layer_answer: list[float] = field(default_factory=list)
+    per_layer_noise: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RetrievalResult:
+    context_len: int
+    samples: int
+    cells: list[CellResult]
+    profiles: dict[float, list[float]]  # depth -> mean attention over document positions (last layer, binned)
+
+    def accuracy(self) -> float:
+        return sum(c.accuracy for c in self.cells) / len(self.cells)
+
+    def by_depth(self) -> dict[float, tuple[float, float, float]]:
+        """depth -> (accuracy, answer attention, noise attention), averaged over (N, R)."""
+        out = {}
+        for depth in sorted({c.depth for c in self.cells}):
+            cells = [c for c in self.cells if c.depth == depth]
+            out[depth] = tuple(sum(getattr(c, k) for c in cells) / len(cells)
+                               for k in ("accuracy", "answer_attention", "noise_attention"))
+        return out
+
+
+PROFILE_BINS = 32
+
+
+@torch.no_grad()
+def evaluate(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 75, 100),
+             context_len: int = 128, samples: int = 32, seed: int = 1234, quant=None,
+             progress=None) -> RetrievalResult:
+    """Accuracy and attention allocation per (N, R, depth), on fresh seeded documents.
+
+    The attention of one query is the row of the effective map at its asked CITY position (softmax for a
+    Transformer, A1 - lambda*A2 for DIFF), summed over the asked needle's 3 tokens (answer) and over
+    the rest of the document (noise), averaged over heads and layers. A Transformer row sums to 1,
+    a DIFF V1 row to 1 - lambda.
+    """
+    from diffexport.analysis.probe import AttentionProbe
+
+    check_vocab(model.config.vocab_size)
+    if samples < 1:
+        raise DiffExportError(f"samples per cell must be at least 1, got {samples}")
+    model.eval()
+    rng = random.Random(seed)
+    cells: list[CellResult] = []
+    profile_sums: dict[float, torch.Tensor] = {}
+    profile_counts: dict[float, int] = {}
+    grid = [(n, r, d) for n in needles for r in queries if r <= n for d in depths]
+    for done, (n, r, depth) in enumerate(grid):
+        batch = [make_sample(rng, context_len, n, r, depth) for _ in range(samples)]
+        rows: dict[int, torch.Tensor] = {}
+
+        def keep_rows(layer, amap, batch=batch, rows=rows):
+            # amap [B, heads, T, T] -> the question rows [B, R, T], averaged over heads
+            index = torch.tensor([s.answer_positions for s in batch])
+            picked = amap.float().mean(1).gather(1, index[:, :, None].expand(-1, -1, amap.shape[-1]))
+            rows[layer] = picked
+
+        input_ids, _ = collate(batch)
+        with AttentionProbe(model, quant=quant, on_map=keep_rows):
+            logits = model(input_ids)
+        index = torch.tensor([s.answer_positions for s in batch])
+        predicted = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).argmax(-1)
+        expected = torch.tensor([s.answers for s in batch])
+        accuracy = (predicted == expected).float().mean().item()
+
+        answer_mask = torch.zeros(len(batch), r, input_ids.shape[1], dtype=torch.bool)
+        doc_mask = torch.zeros_like(answer_mask)
+        for b, s in enumerate(batch):
+            doc_mask[b, :, s.context[0]:s.context[1]] = True
+            for q, (start, end) in enumerate(s.answer_spans):
+                answer_mask[b, q, start:end] = True
+        noise_mask = doc_mask & ~answer_mask
+        per_answer = [(rows[layer] * answer_mask).sum(-1).mean().item() for layer in sorted(rows)]
+        per_noise = [(rows[layer] * noise_mask).sum(-1).mean().item() for layer in sorted(rows)]
+        cells.append(CellResult(n, r, float(depth), accuracy, sum(per_answer) / len(per_answer),
+                                sum(per_noise) / len(per_noise), per_answer, per_noise))
+
+        last = rows[max(rows)][:, 0, 1:1 + context_len]  # first query's row over the document [B, ctx]
+        binned = torch.nn.functional.adaptive_avg_pool1d(last[:, None, :], PROFILE_BINS)[:, 0].mean(0)
+        profile_sums[float(depth)] = profile_sums.get(float(depth), 0) + binned
+        profile_counts[float(depth)] = profile_counts.get(float(depth), 0) + 1
+        if progress is not None:
+            progress(done + 1, len(grid))
+    profiles = {d: (profile_sums[d] / profile_counts[d]).tolist() for d in sorted(profile_sums)}
+    return RetrievalResult(context_len, samples, cells, profiles)
+
+
+def render(named: dict[str, RetrievalResult], describe: str) -> str:
+    """Accuracy per (N, R) and depth, then accuracy and attention allocation per depth (the paper's Table 3)."""
+    lines = [f"multi-needle retrieval (attention logits {describe})"]
+    for name, result in named.items():
+        depths = sorted({c.depth for c in result.cells})
+        lines.append(f"{name}: {result.context_len}-token documents, {result.samples} per cell, "
+                     f"mean accuracy {result.accuracy():.3f}")
+        lines.append("  accuracy  " + " ".join(f"{f'depth {d:g}%':>10s}" for d in depths))
+        for n, r in sorted({(c.n_needles, c.n_queries) for c in result.cells}):
+            row = {c.depth: c.accuracy for c in result.cells if (c.n_needles, c.n_queries) == (n, r)}
+            lines.append(f"  N={n:<2d} R={r:<2d} " + " ".join(f"{row[d]:10.3f}" for d in depths))
+        lines.append("  attention from the question (mean of layers and heads):")
+        lines.append(f"  {'depth':>8s} {'accuracy':>9s} {'answer':>9s} {'noise':>9s}")
+        for depth, (acc, answer, noise) in result.by_depth().items():
+            lines.append(f"  {depth:7g}% {acc:9.3f} {answer:9.3f} {noise:9.3f}")
+        lines.append("")
+    return "\n".join(lines).rstrip()

@@ -1,0 +1,105 @@
+"""PNG plots of the analysis results (matplotlib, the `plots` extra, imported only when asked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffexport.errors import DiffExportError
+from diffexport.files import atomic_write
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise DiffExportError("plots need matplotlib: pip install 'diffexport[plots]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise DiffExportError(f"plot path must end in .png, got {path}")
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+    return path
+
+
+def check_plot_path(path) -> None:
+    """Fail before the work when the plot cannot be written."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise DiffExportError(f"plot path must end in .png, got {path}")
+    if not path.parent.is_dir():
+        raise DiffExportError(f"plot folder does not exist: {path.parent}")
+    _pyplot()
+
+
+def plot_stats(named, path) -> Path:
+    """Per-layer top-1 and median attention-logit magnitude, one line per model (log scale)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for (name, stats), marker in zip(named.items(), "os^vD"):
+        layers = range(len(stats.logits))
+        axes[0].plot(layers, [t.rank(1) for t in stats.logits], marker=marker, label=f"{name} top-1")
+        axes[0].plot(layers, [t.median() for t in stats.logits], marker=marker, linestyle="--", label=f"{name} median")
+        axes[1].plot(layers, [t.rank(1) for t in stats.hidden], marker=marker, label=f"{name} top-1")
+    axes[0].set(title="attention logits |scale * q.k|", xlabel="layer", ylabel="magnitude", yscale="log")
+    axes[1].set(title="hidden states |x| (after each layer)", xlabel="layer", yscale="log")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_sweep(named, path, describe: str) -> Path:
+    """Task accuracy (when known), KL divergence and logit cosine against bits, models side by side."""
+    plt = _pyplot()
+    has_task = any(p.task_accuracy is not None for points in named.values() for p in points)
+    panels = (["task_accuracy"] if has_task else []) + ["kl_mean", "cosine_mean"]
+    titles = {"task_accuracy": "retrieval accuracy", "kl_mean": "KL(p16 || p_bits), mean per token",
+              "cosine_mean": "output-logit cosine vs 16-bit"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        for (name, points), marker in zip(named.items(), "os^vD"):
+            shown = [p for p in points if getattr(p, key) is not None]
+            ax.plot([p.bits for p in shown], [getattr(p, key) for p in shown], marker=marker, label=name)
+        ax.set(title=titles[key], xlabel="logit bits")
+        if key == "kl_mean":
+            ax.set_yscale("symlog", linthresh=1e-6)
+        else:
+            ax.ticklabel_format(axis="y", useOffset=False)
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"low-bit attention logits ({describe})", fontsize=10, y=1.03)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def plot_retrieval(named, path) -> Path:
+    """Heat maps: attention of the question over document position (last layer) per needle depth."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(named), figsize=(5.2 * len(named), 3.4), squeeze=False)
+    for ax, (name, result) in zip(axes[0], named.items()):
+        depths = sorted(result.profiles)
+        data = [result.profiles[d] for d in depths]
+        image = ax.imshow(data, aspect="auto", cmap="viridis", extent=(0, 100, len(depths) - 0.5, -0.5))
+        ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
+        ax.set(title=f"{name}: accuracy {result.accuracy():.2f}", xlabel="document position (%)",
+               ylabel="needle depth")
+        fig.colorbar(image, ax=ax, label="attention (mean over heads)")
+    fig.suptitle("where the question looks (last layer; the asked needle sits at the depth)", fontsize=10, y=1.03)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)

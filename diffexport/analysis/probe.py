@@ -1,0 +1,90 @@
+"""Run a model with its attention written out: logits visible to observers, optionally low-bit.
+
+`AttentionProbe(model, quant=..., on_logits=..., on_map=...)` is a context manager that swaps
+every layer's attention `impl` for an explicit implementation (logits, masked softmax, maps)
+and restores the original on exit. It works for every family: DIFF V1 and V2 (the contract's
+inputs) and the baseline Transformer (q, k, v heads).
+
+Observers:
+  on_logits(layer, [S, ...], visible)  pre-softmax logits [B, heads, Sq, Skv] (softmax scale
+                                       included; DIFF gives both maps), visible [Sq, Skv] or None
+  on_map(layer, A)                     the effective attention map [B, heads, Sq, Skv]:
+                                       softmax for a Transformer, A1 - lambda*A2 for DIFF
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from diffexport import reference
+from diffexport.errors import DiffExportError
+from diffexport.modeling import FAMILIES
+from diffexport.quantization import LogitQuant, qk_int_logits, quantise_logit_rows
+
+
+def attention_logits(q, k, scale: float, visible, quant: LogitQuant | None) -> torch.Tensor:
+    """fp32 logits scale * q k^T [B, Hq, Sq, Skv] (k [B, Hkv, Skv, D], GQA by repetition), quantised as asked."""
+    if quant is not None and quant.active and quant.scheme == "qk":
+        return qk_int_logits(q, k, quant.bits, quant.smooth_k) * scale
+    rep = q.shape[1] // k.shape[1]
+    acc = reference.acc_dtype(q)
+    s = (q.to(acc) @ k.to(acc).repeat_interleave(rep, dim=1).transpose(-1, -2)) * scale
+    if quant is not None and quant.active:  # scheme "logits"
+        s = quantise_logit_rows(s, quant.bits, visible)
+    return s
+
+
+def masked_softmax(s, visible):
+    return (s if visible is None else s.masked_fill(~visible, float("-inf"))).softmax(-1)
+
+
+class AttentionProbe:
+    def __init__(self, model, *, quant: LogitQuant | None = None,
+                 on_logits: Callable | None = None, on_map: Callable | None = None):
+        family = getattr(getattr(model, "config", None), "family", None)
+        if family not in FAMILIES:
+            raise DiffExportError(f"cannot probe attention of {type(model).__name__}: not a supported model "
+                                  f"family ({', '.join(sorted(FAMILIES))})")
+        self.model, self.family = model, family
+        self.quant, self.on_logits, self.on_map = quant, on_logits, on_map
+        self._saved: list = []
+
+    def __enter__(self) -> "AttentionProbe":
+        explicit = self._transformer if self.family == "transformer" else self._diff
+        for index, layer in enumerate(self.model.layers):
+            self._saved.append(layer.attn.impl)
+            layer.attn.impl = functools.partial(explicit, index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer, impl in zip(self.model.layers, self._saved):
+            layer.attn.impl = impl
+        self._saved = []
+
+    def _observe(self, layer, logits, visible, amap) -> None:
+        if self.on_logits is not None:
+            self.on_logits(layer, logits, visible)
+        if self.on_map is not None:
+            self.on_map(layer, amap)
+
+    def _diff(self, layer, query, key, value, lambda_full, norm_weight, attrs):
+        q1, q2, k1, k2, v = reference.split_maps(query, key, value, attrs)
+        visible = reference.causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+        scale = attrs.effective_scale
+        s1 = attention_logits(q1, k1, scale, visible, self.quant)
+        s2 = attention_logits(q2, k2, scale, visible, self.quant)
+        diff_map = masked_softmax(s1, visible) - reference.lambda_as_bhs1(lambda_full, attrs) * masked_softmax(s2, visible)
+        self._observe(layer, [s1, s2], visible, diff_map)
+        v = v.to(diff_map.dtype).repeat_interleave(attrs.num_heads // attrs.num_kv_heads, dim=1)
+        return reference.finish_heads(diff_map @ v, norm_weight, attrs, query.dtype)
+
+    def _transformer(self, layer, q, k, v, *, causal: bool, scale: float):
+        visible = reference.causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+        s = attention_logits(q, k, scale, visible, self.quant)
+        amap = masked_softmax(s, visible)
+        self._observe(layer, [s], visible, amap)
+        v = v.to(amap.dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        return (amap @ v).to(q.dtype)

@@ -1,0 +1,90 @@
+"""Token streams for the analysis tools: the user's text, or a built-in synthetic stream.
+
+  text + tokenizer   the text tokenised by a Hugging Face tokenizer (a local folder or hub name)
+  text alone         UTF-8 bytes as token ids 0..255 (needs vocab_size >= 256)
+  neither            documents of the needle retrieval task when the vocabulary holds the task's
+                     tokens (what the trained pair saw), else uniform random token ids (seeded)
+Every stream is cut into batches [batch, seq_len] of int64 ids below the model's vocab_size.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from diffexport.errors import DiffExportError
+
+
+def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
+    file = Path(path)
+    if not file.is_file():
+        raise DiffExportError(f"text file not found: {path}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DiffExportError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        raise DiffExportError(f"{path} is empty: give a text file with some content")
+    if tokenizer is None:
+        if vocab_size < 256:
+            raise DiffExportError(f"without --tokenizer the text is read as bytes (ids 0..255), but this model's "
+                                  f"vocabulary has only {vocab_size} tokens; give --tokenizer")
+        return list(text.encode("utf-8"))
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DiffExportError("--tokenizer needs transformers: pip install 'diffexport[hf]'") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as exc:  # transformers raises many types for missing/bad tokenizers
+        raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: {str(exc).splitlines()[0]}") from None
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    too_big = [i for i in ids if i >= vocab_size]
+    if too_big:
+        raise DiffExportError(f"tokenizer {tokenizer!r} gives ids up to {max(too_big)}, beyond this model's "
+                              f"vocabulary of {vocab_size}: it is not this model's tokenizer")
+    return ids
+
+
+def synthetic_ids(vocab_size: int, n_tokens: int, seq_len: int, seed: int) -> tuple[list[int], str]:
+    """(ids, description) of the built-in stream."""
+    from diffexport.analysis import needles
+
+    rng = random.Random(seed)
+    if vocab_size >= needles.TASK_VOCAB and seq_len > needles.QUERY_LEN + needles.NEEDLE_LEN + 1:
+        ids: list[int] = []
+        context = seq_len - 1 - 2 * needles.QUERY_LEN  # one document with up to two questions per sequence
+        while len(ids) < n_tokens:
+            n_queries = rng.randint(1, 2)
+            n_needles = rng.randint(n_queries, min(6, max(n_queries, context // needles.NEEDLE_LEN)))
+            sample = needles.make_sample(rng, context, n_needles, n_queries)
+            ids += (sample.tokens + [needles.PAD] * seq_len)[:seq_len]
+        return ids[:n_tokens], "needle-task documents"
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n_tokens,), generator=gen).tolist(), "uniform random token ids"
+
+
+def batches(ids: list[int], seq_len: int, batch: int, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Cut ids into [batch, seq_len] tensors (the last batch may hold fewer sequences)."""
+    if seq_len < 1 or batch < 1 or (max_tokens is not None and max_tokens < 1):
+        raise DiffExportError("--tokens, --seq-len and --batch must be positive")
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    n_seqs = len(ids) // seq_len
+    if n_seqs == 0:
+        raise DiffExportError(f"the stream has {len(ids)} tokens, fewer than one sequence of {seq_len}: "
+                              f"give more text or a smaller --seq-len")
+    data = torch.tensor(ids[: n_seqs * seq_len], dtype=torch.long).view(n_seqs, seq_len)
+    return list(data.split(batch))
+
+
+def stream_batches(vocab_size: int, *, text: str | None, tokenizer: str | None, tokens: int, seq_len: int,
+                   batch: int, seed: int) -> tuple[list[torch.Tensor], str]:
+    if text is not None:
+        ids = text_ids(text, tokenizer, vocab_size)
+        source = f"{text} ({'tokenizer ' + tokenizer if tokenizer else 'UTF-8 bytes'})"
+    else:
+        ids, source = synthetic_ids(vocab_size, tokens, seq_len, seed)
+    return batches(ids, seq_len, batch, tokens), source

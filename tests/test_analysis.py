@@ -1,0 +1,182 @@
+"""Analysis tools: the attention probe, magnitude statistics, token streams, the logit sweep."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from diffexport.analysis import stats, streams, sweep
+from diffexport.analysis.probe import AttentionProbe
+from diffexport.checkpoint import save_checkpoint
+from diffexport.errors import DiffExportError
+from diffexport.modeling import DiffV1Config, DiffV2Config, TransformerConfig, build_model
+from diffexport.quantization import LogitQuant
+from helpers import assert_one_line_error, run_cli
+
+CONFIGS = {
+    "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),
+    "diff_v2": DiffV2Config(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
+    "transformer": TransformerConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2),
+}
+
+
+def _ids(vocab, batch=2, length=37, seed=0):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_probe_unquantised_matches_the_model_and_restores_it(family):
+    model = build_model(CONFIGS[family], seed=3)
+    ids = _ids(97)
+    with torch.no_grad():
+        expected = model(ids)
+        seen = []
+        with AttentionProbe(model, on_logits=lambda layer, maps, visible: seen.append((layer, len(maps),
+                                                                                       maps[0].shape))):
+            probed = model(ids)
+        after = model(ids)
+    torch.testing.assert_close(probed, expected, atol=1e-5, rtol=0)
+    assert torch.equal(after, expected)  # the original attention is back
+    maps_per_layer = 1 if family == "transformer" else 2
+    heads = 4 if family == "transformer" else CONFIGS[family].n_heads
+    assert seen == [(i, maps_per_layer, (2, heads, 37, 37)) for i in range(2)]
+
+
+def test_probe_logits_are_scaled_qk_of_the_visible_entries():
+    cfg = CONFIGS["transformer"]
+    model = build_model(cfg, seed=4)
+    captured = {}
+    with torch.no_grad(), AttentionProbe(model, on_logits=lambda layer, maps, visible: captured.setdefault(
+            layer, (maps[0], visible))):
+        model(_ids(97, batch=1, length=5))
+    s, visible = captured[0]
+    assert visible.tolist() == torch.ones(5, 5).tril().bool().tolist()  # causal: keys <= query
+    # recompute layer 0's q.k/sqrt(D) independently from the weights
+    from diffexport.modeling.common import apply_rope, rope_cos_sin
+
+    attn, layer = model.layers[0].attn, model.layers[0]
+    with torch.no_grad():
+        x = layer.attn_norm(model.embed(_ids(97, batch=1, length=5)))
+        cos, sin = rope_cos_sin(torch.arange(5)[None], 16, cfg.rope_theta, x.dtype)
+        q = apply_rope(attn.q_proj(x).unflatten(-1, (-1, 16)), cos, sin, False).transpose(1, 2)
+        k = apply_rope(attn.k_proj(x).unflatten(-1, (-1, 16)), cos, sin, False).transpose(1, 2)
+        ref = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / 4.0
+    torch.testing.assert_close(s, ref, atol=1e-5, rtol=0)
+
+
+def test_quantised_probe_moves_outputs_more_at_fewer_bits():
+    model = build_model(CONFIGS["diff_v1"], seed=5)
+    ids = _ids(97, length=70)
+    with torch.no_grad():
+        ref = model(ids)
+        errors = []
+        for bits in (16, 8, 4, 2):
+            with AttentionProbe(model, quant=LogitQuant(bits)):
+                errors.append((model(ids) - ref).abs().max().item())
+    assert errors[0] < 1e-5 and errors[0] < errors[1] < errors[2] < errors[3]
+
+
+def test_probe_refuses_what_it_cannot_hook():
+    with pytest.raises(DiffExportError, match="not a supported model family"):
+        AttentionProbe(torch.nn.Linear(2, 2))
+
+
+def test_magnitude_tracker_matches_sorting():
+    torch.manual_seed(6)
+    parts = [torch.randn(1000) * 3, torch.randn(50) * 10, torch.rand(7000)]
+    tracker = stats.MagnitudeTracker()
+    for p in parts:
+        tracker.add(p)
+    everything = torch.cat(parts).abs().sort(descending=True).values
+    for k in stats.TOP_RANKS:
+        assert tracker.rank(k) == pytest.approx(everything[k - 1].item())
+    assert tracker.median() == pytest.approx(everything.median().item(), rel=0.01)
+    merged = stats.MagnitudeTracker()
+    merged.add(torch.tensor([1e4, -2e4]))
+    both = tracker.merge(merged)
+    assert both.rank(1) == 2e4 and both.rank(3) == pytest.approx(everything[0].item()) and both.count == 8052
+    assert math.isnan(stats.MagnitudeTracker().median()) and math.isnan(merged.rank(3))
+    with pytest.raises(ValueError):
+        tracker.add(torch.tensor([float("nan")]))
+
+
+def test_collect_counts_every_visible_logit_and_hidden_value():
+    cfg = CONFIGS["diff_v1"]
+    model = build_model(cfg, seed=7)
+    batches = [_ids(97, batch=3, length=11), _ids(97, batch=1, length=11, seed=1)]
+    result = stats.collect(model, batches)
+    visible = 11 * 12 // 2
+    assert [t.count for t in result.logits] == [4 * 2 * 2 * visible] * 2  # 4 seqs, 2 maps, 2 heads
+    assert [t.count for t in result.hidden] == [4 * 11 * 64] * 2
+    table = stats.render({"m": result})
+    assert "attention logits" in table and "hidden states" in table
+    data = result.to_dict()
+    assert data["tokens"] == 44 and len(data["attention_logits"]["layers"]) == 2
+
+
+def test_streams_cut_text_and_refuse_empty_files(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("héllo world " * 40)
+    got, source = streams.stream_batches(512, text=str(text), tokenizer=None, tokens=10_000, seq_len=16,
+                                         batch=4, seed=0)
+    assert "UTF-8 bytes" in source and all(b.shape[1] == 16 and b.max() < 256 for b in got)
+    assert sum(b.shape[0] for b in got) == len(("héllo world " * 40).encode()) // 16
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(DiffExportError, match="empty"):
+        streams.text_ids(str(empty), None, 512)
+    with pytest.raises(DiffExportError, match="give --tokenizer"):
+        streams.text_ids(str(text), None, 100)
+    with pytest.raises(DiffExportError, match="fewer than one sequence"):
+        streams.batches([1, 2, 3], 16, 2)
+    ids, source = streams.synthetic_ids(97, 500, 50, 0)  # too small a vocabulary for the task
+    assert source == "uniform random token ids" and len(ids) == 500 and max(ids) < 97
+
+
+def test_sweep_reference_point_is_exact_and_damage_grows():
+    model = build_model(CONFIGS["transformer"], seed=8)
+    points = sweep.sweep(model, [16, 8, 3], [_ids(97, length=40)], task_eval=lambda quant: float(quant.bits))
+    assert [p.bits for p in points] == [16, 8, 3]
+    assert points[0].cosine_mean == pytest.approx(1.0, abs=1e-6) and points[0].kl_mean == pytest.approx(0, abs=1e-9)
+    assert points[1].kl_mean < points[2].kl_mean and points[2].cosine_min <= points[1].cosine_min
+    assert [p.task_accuracy for p in points] == [16.0, 8.0, 3.0]
+    with pytest.raises(DiffExportError, match="2 to 16"):
+        sweep.sweep(model, [8, 1], [_ids(97)])
+
+
+def test_stats_cli_json_on_a_checkpoint_and_a_preset(tmp_path):
+    ckpt = save_checkpoint(build_model(CONFIGS["transformer"], seed=9), tmp_path / "base.pt")
+    out = run_cli("stats", str(ckpt), "--preset", "diff-v1-tiny", "--tokens", "512", "--seq-len", "64", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data) == {"base", "diff-v1-tiny"}
+    assert data["base"]["family"] == "transformer" and data["diff-v1-tiny"]["stream"] == "needle-task documents"
+    assert data["base"]["stream"] == "uniform random token ids"  # vocab 97 cannot hold the task
+    assert data["base"]["attention_logits"]["overall"]["top1"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["quant-sweep", "--bits", "8", "1"], "2 to 16"),
+    (["quant-sweep", "--bits", "17"], "2 to 16"),
+    (["retrieval", "--logit-bits", "0"], "2 to 16"),
+    (["stats", "--plot", "out.svg"], "must end in .png"),
+    (["stats", "--plot", "no/such/dir/p.png"], "does not exist"),
+    (["retrieval", "--needles", "2", "--queries", "1", "--context", "5"], "cannot hold"),
+])
+def test_analysis_cli_bad_values_one_line(argv, message):
+    assert_one_line_error(run_cli(*argv), message)
+
+
+def test_analysis_cli_refuses_empty_text_and_foreign_checkpoints(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_one_line_error(run_cli("stats", "--text", str(empty)), "is empty")
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert_one_line_error(run_cli("stats", str(llama)), "not a DIFF model")
+    other = tmp_path / "other.pt"
+    torch.save({"format": "diffexport.checkpoint", "format_version": 1, "family": "mamba", "config": {},
+                "state_dict": {}}, other)
+    assert_one_line_error(run_cli("quant-sweep", str(other)), "not a supported model family")
