@@ -184,7 +184,8 @@ def _add_stream(parser: argparse.ArgumentParser, tokens: int) -> None:
     parser.add_argument("--tokenizer", help="Hugging Face tokenizer (folder or hub name) for --text; "
                                             "without it the text is read as bytes")
     parser.add_argument("--tokens", type=int, default=tokens, help=f"tokens to run (default {tokens})")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: a document of the checkpoint's "
+                                                     "training task, else 256)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass (default 8)")
 
 
@@ -212,10 +213,16 @@ def _progress(label: str, total: int):
 
 
 def _stream(args, loaded):
+    from diffexport.analysis import needles
     from diffexport.analysis.streams import stream_batches
 
+    seq_len = args.seq_len
+    if seq_len is None:
+        task = loaded.task or {}
+        trained = task.get("name") == needles.TASK_NAME and int(task.get("context_len", 0)) > 0
+        seq_len = 1 + int(task["context_len"]) + 2 * needles.QUERY_LEN if trained else 256
     return stream_batches(loaded.config.vocab_size, text=args.text, tokenizer=args.tokenizer,
-                          tokens=args.tokens, seq_len=args.seq_len, batch=args.batch, seed=args.seed)
+                          tokens=args.tokens, seq_len=seq_len, batch=args.batch, seed=args.seed)
 
 
 def cmd_stats(args) -> int:

@@ -180,3 +180,13 @@ def test_analysis_cli_refuses_empty_text_and_foreign_checkpoints(tmp_path):
     torch.save({"format": "diffexport.checkpoint", "format_version": 1, "family": "mamba", "config": {},
                 "state_dict": {}}, other)
     assert_one_line_error(run_cli("quant-sweep", str(other)), "not a supported model family")
+
+
+def test_checkpoint_carries_its_training_task(tmp_path):
+    from diffexport.checkpoint import load_model
+
+    model = build_model(CONFIGS["diff_v1"], seed=10)
+    with_task = save_checkpoint(model, tmp_path / "a.pt", task={"name": "needles", "context_len": 64})
+    without = save_checkpoint(model, tmp_path / "b.pt")
+    assert load_model(with_task).task == {"name": "needles", "context_len": 64}
+    assert load_model(without).task is None

@@ -28,7 +28,7 @@ def test_sample_layout(n, r, depth):
     for pos, answer, (start, end) in zip(s.answer_positions, s.answers, s.answer_spans):
         asked_city = s.tokens[pos]
         assert s.tokens[pos - 1] == needles.ASK and s.tokens[pos + 1] == answer  # "? CITY" then the number
-        assert s.tokens[start:end] == [asked_city, answer, needles.DOT]  # the needle holds the answer
+        assert s.tokens[start:end] == [answer, asked_city, needles.DOT]  # the needle holds the answer
     if depth is not None:
         n_filler = 64 - needles.NEEDLE_LEN * n
         start = s.answer_spans[0][0]

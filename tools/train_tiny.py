@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--out-dir", required=True)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=64, help="document tokens per sample (needles included)")
     parser.add_argument("--max-needles", type=int, default=6, help="needles per training document: 1..this")
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         log(f"{name:12s} held-out retrieval accuracy {result.accuracy():.3f} -> {path}")
         report["models"][name] = {"family": model_cfg.family, "parameters": model.num_parameters(),
                                   "history": history, "eval_accuracy": result.accuracy()}
-    (out / "train_log.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / (f"train_log-{args.only}.json" if args.only else "train_log.json")).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

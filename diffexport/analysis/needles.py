@@ -1,13 +1,13 @@
 """A synthetic multi-needle retrieval task: the paper's section 3.4 protocol, scaled down.
 
-A document is filler "sentences" with N needles `CITY NUMBER .` ("the magic number of CITY is
-NUMBER") inserted; R of the cities are then asked, `? CITY`, and the model must answer that
+A document is filler "sentences" with N needles `NUMBER CITY .` ("NUMBER is the magic number of
+CITY") inserted; R of the cities are then asked, `? CITY`, and the model must answer that
 city's number as the next token. The first asked
 needle sits at a chosen depth (0% = start of the context, 100% = end); the others at random
 places. Everything is generated from a seed: no downloads, no tokenizer.
 
 Token ids (the task needs vocab_size >= TASK_VOCAB):
-  0 pad, 1 bos, 3 ".", 4 "?"; cities 8..71; numbers 72..199; filler words 200..511.
+  0 pad, 1 bos, 3 ".", 4 "?"; cities 8..39; numbers 72..103; filler words 200..511.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from diffexport.errors import DiffExportError
 
 PAD, BOS, DOT, ASK = 0, 1, 3, 4
-CITY_FIRST, N_CITIES = 8, 64
-NUMBER_FIRST, N_NUMBERS = 72, 128
+CITY_FIRST, N_CITIES = 8, 32  # ids 8..71 are reserved for cities, 32 in use
+NUMBER_FIRST, N_NUMBERS = 72, 32  # ids 72..199 are reserved for numbers, 32 in use (chance 1/32)
 FILLER_FIRST, N_FILLER = 200, 312
 TASK_VOCAB = FILLER_FIRST + N_FILLER  # 512
 NEEDLE_LEN = 3  # CITY NUMBER .
@@ -83,7 +83,7 @@ def make_sample(rng: random.Random, context_len: int, n_needles: int, n_queries:
         doc += filler[cursor:slots[i]]
         cursor = slots[i]
         starts[i] = 1 + len(doc)  # +1: BOS comes first
-        doc += [CITY_FIRST + cities[i], NUMBER_FIRST + numbers[i], DOT]
+        doc += [NUMBER_FIRST + numbers[i], CITY_FIRST + cities[i], DOT]
     doc += filler[cursor:]
     tokens = [BOS] + doc
     positions, answers, spans = [], [], []

@@ -42,15 +42,19 @@ def check_plot_path(path) -> None:
 def plot_stats(named, path) -> Path:
     """Per-layer top-1 and median attention-logit magnitude, one line per model (log scale)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for (name, stats), marker in zip(named.items(), "os^vD"):
-        layers = range(len(stats.logits))
-        axes[0].plot(layers, [t.rank(1) for t in stats.logits], marker=marker, label=f"{name} top-1")
-        axes[0].plot(layers, [t.median() for t in stats.logits], marker=marker, linestyle="--", label=f"{name} median")
-        axes[1].plot(layers, [t.rank(1) for t in stats.hidden], marker=marker, label=f"{name} top-1")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), layout="constrained")
+    from matplotlib.ticker import MaxNLocator
+
+    for index, ((name, stats), marker) in enumerate(zip(named.items(), "os^vD")):
+        layers, color = range(len(stats.logits)), f"C{index}"
+        axes[0].plot(layers, [t.rank(1) for t in stats.logits], marker=marker, color=color, label=f"{name} top-1")
+        axes[0].plot(layers, [t.median() for t in stats.logits], marker=marker, color=color, linestyle="--",
+                     label=f"{name} median")
+        axes[1].plot(layers, [t.rank(1) for t in stats.hidden], marker=marker, color=color, label=f"{name} top-1")
     axes[0].set(title="attention logits |scale * q.k|", xlabel="layer", ylabel="magnitude", yscale="log")
     axes[1].set(title="hidden states |x| (after each layer)", xlabel="layer", yscale="log")
     for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     try:
@@ -66,7 +70,7 @@ def plot_sweep(named, path, describe: str) -> Path:
     panels = (["task_accuracy"] if has_task else []) + ["kl_mean", "cosine_mean"]
     titles = {"task_accuracy": "retrieval accuracy", "kl_mean": "KL(p16 || p_bits), mean per token",
               "cosine_mean": "output-logit cosine vs 16-bit"}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, layout="constrained")
     for ax, key in zip(axes[0], panels):
         for (name, points), marker in zip(named.items(), "os^vD"):
             shown = [p for p in points if getattr(p, key) is not None]
@@ -79,7 +83,7 @@ def plot_sweep(named, path, describe: str) -> Path:
         ax.invert_xaxis()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"low-bit attention logits ({describe})", fontsize=10, y=1.03)
+    fig.suptitle(f"low-bit attention logits ({describe})", fontsize=10)
     try:
         return _save(fig, path)
     finally:
@@ -89,7 +93,7 @@ def plot_sweep(named, path, describe: str) -> Path:
 def plot_retrieval(named, path) -> Path:
     """Heat maps: attention of the question over document position (last layer) per needle depth."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(named), figsize=(5.2 * len(named), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(named), figsize=(5.6 * len(named), 3.4), squeeze=False, layout="constrained")
     for ax, (name, result) in zip(axes[0], named.items()):
         depths = sorted(result.profiles)
         data = [result.profiles[d] for d in depths]
@@ -98,7 +102,7 @@ def plot_retrieval(named, path) -> Path:
         ax.set(title=f"{name}: accuracy {result.accuracy():.2f}", xlabel="document position (%)",
                ylabel="needle depth")
         fig.colorbar(image, ax=ax, label="attention (mean over heads)")
-    fig.suptitle("where the question looks (last layer; the asked needle sits at the depth)", fontsize=10, y=1.03)
+    fig.suptitle("where the question looks (last layer; the asked needle sits at the depth)", fontsize=10)
     try:
         return _save(fig, path)
     finally:
