@@ -274,7 +274,7 @@ def cmd_quant_sweep(args) -> int:
         LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
     plots.check_plot_path(args.plot)
     bits_list = sorted(set(args.bits) | {16}, reverse=True)
-    describe = LogitQuant(8, args.scheme, not args.no_smooth_k).describe().replace("8-bit ", "")
+    describe = LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
     results = {}
     for name, loaded in _load_models(args).items():
         batches, source = _stream(args, loaded)

@@ -65,11 +65,13 @@ class LogitQuant:
     def active(self) -> bool:
         return self.bits < UNQUANTISED_BITS
 
+    @property
+    def recipe(self) -> str:
+        """The scheme without the width: "qk, K-smoothing", "qk" or "logits"."""
+        return self.scheme + (", K-smoothing" if self.scheme == "qk" and self.smooth_k else "")
+
     def describe(self) -> str:
-        if not self.active:
-            return "not quantised"
-        extra = ", K-smoothing" if self.scheme == "qk" and self.smooth_k else ""
-        return f"{self.bits}-bit {self.scheme}{extra}"
+        return f"{self.bits}-bit {self.recipe}" if self.active else "not quantised"
 
 
 def absmax_codes(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
