@@ -190,3 +190,19 @@ def test_checkpoint_carries_its_training_task(tmp_path):
     without = save_checkpoint(model, tmp_path / "b.pt")
     assert load_model(with_task).task == {"name": "needles", "context_len": 64}
     assert load_model(without).task is None
+
+
+def test_cli_writes_each_plot_as_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = {
+        "stats": ["stats", "--tokens", "256", "--seq-len", "64"],
+        "sweep": ["quant-sweep", "--bits", "8", "4", "--tokens", "256", "--seq-len", "64"],
+        "retrieval": ["retrieval", "--needles", "1", "2", "--queries", "1", "--depths", "0", "100", "--samples", "2",
+                      "--context", "32"],
+    }
+    for name, argv in runs.items():
+        out = run_cli(*argv, "--plot", tmp_path / f"{name}.png")
+        assert out.returncode == 0, out.stderr
+        data = (tmp_path / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["retrieval.png", "stats.png", "sweep.png"]  # no temp files
