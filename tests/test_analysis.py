@@ -206,3 +206,21 @@ def test_cli_writes_each_plot_as_png(tmp_path):
         data = (tmp_path / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["retrieval.png", "stats.png", "sweep.png"]  # no temp files
+
+
+def test_text_through_a_local_tokenizer(tmp_path):
+    """--tokenizer: a Hugging Face tokenizer folder (built here, word level, no download)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5, "world": 7, "the": 90}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    text = tmp_path / "t.txt"
+    text.write_text("hello world the moon")
+    assert streams.text_ids(str(text), str(tmp_path / "tok"), 512) == [5, 7, 90, 0]
+    with pytest.raises(DiffExportError, match="not this model's tokenizer"):
+        streams.text_ids(str(text), str(tmp_path / "tok"), 50)
+    with pytest.raises(DiffExportError, match="cannot load tokenizer"):
+        streams.text_ids(str(text), str(tmp_path / "missing"), 512)
