@@ -235,10 +235,11 @@ def cmd_stats(args) -> int:
     results, sources, families = {}, {}, {}
     for name, loaded in _load_models(args).items():
         families[name] = loaded.config.family
-        batches, sources[name] = _stream(args, loaded)
-        progress, advance = _progress(f"{name}: statistics", len(batches))
+        stream = _stream(args, loaded)
+        sources[name] = stream.source
+        progress, advance = _progress(f"{name}: statistics", len(stream.batches))
         with progress:
-            results[name] = stats.collect(loaded.model, batches, advance)
+            results[name] = stats.collect(loaded.model, stream.batches, advance)
     if args.json:
         print(json.dumps({name: {"family": families[name], "stream": sources[name], **result.to_dict()}
                           for name, result in results.items()}, indent=2))
@@ -268,6 +269,7 @@ def cmd_quant_sweep(args) -> int:
     import json
 
     from diffexport.analysis import plots, sweep
+    from diffexport.errors import DiffExportError
     from diffexport.quantization import LogitQuant
 
     for bits in args.bits:
@@ -277,13 +279,22 @@ def cmd_quant_sweep(args) -> int:
     describe = LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
     results = {}
     for name, loaded in _load_models(args).items():
-        batches, source = _stream(args, loaded)
-        progress, advance = _progress(f"{name}: sweep", len(batches))
+        stream = _stream(args, loaded)
+        task_eval = _task_eval(loaded, args)
+        answers_only = args.positions == "answers" or (args.positions == "auto" and task_eval is not None
+                                                        and stream.answer_masks is not None)
+        if answers_only and stream.answer_masks is None:
+            raise DiffExportError(f"{name}: --positions answers needs the built-in needle-task stream "
+                                  f"(no --text, a vocabulary of at least 512)")
+        masks = stream.answer_masks if answers_only else None
+        progress, advance = _progress(f"{name}: sweep", len(stream.batches))
         with progress:
-            results[name] = sweep.sweep(loaded.model, bits_list, batches, scheme=args.scheme,
-                                        smooth_k=not args.no_smooth_k, task_eval=_task_eval(loaded, args),
+            results[name] = sweep.sweep(loaded.model, bits_list, stream.batches, scheme=args.scheme,
+                                        smooth_k=not args.no_smooth_k, task_eval=task_eval, masks=masks,
                                         progress=advance)
-        _log(f"{name}: {source}, {sum(b.numel() for b in batches):,} tokens")
+        compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
+        _log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
+             f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}")
     if args.json:
         print(json.dumps({"scheme": describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
                          indent=2))
@@ -386,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--task", default="auto", choices=["auto", "needles", "none"],
                            help="task metric: auto = what the checkpoint was trained on")
             p.add_argument("--samples", type=int, default=32, help="task documents per (needles, queries, depth) cell")
+            p.add_argument("--positions", default="auto", choices=["auto", "all", "answers"],
+                           help="where cosine/KL are measured: every position, or only the needle task's answers "
+                                "(auto: answers for a checkpoint trained on the task)")
         if name == "retrieval":
             p.add_argument("--needles", type=int, nargs="+", default=[1, 2, 4, 6], help="needle counts N")
             p.add_argument("--queries", type=int, nargs="+", default=[1, 2], help="asked needles R (R <= N)")

@@ -118,10 +118,10 @@ def test_collect_counts_every_visible_logit_and_hidden_value():
 def test_streams_cut_text_and_refuse_empty_files(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("héllo world " * 40)
-    got, source = streams.stream_batches(512, text=str(text), tokenizer=None, tokens=10_000, seq_len=16,
-                                         batch=4, seed=0)
-    assert "UTF-8 bytes" in source and all(b.shape[1] == 16 and b.max() < 256 for b in got)
-    assert sum(b.shape[0] for b in got) == len(("héllo world " * 40).encode()) // 16
+    got = streams.stream_batches(512, text=str(text), tokenizer=None, tokens=10_000, seq_len=16, batch=4, seed=0)
+    assert "UTF-8 bytes" in got.source and all(b.shape[1] == 16 and b.max() < 256 for b in got.batches)
+    assert sum(b.shape[0] for b in got.batches) == len(("héllo world " * 40).encode()) // 16
+    assert got.answer_masks is None
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     with pytest.raises(DiffExportError, match="empty"):
@@ -130,8 +130,21 @@ def test_streams_cut_text_and_refuse_empty_files(tmp_path):
         streams.text_ids(str(text), None, 100)
     with pytest.raises(DiffExportError, match="fewer than one sequence"):
         streams.batches([1, 2, 3], 16, 2)
-    ids, source = streams.synthetic_ids(97, 500, 50, 0)  # too small a vocabulary for the task
-    assert source == "uniform random token ids" and len(ids) == 500 and max(ids) < 97
+    ids, flags, source = streams.synthetic_ids(97, 500, 50, 0)  # too small a vocabulary for the task
+    assert source == "uniform random token ids" and len(ids) == 500 and max(ids) < 97 and flags is None
+
+
+def test_task_stream_marks_exactly_the_answer_positions():
+    from diffexport.analysis import needles
+
+    got = streams.stream_batches(512, text=None, tokenizer=None, tokens=71 * 10, seq_len=71, batch=4, seed=3)
+    assert got.source == "needle-task documents" and len(got.answer_masks) == len(got.batches) == 3
+    for ids, mask in zip(got.batches, got.answer_masks):
+        asked = ids[:, :-1][mask[:, :-1]]
+        assert mask.any(dim=1).all()  # every document asks at least once
+        assert ((asked >= needles.CITY_FIRST) & (asked < needles.NUMBER_FIRST)).all()  # "? CITY" -> number next
+        nxt = ids[:, 1:][mask[:, :-1]]
+        assert ((nxt >= needles.NUMBER_FIRST) & (nxt < needles.FILLER_FIRST)).all()
 
 
 def test_sweep_reference_point_is_exact_and_damage_grows():
@@ -141,6 +154,12 @@ def test_sweep_reference_point_is_exact_and_damage_grows():
     assert points[0].cosine_mean == pytest.approx(1.0, abs=1e-6) and points[0].kl_mean == pytest.approx(0, abs=1e-9)
     assert points[1].kl_mean < points[2].kl_mean and points[2].cosine_min <= points[1].cosine_min
     assert [p.task_accuracy for p in points] == [16.0, 8.0, 3.0]
+    only_some = torch.zeros(2, 40, dtype=torch.bool)
+    only_some[0, 7] = only_some[1, 30] = True
+    masked = sweep.sweep(model, [16, 3], [_ids(97, length=40)], masks=[only_some])
+    assert masked[0].kl_mean == pytest.approx(0, abs=1e-9) and masked[1].kl_mean != points[2].kl_mean
+    with pytest.raises(DiffExportError, match="no positions"):
+        sweep.sweep(model, [8], [_ids(97, length=40)], masks=[torch.zeros(2, 40, dtype=torch.bool)])
     with pytest.raises(DiffExportError, match="2 to 16"):
         sweep.sweep(model, [8, 1], [_ids(97)])
 
@@ -224,3 +243,21 @@ def test_text_through_a_local_tokenizer(tmp_path):
         streams.text_ids(str(text), str(tmp_path / "tok"), 50)
     with pytest.raises(DiffExportError, match="cannot load tokenizer"):
         streams.text_ids(str(text), str(tmp_path / "missing"), 512)
+
+
+def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(tmp_path):
+    from diffexport.presets import preset_config
+
+    ckpt = save_checkpoint(build_model(preset_config("diff-v1-tiny"), seed=11), tmp_path / "task.pt",
+                           task={"name": "needles", "context_len": 32})
+    out = run_cli("quant-sweep", ckpt, "--bits", "6", "--tokens", "400", "--samples", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "answer positions" in out.stderr
+    points = json.loads(out.stdout)["models"]["task"]
+    assert [p["bits"] for p in points] == [16, 6] and all(p["task_accuracy"] is not None for p in points)
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 100)
+    assert_one_line_error(run_cli("quant-sweep", ckpt, "--text", text, "--positions", "answers"),
+                          "needs the built-in needle-task stream")
+    auto = run_cli("quant-sweep", ckpt, "--text", text, "--bits", "8", "--samples", "1", "--seq-len", "64")
+    assert auto.returncode == 0 and "every position" in auto.stderr, auto.stderr

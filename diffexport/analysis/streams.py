@@ -10,6 +10,7 @@ Every stream is cut into batches [batch, seq_len] of int64 ids below the model's
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,22 +49,28 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
     return ids
 
 
-def synthetic_ids(vocab_size: int, n_tokens: int, seq_len: int, seed: int) -> tuple[list[int], str]:
-    """(ids, description) of the built-in stream."""
+def synthetic_ids(vocab_size: int, n_tokens: int, seq_len: int, seed: int) -> tuple[list[int], list[bool] | None, str]:
+    """(ids, answer flags or None, description) of the built-in stream.
+
+    With needle-task documents, flags[i] is True where the next token is an answer.
+    """
     from diffexport.analysis import needles
 
     rng = random.Random(seed)
     if vocab_size >= needles.TASK_VOCAB and seq_len > needles.QUERY_LEN + needles.NEEDLE_LEN + 1:
         ids: list[int] = []
+        flags: list[bool] = []
         context = seq_len - 1 - 2 * needles.QUERY_LEN  # one document with up to two questions per sequence
         while len(ids) < n_tokens:
             n_queries = rng.randint(1, 2)
             n_needles = rng.randint(n_queries, min(6, max(n_queries, context // needles.NEEDLE_LEN)))
             sample = needles.make_sample(rng, context, n_needles, n_queries)
+            answer_at = set(sample.answer_positions)
             ids += (sample.tokens + [needles.PAD] * seq_len)[:seq_len]
-        return ids[:n_tokens], "needle-task documents"
+            flags += [i in answer_at for i in range(seq_len)]
+        return ids[:n_tokens], flags[:n_tokens], "needle-task documents"
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (n_tokens,), generator=gen).tolist(), "uniform random token ids"
+    return torch.randint(0, vocab_size, (n_tokens,), generator=gen).tolist(), None, "uniform random token ids"
 
 
 def batches(ids: list[int], seq_len: int, batch: int, max_tokens: int | None = None) -> list[torch.Tensor]:
@@ -80,11 +87,27 @@ def batches(ids: list[int], seq_len: int, batch: int, max_tokens: int | None = N
     return list(data.split(batch))
 
 
+@dataclass
+class TokenStream:
+    batches: list[torch.Tensor]  # [batch, seq_len] int64 each
+    answer_masks: list[torch.Tensor] | None  # same shapes, True where the next token is a task answer
+    source: str
+
+    @property
+    def tokens(self) -> int:
+        return sum(b.numel() for b in self.batches)
+
+
 def stream_batches(vocab_size: int, *, text: str | None, tokenizer: str | None, tokens: int, seq_len: int,
-                   batch: int, seed: int) -> tuple[list[torch.Tensor], str]:
+                   batch: int, seed: int) -> TokenStream:
+    flags = None
     if text is not None:
         ids = text_ids(text, tokenizer, vocab_size)
         source = f"{text} ({'tokenizer ' + tokenizer if tokenizer else 'UTF-8 bytes'})"
     else:
-        ids, source = synthetic_ids(vocab_size, tokens, seq_len, seed)
-    return batches(ids, seq_len, batch, tokens), source
+        ids, flags, source = synthetic_ids(vocab_size, tokens, seq_len, seed)
+    cut = batches(ids, seq_len, batch, tokens)
+    masks = None
+    if flags is not None:
+        masks = [m.bool() for m in batches([int(f) for f in flags], seq_len, batch, tokens)]
+    return TokenStream(cut, masks, source)

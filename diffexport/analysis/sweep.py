@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffexport.errors import DiffExportError
 from diffexport.quantization import UNQUANTISED_BITS, LogitQuant
 
 
@@ -28,19 +29,25 @@ class SweepPoint:
 
 @torch.no_grad()
 def sweep(model, bits_list, batches, *, scheme: str = "qk", smooth_k: bool = True,
-          task_eval=None, progress=None) -> list[SweepPoint]:
-    """task_eval(quant) -> accuracy, or None when the model has no task."""
+          task_eval=None, masks=None, progress=None) -> list[SweepPoint]:
+    """task_eval(quant) -> accuracy, or None when the model has no task. masks: per batch, the
+    positions to compare (e.g. only the task's answers); None compares every position."""
     from diffexport.analysis.probe import AttentionProbe
 
     settings = [LogitQuant(bits, scheme, smooth_k) for bits in bits_list]  # validates every value first
     sums = {q.bits: [0.0, float("inf"), 0.0, 0] for q in settings}  # cos sum, cos min, kl sum, tokens
     for done, input_ids in enumerate(batches):
+        keep = None if masks is None else masks[done]
+        if keep is not None and not keep.any():
+            continue
         with AttentionProbe(model):  # the same explicit attention, unquantised: the reference
             ref = model(input_ids).float()
+        ref = ref if keep is None else ref[keep]
         ref_logp = ref.log_softmax(-1)
         for quant in settings:
             with AttentionProbe(model, quant=quant):
                 out = model(input_ids).float()
+            out = out if keep is None else out[keep]
             cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
             kl = (ref_logp.exp() * (ref_logp - out.log_softmax(-1))).sum(-1)
             acc = sums[quant.bits]
@@ -50,6 +57,8 @@ def sweep(model, bits_list, batches, *, scheme: str = "qk", smooth_k: bool = Tru
             acc[3] += cos.numel()
         if progress is not None:
             progress(done + 1)
+    if sums[settings[0].bits][3] == 0:
+        raise DiffExportError("no positions to compare: the stream holds no task answers; use --positions all")
     points = []
     for quant in settings:
         cos_sum, cos_min, kl_sum, n = sums[quant.bits]
