@@ -220,7 +220,7 @@ def _stream(args, loaded):
     if seq_len is None:
         task = loaded.task or {}
         trained = task.get("name") == needles.TASK_NAME and int(task.get("context_len", 0)) > 0
-        seq_len = 1 + int(task["context_len"]) + 2 * needles.QUERY_LEN if trained else 256
+        seq_len = needles.stream_sequence_len(int(task["context_len"])) if trained else 256
     return stream_batches(loaded.config.vocab_size, text=args.text, tokenizer=args.tokenizer,
                           tokens=args.tokens, seq_len=seq_len, batch=args.batch, seed=args.seed)
 
@@ -281,12 +281,11 @@ def cmd_quant_sweep(args) -> int:
     for name, loaded in _load_models(args).items():
         stream = _stream(args, loaded)
         task_eval = _task_eval(loaded, args)
-        answers_only = args.positions == "answers" or (args.positions == "auto" and task_eval is not None
-                                                        and stream.answer_masks is not None)
-        if answers_only and stream.answer_masks is None:
+        if args.positions == "answers" and stream.answer_masks is None:
             raise DiffExportError(f"{name}: --positions answers needs the built-in needle-task stream "
                                   f"(no --text, a vocabulary of at least 512)")
-        masks = stream.answer_masks if answers_only else None
+        answers_only = args.positions == "answers" or (args.positions == "auto" and task_eval is not None)
+        masks = stream.answer_masks if answers_only else None  # auto without task answers: every position
         progress, advance = _progress(f"{name}: sweep", len(stream.batches))
         with progress:
             results[name] = sweep.sweep(loaded.model, bits_list, stream.batches, scheme=args.scheme,
@@ -317,8 +316,8 @@ def cmd_retrieval(args) -> int:
     results = {}
     for name, loaded in _load_models(args).items():
         context = args.context or int((loaded.task or {}).get("context_len", 128))
-        cells = sum(1 for n in args.needles for r in args.queries if r <= n) * len(args.depths)
-        progress, advance = _progress(f"{name}: retrieval", cells)
+        cells = needles.grid(args.needles, args.queries, args.depths)
+        progress, advance = _progress(f"{name}: retrieval", len(cells))
         with progress:
             results[name] = needles.evaluate(
                 loaded.model, needles=tuple(args.needles), queries=tuple(args.queries), depths=tuple(args.depths),

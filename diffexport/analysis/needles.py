@@ -96,6 +96,21 @@ def make_sample(rng: random.Random, context_len: int, n_needles: int, n_queries:
     return Sample(tokens, positions, answers, spans, (1, 1 + context_len), n_needles, depth)
 
 
+def stream_sequence_len(context_len: int) -> int:
+    """Tokens of one packed sequence of the built-in stream: BOS, the document, up to two questions."""
+    return 1 + context_len + 2 * QUERY_LEN
+
+
+def stream_context_len(seq_len: int) -> int:
+    """The document length that fills a packed sequence of `seq_len` tokens (inverse of the above)."""
+    return seq_len - 1 - 2 * QUERY_LEN
+
+
+def grid(needles, queries, depths) -> list[tuple[int, int, float]]:
+    """The evaluated (N, R, depth) cells: every R <= N."""
+    return [(n, r, d) for n in needles for r in queries if r <= n for d in depths]
+
+
 def collate(samples: list[Sample]):
     """(input_ids [B, T-1], targets [B, T-1] with -100 outside answers); samples must share a length."""
     if len({len(s.tokens) for s in samples}) != 1:
@@ -172,8 +187,8 @@ def evaluate(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 
     cells: list[CellResult] = []
     profile_sums: dict[float, torch.Tensor] = {}
     profile_counts: dict[float, int] = {}
-    grid = [(n, r, d) for n in needles for r in queries if r <= n for d in depths]
-    for done, (n, r, depth) in enumerate(grid):
+    cells_to_run = grid(needles, queries, depths)
+    for done, (n, r, depth) in enumerate(cells_to_run):
         batch = [make_sample(rng, context_len, n, r, depth) for _ in range(samples)]
         rows: dict[int, torch.Tensor] = {}
 
@@ -208,7 +223,7 @@ def evaluate(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 
         profile_sums[float(depth)] = profile_sums.get(float(depth), 0) + binned
         profile_counts[float(depth)] = profile_counts.get(float(depth), 0) + 1
         if progress is not None:
-            progress(done + 1, len(grid))
+            progress(done + 1, len(cells_to_run))
     profiles = {d: (profile_sums[d] / profile_counts[d]).tolist() for d in sorted(profile_sums)}
     return RetrievalResult(context_len, samples, cells, profiles)
 

@@ -19,10 +19,15 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path) -> Path:
+def _png_path(path) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise DiffExportError(f"plot path must end in .png, got {path}")
+    return path
+
+
+def _save(fig, path) -> Path:
+    path = _png_path(path)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     return path
 
@@ -31,9 +36,7 @@ def check_plot_path(path) -> None:
     """Fail before the work when the plot cannot be written."""
     if path is None:
         return
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise DiffExportError(f"plot path must end in .png, got {path}")
+    path = _png_path(path)
     if not path.parent.is_dir():
         raise DiffExportError(f"plot folder does not exist: {path.parent}")
     _pyplot()

@@ -57,10 +57,10 @@ def synthetic_ids(vocab_size: int, n_tokens: int, seq_len: int, seed: int) -> tu
     from diffexport.analysis import needles
 
     rng = random.Random(seed)
-    if vocab_size >= needles.TASK_VOCAB and seq_len > needles.QUERY_LEN + needles.NEEDLE_LEN + 1:
+    context = needles.stream_context_len(seq_len)  # one document with up to two questions per sequence
+    if vocab_size >= needles.TASK_VOCAB and context >= 2 * needles.NEEDLE_LEN:  # room for two asked needles
         ids: list[int] = []
         flags: list[bool] = []
-        context = seq_len - 1 - 2 * needles.QUERY_LEN  # one document with up to two questions per sequence
         while len(ids) < n_tokens:
             n_queries = rng.randint(1, 2)
             n_needles = rng.randint(n_queries, min(6, max(n_queries, context // needles.NEEDLE_LEN)))
