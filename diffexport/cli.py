@@ -333,8 +333,28 @@ def cmd_retrieval(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    """Where the fused CUDA kernel library is, what it was built for, and whether this machine can run it."""
+    import torch
+
+    from diffexport import kernels
+
+    lib = kernels.load_library()  # one-line error with the build command when missing
+    print(f"library      {kernels.library_path()}")
+    print(f"build        {kernels.build_info()}")
+    print(f"op on CUDA   ${kernels.IMPL_ENV}={kernels.impl_choice()}")
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        print(f"GPU          {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})")
+    else:
+        print("GPU          none visible to torch: the library loads, kernels cannot run here")
+    del lib
+    return 0
+
+
 COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
-            "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep, "retrieval": cmd_retrieval}
+            "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep, "retrieval": cmd_retrieval,
+            "kernels": cmd_kernels}
 
 
 def build_parser() -> argparse.ArgumentParser:

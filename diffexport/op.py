@@ -3,7 +3,8 @@
 Registered once, when this module is first imported. Arguments are the contract's inputs
 followed by its attributes, in contract order (a test checks the schema against
 diffexport.contract). The default implementation is the FlashDiffAttn_1 reference (two
-attention calls, flash_attn or SDPA); the fake implementation gives export and torch.compile
+attention calls, flash_attn or SDPA); on CUDA the fused kernel (diffexport.kernels) takes over
+when its library is built and supports the call ($DIFFEXPORT_ATTENTION chooses); the fake implementation gives export and torch.compile
 the output shape. Gradients come from re-running that reference under autograd, so models
 that call the op also train.
 """
@@ -14,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from diffexport import contract
+from diffexport import contract, kernels
 from diffexport.contract import DiffAttentionAttrs
 from diffexport.errors import DiffExportError
 from diffexport.reference import flash_diff_attention_1
@@ -50,11 +51,25 @@ def diff_attention(
 ) -> torch.Tensor:
     attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm,
                             norm_eps, output_scale)
+    return _reference(query, key, value, lambda_full, norm_weight, attrs)
+
+
+def _reference(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
     contract.check_shapes(attrs, _shape(query), _shape(key), _shape(value), _shape(lambda_full),
                           _shape(norm_weight))
     if norm_weight.dtype not in (torch.float32, torch.float64):
         raise DiffExportError(f"norm_weight must be float32 (the norm runs in fp32), got {norm_weight.dtype}")
     return flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs)
+
+
+@diff_attention.register_kernel("cuda")
+def _diff_attention_cuda(query, key, value, lambda_full, norm_weight, variant, num_heads, num_kv_heads,
+                         head_dim, causal, scale, norm, norm_eps, output_scale):
+    attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm, norm_eps,
+                            output_scale)
+    if kernels.use_fused(query, key, value, lambda_full, norm_weight, attrs):
+        return kernels.diff_attention(query, key, value, lambda_full, norm_weight, attrs)
+    return _reference(query, key, value, lambda_full, norm_weight, attrs)
 
 
 @diff_attention.register_fake

@@ -7,6 +7,8 @@ returns the contract's output [B, Sq, H*Dv]:
   naive_diff_attention   the paper's Eq. 1 written out: two explicit softmax maps, subtract, times V
   flash_diff_attention_1 the paper's FlashDiffAttn_1: two attention calls with V of width Dv
   flash_diff_attention_2 the paper's FlashDiffAttn_2: four attention calls with V halves
+  quantised_diff_attention  Eq. 1 with low-bit logits (diffexport/quantization.py): the mirror
+                         the INT8-logits kernel is tested against
 
 The attention calls go to flash_attn when it is importable and can take the call (CUDA,
 fp16/bf16, equal q/v head dims), else to torch's scaled_dot_product_attention.
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
+from diffexport.quantization import LogitQuant, qk_int_logits, quantise_logit_rows
 
 
 def split_maps(query, key, value, attrs: DiffAttentionAttrs):
@@ -156,6 +159,41 @@ def flash_diff_attention_2(query, key, value, lambda_full, norm_weight, attrs: D
     o2 = torch.cat([attend(q2, k2, va, causal=causal, scale=scale),
                     attend(q2, k2, vb, causal=causal, scale=scale)], dim=-1)
     return finish_heads(_subtract(o1, o2, lambda_full, attrs), norm_weight, attrs, query.dtype)
+
+
+def attention_logits(q, k, scale: float, visible, quant: LogitQuant | None) -> torch.Tensor:
+    """fp32 logits scale * q k^T [B, Hq, Sq, Skv] (k [B, Hkv, Skv, D], GQA by repetition), quantised as asked."""
+    if quant is not None and quant.active and quant.scheme == "qk":
+        return qk_int_logits(q, k, quant.bits, quant.smooth_k) * scale
+    rep = q.shape[1] // k.shape[1]
+    acc = acc_dtype(q)
+    s = (q.to(acc) @ k.to(acc).repeat_interleave(rep, dim=1).transpose(-1, -2)) * scale
+    if quant is not None and quant.active:  # scheme "logits"
+        s = quantise_logit_rows(s, quant.bits, visible)
+    return s
+
+
+def masked_softmax(s, visible):
+    return (s if visible is None else s.masked_fill(~visible, float("-inf"))).softmax(-1)
+
+
+def explicit_diff_maps(query, key, value, lambda_full, attrs: DiffAttentionAttrs, quant: LogitQuant | None = None):
+    """Eq. 1 up to the maps: (s1, s2 logits, visible mask or None, A1 - lambda*A2, v repeated for GQA)."""
+    q1, q2, k1, k2, v = split_maps(query, key, value, attrs)
+    visible = causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+    scale = attrs.effective_scale
+    s1 = attention_logits(q1, k1, scale, visible, quant)
+    s2 = attention_logits(q2, k2, scale, visible, quant)
+    diff_map = masked_softmax(s1, visible) - lambda_as_bhs1(lambda_full, attrs) * masked_softmax(s2, visible)
+    v = v.to(diff_map.dtype).repeat_interleave(attrs.num_heads // attrs.num_kv_heads, dim=1)
+    return s1, s2, visible, diff_map, v
+
+
+def quantised_diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
+                             quant: LogitQuant) -> torch.Tensor:
+    """Eq. 1 with logits quantised as `quant` says (16 bits = the unquantised explicit form)."""
+    *_, diff_map, v = explicit_diff_maps(query, key, value, lambda_full, attrs, quant)
+    return finish_heads(diff_map @ v, norm_weight, attrs, query.dtype)
 
 
 REFERENCES = {

@@ -47,7 +47,11 @@ def stamp() -> str:
     except ImportError:
         ort = ""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
-    return (f"Date {datetime.date.today().isoformat()}; {cpu_name()}, {os.cpu_count()} cores, {memory:.0f} GiB; "
+    gpu = ""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        gpu = f"GPU {torch.cuda.get_device_name()} (sm_{major}{minor}, CUDA {torch.version.cuda}); "
+    return (f"Date {datetime.date.today().isoformat()}; {gpu}{cpu_name()}, {os.cpu_count()} cores, {memory:.0f} GiB; "
             f"torch {torch.__version__}{ort}, Python {platform.python_version()}; commit {commit}.")
 
 

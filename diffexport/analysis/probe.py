@@ -22,23 +22,8 @@ import torch
 from diffexport import reference
 from diffexport.errors import DiffExportError
 from diffexport.modeling import FAMILIES
-from diffexport.quantization import LogitQuant, qk_int_logits, quantise_logit_rows
-
-
-def attention_logits(q, k, scale: float, visible, quant: LogitQuant | None) -> torch.Tensor:
-    """fp32 logits scale * q k^T [B, Hq, Sq, Skv] (k [B, Hkv, Skv, D], GQA by repetition), quantised as asked."""
-    if quant is not None and quant.active and quant.scheme == "qk":
-        return qk_int_logits(q, k, quant.bits, quant.smooth_k) * scale
-    rep = q.shape[1] // k.shape[1]
-    acc = reference.acc_dtype(q)
-    s = (q.to(acc) @ k.to(acc).repeat_interleave(rep, dim=1).transpose(-1, -2)) * scale
-    if quant is not None and quant.active:  # scheme "logits"
-        s = quantise_logit_rows(s, quant.bits, visible)
-    return s
-
-
-def masked_softmax(s, visible):
-    return (s if visible is None else s.masked_fill(~visible, float("-inf"))).softmax(-1)
+from diffexport.quantization import LogitQuant
+from diffexport.reference import attention_logits, masked_softmax
 
 
 class AttentionProbe:
@@ -71,14 +56,8 @@ class AttentionProbe:
             self.on_map(layer, amap)
 
     def _diff(self, layer, query, key, value, lambda_full, norm_weight, attrs):
-        q1, q2, k1, k2, v = reference.split_maps(query, key, value, attrs)
-        visible = reference.causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
-        scale = attrs.effective_scale
-        s1 = attention_logits(q1, k1, scale, visible, self.quant)
-        s2 = attention_logits(q2, k2, scale, visible, self.quant)
-        diff_map = masked_softmax(s1, visible) - reference.lambda_as_bhs1(lambda_full, attrs) * masked_softmax(s2, visible)
+        s1, s2, visible, diff_map, v = reference.explicit_diff_maps(query, key, value, lambda_full, attrs, self.quant)
         self._observe(layer, [s1, s2], visible, diff_map)
-        v = v.to(diff_map.dtype).repeat_interleave(attrs.num_heads // attrs.num_kv_heads, dim=1)
         return reference.finish_heads(diff_map @ v, norm_weight, attrs, query.dtype)
 
     def _transformer(self, layer, q, k, v, *, causal: bool, scale: float):

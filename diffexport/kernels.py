@@ -1,0 +1,238 @@
+"""The fused DiffAttention CUDA kernel (plugins/kernels) from Python, through its C ABI.
+
+The library is a plain shared object (libdiffexport_kernels.so, built with CMake, not against
+torch), loaded with ctypes. `diff_attention(...)` runs it on CUDA tensors laid out as the op
+contract says; op.py makes it the `diffexport::diff_attention` implementation on CUDA.
+
+Where the library is looked for, first hit wins:
+  $DIFFEXPORT_KERNEL_LIB, <repo>/build/plugins/kernels/, diffexport/lib/ (a wheel with the library).
+Which implementation the op uses on CUDA: $DIFFEXPORT_ATTENTION = auto (the fused kernel when
+the library loads and supports the call, else the FlashDiffAttn_1 reference), fused (the kernel
+or an error saying why not), reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from diffexport import contract
+from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
+from diffexport.errors import DiffExportError
+from diffexport.quantization import check_bits
+
+LIBRARY_NAME = "libdiffexport_kernels.so"
+ABI_VERSION = 1  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
+HEAD_DIMS = (64, 128)
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2}
+MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
+IMPL_ENV = "DIFFEXPORT_ATTENTION"
+IMPL_CHOICES = ("auto", "fused", "reference")
+BUILD_HINT = ("build it with `cmake -S . -B build -G Ninja && cmake --build build` (needs nvcc) "
+              "or point DIFFEXPORT_KERNEL_LIB at libdiffexport_kernels.so")
+
+STATUS_OK = 0
+
+
+class DiffxAttentionParams(ctypes.Structure):
+    """Mirror of DiffxAttentionParams in diff_attention.h (checked against diffx_params_size())."""
+
+    _fields_ = [
+        ("query", ctypes.c_void_p), ("q_batch_stride", ctypes.c_int64), ("q_row_stride", ctypes.c_int64),
+        ("key", ctypes.c_void_p), ("k_batch_stride", ctypes.c_int64), ("k_row_stride", ctypes.c_int64),
+        ("value", ctypes.c_void_p), ("v_batch_stride", ctypes.c_int64), ("v_row_stride", ctypes.c_int64),
+        ("lambda_full", ctypes.c_void_p), ("lambda_batch_stride", ctypes.c_int64),
+        ("lambda_row_stride", ctypes.c_int64), ("lambda_head_stride", ctypes.c_int64),
+        ("norm_weight", ctypes.c_void_p),
+        ("output", ctypes.c_void_p), ("o_batch_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
+        ("dtype", ctypes.c_int32), ("variant", ctypes.c_int32),
+        ("batch", ctypes.c_int32), ("q_len", ctypes.c_int32), ("kv_len", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+        ("causal", ctypes.c_int32), ("norm", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("norm_eps", ctypes.c_float), ("output_scale", ctypes.c_float),
+        ("logit_bits", ctypes.c_int32), ("smooth_k", ctypes.c_int32),
+        ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+
+def library_candidates() -> list[Path]:
+    env = os.environ.get("DIFFEXPORT_KERNEL_LIB")
+    if env:
+        return [Path(env)]
+    package = Path(__file__).resolve().parent
+    return [package.parent / "build" / "plugins" / "kernels" / LIBRARY_NAME, package / "lib" / LIBRARY_NAME]
+
+
+def library_path() -> Path | None:
+    return next((p for p in library_candidates() if p.is_file()), None)
+
+
+@functools.lru_cache(maxsize=None)
+def load_library() -> ctypes.CDLL:
+    """The kernel library, loaded once and checked against this module's ABI; DiffExportError if unusable."""
+    path = library_path()
+    if path is None:
+        where = ", ".join(str(p) for p in library_candidates())
+        raise DiffExportError(f"fused kernel library not found (looked at {where}): {BUILD_HINT}")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise DiffExportError(f"cannot load the fused kernel library {path}: {exc}") from None
+    try:
+        _declare(lib)
+    except AttributeError as exc:  # an older or foreign library
+        raise DiffExportError(f"{path} lacks a kernel ABI function ({exc}): rebuild it from this checkout") from None
+    if lib.diffx_abi_version() != ABI_VERSION:
+        raise DiffExportError(f"{path} has kernel ABI {lib.diffx_abi_version()}, this diffexport needs "
+                              f"{ABI_VERSION}: rebuild the library from this checkout")
+    if lib.diffx_params_size() != ctypes.sizeof(DiffxAttentionParams):
+        raise DiffExportError(f"{path}: params struct is {lib.diffx_params_size()} bytes, the binding's "
+                              f"{ctypes.sizeof(DiffxAttentionParams)}: rebuild the library from this checkout")
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.diffx_abi_version.restype = ctypes.c_int
+    lib.diffx_params_size.restype = ctypes.c_size_t
+    lib.diffx_build_info.restype = ctypes.c_char_p
+    lib.diffx_status_string.restype = ctypes.c_char_p
+    lib.diffx_status_string.argtypes = [ctypes.c_int]
+    lib.diffx_last_error.restype = ctypes.c_char_p
+    params_p = ctypes.POINTER(DiffxAttentionParams)
+    lib.diffx_attention_check.restype = ctypes.c_int
+    lib.diffx_attention_check.argtypes = [params_p]
+    lib.diffx_attention_workspace_size.restype = ctypes.c_size_t
+    lib.diffx_attention_workspace_size.argtypes = [params_p]
+    lib.diffx_attention_forward.restype = ctypes.c_int
+    lib.diffx_attention_forward.argtypes = [params_p, ctypes.c_void_p]
+
+
+def build_info() -> str:
+    return load_library().diffx_build_info().decode()
+
+
+def status_error(lib: ctypes.CDLL, status: int) -> DiffExportError:
+    detail = lib.diffx_last_error().decode() or lib.diffx_status_string(status).decode()
+    return DiffExportError(f"fused kernel: {detail}")
+
+
+def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> str | None:
+    """Why the fused kernel cannot take this call, or None when it can (library not considered)."""
+    tensors = {"query": query, "key": key, "value": value, "lambda_full": lambda_full, "norm_weight": norm_weight}
+    if not all(t.is_cuda for t in tensors.values()):
+        return "the fused kernel runs on CUDA tensors only"
+    if len({t.device for t in tensors.values()}) > 1:
+        return "all inputs must be on the same CUDA device"
+    if query.dtype not in DTYPE_CODES:
+        return f"the fused kernel takes float16 or bfloat16, got {query.dtype}"
+    if key.dtype != query.dtype or value.dtype != query.dtype or lambda_full.dtype != query.dtype:
+        return "query, key, value and lambda_full must share one dtype"
+    if norm_weight.dtype != torch.float32:
+        return f"norm_weight must be float32, got {norm_weight.dtype}"
+    if attrs.head_dim not in HEAD_DIMS:
+        return f"the fused kernel supports head_dim 64 or 128, got {attrs.head_dim}"
+    for name in ("query", "key", "value"):
+        t = tensors[name]
+        if t.stride(-1) != 1 or t.stride(1) % 8 or t.stride(0) % 8 or t.data_ptr() % 16:
+            return (f"{name} must have contiguous rows starting on 16 bytes, with strides that are multiples "
+                    "of 8 elements (call .contiguous())")
+    if not norm_weight.is_contiguous():
+        return "norm_weight must be contiguous"
+    return None
+
+
+def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAttentionAttrs, *,
+                logit_bits: int = 0, smooth_k: bool = True) -> DiffxAttentionParams:
+    """The C params struct for tensors already validated (pointers, element strides, attributes)."""
+    p = DiffxAttentionParams()
+    p.query, p.q_batch_stride, p.q_row_stride = query.data_ptr(), query.stride(0), query.stride(1)
+    p.key, p.k_batch_stride, p.k_row_stride = key.data_ptr(), key.stride(0), key.stride(1)
+    p.value, p.v_batch_stride, p.v_row_stride = value.data_ptr(), value.stride(0), value.stride(1)
+    p.lambda_full = lambda_full.data_ptr()
+    if attrs.variant != VARIANT_V1:
+        p.lambda_batch_stride, p.lambda_row_stride, p.lambda_head_stride = lambda_full.stride()
+    p.norm_weight = norm_weight.data_ptr()
+    p.output, p.o_batch_stride, p.o_row_stride = out.data_ptr(), out.stride(0), out.stride(1)
+    p.dtype = DTYPE_CODES.get(query.dtype, 0)
+    p.variant, p.num_heads, p.num_kv_heads, p.head_dim = attrs.variant, attrs.num_heads, attrs.num_kv_heads, attrs.head_dim
+    p.batch, p.q_len, p.kv_len = query.shape[0], query.shape[1], key.shape[1]
+    p.causal, p.norm = attrs.causal, attrs.norm
+    p.scale, p.norm_eps, p.output_scale = attrs.effective_scale, attrs.norm_eps, attrs.output_scale
+    p.logit_bits, p.smooth_k = logit_bits, int(bool(smooth_k))
+    return p
+
+
+def launch(params: DiffxAttentionParams, device: torch.device) -> None:
+    """Allocate the workspace (INT8 path) and run the kernel on the device's current stream."""
+    lib = load_library()
+    workspace = None
+    size = lib.diffx_attention_workspace_size(ctypes.byref(params))
+    if size:
+        workspace = torch.empty(size, dtype=torch.uint8, device=device)
+        params.workspace, params.workspace_bytes = workspace.data_ptr(), size
+    stream = torch.cuda.current_stream(device).cuda_stream
+    with torch.cuda.device(device):
+        status = lib.diffx_attention_forward(ctypes.byref(params), ctypes.c_void_p(stream))
+    if status != STATUS_OK:
+        raise status_error(lib, status)
+    # The caching allocator may hand the workspace to other work once Python drops it: tie its
+    # lifetime to the stream that uses it.
+    if workspace is not None:
+        workspace.record_stream(torch.cuda.current_stream(device))
+
+
+def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs, *,
+                   logit_bits: int = 0, smooth_k: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel on contract inputs: output [B, Sq, H*Dv] in query's dtype.
+
+    logit_bits 0 or 16: fp16/bf16 logits; 2..8: INT8 logits (diffexport/quantization.py "qk").
+    `out` (optional) is written in place: it must be [B, Sq, H*Dv] with contiguous rows.
+    """
+    if logit_bits not in (0, 16):
+        check_bits(logit_bits)
+        if logit_bits > MAX_INT8_BITS:
+            raise DiffExportError(f"the INT8-logits kernel takes 2..8 bits, got {logit_bits} (16 = not quantised)")
+    out_shape = contract.check_shapes(attrs, tuple(query.shape), tuple(key.shape), tuple(value.shape),
+                                      tuple(lambda_full.shape), tuple(norm_weight.shape))
+    reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs)
+    if reason:
+        raise DiffExportError(reason)
+    if out is None:
+        out = torch.empty(out_shape, dtype=query.dtype, device=query.device)
+    elif tuple(out.shape) != out_shape or out.dtype != query.dtype or out.device != query.device:
+        raise DiffExportError(f"out must be {list(out_shape)} {query.dtype} on {query.device}")
+    params = make_params(query, key, value, lambda_full, norm_weight, out, attrs,
+                         logit_bits=logit_bits, smooth_k=smooth_k)
+    launch(params, query.device)
+    return out
+
+
+def impl_choice() -> str:
+    choice = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if choice not in IMPL_CHOICES:
+        raise DiffExportError(f"{IMPL_ENV}={choice!r} is not one of {', '.join(IMPL_CHOICES)}")
+    return choice
+
+
+def use_fused(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> bool:
+    """Whether the op should run the fused kernel for this CUDA call ($DIFFEXPORT_ATTENTION)."""
+    choice = impl_choice()
+    if choice == "reference":
+        return False
+    if choice == "fused":
+        load_library()  # raises with the build hint when missing
+        reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs)
+        if reason:
+            raise DiffExportError(f"{IMPL_ENV}=fused: {reason}")
+        return True
+    if unsupported_reason(query, key, value, lambda_full, norm_weight, attrs):
+        return False
+    try:
+        load_library()
+    except DiffExportError:
+        return False
+    return True

@@ -1,0 +1,123 @@
+/* diffexport fused differential-attention kernels: the C ABI.
+ *
+ * No torch, TensorRT or CUDA types cross this boundary: a plain params struct of pointers,
+ * element strides, sizes and scales, and functions returning a DiffxStatus. The TensorRT plugin,
+ * the Python binding (ctypes) and the tests all call these same functions.
+ *
+ * Tensors follow the DiffAttention op contract (diffexport/contract.py, docs/OP_SPEC.md):
+ *   query  [B, Sq, 2*H*D]   diff-head h owns maps 2h (map 1) and 2h+1 (map 2), each D wide
+ *   key    [B, Skv, Kw]     V1: kv-group g owns key maps 2g, 2g+1 (Kw = 2*Hkv*D); V2: one head (Kw = Hkv*D)
+ *   value  [B, Skv, Hkv*Dv] Dv = 2D (V1) or D (V2)
+ *   lambda V1: one element; V2: [B, Sq, H] (after the sigmoid)         (dtype = query's)
+ *   norm_weight [Dv] float32 (all ones where the model has none)
+ *   output [B, Sq, H*Dv]
+ * Within a token row the layout is the contract's; batch and token strides are free (in
+ * elements), so views of larger buffers need no copy. Rows and heads must start on 16 bytes.
+ * Diff-head h reads kv-group h / (H / Hkv). Causal masks align bottom-right: query i sees key j
+ * iff j <= i + Skv - Sq; a query row that sees no key at all gets an output of zeros.
+ */
+#ifndef DIFFEXPORT_DIFF_ATTENTION_H
+#define DIFFEXPORT_DIFF_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define DIFFX_API __declspec(dllexport)
+#else
+#define DIFFX_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever DiffxAttentionParams or a signature below changes. */
+#define DIFFX_ABI_VERSION 1
+
+#define DIFFX_QUERY_BLOCK 64 /* query tokens per CTA and per Q quantisation scale */
+#define DIFFX_KEY_BLOCK 64   /* key tokens per tile and per K quantisation scale */
+
+typedef enum DiffxDtype {
+  DIFFX_DTYPE_FLOAT16 = 1,
+  DIFFX_DTYPE_BFLOAT16 = 2
+} DiffxDtype;
+
+typedef enum DiffxStatus {
+  DIFFX_OK = 0,
+  DIFFX_ERR_NULL_POINTER = 1,
+  DIFFX_ERR_UNSUPPORTED_DTYPE = 2,
+  DIFFX_ERR_UNSUPPORTED_HEAD_DIM = 3,
+  DIFFX_ERR_BAD_VARIANT = 4,
+  DIFFX_ERR_BAD_SIZE = 5,
+  DIFFX_ERR_BAD_HEADS = 6,
+  DIFFX_ERR_BAD_ATTRIBUTE = 7,
+  DIFFX_ERR_MISALIGNED = 8,
+  DIFFX_ERR_WORKSPACE_TOO_SMALL = 9,
+  DIFFX_ERR_NO_KERNEL_FOR_GPU = 10,
+  DIFFX_ERR_CUDA = 11
+} DiffxStatus;
+
+typedef struct DiffxAttentionParams {
+  /* tensors (device pointers) and their strides in elements */
+  const void* query;
+  int64_t q_batch_stride, q_row_stride;
+  const void* key;
+  int64_t k_batch_stride, k_row_stride;
+  const void* value;
+  int64_t v_batch_stride, v_row_stride;
+  const void* lambda_full; /* dtype of query; V1 reads element 0, V2 [B, Sq, H] with the strides below */
+  int64_t lambda_batch_stride, lambda_row_stride, lambda_head_stride;
+  const float* norm_weight; /* [Dv] */
+  void* output;
+  int64_t o_batch_stride, o_row_stride;
+
+  /* sizes and attributes (contract names) */
+  int32_t dtype;   /* DiffxDtype */
+  int32_t variant; /* 1: DIFF V1, 2: DIFF V2 */
+  int32_t batch, q_len, kv_len;
+  int32_t num_heads, num_kv_heads, head_dim; /* head_dim: 64 or 128 */
+  int32_t causal; /* 0 or 1 */
+  int32_t norm;   /* 1: per-head RMSNorm over Dv (V1 only) */
+  float scale;    /* logit scale; 0 means 1/sqrt(head_dim) */
+  float norm_eps;
+  float output_scale;
+
+  /* low-bit attention logits (diffexport/quantization.py, scheme "qk", is the definition):
+   * 0 or 16 = logits from fp16/bf16 Q and K; 2..8 = Q and K quantised per 64-token block with
+   * absmax scales onto the grid +-(2^(bits-1)-1), S computed with INT8 tensor cores. */
+  int32_t logit_bits;
+  int32_t smooth_k; /* 1: subtract K's per-(batch, kv head) mean over all keys before quantising */
+
+  void* workspace; /* device memory, diffx_attention_workspace_size() bytes; NULL when that is 0 */
+  size_t workspace_bytes;
+} DiffxAttentionParams;
+
+DIFFX_API int diffx_abi_version(void);
+
+/* sizeof(DiffxAttentionParams): lets bindings (ctypes) check that their struct mirrors this one. */
+DIFFX_API size_t diffx_params_size(void);
+
+/* "archs=80-real;... cuda=13.0": what this library was compiled for. */
+DIFFX_API const char* diffx_build_info(void);
+
+/* A one-line description of a status code. */
+DIFFX_API const char* diffx_status_string(int status);
+
+/* The detail of the last failure in this thread (which field, which value, which CUDA error). */
+DIFFX_API const char* diffx_last_error(void);
+
+/* Validates params without touching the GPU (no CUDA call). DIFFX_OK or the first problem. */
+DIFFX_API int diffx_attention_check(const DiffxAttentionParams* params);
+
+/* Device workspace the launch needs (0 unless logit_bits is 2..8). Does not read pointers. */
+DIFFX_API size_t diffx_attention_workspace_size(const DiffxAttentionParams* params);
+
+/* Checks params, then enqueues the kernels on `cuda_stream` (a cudaStream_t; NULL = default). */
+DIFFX_API int diffx_attention_forward(const DiffxAttentionParams* params, void* cuda_stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DIFFEXPORT_DIFF_ATTENTION_H */

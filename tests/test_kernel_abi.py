@@ -1,0 +1,210 @@
+"""The fused kernel library's C ABI on the CPU: loading, the params mirror, every parameter check
+and one-line errors. No GPU needed: diffx_attention_check never touches the device, so fake
+(aligned, never dereferenced) addresses stand in for device pointers. The library must be built
+(.ci/run builds it for every architecture); these tests skip only where it was not."""
+
+import ctypes
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffexport import contract, kernels
+from diffexport.contract import DiffAttentionAttrs
+from diffexport.errors import DiffExportError
+from helpers import run_cli
+
+HEADER = Path(__file__).resolve().parent.parent / "plugins" / "kernels" / "diff_attention.h"
+FAKE = 1 << 24  # a 16-byte-aligned address the check never dereferences
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if kernels.library_path() is None:
+        pytest.skip(f"kernel library not built: {kernels.BUILD_HINT}")
+    return kernels.load_library()
+
+
+def header_enum(name: str) -> dict[str, int]:
+    body = re.search(r"typedef enum %s \{(.*?)\}" % name, HEADER.read_text(), re.S).group(1)
+    return {k: int(v) for k, v in re.findall(r"(DIFFX_\w+)\s*=\s*(\d+)", body)}
+
+
+STATUS = header_enum("DiffxStatus")
+
+
+def valid_params(variant=1, head_dim=64, num_heads=4, num_kv_heads=2, batch=2, q_len=100, kv_len=100, bits=0,
+                 smooth_k=1):
+    D = head_dim
+    Dv = 2 * D if variant == 1 else D
+    key_maps = 2 * num_kv_heads if variant == 1 else num_kv_heads
+    p = kernels.DiffxAttentionParams()
+    p.query, p.q_row_stride = FAKE, 2 * num_heads * D
+    p.q_batch_stride = q_len * p.q_row_stride
+    p.key, p.k_row_stride = FAKE, key_maps * D
+    p.k_batch_stride = kv_len * p.k_row_stride
+    p.value, p.v_row_stride = FAKE, num_kv_heads * Dv
+    p.v_batch_stride = kv_len * p.v_row_stride
+    p.lambda_full, p.norm_weight = FAKE, FAKE
+    if variant == 2:
+        p.lambda_batch_stride, p.lambda_row_stride, p.lambda_head_stride = q_len * num_heads, num_heads, 1
+    p.output, p.o_row_stride = FAKE, num_heads * Dv
+    p.o_batch_stride = q_len * p.o_row_stride
+    p.dtype, p.variant, p.batch, p.q_len, p.kv_len = 1, variant, batch, q_len, kv_len
+    p.num_heads, p.num_kv_heads, p.head_dim = num_heads, num_kv_heads, head_dim
+    p.causal, p.norm, p.scale, p.norm_eps, p.output_scale = 1, int(variant == 1), 0.0, 1e-5, 0.8
+    p.logit_bits, p.smooth_k = bits, smooth_k
+    return p
+
+
+def test_binding_mirrors_the_header(lib):
+    assert lib.diffx_abi_version() == kernels.ABI_VERSION
+    assert lib.diffx_params_size() == ctypes.sizeof(kernels.DiffxAttentionParams)
+    struct = re.search(r"typedef struct DiffxAttentionParams \{(.*?)\} DiffxAttentionParams;",
+                       HEADER.read_text(), re.S).group(1)
+    struct = re.sub(r"/\*.*?\*/", "", struct, flags=re.S)
+    names = [n for decl in struct.split(";") for n in re.findall(r"(\w+)\s*(?:,|$)", decl.strip())
+             if decl.strip() and n not in ("int32_t", "int64_t", "float", "size_t", "void", "char")]
+    assert names == [f for f, _ in kernels.DiffxAttentionParams._fields_]
+    assert re.search(r"DIFFX_ABI_VERSION (\d+)", HEADER.read_text()).group(1) == str(kernels.ABI_VERSION)
+
+
+def test_params_carry_every_contract_attribute():
+    """The kernel's params use the contract's attribute names, so the plugin can forward them 1:1."""
+    fields = {f for f, _ in kernels.DiffxAttentionParams._fields_}
+    assert set(contract.ATTRIBUTE_NAMES) <= fields
+    assert set(contract.INPUT_NAMES) <= fields
+
+
+def test_build_info(lib):
+    info = kernels.build_info()
+    assert re.match(r"archs=\S+ cuda=\d+\.\d+ abi=1$", info), info
+
+
+@pytest.mark.parametrize("variant,head_dim,bits", [(1, 64, 0), (1, 128, 16), (2, 64, 8), (2, 128, 4), (1, 128, 6)])
+def test_valid_params_pass(lib, variant, head_dim, bits):
+    p = valid_params(variant=variant, head_dim=head_dim, bits=bits)
+    if bits not in (0, 16):
+        p.workspace, p.workspace_bytes = FAKE, lib.diffx_attention_workspace_size(ctypes.byref(p))
+    assert lib.diffx_attention_check(ctypes.byref(p)) == 0, lib.diffx_last_error().decode()
+
+
+BAD = [
+    ("dtype", 3, "DIFFX_ERR_UNSUPPORTED_DTYPE", "dtype 3"),
+    ("variant", 0, "DIFFX_ERR_BAD_VARIANT", "variant 0"),
+    ("head_dim", 96, "DIFFX_ERR_UNSUPPORTED_HEAD_DIM", "head_dim 96"),
+    ("batch", 0, "DIFFX_ERR_BAD_SIZE", "batch 0"),
+    ("q_len", 0, "DIFFX_ERR_BAD_SIZE", "q_len 0"),
+    ("kv_len", -3, "DIFFX_ERR_BAD_SIZE", "kv_len -3"),
+    ("num_kv_heads", 3, "DIFFX_ERR_BAD_HEADS", "divide num_heads 4"),
+    ("num_heads", 70000, "DIFFX_ERR_BAD_HEADS", "num_heads 70000"),
+    ("causal", 2, "DIFFX_ERR_BAD_ATTRIBUTE", "causal 2"),
+    ("norm", -1, "DIFFX_ERR_BAD_ATTRIBUTE", "norm -1"),
+    ("scale", float("nan"), "DIFFX_ERR_BAD_ATTRIBUTE", "scale nan"),
+    ("scale", -1.0, "DIFFX_ERR_BAD_ATTRIBUTE", "scale -1"),
+    ("norm_eps", 0.0, "DIFFX_ERR_BAD_ATTRIBUTE", "norm_eps 0"),
+    ("output_scale", float("inf"), "DIFFX_ERR_BAD_ATTRIBUTE", "output_scale inf"),
+    ("logit_bits", 9, "DIFFX_ERR_BAD_ATTRIBUTE", "logit_bits 9"),
+    ("logit_bits", 1, "DIFFX_ERR_BAD_ATTRIBUTE", "logit_bits 1"),
+    ("smooth_k", 5, "DIFFX_ERR_BAD_ATTRIBUTE", "smooth_k 5"),
+    ("query", None, "DIFFX_ERR_NULL_POINTER", "query is a null pointer"),
+    ("output", None, "DIFFX_ERR_NULL_POINTER", "output is a null pointer"),
+    ("lambda_full", None, "DIFFX_ERR_NULL_POINTER", "lambda_full"),
+    ("norm_weight", None, "DIFFX_ERR_NULL_POINTER", "norm_weight"),
+    ("key", FAKE + 8, "DIFFX_ERR_MISALIGNED", "key must start on a 16-byte boundary"),
+    ("norm_weight", FAKE + 2, "DIFFX_ERR_MISALIGNED", "norm_weight must be 4-byte aligned"),
+    ("q_row_stride", 100, "DIFFX_ERR_MISALIGNED", "query row stride 100"),
+    ("v_row_stride", 64, "DIFFX_ERR_MISALIGNED", "value row stride 64 must be >= its width 256"),
+    ("k_batch_stride", 4, "DIFFX_ERR_MISALIGNED", "key batch stride 4"),
+]
+
+
+@pytest.mark.parametrize("field,value,status,message", BAD, ids=[f"{b[0]}={b[1]}" for b in BAD])
+def test_bad_params_are_refused_with_a_reason(lib, field, value, status, message):
+    p = valid_params()
+    setattr(p, field, value)
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS[status]
+    detail = lib.diffx_last_error().decode()
+    assert message in detail and "\n" not in detail
+
+
+def test_null_params_and_status_strings(lib):
+    assert lib.diffx_attention_check(None) == STATUS["DIFFX_ERR_NULL_POINTER"]
+    for code in STATUS.values():
+        assert lib.diffx_status_string(code).decode() != "unknown status"
+    assert lib.diffx_status_string(999).decode() == "unknown status"
+
+
+@pytest.mark.parametrize("smooth_k", [1, 0])
+def test_workspace_size_and_check(lib, smooth_k):
+    """INT8 path: codes [B*key_maps, 64-padded keys, D] int8, scales per 64-key block, means (smoothing)."""
+    p = valid_params(variant=1, head_dim=64, num_kv_heads=2, batch=2, kv_len=100, bits=8, smooth_k=smooth_k)
+    maps, blocks = 2 * 2 * 2, 2
+    codes, scales, mean = maps * blocks * 64 * 64, maps * blocks * 4, maps * 64 * 4
+    up = lambda x: -(-x // 256) * 256  # noqa: E731
+    expected = up(codes) + up(scales) + (up(mean) if smooth_k else 0)
+    assert lib.diffx_attention_workspace_size(ctypes.byref(p)) == expected
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_WORKSPACE_TOO_SMALL"]
+    assert str(expected) in lib.diffx_last_error().decode()
+    p.workspace, p.workspace_bytes = FAKE + 16, expected
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_MISALIGNED"]
+    p.workspace = FAKE
+    assert lib.diffx_attention_check(ctypes.byref(p)) == 0
+    for bits in (0, 16):
+        p.logit_bits = bits
+        assert lib.diffx_attention_workspace_size(ctypes.byref(p)) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_forward_without_a_gpu_is_an_error_not_a_crash(lib):
+    p = valid_params()
+    status = lib.diffx_attention_forward(ctypes.byref(p), None)
+    assert status == STATUS["DIFFX_ERR_CUDA"]
+    assert "no usable CUDA device" in lib.diffx_last_error().decode()
+
+
+def test_python_entry_refuses_what_the_kernel_cannot_take():
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=64)
+    q, k, v = torch.randn(1, 5, 256), torch.randn(1, 5, 128), torch.randn(1, 5, 128)
+    lam, w = torch.tensor([0.5]), torch.ones(128)
+    with pytest.raises(DiffExportError, match="CUDA tensors only"):
+        kernels.diff_attention(q, k, v, lam, w, attrs)
+    with pytest.raises(DiffExportError, match="2..8 bits"):
+        kernels.diff_attention(q, k, v, lam, w, attrs, logit_bits=12)
+    with pytest.raises(DiffExportError, match="from 2 to 16"):
+        kernels.diff_attention(q, k, v, lam, w, attrs, logit_bits=1)
+    with pytest.raises(DiffExportError, match="query width"):
+        kernels.diff_attention(q[..., :128], k, v, lam, w, attrs)
+    assert not kernels.use_fused(q, k, v, lam, w, attrs)  # auto on CPU tensors: the reference
+
+
+def test_missing_or_corrupt_library_is_one_line(tmp_path, monkeypatch):
+    kernels.load_library.cache_clear()
+    try:
+        monkeypatch.setenv("DIFFEXPORT_KERNEL_LIB", str(tmp_path / "nope.so"))
+        with pytest.raises(DiffExportError, match="not found .*cmake -S . -B build"):
+            kernels.load_library()
+        bad = tmp_path / "libdiffexport_kernels.so"
+        bad.write_bytes(b"\x7fELF not really a library")
+        monkeypatch.setenv("DIFFEXPORT_KERNEL_LIB", str(bad))
+        with pytest.raises(DiffExportError, match="cannot load the fused kernel library"):
+            kernels.load_library()
+        monkeypatch.setenv(kernels.IMPL_ENV, "fastest")
+        with pytest.raises(DiffExportError, match="not one of auto, fused, reference"):
+            kernels.impl_choice()
+    finally:
+        kernels.load_library.cache_clear()
+
+
+def test_cli_kernels(lib, tmp_path):
+    result = run_cli("kernels")
+    assert result.returncode == 0, result.stderr
+    assert "archs=" in result.stdout and str(kernels.library_path()) in result.stdout
+    missing = subprocess.run([sys.executable, "-m", "diffexport", "kernels"], capture_output=True, text=True,
+                             env={**os.environ, "DIFFEXPORT_KERNEL_LIB": str(tmp_path / "missing.so")})
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("error: fused kernel library not found") and missing.stderr.count("\n") == 1

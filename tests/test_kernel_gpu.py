@@ -1,0 +1,179 @@
+"""The fused kernel on a CUDA GPU, through its C ABI (diffexport.kernels), against the float64
+oracle with the flash-attention rule (NUMERICS.md), and the INT8-logits variant against the
+reference that applies the same quantisation. Marked gpu: skipped without CUDA. Skipped too when
+the library is not built, unless DIFFEXPORT_REQUIRE_KERNELS=1 (GPU sessions set it: a missing
+library must fail there, not pass quietly)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffexport import kernels, reference
+from diffexport.contract import DiffAttentionAttrs
+from diffexport.quantization import LogitQuant
+from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
+from oracle import diff_attention_oracle
+
+pytestmark = pytest.mark.gpu
+POISON = float("nan")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lib():
+    if kernels.library_path() is None:
+        message = f"kernel library not built: {kernels.BUILD_HINT}"
+        if os.environ.get("DIFFEXPORT_REQUIRE_KERNELS"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return kernels.load_library()
+
+
+def min_cosine(dtype):
+    return 0.9999 if dtype == torch.float16 else 0.999
+
+
+def oracle(cpu_inputs, attrs):
+    q, k, v, lam, w = (t.double().numpy() for t in cpu_inputs)
+    return diff_attention_oracle(q, k, v, lam, w, **attrs.as_dict())
+
+
+def strided(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
+    """The same values as a view with padded rows and a seq-major batch layout (no copy needed by the kernel)."""
+    B, S, W = t.shape
+    big = torch.full((S, B, W + 2 * pad), 7.0, dtype=t.dtype, device=t.device)
+    view = big[:, :, pad:pad + W].transpose(0, 1)
+    view.copy_(t)
+    return view
+
+
+def run_kernel(inputs, attrs, *, bits=0, smooth_k=True):
+    B, Sq = inputs[0].shape[:2]
+    out = torch.full((B, Sq, attrs.num_heads * attrs.value_dim), POISON, dtype=inputs[0].dtype, device="cuda")
+    kernels.diff_attention(*inputs, attrs, logit_bits=bits, smooth_k=smooth_k, out=out)
+    torch.cuda.synchronize()
+    return out
+
+
+LENGTHS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (17, 1023), (1, 4097), (64, 64), (65, 130)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("case", range(len(LENGTHS)))
+def test_fused_matches_the_oracle(dtype, head_dim, variant, causal, case, rng):
+    q_len, kv_len = LENGTHS[case]
+    ratio = (1, 2, 4, 8)[case % 4]
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=8, num_kv_heads=8 // ratio, head_dim=head_dim,
+                               causal=causal, norm=int(variant == 1), output_scale=0.7)
+    cpu = make_inputs(attrs, 2, q_len, kv_len, dtype=dtype, rng=rng)
+    inputs = [t.cuda() for t in cpu]
+    out = run_kernel(inputs, attrs)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    ref = oracle(cpu, attrs)
+    baseline = lowprec_baseline(*inputs, attrs)
+    assert_close_lowprec(out.cpu(), baseline.cpu(), ref, f"fused {attrs} {q_len}x{kv_len}",
+                         min_cosine=min_cosine(dtype))
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_strided_views_and_output(variant, rng):
+    """Views with padded rows and seq-major batches, the output a view too: its padding stays untouched."""
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=64, causal=1,
+                               norm=int(variant == 1))
+    cpu = make_inputs(attrs, 3, 77, 200, dtype=torch.float16, rng=rng)
+    dense = [t.cuda() for t in cpu]
+    views = [strided(t) for t in dense[:3]] + dense[3:]
+    assert not views[0].is_contiguous()
+    out_big = torch.full((3, 77, attrs.num_heads * attrs.value_dim + 16), 1234.0, dtype=torch.float16, device="cuda")
+    out = out_big[:, :, 8:-8]
+    kernels.diff_attention(*views, attrs, out=out)
+    torch.cuda.synchronize()
+    assert (out_big[:, :, :8] == 1234).all() and (out_big[:, :, -8:] == 1234).all()
+    assert torch.equal(out, run_kernel(dense, attrs))
+
+
+@pytest.mark.parametrize("causal", [1, 0])
+def test_32k_keys_fp16_sums_do_not_overflow(causal, rng):
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=128, causal=causal, output_scale=0.5)
+    cpu = make_inputs(attrs, 1, 70, 32768 + 5, dtype=torch.float16, rng=rng)
+    inputs = [t.cuda() for t in cpu]
+    out = run_kernel(inputs, attrs)
+    assert_close_lowprec(out.cpu(), lowprec_baseline(*inputs, attrs).cpu(), oracle(cpu, attrs), "32k keys")
+
+
+def test_rows_that_see_no_key_are_zero_not_nan(rng):
+    """Below the contract (it refuses causal Sq > Skv) the C ABI defines it: rows seeing no key give 0."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=2, head_dim=64, causal=1)
+    q_len, kv_len = 70, 5
+    cpu = make_inputs(attrs, 1, q_len, kv_len, dtype=torch.float16, rng=rng)
+    inputs = [t.cuda() for t in cpu]
+    out = torch.full((1, q_len, 2 * 128), POISON, dtype=torch.float16, device="cuda")
+    kernels.launch(kernels.make_params(*inputs, out, attrs), out.device)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert (out[:, : q_len - kv_len] == 0).all()
+    tail = [cpu[0][:, q_len - kv_len:], *cpu[1:]]
+    ref = oracle(tail, attrs)
+    base = lowprec_baseline(*[t.cuda() for t in tail], attrs)
+    assert_close_lowprec(out[:, q_len - kv_len:].cpu(), base.cpu(), ref, "last rows")
+
+
+def test_op_uses_the_fused_kernel_on_cuda(rng, monkeypatch):
+    from diffexport import op
+
+    attrs = DiffAttentionAttrs(variant=1, num_heads=4, num_kv_heads=2, head_dim=64, causal=1)
+    inputs = [t.cuda() for t in make_inputs(attrs, 2, 33, 33, dtype=torch.bfloat16, rng=rng)]
+    monkeypatch.setenv(kernels.IMPL_ENV, "fused")
+    fused = op.call(*inputs, attrs)
+    assert torch.equal(fused, run_kernel(inputs, attrs))
+    monkeypatch.setenv(kernels.IMPL_ENV, "reference")
+    assert torch.equal(op.call(*inputs, attrs), reference.flash_diff_attention_1(*inputs, attrs))
+    monkeypatch.setenv(kernels.IMPL_ENV, "fused")
+    wide = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=2, head_dim=32, causal=1)
+    small = [t.cuda() for t in make_inputs(wide, 1, 5, 5, dtype=torch.bfloat16, rng=rng)]
+    with pytest.raises(Exception, match="head_dim 64 or 128"):
+        op.call(*small, wide)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("variant,head_dim", [(1, 64), (1, 128), (2, 128)])
+@pytest.mark.parametrize("bits", [8, 6, 4])
+@pytest.mark.parametrize("smooth_k", [True, False])
+def test_int8_logits_match_the_mirrored_quantisation(dtype, variant, head_dim, bits, smooth_k, rng):
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.8)
+    cpu = make_inputs(attrs, 2, 150, 300, dtype=dtype, rng=rng)
+    cpu[1].add_(torch.linspace(-1, 2, attrs.key_width).to(dtype))  # a per-channel K offset: what smoothing removes
+    inputs = [t.cuda() for t in cpu]
+    out = run_kernel(inputs, attrs, bits=bits, smooth_k=smooth_k).float()
+    assert not out.isnan().any()
+    mirror = reference.quantised_diff_attention(*[t.float() if t.is_floating_point() else t for t in inputs],
+                                                attrs, LogitQuant(bits, "qk", smooth_k)).float()
+    exact = torch.as_tensor(oracle(cpu, attrs), dtype=torch.float32, device="cuda")
+    fp_err = (run_kernel(inputs, attrs).float() - exact).abs().max().item()  # this dtype's rounding budget
+    err = (out - mirror).abs().max().item()
+    cos_mirror = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
+    cos_exact = torch.nn.functional.cosine_similarity(out.flatten(), exact.flatten(), dim=0).item()
+    print(f"int{bits} smooth={smooth_k} {dtype}: vs mirror max {err:.2e} cos {cos_mirror:.6f}; "
+          f"vs unquantised cos {cos_exact:.6f}")
+    assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation: {err:.3e} > 2*{fp_err:.3e} + 1e-3"
+    assert cos_mirror >= min_cosine(dtype)
+    if bits == 8:
+        assert cos_exact >= 0.99  # a sanity floor; the measured value is reported by tools/bench_attention.py
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_is_clean(tool):
+    script = Path(__file__).with_name("kernel_cases.py")
+    result = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "99", sys.executable,
+                             str(script)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "ERROR SUMMARY: 0 errors" in result.stdout or "RACECHECK SUMMARY: 0 hazards" in result.stdout
