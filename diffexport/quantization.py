@@ -83,9 +83,12 @@ def absmax_codes(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]):
     x = x.float()
     absmax = x.abs().amax(dim=reduce_dims, keepdim=True)
     absmax = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    inv = qmax / absmax
+    # True IEEE divisions, as the kernel does: `qmax / tensor` would be reciprocal()*qmax in torch
+    # (two roundings), and CUDA turns a division by a Python scalar into a multiplication.
+    qmax_t = torch.full_like(absmax, qmax)
+    inv = qmax_t / absmax
     codes = torch.round(x * inv).clamp_(-qmax, qmax)  # torch.round: half to even, like cvt.rni
-    return codes, absmax / qmax
+    return codes, absmax / qmax_t
 
 
 def quantise_tokens(x: torch.Tensor, bits: int, block: int):

@@ -1,16 +1,13 @@
-// The C ABI: parameter checks (no CUDA call), workspace sizing, and dispatch to the compiled
-// instantiations. All math lives in diff_attention_fwd.cuh and quantize_keys.cuh.
-#include "diff_attention.h"
-
+// diffx_attention_forward and diffx_build_info: checks (params.cpp), then dispatch to the
+// compiled instantiations. All math lives in diff_attention_fwd.cuh and quantize_keys.cuh.
 #include <cuda_runtime.h>
 
-#include <cmath>
-#include <cstdarg>
-#include <cstdio>
 #include <string>
 
+#include "diff_attention.h"
 #include "diff_attention_fwd.cuh"
 #include "instances.h"
+#include "kernel_args.h"
 #include "quantize_keys.cuh"
 
 #ifndef DIFFX_BUILD_ARCHS
@@ -26,111 +23,6 @@ DIFFX_FOR_EACH_FWD_INSTANCE(DIFFX_DECLARE_EXTERN)
 
 namespace {
 
-thread_local std::string g_last_error;
-
-int fail(int status, const char* fmt, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(buf, sizeof(buf), fmt, ap);
-  va_end(ap);
-  g_last_error = buf;
-  return status;
-}
-
-constexpr size_t kAlign = 256;
-size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-bool quantised(const DiffxAttentionParams& p) { return p.logit_bits >= 2 && p.logit_bits <= 8; }
-int key_maps(const DiffxAttentionParams& p) { return p.variant == 1 ? 2 * p.num_kv_heads : p.num_kv_heads; }
-int value_dim(const DiffxAttentionParams& p) { return p.variant == 1 ? 2 * p.head_dim : p.head_dim; }
-
-struct WorkspaceLayout {
-  size_t codes = 0, scales = 0, mean = 0, total = 0;  // byte offsets and total
-};
-
-WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
-  WorkspaceLayout w;
-  if (!quantised(p)) return w;
-  const size_t maps = size_t(p.batch) * key_maps(p);
-  const size_t blocks = (size_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
-  w.codes = 0;
-  w.scales = round_up(maps * blocks * DIFFX_KEY_BLOCK * p.head_dim, kAlign);
-  w.mean = w.scales + round_up(maps * blocks * sizeof(float), kAlign);
-  w.total = w.mean + (p.smooth_k ? round_up(maps * p.head_dim * sizeof(float), kAlign) : 0);
-  return w;
-}
-
-bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
-
-int check_tensor(const char* name, const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t width) {
-  if (!ptr) return fail(DIFFX_ERR_NULL_POINTER, "%s is a null pointer", name);
-  if (!aligned(ptr, 16)) return fail(DIFFX_ERR_MISALIGNED, "%s must start on a 16-byte boundary", name);
-  if (row_stride < width || row_stride % 8)
-    return fail(DIFFX_ERR_MISALIGNED, "%s row stride %lld must be >= its width %lld and a multiple of 8 elements",
-                name, (long long)row_stride, (long long)width);
-  if (batch_stride < 0 || batch_stride % 8)
-    return fail(DIFFX_ERR_MISALIGNED, "%s batch stride %lld must be >= 0 and a multiple of 8 elements", name,
-                (long long)batch_stride);
-  return DIFFX_OK;
-}
-
-int check(const DiffxAttentionParams* pp) {
-  if (!pp) return fail(DIFFX_ERR_NULL_POINTER, "params is a null pointer");
-  const DiffxAttentionParams& p = *pp;
-  if (p.dtype != DIFFX_DTYPE_FLOAT16 && p.dtype != DIFFX_DTYPE_BFLOAT16)
-    return fail(DIFFX_ERR_UNSUPPORTED_DTYPE, "dtype %d is not supported: use float16 (1) or bfloat16 (2)", p.dtype);
-  if (p.variant != 1 && p.variant != 2)
-    return fail(DIFFX_ERR_BAD_VARIANT, "variant %d is not 1 (DIFF V1) or 2 (DIFF V2)", p.variant);
-  if (p.head_dim != 64 && p.head_dim != 128)
-    return fail(DIFFX_ERR_UNSUPPORTED_HEAD_DIM, "head_dim %d is not supported by the fused kernel: use 64 or 128",
-                p.head_dim);
-  if (p.batch < 1 || p.batch > 65535) return fail(DIFFX_ERR_BAD_SIZE, "batch %d must be in 1..65535", p.batch);
-  if (p.q_len < 1) return fail(DIFFX_ERR_BAD_SIZE, "q_len %d must be >= 1", p.q_len);
-  if (p.kv_len < 1) return fail(DIFFX_ERR_BAD_SIZE, "kv_len %d must be >= 1", p.kv_len);
-  if (p.num_heads < 1 || p.num_heads > 65535)
-    return fail(DIFFX_ERR_BAD_HEADS, "num_heads %d must be in 1..65535", p.num_heads);
-  if (p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads)
-    return fail(DIFFX_ERR_BAD_HEADS, "num_kv_heads %d must be >= 1 and divide num_heads %d", p.num_kv_heads,
-                p.num_heads);
-  if (p.causal != 0 && p.causal != 1) return fail(DIFFX_ERR_BAD_ATTRIBUTE, "causal %d must be 0 or 1", p.causal);
-  if (p.norm != 0 && p.norm != 1) return fail(DIFFX_ERR_BAD_ATTRIBUTE, "norm %d must be 0 or 1", p.norm);
-  if (p.smooth_k != 0 && p.smooth_k != 1)
-    return fail(DIFFX_ERR_BAD_ATTRIBUTE, "smooth_k %d must be 0 or 1", p.smooth_k);
-  if (!std::isfinite(p.scale) || p.scale < 0.f)
-    return fail(DIFFX_ERR_BAD_ATTRIBUTE, "scale %g must be finite and >= 0 (0 = 1/sqrt(head_dim))", p.scale);
-  if (!std::isfinite(p.norm_eps) || !(p.norm_eps > 0.f))
-    return fail(DIFFX_ERR_BAD_ATTRIBUTE, "norm_eps %g must be finite and > 0", p.norm_eps);
-  if (!std::isfinite(p.output_scale))
-    return fail(DIFFX_ERR_BAD_ATTRIBUTE, "output_scale %g must be finite", p.output_scale);
-  if (!(p.logit_bits == 0 || p.logit_bits == 16 || quantised(p)))
-    return fail(DIFFX_ERR_BAD_ATTRIBUTE, "logit_bits %d must be 0 or 16 (not quantised) or 2..8", p.logit_bits);
-  if (quantised(p) && int64_t(p.batch) * key_maps(p) > 65535)
-    return fail(DIFFX_ERR_BAD_SIZE, "batch * key heads %lld exceeds 65535 for the INT8-logits path",
-                (long long)p.batch * key_maps(p));
-  const int64_t D = p.head_dim, Dv = value_dim(p);
-  int s;
-  if ((s = check_tensor("query", p.query, p.q_batch_stride, p.q_row_stride, 2 * p.num_heads * D))) return s;
-  if ((s = check_tensor("key", p.key, p.k_batch_stride, p.k_row_stride, key_maps(p) * D))) return s;
-  if ((s = check_tensor("value", p.value, p.v_batch_stride, p.v_row_stride, p.num_kv_heads * Dv))) return s;
-  if ((s = check_tensor("output", p.output, p.o_batch_stride, p.o_row_stride, p.num_heads * Dv))) return s;
-  if (!p.lambda_full) return fail(DIFFX_ERR_NULL_POINTER, "lambda_full is a null pointer");
-  if (!aligned(p.lambda_full, 2)) return fail(DIFFX_ERR_MISALIGNED, "lambda_full must be 2-byte aligned");
-  if (p.variant == 2 && (p.lambda_batch_stride < 0 || p.lambda_row_stride < 0 || p.lambda_head_stride < 0))
-    return fail(DIFFX_ERR_BAD_SIZE, "lambda_full strides must be >= 0");
-  if (!p.norm_weight) return fail(DIFFX_ERR_NULL_POINTER, "norm_weight is a null pointer");
-  if (!aligned(p.norm_weight, 4)) return fail(DIFFX_ERR_MISALIGNED, "norm_weight must be 4-byte aligned");
-  const size_t need = workspace_layout(p).total;
-  if (need) {
-    if (!p.workspace || p.workspace_bytes < need)
-      return fail(DIFFX_ERR_WORKSPACE_TOO_SMALL, "the INT8-logits path needs a workspace of %zu bytes, got %zu%s",
-                  need, p.workspace_bytes, p.workspace ? "" : " (null pointer)");
-    if (!aligned(p.workspace, kAlign))
-      return fail(DIFFX_ERR_MISALIGNED, "workspace must start on a %zu-byte boundary", kAlign);
-  }
-  return DIFFX_OK;
-}
-
 int cuda_failure(cudaError_t err, const char* what) {
   if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
     int dev = 0, major = 0, minor = 0;
@@ -138,10 +30,12 @@ int cuda_failure(cudaError_t err, const char* what) {
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     cudaGetLastError();
-    return fail(DIFFX_ERR_NO_KERNEL_FOR_GPU, "no kernel compiled for this GPU (sm_%d%d); library built for %s: "
-                "rebuild with -DCMAKE_CUDA_ARCHITECTURES=%d%d", major, minor, DIFFX_BUILD_ARCHS, major, minor);
+    return diffx::record_error(DIFFX_ERR_NO_KERNEL_FOR_GPU,
+                               "no kernel compiled for this GPU (sm_%d%d); library built for %s: rebuild with "
+                               "-DCMAKE_CUDA_ARCHITECTURES=%d%d",
+                               major, minor, DIFFX_BUILD_ARCHS, major, minor);
   }
-  return fail(DIFFX_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+  return diffx::record_error(DIFFX_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
 }
 
 template <typename T, int D>
@@ -166,10 +60,6 @@ cudaError_t dispatch_dtype(const diffx::KernelArgs& args, cudaStream_t stream) {
 
 extern "C" {
 
-DIFFX_API int diffx_abi_version(void) { return DIFFX_ABI_VERSION; }
-
-DIFFX_API size_t diffx_params_size(void) { return sizeof(DiffxAttentionParams); }
-
 DIFFX_API const char* diffx_build_info(void) {
   static const std::string info = std::string("archs=") + DIFFX_BUILD_ARCHS + " cuda=" +
                                   std::to_string(CUDART_VERSION / 1000) + "." +
@@ -178,60 +68,17 @@ DIFFX_API const char* diffx_build_info(void) {
   return info.c_str();
 }
 
-DIFFX_API const char* diffx_status_string(int status) {
-  switch (status) {
-    case DIFFX_OK: return "ok";
-    case DIFFX_ERR_NULL_POINTER: return "a required pointer is null";
-    case DIFFX_ERR_UNSUPPORTED_DTYPE: return "unsupported dtype (float16 or bfloat16)";
-    case DIFFX_ERR_UNSUPPORTED_HEAD_DIM: return "unsupported head dim (64 or 128)";
-    case DIFFX_ERR_BAD_VARIANT: return "variant must be 1 or 2";
-    case DIFFX_ERR_BAD_SIZE: return "a size is out of range";
-    case DIFFX_ERR_BAD_HEADS: return "bad head counts";
-    case DIFFX_ERR_BAD_ATTRIBUTE: return "an attribute is out of range";
-    case DIFFX_ERR_MISALIGNED: return "a pointer or stride is misaligned";
-    case DIFFX_ERR_WORKSPACE_TOO_SMALL: return "workspace missing or too small";
-    case DIFFX_ERR_NO_KERNEL_FOR_GPU: return "no kernel compiled for this GPU architecture";
-    case DIFFX_ERR_CUDA: return "CUDA error";
-    default: return "unknown status";
-  }
-}
-
-DIFFX_API const char* diffx_last_error(void) { return g_last_error.c_str(); }
-
-DIFFX_API int diffx_attention_check(const DiffxAttentionParams* params) {
-  g_last_error.clear();
-  return check(params);
-}
-
-DIFFX_API size_t diffx_attention_workspace_size(const DiffxAttentionParams* params) {
-  return params ? workspace_layout(*params).total : 0;
-}
-
 DIFFX_API int diffx_attention_forward(const DiffxAttentionParams* params, void* cuda_stream) {
-  g_last_error.clear();
-  const int status = check(params);
+  diffx::clear_error();
+  const int status = diffx::check_params(params);
   if (status != DIFFX_OK) return status;
-  const DiffxAttentionParams& p = *params;
-  diffx::KernelArgs args{};
-  args.p = p;
-  args.scale = p.scale > 0.f ? p.scale : 1.f / std::sqrt(float(p.head_dim));
-  args.key_maps = key_maps(p);
-  args.n_kv_blocks = (p.kv_len + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
-  args.kv_pad = args.n_kv_blocks * DIFFX_KEY_BLOCK;
-  if (quantised(p)) {
-    const WorkspaceLayout w = workspace_layout(p);
-    char* base = static_cast<char*>(p.workspace);
-    args.qmax = (1 << (p.logit_bits - 1)) - 1;
-    args.k_codes = reinterpret_cast<const int8_t*>(base + w.codes);
-    args.k_scales = reinterpret_cast<const float*>(base + w.scales);
-    args.k_mean = p.smooth_k ? reinterpret_cast<const float*>(base + w.mean) : nullptr;
-  }
+  const diffx::KernelArgs args = diffx::make_kernel_args(*params);
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return cuda_failure(err, "no usable CUDA device");
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
-  err = p.dtype == DIFFX_DTYPE_FLOAT16 ? dispatch_dtype<__half>(args, stream)
-                                       : dispatch_dtype<__nv_bfloat16>(args, stream);
+  err = params->dtype == DIFFX_DTYPE_FLOAT16 ? dispatch_dtype<__half>(args, stream)
+                                             : dispatch_dtype<__nv_bfloat16>(args, stream);
   if (err != cudaSuccess) return cuda_failure(err, "kernel launch failed");
   return DIFFX_OK;
 }

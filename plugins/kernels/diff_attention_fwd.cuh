@@ -12,10 +12,10 @@
 // the V tile loads while Q.K^T runs, the next K tile loads while P.V runs.
 #pragma once
 
-#include <cuda_runtime.h>
 #include <math.h>
 
 #include "diff_attention.h"
+#include "kernel_args.h"
 #include "ptx.cuh"
 
 namespace diffx {
@@ -25,19 +25,6 @@ constexpr int kBlockN = DIFFX_KEY_BLOCK;
 constexpr int kWarpsPerMap = 4;
 constexpr int kThreads = 2 * kWarpsPerMap * 32;
 constexpr float kLog2e = 1.4426950408889634f;
-
-// Launch arguments resolved on the host from DiffxAttentionParams.
-struct KernelArgs {
-  DiffxAttentionParams p;
-  float scale;        // effective logit scale
-  int key_maps;       // key heads in the key tensor: 2*Hkv (V1) or Hkv (V2)
-  int kv_pad;         // kv_len rounded up to kBlockN (rows of the quantised K)
-  int n_kv_blocks;    // kv_pad / kBlockN
-  int qmax;           // 2^(logit_bits-1) - 1 for the INT8 variant
-  const int8_t* k_codes;  // [B*key_maps, kv_pad, D]
-  const float* k_scales;  // [B*key_maps, n_kv_blocks]
-  const float* k_mean;    // [B*key_maps, D] or null (no K-smoothing)
-};
 
 template <typename T, int D, int DV, bool INT8>
 struct TileConfig {
@@ -115,8 +102,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
   using Cfg = TileConfig<T, D, DV, INT8>;
   constexpr int kSTiles = kBlockN / 8;  // n-tiles of the 16 x 64 score tile of a warp
   constexpr int kOTiles = DV / 8;       // n-tiles of the 16 x DV output accumulator of a warp
-  extern __shared__ __align__(128) char smem[];
-  __shared__ float reduce[2 * kWarpsPerMap];
+  DIFFX_DYNAMIC_SHARED(smem);
+  DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
 
   const DiffxAttentionParams& p = args.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -378,6 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
   }
 }
 
+#ifndef DIFFX_EMULATE
 template <typename T, int D, int DV, bool INT8>
 cudaError_t launch_diff_attention(const KernelArgs& args, cudaStream_t stream) {
   using Cfg = TileConfig<T, D, DV, INT8>;
@@ -388,5 +376,7 @@ cudaError_t launch_diff_attention(const KernelArgs& args, cudaStream_t stream) {
   kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
+
+#endif  // DIFFX_EMULATE
 
 }  // namespace diffx

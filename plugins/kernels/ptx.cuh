@@ -1,10 +1,20 @@
 // Thin wrappers over the PTX instructions the kernels use (sm_80 and newer): asynchronous
 // global->shared copies, ldmatrix, and the fp16/bf16/int8 tensor-core MMAs.
+// DIFFX_EMULATE swaps all of them (and the CUDA built-ins the kernels use) for the CPU emulation
+// in emulation/cuda_emulation.h, so the very same kernel source also runs, slowly, on a CPU.
 #pragma once
 
+#include <stdint.h>
+
+#ifdef DIFFX_EMULATE
+#include "emulation/cuda_emulation.h"
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <stdint.h>
+#include <cuda_runtime.h>
+
+#define DIFFX_DYNAMIC_SHARED(name) extern __shared__ __align__(128) char name[]
+#define DIFFX_SHARED_ARRAY(type, name, count) __shared__ type name[count]
 
 namespace diffx {
 
@@ -69,6 +79,11 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
 }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+}  // namespace diffx
+#endif  // DIFFX_EMULATE
+
+namespace diffx {
 
 // Shared-memory tiles are rows of 16-byte chunks. The chunk index is XOR-swizzled so that the
 // 8 row addresses of one ldmatrix (same logical chunk, 8 consecutive rows) hit distinct banks.

@@ -3,8 +3,6 @@
 // kernel (one query block per CTA); K is quantised once here because every query block reads it.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include "diff_attention_fwd.cuh"
 
 namespace diffx {
@@ -16,7 +14,7 @@ constexpr int kQuantThreads = 256;
 template <typename T, int D>
 __global__ void __launch_bounds__(kQuantThreads) key_mean_kernel(const KernelArgs args, float* mean) {
   constexpr int kLanes = kQuantThreads / D;
-  __shared__ float partial[kQuantThreads];
+  DIFFX_SHARED_ARRAY(float, partial, kQuantThreads);
   const DiffxAttentionParams& p = args.p;
   const int bm = blockIdx.x, b = bm / args.key_maps, km = bm % args.key_maps;
   const int d = threadIdx.x % D, lane = threadIdx.x / D;
@@ -36,7 +34,7 @@ __global__ void __launch_bounds__(kQuantThreads) key_mean_kernel(const KernelArg
 // the +-qmax grid (round half to even, clamp), scale = absmax/qmax. Rows past kv_len get code 0.
 template <typename T, int D>
 __global__ void __launch_bounds__(kQuantThreads) key_quantise_kernel(const KernelArgs args) {
-  __shared__ float reduce[kQuantThreads / 32];
+  DIFFX_SHARED_ARRAY(float, reduce, kQuantThreads / 32);
   const DiffxAttentionParams& p = args.p;
   const int blk = blockIdx.x, bm = blockIdx.y, b = bm / args.key_maps, km = bm % args.key_maps;
   const int t0 = blk * kBlockN;
@@ -65,6 +63,7 @@ __global__ void __launch_bounds__(kQuantThreads) key_quantise_kernel(const Kerne
   if (threadIdx.x == 0) const_cast<float*>(args.k_scales)[int64_t(bm) * args.n_kv_blocks + blk] = amax / float(args.qmax);
 }
 
+#ifndef DIFFX_EMULATE
 template <typename T, int D>
 cudaError_t launch_key_quantisation(const KernelArgs& args, cudaStream_t stream) {
   const int maps = args.p.batch * args.key_maps;
@@ -76,5 +75,7 @@ cudaError_t launch_key_quantisation(const KernelArgs& args, cudaStream_t stream)
   key_quantise_kernel<T, D><<<dim3(args.n_kv_blocks, maps), kQuantThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
+
+#endif  // DIFFX_EMULATE
 
 }  // namespace diffx

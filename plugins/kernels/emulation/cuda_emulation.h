@@ -1,0 +1,263 @@
+// A CPU emulation of the CUDA built-ins and PTX wrappers the kernels use, so the unchanged kernel
+// source runs on a CPU (one std::thread per CUDA thread). It exists to test the kernels' index
+// arithmetic, tiling, masking, online softmax and epilogue where no GPU is available; it says
+// nothing about speed. Warp collectives (shfl, ldmatrix, mma) follow the PTX ISA's documented
+// fragment layouts: each lane publishes its operands, the warp synchronises, each lane computes
+// its own results from everybody's operands.
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+
+struct __half {
+  uint16_t bits;
+};
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+struct uint2 {
+  uint32_t x, y;
+};
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+
+using std::max;
+using std::min;
+
+namespace diffx_emu {
+
+struct Dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+
+struct Warp {
+  std::barrier<> sync{32};
+  uint32_t words[32][12];
+  const char* addr[32];
+};
+
+struct Block {
+  explicit Block(int threads, size_t smem_bytes) : sync(threads), dynamic_smem(smem_bytes + 128) {
+    for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp());
+  }
+  std::barrier<> sync;
+  std::vector<char> dynamic_smem;
+  std::map<std::string, std::vector<char>> statics;
+  std::mutex statics_mutex;
+  std::vector<std::unique_ptr<Warp>> warps;
+  char* smem() { return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(dynamic_smem.data()) + 127) & ~uintptr_t(127)); }
+};
+
+struct ThreadContext {
+  Dim3 thread_idx, block_idx;
+  Block* block = nullptr;
+};
+inline thread_local ThreadContext t_ctx;
+
+inline int lane() { return int(t_ctx.thread_idx.x) & 31; }
+inline Warp& warp() { return *t_ctx.block->warps[t_ctx.thread_idx.x >> 5]; }
+
+template <typename T>
+T* block_static(const char* name, size_t count) {
+  Block& b = *t_ctx.block;
+  std::lock_guard<std::mutex> lock(b.statics_mutex);
+  std::vector<char>& storage = b.statics[name];
+  if (storage.empty()) storage.resize(count * sizeof(T) + 16);
+  return reinterpret_cast<T*>(storage.data());
+}
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float half_to_float(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return float(h);
+}
+inline uint16_t float_to_half(float f) {  // round to nearest even (IEEE conversion)
+  _Float16 h = static_cast<_Float16>(f);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+inline float bf16_to_float(uint16_t bits) { return bits_to_float(uint32_t(bits) << 16); }
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u = float_to_bits(f);
+  if (std::isnan(f)) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+}  // namespace diffx_emu
+
+#define threadIdx (diffx_emu::t_ctx.thread_idx)
+#define blockIdx (diffx_emu::t_ctx.block_idx)
+#define DIFFX_DYNAMIC_SHARED(name) char* name = diffx_emu::t_ctx.block->smem()
+#define DIFFX_SHARED_ARRAY(type, name, count) type* name = diffx_emu::block_static<type>(#name, (count))
+
+inline void __syncthreads() { diffx_emu::t_ctx.block->sync.arrive_and_wait(); }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
+  static_assert(sizeof(T) == 4, "32-bit shuffles only");
+  diffx_emu::Warp& w = diffx_emu::warp();
+  const int l = diffx_emu::lane();
+  std::memcpy(&w.words[l][0], &value, 4);
+  w.sync.arrive_and_wait();
+  T other;
+  std::memcpy(&other, &w.words[l ^ lane_mask][0], 4);
+  w.sync.arrive_and_wait();
+  return other;
+}
+
+inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // default rounding: half to even
+inline float __int2float_rn(int x) { return float(x); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+
+namespace diffx {
+
+inline void cp_async_16(void* smem, const void* gmem, bool valid) {
+  if (valid) {
+    std::memcpy(smem, gmem, 16);
+  } else {
+    std::memset(smem, 0, 16);
+  }
+}
+inline void cp_async_commit() {}
+inline void cp_async_wait_all() {}
+
+inline uint32_t load_u32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint32_t load_u16(const char* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// ldmatrix .x4: lane l supplies the address of row (l % 8) of matrix l / 8; register i of lane l
+// receives row l/4 of matrix i, 16-bit columns 2*(l%4) and 2*(l%4)+1.
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  diffx_emu::Warp& w = diffx_emu::warp();
+  const int l = diffx_emu::lane();
+  w.addr[l] = static_cast<const char*>(smem);
+  w.sync.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) r[i] = load_u32(w.addr[8 * i + l / 4] + (l % 4) * 4);
+  w.sync.arrive_and_wait();
+}
+// .trans: register i of lane l receives column l/4 of matrix i, rows 2*(l%4) (low half) and 2*(l%4)+1.
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  diffx_emu::Warp& w = diffx_emu::warp();
+  const int l = diffx_emu::lane();
+  w.addr[l] = static_cast<const char*>(smem);
+  w.sync.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = load_u16(w.addr[8 * i + 2 * (l % 4)] + (l / 4) * 2);
+    const uint32_t hi = load_u16(w.addr[8 * i + 2 * (l % 4) + 1] + (l / 4) * 2);
+    r[i] = lo | (hi << 16);
+  }
+  w.sync.arrive_and_wait();
+}
+
+inline float elem16(uint32_t word, int half, __half) { return diffx_emu::half_to_float(uint16_t(word >> (16 * half))); }
+inline float elem16(uint32_t word, int half, __nv_bfloat16) {
+  return diffx_emu::bf16_to_float(uint16_t(word >> (16 * half)));
+}
+
+// mma m16n8k16 row.col, fp32 accumulate. Fragments (g = lane/4, t = lane%4):
+// A: a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+// B: b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g];  C/D: c0,c1 = C[g][2t..], c2,c3 = C[g+8][2t..]
+template <typename T>
+inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, T tag) {
+  diffx_emu::Warp& w = diffx_emu::warp();
+  const int l = diffx_emu::lane();
+  for (int i = 0; i < 4; ++i) w.words[l][i] = a[i];
+  w.words[l][4] = b0;
+  w.words[l][5] = b1;
+  w.sync.arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int src = 0; src < 32; ++src) {
+    const int g = src / 4, t = src % 4;
+    for (int h = 0; h < 2; ++h) {
+      A[g][2 * t + h] = elem16(w.words[src][0], h, tag);
+      A[g + 8][2 * t + h] = elem16(w.words[src][1], h, tag);
+      A[g][2 * t + 8 + h] = elem16(w.words[src][2], h, tag);
+      A[g + 8][2 * t + 8 + h] = elem16(w.words[src][3], h, tag);
+      B[2 * t + h][g] = elem16(w.words[src][4], h, tag);
+      B[2 * t + 8 + h][g] = elem16(w.words[src][5], h, tag);
+    }
+  }
+  w.sync.arrive_and_wait();
+  const int g = l / 4, t = l % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e >> 1) * 8, col = 2 * t + (e & 1);
+    float acc = d[e];
+    for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+    d[e] = acc;
+  }
+}
+
+// mma m16n8k32 s8: a0 = A[g][4t..4t+3], a1 = A[g+8][4t..], a2 = A[g][4t+16..], a3 = A[g+8][4t+16..];
+// b0 = B[4t..4t+3][g], b1 = B[4t+16..4t+19][g]; int32 C/D as above.
+inline void mma_16832_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  diffx_emu::Warp& w = diffx_emu::warp();
+  const int l = diffx_emu::lane();
+  for (int i = 0; i < 4; ++i) w.words[l][i] = a[i];
+  w.words[l][4] = b0;
+  w.words[l][5] = b1;
+  w.sync.arrive_and_wait();
+  int A[16][32], B[32][8];
+  auto byte = [](uint32_t word, int i) { return int(int8_t(uint8_t(word >> (8 * i)))); };
+  for (int src = 0; src < 32; ++src) {
+    const int g = src / 4, t = src % 4;
+    for (int i = 0; i < 4; ++i) {
+      A[g][4 * t + i] = byte(w.words[src][0], i);
+      A[g + 8][4 * t + i] = byte(w.words[src][1], i);
+      A[g][4 * t + 16 + i] = byte(w.words[src][2], i);
+      A[g + 8][4 * t + 16 + i] = byte(w.words[src][3], i);
+      B[4 * t + i][g] = byte(w.words[src][4], i);
+      B[4 * t + 16 + i][g] = byte(w.words[src][5], i);
+    }
+  }
+  w.sync.arrive_and_wait();
+  const int g = l / 4, t = l % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e >> 1) * 8, col = 2 * t + (e & 1);
+    int acc = d[e];
+    for (int k = 0; k < 32; ++k) acc += A[row][k] * B[k][col];
+    d[e] = acc;
+  }
+}
+
+inline uint32_t pack2(float lo, float hi, __half) {
+  return uint32_t(diffx_emu::float_to_half(lo)) | (uint32_t(diffx_emu::float_to_half(hi)) << 16);
+}
+inline uint32_t pack2(float lo, float hi, __nv_bfloat16) {
+  return uint32_t(diffx_emu::float_to_bf16(lo)) | (uint32_t(diffx_emu::float_to_bf16(hi)) << 16);
+}
+inline float to_float(__half x) { return diffx_emu::half_to_float(x.bits); }
+inline float to_float(__nv_bfloat16 x) { return diffx_emu::bf16_to_float(x.bits); }
+
+}  // namespace diffx

@@ -1,0 +1,76 @@
+// The kernels of ../ run on the CPU through cuda_emulation.h: diffx_emulated_attention_forward
+// takes the same params as diffx_attention_forward, with HOST pointers. For tests only (slow).
+#include <thread>
+#include <vector>
+
+#include "../diff_attention_fwd.cuh"
+#include "../kernel_args.h"
+#include "../quantize_keys.cuh"
+
+#if defined(_WIN32)
+#define DIFFX_EMU_API __declspec(dllexport)
+#else
+#define DIFFX_EMU_API __attribute__((visibility("default")))
+#endif
+
+namespace {
+
+template <typename Body>
+void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_bytes, Body body) {
+  for (unsigned z = 0; z < gz; ++z)
+    for (unsigned y = 0; y < gy; ++y)
+      for (unsigned x = 0; x < gx; ++x) {
+        diffx_emu::Block block(threads, smem_bytes);
+        std::vector<std::thread> pool;
+        pool.reserve(threads);
+        for (int t = 0; t < threads; ++t) {
+          pool.emplace_back([&, t] {
+            diffx_emu::t_ctx.thread_idx = {unsigned(t), 0, 0};
+            diffx_emu::t_ctx.block_idx = {x, y, z};
+            diffx_emu::t_ctx.block = &block;
+            body();
+          });
+        }
+        for (auto& th : pool) th.join();
+      }
+}
+
+template <typename T, int D, int DV, bool INT8>
+void run_attention(const diffx::KernelArgs& args) {
+  using Cfg = diffx::TileConfig<T, D, DV, INT8>;
+  const unsigned gx = (args.p.q_len + diffx::kBlockM - 1) / diffx::kBlockM;
+  run_grid(gx, args.p.num_heads, args.p.batch, diffx::kThreads, Cfg::kSmemBytes,
+           [&] { diffx::diff_attention_fwd_kernel<T, D, DV, INT8>(args); });
+}
+
+template <typename T, int D>
+void run_head_dim(const diffx::KernelArgs& args) {
+  const bool v1 = args.p.variant == 1;
+  if (args.k_codes) {
+    const unsigned maps = args.p.batch * args.key_maps;
+    if (args.k_mean)
+      run_grid(maps, 1, 1, diffx::kQuantThreads, 0,
+               [&] { diffx::key_mean_kernel<T, D>(args, const_cast<float*>(args.k_mean)); });
+    // key_quantise_kernel reads blockIdx.x (tile) and blockIdx.y (map)
+    run_grid(args.n_kv_blocks, maps, 1, diffx::kQuantThreads, 0, [&] { diffx::key_quantise_kernel<T, D>(args); });
+    v1 ? run_attention<T, D, 2 * D, true>(args) : run_attention<T, D, D, true>(args);
+  } else {
+    v1 ? run_attention<T, D, 2 * D, false>(args) : run_attention<T, D, D, false>(args);
+  }
+}
+
+template <typename T>
+void run_dtype(const diffx::KernelArgs& args) {
+  args.p.head_dim == 64 ? run_head_dim<T, 64>(args) : run_head_dim<T, 128>(args);
+}
+
+}  // namespace
+
+extern "C" DIFFX_EMU_API int diffx_emulated_attention_forward(const DiffxAttentionParams* params) {
+  diffx::clear_error();
+  const int status = diffx::check_params(params);
+  if (status != DIFFX_OK) return status;
+  const diffx::KernelArgs args = diffx::make_kernel_args(*params);
+  params->dtype == DIFFX_DTYPE_FLOAT16 ? run_dtype<__half>(args) : run_dtype<__nv_bfloat16>(args);
+  return DIFFX_OK;
+}

@@ -1,0 +1,36 @@
+// Host-side preparation shared by the CUDA launcher and the CPU emulator: the parameter checks,
+// the workspace layout and the kernel's resolved arguments. Plain C++ (no CUDA headers).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "diff_attention.h"
+
+namespace diffx {
+
+// Launch arguments resolved on the host from DiffxAttentionParams.
+struct KernelArgs {
+  DiffxAttentionParams p;
+  float scale;            // effective logit scale
+  int key_maps;           // key heads in the key tensor: 2*Hkv (V1) or Hkv (V2)
+  int kv_pad;             // kv_len rounded up to the key tile (rows of the quantised K)
+  int n_kv_blocks;        // kv_pad / key tile
+  int qmax;               // 2^(logit_bits-1) - 1 for the INT8 variant
+  const int8_t* k_codes;  // [B*key_maps, kv_pad, D] (workspace), null unless INT8
+  const float* k_scales;  // [B*key_maps, n_kv_blocks]
+  const float* k_mean;    // [B*key_maps, D] or null (no K-smoothing)
+};
+
+struct WorkspaceLayout {
+  size_t codes = 0, scales = 0, mean = 0, total = 0;  // byte offsets into the workspace, and its size
+};
+
+bool logits_quantised(const DiffxAttentionParams& p);
+WorkspaceLayout workspace_layout(const DiffxAttentionParams& p);
+int check_params(const DiffxAttentionParams* p);  // DIFFX_OK or a status, with the detail recorded
+KernelArgs make_kernel_args(const DiffxAttentionParams& p);  // p must have passed check_params
+int record_error(int status, const char* fmt, ...);  // sets diffx_last_error(), returns status
+void clear_error();
+
+}  // namespace diffx

@@ -1,0 +1,148 @@
+"""The fused kernels' own source, compiled for the CPU against an emulation of the CUDA built-ins
+(plugins/kernels/emulation: one thread per CUDA thread, warp collectives from the PTX ISA's
+fragment layouts), against the float64 oracle and the mirrored INT8 quantisation. This checks the
+kernels' tiling, indexing, masking, online softmax, INT8 path and epilogue where no GPU exists;
+tests/test_kernel_gpu.py checks the same on real hardware. The emulator is taken from the CMake
+build, else compiled here with the host C++ compiler (C++20 and _Float16 needed), else skipped."""
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffexport import kernels, reference
+from diffexport.contract import DiffAttentionAttrs
+from diffexport.quantization import LogitQuant
+from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
+from oracle import diff_attention_oracle
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "plugins" / "kernels"
+BUILT = ROOT / "build" / "plugins" / "kernels" / "emulation" / "libdiffexport_kernel_emulator.so"
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    path = Path(os.environ.get("DIFFEXPORT_KERNEL_EMULATOR", BUILT))
+    if not path.is_file():
+        compiler = shutil.which(os.environ.get("CXX", "c++"))
+        if compiler is None:
+            pytest.skip("no C++ compiler to build the kernel emulator")
+        path = tmp_path_factory.mktemp("emulator") / "libdiffexport_kernel_emulator.so"
+        build = subprocess.run([compiler, "-std=c++20", "-O2", "-fPIC", "-shared", "-DDIFFX_EMULATE",
+                                f"-I{KERNELS}", str(KERNELS / "params.cpp"), str(KERNELS / "emulation" / "emulator.cpp"),
+                                "-o", str(path), "-lpthread"], capture_output=True, text=True)
+        if build.returncode != 0:
+            pytest.skip(f"cannot build the kernel emulator here: {build.stderr.strip().splitlines()[-1:]}")
+    lib = ctypes.CDLL(str(path))
+    lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
+    lib.diffx_emulated_attention_forward.restype = ctypes.c_int
+    lib.diffx_attention_workspace_size.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
+    lib.diffx_attention_workspace_size.restype = ctypes.c_size_t
+    lib.diffx_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contract=True):
+    """Run the emulated kernels on CPU tensors; the output starts poisoned with NaN."""
+    B, Sq = inputs[0].shape[:2]
+    if out is None:
+        out = torch.full((B, Sq, attrs.num_heads * attrs.value_dim), float("nan"), dtype=inputs[0].dtype)
+    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, smooth_k=smooth_k)
+    size = lib.diffx_attention_workspace_size(ctypes.byref(params))
+    if size:
+        workspace = torch.zeros(size + 256, dtype=torch.uint8)
+        params.workspace = workspace.data_ptr() + (-workspace.data_ptr()) % 256
+        params.workspace_bytes = size
+    status = lib.diffx_emulated_attention_forward(ctypes.byref(params))
+    assert status == 0, lib.diffx_last_error().decode()
+    return out
+
+
+def oracle(inputs, attrs):
+    q, k, v, lam, w = (t.double().numpy() for t in inputs)
+    return diff_attention_oracle(q, k, v, lam, w, **attrs.as_dict())
+
+
+def min_cosine(dtype):
+    return 0.9999 if dtype == torch.float16 else 0.999
+
+
+CASES = [  # variant, head dim, causal, GQA ratio, heads, batch, q_len, kv_len, dtype
+    (1, 64, 1, 1, 2, 2, 17, 17, torch.float16),
+    (1, 64, 0, 2, 4, 1, 1, 130, torch.bfloat16),
+    (1, 128, 1, 4, 4, 1, 65, 130, torch.float16),
+    (1, 128, 0, 8, 8, 1, 17, 70, torch.bfloat16),
+    (1, 64, 1, 1, 2, 1, 129, 129, torch.bfloat16),
+    (2, 64, 1, 2, 2, 2, 70, 70, torch.bfloat16),
+    (2, 128, 0, 1, 2, 1, 113, 50, torch.float16),
+    (2, 128, 1, 2, 4, 1, 1, 200, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"v{c[0]}-d{c[1]}-causal{c[2]}-gqa{c[3]}-{c[6]}x{c[7]}-"
+                                              f"{str(c[8])[6:]}" for c in CASES])
+def test_emulated_kernel_matches_the_oracle(emulator, case, rng):
+    variant, head_dim, causal, ratio, heads, batch, q_len, kv_len, dtype = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=causal, norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    out = emulate(emulator, inputs, attrs)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    assert_close_lowprec(out, lowprec_baseline(*inputs, attrs), oracle(inputs, attrs), str(case),
+                         min_cosine=min_cosine(dtype))
+
+
+def test_emulated_strided_views_and_output(emulator, rng):
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=64, causal=1)
+    dense = make_inputs(attrs, 2, 20, 70, dtype=torch.float16, rng=rng)
+
+    def strided(t, pad=8):  # padded rows, seq-major batches: a view the kernel reads without a copy
+        B, S, W = t.shape
+        big = torch.full((S, B, W + 2 * pad), 7.0, dtype=t.dtype)
+        view = big[:, :, pad:pad + W].transpose(0, 1)
+        view.copy_(t)
+        return view
+
+    views = [strided(t) for t in dense[:3]] + list(dense[3:])
+    out_big = torch.full((2, 20, 2 * 128 + 16), 1234.0, dtype=torch.float16)
+    emulate(emulator, views, attrs, out=out_big[:, :, 8:-8])
+    assert (out_big[:, :, :8] == 1234).all() and (out_big[:, :, -8:] == 1234).all()
+    assert torch.equal(out_big[:, :, 8:-8], emulate(emulator, dense, attrs))
+
+
+def test_emulated_rows_without_keys_are_zero(emulator, rng):
+    """Causal with Sq > Skv (below the contract): rows that see no key come out 0, never NaN."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=2, head_dim=64, causal=1)
+    q_len, kv_len = 70, 5
+    inputs = make_inputs(attrs, 1, q_len, kv_len, dtype=torch.float16, rng=rng)
+    out = emulate(emulator, inputs, attrs)
+    assert torch.isfinite(out).all() and (out[:, : q_len - kv_len] == 0).all()
+    tail = [inputs[0][:, q_len - kv_len:], *inputs[1:]]
+    assert_close_lowprec(out[:, q_len - kv_len:], lowprec_baseline(*tail, attrs), oracle(tail, attrs), "tail")
+
+
+INT8_CASES = [(1, 64, 8, True, torch.float16), (1, 128, 6, False, torch.bfloat16),
+              (2, 64, 4, True, torch.bfloat16), (2, 128, 8, False, torch.float16), (1, 64, 4, False, torch.float16)]
+
+
+@pytest.mark.parametrize("variant,head_dim,bits,smooth_k,dtype", INT8_CASES)
+def test_emulated_int8_logits_match_the_mirrored_quantisation(emulator, variant, head_dim, bits, smooth_k, dtype, rng):
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.8)
+    inputs = make_inputs(attrs, 1, 70, 130, dtype=dtype, rng=rng)
+    inputs[1].add_(torch.linspace(-1, 2, attrs.key_width).to(dtype))  # a per-channel offset: what smoothing removes
+    out = emulate(emulator, inputs, attrs, bits=bits, smooth_k=smooth_k).double()
+    assert torch.isfinite(out).all()
+    mirror = reference.quantised_diff_attention(*[t.float() for t in inputs], attrs,
+                                                LogitQuant(bits, "qk", smooth_k)).double()
+    exact = torch.as_tensor(oracle(inputs, attrs))
+    fp_err = (emulate(emulator, inputs, attrs).double() - exact).abs().max().item()  # this dtype's rounding
+    err = (out - mirror).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
+    assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation {err:.3e} > 2*{fp_err:.3e} + 1e-3"
+    assert cos >= min_cosine(dtype)
