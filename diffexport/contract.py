@@ -98,6 +98,20 @@ ATTRIBUTES: tuple[AttributeSpec, ...] = (
     AttributeSpec("output_scale", "float", 1.0, "multiplies the output last: (1 - lambda_init) for V1"),
 )
 ATTRIBUTE_NAMES = tuple(a.name for a in ATTRIBUTES)
+
+# Fields the TensorRT plugin reads besides the op's attributes: how to compute, not what. The
+# ONNX function body (ONNX Runtime) ignores them and computes unquantised logits; `diffexport trt
+# --int8` stamps them on the nodes of the graph it builds. Values follow diffexport/quantization.py.
+PLUGIN_ONLY_ATTRIBUTES: tuple[AttributeSpec, ...] = (
+    AttributeSpec("logit_bits", "int", 16, "16: fp16/bf16 attention logits; 8, 6, 4: the INT8-logits kernel "
+                  "with that integer range", choices=(16, 8, 6, 4)),
+    AttributeSpec("smooth_k", "int", 1, "with logit_bits < 16: subtract K's per-head mean over tokens before "
+                  "quantising (softmax unchanged)", choices=(0, 1)),
+)
+PLUGIN_FIELDS: tuple[AttributeSpec, ...] = ATTRIBUTES + PLUGIN_ONLY_ATTRIBUTES
+PLUGIN_FIELD_NAMES = tuple(a.name for a in PLUGIN_FIELDS)
+# Node attributes TensorRT's ONNX parser reads to pick the plugin; not plugin fields.
+PLUGIN_SELECTOR_ATTRIBUTES = ("plugin_namespace", "plugin_version")
 INPUT_NAMES = tuple(t.name for t in INPUTS)
 
 

@@ -1,0 +1,21 @@
+// The entry points TensorRT looks for in a plugin shared library (trtexec --dynamicPlugins,
+// polygraphy --plugins, IPluginRegistry::loadLibrary). The creator list is static: loading the
+// library twice hands TensorRT the same creators.
+#include <NvInferRuntime.h>
+
+#include "DiffAttentionPlugin.h"
+
+namespace diffx::trt {
+void set_logger_finder(nvinfer1::ILoggerFinder* finder) noexcept;
+}
+
+#define DIFFX_PLUGIN_API extern "C" __attribute__((visibility("default")))
+
+DIFFX_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
+  static diffx::trt::DiffAttentionPluginCreator creator;
+  static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator};
+  nbCreators = 1;
+  return creators;
+}
+
+DIFFX_PLUGIN_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder) { diffx::trt::set_logger_finder(finder); }
