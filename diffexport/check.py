@@ -183,3 +183,77 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
                  f"{len(comparisons)} comparisons within tolerance")
     lines.append(f"polygraphy    {command}")
     return CheckReport(passed, lines, command, inputs_path, outputs_path)
+
+
+def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
+                     log: Callable[[str], None] = print) -> CheckReport:
+    """A TensorRT engine built by `diffexport trt` against the eager model, on the GPU.
+
+    With INT8 logits the reference applies the same quantisation (diffexport/quantization.py)
+    to the eager model's attention, and the unquantised agreement is reported beside it.
+    """
+    from diffexport.analysis.probe import AttentionProbe
+    from diffexport.backends.tensorrt import read_engine_record, run_engine
+    from diffexport.quantization import LogitQuant
+
+    options = options or CheckOptions()
+    engine_path = Path(engine_path)
+    record = read_engine_record(engine_path)
+    meta = record["onnx_metadata"]
+    dtype = meta["dtype"]
+    check_same_model(meta, loaded, engine_path)
+    if not torch.cuda.is_available():
+        raise DiffExportError("checking a TensorRT engine needs an NVIDIA GPU (torch sees none)")
+    low_max, seq_max = record["profile"]["max"]
+    low_min, seq_min = record["profile"]["min"]
+    shapes = [s for s in options.shapes if low_min <= s[0] <= low_max and seq_min <= s[1] <= seq_max]
+    if not shapes:
+        raise DiffExportError(f"no --shapes inside the engine's profile (batch {low_min}..{low_max}, "
+                              f"sequence {seq_min}..{seq_max})")
+    outputs = meta.get("outputs", "logits").split(",")
+    low, ref32 = _eager_models(loaded, dtype, "cuda")
+    bits = int(record.get("logit_bits", 16))
+    quant = LogitQuant(bits, "qk", bool(record.get("smooth_k", True))) if bits < 16 else None
+    log(f"checking      {engine_path.name} ({dtype}, attention {record['attention']}"
+        f"{'' if quant is None else ', ' + quant.describe() + ' logits'}) against eager PyTorch"
+        f"{'' if quant is None else ' with the same logit quantisation'} (cuda)")
+
+    def eager(model, ids):
+        if quant is None:
+            return _run_eager(model, ids, "cuda", outputs)
+        with AttentionProbe(model, quant=quant):
+            return _run_eager(model, ids, "cuda", outputs)
+
+    rng = np.random.default_rng(options.seed)
+    feeds, saved, comparisons, lines = [], [], [], []
+    for batch, seq in shapes:
+        ids = rng.integers(0, loaded.config.vocab_size, size=(batch, seq), dtype=np.int64)
+        feeds.append({INPUT_NAMES[0]: ids})
+        got = run_engine(engine_path.read_bytes(), record["module"], {INPUT_NAMES[0]: ids}, record.get("plugin_lib"))
+        base = eager(low, ids)
+        ref = base if ref32 is None else eager(ref32, ids)
+        saved.append(ref)
+        for name in outputs:
+            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
+                                   baseline=None if ref32 is None else base[name])
+            comparisons.append((name, c))
+            lines.append(c.line())
+            if quant is not None:  # how far the quantised engine is from the unquantised model
+                plain = _run_eager(ref32 if ref32 is not None else low, ids, "cuda", outputs)[name]
+                cos = tolerances.compare("", got[name], plain, "float32").cosine
+                lines.append(f"{'':18s} vs unquantised eager: cosine {cos:.6f} (reported, not a pass criterion)")
+    inputs_path, outputs_path = _save_polygraphy(options.save_dir or engine_path.with_suffix(".check"),
+                                                 feeds, saved, dtype)
+    atols = []
+    for name in outputs:
+        ref_max = max(float(np.abs(r[name]).max()) for r in saved)
+        atols.append(f"{name}:{tolerances.elementwise_atol([c for n, c in comparisons if n == name], dtype, ref_max):.3g}")
+    plugin = ["--plugins", shlex.quote(record["plugin_lib"])] if record.get("plugin_lib") else []
+    command = " ".join(["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin,
+                        "--load-inputs", shlex.quote(str(inputs_path)), "--load-outputs", shlex.quote(str(outputs_path)),
+                        "--atol", *atols, "--rtol", "0"])
+    passed = all(c.passed for _, c in comparisons)
+    lines.append(f"result        {'PASS' if passed else 'FAIL'}: {sum(c.passed for _, c in comparisons)}/"
+                 f"{len(comparisons)} comparisons within tolerance")
+    lines.append(f"polygraphy    {command}")
+    return CheckReport(passed, lines, command, inputs_path, outputs_path)

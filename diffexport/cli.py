@@ -101,9 +101,18 @@ def _check_options(args):
 
 
 def cmd_check(args) -> int:
-    """Run an exported ONNX model in ONNX Runtime against the eager PyTorch model; non-zero exit on mismatch."""
-    from diffexport.check import read_export_metadata, run_check
+    """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
+    from pathlib import Path
 
+    from diffexport.check import read_export_metadata, run_check, run_engine_check
+
+    if Path(args.model).suffix in (".engine", ".plan", ".trt"):
+        from diffexport.backends.tensorrt import read_engine_record
+
+        read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
+        report = run_engine_check(args.model, _load(args, default_model=False), _check_options(args), log=_log)
+        print(report.text())
+        return 0 if report.passed else 1
     read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
     report = run_check(args.model, _load(args, default_model=False), _check_options(args), log=_log)
     print(report.text())
@@ -333,6 +342,45 @@ def cmd_retrieval(args) -> int:
     return 0
 
 
+def _shape_pair(text: str, flag: str) -> tuple[int, int]:
+    from diffexport.errors import DiffExportError
+
+    try:
+        batch, seq = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise DiffExportError(f"{flag} {text!r}: write BATCHxSEQ, e.g. 1x128") from None
+    return batch, seq
+
+
+def cmd_trt(args) -> int:
+    """Build a TensorRT engine from an exported ONNX file: DiffAttention plugin (fp16/bf16, --int8 logits) or native layers."""
+    from pathlib import Path
+
+    from diffexport.backends.tensorrt import EngineOptions, build_engine, write_engine
+    from diffexport.check import read_export_metadata
+    from diffexport.errors import DiffExportError
+    from diffexport.files import load_onnx
+
+    output = Path(args.output)
+    if output.suffix not in (".engine", ".plan", ".trt"):
+        raise DiffExportError(f"-o {output}: name the engine *.engine (or .plan/.trt)")
+    if args.int8 and args.logit_bits not in (None, 8):
+        raise DiffExportError("--int8 means --logit-bits 8: pass one of them")
+    bits = 8 if args.int8 else (args.logit_bits or 16)
+    options = EngineOptions(attention=args.attention, precision="fp16" if args.fp16 else "bf16" if args.bf16 else "auto",
+                            logit_bits=bits, smooth_k=not args.no_smooth_k, plugin_lib=args.plugin_lib,
+                            module={"auto": "auto", "tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[args.builder],
+                            targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
+                            opt_shape=_shape_pair(args.opt, "--opt"), max_shape=_shape_pair(args.max, "--max"),
+                            timing_cache=args.timing_cache)
+    meta = read_export_metadata(args.model)
+    model = load_onnx(args.model)
+    result = build_engine(model, options)  # TensorRT's build phases show on stderr while it runs
+    write_engine(output, result, Path(args.model), meta, options)
+    print("\n".join(result.summary() + [f"wrote         {output} (+ {output.name}.json)"]))
+    return 0
+
+
 def cmd_kernels(args) -> int:
     """Where the fused CUDA kernel library is, what it was built for, and whether this machine can run it."""
     import torch
@@ -352,7 +400,7 @@ def cmd_kernels(args) -> int:
     return 0
 
 
-COMMANDS = {"onnx": cmd_onnx, "check": cmd_check, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
+COMMANDS = {"onnx": cmd_onnx, "trt": cmd_trt, "check": cmd_check, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
             "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep, "retrieval": cmd_retrieval,
             "kernels": cmd_kernels}
 
@@ -376,8 +424,29 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "inspect":
             p.add_argument("model", help="an .onnx file (weights are not loaded)")
             p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "trt":
+            p.add_argument("model", help="an .onnx file written by `diffexport onnx` (fp16/bf16 for the plugin)")
+            p.add_argument("-o", "--output", default="model.engine", help="engine path (default model.engine)")
+            precision = p.add_mutually_exclusive_group()
+            precision.add_argument("--fp16", action="store_true", help="require an fp16 graph (TensorRT types come from the ONNX)")
+            precision.add_argument("--bf16", action="store_true", help="require a bf16 graph")
+            p.add_argument("--int8", action="store_true", help="INT8 attention logits in every DiffAttention (= --logit-bits 8)")
+            p.add_argument("--logit-bits", type=int, choices=[8, 6, 4], help="low-bit attention logits (plugin only)")
+            p.add_argument("--no-smooth-k", action="store_true", help="INT8 logits without K-smoothing")
+            p.add_argument("--attention", default="plugin", choices=["plugin", "native", "function"],
+                           help="plugin: our CUDA plugin (default); native: lowered to TensorRT's own layers; "
+                                "function: the ONNX function body, inlined by the parser")
+            p.add_argument("--plugin-lib", help="libdiffexport_plugins.so (default: $DIFFEXPORT_PLUGIN_LIB or build/)")
+            p.add_argument("--min", default="1x1", help="profile minimum BATCHxSEQ (default 1x1)")
+            p.add_argument("--opt", default="1x128", help="profile optimum BATCHxSEQ (default 1x128)")
+            p.add_argument("--max", default="4x2048", help="profile maximum BATCHxSEQ (default 4x2048)")
+            p.add_argument("--timing-cache", help="timing cache file: read if present, written after the build")
+            p.add_argument("--builder", default="auto", choices=["auto", "tensorrt", "tensorrt-rtx"],
+                           help="which TensorRT (auto: tensorrt, else tensorrt-rtx)")
+            p.add_argument("--targets", nargs="+", default=["SM80", "SM89"],
+                           help="TensorRT-RTX ahead-of-time GPU targets (default SM80 SM89)")
         if name == "check":
-            p.add_argument("model", help="the exported .onnx file")
+            p.add_argument("model", help="the exported .onnx file, or an .engine built by `diffexport trt` (GPU)")
             p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
             _add_model_source(p, positional=False)
         elif name in ("info", "demo", "onnx"):

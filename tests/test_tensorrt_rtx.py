@@ -11,12 +11,16 @@ import pytest
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("tensorrt_rtx")
 
-from diffexport.backends.tensorrt import build_engine  # noqa: E402
+from diffexport.backends.tensorrt import EngineOptions, build_engine  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import export_onnx  # noqa: E402
 from diffexport.passes.cleanup import cleanup  # noqa: E402
 from diffexport.passes.lowering import lower_diff_attention  # noqa: E402
+
+
+# "function": the graph as it is (the parser inlines the DiffAttention function; no plugin is registered)
+RTX_INLINED = EngineOptions(attention="function", module="tensorrt_rtx", targets=("SM80", "SM89"), progress=False)
 
 
 @pytest.fixture(scope="module", params=["diff-v1-tiny", "diff-v2-tiny"])
@@ -27,13 +31,13 @@ def exported(request, tmp_path_factory):
 
 
 def test_exported_graph_parses_and_builds_with_the_function_inlined(exported):
-    result = build_engine(exported, module="tensorrt_rtx", targets=("SM80", "SM89"))
+    result = build_engine(exported, RTX_INLINED)
     assert result.engine_bytes > 0 and result.layers > 100
 
 
 def test_lowered_graph_parses_and_builds(exported):
     lowered = cleanup(lower_diff_attention(exported).model)
-    result = build_engine(lowered, module="tensorrt_rtx", targets=("SM80", "SM89"))
+    result = build_engine(lowered, RTX_INLINED)
     assert result.engine_bytes > 0
 
 
@@ -42,4 +46,4 @@ def test_parse_failures_name_the_node(exported):
     node = next(n for n in broken.graph.node if n.op_type == "Softmax" or n.op_type == "MatMul")
     node.op_type = "NoSuchOp"
     with pytest.raises(DiffExportError, match=rf"cannot parse.*{node.name}"):
-        build_engine(broken, module="tensorrt_rtx")
+        build_engine(broken, RTX_INLINED)

@@ -1,21 +1,34 @@
-"""Parse and build ONNX graphs with a TensorRT-family builder: TensorRT, or TensorRT-RTX on a CPU.
+"""Build TensorRT engines from our ONNX files: TensorRT with the DiffAttention plugin, or either
+TensorRT or TensorRT-RTX with attention lowered to TensorRT's own layers ("native").
 
-TensorRT-RTX (module `tensorrt_rtx`) builds engines ahead of time for chosen GPU architectures
-without a GPU: the check that a graph is TensorRT-parseable end to end. Graphs with DiffAttention
-nodes need our plugin there; lower them first (diffexport.passes.lowering) to check the
-plugin-free path.
+Plugin path: the plugin library (plugins/tensorrt, libdiffexport_plugins.so) is loaded into
+TensorRT's plugin registry; the parser maps each DiffAttention node (it carries plugin_namespace)
+to our plugin. `logit_bits` < 16 stamps the plugin-only fields on every node: the INT8-logits
+kernel. Native path: every DiffAttention node is lowered to standard ONNX ops first. Function
+path: the graph as it is; with no plugin registered the parser inlines the model-local function.
+
+TensorRT-RTX (module tensorrt_rtx) builds ahead of time on a CPU for chosen GPU architectures:
+native only (its parser aborts the process on plugin nodes, so we refuse that combination).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
+from pathlib import Path
 
 import onnx
 
+from diffexport import contract
 from diffexport.errors import DiffExportError
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
+PLUGIN_LIBRARY = "libdiffexport_plugins.so"
+ATTENTION_MODES = ("plugin", "native", "function")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+ONNX_FLOAT = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "bf16"}
 
 
 def import_tensorrt(module: str = "auto"):
@@ -47,13 +60,120 @@ def _collecting_logger(trt):
     return Collecting()
 
 
+def plugin_library_candidates() -> list[Path]:
+    env = os.environ.get("DIFFEXPORT_PLUGIN_LIB")
+    if env:
+        return [Path(env)]
+    package = Path(__file__).resolve().parent.parent
+    return [package.parent / "build" / "plugins" / "tensorrt" / PLUGIN_LIBRARY, package / "lib" / PLUGIN_LIBRARY]
+
+
+def find_plugin_library(explicit: str | os.PathLike | None = None) -> Path:
+    candidates = [Path(explicit)] if explicit else plugin_library_candidates()
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise DiffExportError(f"DiffAttention plugin library not found (looked at {', '.join(map(str, candidates))}): "
+                          "build it with `cmake -S . -B build -DTensorRT_ROOT=<TensorRT dir> && cmake --build build`, "
+                          "pass --plugin-lib, or build with --attention native")
+
+
+def load_plugin(trt, path: Path) -> None:
+    """Load the plugin library into TensorRT's registry and make sure our creator is there."""
+    registry = trt.get_plugin_registry()
+    if not registry.load_library(str(path)):
+        raise DiffExportError(f"TensorRT could not load the plugin library {path}")
+    if registry.get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION, contract.PLUGIN_NAMESPACE) is None:
+        raise DiffExportError(f"{path} holds no {contract.PLUGIN_NAMESPACE}::{contract.PLUGIN_NAME} "
+                              f"version {contract.PLUGIN_VERSION} creator: rebuild it from this checkout")
+
+
+@dataclasses.dataclass
+class EngineOptions:
+    attention: str = "plugin"          # plugin | native (lowered by us) | function (inlined by the parser)
+    precision: str = "auto"            # auto: the ONNX file's float type
+    logit_bits: int = 16               # 16, or 8/6/4: the INT8-logits kernel (plugin only)
+    smooth_k: bool = True
+    plugin_lib: str | None = None
+    module: str = "auto"               # tensorrt | tensorrt_rtx | auto
+    targets: tuple[str, ...] = DEFAULT_RTX_TARGETS  # TensorRT-RTX ahead-of-time architectures
+    min_shape: tuple[int, int] = (1, 1)  # (batch, sequence) of every dynamic [batch, seq] input
+    opt_shape: tuple[int, int] = (1, 128)
+    max_shape: tuple[int, int] = (4, 2048)
+    timing_cache: str | None = None
+    progress: bool = True
+
+
 @dataclasses.dataclass
 class BuildResult:
     module: str
+    version: str
     targets: tuple[str, ...]
     layers: int
-    engine_bytes: int
+    plugin_layers: int
+    diff_attention_nodes: int
+    precision: str
+    attention: str
+    logit_bits: int
+    engine: bytes
     seconds: float
+
+    @property
+    def engine_bytes(self) -> int:
+        return len(self.engine)
+
+    def summary(self) -> list[str]:
+        mode = self.attention + ("" if self.logit_bits >= 16 else f", {self.logit_bits}-bit logits")
+        return [f"builder       {self.module} {self.version} for {', '.join(self.targets)}",
+                f"attention     {self.diff_attention_nodes} DiffAttention nodes -> {mode} "
+                f"({self.plugin_layers} plugin layers)",
+                f"network       {self.layers} layers, {self.precision}",
+                f"engine        {self.engine_bytes / 2**20:.2f} MiB, built in {self.seconds:.1f} s"]
+
+
+def graph_precision(model: onnx.ModelProto) -> str:
+    """The float type of the network's activations: the type of the first DiffAttention query, else
+    of the float graph outputs."""
+    types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.value_info) + list(model.graph.output)}
+    for node in model.graph.node:
+        if node.op_type == contract.OP_NAME and node.domain == contract.ONNX_DOMAIN and node.input[0] in types:
+            return ONNX_FLOAT.get(types[node.input[0]], "fp32")
+    floats = [ONNX_FLOAT[t] for t in (o.type.tensor_type.elem_type for o in model.graph.output) if t in ONNX_FLOAT]
+    return floats[0] if floats else "fp32"
+
+
+def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.ModelProto, int]:
+    """The graph the parser gets (a copy): lowered for native, plugin fields stamped for the plugin."""
+    if options.attention not in ATTENTION_MODES:
+        raise DiffExportError(f"--attention must be one of {', '.join(ATTENTION_MODES)}")
+    if options.logit_bits not in (16, 8, 6, 4):
+        raise DiffExportError(f"--logit-bits must be 8, 6 or 4 (16 = not quantised), got {options.logit_bits}")
+    nodes = [n for n in model.graph.node if n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN]
+    if options.attention != "plugin" and options.logit_bits < 16:
+        raise DiffExportError("--int8/--logit-bits need the plugin's INT8-logits kernel: use --attention plugin")
+    if options.attention == "function":
+        return model, len(nodes)
+    if options.attention == "native":
+        from diffexport.passes.cleanup import cleanup
+        from diffexport.passes.lowering import lower_diff_attention
+
+        return (cleanup(lower_diff_attention(model).model) if nodes else model), len(nodes)
+    if not nodes:
+        raise DiffExportError("the graph has no DiffAttention node for the plugin: export it with `diffexport onnx` "
+                              "(or fuse it with `diffexport optimize`), or build with --attention native")
+    staged = onnx.ModelProto.FromString(model.SerializeToString())
+    for node in staged.graph.node:
+        if node.op_type != contract.OP_NAME or node.domain != contract.ONNX_DOMAIN:
+            continue
+        keep = [a for a in node.attribute if a.name not in ("logit_bits", "smooth_k", *contract.PLUGIN_SELECTOR_ATTRIBUTES)]
+        del node.attribute[:]
+        node.attribute.extend(keep)
+        node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", contract.PLUGIN_NAMESPACE),
+                               onnx.helper.make_attribute("plugin_version", contract.PLUGIN_VERSION)])
+        if options.logit_bits < 16:
+            node.attribute.extend([onnx.helper.make_attribute("logit_bits", options.logit_bits),
+                                   onnx.helper.make_attribute("smooth_k", int(options.smooth_k))])
+    return staged, len(nodes)
 
 
 def _profile_shapes(model: onnx.ModelProto, min_shape, opt_shape, max_shape):
@@ -69,33 +189,187 @@ def _profile_shapes(model: onnx.ModelProto, min_shape, opt_shape, max_shape):
     return shapes
 
 
-def build_engine(model: onnx.ModelProto, *, module: str = "auto", targets=DEFAULT_RTX_TARGETS,
-                 min_shape=(1, 1), opt_shape=(1, 64), max_shape=(2, 256)) -> BuildResult:
-    """Parse `model` and build a serialized engine; parse errors name the failing node."""
-    name, trt = import_tensorrt(module)
+def _check_profile(options: EngineOptions) -> None:
+    for lo, mid, hi, what in zip(options.min_shape, options.opt_shape, options.max_shape, ("batch", "sequence")):
+        if not 1 <= lo <= mid <= hi:
+            raise DiffExportError(f"profile {what}: need 1 <= min <= opt <= max, got {lo}, {mid}, {hi}")
+
+
+def _progress_monitor(trt):
+    """Build phases on stderr, one line each (TensorRT reports them through IProgressMonitor)."""
+    if not hasattr(trt, "IProgressMonitor"):
+        return None
+
+    class Phases(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            if parent_phase is None:
+                print(f"  {phase_name} ...", file=sys.stderr, flush=True)
+
+        def step_complete(self, phase_name, step):
+            return True
+
+        def phase_finish(self, phase_name):
+            pass
+
+    return Phases()
+
+
+def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -> BuildResult:
+    """Parse and build; parse errors name the failing node, build errors say what TensorRT said."""
+    options = options or EngineOptions()
+    _check_profile(options)
+    name, trt = import_tensorrt(options.module)
+    if name == "tensorrt_rtx" and options.attention == "plugin":
+        raise DiffExportError("TensorRT-RTX cannot build graphs with plugin nodes (its ONNX parser aborts): "
+                              "use --attention native, or install tensorrt to use the DiffAttention plugin")
+    precision = graph_precision(model)
+    if options.precision not in ("auto", precision):
+        raise DiffExportError(f"the ONNX file is {precision} and TensorRT builds strongly typed networks: export it "
+                              f"with `diffexport onnx --{options.precision}` (fp32 = no flag) to get {options.precision}")
+    if options.attention == "plugin" and precision == "fp32":
+        raise DiffExportError("the DiffAttention plugin runs fp16 or bf16: export with `diffexport onnx --fp16` "
+                              "(or --bf16), or build with --attention native")
+    graph, n_attention = prepare_graph(model, options)
+    if options.attention == "plugin":
+        load_plugin(trt, find_plugin_library(options.plugin_lib))
+
     logger = _collecting_logger(trt)
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse(model.SerializeToString()):
+    if not parser.parse(graph.SerializeToString()):
         errors = []
         for i in range(parser.num_errors):
             err = parser.get_error(i)
             errors.append(f"node {err.node_name() or err.node()} ({err.node_operator()}): {err.desc().strip()}")
         raise DiffExportError(f"{name} cannot parse the graph: " + "; ".join(errors or ["no detail"]))
+    plugin_layers = sum(1 for i in range(network.num_layers)
+                        if "PLUGIN" in str(network.get_layer(i).type).upper())
+    if options.attention == "plugin" and plugin_layers < n_attention:
+        raise DiffExportError(f"{n_attention} DiffAttention nodes but {plugin_layers} plugin layers: the parser did "
+                              "not map every node to the plugin")
+
     config = builder.create_builder_config()
     if name == "tensorrt_rtx":
-        config.num_compute_capabilities = len(targets)
-        for i, target in enumerate(targets):
-            config.set_compute_capability(getattr(trt.ComputeCapability, target), i)
+        config.num_compute_capabilities = len(options.targets)
+        for i, target in enumerate(options.targets):
+            try:
+                config.set_compute_capability(getattr(trt.ComputeCapability, target), i)
+            except AttributeError:
+                raise DiffExportError(f"TensorRT-RTX has no target {target}") from None
     profile = builder.create_optimization_profile()
-    for input_name, shapes in _profile_shapes(model, min_shape, opt_shape, max_shape).items():
+    for input_name, shapes in _profile_shapes(graph, options.min_shape, options.opt_shape, options.max_shape).items():
         profile.set_shape(input_name, *shapes)
     config.add_optimization_profile(profile)
+    cache_path = Path(options.timing_cache) if options.timing_cache else None
+    if cache_path is not None:
+        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+    monitor = _progress_monitor(trt) if options.progress else None
+    if monitor is not None:
+        config.progress_monitor = monitor
     start = time.monotonic()
     engine = builder.build_serialized_network(network, config)
     if engine is None:
         detail = logger.errors[-1].splitlines()[0] if logger.errors else "no detail"
-        raise DiffExportError(f"{name} parsed the graph but failed to build an engine for {list(targets)}: {detail}")
-    return BuildResult(name, tuple(targets) if name == "tensorrt_rtx" else ("this GPU",), network.num_layers,
-                       engine.nbytes, time.monotonic() - start)
+        raise DiffExportError(f"{name} parsed the graph but failed to build an engine: {detail}")
+    seconds = time.monotonic() - start
+    if cache_path is not None:
+        from diffexport.files import atomic_write
+
+        data = bytes(config.get_timing_cache().serialize())
+        atomic_write(cache_path, lambda tmp: Path(tmp).write_bytes(data))
+    targets = tuple(options.targets) if name == "tensorrt_rtx" else ("this GPU",)
+    return BuildResult(name, getattr(trt, "__version__", "?"), targets, network.num_layers, plugin_layers, n_attention,
+                       precision, options.attention, options.logit_bits, bytes(engine), seconds)
+
+
+# ------------------------------------------------------------------ engine files and their record
+
+def sidecar_path(engine_path: Path) -> Path:
+    return engine_path.with_name(engine_path.name + ".json")
+
+
+def write_engine(engine_path: Path, result: BuildResult, onnx_path: Path, onnx_metadata: dict[str, str],
+                 options: EngineOptions) -> Path:
+    """The engine and, beside it, what it was built from and how (read by `diffexport check model.engine`)."""
+    import json
+
+    from diffexport.files import atomic_write
+
+    record = {
+        "onnx": str(onnx_path), "onnx_metadata": onnx_metadata, "module": result.module, "version": result.version,
+        "targets": list(result.targets), "attention": result.attention, "logit_bits": result.logit_bits,
+        "smooth_k": bool(options.smooth_k), "precision": result.precision,
+        "profile": {"min": list(options.min_shape), "opt": list(options.opt_shape), "max": list(options.max_shape)},
+        "plugin_lib": str(find_plugin_library(options.plugin_lib)) if result.attention == "plugin" else None,
+    }
+    atomic_write(engine_path, lambda tmp: Path(tmp).write_bytes(result.engine))
+    side = sidecar_path(engine_path)
+    atomic_write(side, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1)))
+    return side
+
+
+def read_engine_record(engine_path: Path) -> dict:
+    import json
+
+    if not engine_path.is_file():
+        raise DiffExportError(f"{engine_path} does not exist")
+    side = sidecar_path(engine_path)
+    if not side.is_file():
+        raise DiffExportError(f"no {side.name} beside {engine_path.name}: build engines with `diffexport trt`, which "
+                              "records the model and options they came from")
+    try:
+        record = json.loads(side.read_text())
+        record["onnx_metadata"]["config"], record["profile"]["max"]  # noqa: B018 - the fields check needs
+    except (ValueError, KeyError, TypeError):
+        raise DiffExportError(f"{side} is corrupt: rebuild the engine with `diffexport trt`") from None
+    return record
+
+
+def run_engine(engine: bytes, module: str, feeds: dict, plugin_lib: str | None = None) -> dict:
+    """Run a serialized engine once on the current CUDA device: numpy feeds in, fp32 numpy outputs out."""
+    import numpy as np
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DiffExportError("running a TensorRT engine needs an NVIDIA GPU (torch sees none)")
+    name, trt = import_tensorrt(module)
+    if plugin_lib:
+        load_plugin(trt, find_plugin_library(plugin_lib))
+    logger = _collecting_logger(trt)
+    runtime = trt.Runtime(logger)
+    cuda_engine = runtime.deserialize_cuda_engine(engine)
+    if cuda_engine is None:
+        detail = logger.errors[-1].splitlines()[0] if logger.errors else "no detail"
+        raise DiffExportError(f"{name} cannot deserialize the engine (built by another TensorRT version or for "
+                              f"another GPU?): {detail}")
+    context = cuda_engine.create_execution_context()
+    torch_types = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+                   trt.DataType.BF16: torch.bfloat16, trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
+    buffers, outputs = {}, []
+    for i in range(cuda_engine.num_io_tensors):
+        tensor = cuda_engine.get_tensor_name(i)
+        if cuda_engine.get_tensor_mode(tensor) == trt.TensorIOMode.INPUT:
+            if tensor not in feeds:
+                raise DiffExportError(f"the engine wants an input {tensor!r} that the check does not provide")
+            buffers[tensor] = torch.from_numpy(np.ascontiguousarray(feeds[tensor])).cuda()
+            context.set_input_shape(tensor, tuple(buffers[tensor].shape))
+        else:
+            outputs.append(tensor)
+    for tensor in outputs:
+        dtype = torch_types.get(cuda_engine.get_tensor_dtype(tensor))
+        if dtype is None:
+            raise DiffExportError(f"output {tensor} has a type the check cannot read")
+        buffers[tensor] = torch.empty(tuple(context.get_tensor_shape(tensor)), dtype=dtype, device="cuda")
+    for tensor, buffer in buffers.items():
+        context.set_tensor_address(tensor, buffer.data_ptr())
+    stream = torch.cuda.current_stream()
+    if not context.execute_async_v3(stream.cuda_stream):
+        detail = logger.errors[-1].splitlines()[0] if logger.errors else "no detail"
+        raise DiffExportError(f"the engine failed to run: {detail}")
+    stream.synchronize()
+    return {tensor: buffers[tensor].float().cpu().numpy() for tensor in outputs}

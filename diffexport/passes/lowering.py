@@ -17,7 +17,8 @@ from diffexport.errors import DiffExportError
 from diffexport.export.function_body import BODY_STYLES, MIN_OPSET, build_specialised_function
 
 _LOWERED_DOMAIN = "diffexport.lowered"  # private: gone again once inlined
-PLUGIN_FIELDS = ("plugin_namespace", "plugin_version")
+# Node attributes that are not op attributes: the parser's plugin selectors and the plugin-only fields.
+PLUGIN_FIELDS = contract.PLUGIN_SELECTOR_ATTRIBUTES + tuple(a.name for a in contract.PLUGIN_ONLY_ATTRIBUTES)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,114 @@
+"""`diffexport trt` and `diffexport check model.engine` on the CPU: plugin-free engines built with
+TensorRT-RTX through the same code path users take with TensorRT, the engine record, and every
+refusal as one line. Running engines and the plugin path need TensorRT and a GPU (not here)."""
+
+import json
+
+import onnx
+import pytest
+
+from diffexport import contract
+from diffexport.backends.tensorrt import EngineOptions, find_plugin_library, graph_precision, prepare_graph
+from diffexport.errors import DiffExportError
+from diffexport.passes.lowering import node_attrs
+from helpers import assert_one_line_error, run_cli
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trt")
+    for dtype in ("", "--fp16"):
+        path = folder / f"m{dtype.replace('--', '_')}.onnx"
+        result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", path, *([dtype] if dtype else []))
+        assert result.returncode == 0, result.stderr
+    return folder
+
+
+def test_plugin_graph_is_stamped_for_the_plugin(exported):
+    model = onnx.load(str(exported / "m_fp16.onnx"))
+    assert graph_precision(model) == "fp16"
+    staged, count = prepare_graph(model, EngineOptions(logit_bits=6, smooth_k=False))
+    nodes = [n for n in staged.graph.node if n.op_type == contract.OP_NAME]
+    assert count == len(nodes) == 2
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["plugin_namespace"] == contract.PLUGIN_NAMESPACE.encode()
+        assert attrs["plugin_version"] == contract.PLUGIN_VERSION.encode()
+        assert attrs["logit_bits"] == 6 and attrs["smooth_k"] == 0
+        node_attrs(node)  # the op attributes still validate: plugin-only fields are set aside
+    original = [n for n in model.graph.node if n.op_type == contract.OP_NAME][0]
+    assert "logit_bits" not in {a.name for a in original.attribute}  # the input model is untouched
+
+
+def test_native_graph_has_no_diff_attention(exported):
+    lowered, count = prepare_graph(onnx.load(str(exported / "m.onnx")), EngineOptions(attention="native"))
+    assert count == 2 and not [n for n in lowered.graph.node if n.op_type == contract.OP_NAME]
+
+
+@pytest.mark.parametrize("options,message", [
+    (EngineOptions(attention="native", logit_bits=8), "need the plugin's INT8-logits kernel"),
+    (EngineOptions(logit_bits=5), "--logit-bits must be 8, 6 or 4"),
+    (EngineOptions(attention="tensor-cores"), "--attention must be one of"),
+])
+def test_prepare_refuses(exported, options, message):
+    with pytest.raises(DiffExportError, match=message):
+        prepare_graph(onnx.load(str(exported / "m_fp16.onnx")), options)
+
+
+def test_missing_plugin_library_is_one_line(tmp_path):
+    with pytest.raises(DiffExportError, match="plugin library not found .*-DTensorRT_ROOT"):
+        find_plugin_library(tmp_path / "nope.so")
+
+
+
+
+def test_native_engine_builds_with_tensorrt_rtx(exported, tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    engine, cache = tmp_path / "m.engine", tmp_path / "timing.cache"
+    result = run_cli("trt", exported / "m_fp16.onnx", "-o", engine, "--attention", "native", "--builder",
+                     "tensorrt-rtx", "--targets", "SM80", "--min", "1x1", "--opt", "2x64", "--max", "4x512",
+                     "--timing-cache", cache)
+    assert result.returncode == 0, result.stderr
+    assert "2 DiffAttention nodes -> native (0 plugin layers)" in result.stdout and "fp16" in result.stdout
+    assert engine.stat().st_size > 100_000
+    record = json.loads((tmp_path / "m.engine.json").read_text())
+    assert record["attention"] == "native" and record["module"] == "tensorrt_rtx" and record["targets"] == ["SM80"]
+    assert record["profile"] == {"min": [1, 1], "opt": [2, 64], "max": [4, 512]}
+    assert json.loads(record["onnx_metadata"]["config"])["head_dim"] == 32
+    assert cache.is_file() and cache.stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--builder", "tensorrt-rtx"), "TensorRT-RTX cannot build graphs with plugin nodes"),
+    (("--attention", "native", "--int8"), "need the plugin's INT8-logits kernel"),
+    (("--attention", "native", "--fp16", "--builder", "tensorrt-rtx"), "the ONNX file is fp32"),
+    (("--attention", "native", "--min", "4x1", "--max", "2x8", "--builder", "tensorrt-rtx"), "profile batch"),
+    (("--attention", "native", "--opt", "1by8"), "--opt '1by8': write BATCHxSEQ"),
+    (("--int8", "--logit-bits", "4"), "--int8 means --logit-bits 8"),
+])
+def test_trt_refusals_are_one_line(exported, tmp_path, extra, message):
+    pytest.importorskip("tensorrt_rtx")
+    result = run_cli("trt", exported / "m.onnx", "-o", tmp_path / "x.engine", *extra)
+    assert_one_line_error(result, message)
+    assert not (tmp_path / "x.engine").exists()
+
+
+def test_trt_file_errors(exported, tmp_path):
+    assert_one_line_error(run_cli("trt", tmp_path / "missing.onnx", "-o", tmp_path / "x.engine"), "missing.onnx")
+    assert_one_line_error(run_cli("trt", exported / "m.onnx", "-o", tmp_path / "x.onnx"), "name the engine")
+
+
+def test_check_engine_needs_its_record_and_a_gpu(exported, tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    engine = tmp_path / "m.engine"
+    assert run_cli("trt", exported / "m.onnx", "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+                   "--opt", "1x32", "--max", "2x64").returncode == 0
+    import torch
+
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "needs an NVIDIA GPU")
+    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-110m"), "different configuration")
+    (tmp_path / "m.engine.json").write_text("{not json")
+    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "is corrupt")
+    (tmp_path / "m.engine.json").unlink()
+    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "no m.engine.json beside")
