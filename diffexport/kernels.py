@@ -28,7 +28,7 @@ from diffexport.quantization import check_bits
 LIBRARY_NAME = "libdiffexport_kernels.so"
 ABI_VERSION = 1  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
 HEAD_DIMS = (64, 128)
-DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # float32: converted to fp16 inside
 MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
 IMPL_ENV = "DIFFEXPORT_ATTENTION"
 IMPL_CHOICES = ("auto", "fused", "reference")
@@ -128,7 +128,7 @@ def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffA
     if len({t.device for t in tensors.values()}) > 1:
         return "all inputs must be on the same CUDA device"
     if query.dtype not in DTYPE_CODES:
-        return f"the fused kernel takes float16 or bfloat16, got {query.dtype}"
+        return f"the fused kernel takes float16, bfloat16 or float32 (run in fp16), got {query.dtype}"
     if key.dtype != query.dtype or value.dtype != query.dtype or lambda_full.dtype != query.dtype:
         return "query, key, value and lambda_full must share one dtype"
     if norm_weight.dtype != torch.float32:
@@ -190,6 +190,7 @@ def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAtten
     """The fused kernel on contract inputs: output [B, Sq, H*Dv] in query's dtype.
 
     logit_bits 0 or 16: fp16/bf16 logits; 2..8: INT8 logits (diffexport/quantization.py "qk").
+    float32 tensors are converted to fp16 in the workspace, computed in fp16 and converted back.
     `out` (optional) is written in place: it must be [B, Sq, H*Dv] with contiguous rows.
     """
     if logit_bits not in (0, 16):
@@ -229,6 +230,8 @@ def use_fused(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionA
         if reason:
             raise DiffExportError(f"{IMPL_ENV}=fused: {reason}")
         return True
+    if query.dtype == torch.float32:  # auto keeps fp32 accuracy: the kernel would compute in fp16
+        return False
     if unsupported_reason(query, key, value, lambda_full, norm_weight, attrs):
         return False
     try:

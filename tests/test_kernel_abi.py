@@ -94,7 +94,7 @@ def test_valid_params_pass(lib, variant, head_dim, bits):
 
 
 BAD = [
-    ("dtype", 3, "DIFFX_ERR_UNSUPPORTED_DTYPE", "dtype 3"),
+    ("dtype", 4, "DIFFX_ERR_UNSUPPORTED_DTYPE", "dtype 4"),
     ("variant", 0, "DIFFX_ERR_BAD_VARIANT", "variant 0"),
     ("head_dim", 96, "DIFFX_ERR_UNSUPPORTED_HEAD_DIM", "head_dim 96"),
     ("batch", 0, "DIFFX_ERR_BAD_SIZE", "batch 0"),
@@ -208,3 +208,22 @@ def test_cli_kernels(lib, tmp_path):
                              env={**os.environ, "DIFFEXPORT_KERNEL_LIB": str(tmp_path / "missing.so")})
     assert missing.returncode == 2
     assert missing.stderr.startswith("error: fused kernel library not found") and missing.stderr.count("\n") == 1
+
+
+def test_float32_io_workspace(lib):
+    """float32 I/O: fp16 copies of query, key, value, lambda and output, then the INT8 part."""
+    up = lambda x: -(-x // 256) * 256  # noqa: E731
+    p = valid_params(variant=2, head_dim=64, num_heads=4, num_kv_heads=2, batch=2, q_len=100, kv_len=100)
+    p.dtype = 3
+    halves = [2 * 100 * 2 * 4 * 64, 2 * 100 * 2 * 64, 2 * 100 * 2 * 64, 2 * 100 * 4, 2 * 100 * 4 * 64]
+    expected = sum(up(2 * n) for n in halves)
+    assert lib.diffx_attention_workspace_size(ctypes.byref(p)) == expected
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_WORKSPACE_TOO_SMALL"]
+    p.lambda_head_stride = 2
+    p.workspace, p.workspace_bytes = FAKE, expected
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_BAD_SIZE"]
+    assert "head stride 1" in lib.diffx_last_error().decode()
+    p.lambda_head_stride = 1
+    assert lib.diffx_attention_check(ctypes.byref(p)) == 0
+    p.logit_bits = 8
+    assert lib.diffx_attention_workspace_size(ctypes.byref(p)) > expected

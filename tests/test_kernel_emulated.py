@@ -146,3 +146,19 @@ def test_emulated_int8_logits_match_the_mirrored_quantisation(emulator, variant,
     cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
     assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation {err:.3e} > 2*{fp_err:.3e} + 1e-3"
     assert cos >= min_cosine(dtype)
+
+
+@pytest.mark.parametrize("variant,bits", [(1, 0), (2, 0), (1, 8)])
+def test_emulated_float32_io_runs_the_fp16_kernel(emulator, variant, bits, rng):
+    """float32 tensors (strided too) give exactly the fp16 kernel's result on the same values, in fp32."""
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=2, num_kv_heads=1, head_dim=64, causal=1,
+                               norm=int(variant == 1))
+    half = make_inputs(attrs, 2, 33, 70, dtype=torch.float16, rng=rng)
+    wide = [t.float() for t in half]
+    for i in range(3):  # padded rows: a view with row stride > width
+        big = torch.full((*wide[i].shape[:2], wide[i].shape[2] + 8), 5.0)
+        big[..., : wide[i].shape[2]] = wide[i]
+        wide[i] = big[..., : wide[i].shape[2]]
+    out32 = emulate(emulator, wide, attrs, bits=bits)
+    assert out32.dtype == torch.float32 and not out32.isnan().any()
+    assert torch.equal(out32, emulate(emulator, half, attrs, bits=bits).float())

@@ -177,3 +177,10 @@ def test_compute_sanitizer_is_clean(tool):
                              str(script)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout or "RACECHECK SUMMARY: 0 hazards" in result.stdout
+
+
+def test_float32_io_equals_the_fp16_kernel(rng):
+    attrs = DiffAttentionAttrs(variant=1, num_heads=4, num_kv_heads=2, head_dim=128, causal=1)
+    half = [t.cuda() for t in make_inputs(attrs, 2, 100, 300, dtype=torch.float16, rng=rng)]
+    wide = [t.float() for t in half]
+    assert torch.equal(kernels.diff_attention(*wide, attrs), run_kernel(half, attrs).float())

@@ -229,9 +229,6 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     if options.precision not in ("auto", precision):
         raise DiffExportError(f"the ONNX file is {precision} and TensorRT builds strongly typed networks: export it "
                               f"with `diffexport onnx --{options.precision}` (fp32 = no flag) to get {options.precision}")
-    if options.attention == "plugin" and precision == "fp32":
-        raise DiffExportError("the DiffAttention plugin runs fp16 or bf16: export with `diffexport onnx --fp16` "
-                              "(or --bf16), or build with --attention native")
     graph, n_attention = prepare_graph(model, options)
     if options.attention == "plugin":
         load_plugin(trt, find_plugin_library(options.plugin_lib))

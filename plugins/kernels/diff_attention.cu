@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "convert.cuh"
 #include "diff_attention.h"
 #include "diff_attention_fwd.cuh"
 #include "instances.h"
@@ -56,6 +57,37 @@ cudaError_t dispatch_dtype(const diffx::KernelArgs& args, cudaStream_t stream) {
   return args.p.head_dim == 64 ? dispatch_head_dim<T, 64>(args, stream) : dispatch_head_dim<T, 128>(args, stream);
 }
 
+template <typename Src, typename Dst>
+cudaError_t convert(const Src* src, int64_t src_batch, int64_t src_row, Dst* dst, int64_t dst_batch, int64_t dst_row,
+                    int64_t batch, int64_t rows, int64_t width, cudaStream_t stream) {
+  const int64_t total = batch * rows * width;
+  diffx::convert_kernel<Src, Dst><<<diffx::convert_blocks(total), diffx::kConvertThreads, 0, stream>>>(
+      src, src_batch, src_row, dst, dst_batch, dst_row, rows, width, total);
+  return cudaGetLastError();
+}
+
+// float32 I/O: fp32 -> fp16 copies, the fp16 kernel, fp16 -> fp32 output.
+cudaError_t forward_float32(const DiffxAttentionParams& p, cudaStream_t stream) {
+  const DiffxAttentionParams h = diffx::half_params(p);
+  const int64_t B = p.batch, Sq = p.q_len, Skv = p.kv_len;
+  const int64_t qw = h.q_row_stride, kw = h.k_row_stride, vw = h.v_row_stride, ow = h.o_row_stride;
+  cudaError_t err;
+  if ((err = convert(static_cast<const float*>(p.query), p.q_batch_stride, p.q_row_stride, (__half*)h.query,
+                     h.q_batch_stride, qw, B, Sq, qw, stream)) != cudaSuccess) return err;
+  if ((err = convert(static_cast<const float*>(p.key), p.k_batch_stride, p.k_row_stride, (__half*)h.key,
+                     h.k_batch_stride, kw, B, Skv, kw, stream)) != cudaSuccess) return err;
+  if ((err = convert(static_cast<const float*>(p.value), p.v_batch_stride, p.v_row_stride, (__half*)h.value,
+                     h.v_batch_stride, vw, B, Skv, vw, stream)) != cudaSuccess) return err;
+  err = p.variant == 1 ? convert(static_cast<const float*>(p.lambda_full), 0, 0, (__half*)h.lambda_full, 0, 0, 1, 1, 1, stream)
+                       : convert(static_cast<const float*>(p.lambda_full), p.lambda_batch_stride, p.lambda_row_stride,
+                                 (__half*)h.lambda_full, h.lambda_batch_stride, h.lambda_row_stride, B, Sq,
+                                 p.num_heads, stream);
+  if (err != cudaSuccess) return err;
+  if ((err = dispatch_dtype<__half>(diffx::make_kernel_args(h), stream)) != cudaSuccess) return err;
+  return convert(static_cast<const __half*>(h.output), h.o_batch_stride, ow, static_cast<float*>(p.output),
+                 p.o_batch_stride, p.o_row_stride, B, Sq, ow, stream);
+}
+
 }  // namespace
 
 extern "C" {
@@ -72,13 +104,15 @@ DIFFX_API int diffx_attention_forward(const DiffxAttentionParams* params, void* 
   diffx::clear_error();
   const int status = diffx::check_params(params);
   if (status != DIFFX_OK) return status;
-  const diffx::KernelArgs args = diffx::make_kernel_args(*params);
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return cuda_failure(err, "no usable CUDA device");
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
-  err = params->dtype == DIFFX_DTYPE_FLOAT16 ? dispatch_dtype<__half>(args, stream)
-                                             : dispatch_dtype<__nv_bfloat16>(args, stream);
+  switch (params->dtype) {
+    case DIFFX_DTYPE_FLOAT16: err = dispatch_dtype<__half>(diffx::make_kernel_args(*params), stream); break;
+    case DIFFX_DTYPE_BFLOAT16: err = dispatch_dtype<__nv_bfloat16>(diffx::make_kernel_args(*params), stream); break;
+    default: err = forward_float32(*params, stream); break;
+  }
   if (err != cudaSuccess) return cuda_failure(err, "kernel launch failed");
   return DIFFX_OK;
 }

@@ -40,7 +40,8 @@ extern "C" {
 
 typedef enum DiffxDtype {
   DIFFX_DTYPE_FLOAT16 = 1,
-  DIFFX_DTYPE_BFLOAT16 = 2
+  DIFFX_DTYPE_BFLOAT16 = 2,
+  DIFFX_DTYPE_FLOAT32 = 3 /* converted to fp16 in the workspace, run on the fp16 kernel, converted back */
 } DiffxDtype;
 
 typedef enum DiffxStatus {
@@ -66,7 +67,8 @@ typedef struct DiffxAttentionParams {
   int64_t k_batch_stride, k_row_stride;
   const void* value;
   int64_t v_batch_stride, v_row_stride;
-  const void* lambda_full; /* dtype of query; V1 reads element 0, V2 [B, Sq, H] with the strides below */
+  const void* lambda_full; /* dtype of query; V1 reads element 0, V2 [B, Sq, H] with the strides below
+                              (float32 I/O needs lambda_head_stride 1) */
   int64_t lambda_batch_stride, lambda_row_stride, lambda_head_stride;
   const float* norm_weight; /* [Dv] */
   void* output;
@@ -110,7 +112,7 @@ DIFFX_API const char* diffx_last_error(void);
 /* Validates params without touching the GPU (no CUDA call). DIFFX_OK or the first problem. */
 DIFFX_API int diffx_attention_check(const DiffxAttentionParams* params);
 
-/* Device workspace the launch needs (0 unless logit_bits is 2..8). Does not read pointers. */
+/* Device workspace the launch needs (0 unless logit_bits is 2..8 or dtype is float32). Does not read pointers. */
 DIFFX_API size_t diffx_attention_workspace_size(const DiffxAttentionParams* params);
 
 /* Checks params, then enqueues the kernels on `cuda_stream` (a cudaStream_t; NULL = default). */

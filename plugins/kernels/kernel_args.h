@@ -23,13 +23,19 @@ struct KernelArgs {
 };
 
 struct WorkspaceLayout {
-  size_t codes = 0, scales = 0, mean = 0, total = 0;  // byte offsets into the workspace, and its size
+  // float32 I/O: fp16 copies of the inputs and the output (byte offsets; all 0 otherwise)
+  size_t query16 = 0, key16 = 0, value16 = 0, lambda16 = 0, output16 = 0;
+  size_t int8_base = 0;  // where the INT8 part starts; the offsets below are relative to it
+  size_t codes = 0, scales = 0, mean = 0;
+  size_t total = 0;      // bytes of the whole workspace
 };
 
 bool logits_quantised(const DiffxAttentionParams& p);
 WorkspaceLayout workspace_layout(const DiffxAttentionParams& p);
 int check_params(const DiffxAttentionParams* p);  // DIFFX_OK or a status, with the detail recorded
-KernelArgs make_kernel_args(const DiffxAttentionParams& p);  // p must have passed check_params
+KernelArgs make_kernel_args(const DiffxAttentionParams& p);  // p must have passed check_params; fp16/bf16 only
+// float32 I/O: the fp16 problem the kernel runs, on contiguous copies in the workspace.
+DiffxAttentionParams half_params(const DiffxAttentionParams& p);
 int record_error(int status, const char* fmt, ...);  // sets diffx_last_error(), returns status
 void clear_error();
 

@@ -22,14 +22,52 @@ int value_dim(const DiffxAttentionParams& p) { return p.variant == 1 ? 2 * p.hea
 
 WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
   WorkspaceLayout w;
-  if (!logits_quantised(p)) return w;
-  const size_t maps = size_t(p.batch) * key_maps(p);
-  const size_t blocks = (size_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
-  w.codes = 0;
-  w.scales = round_up(maps * blocks * DIFFX_KEY_BLOCK * p.head_dim, kAlign);
-  w.mean = w.scales + round_up(maps * blocks * sizeof(float), kAlign);
-  w.total = w.mean + (p.smooth_k ? round_up(maps * p.head_dim * sizeof(float), kAlign) : 0);
+  size_t offset = 0;
+  if (p.dtype == DIFFX_DTYPE_FLOAT32) {
+    const size_t B = size_t(p.batch), Sq = size_t(p.q_len), Skv = size_t(p.kv_len), h = 2;  // fp16 bytes
+    const size_t lambda = p.variant == 1 ? 1 : B * Sq * p.num_heads;
+    w.query16 = offset;
+    offset += round_up(B * Sq * 2 * p.num_heads * p.head_dim * h, kAlign);
+    w.key16 = offset;
+    offset += round_up(B * Skv * key_maps(p) * p.head_dim * h, kAlign);
+    w.value16 = offset;
+    offset += round_up(B * Skv * p.num_kv_heads * value_dim(p) * h, kAlign);
+    w.lambda16 = offset;
+    offset += round_up(lambda * h, kAlign);
+    w.output16 = offset;
+    offset += round_up(B * Sq * p.num_heads * value_dim(p) * h, kAlign);
+  }
+  w.int8_base = offset;
+  if (logits_quantised(p)) {
+    const size_t maps = size_t(p.batch) * key_maps(p);
+    const size_t blocks = (size_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
+    w.codes = 0;
+    w.scales = round_up(maps * blocks * DIFFX_KEY_BLOCK * p.head_dim, kAlign);
+    w.mean = w.scales + round_up(maps * blocks * sizeof(float), kAlign);
+    offset += w.mean + (p.smooth_k ? round_up(maps * p.head_dim * sizeof(float), kAlign) : 0);
+  }
+  w.total = offset;
   return w;
+}
+
+DiffxAttentionParams half_params(const DiffxAttentionParams& p) {
+  const WorkspaceLayout w = workspace_layout(p);
+  char* base = static_cast<char*>(p.workspace);
+  DiffxAttentionParams h = p;
+  const int64_t qw = int64_t(2) * p.num_heads * p.head_dim, kw = int64_t(key_maps(p)) * p.head_dim;
+  const int64_t vw = int64_t(p.num_kv_heads) * value_dim(p), ow = int64_t(p.num_heads) * value_dim(p);
+  h.dtype = DIFFX_DTYPE_FLOAT16;
+  h.query = base + w.query16, h.q_row_stride = qw, h.q_batch_stride = qw * p.q_len;
+  h.key = base + w.key16, h.k_row_stride = kw, h.k_batch_stride = kw * p.kv_len;
+  h.value = base + w.value16, h.v_row_stride = vw, h.v_batch_stride = vw * p.kv_len;
+  h.lambda_full = base + w.lambda16;
+  if (p.variant != 1) {
+    h.lambda_head_stride = 1, h.lambda_row_stride = p.num_heads, h.lambda_batch_stride = int64_t(p.num_heads) * p.q_len;
+  }
+  h.output = base + w.output16, h.o_row_stride = ow, h.o_batch_stride = ow * p.q_len;
+  h.workspace = base + w.int8_base;
+  h.workspace_bytes = w.total - w.int8_base;
+  return h;
 }
 
 namespace {
@@ -53,8 +91,9 @@ int check_tensor(const char* name, const void* ptr, int64_t batch_stride, int64_
 int check_params(const DiffxAttentionParams* pp) {
   if (!pp) return record_error(DIFFX_ERR_NULL_POINTER, "params is a null pointer");
   const DiffxAttentionParams& p = *pp;
-  if (p.dtype != DIFFX_DTYPE_FLOAT16 && p.dtype != DIFFX_DTYPE_BFLOAT16)
-    return record_error(DIFFX_ERR_UNSUPPORTED_DTYPE, "dtype %d is not supported: use float16 (1) or bfloat16 (2)", p.dtype);
+  if (p.dtype != DIFFX_DTYPE_FLOAT16 && p.dtype != DIFFX_DTYPE_BFLOAT16 && p.dtype != DIFFX_DTYPE_FLOAT32)
+    return record_error(DIFFX_ERR_UNSUPPORTED_DTYPE,
+                        "dtype %d is not supported: use float16 (1), bfloat16 (2) or float32 (3)", p.dtype);
   if (p.variant != 1 && p.variant != 2)
     return record_error(DIFFX_ERR_BAD_VARIANT, "variant %d is not 1 (DIFF V1) or 2 (DIFF V2)", p.variant);
   if (p.head_dim != 64 && p.head_dim != 128)
@@ -90,9 +129,12 @@ int check_params(const DiffxAttentionParams* pp) {
   if ((s = check_tensor("value", p.value, p.v_batch_stride, p.v_row_stride, p.num_kv_heads * Dv))) return s;
   if ((s = check_tensor("output", p.output, p.o_batch_stride, p.o_row_stride, p.num_heads * Dv))) return s;
   if (!p.lambda_full) return record_error(DIFFX_ERR_NULL_POINTER, "lambda_full is a null pointer");
-  if (!aligned(p.lambda_full, 2)) return record_error(DIFFX_ERR_MISALIGNED, "lambda_full must be 2-byte aligned");
+  if (!aligned(p.lambda_full, p.dtype == DIFFX_DTYPE_FLOAT32 ? 4 : 2))
+    return record_error(DIFFX_ERR_MISALIGNED, "lambda_full must be aligned to its element size");
   if (p.variant == 2 && (p.lambda_batch_stride < 0 || p.lambda_row_stride < 0 || p.lambda_head_stride < 0))
     return record_error(DIFFX_ERR_BAD_SIZE, "lambda_full strides must be >= 0");
+  if (p.variant == 2 && p.dtype == DIFFX_DTYPE_FLOAT32 && p.lambda_head_stride != 1)
+    return record_error(DIFFX_ERR_BAD_SIZE, "float32 I/O needs lambda_full with head stride 1");
   if (!p.norm_weight) return record_error(DIFFX_ERR_NULL_POINTER, "norm_weight is a null pointer");
   if (!aligned(p.norm_weight, 4)) return record_error(DIFFX_ERR_MISALIGNED, "norm_weight must be 4-byte aligned");
   const size_t need = workspace_layout(p).total;
@@ -130,7 +172,7 @@ KernelArgs make_kernel_args(const DiffxAttentionParams& p) {
   args.kv_pad = args.n_kv_blocks * DIFFX_KEY_BLOCK;
   if (logits_quantised(p)) {
     const WorkspaceLayout w = workspace_layout(p);
-    char* base = static_cast<char*>(p.workspace);
+    char* base = static_cast<char*>(p.workspace) + w.int8_base;
     args.qmax = (1 << (p.logit_bits - 1)) - 1;
     args.k_codes = reinterpret_cast<const int8_t*>(base + w.codes);
     args.k_scales = reinterpret_cast<const float*>(base + w.scales);
@@ -151,7 +193,7 @@ DIFFX_API const char* diffx_status_string(int status) {
   switch (status) {
     case DIFFX_OK: return "ok";
     case DIFFX_ERR_NULL_POINTER: return "a required pointer is null";
-    case DIFFX_ERR_UNSUPPORTED_DTYPE: return "unsupported dtype (float16 or bfloat16)";
+    case DIFFX_ERR_UNSUPPORTED_DTYPE: return "unsupported dtype (float16, bfloat16 or float32)";
     case DIFFX_ERR_UNSUPPORTED_HEAD_DIM: return "unsupported head dim (64 or 128)";
     case DIFFX_ERR_BAD_VARIANT: return "variant must be 1 or 2";
     case DIFFX_ERR_BAD_SIZE: return "a size is out of range";

@@ -31,6 +31,7 @@ int32_t dtype_code(DataType type) {
   switch (type) {
     case DataType::kHALF: return DIFFX_DTYPE_FLOAT16;
     case DataType::kBF16: return DIFFX_DTYPE_BFLOAT16;
+    case DataType::kFLOAT: return DIFFX_DTYPE_FLOAT32;  // converted to fp16 by the kernel library
     default: return 0;
   }
 }
@@ -225,7 +226,7 @@ bool DiffAttentionPlugin::supportsFormatCombination(int32_t pos, const DynamicPl
     return false;
   const PluginTensorDesc& desc = inOut[pos].desc;
   if (desc.format != TensorFormat::kLINEAR) return false;
-  if (pos == c::kInput_query) return dtype_code(desc.type) != 0;  // fp16 or bf16
+  if (pos == c::kInput_query) return dtype_code(desc.type) != 0;  // fp16, bf16, or fp32 (run in fp16)
   if (pos == c::kInput_norm_weight) return desc.type == DataType::kFLOAT;
   return desc.type == inOut[c::kInput_query].desc.type;  // key, value, lambda_full, output: query's type
 }

@@ -258,6 +258,7 @@ inline uint32_t pack2(float lo, float hi, __nv_bfloat16) {
   return uint32_t(diffx_emu::float_to_bf16(lo)) | (uint32_t(diffx_emu::float_to_bf16(hi)) << 16);
 }
 inline float to_float(__half x) { return diffx_emu::half_to_float(x.bits); }
+inline __half __float2half_rn(float v) { return __half{diffx_emu::float_to_half(v)}; }
 inline float to_float(__nv_bfloat16 x) { return diffx_emu::bf16_to_float(x.bits); }
 
 }  // namespace diffx

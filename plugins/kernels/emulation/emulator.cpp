@@ -3,6 +3,7 @@
 #include <thread>
 #include <vector>
 
+#include "../convert.cuh"
 #include "../diff_attention_fwd.cuh"
 #include "../kernel_args.h"
 #include "../quantize_keys.cuh"
@@ -64,13 +65,46 @@ void run_dtype(const diffx::KernelArgs& args) {
   args.p.head_dim == 64 ? run_head_dim<T, 64>(args) : run_head_dim<T, 128>(args);
 }
 
+template <typename Src, typename Dst>
+void convert(const void* src, int64_t src_batch, int64_t src_row, const void* dst, int64_t dst_batch, int64_t dst_row,
+             int64_t batch, int64_t rows, int64_t width) {
+  const int64_t total = batch * rows * width;
+  run_grid(diffx::convert_blocks(total), 1, 1, diffx::kConvertThreads, 0, [&] {
+    diffx::convert_kernel<Src, Dst>(static_cast<const Src*>(src), src_batch, src_row,
+                                    static_cast<Dst*>(const_cast<void*>(dst)), dst_batch, dst_row, rows, width, total);
+  });
+}
+
+void run_float32(const DiffxAttentionParams& p) {
+  const DiffxAttentionParams h = diffx::half_params(p);
+  const int64_t B = p.batch, Sq = p.q_len, Skv = p.kv_len;
+  convert<float, __half>(p.query, p.q_batch_stride, p.q_row_stride, h.query, h.q_batch_stride, h.q_row_stride, B, Sq,
+                         h.q_row_stride);
+  convert<float, __half>(p.key, p.k_batch_stride, p.k_row_stride, h.key, h.k_batch_stride, h.k_row_stride, B, Skv,
+                         h.k_row_stride);
+  convert<float, __half>(p.value, p.v_batch_stride, p.v_row_stride, h.value, h.v_batch_stride, h.v_row_stride, B, Skv,
+                         h.v_row_stride);
+  if (p.variant == 1) {
+    convert<float, __half>(p.lambda_full, 0, 0, h.lambda_full, 0, 0, 1, 1, 1);
+  } else {
+    convert<float, __half>(p.lambda_full, p.lambda_batch_stride, p.lambda_row_stride, h.lambda_full,
+                           h.lambda_batch_stride, h.lambda_row_stride, B, Sq, p.num_heads);
+  }
+  run_dtype<__half>(diffx::make_kernel_args(h));
+  convert<__half, float>(h.output, h.o_batch_stride, h.o_row_stride, p.output, p.o_batch_stride, p.o_row_stride, B, Sq,
+                         h.o_row_stride);
+}
+
 }  // namespace
 
 extern "C" DIFFX_EMU_API int diffx_emulated_attention_forward(const DiffxAttentionParams* params) {
   diffx::clear_error();
   const int status = diffx::check_params(params);
   if (status != DIFFX_OK) return status;
-  const diffx::KernelArgs args = diffx::make_kernel_args(*params);
-  params->dtype == DIFFX_DTYPE_FLOAT16 ? run_dtype<__half>(args) : run_dtype<__nv_bfloat16>(args);
+  switch (params->dtype) {
+    case DIFFX_DTYPE_FLOAT16: run_dtype<__half>(diffx::make_kernel_args(*params)); break;
+    case DIFFX_DTYPE_BFLOAT16: run_dtype<__nv_bfloat16>(diffx::make_kernel_args(*params)); break;
+    default: run_float32(*params); break;
+  }
   return DIFFX_OK;
 }
