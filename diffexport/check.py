@@ -167,17 +167,21 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
                                    baseline=None if ref32 is None else base[name])
             comparisons.append((name, c))
             lines.append(c.line())
-    inputs_path, outputs_path = _save_polygraphy(options.save_dir or onnx_path.with_suffix(".check"),
-                                                 feeds, saved, dtype)
+    runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
+    return _finish(runner, options.save_dir or onnx_path.with_suffix(".check"), feeds, saved, comparisons, lines,
+                   outputs, dtype)
+
+
+def _finish(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines, outputs, dtype) -> CheckReport:
+    """Save the polygraphy JSON files and build the report: verdict and the `polygraphy run` command."""
+    inputs_path, outputs_path = _save_polygraphy(save_dir, feeds, saved, dtype)
     atols = []
     for name in outputs:
         ref_max = max(float(np.abs(r[name]).max()) for r in saved)
         atol = tolerances.elementwise_atol([c for n, c in comparisons if n == name], dtype, ref_max)
         atols.append(f"{name}:{atol:.3g}")
-    command = " ".join(["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider,
-                        "--load-inputs", shlex.quote(str(inputs_path)),
-                        "--load-outputs", shlex.quote(str(outputs_path)),
-                        "--atol", *atols, "--rtol", "0"])
+    command = " ".join([*runner, "--load-inputs", shlex.quote(str(inputs_path)),
+                        "--load-outputs", shlex.quote(str(outputs_path)), "--atol", *atols, "--rtol", "0"])
     passed = all(c.passed for _, c in comparisons)
     lines.append(f"result        {'PASS' if passed else 'FAIL'}: {sum(c.passed for _, c in comparisons)}/"
                  f"{len(comparisons)} comparisons within tolerance")
@@ -242,18 +246,7 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
                 plain = _run_eager(ref32 if ref32 is not None else low, ids, "cuda", outputs)[name]
                 cos = tolerances.compare("", got[name], plain, "float32").cosine
                 lines.append(f"{'':18s} vs unquantised eager: cosine {cos:.6f} (reported, not a pass criterion)")
-    inputs_path, outputs_path = _save_polygraphy(options.save_dir or engine_path.with_suffix(".check"),
-                                                 feeds, saved, dtype)
-    atols = []
-    for name in outputs:
-        ref_max = max(float(np.abs(r[name]).max()) for r in saved)
-        atols.append(f"{name}:{tolerances.elementwise_atol([c for n, c in comparisons if n == name], dtype, ref_max):.3g}")
     plugin = ["--plugins", shlex.quote(record["plugin_lib"])] if record.get("plugin_lib") else []
-    command = " ".join(["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin,
-                        "--load-inputs", shlex.quote(str(inputs_path)), "--load-outputs", shlex.quote(str(outputs_path)),
-                        "--atol", *atols, "--rtol", "0"])
-    passed = all(c.passed for _, c in comparisons)
-    lines.append(f"result        {'PASS' if passed else 'FAIL'}: {sum(c.passed for _, c in comparisons)}/"
-                 f"{len(comparisons)} comparisons within tolerance")
-    lines.append(f"polygraphy    {command}")
-    return CheckReport(passed, lines, command, inputs_path, outputs_path)
+    runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
+    return _finish(runner, options.save_dir or engine_path.with_suffix(".check"), feeds, saved, comparisons, lines,
+                   outputs, dtype)

@@ -107,3 +107,27 @@ def assert_same_logits(before, after, shapes, seed, vocab=512):
         ids = rng.integers(0, vocab, size=shape, dtype=np.int64)
         a, b = ort_logits(before, ids), ort_logits(after, ids)
         assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(a).max())
+
+
+def host_library(tmp_path_factory, env_var: str, built, name: str, sources, flags=()):
+    """A small host-compiled library the tests call through ctypes: $env_var, else the CMake build,
+    else compiled here with the C++ compiler (skipped when there is none)."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    path = Path(os.environ.get(env_var, built))
+    if path.is_file():
+        return path
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip(f"no C++ compiler to build {name}")
+    path = tmp_path_factory.mktemp(name) / f"lib{name}.so"
+    result = subprocess.run([compiler, "-O2", "-fPIC", "-shared", *flags, *map(str, sources), "-o", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot build {name} here: {result.stderr.strip().splitlines()[-1:]}")
+    return path

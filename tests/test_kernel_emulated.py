@@ -6,9 +6,6 @@ tests/test_kernel_gpu.py checks the same on real hardware. The emulator is taken
 build, else compiled here with the host C++ compiler (C++20 and _Float16 needed), else skipped."""
 
 import ctypes
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ import torch
 from diffexport import kernels, reference
 from diffexport.contract import DiffAttentionAttrs
 from diffexport.quantization import LogitQuant
-from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
+from helpers import assert_close_lowprec, host_library, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,17 +24,9 @@ BUILT = ROOT / "build" / "plugins" / "kernels" / "emulation" / "libdiffexport_ke
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    path = Path(os.environ.get("DIFFEXPORT_KERNEL_EMULATOR", BUILT))
-    if not path.is_file():
-        compiler = shutil.which(os.environ.get("CXX", "c++"))
-        if compiler is None:
-            pytest.skip("no C++ compiler to build the kernel emulator")
-        path = tmp_path_factory.mktemp("emulator") / "libdiffexport_kernel_emulator.so"
-        build = subprocess.run([compiler, "-std=c++20", "-O2", "-fPIC", "-shared", "-DDIFFX_EMULATE",
-                                f"-I{KERNELS}", str(KERNELS / "params.cpp"), str(KERNELS / "emulation" / "emulator.cpp"),
-                                "-o", str(path), "-lpthread"], capture_output=True, text=True)
-        if build.returncode != 0:
-            pytest.skip(f"cannot build the kernel emulator here: {build.stderr.strip().splitlines()[-1:]}")
+    path = host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR", BUILT, "diffexport_kernel_emulator",
+                        [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                        ["-std=c++20", "-DDIFFX_EMULATE", f"-I{KERNELS}", "-lpthread"])
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
     lib.diffx_emulated_attention_forward.restype = ctypes.c_int

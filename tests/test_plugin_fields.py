@@ -4,16 +4,14 @@ the parser (plugins/tensorrt/plugin_fields.cpp) is built without TensorRT, by CM
 
 import ctypes
 import math
-import os
 import random
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from diffexport import contract
+from helpers import host_library
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "plugins" / "tensorrt"
@@ -29,15 +27,9 @@ class RawField(ctypes.Structure):
 
 @pytest.fixture(scope="module")
 def parser(tmp_path_factory):
-    path = Path(os.environ.get("DIFFEXPORT_PLUGIN_FIELDS_LIB", BUILT))
-    if not path.is_file():
-        compiler = shutil.which(os.environ.get("CXX", "c++"))
-        if compiler is None:
-            pytest.skip("no C++ compiler to build the field parser")
-        path = tmp_path_factory.mktemp("fields") / "libdiffexport_plugin_fields.so"
-        subprocess.run([compiler, "-std=c++17", "-O1", "-fPIC", "-shared", f"-I{PLUGIN_DIR}",
-                        str(PLUGIN_DIR / "plugin_fields.cpp"), str(PLUGIN_DIR / "plugin_fields_c.cpp"), "-o", str(path)],
-                       check=True, capture_output=True)
+    path = host_library(tmp_path_factory, "DIFFEXPORT_PLUGIN_FIELDS_LIB", BUILT, "diffexport_plugin_fields",
+                        [PLUGIN_DIR / "plugin_fields.cpp", PLUGIN_DIR / "plugin_fields_c.cpp"],
+                        ["-std=c++17", f"-I{PLUGIN_DIR}"])
     lib = ctypes.CDLL(str(path))
     lib.diffx_plugin_parse_fields.argtypes = [ctypes.POINTER(RawField), ctypes.c_int32, ctypes.c_int32,
                                               ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float),
