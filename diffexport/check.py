@@ -152,24 +152,38 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     eager_name = f"eager PyTorch ({reference.attention_backend(probe_q, probe_v)}, {device})"
     log(f"checking      {onnx_path.name} ({dtype}) in onnxruntime {provider} against {eager_name}")
 
-    rng = np.random.default_rng(options.seed)
-    vocab = loaded.config.vocab_size
-    feeds, saved, comparisons, lines = [], [], [], []
-    for batch, seq in options.shapes:
-        ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64)
-        feeds.append({INPUT_NAMES[0]: ids})
-        got = dict(zip(outputs, session.run(outputs, {INPUT_NAMES[0]: ids})))
-        base = _run_eager(low, ids, device, outputs)
-        ref = base if ref32 is None else _run_eager(ref32, ids, device, outputs)
-        saved.append(ref)
-        for name in outputs:
-            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
-                                   baseline=None if ref32 is None else base[name])
-            comparisons.append((name, c))
-            lines.append(c.line())
+    def run(ids):
+        return dict(zip(outputs, session.run(outputs, {INPUT_NAMES[0]: ids})))
+
+    feeds, saved, comparisons, lines = _compare(
+        options, options.shapes, loaded.config.vocab_size, outputs, dtype, run,
+        lambda ids: _run_eager(low, ids, device, outputs),
+        None if ref32 is None else (lambda ids: _run_eager(ref32, ids, device, outputs)))
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
     return _finish(runner, options.save_dir or onnx_path.with_suffix(".check"), feeds, saved, comparisons, lines,
                    outputs, dtype)
+
+
+def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None):
+    """Seeded token ids per (batch, seq) through the runtime and eager; each output compared under
+    the dtype rule (eager_ref None: fp32, eager_low is the reference). note(name, got, ids) may add a line."""
+    rng = np.random.default_rng(options.seed)
+    feeds, saved, comparisons, lines = [], [], [], []
+    for batch, seq in shapes:
+        ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64)
+        feeds.append({INPUT_NAMES[0]: ids})
+        got = run(ids)
+        base = eager_low(ids)
+        ref = base if eager_ref is None else eager_ref(ids)
+        saved.append(ref)
+        for name in outputs:
+            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
+                                   baseline=None if eager_ref is None else base[name])
+            comparisons.append((name, c))
+            lines.append(c.line())
+            if note is not None:
+                lines.append(note(name, got[name], ids))
+    return feeds, saved, comparisons, lines
 
 
 def _finish(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines, outputs, dtype) -> CheckReport:
@@ -197,7 +211,7 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     to the eager model's attention, and the unquantised agreement is reported beside it.
     """
     from diffexport.analysis.probe import AttentionProbe
-    from diffexport.backends.tensorrt import read_engine_record, run_engine
+    from diffexport.backends.tensorrt import open_engine, read_engine_record
     from diffexport.quantization import LogitQuant
 
     options = options or CheckOptions()
@@ -228,24 +242,16 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         with AttentionProbe(model, quant=quant):
             return _run_eager(model, ids, "cuda", outputs)
 
-    rng = np.random.default_rng(options.seed)
-    feeds, saved, comparisons, lines = [], [], [], []
-    for batch, seq in shapes:
-        ids = rng.integers(0, loaded.config.vocab_size, size=(batch, seq), dtype=np.int64)
-        feeds.append({INPUT_NAMES[0]: ids})
-        got = run_engine(engine_path.read_bytes(), record["module"], {INPUT_NAMES[0]: ids}, record.get("plugin_lib"))
-        base = eager(low, ids)
-        ref = base if ref32 is None else eager(ref32, ids)
-        saved.append(ref)
-        for name in outputs:
-            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
-                                   baseline=None if ref32 is None else base[name])
-            comparisons.append((name, c))
-            lines.append(c.line())
-            if quant is not None:  # how far the quantised engine is from the unquantised model
-                plain = _run_eager(ref32 if ref32 is not None else low, ids, "cuda", outputs)[name]
-                cos = tolerances.compare("", got[name], plain, "float32").cosine
-                lines.append(f"{'':18s} vs unquantised eager: cosine {cos:.6f} (reported, not a pass criterion)")
+    def unquantised(name, got, ids):  # how far the quantised engine is from the unquantised model
+        plain = _run_eager(ref32 if ref32 is not None else low, ids, "cuda", outputs)[name]
+        cos = tolerances.compare("", got, plain, "float32").cosine
+        return f"{'':18s} vs unquantised eager: cosine {cos:.6f} (reported, not a pass criterion)"
+
+    run = open_engine(engine_path.read_bytes(), record["module"], record.get("plugin_lib"))
+    feeds, saved, comparisons, lines = _compare(
+        options, shapes, loaded.config.vocab_size, outputs, dtype, lambda ids: run({INPUT_NAMES[0]: ids}),
+        lambda ids: eager(low, ids), None if ref32 is None else (lambda ids: eager(ref32, ids)),
+        note=None if quant is None else unquantised)
     plugin = ["--plugins", shlex.quote(record["plugin_lib"])] if record.get("plugin_lib") else []
     runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
     return _finish(runner, options.save_dir or engine_path.with_suffix(".check"), feeds, saved, comparisons, lines,

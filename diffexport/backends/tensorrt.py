@@ -327,8 +327,8 @@ def read_engine_record(engine_path: Path) -> dict:
     return record
 
 
-def run_engine(engine: bytes, module: str, feeds: dict, plugin_lib: str | None = None) -> dict:
-    """Run a serialized engine once on the current CUDA device: numpy feeds in, fp32 numpy outputs out."""
+def open_engine(engine: bytes, module: str, plugin_lib: str | None = None):
+    """Deserialize an engine on the current CUDA device; returns run(feeds) -> fp32 numpy outputs."""
     import numpy as np
     import torch
 
@@ -347,26 +347,29 @@ def run_engine(engine: bytes, module: str, feeds: dict, plugin_lib: str | None =
     context = cuda_engine.create_execution_context()
     torch_types = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
                    trt.DataType.BF16: torch.bfloat16, trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
-    buffers, outputs = {}, []
-    for i in range(cuda_engine.num_io_tensors):
-        tensor = cuda_engine.get_tensor_name(i)
-        if cuda_engine.get_tensor_mode(tensor) == trt.TensorIOMode.INPUT:
+    tensors = [cuda_engine.get_tensor_name(i) for i in range(cuda_engine.num_io_tensors)]
+    inputs = [t for t in tensors if cuda_engine.get_tensor_mode(t) == trt.TensorIOMode.INPUT]
+    outputs = [t for t in tensors if t not in inputs]
+
+    def run(feeds: dict) -> dict:
+        buffers = {}
+        for tensor in inputs:
             if tensor not in feeds:
                 raise DiffExportError(f"the engine wants an input {tensor!r} that the check does not provide")
             buffers[tensor] = torch.from_numpy(np.ascontiguousarray(feeds[tensor])).cuda()
             context.set_input_shape(tensor, tuple(buffers[tensor].shape))
-        else:
-            outputs.append(tensor)
-    for tensor in outputs:
-        dtype = torch_types.get(cuda_engine.get_tensor_dtype(tensor))
-        if dtype is None:
-            raise DiffExportError(f"output {tensor} has a type the check cannot read")
-        buffers[tensor] = torch.empty(tuple(context.get_tensor_shape(tensor)), dtype=dtype, device="cuda")
-    for tensor, buffer in buffers.items():
-        context.set_tensor_address(tensor, buffer.data_ptr())
-    stream = torch.cuda.current_stream()
-    if not context.execute_async_v3(stream.cuda_stream):
-        detail = logger.errors[-1].splitlines()[0] if logger.errors else "no detail"
-        raise DiffExportError(f"the engine failed to run: {detail}")
-    stream.synchronize()
-    return {tensor: buffers[tensor].float().cpu().numpy() for tensor in outputs}
+        for tensor in outputs:
+            dtype = torch_types.get(cuda_engine.get_tensor_dtype(tensor))
+            if dtype is None:
+                raise DiffExportError(f"output {tensor} has a type the check cannot read")
+            buffers[tensor] = torch.empty(tuple(context.get_tensor_shape(tensor)), dtype=dtype, device="cuda")
+        for tensor, buffer in buffers.items():
+            context.set_tensor_address(tensor, buffer.data_ptr())
+        stream = torch.cuda.current_stream()
+        if not context.execute_async_v3(stream.cuda_stream):
+            detail = logger.errors[-1].splitlines()[0] if logger.errors else "no detail"
+            raise DiffExportError(f"the engine failed to run: {detail}")
+        stream.synchronize()
+        return {tensor: buffers[tensor].float().cpu().numpy() for tensor in outputs}
+
+    return run
