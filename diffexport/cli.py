@@ -372,7 +372,7 @@ def cmd_trt(args) -> int:
                             module={"auto": "auto", "tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[args.builder],
                             targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
                             opt_shape=_shape_pair(args.opt, "--opt"), max_shape=_shape_pair(args.max, "--max"),
-                            timing_cache=args.timing_cache)
+                            timing_cache=args.timing_cache, save_onnx=args.save_onnx)
     meta = read_export_metadata(args.model)
     model = load_onnx(args.model)
     result = build_engine(model, options)  # TensorRT's build phases show on stderr while it runs
@@ -441,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--opt", default="1x128", help="profile optimum BATCHxSEQ (default 1x128)")
             p.add_argument("--max", default="4x2048", help="profile maximum BATCHxSEQ (default 4x2048)")
             p.add_argument("--timing-cache", help="timing cache file: read if present, written after the build")
+            p.add_argument("--save-onnx", help="also write the graph given to the parser (plugin fields stamped, or "
+                                               "lowered): what trtexec/polygraphy need for the same engine")
             p.add_argument("--builder", default="auto", choices=["auto", "tensorrt", "tensorrt-rtx"],
                            help="which TensorRT (auto: tensorrt, else tensorrt-rtx)")
             p.add_argument("--targets", nargs="+", default=["SM80", "SM89"],

@@ -112,3 +112,27 @@ def test_check_engine_needs_its_record_and_a_gpu(exported, tmp_path):
     assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "is corrupt")
     (tmp_path / "m.engine.json").unlink()
     assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "no m.engine.json beside")
+
+
+def test_large_graphs_go_through_a_file_and_save_onnx(exported, tmp_path, monkeypatch):
+    """Past protobuf's 2 GiB limit the graph is parsed from a file with external data (forced here
+    by lowering the limit); --save-onnx writes the graph the parser got, stamped for the plugin."""
+    pytest.importorskip("tensorrt_rtx")
+    from diffexport.backends import tensorrt as backend
+
+    monkeypatch.setattr(backend, "PROTOBUF_LIMIT", 1)
+    saved = tmp_path / "staged.onnx"
+    result = backend.build_engine(onnx.load(str(exported / "m.onnx")), EngineOptions(
+        attention="native", module="tensorrt_rtx", targets=("SM80",), progress=False, save_onnx=str(saved)))
+    assert result.engine_bytes > 100_000
+    assert (tmp_path / "staged.onnx.data").stat().st_size > 1_000_000  # weights beside the graph
+    assert not [n for n in onnx.load(str(saved)).graph.node if n.op_type == contract.OP_NAME]  # lowered
+
+
+def test_save_onnx_keeps_the_plugin_fields(exported, tmp_path):
+    from diffexport.backends.tensorrt import save_graph
+
+    staged, _ = prepare_graph(onnx.load(str(exported / "m_fp16.onnx")), EngineOptions(logit_bits=8))
+    save_graph(staged, tmp_path / "int8.onnx")
+    node = next(n for n in onnx.load(str(tmp_path / "int8.onnx")).graph.node if n.op_type == contract.OP_NAME)
+    assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}["logit_bits"] == 8

@@ -28,6 +28,7 @@ DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
 ATTENTION_MODES = ("plugin", "native", "function")
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+PROTOBUF_LIMIT = 2**31 - 2**20  # serialized ModelProto bytes; bigger graphs go through a file with external data
 ONNX_FLOAT = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "bf16"}
 
 
@@ -101,6 +102,7 @@ class EngineOptions:
     opt_shape: tuple[int, int] = (1, 128)
     max_shape: tuple[int, int] = (4, 2048)
     timing_cache: str | None = None
+    save_onnx: str | None = None       # also write the graph handed to the parser (for trtexec/polygraphy)
     progress: bool = True
 
 
@@ -161,7 +163,8 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
     if not nodes:
         raise DiffExportError("the graph has no DiffAttention node for the plugin: export it with `diffexport onnx` "
                               "(or fuse it with `diffexport optimize`), or build with --attention native")
-    staged = onnx.ModelProto.FromString(model.SerializeToString())
+    staged = onnx.ModelProto()
+    staged.CopyFrom(model)  # no serialisation: models past protobuf's 2 GiB limit copy too
     for node in staged.graph.node:
         if node.op_type != contract.OP_NAME or node.domain != contract.ONNX_DOMAIN:
             continue
@@ -174,6 +177,49 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
             node.attribute.extend([onnx.helper.make_attribute("logit_bits", options.logit_bits),
                                    onnx.helper.make_attribute("smooth_k", int(options.smooth_k))])
     return staged, len(nodes)
+
+
+def _serialized_size(model: onnx.ModelProto) -> int:
+    try:
+        return model.ByteSize()
+    except (ValueError, OverflowError):  # some protobuf builds refuse to size messages past 2 GiB
+        return PROTOBUF_LIMIT + 1
+
+
+def save_graph(model: onnx.ModelProto, path: Path) -> None:
+    """Write a graph atomically, weights in path.data when it is past the protobuf limit."""
+    from diffexport.files import atomic_write
+
+    large = _serialized_size(model) > PROTOBUF_LIMIT
+    data = path.with_name(path.name + ".data")
+
+    def write(tmp):
+        if large:
+            # the weights land beside tmp under their final name; the graph file is renamed last
+            onnx.save_model(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data.name, size_threshold=1024)
+        else:
+            onnx.save_model(model, tmp)
+
+    atomic_write(path, write)
+
+
+def _parse(parser, graph: onnx.ModelProto, save_to: Path | None) -> bool:
+    """Parse from memory, or past the protobuf limit from a file with external data (save_to, else
+    a temporary one). Writing external data empties the graph's tensors: it is written once, last."""
+    if _serialized_size(graph) <= PROTOBUF_LIMIT:
+        if save_to is not None:
+            save_graph(graph, save_to)
+        return parser.parse(graph.SerializeToString())
+    if save_to is not None:
+        save_graph(graph, save_to)
+        return parser.parse_from_file(str(save_to))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="diffexport-trt-") as folder:
+        path = Path(folder) / "model.onnx"
+        save_graph(graph, path)
+        return parser.parse_from_file(str(path))
 
 
 def _profile_shapes(model: onnx.ModelProto, min_shape, opt_shape, max_shape):
@@ -237,7 +283,7 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     builder = trt.Builder(logger)
     network = builder.create_network(0)
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse(graph.SerializeToString()):
+    if not _parse(parser, graph, Path(options.save_onnx) if options.save_onnx else None):
         errors = []
         for i in range(parser.num_errors):
             err = parser.get_error(i)
