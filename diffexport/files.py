@@ -9,13 +9,21 @@ from pathlib import Path
 from diffexport.errors import DiffExportError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then rename: no half-written output."""
+    """Write through a temporary file in the same folder, then rename: no half-written output.
+    The result gets the permissions a plain open() would give (mkstemp's are owner-only)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

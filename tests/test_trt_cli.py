@@ -3,6 +3,7 @@ TensorRT-RTX through the same code path users take with TensorRT, the engine rec
 refusal as one line. Running engines and the plugin path need TensorRT and a GPU (not here)."""
 
 import json
+import os
 
 import onnx
 import pytest
@@ -71,6 +72,9 @@ def test_native_engine_builds_with_tensorrt_rtx(exported, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "2 DiffAttention nodes -> native (0 plugin layers)" in result.stdout and "fp16" in result.stdout
     assert engine.stat().st_size > 100_000
+    umask = os.umask(0)
+    os.umask(umask)
+    assert engine.stat().st_mode & 0o777 == 0o666 & ~umask  # like open(), not mkstemp's owner-only
     record = json.loads((tmp_path / "m.engine.json").read_text())
     assert record["attention"] == "native" and record["module"] == "tensorrt_rtx" and record["targets"] == ["SM80"]
     assert record["profile"] == {"min": [1, 1], "opt": [2, 64], "max": [4, 512]}
