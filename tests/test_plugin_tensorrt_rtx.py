@@ -2,8 +2,10 @@
 loading (twice), the creator found by the contract's name/version/namespace, its field list,
 plugin creation from good and bad field collections, the plugin's core names and its metadata.
 
-TensorRT-RTX can go no further with a C++ plugin: its ONNX parser aborts on plugin nodes and its
-network API has no plugin layer, so engines with the plugin are built on users' machines only.
+Then TensorRT-RTX's ONNX parser on exported graphs: it hands each DiffAttention node to our creator
+with the node's attributes as fields. It can go no further with a C++ plugin: it ends the process
+while adding the plugin layer (its network API has no plugin layer), so engines with the plugin are
+built on users' machines only.
 Skipped unless the plugin library is built (it needs TensorRT's headers: cmake -DTensorRT_ROOT=...)
 and tensorrt_rtx is installed."""
 
@@ -77,3 +79,84 @@ def test_bad_fields_give_no_plugin_and_a_reason(creator, values, reason, capfd):
     assert creator.create_plugin("bad", fields(**values), trt.TensorRTPhase.RUNTIME) is None
     captured = capfd.readouterr()
     assert reason in captured.err + captured.out
+
+
+# ------------------------------------------------- TensorRT-RTX's ONNX parser routes nodes to the plugin
+
+PARSE_SCRIPT = r"""
+import sys, onnx, tensorrt_rtx as trt
+from diffexport.backends.tensorrt import EngineOptions, prepare_graph
+model = onnx.load(sys.argv[1])
+if sys.argv[2] == "staged":
+    model, _ = prepare_graph(model, EngineOptions(logit_bits=int(sys.argv[3])))
+trt.get_plugin_registry().load_library(sys.argv[4])
+class Log(trt.ILogger):
+    def __init__(self):
+        trt.ILogger.__init__(self)
+    def log(self, severity, msg):
+        print(f"[{severity.name}] {msg}", flush=True)
+log = Log()
+network = trt.Builder(log).create_network(0)
+parser = trt.OnnxParser(network, log)
+ok = parser.parse(model.SerializeToString())
+plugins = sum("PLUGIN" in str(network.get_layer(i).type).upper() for i in range(network.num_layers))
+print(f"PARSED ok={ok} plugin_layers={plugins}", flush=True)
+"""
+
+
+def parse_with_plugin(onnx_path, graph, logit_bits=16):
+    """Parse in a child process (TensorRT-RTX 1.7 ends the process when it adds a plugin layer, which
+    it does not support): its log, and whether it finished."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", PARSE_SCRIPT, str(onnx_path), graph, str(logit_bits), str(PLUGIN)],
+                            capture_output=True, text=True, timeout=300)
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_models(tmp_path_factory):
+    from diffexport.checkpoint import save_checkpoint
+    from diffexport.modeling import build_model, config_from_dict
+    from helpers import run_cli
+
+    folder = tmp_path_factory.mktemp("rtx_plugin")
+    paths = {}
+    for family, extra in (("diff_v1", dict(n_heads=2, n_kv_heads=1, head_dim=64)),
+                          ("diff_v2", dict(n_heads=2, n_kv_heads=2, head_dim=64))):
+        cfg = config_from_dict(family, dict(vocab_size=256, d_model=256, n_layers=2, ffn_hidden=256, **extra))
+        ckpt = save_checkpoint(build_model(cfg, seed=3), folder / f"{family}.pt")
+        paths[family] = folder / f"{family}.onnx"
+        result = run_cli("onnx", ckpt, "-o", paths[family], "--fp16")
+        assert result.returncode == 0, result.stderr
+    return paths
+
+
+@pytest.mark.parametrize("family", ["diff_v1", "diff_v2"])
+@pytest.mark.parametrize("graph,bits", [("exported", 16), ("staged", 16), ("staged", 8)])
+def test_parser_gives_every_node_to_the_plugin(head_dim_64_models, family, graph, bits):
+    """The exported file as it is (function body kept: parsers of TensorRT >= 10.7 prefer a registered
+    plugin) and the graph `diffexport trt` stages (body removed, every field written): the
+    DiffAttention node reaches our creator with the node's attributes as fields, and is accepted.
+    TensorRT-RTX 1.7 then ends the process while adding the plugin layer, so only the first node
+    gets this far here."""
+    log = parse_with_plugin(head_dim_64_models[family], graph, bits)
+    assert "Importing this node as a plugin" in log, log[-3000:]
+    assert "Successfully created plugin: DiffAttention" in log, log[-3000:]
+    assert "DiffAttention plugin:" not in log  # the creator refused nothing
+    if graph == "staged":
+        assert "not found in plugin node" not in log  # no creator field left to its default
+    if "PARSED" in log:  # a TensorRT-RTX that adds plugin layers: then they must all be there
+        assert "PARSED ok=True plugin_layers=2" in log
+
+
+def test_parser_reports_the_creators_reason(tmp_path):
+    """A head dim the kernel lacks: the creator refuses the node and says why through the logger."""
+    from helpers import run_cli
+
+    path = tmp_path / "tiny.onnx"
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", path, "--fp16").returncode == 0
+    log = parse_with_plugin(path, "staged")
+    assert "PARSED ok=False plugin_layers=0" in log, log[-3000:]
+    assert "DiffAttention plugin: " in log and "head_dim=32 is not supported" in log

@@ -39,6 +39,15 @@ def test_plugin_graph_is_stamped_for_the_plugin(exported):
         node_attrs(node)  # the op attributes still validate: plugin-only fields are set aside
     original = [n for n in model.graph.node if n.op_type == contract.OP_NAME][0]
     assert "logit_bits" not in {a.name for a in original.attribute}  # the input model is untouched
+    # No function body left to import instead of the plugin (TensorRT < 10.7 prefers the body).
+    assert [f.name for f in model.functions] == [contract.OP_NAME] and not staged.functions
+
+
+def test_plugin_graph_writes_the_default_fields_too(exported):
+    staged, _ = prepare_graph(onnx.load(str(exported / "m_fp16.onnx")), EngineOptions())
+    for node in (n for n in staged.graph.node if n.op_type == contract.OP_NAME):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["logit_bits"] == 16 and attrs["smooth_k"] == 1
 
 
 def test_native_graph_has_no_diff_attention(exported):

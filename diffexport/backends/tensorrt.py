@@ -171,11 +171,19 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
         keep = [a for a in node.attribute if a.name not in ("logit_bits", "smooth_k", *contract.PLUGIN_SELECTOR_ATTRIBUTES)]
         del node.attribute[:]
         node.attribute.extend(keep)
+        # Every plugin-only field is written, also at its default: the parser warns about creator
+        # fields a node lacks.
         node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", contract.PLUGIN_NAMESPACE),
-                               onnx.helper.make_attribute("plugin_version", contract.PLUGIN_VERSION)])
-        if options.logit_bits < 16:
-            node.attribute.extend([onnx.helper.make_attribute("logit_bits", options.logit_bits),
-                                   onnx.helper.make_attribute("smooth_k", int(options.smooth_k))])
+                               onnx.helper.make_attribute("plugin_version", contract.PLUGIN_VERSION),
+                               onnx.helper.make_attribute("logit_bits", options.logit_bits),
+                               onnx.helper.make_attribute("smooth_k", int(options.smooth_k))])
+    # Without its function body the node can only become the plugin. TensorRT 10.0-10.6 (JetPack 6's
+    # 10.3 among them) import a node that has a model-local function as that function even when a
+    # plugin of the name is registered; 10.7 and newer prefer the plugin. The saved graph
+    # (--save-onnx) is then the one to hand to trtexec or polygraphy on any TensorRT 10.
+    functions = [f for f in staged.functions if (f.domain, f.name) != (contract.ONNX_DOMAIN, contract.OP_NAME)]
+    del staged.functions[:]
+    staged.functions.extend(functions)
     return staged, len(nodes)
 
 
@@ -288,6 +296,8 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
         for i in range(parser.num_errors):
             err = parser.get_error(i)
             errors.append(f"node {err.node_name() or err.node()} ({err.node_operator()}): {err.desc().strip()}")
+        # The plugin's creator says why it refused a node (a field out of range, say) through the logger.
+        errors = [e.splitlines()[0] for e in logger.errors if e.startswith("DiffAttention plugin:")] + errors
         raise DiffExportError(f"{name} cannot parse the graph: " + "; ".join(errors or ["no detail"]))
     plugin_layers = sum(1 for i in range(network.num_layers)
                         if "PLUGIN" in str(network.get_layer(i).type).upper())
