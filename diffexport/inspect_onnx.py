@@ -50,7 +50,10 @@ def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int) -> dict[str,
                        "no: DiffAttention nodes without a function body (re-export with `diffexport onnx`)",
         "tensorrt_plugin": (f"ready: {plugin_nodes}/{len(nodes)} nodes carry plugin_namespace for the "
                             f"DiffAttention plugin (namespace {contract.PLUGIN_NAMESPACE}, version "
-                            f"{contract.PLUGIN_VERSION}), which this diffexport version does not build yet")
+                            f"{contract.PLUGIN_VERSION}, libdiffexport_plugins.so); "
+                            + ("TensorRT >= 10.7 picks it over the function body, 10.1-10.6 import the body "
+                               "instead: use `diffexport trt` or the graph its --save-onnx writes"
+                               if has_body else "no function body: TensorRT >= 10.1 with the plugin loaded"))
                            if plugin_nodes else
                            "no: the nodes carry no plugin_namespace",
         "tensorrt_native": "yes: without the plugin TensorRT's parser inlines the function body (checked with "

@@ -36,6 +36,7 @@ def test_json_describes_the_export(external_export):
     assert 4 * info["weights"]["parameters"] <= info["weights"]["bytes"] < 4.01 * info["weights"]["parameters"]
     assert info["metadata"]["diffexport.family"] == "diff_v1"
     assert info["runtimes"]["onnxruntime"].startswith("yes")
+    assert "TensorRT >= 10.7 picks it" in info["runtimes"]["tensorrt_plugin"]
 
 
 def test_text_report_and_missing_external_data(external_export, tmp_path):

@@ -92,7 +92,7 @@ def test_native_engine_builds_with_tensorrt_rtx(exported, tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--builder", "tensorrt-rtx"), "TensorRT-RTX cannot build graphs with plugin nodes"),
+    (("--builder", "tensorrt-rtx"), "TensorRT-RTX cannot build graphs with plugin layers"),
     (("--attention", "native", "--int8"), "need the plugin's INT8-logits kernel"),
     (("--attention", "native", "--fp16", "--builder", "tensorrt-rtx"), "the ONNX file is fp32"),
     (("--attention", "native", "--min", "4x1", "--max", "2x8", "--builder", "tensorrt-rtx"), "profile batch"),

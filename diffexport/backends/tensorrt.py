@@ -2,13 +2,15 @@
 TensorRT or TensorRT-RTX with attention lowered to TensorRT's own layers ("native").
 
 Plugin path: the plugin library (plugins/tensorrt, libdiffexport_plugins.so) is loaded into
-TensorRT's plugin registry; the parser maps each DiffAttention node (it carries plugin_namespace)
-to our plugin. `logit_bits` < 16 stamps the plugin-only fields on every node: the INT8-logits
-kernel. Native path: every DiffAttention node is lowered to standard ONNX ops first. Function
-path: the graph as it is; with no plugin registered the parser inlines the model-local function.
+TensorRT's plugin registry; the parser maps each DiffAttention node (it carries plugin_namespace,
+and the staged graph has no function body to import instead) to our plugin. `logit_bits` < 16
+selects the INT8-logits kernel. Native path: every DiffAttention node is lowered to standard ONNX
+ops first. Function path: the graph as it is; with no plugin registered the parser inlines the
+model-local function.
 
 TensorRT-RTX (module tensorrt_rtx) builds ahead of time on a CPU for chosen GPU architectures:
-native only (its parser aborts the process on plugin nodes, so we refuse that combination).
+native only (its parser hands plugin nodes to our creator, then ends the process when it adds the
+plugin layer, so we refuse that combination).
 """
 
 from __future__ import annotations
@@ -277,7 +279,7 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     _check_profile(options)
     name, trt = import_tensorrt(options.module)
     if name == "tensorrt_rtx" and options.attention == "plugin":
-        raise DiffExportError("TensorRT-RTX cannot build graphs with plugin nodes (its ONNX parser aborts): "
+        raise DiffExportError("TensorRT-RTX cannot build graphs with plugin layers (its ONNX parser aborts): "
                               "use --attention native, or install tensorrt to use the DiffAttention plugin")
     precision = graph_precision(model)
     if options.precision not in ("auto", precision):

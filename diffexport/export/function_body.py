@@ -1,8 +1,9 @@
 """The ONNX model-local function `diffexport.DiffAttention`: the op spelled in standard ONNX ops.
 
 ONNX Runtime (any execution provider) and polygraphy's ORT runner inline this body; TensorRT's
-parser takes our plugin instead when the node carries `plugin_namespace` and the plugin is
-registered. The same .onnx file therefore runs in both.
+parser (10.7 and newer) takes our plugin instead when the node carries `plugin_namespace` and the
+plugin is registered; for older parsers `diffexport trt` removes the body first. The same .onnx
+file therefore runs in both.
 
 One body serves every node of a model: it reads the node's attributes through attribute
 references and derives everything else from the input shapes (TensorRT's parser keys local
