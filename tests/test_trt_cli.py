@@ -149,3 +149,43 @@ def test_save_onnx_keeps_the_plugin_fields(exported, tmp_path):
     save_graph(staged, tmp_path / "int8.onnx")
     node = next(n for n in onnx.load(str(tmp_path / "int8.onnx")).graph.node if n.op_type == contract.OP_NAME)
     assert {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}["logit_bits"] == 8
+
+
+@pytest.fixture(scope="module")
+def qdq_export(exported):
+    """An explicitly quantised graph as ModelOpt or onnxruntime's quantiser writes them for TensorRT:
+    signed, symmetric INT8 Q/DQ pairs on the MatMuls, calibrated on token ids."""
+    np = pytest.importorskip("numpy")
+    quantization = pytest.importorskip("onnxruntime.quantization")
+
+    class Tokens(quantization.CalibrationDataReader):
+        def __init__(self):
+            rng = np.random.default_rng(0)
+            self.feeds = iter([{"input_ids": rng.integers(0, 512, (2, 48), dtype=np.int64)} for _ in range(4)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    path = exported / "m_qdq.onnx"
+    quantization.quantize_static(str(exported / "m.onnx"), str(path), Tokens(), quant_format=quantization.QuantFormat.QDQ,
+                                 op_types_to_quantize=["MatMul"], per_channel=True,
+                                 activation_type=quantization.QuantType.QInt8, weight_type=quantization.QuantType.QInt8,
+                                 extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    return path
+
+
+def test_qdq_graph_keeps_its_quantisation_for_the_plugin(qdq_export):
+    model = onnx.load(str(qdq_export))
+    staged, count = prepare_graph(model, EngineOptions(logit_bits=8))
+    ops = [n.op_type for n in staged.graph.node]
+    assert count == 2 and ops.count("QuantizeLinear") >= 10
+    assert ops == [n.op_type for n in model.graph.node]  # nothing but the DiffAttention fields changed
+
+
+def test_qdq_graph_builds_natively_with_tensorrt_rtx(qdq_export, tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    engine = tmp_path / "qdq.engine"
+    result = run_cli("trt", qdq_export, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+                     "--targets", "SM80", "--max", "2x256")
+    assert result.returncode == 0, result.stderr
+    assert "2 DiffAttention nodes -> native" in result.stdout and engine.stat().st_size > 100_000
