@@ -441,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--opt", default="1x128", help="profile optimum BATCHxSEQ (default 1x128)")
             p.add_argument("--max", default="4x2048", help="profile maximum BATCHxSEQ (default 4x2048)")
             p.add_argument("--timing-cache", help="timing cache file: read if present, written after the build")
-            p.add_argument("--save-onnx", help="also write the graph given to the parser (plugin fields stamped, or "
-                                               "lowered): what trtexec/polygraphy need for the same engine")
+            p.add_argument("--save-onnx", help="also write the graph given to the parser (plugin fields stamped and "
+                                               "no function body, or lowered): what trtexec/polygraphy need for "
+                                               "the same engine on any TensorRT 10.1+")
             p.add_argument("--builder", default="auto", choices=["auto", "tensorrt", "tensorrt-rtx"],
                            help="which TensorRT (auto: tensorrt, else tensorrt-rtx)")
             p.add_argument("--targets", nargs="+", default=["SM80", "SM89"],
