@@ -23,7 +23,8 @@ from diffexport.errors import DiffExportError
 
 OP_NAME = "DiffAttention"
 ONNX_DOMAIN = "diffexport"
-OP_VERSION = 1
+OP_VERSION = 1  # the five inputs below; what prefill exports and the TensorRT plugin use
+KEY_MASK_VERSION = 2  # version 1 plus the optional key_mask input (KV-cache decoders, left padding)
 TORCH_OP = "diffexport::diff_attention"
 PLUGIN_NAME = OP_NAME
 PLUGIN_NAMESPACE = "diffexport"
@@ -81,6 +82,11 @@ INPUTS: tuple[TensorSpec, ...] = (
                "(or alone when norm=0); float32 whatever T is; all ones where the model has none",
                dtype="float32"),
 )
+# Version 2 extends version 1 by one optional input; a node without it is a version-1 node.
+KEY_MASK = TensorSpec("key_mask", ("B", "Skv"), "1: key token present, 0: padding (left-padded batches); "
+                      "absent: every key present. A query row that sees no key at all gets zeros",
+                      optional=True, dtype="int64")
+OPTIONAL_INPUTS: tuple[TensorSpec, ...] = (KEY_MASK,)
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("output", ("B", "Sq", "H*Dv"), "diff-heads concatenated, ready for the output projection"),
 )
@@ -112,7 +118,14 @@ PLUGIN_FIELDS: tuple[AttributeSpec, ...] = ATTRIBUTES + PLUGIN_ONLY_ATTRIBUTES
 PLUGIN_FIELD_NAMES = tuple(a.name for a in PLUGIN_FIELDS)
 # Node attributes TensorRT's ONNX parser reads to pick the plugin; not plugin fields.
 PLUGIN_SELECTOR_ATTRIBUTES = ("plugin_namespace", "plugin_version")
-INPUT_NAMES = tuple(t.name for t in INPUTS)
+INPUT_NAMES = tuple(t.name for t in INPUTS)  # version 1 (the plugin's inputs)
+ALL_INPUTS = INPUTS + OPTIONAL_INPUTS
+ALL_INPUT_NAMES = tuple(t.name for t in ALL_INPUTS)
+
+
+def op_version(has_key_mask: bool) -> int:
+    """The domain version a graph must import: 2 as soon as one node passes key_mask."""
+    return KEY_MASK_VERSION if has_key_mask else OP_VERSION
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,7 @@ def check_shapes(
     value: tuple[int, ...],
     lambda_full: tuple[int, ...],
     norm_weight: tuple[int, ...],
+    key_mask: tuple[int, ...] | None = None,
 ) -> tuple[int, int, int]:
     """Validate input shapes against the attributes; return the output shape (B, Sq, H*Dv)."""
     H, Hkv, D, Dv = attrs.num_heads, attrs.num_kv_heads, attrs.head_dim, attrs.value_dim
@@ -208,4 +222,6 @@ def check_shapes(
         raise DiffExportError("norm_weight is required (pass all ones where the model has no weight)")
     if tuple(norm_weight) != (Dv,):
         raise DiffExportError(f"norm_weight shape {list(norm_weight)} != [{Dv}]")
+    if key_mask is not None and tuple(key_mask) != (B, Skv):
+        raise DiffExportError(f"key_mask shape {list(key_mask)} != [batch, key length] = {[B, Skv]}")
     return (B, Sq, H * Dv)

@@ -39,6 +39,7 @@ def diff_attention(
     value: torch.Tensor,
     lambda_full: torch.Tensor,
     norm_weight: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
     variant: int,
     num_heads: int,
     num_kv_heads: int,
@@ -51,29 +52,32 @@ def diff_attention(
 ) -> torch.Tensor:
     attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm,
                             norm_eps, output_scale)
-    return _reference(query, key, value, lambda_full, norm_weight, attrs)
+    return _reference(query, key, value, lambda_full, norm_weight, key_mask, attrs)
 
 
-def _reference(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
+def _reference(query, key, value, lambda_full, norm_weight, key_mask, attrs: DiffAttentionAttrs) -> torch.Tensor:
     contract.check_shapes(attrs, _shape(query), _shape(key), _shape(value), _shape(lambda_full),
-                          _shape(norm_weight))
+                          _shape(norm_weight), _shape(key_mask))
     if norm_weight.dtype not in (torch.float32, torch.float64):
         raise DiffExportError(f"norm_weight must be float32 (the norm runs in fp32), got {norm_weight.dtype}")
-    return flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs)
+    if key_mask is not None and key_mask.dtype != torch.int64:
+        raise DiffExportError(f"key_mask must be int64 (1 = present, 0 = padding), got {key_mask.dtype}")
+    return flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs, key_mask=key_mask)
 
 
 @diff_attention.register_kernel("cuda")
-def _diff_attention_cuda(query, key, value, lambda_full, norm_weight, variant, num_heads, num_kv_heads,
+def _diff_attention_cuda(query, key, value, lambda_full, norm_weight, key_mask, variant, num_heads, num_kv_heads,
                          head_dim, causal, scale, norm, norm_eps, output_scale):
     attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm, norm_eps,
                             output_scale)
-    if kernels.use_fused(query, key, value, lambda_full, norm_weight, attrs):
+    # The fused kernel implements op version 1 (no key_mask yet): masked calls take the reference.
+    if key_mask is None and kernels.use_fused(query, key, value, lambda_full, norm_weight, attrs):
         return kernels.diff_attention(query, key, value, lambda_full, norm_weight, attrs)
-    return _reference(query, key, value, lambda_full, norm_weight, attrs)
+    return _reference(query, key, value, lambda_full, norm_weight, key_mask, attrs)
 
 
 @diff_attention.register_fake
-def _diff_attention_fake(query, key, value, lambda_full, norm_weight, variant, num_heads,
+def _diff_attention_fake(query, key, value, lambda_full, norm_weight, key_mask, variant, num_heads,
                          num_kv_heads, head_dim, causal, scale, norm, norm_eps, output_scale):
     attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm,
                             norm_eps, output_scale)
@@ -85,8 +89,9 @@ def _diff_attention_fake(query, key, value, lambda_full, norm_weight, variant, n
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, lambda_full, norm_weight, *attr_values = inputs
+    query, key, value, lambda_full, norm_weight, key_mask, *attr_values = inputs
     ctx.save_for_backward(query, key, value, lambda_full, norm_weight)
+    ctx.key_mask = key_mask
     ctx.attrs = attrs_from_args(*attr_values)
 
 
@@ -94,17 +99,18 @@ def _backward(ctx, grad_output):
     saved = ctx.saved_tensors
     with torch.enable_grad():
         leaves = [None if t is None else t.detach().requires_grad_(True) for t in saved]
-        out = flash_diff_attention_1(*leaves, ctx.attrs)
+        out = flash_diff_attention_1(*leaves, ctx.attrs, key_mask=ctx.key_mask)
         wanted = [t for t in leaves if t is not None]
         grads = iter(torch.autograd.grad(out, wanted, grad_output, allow_unused=True))
     tensor_grads = [None if t is None else next(grads) for t in leaves]
-    return (*tensor_grads, *([None] * len(contract.ATTRIBUTES)))
+    return (*tensor_grads, None, *([None] * len(contract.ATTRIBUTES)))
 
 
 diff_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def call(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
+def call(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
+         key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Call the registered op with a DiffAttentionAttrs (what the models use)."""
-    return torch.ops.diffexport.diff_attention(query, key, value, lambda_full, norm_weight,
+    return torch.ops.diffexport.diff_attention(query, key, value, lambda_full, norm_weight, key_mask,
                                                *attrs.as_dict().values())

@@ -47,6 +47,24 @@ def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
+def visible_mask(q_len: int, kv_len: int, causal: bool, key_mask, device) -> torch.Tensor | None:
+    """Boolean visibility broadcastable to [B, heads, Sq, Skv] (True = attended), or None when all keys are.
+
+    Bottom-right causal alignment AND the contract's key_mask [B, Skv] (1 = present, 0 = padding)."""
+    visible = causal_mask(q_len, kv_len, device)[None, None] if causal else None
+    if key_mask is not None:
+        present = (key_mask != 0)[:, None, None, :]
+        visible = present if visible is None else visible & present
+    return visible
+
+
+def zero_unseen_rows(out: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """The contract's rule: a query row that sees no key at all gives zeros (never NaN)."""
+    if visible is None:
+        return out
+    return out.masked_fill(~visible.any(-1, keepdim=True), 0)
+
+
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Accumulation dtype: fp32 for fp16/bf16/fp32 inputs, fp64 stays fp64 (for float64 oracles)."""
     return torch.promote_types(t.dtype, torch.float32)
@@ -91,15 +109,20 @@ def attention_backend(q: torch.Tensor, v: torch.Tensor) -> str:
     return "flash_attn" if usable and _flash_attn_func() is not None else "sdpa"
 
 
-def attend(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
-    """softmax(scale*q k^T [+ bottom-right causal mask]) v with GQA; q [B,H,Sq,D], k/v [B,Hkv,Skv,*]."""
+def attend(q, k, v, *, causal: bool, scale: float, key_mask=None) -> torch.Tensor:
+    """softmax(scale*q k^T [+ bottom-right causal mask] [+ key padding mask]) v with GQA;
+    q [B,H,Sq,D], k/v [B,Hkv,Skv,*], key_mask [B, Skv] (1 = present) or None."""
+    Sq, Skv = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if key_mask is not None:
+        visible = visible_mask(Sq, Skv, causal, key_mask, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+        return zero_unseen_rows(out, visible)
     if attention_backend(q, v) == "flash_attn":
         # flash_attn wants [B, S, H, D] and aligns causal masks bottom-right, as the contract does.
         out = _flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                  softmax_scale=scale, causal=causal)
         return out.transpose(1, 2)
-    Sq, Skv = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
     if causal and Sq != Skv:
         # SDPA's is_causal aligns top-left; decode with a KV cache needs bottom-right.
         mask = causal_mask(Sq, Skv, q.device)
@@ -113,7 +136,7 @@ def _subtract(o1, o2, lambda_full, attrs):
 
 
 def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
-                         *, clamp_renormalise: bool = False) -> torch.Tensor:
+                         *, clamp_renormalise: bool = False, key_mask=None) -> torch.Tensor:
     """Eq. 1 written out with explicit maps.
 
     clamp_renormalise=True is a TEXTBOOK VARIANT, not the paper: it clamps negative entries of
@@ -124,14 +147,12 @@ def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: Dif
     rep = attrs.num_heads // attrs.num_kv_heads
     k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
     scale = attrs.effective_scale
-    mask = causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+    mask = visible_mask(q1.shape[2], k1.shape[2], bool(attrs.causal), key_mask, q1.device)
 
     def softmax_map(q, k):
         acc = acc_dtype(q)
         logits = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        return logits.softmax(-1)
+        return zero_unseen_rows(masked_softmax(logits, mask), mask)
 
     diff_map = softmax_map(q1, k1) - lambda_as_bhs1(lambda_full, attrs) * softmax_map(q2, k2)
     if clamp_renormalise:
@@ -140,24 +161,24 @@ def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: Dif
     return finish_heads(diff_map @ v.to(diff_map.dtype), norm_weight, attrs, query.dtype)
 
 
-def flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
+def flash_diff_attention_1(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
+                           key_mask=None) -> torch.Tensor:
     """FlashDiffAttn_1: one attention call per map, each with the full-width V (12*N^2*d FLOPs)."""
     q1, q2, k1, k2, v = split_maps(query, key, value, attrs)
     causal, scale = bool(attrs.causal), attrs.effective_scale
-    o1 = attend(q1, k1, v, causal=causal, scale=scale)
-    o2 = attend(q2, k2, v, causal=causal, scale=scale)
+    o1 = attend(q1, k1, v, causal=causal, scale=scale, key_mask=key_mask)
+    o2 = attend(q2, k2, v, causal=causal, scale=scale, key_mask=key_mask)
     return finish_heads(_subtract(o1, o2, lambda_full, attrs), norm_weight, attrs, query.dtype)
 
 
-def flash_diff_attention_2(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> torch.Tensor:
+def flash_diff_attention_2(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
+                           key_mask=None) -> torch.Tensor:
     """FlashDiffAttn_2: four calls with V halves, for kernels that need head_dim_v == head_dim_qk."""
     q1, q2, k1, k2, v = split_maps(query, key, value, attrs)
-    causal, scale = bool(attrs.causal), attrs.effective_scale
+    kw = dict(causal=bool(attrs.causal), scale=attrs.effective_scale, key_mask=key_mask)
     va, vb = v.chunk(2, dim=-1)
-    o1 = torch.cat([attend(q1, k1, va, causal=causal, scale=scale),
-                    attend(q1, k1, vb, causal=causal, scale=scale)], dim=-1)
-    o2 = torch.cat([attend(q2, k2, va, causal=causal, scale=scale),
-                    attend(q2, k2, vb, causal=causal, scale=scale)], dim=-1)
+    o1 = torch.cat([attend(q1, k1, va, **kw), attend(q1, k1, vb, **kw)], dim=-1)
+    o2 = torch.cat([attend(q2, k2, va, **kw), attend(q2, k2, vb, **kw)], dim=-1)
     return finish_heads(_subtract(o1, o2, lambda_full, attrs), norm_weight, attrs, query.dtype)
 
 
@@ -177,22 +198,30 @@ def masked_softmax(s, visible):
     return (s if visible is None else s.masked_fill(~visible, float("-inf"))).softmax(-1)
 
 
-def explicit_diff_maps(query, key, value, lambda_full, attrs: DiffAttentionAttrs, quant: LogitQuant | None = None):
-    """Eq. 1 up to the maps: (s1, s2 logits, visible mask or None, A1 - lambda*A2, v repeated for GQA)."""
+def explicit_diff_maps(query, key, value, lambda_full, attrs: DiffAttentionAttrs, quant: LogitQuant | None = None,
+                       key_mask=None):
+    """Eq. 1 up to the maps: (s1, s2 logits, visible mask or None, A1 - lambda*A2, v repeated for GQA).
+
+    visible is [Sq, Skv] without key_mask (what the analysis observers read), [B, 1, Sq, Skv] with it."""
     q1, q2, k1, k2, v = split_maps(query, key, value, attrs)
-    visible = causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+    if key_mask is None:
+        visible = causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+    else:
+        visible = visible_mask(q1.shape[2], k1.shape[2], bool(attrs.causal), key_mask, q1.device)
     scale = attrs.effective_scale
     s1 = attention_logits(q1, k1, scale, visible, quant)
     s2 = attention_logits(q2, k2, scale, visible, quant)
-    diff_map = masked_softmax(s1, visible) - lambda_as_bhs1(lambda_full, attrs) * masked_softmax(s2, visible)
+    a1 = zero_unseen_rows(masked_softmax(s1, visible), visible)
+    a2 = zero_unseen_rows(masked_softmax(s2, visible), visible)
+    diff_map = a1 - lambda_as_bhs1(lambda_full, attrs) * a2
     v = v.to(diff_map.dtype).repeat_interleave(attrs.num_heads // attrs.num_kv_heads, dim=1)
     return s1, s2, visible, diff_map, v
 
 
 def quantised_diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
-                             quant: LogitQuant) -> torch.Tensor:
+                             quant: LogitQuant, key_mask=None) -> torch.Tensor:
     """Eq. 1 with logits quantised as `quant` says (16 bits = the unquantised explicit form)."""
-    *_, diff_map, v = explicit_diff_maps(query, key, value, lambda_full, attrs, quant)
+    *_, diff_map, v = explicit_diff_maps(query, key, value, lambda_full, attrs, quant, key_mask)
     return finish_heads(diff_map @ v, norm_weight, attrs, query.dtype)
 
 

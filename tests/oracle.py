@@ -14,8 +14,9 @@ def softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def diff_attention_oracle(query, key, value, lambda_full, norm_weight, *, variant, num_heads, num_kv_heads,
-                          head_dim, causal, scale=0.0, norm=1, norm_eps=1e-5, output_scale=1.0):
+def diff_attention_oracle(query, key, value, lambda_full, norm_weight, key_mask=None, *, variant, num_heads,
+                          num_kv_heads, head_dim, causal, scale=0.0, norm=1, norm_eps=1e-5, output_scale=1.0):
+    """key_mask [B, Skv]: 1 = key present, 0 = padding; a query row that sees no key gives zeros."""
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (query, key, value))
     lam_all = np.asarray(lambda_full, dtype=np.float64)
     B, Sq, _ = q.shape
@@ -29,6 +30,7 @@ def diff_attention_oracle(query, key, value, lambda_full, norm_weight, *, varian
             visible[i, i + (Skv - Sq) + 1:] = False
     out = np.empty((B, Sq, H * Dv))
     for b in range(B):
+        seen = visible if key_mask is None else visible & (np.asarray(key_mask)[b] != 0)[None, :]
         for h in range(H):
             g = h // (H // Hkv)
             q1 = q[b, :, (2 * h) * D:(2 * h + 1) * D]
@@ -39,8 +41,10 @@ def diff_attention_oracle(query, key, value, lambda_full, norm_weight, *, varian
             else:
                 k1 = k2 = k[b, :, g * D:(g + 1) * D]
             vg = v[b, :, g * Dv:(g + 1) * Dv]
-            a1 = softmax(np.where(visible, s * q1 @ k1.T, -np.inf))
-            a2 = softmax(np.where(visible, s * q2 @ k2.T, -np.inf))
+            a1, a2 = (np.zeros((Sq, Skv)) for _ in range(2))
+            rows = seen.any(axis=1)
+            a1[rows] = softmax(np.where(seen, s * q1 @ k1.T, -np.inf)[rows])
+            a2[rows] = softmax(np.where(seen, s * q2 @ k2.T, -np.inf)[rows])
             lam = lam_all.reshape(()) if variant == 1 else lam_all[b, :, h][:, None]
             o = (a1 - lam * a2) @ vg
             if norm:

@@ -23,18 +23,19 @@ ELEM = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 
 def one_node_model(attrs: DiffAttentionAttrs, style: str, tensors: dict, dtype=torch.float32):
     """A model whose only node is DiffAttention, with the function attached (what the exporter ships)."""
-    fn = function_body.build_function(style)
-    names = [n for n in contract.INPUT_NAMES if tensors.get(n) is not None]
+    masked = tensors.get("key_mask") is not None
+    fn = function_body.build_function(style, key_mask=masked)
+    names = [n for n in contract.ALL_INPUT_NAMES if tensors.get(n) is not None]
+    elem = {"norm_weight": TensorProto.FLOAT, "key_mask": TensorProto.INT64}
     node = helper.make_node(contract.OP_NAME, names, ["output"], domain=contract.ONNX_DOMAIN,
                             plugin_namespace=contract.PLUGIN_NAMESPACE, plugin_version=contract.PLUGIN_VERSION,
                             **attrs.as_dict())
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT if n == "norm_weight" else ELEM[dtype],
-                                            [None] * tensors[n].dim()) for n in names]
+    inputs = [helper.make_tensor_value_info(n, elem.get(n, ELEM[dtype]), [None] * tensors[n].dim()) for n in names]
     graph = helper.make_graph([node], "diff_attention", inputs,
                               [helper.make_tensor_value_info("output", ELEM[dtype], [None] * 3)])
     model = helper.make_model(graph, functions=[fn], ir_version=10,
                               opset_imports=[helper.make_opsetid("", fn.opset_import[0].version),
-                                             helper.make_opsetid(contract.ONNX_DOMAIN, contract.OP_VERSION)])
+                                             helper.make_opsetid(contract.ONNX_DOMAIN, contract.op_version(masked))])
     onnx.checker.check_model(model, full_check=True)
     return model, names
 
@@ -47,7 +48,16 @@ def run_one_node(attrs, style, tensors, dtype=torch.float32):
 
 def oracle(attrs, tensors):
     return diff_attention_oracle(*(None if tensors.get(n) is None else tensors[n].double().numpy()
-                                   for n in contract.INPUT_NAMES), **attrs.as_dict())
+                                   for n in contract.INPUT_NAMES), key_mask=tensors.get("key_mask"),
+                                 **attrs.as_dict())
+
+
+def left_padding_mask(batch: int, kv_len: int, pads: list[int]) -> torch.Tensor:
+    """[B, Skv] int64: row b starts with pads[b] padding keys (what a left-padded batch's attention_mask holds)."""
+    mask = torch.ones(batch, kv_len, dtype=torch.int64)
+    for b, pad in enumerate(pads):
+        mask[b, :pad] = 0
+    return mask
 
 
 CASES = [  # variant, kv-groups, causal, (q_len, kv_len), norm (with its weight; V2 has none)
@@ -69,6 +79,38 @@ def test_body_matches_oracle_fp32(style, variant, hkv, causal, lengths, norm, rn
     ref = oracle(attrs, tensors)
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("style", function_body.BODY_STYLES)
+@pytest.mark.parametrize("variant,hkv,q_len,kv_len,pads", [
+    (1, 2, 7, 7, [3, 0]),      # prefill of a left-padded batch: padded query rows see no key -> zeros
+    (1, 1, 1, 13, [5, 0]),     # one decode step against a cache
+    (2, 2, 4, 19, [18, 2]),    # a row with one present key; multi-token step
+    (1, 4, 17, 17, [17, 0]),   # a sequence of padding only: its output is all zeros
+    (2, 1, 33, 33, [0, 0]),    # all present: same as version 1
+])
+def test_body_with_key_mask_matches_oracle(style, variant, hkv, q_len, kv_len, pads, rng):
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=hkv, head_dim=8, causal=1,
+                               norm=int(variant == 1), output_scale=0.7 if variant == 1 else 1.0)
+    tensors = dict(zip(contract.INPUT_NAMES, make_inputs(attrs, 2, q_len, kv_len, rng=rng)))
+    tensors["key_mask"] = left_padding_mask(2, kv_len, pads)
+    model, _ = one_node_model(attrs, style, tensors)
+    assert len(model.graph.node[0].input) == 6 and model.functions[0].input[-1] == "key_mask"
+    out = run_one_node(attrs, style, tensors)
+    ref = oracle(attrs, tensors)
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    if pads[0] == kv_len:
+        assert not out[0].any()
+    # the eager references and the op agree with the oracle too
+    from diffexport import op, reference
+
+    inputs = [tensors[n] for n in contract.INPUT_NAMES]
+    for fn in (reference.naive_diff_attention, reference.flash_diff_attention_1):
+        got = fn(*inputs, attrs, key_mask=tensors["key_mask"])
+        assert torch.isfinite(got).all() and np.abs(got.double().numpy() - ref).max() <= 1e-5 * max(1, np.abs(ref).max())
+    got = op.call(*inputs, attrs, key_mask=tensors["key_mask"])
+    assert np.abs(got.double().numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
 
 
 @pytest.mark.parametrize("style", function_body.BODY_STYLES)
@@ -108,7 +150,17 @@ def test_attention_body_needs_opset_23():
 def test_translation_follows_the_contract():
     fn = next(iter(op_schema.translation_table().values()))
     params = list(inspect.signature(fn).parameters)
-    assert params == [*contract.INPUT_NAMES, *contract.ATTRIBUTE_NAMES]
+    assert params == [*contract.ALL_INPUT_NAMES, *contract.ATTRIBUTE_NAMES]
+
+
+def test_version_2_schema_adds_only_the_optional_key_mask():
+    op_schema.register_schema()
+    v1 = onnx.defs.get_schema(contract.OP_NAME, contract.OP_VERSION, contract.ONNX_DOMAIN)
+    v2 = onnx.defs.get_schema(contract.OP_NAME, contract.KEY_MASK_VERSION, contract.ONNX_DOMAIN)
+    assert [i.name for i in v2.inputs] == [i.name for i in v1.inputs] + ["key_mask"]
+    assert v2.inputs[-1].option == onnx.defs.OpSchema.FormalParameterOption.Optional
+    allowed = {c.type_param_str: list(c.allowed_type_strs) for c in v2.type_constraints}
+    assert allowed[v2.inputs[-1].type_str] == ["tensor(int64)"]
 
 
 def test_schema_is_registered_once_and_types_the_weight_fp32():

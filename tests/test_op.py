@@ -13,10 +13,10 @@ from oracle import diff_attention_oracle
 def test_schema_follows_the_contract():
     schema = torch.ops.diffexport.diff_attention.default._schema
     names = [a.name for a in schema.arguments]
-    assert names == list(contract.INPUT_NAMES) + list(contract.ATTRIBUTE_NAMES)
+    assert names == list(contract.ALL_INPUT_NAMES) + list(contract.ATTRIBUTE_NAMES)
     assert contract.TORCH_OP == "diffexport::diff_attention"
     optional = [a.name for a in schema.arguments if str(a.type).startswith("Optional")]
-    assert optional == [t.name for t in contract.INPUTS if t.optional]
+    assert optional == [t.name for t in contract.ALL_INPUTS if t.optional]
 
 
 def test_registered_once_and_reimport_is_harmless():
@@ -39,16 +39,18 @@ def test_op_matches_oracle(variant, ratio, causal, lengths, rng):
     assert_close_fp32(out, diff_attention_oracle(q, k, v, lam, w, **attrs.as_dict()))
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("variant", [1, 2])
-def test_opcheck(variant, rng):
+def test_opcheck(variant, masked, rng):
     """torch's own checks: schema, fake (meta) implementation, autograd registration, AOT dispatch."""
     attrs = DiffAttentionAttrs(variant=variant, num_heads=2, num_kv_heads=1, head_dim=8, causal=1,
                                norm=int(variant == 1), output_scale=0.8)
     q, k, v, lam, w = make_inputs(attrs, 2, 5, 7, rng=rng)
+    key_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7]) if masked else None
     for t in (q, k, v, lam):
         t.requires_grad_(True)
     torch.library.opcheck(torch.ops.diffexport.diff_attention.default,
-                          (q, k, v, lam, w, *attrs.as_dict().values()))
+                          (q, k, v, lam, w, key_mask, *attrs.as_dict().values()))
 
 
 def test_fake_impl_gives_output_shape():

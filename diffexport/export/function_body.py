@@ -108,8 +108,9 @@ def _common_prologue(b: _Body, attrs: DiffAttentionAttrs | None) -> dict[str, st
     return v
 
 
-def _visible_mask(b: _Body, v: dict[str, str]) -> str:
-    """Boolean [Sq, Skv]: bottom-right causal visibility, all true when causal=0."""
+def _visible_mask(b: _Body, v: dict[str, str], mask_axes: list[int]) -> str:
+    """Boolean [Sq, Skv]: bottom-right causal visibility, all true when causal=0; with the version-2
+    key_mask input, AND-ed with it unsqueezed at mask_axes (so it broadcasts over the logits)."""
     sq = b.op("Squeeze", v["Sq"], b.const_ints([0]))
     skv = b.op("Squeeze", v["Skv"], b.const_ints([0]))
     zero, step = b.op("Constant", value_int=0), b.op("Constant", value_int=1)
@@ -117,7 +118,11 @@ def _visible_mask(b: _Body, v: dict[str, str]) -> str:
     cols = b.op("Range", zero, skv, step)
     visible = b.op("LessOrEqual", b.op("Unsqueeze", cols, b.const_ints([0])),
                    b.op("Unsqueeze", rows, b.const_ints([1])))
-    return b.op("Or", visible, v["causal_off"])
+    visible = b.op("Or", visible, v["causal_off"])
+    if v.get("key_mask"):
+        present = b.op("Unsqueeze", b.op("Cast", "key_mask", to=TensorProto.BOOL), b.const_ints(mask_axes))
+        visible = b.op("And", visible, present)
+    return visible
 
 
 def _lambda_grouped(b: _Body, v: dict[str, str], trailing: list[int]) -> str:
@@ -150,8 +155,11 @@ def _decomposed(b: _Body, v: dict[str, str]) -> None:
     k = b.op("Transpose", b.op("Reshape", v["key"], k_shape), perm=[0, 2, 3, 4, 1])
     k = b.op("Unsqueeze", k, b.const_ints([2]))
     logits = b.op("MatMul", q, k)  # [B, Hkv, rep, 2, Sq, Skv]
-    logits = b.op("Where", _visible_mask(b, v), logits, b.const_float(float("-inf")))
+    visible = _visible_mask(b, v, [1, 2, 3, 4])  # [Sq, Skv], or [B, 1, 1, 1, Sq, Skv] with key_mask
+    logits = b.op("Where", visible, logits, b.const_float(float("-inf")))
     probs = b.op("Softmax", logits, axis=-1)
+    if v.get("key_mask"):  # a row that sees no key (all -inf, NaN after Softmax) gives zeros
+        probs = b.op("Where", visible, probs, b.const_float(0.0))
     p1, p2 = b.op("Split", probs, axis=3, num_outputs=2, outputs=2)  # each [B, Hkv, rep, 1, Sq, Skv]
     lam = _lambda_grouped(b, v, [1, -1, 1])  # [B, Hkv, rep, 1, Sq, 1]
     diff = b.op("Sub", p1, b.op("Mul", lam, p2))
@@ -178,12 +186,16 @@ def _attention(b: _Body, v: dict[str, str]) -> None:
     k2 = b.op("Gather", k, k2_index, axis=2)
     val = b.op("Reshape", v["value"], b.op("Concat", b.const_ints([0, 0]), v["Hkv"], b.const_ints([-1]), axis=0))
     val = b.op("Transpose", val, perm=[0, 2, 1, 3])  # [B, Hkv, Skv, Dv]
-    mask = _visible_mask(b, v)
+    mask = _visible_mask(b, v, [1, 2])  # [Sq, Skv], or [B, 1, Sq, Skv] with key_mask
     o1 = b.op("Attention", q1, k1, val, mask, scale=1.0)
     o2 = b.op("Attention", q2, k2, val, mask, scale=1.0)
     lam = _lambda_grouped(b, v, [-1, 1])  # [B, Hkv, rep, Sq, 1]
     lam = b.op("Reshape", lam, b.op("Concat", b.const_ints([0]), v["H"], b.const_ints([-1, 1]), axis=0))
-    _epilogue(b, v, b.op("Sub", o1, b.op("Mul", lam, o2)))
+    diff = b.op("Sub", o1, b.op("Mul", lam, o2))
+    if v.get("key_mask"):  # a row that sees no key gives zeros
+        seen = b.op("ReduceMax", b.op("Cast", mask, to=TensorProto.FLOAT), b.const_ints([-1]), keepdims=1)
+        diff = b.op("Where", b.op("Cast", seen, to=TensorProto.BOOL), diff, b.const_float(0.0))
+    _epilogue(b, v, diff)
 
 
 def _check_style(style: str, opset: int | None) -> int:
@@ -195,31 +207,43 @@ def _check_style(style: str, opset: int | None) -> int:
     return opset
 
 
-def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None) -> onnx.FunctionProto:
+def _input_names(key_mask: bool) -> list[str]:
+    return list(contract.ALL_INPUT_NAMES if key_mask else contract.INPUT_NAMES)
+
+
+def _body(b: _Body, style: str, attrs: DiffAttentionAttrs | None, key_mask: bool) -> None:
+    values = _common_prologue(b, attrs)
+    if key_mask:
+        values["key_mask"] = "key_mask"
+    (_decomposed if style == "decomposed" else _attention)(b, values)
+
+
+def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None,
+                   key_mask: bool = False) -> onnx.FunctionProto:
     """The FunctionProto `diffexport.DiffAttention` in the given body style, importing the model's
-    default-domain opset (checkers require the function and the model to agree)."""
+    default-domain opset (checkers require the function and the model to agree). key_mask=True:
+    the version-2 body with the sixth input (every node of such a model passes it)."""
     opset = _check_style(style, opset)
     b = _Body()
-    values = _common_prologue(b, None)
-    (_decomposed if style == "decomposed" else _attention)(b, values)
+    _body(b, style, None, key_mask)
     required = [a.name for a in contract.ATTRIBUTES if a.default is None]
+    version = contract.op_version(key_mask)
     return helper.make_function(
         contract.ONNX_DOMAIN, contract.OP_NAME,
-        inputs=list(contract.INPUT_NAMES), outputs=[t.name for t in contract.OUTPUTS], nodes=b.nodes,
+        inputs=_input_names(key_mask), outputs=[t.name for t in contract.OUTPUTS], nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)], attributes=required,
         attribute_protos=_attribute_defaults(),
-        doc_string=f"DiffAttention v{contract.OP_VERSION} in standard ONNX ops ({style} body); "
-                   "see docs/OP_SPEC.md",
+        doc_string=f"DiffAttention v{version} in standard ONNX ops ({style} body); see docs/OP_SPEC.md",
     )
 
 
 def build_specialised_function(attrs: DiffAttentionAttrs, style: str, opset: int, domain: str,
-                               name: str) -> onnx.FunctionProto:
+                               name: str, key_mask: bool = False) -> onnx.FunctionProto:
     """The body for ONE node with its attributes as constants: what the lowering pass inlines for
     runtimes without function support (constant folding then removes the attribute plumbing)."""
     opset = _check_style(style, opset)
     b = _Body()
-    values = _common_prologue(b, attrs)
-    (_decomposed if style == "decomposed" else _attention)(b, values)
-    return helper.make_function(domain, name, inputs=list(contract.INPUT_NAMES), outputs=[t.name for t in contract.OUTPUTS],
+    _body(b, style, attrs, key_mask)
+    return helper.make_function(domain, name, inputs=_input_names(key_mask),
+                                outputs=[t.name for t in contract.OUTPUTS],
                                 nodes=b.nodes, opset_imports=[helper.make_opsetid("", opset)], attributes=[])

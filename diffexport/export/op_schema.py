@@ -16,12 +16,16 @@ from diffexport import contract
 _FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
 
-def _schema() -> OpSchema:
+_TYPE_VARS = {"T": "T", "float32": "W", "int64": "M"}
+
+
+def _schema(version: int) -> OpSchema:
     param = OpSchema.FormalParameter
     option = OpSchema.FormalParameterOption
-    inputs = [param(t.name, "T" if t.dtype == "T" else "W", t.doc,
+    specs = contract.INPUTS if version == contract.OP_VERSION else contract.ALL_INPUTS
+    inputs = [param(t.name, _TYPE_VARS[t.dtype], t.doc,
                     param_option=option.Optional if t.optional else option.Single)
-              for t in contract.INPUTS]
+              for t in specs]
     outputs = [param(t.name, "T", t.doc) for t in contract.OUTPUTS]
     kinds = {"int": OpSchema.AttrType.INT, "float": OpSchema.AttrType.FLOAT}
     attributes = [OpSchema.Attribute(a.name, kinds[a.kind], a.doc, required=a.default is None)
@@ -31,17 +35,21 @@ def _schema() -> OpSchema:
     attributes += [OpSchema.Attribute(name, OpSchema.AttrType.STRING, doc, required=False)
                    for name, doc in (("plugin_namespace", "TensorRT plugin namespace"),
                                      ("plugin_version", "TensorRT plugin version"))]
-    return OpSchema(contract.OP_NAME, contract.ONNX_DOMAIN, contract.OP_VERSION,
+    constraints = [("T", _FLOAT_TYPES, "activation dtype"), ("W", ["tensor(float)"], "norm weight dtype")]
+    if version >= contract.KEY_MASK_VERSION:
+        constraints.append(("M", ["tensor(int64)"], "key mask dtype"))
+    return OpSchema(contract.OP_NAME, contract.ONNX_DOMAIN, version,
                     doc="Differential attention; see docs/OP_SPEC.md", inputs=inputs, outputs=outputs,
-                    type_constraints=[("T", _FLOAT_TYPES, "activation dtype"),
-                                      ("W", ["tensor(float)"], "norm weight dtype")],
-                    attributes=attributes)
+                    type_constraints=constraints, attributes=attributes)
 
 
 def register_schema() -> None:
-    """Make the DiffAttention schema known to onnx (idempotent)."""
-    if not onnx.defs.has(contract.OP_NAME, contract.OP_VERSION, contract.ONNX_DOMAIN):
-        onnx.defs.register_schema(_schema())
+    """Make the DiffAttention schemas (version 1, and 2 with key_mask) known to onnx (idempotent)."""
+    for version in (contract.OP_VERSION, contract.KEY_MASK_VERSION):
+        # has() answers for any version <= the one asked: compare since_version exactly
+        if (not onnx.defs.has(contract.OP_NAME, version, contract.ONNX_DOMAIN)
+                or onnx.defs.get_schema(contract.OP_NAME, version, contract.ONNX_DOMAIN).since_version != version):
+            onnx.defs.register_schema(_schema(version))
 
 
 def translation_table() -> dict:
@@ -51,14 +59,17 @@ def translation_table() -> dict:
 
     import diffexport.op  # noqa: F401  (registers torch.ops.diffexport.diff_attention)
 
-    domain = onnxscript.values.Opset(contract.ONNX_DOMAIN, contract.OP_VERSION)
+    v1 = onnxscript.values.Opset(contract.ONNX_DOMAIN, contract.OP_VERSION)
+    v2 = onnxscript.values.Opset(contract.ONNX_DOMAIN, contract.KEY_MASK_VERSION)
 
     # The exporter binds the torch op's arguments to these parameters by name, so they are
     # spelled out; a test checks they follow contract.ATTRIBUTES.
-    def diff_attention(query, key, value, lambda_full, norm_weight, variant, num_heads, num_kv_heads,
+    def diff_attention(query, key, value, lambda_full, norm_weight, key_mask, variant, num_heads, num_kv_heads,
                        head_dim, causal, scale, norm, norm_eps, output_scale):
+        inputs = (query, key, value, lambda_full, norm_weight) + (() if key_mask is None else (key_mask,))
+        domain = v1 if key_mask is None else v2  # a version-1 node has no key_mask
         return getattr(domain, contract.OP_NAME)(
-            query, key, value, lambda_full, norm_weight, variant=variant, num_heads=num_heads,
+            *inputs, variant=variant, num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, causal=causal, scale=scale, norm=norm,
             norm_eps=norm_eps, output_scale=output_scale)
 

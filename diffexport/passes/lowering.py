@@ -58,11 +58,18 @@ def lower_diff_attention(model: onnx.ModelProto, style: str = "decomposed") -> L
         if not is_diff_attention(node):
             continue
         attrs = node_attrs(node)
-        if len(node.input) != len(contract.INPUTS) or not all(node.input):
+        inputs = list(node.input)
+        while len(inputs) > len(contract.INPUTS) and not inputs[-1]:  # trailing empty = optional input absent
+            inputs.pop()
+        if len(inputs) not in (len(contract.INPUTS), len(contract.ALL_INPUTS)) or not all(inputs):
             raise DiffExportError(f"DiffAttention node {node.name or index} has inputs {list(node.input)}; "
-                                  f"the contract needs {list(contract.INPUT_NAMES)}")
+                                  f"the contract needs {list(contract.INPUT_NAMES)} "
+                                  f"(version 2: + {[t.name for t in contract.OPTIONAL_INPUTS]})")
+        del node.input[:]
+        node.input.extend(inputs)
         name = f"DiffAttention_{index}"
-        model.functions.append(build_specialised_function(attrs, style, opset, _LOWERED_DOMAIN, name))
+        key_mask = len(inputs) == len(contract.ALL_INPUTS)
+        model.functions.append(build_specialised_function(attrs, style, opset, _LOWERED_DOMAIN, name, key_mask))
         del node.attribute[:]
         node.op_type, node.domain = name, _LOWERED_DOMAIN
         selected.append((_LOWERED_DOMAIN, name))
