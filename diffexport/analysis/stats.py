@@ -100,7 +100,7 @@ def collect(model, batches, progress=None) -> MagnitudeStats:
         for s in maps:
             logits[layer].add(s[..., visible] if visible is not None else s)
 
-    hooks = [layer.register_forward_hook(lambda mod, inp, out, i=i: hidden[i].add(out))
+    hooks = [layer.register_forward_hook(lambda mod, inp, out, i=i: hidden[i].add(out[0]))  # (x, cache)
              for i, layer in enumerate(model.layers)]
     tokens = 0
     try:

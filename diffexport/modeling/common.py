@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar, Mapping
 
@@ -125,6 +126,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def extend_cache(past, key: torch.Tensor, value: torch.Tensor):
+    """Append this step's rotated keys and values [B, S, W] to a layer's cache (k, v) [B, P, W].
+
+    The cache is token-major, exactly the contract's key/value layout, so attention reads it as it
+    is: no transpose or re-pack of past tokens on any step (docs/EXPORT.md, KV-cache decoders)."""
+    if past is not None:
+        key = torch.cat((past[0], key), dim=1)
+        value = torch.cat((past[1], value), dim=1)
+    return key, value
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Token positions [B, P+S] of a left-padded batch: present tokens count 0, 1, 2, ...; padding gets 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def with_key_mask(fn, key_mask):
+    """Call an attention implementation with key_mask only when there is one (analysis probes take none)."""
+    return fn if key_mask is None else functools.partial(fn, key_mask=key_mask)
+
+
 class DecoderLayer(nn.Module):
     """Y = Attn(RMSNorm(X)) + X;  X' = SwiGLU(RMSNorm(Y)) + Y."""
 
@@ -135,9 +157,11 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, cos, sin, past=None, key_mask=None):
+        """-> (x', present): present is the layer's cache (k, v) including this step."""
+        attn_out, present = self.attn(self.attn_norm(x), cos, sin, past=past, key_mask=key_mask, use_cache=True)
+        x = x + attn_out
+        return x + self.mlp(self.mlp_norm(x)), present
 
 
 class DecoderLM(nn.Module):
@@ -154,18 +178,38 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                return_hidden: bool = False):
-        """input_ids [B, T] int64 -> logits [B, T, V] (and the last hidden state [B, T, d_model])."""
-        B, T = input_ids.shape
+                return_hidden: bool = False, *, attention_mask: torch.Tensor | None = None,
+                past_key_values: list | None = None, use_cache: bool = False):
+        """input_ids [B, S] int64 -> logits [B, S, V] (and the last hidden state [B, S, d_model]).
+
+        KV cache: past_key_values is one (k, v) per layer, each [B, P, W] (rotated keys, values in the
+        contract's token-major layout); attention_mask [B, P+S] marks present tokens (1) and left
+        padding (0). With use_cache the presents [B, P+S, W] come last in the returned tuple."""
+        B, S = input_ids.shape
+        P = 0 if past_key_values is None else past_key_values[0][0].shape[1]
+        key_mask = None
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (B, P + S):
+                raise DiffExportError(f"attention_mask shape {list(attention_mask.shape)} != [batch, past + new] "
+                                      f"= {[B, P + S]}")
+            key_mask = attention_mask.to(torch.int64)
         if positions is None:
-            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            if key_mask is not None:
+                positions = positions_from_mask(key_mask)[:, P:]
+            else:
+                positions = torch.arange(P, P + S, device=input_ids.device).expand(B, S)
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        presents = []
+        for index, layer in enumerate(self.layers):
+            x, present = layer(x, cos, sin, None if past_key_values is None else past_key_values[index], key_mask)
+            presents.append(present)
         hidden = self.norm(x)
         logits = self.lm_head(hidden)
-        return (logits, hidden) if return_hidden else logits
+        outputs = (logits, hidden) if return_hidden else (logits,)
+        if use_cache:
+            outputs += (presents,)
+        return outputs if len(outputs) > 1 else logits
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

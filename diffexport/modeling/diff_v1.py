@@ -19,7 +19,8 @@ import torch.nn as nn
 
 from diffexport import op, reference
 from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
-from diffexport.modeling.common import DecoderLM, ModelConfig, RMSNorm, apply_rope, resolve_heads
+from diffexport.modeling.common import (DecoderLM, ModelConfig, RMSNorm, apply_rope, extend_cache, resolve_heads,
+                                        with_key_mask)
 
 
 def lambda_init_schedule(layer_index: int) -> float:
@@ -76,20 +77,21 @@ class DiffV1Attention(nn.Module):
         l2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
         return (l1 - l2 + self.lambda_init).reshape(1)
 
-    def forward(self, x, cos, sin):
-        B, T, _ = x.shape  # (B, T, d_model)
+    def forward(self, x, cos, sin, past=None, key_mask=None, use_cache=False):
+        B, T, _ = x.shape  # (B, T, d_model); past: this layer's cache (k, v), each (B, P, width)
         D = self.attrs.head_dim
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
-        v = self.v_proj(x)
+        k, v = extend_cache(past, k, self.v_proj(x))  # (B, P + T, width)
         lam = self.lambda_full().to(x.dtype)
         weight = self.head_norm.weight  # the contract wants it fp32, and all ones for a weightless norm
         weight = torch.ones(2 * D, device=x.device) if weight is None else weight.float()
         if self.impl == "op":
-            out = op.call(q, k, v, lam, weight, self.attrs)
+            out = op.call(q, k, v, lam, weight, self.attrs, key_mask=key_mask)
         else:
-            out = reference.resolve(self.impl)(q, k, v, lam, weight, self.attrs)
-        return self.o_proj(out)  # out: (B, T, H * 2D)
+            out = with_key_mask(reference.resolve(self.impl), key_mask)(q, k, v, lam, weight, self.attrs)
+        out = self.o_proj(out)  # out: (B, T, H * 2D)
+        return (out, (k, v)) if use_cache else out
 
 
 class DiffV1LM(DecoderLM):

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from diffexport import op, reference
 from diffexport.contract import VARIANT_V2, DiffAttentionAttrs
-from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, resolve_heads
+from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, extend_cache, resolve_heads, with_key_mask
 
 
 @dataclasses.dataclass
@@ -45,18 +45,20 @@ class DiffV2Attention(nn.Module):
                                         causal=1, norm=0, output_scale=1.0)
         self.impl = "op"  # or a name of reference.REFERENCES (see diff_v1)
 
-    def forward(self, x, cos, sin):
-        B, T, _ = x.shape  # (B, T, d_model)
+    def forward(self, x, cos, sin, past=None, key_mask=None, use_cache=False):
+        B, T, _ = x.shape  # (B, T, d_model); past: this layer's cache (k, v), each (B, P, width)
         D = self.attrs.head_dim
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
-        v = self.v_proj(x)
+        k, v = extend_cache(past, k, self.v_proj(x))  # (B, P + T, width)
         lam = torch.sigmoid(self.lambda_proj(x))  # (B, T, H): per token, per head
         if self.impl == "op":
-            out = op.call(q, k, v, lam, torch.ones(D, device=x.device), self.attrs)  # V2 has no weight
+            out = op.call(q, k, v, lam, torch.ones(D, device=x.device), self.attrs,  # V2 has no weight
+                          key_mask=key_mask)
         else:
-            out = reference.resolve(self.impl)(q, k, v, lam, None, self.attrs)
-        return self.o_proj(out)  # out: (B, T, H * D)
+            out = with_key_mask(reference.resolve(self.impl), key_mask)(q, k, v, lam, None, self.attrs)
+        out = self.o_proj(out)  # out: (B, T, H * D)
+        return (out, (k, v)) if use_cache else out
 
 
 class DiffV2LM(DecoderLM):

@@ -12,7 +12,7 @@ import dataclasses
 import torch.nn as nn
 
 from diffexport import reference
-from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, resolve_heads
+from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, extend_cache, resolve_heads, with_key_mask
 
 
 @dataclasses.dataclass
@@ -47,14 +47,16 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(H * D, cfg.d_model, bias=False)
         self.impl = reference.attend  # or a callable with its signature (the analysis probes)
 
-    def forward(self, x, cos, sin):
-        B, T, _ = x.shape
+    def forward(self, x, cos, sin, past=None, key_mask=None, use_cache=False):
+        B, T, _ = x.shape  # past: this layer's cache (k, v), each (B, P, Hkv * D), token-major
         D = self.head_dim
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).transpose(1, 2)
-        k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).transpose(1, 2)
-        v = self.v_proj(x).unflatten(-1, (-1, D)).transpose(1, 2)
-        out = self.impl(q, k, v, causal=True, scale=D ** -0.5)  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
+        k, v = extend_cache(past, k, self.v_proj(x))  # (B, P + T, Hkv * D)
+        heads_k, heads_v = (t.unflatten(-1, (-1, D)).transpose(1, 2) for t in (k, v))
+        out = with_key_mask(self.impl, key_mask)(q, heads_k, heads_v, causal=True, scale=D ** -0.5)  # (B, H, T, D)
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return (out, (k, v)) if use_cache else out
 
 
 class TransformerLM(DecoderLM):

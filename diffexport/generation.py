@@ -1,0 +1,107 @@
+"""Eager generation with a KV cache: the reference every exported decoder is checked against.
+
+`generate(model, ids, ...)` runs one prefill over the prompt, then one token per step against
+the cache (DecoderLM.forward with past_key_values), for every family: DIFF V1, V2 (and HF
+DiffLlama imports, which load as V1) and the baseline Transformer. Left-padded batches come
+with an attention_mask; greedy decoding reproduces transformers' `generate(do_sample=False)`
+for imported DiffLlama checkpoints (tests/test_generation.py).
+
+Sampling follows the usual order: temperature, then top-k, then top-p (nucleus), then a draw
+from a seeded torch.Generator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from diffexport.errors import DiffExportError
+
+
+@dataclasses.dataclass
+class Sampling:
+    """How the next token is chosen. greedy=True ignores the rest."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.greedy:
+            if not self.temperature > 0:
+                raise DiffExportError(f"temperature must be > 0, got {self.temperature}")
+            if self.top_k < 0:
+                raise DiffExportError(f"top-k must be >= 0, got {self.top_k}")
+            if not 0 < self.top_p <= 1:
+                raise DiffExportError(f"top-p must be in (0, 1], got {self.top_p}")
+
+
+def choose_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [B, V] (the last position) -> next token ids [B]."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = scores.topk(min(sampling.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_scores.softmax(-1) >= sampling.top_p  # keep the token that crosses top_p
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@dataclasses.dataclass
+class Generated:
+    tokens: torch.Tensor  # [B, new] int64 (pad_token_id after a sequence ended)
+    step_logits: list[torch.Tensor]  # per step, [B, V] fp32 logits of the position that chose the token
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths -> (input_ids, attention_mask) [B, T], padded on the left."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise DiffExportError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+             max_new_tokens: int = 32, sampling: Sampling | None = None, eos_token_id: int | None = None,
+             pad_token_id: int = 0, on_token: Callable[[torch.Tensor], None] | None = None) -> Generated:
+    """Prefill input_ids [B, T] (left-padded when attention_mask says so), then decode with the cache."""
+    if max_new_tokens < 1:
+        raise DiffExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = sampling or Sampling()
+    generator = None if sampling.greedy else torch.Generator(device=input_ids.device).manual_seed(sampling.seed)
+    B = input_ids.shape[0]
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    past, ids, tokens, step_logits = None, input_ids, [], []
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    for _ in range(max_new_tokens):
+        logits, past = model(ids, attention_mask=attention_mask, past_key_values=past, use_cache=True)
+        last = logits[:, -1].float()
+        step_logits.append(last)
+        token = choose_next(last, sampling, generator)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+        if eos_token_id is not None:
+            finished |= token == eos_token_id
+            if bool(finished.all()):
+                break
+        ids = token[:, None]
+        attention_mask = torch.cat([attention_mask, torch.ones_like(ids)], dim=1)
+    return Generated(torch.stack(tokens, dim=1), step_logits)
