@@ -196,20 +196,26 @@ def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, *attr_value
 
 # ---------------------------------------------------------------- finish
 
-def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str) -> int:
-    """Attach the function, plugin fields and metadata in place; return the DiffAttention count."""
+def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str, key_mask: bool = False,
+            outputs: list[str] | None = None, extra_meta: dict[str, str] | None = None) -> int:
+    """Attach the function, plugin fields and metadata in place; return the DiffAttention count.
+    key_mask: the graph's nodes pass the version-2 key_mask input (KV-cache decoders)."""
     import onnx_ir as ir
 
     opset = options.resolved_opset()
-    function = ir.serde.deserialize_function(function_body.build_function(options.body_style, opset))
+    function = ir.serde.deserialize_function(function_body.build_function(options.body_style, opset, key_mask))
     model_ir.functions[function.identifier()] = function
-    model_ir.opset_imports[contract.ONNX_DOMAIN] = contract.OP_VERSION
+    model_ir.opset_imports[contract.ONNX_DOMAIN] = contract.op_version(key_mask)
     model_ir.ir_version = IR_VERSION
+    plugin_version = contract.KEY_MASK_PLUGIN_VERSION if key_mask else contract.PLUGIN_VERSION
     count = 0
     for node in model_ir.graph.all_nodes():
         if node.domain == contract.ONNX_DOMAIN and node.op_type == contract.OP_NAME:
+            if (len(node.inputs) == len(contract.ALL_INPUTS)) != key_mask:
+                raise DiffExportError(f"internal: {node.name} has {len(node.inputs)} inputs, expected "
+                                      f"{len(contract.ALL_INPUTS) if key_mask else len(contract.INPUTS)}")
             node.attributes["plugin_namespace"] = ir.AttrString("plugin_namespace", contract.PLUGIN_NAMESPACE)
-            node.attributes["plugin_version"] = ir.AttrString("plugin_version", contract.PLUGIN_VERSION)
+            node.attributes["plugin_version"] = ir.AttrString("plugin_version", plugin_version)
             count += 1
     expected = loaded.config.n_layers
     if count != expected:
@@ -222,9 +228,10 @@ def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: s
         META_PREFIX + "config": json.dumps(loaded.config.to_dict(), sort_keys=True),
         META_PREFIX + "dtype": options.dtype,
         META_PREFIX + "body_style": options.body_style,
-        META_PREFIX + "outputs": ",".join([LOGITS, HIDDEN] if options.hidden else [LOGITS]),
+        META_PREFIX + "outputs": ",".join(outputs or ([LOGITS, HIDDEN] if options.hidden else [LOGITS])),
         META_PREFIX + "weights": weights_id,
-        META_PREFIX + "op_version": str(contract.OP_VERSION),
+        META_PREFIX + "op_version": str(contract.op_version(key_mask)),
+        **(extra_meta or {}),
     })
     return count
 

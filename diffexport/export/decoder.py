@@ -1,0 +1,371 @@
+"""KV-cache decoder export: a folder onnxruntime-genai runs as it is (`diffexport onnx --kv-cache -o OUTDIR`).
+
+One graph serves prefill (past length 0) and decode (one or more new tokens):
+  inputs   input_ids [B, S] int64, attention_mask [B, P+S] int64 (0 = left padding),
+           past_key_values.{i}.key / .value [B, 1, P, W]
+  outputs  logits [B, S, V], present.{i}.key / .value [B, 1, P+S, W]
+The cache is token-major: W is the contract's key (value) width of all kv heads of a layer, so a
+DiffAttention node reads `present` as it is (a free reshape of the unit axis) and no step
+transposes or re-packs past tokens. For onnxruntime-genai this is one "kv head" of head_size W
+(V1: keys 2*Hkv*D, values Hkv*2D: equal widths; V2 and the baseline Transformer: Hkv*D both).
+Token positions come from the attention mask inside the graph (cumsum - 1), so left-padded batches
+need no position_ids input. Each attention is ONE DiffAttention node of op version 2 (key_mask).
+
+Folder: model.onnx (+ model.onnx.data when large), genai_config.json, tokenizer files (copied from an
+HF checkpoint folder or --tokenizer). Written into a temporary folder beside OUTDIR, checked, renamed:
+an interrupted export leaves nothing, and an existing OUTDIR is never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from diffexport import contract, fingerprint
+from diffexport.checkpoint import LoadedModel
+from diffexport.errors import DiffExportError
+from diffexport.export import exporter
+from diffexport.export.exporter import DTYPES, ExportOptions
+
+MODEL_FILE = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
+PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
+KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
+DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
+# Files a tokenizer folder may hold that onnxruntime-genai / transformers read (never code files).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+MAX_TOKENIZER_BYTES = 256 * 1024**2
+
+
+@dataclasses.dataclass
+class DecoderExportSummary:
+    folder: Path
+    layers: int
+    diff_attention_nodes: int
+    cache_width: int
+    context_length: int
+    tokenizer: bool
+    file_bytes: int
+    dtype: str
+    seconds: float
+
+    def report(self) -> str:
+        tok = "tokenizer files copied" if self.tokenizer else "no tokenizer: token ids only"
+        return "\n".join([
+            f"exported      {self.folder}/ ({self.file_bytes / 1e6:.1f} MB, {self.dtype}, KV-cache decoder, "
+            f"{self.seconds:.1f}s)",
+            f"graph         {self.diff_attention_nodes} {contract.OP_NAME} (op v{contract.KEY_MASK_VERSION}, key_mask) "
+            f"over {self.layers} layers; cache [batch, 1, past, {self.cache_width}] per layer for keys and values",
+            f"genai         {GENAI_CONFIG} (context {self.context_length}), {tok}",
+        ])
+
+
+def cache_width(cfg) -> int:
+    """W: the per-token width of a layer's key cache (equal to its value cache)."""
+    if cfg.family == "diff_v1":
+        key, value = 2 * cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * 2 * cfg.head_dim
+    else:
+        key = value = cfg.n_kv_heads * cfg.head_dim
+    assert key == value
+    return key
+
+
+class _DecoderStep(torch.nn.Module):
+    """(input_ids, attention_mask, past...) -> (logits, present...): the graph's documented interface."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, *past_flat):
+        past = [(past_flat[2 * i].squeeze(1), past_flat[2 * i + 1].squeeze(1)) for i in range(len(past_flat) // 2)]
+        logits, presents = self.model(input_ids, attention_mask=attention_mask, past_key_values=past, use_cache=True)
+        return (logits, *[t.unsqueeze(1) for kv in presents for t in kv])
+
+
+def input_names(layers: int) -> list[str]:
+    return [INPUT_IDS, ATTENTION_MASK] + [name % i for i in range(layers) for name in (PAST_KEY, PAST_VALUE)]
+
+
+def output_names(layers: int) -> list[str]:
+    return [LOGITS] + [name % i for i in range(layers) for name in (PRESENT_KEY, PRESENT_VALUE)]
+
+
+def _trace(model, options: ExportOptions, dtype: torch.dtype):
+    from diffexport.export.op_schema import register_schema, translation_table
+
+    register_schema()
+    cfg = model.config
+    gen = torch.Generator().manual_seed(0)
+    B, S, P = 2, 5, 3  # none is 0 or 1, which torch.export would specialise on
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+    mask = torch.ones(B, P + S, dtype=torch.int64)
+    width = cache_width(cfg)
+    past = [torch.zeros(B, 1, P, width, dtype=dtype) for _ in range(2 * cfg.n_layers)]
+    batch, seq, total, past_len = (torch.export.Dim(n) for n in ("batch", "sequence", "total_sequence", "past_sequence"))
+    # torch.export groups *past_flat into one entry of the input structure
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, tuple({0: batch, 2: past_len} for _ in past))
+    with exporter._quiet_exporter():
+        program = torch.onnx.export(
+            _DecoderStep(model), (ids, mask, *past), dynamo=True, opset_version=options.resolved_opset(),
+            custom_translation_table=translation_table(), dynamic_shapes=shapes,
+            input_names=input_names(cfg.n_layers), output_names=output_names(cfg.n_layers), optimize=True,
+            verbose=False)
+    return program.model
+
+
+def genai_config(cfg, dtype: str, context_length: int, special: dict) -> dict:
+    """What onnxruntime-genai reads: the decoder's I/O names, cache shape (one head of width W), search defaults."""
+    width = cache_width(cfg)
+    maps = 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads
+    return {
+        "model": {
+            "bos_token_id": special.get("bos_token_id", 1),
+            "context_length": context_length,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": MODEL_FILE,
+                "head_size": width,
+                "hidden_size": cfg.d_model,
+                "inputs": {"input_ids": INPUT_IDS, "attention_mask": ATTENTION_MASK,
+                           "past_key_names": PAST_KEY, "past_value_names": PAST_VALUE},
+                "outputs": {"logits": LOGITS, "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE},
+                "num_attention_heads": maps,
+                "num_hidden_layers": cfg.n_layers,
+                "num_key_value_heads": 1,  # token-major cache: one "head" of width W (docs/EXPORT.md)
+            },
+            # without a tokenizer: the last id, where GPT-2-style vocabularies keep end-of-text
+            "eos_token_id": special.get("eos_token_id", cfg.vocab_size - 1),
+            "pad_token_id": special.get("pad_token_id", 0),
+            "type": "llama",  # genai's decoder-only model class; the graph is ours
+            "vocab_size": cfg.vocab_size,
+        },
+        "search": {
+            "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+            "max_length": context_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+            "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }  # genai refuses unknown keys: what diffexport knows lives in model.onnx's metadata
+
+
+def _special_ids(folder: Path | None) -> dict:
+    """bos/eos/pad ids from an HF folder's config.json / generation_config.json (first found wins)."""
+    found: dict = {}
+    if folder is None:
+        return found
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if not path.is_file() or path.is_symlink() or path.stat().st_size > 1024**2:
+            continue
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = values.get(key)
+            if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+                value = value[0]
+            if isinstance(value, int) and not isinstance(value, bool) and key not in found:
+                found[key] = value
+    return found
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The tokenizer files of a folder (regular files only; links are not followed)."""
+    files = []
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.is_symlink():
+            raise DiffExportError(f"{path} is a symbolic link: copy the real file into the folder")
+        if path.is_file():
+            if path.stat().st_size > MAX_TOKENIZER_BYTES:
+                raise DiffExportError(f"{path} is larger than {MAX_TOKENIZER_BYTES >> 20} MiB: not a tokenizer file")
+            files.append(path)
+    return files
+
+
+def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
+    """Tokenizer files to copy, after checking the tokenizer's ids fit the model's vocabulary."""
+    if not folder.is_dir():
+        raise DiffExportError(f"tokenizer {folder} is not a folder")
+    files = tokenizer_files(folder)
+    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in files):
+        raise DiffExportError(f"{folder} has no tokenizer.json or tokenizer.model")
+    tok_json = folder / "tokenizer.json"
+    if tok_json.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DiffExportError("checking a tokenizer needs the tokenizers package: pip install tokenizers") from None
+        try:
+            size = Tokenizer.from_file(str(tok_json)).get_vocab_size(with_added_tokens=True)
+        except Exception as exc:  # the tokenizers library's own parse errors
+            raise DiffExportError(f"{tok_json} is not a readable tokenizer ({str(exc).splitlines()[0][:120]})") from None
+        if size > vocab_size:
+            raise DiffExportError(f"tokenizer {folder} has {size} tokens but the model's vocabulary is {vocab_size}: "
+                                  "it is not this model's tokenizer")
+    return files
+
+
+def check_target(out_dir: Path, options: ExportOptions, context_length: int | None) -> None:
+    if options.dtype not in ("float32", "float16"):
+        raise DiffExportError(f"--kv-cache exports float32 or float16 (onnxruntime-genai's CPU and CUDA caches), "
+                              f"not {options.dtype}")
+    if options.hidden:
+        raise DiffExportError("--kv-cache graphs output logits and the cache; drop --hidden")
+    if options.legacy:
+        raise DiffExportError("--kv-cache needs the dynamo exporter; drop --legacy")
+    if out_dir.suffix == ".onnx":
+        raise DiffExportError(f"--kv-cache writes a folder (model.onnx, {GENAI_CONFIG}, tokenizer): "
+                              f"give a folder name, not {out_dir.name}")
+    if out_dir.exists() or out_dir.is_symlink():
+        raise DiffExportError(f"{out_dir} already exists: give a new folder (nothing is overwritten)")
+    if not out_dir.parent.is_dir():
+        raise DiffExportError(f"output folder {out_dir.parent} does not exist: create it first")
+    if not os.access(out_dir.parent, os.W_OK):
+        raise DiffExportError(f"output folder {out_dir.parent} is not writable")
+    if context_length is not None and context_length < 2:
+        raise DiffExportError(f"context length must be >= 2, got {context_length}")
+
+
+def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
+                   tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
+                   log: Callable[[str], None] = print) -> DecoderExportSummary:
+    """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime)."""
+    import onnx
+
+    options = options or ExportOptions()
+    out_dir = Path(out_dir)
+    check_target(out_dir, options, context_length)
+    cfg = loaded.config
+    if cfg.family not in KV_FAMILIES:
+        raise DiffExportError(f"--kv-cache exports {list(KV_FAMILIES)} models, not {cfg.family!r}")
+    source_dir = Path(loaded.path) if loaded.source == "hf-diffllama" and loaded.path else None
+    tok_dir = Path(tokenizer) if tokenizer is not None else source_dir
+    tok_files = []
+    if tok_dir is not None:
+        if tokenizer is not None:
+            tok_files = check_tokenizer(tok_dir, cfg.vocab_size)
+        elif tokenizer_files(tok_dir):
+            tok_files = check_tokenizer(tok_dir, cfg.vocab_size)
+    if context_length is None:
+        context_length = int(getattr(cfg, "max_position_embeddings", 0) or 0) or DEFAULT_CONTEXT
+        context_length = _hf_context(source_dir) or context_length
+    start = time.monotonic()
+    model = loaded.model.eval()
+    dtype = DTYPES[options.dtype]
+    if next(model.parameters()).dtype != dtype:
+        model = model.to(dtype)
+    weights_id = fingerprint.weights_fingerprint(model, options.dtype)
+    log(f"tracing       {cfg.family} KV-cache decoder ({model.num_parameters():,} parameters, {options.dtype}), "
+        f"opset {options.resolved_opset()}")
+    with torch.no_grad():
+        model_ir = _trace(model, options, dtype)
+    is_diff = cfg.family != "transformer"
+    meta = {exporter.META_PREFIX + "kv_cache": "1", exporter.META_PREFIX + "cache_width": str(cache_width(cfg))}
+    if is_diff:
+        count = exporter._finish(model_ir, loaded, options, weights_id, key_mask=True,
+                                 outputs=output_names(cfg.n_layers), extra_meta=meta)
+    else:
+        count = _finish_plain(model_ir, loaded, options, weights_id, meta)
+    external = exporter._weight_bytes(model_ir) > exporter.PROTOBUF_LIMIT - 64 * 1024**2 \
+        if options.external_data is None else options.external_data
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
+    try:
+        log(f"writing       {out_dir}/" + (" with external data" if external else ""))
+        exporter._save(model_ir, tmp_dir / MODEL_FILE, external, log)
+        del model_ir
+        log("checking      onnx.checker full check")
+        try:
+            onnx.checker.check_model(str(tmp_dir / MODEL_FILE), full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise DiffExportError(f"internal: the exported graph fails onnx.checker: {str(exc).splitlines()[0]}")
+        special = _special_ids(source_dir) if tokenizer is None else {**_special_ids(source_dir),
+                                                                      **_special_ids(tok_dir)}
+        config = genai_config(cfg, options.dtype, context_length, special)
+        (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        for path in tok_files:
+            shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
+        os.chmod(tmp_dir, 0o777 & ~_umask())
+        os.rename(tmp_dir, out_dir)  # fails, leaving nothing, if out_dir appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    size = sum(p.stat().st_size for p in out_dir.iterdir())
+    return DecoderExportSummary(folder=out_dir, layers=cfg.n_layers, diff_attention_nodes=count,
+                                cache_width=cache_width(cfg), context_length=context_length, tokenizer=bool(tok_files),
+                                file_bytes=size, dtype=options.dtype, seconds=time.monotonic() - start)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _hf_context(folder: Path | None) -> int | None:
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        value = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 2 else None
+
+
+def _finish_plain(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str, meta: dict) -> int:
+    """The baseline Transformer (for side-by-side comparisons): no DiffAttention node, the same metadata."""
+    from diffexport import __version__
+
+    model_ir.ir_version = exporter.IR_VERSION
+    model_ir.producer_name, model_ir.producer_version = "diffexport", __version__
+    model_ir.metadata_props.update({
+        exporter.META_PREFIX + "family": loaded.config.family,
+        exporter.META_PREFIX + "config": json.dumps(loaded.config.to_dict(), sort_keys=True),
+        exporter.META_PREFIX + "dtype": options.dtype,
+        exporter.META_PREFIX + "body_style": options.body_style,
+        exporter.META_PREFIX + "outputs": ",".join(output_names(loaded.config.n_layers)),
+        exporter.META_PREFIX + "weights": weights_id,
+        **meta,
+    })
+    return 0
+
+
+def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
+    """(model path, genai config, diffexport metadata) of a KV-cache export; one-line errors otherwise."""
+    from diffexport.check import read_export_metadata
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DiffExportError(f"{folder} is not a folder: give the folder `diffexport onnx --kv-cache -o` wrote")
+    config_path = folder / GENAI_CONFIG
+    if not config_path.is_file():
+        raise DiffExportError(f"{folder} has no {GENAI_CONFIG}: not a KV-cache export "
+                              "(export one with `diffexport onnx CKPT --kv-cache -o FOLDER`)")
+    if config_path.stat().st_size > 1024**2:
+        raise DiffExportError(f"{config_path} is larger than 1 MiB: not a genai config")
+    try:
+        config = json.loads(config_path.read_text())
+        decoder = config["model"]["decoder"]
+        model_path = folder / decoder["filename"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DiffExportError(f"{config_path} is not a readable genai config") from None
+    if not isinstance(decoder["filename"], str) or Path(decoder["filename"]).name != decoder["filename"]:
+        raise DiffExportError(f"{config_path}: decoder filename must name a file inside the folder")
+    meta = read_export_metadata(model_path)
+    if meta.get("kv_cache") != "1":
+        raise DiffExportError(f"{model_path} is a prefill-only export, not a KV-cache decoder: "
+                              "re-export with `diffexport onnx CKPT --kv-cache -o FOLDER`")
+    return model_path, config, meta
