@@ -256,3 +256,107 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
     return _finish(runner, options.save_dir or engine_path.with_suffix(".check"), feeds, saved, comparisons, lines,
                    outputs, dtype)
+
+
+# ---------------------------------------------------------------- KV-cache decoder folders
+
+DECODE_STEPS = 32
+DECODE_PROMPTS = (9, 16)  # a batch of 2, the first left-padded by 7
+
+
+def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray | None:
+    """transformers' own greedy tokens for an HF DiffLlama folder (None when transformers is absent)."""
+    if loaded.source != "hf-diffllama" or not loaded.path:
+        return None
+    try:
+        import transformers
+    except ImportError:
+        return None
+    hf = transformers.DiffLlamaForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                          pad_token_id=0)
+    return out[:, ids.shape[1]:].numpy()
+
+
+def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
+                      log: Callable[[str], None] = print, steps: int = DECODE_STEPS) -> CheckReport:
+    """A KV-cache folder in onnxruntime vs the eager model with its own cache: a left-padded batch of 2,
+    prefill then `steps` greedy decode steps. Both are fed the eager greedy tokens (so every step's
+    logits are comparable) and each step's logits meet the dtype rule; onnxruntime's own argmax must
+    pick the eager token at every step, and for HF checkpoints transformers' generate() must too."""
+    from diffexport.backends.decoding import OrtDecoder
+    from diffexport.backends.onnxruntime import resolve_provider
+    from diffexport.generation import left_pad
+
+    options = options or CheckOptions()
+    folder = Path(folder)
+    provider = resolve_provider(options.provider)
+    runner = OrtDecoder(folder, provider)
+    meta, dtype = runner.meta, runner.meta["dtype"]
+    check_same_model(meta, loaded, runner.model_path)
+    device = "cuda" if provider == "cuda" else "cpu"
+    low, ref32 = _eager_models(loaded, dtype, device)
+    log(f"checking      {folder}/ ({dtype}) in onnxruntime {provider} against eager PyTorch with its KV cache: "
+        f"batch {len(DECODE_PROMPTS)} left-padded, prefill + {steps} decode steps")
+    rng = np.random.default_rng(options.seed)
+    vocab = loaded.config.vocab_size
+    prompts = [rng.integers(0, vocab, size=n).tolist() for n in DECODE_PROMPTS]
+    ids, mask = left_pad(prompts, pad_token_id=0)
+    cache = runner.empty_cache(len(prompts))
+    eager_past = {"low": None, "ref": None}
+    step_ids, step_mask = ids, mask
+    feeds, saved, comparisons, lines = [], [], [], []
+    eager_tokens, ort_tokens, worst = [], [], None
+    for step in range(steps + 1):
+        feed = {"input_ids": step_ids.numpy(), "attention_mask": step_mask.numpy()}
+        past_feed = {name.replace("present", "past_key_values"): value for name, value in cache.items()}
+        logits, cache = runner.step(feed["input_ids"], feed["attention_mask"], cache)
+        with torch.no_grad():
+            base, eager_past["low"] = low(step_ids.to(device), attention_mask=step_mask.to(device),
+                                          past_key_values=eager_past["low"], use_cache=True)
+            ref = base
+            if ref32 is not None:
+                ref, eager_past["ref"] = ref32(step_ids.to(device), attention_mask=step_mask.to(device),
+                                               past_key_values=eager_past["ref"], use_cache=True)
+        base_np, ref_np = base.float().cpu().numpy(), ref.float().cpu().numpy()
+        # rows of padding (prefill of the padded sequence) carry no meaning: compare present tokens only
+        present = step_mask[:, -step_ids.shape[1]:].numpy().astype(bool)
+        label = "prefill" if step == 0 else f"step {step}"
+        c = tolerances.compare(f"logits {label}", logits[present], ref_np[present], dtype,
+                               baseline=None if ref32 is None else base_np[present])
+        comparisons.append(("logits", c))
+        if worst is None or c.max_abs / max(c.bound, 1e-30) > worst.max_abs / max(worst.bound, 1e-30):
+            worst = c
+        if step in (0, 1):  # polygraphy: one prefill and one decode step, every input the graph takes
+            feeds.append({**feed, **past_feed})
+            saved.append({"logits": ref_np})
+        chosen = ref[:, -1].float().argmax(-1)
+        eager_tokens.append(chosen.cpu().numpy())
+        ort_tokens.append(logits[:, -1].argmax(-1))
+        if step == steps:
+            break
+        step_ids = chosen.cpu()[:, None]
+        step_mask = torch.cat([step_mask, torch.ones_like(step_ids)], dim=1)
+    eager_tokens, ort_tokens = np.stack(eager_tokens, 1), np.stack(ort_tokens, 1)
+    lines += [c.line() for _, c in comparisons if not c.passed][:5]
+    lines.append(f"logits        {len(comparisons)} steps (prefill + {steps} decode), batch {len(prompts)} "
+                 f"left-padded; worst:")
+    lines.append(worst.line())
+    agree = int((eager_tokens == ort_tokens).all(axis=0).sum())
+    tokens_ok = agree == eager_tokens.shape[1]
+    lines.append(f"greedy tokens onnxruntime == eager at {agree}/{eager_tokens.shape[1]} steps  "
+                 f"{'PASS' if tokens_ok else 'FAIL'}")
+    hf_tokens = _hf_greedy(loaded, ids, mask, steps + 1) if dtype == "float32" else None
+    hf_ok = True
+    if hf_tokens is not None:
+        hf_ok = bool(np.array_equal(hf_tokens, eager_tokens))
+        lines.append(f"greedy tokens transformers generate() == eager for {hf_tokens.shape[1]} tokens  "
+                     f"{'PASS' if hf_ok else 'FAIL'}")
+    runner_cmd = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
+    report = _finish(runner_cmd, options.save_dir or folder.with_name(folder.name + ".check"), feeds, saved,
+                     comparisons, lines, ["logits"], dtype)
+    report.passed = report.passed and tokens_ok and hf_ok
+    if not report.passed and "result        PASS" in "\n".join(report.lines):
+        report.lines = [line.replace("result        PASS", "result        FAIL (greedy tokens)") for line in report.lines]
+    return report

@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+from diffexport.errors import DiffExportError  # light: no torch
+
 
 def _add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:
     if positional:
@@ -83,9 +85,22 @@ def cmd_onnx(args) -> int:
     from diffexport.export.exporter import check_target
 
     options = _export_options(args)
-    check_target(Path(args.output), options)  # before loading a possibly big checkpoint
+    if args.kv_cache:
+        from diffexport.export.decoder import check_target as check_folder, export_decoder
+
+        output = "model-kv" if args.output is None else args.output
+        check_folder(Path(output), options, args.context_length)  # before loading a possibly big checkpoint
+        loaded = _load(args, dtype=options.dtype, default_model=False)
+        summary = export_decoder(loaded, output, options, tokenizer=args.tokenizer,
+                                 context_length=args.context_length, log=_log)
+        print(summary.report())
+        return 0
+    if args.tokenizer or args.context_length:
+        raise DiffExportError("--tokenizer and --context-length belong to --kv-cache exports")
+    output = "model.onnx" if args.output is None else args.output
+    check_target(Path(output), options)  # before loading a possibly big checkpoint
     loaded = _load(args, dtype=options.dtype, default_model=False)
-    summary = export_onnx(loaded, args.output, options, log=_log)
+    summary = export_onnx(loaded, output, options, log=_log)
     print(summary.report())
     return 0
 
@@ -104,8 +119,16 @@ def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
     from pathlib import Path
 
-    from diffexport.check import read_export_metadata, run_check, run_engine_check
+    from diffexport.check import read_export_metadata, run_check, run_decoder_check, run_engine_check
 
+    if Path(args.model).is_dir():  # a KV-cache decoder folder
+        from diffexport.export.decoder import read_decoder_folder
+
+        read_decoder_folder(args.model)  # not a decoder folder: say so before the checkpoint loads
+        report = run_decoder_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
+                                   steps=args.steps)
+        print(report.text())
+        return 0 if report.passed else 1
     if Path(args.model).suffix in (".engine", ".plan", ".trt"):
         from diffexport.backends.tensorrt import read_engine_record
 
@@ -174,6 +197,75 @@ def cmd_demo(args) -> int:
     report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=_log)
     print(report.text())
     return 0 if report.passed and op_ok else 1
+
+
+def _prompt_ids(args, folder) -> tuple[list[int], object]:
+    """The prompt as token ids, and the tokenizer (None with --ids)."""
+    from diffexport.export.decoder import read_decoder_folder
+
+    _, config, _ = read_decoder_folder(folder)
+    vocab = int(config["model"]["vocab_size"])
+    if args.ids is not None:
+        try:
+            ids = [int(t) for t in args.ids.split(",") if t.strip()]
+        except ValueError:
+            raise DiffExportError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if not ids or bad:
+            raise DiffExportError(f"--ids needs token ids in [0, {vocab}), got {bad[:3] or 'none'}")
+        tokenizer = None
+    else:
+        from diffexport.backends.decoding import import_genai
+
+        if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            raise DiffExportError(f"{folder} has no tokenizer: pass --ids, or re-export with --tokenizer DIR")
+        og = import_genai()
+        try:
+            tokenizer = og.Tokenizer(og.Model(str(folder)))
+            ids = [int(t) for t in tokenizer.encode(args.prompt)]
+        except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
+            raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
+        if not ids:
+            raise DiffExportError("the prompt encodes to no tokens")
+    context = int(config["model"]["context_length"])
+    if len(ids) + args.max_new_tokens > context:
+        raise DiffExportError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
+                              f"context length {context}")
+    return ids, tokenizer
+
+
+def cmd_generate(args) -> int:
+    """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime loop."""
+    from pathlib import Path
+
+    from diffexport.backends import decoding
+    from diffexport.export.decoder import read_decoder_folder
+    from diffexport.generation import Sampling
+
+    folder = Path(args.folder)
+    read_decoder_folder(folder)
+    if args.max_new_tokens < 1:
+        raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed)
+    if args.backend == "genai":
+        decoding.import_genai()
+    ids, tokenizer = _prompt_ids(args, folder)
+    stream = tokenizer.create_stream() if tokenizer is not None else None
+
+    def show(token: int) -> None:
+        text = stream.decode(token) if stream is not None else f"{token} "
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if args.backend == "genai":
+        run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, on_token=show)
+    else:
+        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, on_token=show)
+    sys.stdout.write("\n")
+    _log(f"{args.backend}: prompt {run.prompt_tokens} tokens at {run.prompt_tokens_per_s:.1f} tokens/s, "
+         f"{len(run.tokens)} new tokens, decode {run.decode_tokens_per_s:.1f} tokens/s (stopped: {run.stop})")
+    return 0
 
 
 # ---------------------------------------------------------------- analysis (stats, quant-sweep, retrieval)
@@ -400,7 +492,7 @@ def cmd_kernels(args) -> int:
     return 0
 
 
-COMMANDS = {"onnx": cmd_onnx, "trt": cmd_trt, "check": cmd_check, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
+COMMANDS = {"onnx": cmd_onnx, "trt": cmd_trt, "check": cmd_check, "generate": cmd_generate, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
             "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep, "retrieval": cmd_retrieval,
             "kernels": cmd_kernels}
 
@@ -448,14 +540,37 @@ def build_parser() -> argparse.ArgumentParser:
                            help="which TensorRT (auto: tensorrt, else tensorrt-rtx)")
             p.add_argument("--targets", nargs="+", default=["SM80", "SM89"],
                            help="TensorRT-RTX ahead-of-time GPU targets (default SM80 SM89)")
+        if name == "generate":
+            p.add_argument("folder", help="a folder written by `diffexport onnx CKPT --kv-cache -o FOLDER`")
+            prompt = p.add_mutually_exclusive_group(required=True)
+            prompt.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
+            prompt.add_argument("--ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+            p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+            mode = p.add_mutually_exclusive_group()
+            mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+            mode.add_argument("--sample", action="store_true", help="sample with --temperature/--top-k/--top-p")
+            p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+            p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
+            p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: all)")
+            p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+            p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime")),
+                           help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop")
         if name == "check":
-            p.add_argument("model", help="the exported .onnx file, or an .engine built by `diffexport trt` (GPU)")
+            p.add_argument("model", help="the exported .onnx file, a --kv-cache folder, or an .engine built by "
+                                         "`diffexport trt` (GPU)")
             p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
             _add_model_source(p, positional=False)
         elif name in ("info", "demo", "onnx"):
             _add_model_source(p)
         if name == "onnx":
-            p.add_argument("-o", "--output", default="model.onnx", help="output .onnx path (default model.onnx)")
+            p.add_argument("-o", "--output", help="output .onnx path (default model.onnx), or with --kv-cache "
+                                                  "a new folder (default model-kv)")
+            p.add_argument("--kv-cache", action="store_true",
+                           help="KV-cache decoder folder for onnxruntime-genai: model.onnx with past/present, "
+                                "genai_config.json, tokenizer")
+            p.add_argument("--tokenizer", help="with --kv-cache: tokenizer folder to copy (HF folders: their own)")
+            p.add_argument("--context-length", type=int,
+                           help="with --kv-cache: context length for genai (default: the HF config's, else 2048)")
             precision = p.add_mutually_exclusive_group()
             precision.add_argument("--fp16", action="store_true", help="float16 weights and activations")
             precision.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations")
@@ -473,6 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
                            help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
             p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
+            p.add_argument("--steps", type=int, default=32, help="decode steps checked for a --kv-cache folder "
+                                                                 "(default 32)")
         if name in ("stats", "quant-sweep", "retrieval"):
             _add_models(p)
         if name in ("stats", "quant-sweep"):

@@ -1,0 +1,149 @@
+"""Running a KV-cache decoder folder: onnxruntime-genai (its search, sampling and cache) or a plain
+onnxruntime session loop (for users without onnxruntime-genai, and the reference when debugging).
+
+Both stream token ids through `on_token` and return what they generated with timings, so
+`diffexport generate`, `diffexport check` and tools/bench_decode.py share them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from diffexport.errors import DiffExportError
+from diffexport.export import decoder
+from diffexport.generation import Sampling
+
+BACKENDS = ("genai", "onnxruntime")
+
+
+@dataclasses.dataclass
+class DecodeRun:
+    tokens: list[int]  # new tokens (batch 1)
+    prompt_tokens: int
+    prefill_seconds: float  # prompt processed and first token chosen
+    decode_seconds: float  # every later token
+    stop: str  # "eos" or "length"
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = len(self.tokens) - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
+
+
+def import_genai():
+    try:
+        import onnxruntime_genai
+    except ImportError:
+        raise DiffExportError("onnxruntime-genai is not installed: pip install 'diffexport[onnx]' "
+                              "(or run with --backend onnxruntime)") from None
+    return onnxruntime_genai
+
+
+class OrtDecoder:
+    """One onnxruntime session over the folder's model.onnx; `step` runs one forward with the cache."""
+
+    def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None):
+        from diffexport.backends.onnxruntime import open_session
+
+        self.model_path, self.config, self.meta = decoder.read_decoder_folder(folder)
+        self.session = open_session(self.model_path, provider, threads)
+        self.layers = int(self.config["model"]["decoder"]["num_hidden_layers"])
+        self.width = int(self.config["model"]["decoder"]["head_size"])
+        self.dtype = np.float16 if self.meta["dtype"] == "float16" else np.float32
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        expected = decoder.output_names(self.layers)
+        if self.outputs != expected:
+            raise DiffExportError(f"{self.model_path.name} outputs {self.outputs[:3]}... are not a KV-cache "
+                                  f"decoder's {expected[:3]}...: re-export it")
+
+    def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
+        empty = np.zeros((batch, 1, 0, self.width), self.dtype)
+        return {name % i: empty for i in range(self.layers) for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
+
+    def step(self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]):
+        """-> (logits [B, S, V], the new cache keyed by present names)."""
+        feeds = {decoder.INPUT_IDS: ids.astype(np.int64), decoder.ATTENTION_MASK: mask.astype(np.int64)}
+        for i in range(self.layers):
+            feeds[decoder.PAST_KEY % i] = cache[decoder.PRESENT_KEY % i]
+            feeds[decoder.PAST_VALUE % i] = cache[decoder.PRESENT_VALUE % i]
+        out = self.session.run(self.outputs, feeds)
+        return out[0], dict(zip(self.outputs[1:], out[1:]))
+
+
+def _choose(logits: np.ndarray, sampling: Sampling, generator) -> int:
+    import torch
+
+    from diffexport.generation import choose_next
+
+    return int(choose_next(torch.from_numpy(logits.astype(np.float32))[None], sampling, generator)[0])
+
+
+def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
+                         on_token: Callable[[int], None] | None = None, threads: int | None = None,
+                         runner: OrtDecoder | None = None) -> DecodeRun:
+    import torch
+
+    runner = runner or OrtDecoder(folder, threads=threads)
+    eos = runner.config["model"].get("eos_token_id")
+    generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+    ids = np.asarray([prompt], np.int64)
+    mask = np.ones_like(ids)
+    cache = runner.empty_cache(1)
+    tokens, stop = [], "length"
+    start = time.perf_counter()
+    first = None
+    for _ in range(max_new_tokens):
+        logits, cache = runner.step(ids, mask, cache)
+        token = _choose(logits[0, -1], sampling, generator)
+        tokens.append(token)
+        if first is None:
+            first = time.perf_counter()
+        if on_token is not None:
+            on_token(token)
+        if token == eos:
+            stop = "eos"
+            break
+        ids = np.asarray([[token]], np.int64)
+        mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+    end = time.perf_counter()
+    return DecodeRun(tokens, len(prompt), first - start, end - first, stop)
+
+
+def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
+                   on_token: Callable[[int], None] | None = None, model=None) -> DecodeRun:
+    og = import_genai()
+    if model is None:
+        decoder.read_decoder_folder(folder)
+        model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    search = {"max_length": len(prompt) + max_new_tokens, "do_sample": not sampling.greedy}
+    if not sampling.greedy:
+        search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
+        if sampling.top_k:
+            search["top_k"] = sampling.top_k
+    params.set_search_options(**search)
+    generator = og.Generator(model, params)
+    tokens = []
+    start = time.perf_counter()
+    generator.append_tokens(np.asarray(prompt, np.int32))
+    first = None
+    while not generator.is_done():
+        generator.generate_next_token()
+        token = int(generator.get_next_tokens()[0])
+        tokens.append(token)
+        if first is None:
+            first = time.perf_counter()
+        if on_token is not None:
+            on_token(token)
+    end = time.perf_counter()
+    stop = "length" if len(tokens) >= max_new_tokens else "eos"
+    return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
