@@ -1,0 +1,266 @@
+"""`diffexport onnx --kv-cache`, `diffexport generate` and `diffexport check FOLDER`: KV-cache decoder folders of
+V1 (affine head norm, GQA), V2, the baseline Transformer and an HF DiffLlama with its tokenizer, run by
+onnxruntime-genai and a plain onnxruntime loop, token for token against eager (and transformers)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from diffexport import contract  # noqa: E402
+from diffexport.backends import decoding  # noqa: E402
+from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
+from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.errors import DiffExportError  # noqa: E402
+from diffexport.export import ExportOptions  # noqa: E402
+from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
+from diffexport.generation import Sampling, generate  # noqa: E402
+from diffexport.modeling import build_model  # noqa: E402
+from diffexport.presets import preset_config  # noqa: E402
+from helpers import assert_one_line_error, run_cli  # noqa: E402
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+NEW_TOKENS = 36
+
+
+def _quiet(_):
+    pass
+
+
+def _perturbed(model, seed):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def v1_ckpt(tmp_path_factory):
+    """A native ckpt.pt of a V1 model with GQA and an affine head norm that is not all ones."""
+    cfg = preset_config("diff-v1-tiny")
+    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
+    path = tmp_path_factory.mktemp("v1") / "ckpt.pt"
+    save_checkpoint(_perturbed(build_model(cfg, seed=21), 21), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def v1_folder(v1_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("v1kv") / "v1-kv"
+    summary = export_decoder(load_model(v1_ckpt), out, log=_quiet)
+    assert summary.diff_attention_nodes == 2
+    return out
+
+
+def _genai_tokens(folder, prompt=PROMPT, n=NEW_TOKENS):
+    pytest.importorskip("onnxruntime_genai")
+    return decoding.generate_genai(folder, prompt, n, Sampling()).tokens
+
+
+def _eager_tokens(loaded, prompt=PROMPT, n=NEW_TOKENS, eos=None):
+    return generate(loaded.model.eval(), torch.tensor([prompt]), max_new_tokens=n, eos_token_id=eos).tokens[0].tolist()
+
+
+def test_v1_folder_graph_and_genai_config(v1_folder, v1_ckpt):
+    model = onnx.load(str(v1_folder / "model.onnx"))
+    nodes = [n for n in model.graph.node if n.op_type == contract.OP_NAME]
+    assert len(nodes) == 2 and all(len(n.input) == 6 for n in nodes)
+    assert {o.domain: o.version for o in model.opset_import}[contract.ONNX_DOMAIN] == contract.KEY_MASK_VERSION
+    assert [a.s.decode() for n in nodes for a in n.attribute if a.name == "plugin_version"] == ["2", "2"]
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    width = cache_width(load_model(v1_ckpt).config)
+    assert inputs["input_ids"] == ["batch", "sequence"] and inputs["attention_mask"] == ["batch", "total_sequence"]
+    assert inputs["past_key_values.1.value"] == ["batch", 1, "past_sequence", width]
+    # each DiffAttention reads the concatenated cache (past + new tokens) as it is: no transpose or re-pack
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for node in nodes:
+        for key_or_value in node.input[1:3]:
+            concat = producers[key_or_value]
+            assert concat.op_type == "Concat"
+            assert any(producers.get(i) is None or producers[i].op_type == "Squeeze" for i in concat.input)
+    config = json.loads((v1_folder / "genai_config.json").read_text())
+    decoder = config["model"]["decoder"]
+    assert (decoder["head_size"], decoder["num_key_value_heads"], decoder["num_hidden_layers"]) == (width, 1, 2)
+    assert config["search"]["past_present_share_buffer"] is False
+
+
+def test_v1_genai_and_onnxruntime_loop_equal_eager_tokens(v1_folder, v1_ckpt):
+    loaded = load_model(v1_ckpt)
+    eos = json.loads((v1_folder / "genai_config.json").read_text())["model"]["eos_token_id"]
+    expected = _eager_tokens(loaded, eos=eos)
+    assert _genai_tokens(v1_folder) == expected
+    run = decoding.generate_onnxruntime(v1_folder, PROMPT, NEW_TOKENS, Sampling())
+    assert run.tokens == expected and len(expected) >= 32 or run.stop == "eos"
+
+
+def test_v1_check_passes_and_its_polygraphy_files_exist(v1_folder, v1_ckpt, tmp_path):
+    report = run_decoder_check(v1_folder, load_model(v1_ckpt), CheckOptions(provider="cpu", save_dir=tmp_path),
+                               log=_quiet)
+    assert report.passed, report.text()
+    assert "33 steps" in report.text() and "33/33 steps  PASS" in report.text()
+    feeds = json.loads((tmp_path / "inputs.json").read_text())
+    assert len(feeds) == 2  # one prefill, one decode step
+
+
+def test_check_fails_on_a_folder_with_corrupted_weights(v1_folder, v1_ckpt, tmp_path):
+    """A check that cannot fail is no check: perturb one weight of the graph and the check must fail."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(v1_folder, broken)
+    model = onnx.load(str(broken / "model.onnx"))
+    target = max(model.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    array = onnx.numpy_helper.to_array(target).copy()
+    array.flat[::7] += 0.05
+    target.CopyFrom(onnx.numpy_helper.from_array(array, target.name))
+    onnx.save(model, str(broken / "model.onnx"))
+    report = run_decoder_check(broken, load_model(v1_ckpt), CheckOptions(provider="cpu", save_dir=tmp_path / "c"),
+                               log=_quiet)
+    assert not report.passed and "FAIL" in report.text()
+
+
+@pytest.mark.parametrize("preset", ["diff-v2-tiny", "transformer-tiny"])
+def test_v2_and_transformer_folders_generate_and_check(preset, tmp_path):
+    model = _perturbed(build_model(preset_config(preset), seed=4), 4)
+    save_safetensors(model, tmp_path / "st")
+    loaded = load_model(tmp_path / "st")
+    summary = export_decoder(loaded, tmp_path / "kv", log=_quiet)
+    assert summary.diff_attention_nodes == (0 if preset.startswith("transformer") else 2)
+    eos = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["eos_token_id"]
+    assert _genai_tokens(tmp_path / "kv") == _eager_tokens(loaded, eos=eos)
+    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    assert report.passed, report.text()
+
+
+def test_fp16_folder_passes_its_rule(tmp_path):
+    loaded = load_model(None, preset="diff-v1-tiny", seed=6, dtype=torch.float16)
+    export_decoder(loaded, tmp_path / "kv16", ExportOptions(dtype="float16"), log=_quiet)
+    model = onnx.load(str(tmp_path / "kv16" / "model.onnx"))
+    assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["past_key_values.0.key"] == \
+        onnx.TensorProto.FLOAT16
+    report = run_decoder_check(tmp_path / "kv16", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    assert report.passed, report.text()
+    assert "torch low-precision baseline" in report.text()
+
+
+def _byte_bpe_tokenizer(folder):
+    """A byte-level BPE tokenizer trained here (no download), saved as an HF tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat sat on the mat", "differential attention cancels noise"] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """An HF DiffLlama folder with GQA (8 maps over 4 kv heads) and its tokenizer files."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("hf") / "diffllama"
+    torch.manual_seed(8)
+    cfg = transformers.DiffLlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
+    transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    _byte_bpe_tokenizer(folder)
+    return folder
+
+
+def test_hf_diffllama_folder_with_tokenizer(hf_dir, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    result = run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "kv")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "kv" / "tokenizer.json").is_file()
+    config = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]
+    assert (config["eos_token_id"], config["pad_token_id"], config["context_length"]) == (2, 0, 512)
+    loaded = load_model(hf_dir)
+    # genai greedy tokens == eager == transformers' generate (HF stops at eos: compare up to it)
+    import transformers
+
+    hf = transformers.DiffLlamaForCausalLM.from_pretrained(hf_dir).eval()
+    prompt = [1, 40, 41, 42, 60, 61]
+    with torch.no_grad():
+        hf_tokens = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+    ours = _eager_tokens(loaded, prompt, eos=2)
+    assert ours == hf_tokens
+    assert _genai_tokens(tmp_path / "kv", prompt) == ours
+    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    assert report.passed and "transformers generate() == eager" in report.text(), report.text()
+    text = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8")
+    assert text.returncode == 0, text.stderr
+    assert "decode" in text.stderr and "tokens/s" in text.stderr
+    looped = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8",
+                     "--backend", "onnxruntime")
+    assert looped.returncode == 0 and looped.stdout == text.stdout, looped.stderr
+
+
+def test_generate_streams_ids_and_samples_reproducibly(v1_folder):
+    pytest.importorskip("onnxruntime_genai")
+    first = run_cli("generate", v1_folder, "--ids", "1,2,3", "--max-new-tokens", "6", "--sample", "--top-k", "5",
+                    "--seed", "3")
+    again = run_cli("generate", v1_folder, "--ids", "1,2,3", "--max-new-tokens", "6", "--sample", "--top-k", "5",
+                    "--seed", "3")
+    assert first.returncode == 0 and first.stdout == again.stdout, first.stderr
+    assert len(first.stdout.split()) <= 6 and all(t.isdigit() for t in first.stdout.split())
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, nothing written
+
+def test_generate_refuses_a_prefill_export_and_a_plain_folder(tmp_path):
+    prefill = tmp_path / "m.onnx"
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", prefill).returncode == 0
+    (tmp_path / "plain").mkdir()
+    assert_one_line_error(run_cli("generate", tmp_path / "plain", "--ids", "1"), "no genai_config.json")
+    assert_one_line_error(run_cli("generate", prefill, "--ids", "1"), "is not a folder")
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "m.onnx"}}}))
+    (tmp_path / "fake" / "m.onnx").write_bytes(prefill.read_bytes())
+    assert_one_line_error(run_cli("generate", tmp_path / "fake", "--ids", "1"), "prefill-only export")
+
+
+def test_generate_bad_requests(v1_folder):
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "0"),
+                          "--max-new-tokens must be >= 1")
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "-3"),
+                          "--max-new-tokens must be >= 1")
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "2047"),
+                          "exceeds the context length 2048")
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,x"), "comma-separated integers")
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,99999"), "token ids in [0, 512)")
+    assert_one_line_error(run_cli("generate", v1_folder, "--prompt", "hello"), "has no tokenizer")
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1", "--sample", "--top-p", "0"), "top-p")
+
+
+def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "-o", existing), "already exists")
+    assert (existing / "keep.txt").read_text() == "mine"
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "-o", tmp_path / "a"), "float32 or float16")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "-o", tmp_path / "a.onnx"), "writes a folder")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--tokenizer", tmp_path, "-o", tmp_path / "b.onnx"),
+                          "belong to --kv-cache")
+    small = tmp_path / "tok"
+    _byte_bpe_tokenizer(small)  # 279 tokens: more than a 128-token vocabulary holds
+    cfg = preset_config("diff-v1-tiny")
+    cfg.vocab_size = 128
+    too_small = save_checkpoint(build_model(cfg, seed=1), tmp_path / "v128.pt")
+    result = run_cli("onnx", too_small, "--kv-cache", "--tokenizer", small, "-o", tmp_path / "c")
+    assert_one_line_error(result, "not this model's tokenizer")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--tokenizer", tmp_path / "nope", "-o",
+                                  tmp_path / "d"), "is not a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "tok", "v128.pt"]  # nothing half-written
