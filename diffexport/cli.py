@@ -196,7 +196,43 @@ def cmd_demo(args) -> int:
     print(summary.report())
     report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=_log)
     print(report.text())
-    return 0 if report.passed and op_ok else 1
+    kv_ok = _demo_generation(loaded, out_dir, args.seed)
+    return 0 if report.passed and op_ok and kv_ok else 1
+
+
+def _demo_generation(loaded, out_dir, seed: int) -> bool:
+    """The demo's second half: the KV-cache decoder folder, generated through onnxruntime-genai, checked."""
+    import shutil
+
+    from diffexport.backends import decoding
+    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.export.decoder import export_decoder
+    from diffexport.generation import Sampling, generate
+
+    folder = out_dir / "model-kv"
+    if folder.exists():  # replaced only when it holds nothing but an earlier demo's files
+        ours = {"model.onnx", "model.onnx.data", "genai_config.json"}
+        if folder.is_symlink() or not folder.is_dir() or not {p.name for p in folder.iterdir()} <= ours:
+            raise DiffExportError(f"{folder} exists and is not an earlier demo's output: move it or pick --out-dir")
+        shutil.rmtree(folder)
+    summary = export_decoder(loaded, folder, log=_log)
+    print(summary.report())
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    try:
+        run = decoding.generate_genai(folder, prompt, 16, Sampling())
+        backend = "onnxruntime-genai"
+    except DiffExportError:  # onnxruntime-genai missing: the plain loop, said so
+        run = decoding.generate_onnxruntime(folder, prompt, 16, Sampling())
+        backend = "onnxruntime loop (onnxruntime-genai not installed)"
+    import torch
+
+    eager = generate(loaded.model, torch.tensor([prompt]), max_new_tokens=len(run.tokens)).tokens[0].tolist()
+    same = eager == run.tokens
+    print(f"generate      {backend}: prompt {prompt} -> {run.tokens} "
+          f"({run.decode_tokens_per_s:.0f} tokens/s); eager generate {'identical' if same else 'DIFFERENT'}")
+    report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu", seed=seed), log=_log)
+    print(report.text())
+    return same and report.passed
 
 
 def _prompt_ids(args, folder) -> tuple[list[int], object]:

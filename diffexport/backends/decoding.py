@@ -89,7 +89,7 @@ def _choose(logits: np.ndarray, sampling: Sampling, generator) -> int:
 
 def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
                          on_token: Callable[[int], None] | None = None, threads: int | None = None,
-                         runner: OrtDecoder | None = None) -> DecodeRun:
+                         runner: OrtDecoder | None = None, ignore_eos: bool = False) -> DecodeRun:
     import torch
 
     runner = runner or OrtDecoder(folder, threads=threads)
@@ -109,7 +109,7 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
             first = time.perf_counter()
         if on_token is not None:
             on_token(token)
-        if token == eos:
+        if token == eos and not ignore_eos:
             stop = "eos"
             break
         ids = np.asarray([[token]], np.int64)
@@ -119,13 +119,15 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
 
 
 def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
-                   on_token: Callable[[int], None] | None = None, model=None) -> DecodeRun:
+                   on_token: Callable[[int], None] | None = None, model=None, min_new_tokens: int = 0) -> DecodeRun:
     og = import_genai()
     if model is None:
         decoder.read_decoder_folder(folder)
         model = og.Model(str(folder))
     params = og.GeneratorParams(model)
     search = {"max_length": len(prompt) + max_new_tokens, "do_sample": not sampling.greedy}
+    if min_new_tokens:
+        search["min_length"] = len(prompt) + min_new_tokens
     if not sampling.greedy:
         search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
         if sampling.top_k:

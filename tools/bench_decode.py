@@ -1,0 +1,191 @@
+"""Decode throughput on CPU: our KV-cache folder in onnxruntime-genai and in a plain onnxruntime loop,
+our eager generate and transformers' generate, side by side, with the memory-bandwidth bound.
+
+    python tools/bench_decode.py [--prompt 128] [--new 128] [--anchor] [--write]
+
+Models (batch 1, greedy, seeded random weights, every runtime on the same weights):
+  diffllama-100m  an HF DiffLlama (hidden 768, 12 layers, 12 maps of 64 = 6 diff-heads, 32k vocab)
+                  saved once, imported by diffexport, exported with --kv-cache
+  diff-v1-110m    our preset (same shape, tied embeddings); no transformers row (not an HF model)
+  llama-100m      with --anchor: a plain Llama of the same size exported by onnxruntime-genai's own
+                  model builder (`python -m onnxruntime_genai.models.builder -p fp32 -e cpu`)
+Decode tokens/s counts the tokens after the first (prefill excluded); each runtime runs once after a
+warm-up generation of 8 tokens. Bound: weight bytes read per token / read bandwidth, the bandwidth
+measured here by summing a 512 MiB array (median of 5). --write replaces the section in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchdoc  # noqa: E402
+
+from diffexport.backends import decoding  # noqa: E402
+from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.generation import Sampling, generate  # noqa: E402
+
+HIDDEN, LAYERS, VOCAB, FFN = 768, 12, 32000, 2048
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a streaming read (numpy sum of 512 MiB of float32), median of 5 after one warm-up."""
+    a = np.ones(128 * 1024**2, dtype=np.float32)
+    a.sum()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - start)
+    return a.nbytes / statistics.median(times)
+
+
+def weight_bytes_per_token(folder: Path) -> int:
+    """Bytes of the weights every decode step reads: all initializers of the graph (fp32)."""
+    import onnx
+
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    total = 0
+    for t in model.graph.initializer:
+        total += int(np.prod(t.dims)) * (2 if t.data_type == onnx.TensorProto.FLOAT16 else 4)
+    return total
+
+
+def tokenizer_folder(folder: Path) -> None:
+    """A byte-level BPE tokenizer trained here: onnxruntime-genai's builder needs tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat sat on the mat"] * 10, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(folder)
+
+
+def hf_models(root: Path):
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=12, num_key_value_heads=12, head_dim=64, max_position_embeddings=2048,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    diff = transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**common)).eval()
+    diff.save_pretrained(root / "diffllama")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    llama.save_pretrained(root / "llama")
+    tokenizer_folder(root / "llama")
+    return diff
+
+
+def time_genai(folder, prompt, new):
+    decoding.generate_genai(folder, prompt[:16], 8, Sampling())  # warm-up
+    return decoding.generate_genai(folder, prompt, new, Sampling(), min_new_tokens=new)
+
+
+def time_ort(folder, prompt, new, threads=None):
+    runner = decoding.OrtDecoder(folder, threads=threads)
+    decoding.generate_onnxruntime(folder, prompt[:16], 8, Sampling(), runner=runner)
+    return decoding.generate_onnxruntime(folder, prompt, new, Sampling(), runner=runner, ignore_eos=True)
+
+
+def time_eager(model, prompt, new):
+    ids = torch.tensor([prompt])
+    generate(model, ids[:, :16], max_new_tokens=8)
+    start = time.perf_counter()
+    first = []
+    generate(model, ids, max_new_tokens=new, on_token=lambda t: first.append(time.perf_counter()))
+    return len(prompt), first[0] - start, first[-1] - first[0], new
+
+
+def time_hf(model, prompt, new):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        model.generate(ids[:, :16], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        total = time.perf_counter() - start
+    return len(prompt), prefill, total - prefill, new
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--anchor", action="store_true", help="also build and run the plain Llama anchor")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, VOCAB, size=args.prompt).tolist()
+    bandwidth = read_bandwidth()
+    rows = []
+
+    def add(model_name, runtime, result, weights):
+        if isinstance(result, tuple):
+            prompt_tokens, prefill, decode, new = result
+        else:
+            prompt_tokens, prefill, decode, new = (result.prompt_tokens, result.prefill_seconds,
+                                                   result.decode_seconds, len(result.tokens))
+        tps = (new - 1) / decode
+        rows.append((model_name, runtime, new, prompt_tokens / prefill, tps, bandwidth / weights))
+        print(f"{model_name:15s} {runtime:28s} prefill {prompt_tokens / prefill:8.1f} tok/s  decode {tps:7.1f} tok/s  "
+              f"(bound {bandwidth / weights:.1f})", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; building models in {root}", flush=True)
+        hf_diff = hf_models(root)
+        for name, loaded in (("diffllama-100m", load_model(root / "diffllama")),
+                             ("diff-v1-110m", load_model(None, preset="diff-v1-110m", seed=0))):
+            folder = root / f"{name}-kv"
+            export_decoder(loaded, folder, log=lambda _: None)
+            weights = weight_bytes_per_token(folder)
+            add(name, "onnxruntime-genai (our folder)", time_genai(folder, prompt, args.new), weights)
+            add(name, "onnxruntime loop (our folder)", time_ort(folder, prompt, args.new), weights)
+            add(name, "diffexport eager generate", time_eager(loaded.model.eval(), prompt, args.new), weights)
+            if name == "diffllama-100m":
+                add(name, "transformers generate", time_hf(hf_diff, prompt, args.new), weights)
+        if args.anchor:
+            out = root / "llama-genai"
+            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
+                            "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")], check=True,
+                           capture_output=True)
+            config = json.loads((out / "genai_config.json").read_text())
+            weights = weight_bytes_per_token(out) if (out / "model.onnx").is_file() else 0
+            del config
+            add("llama-100m", "onnxruntime-genai (its builder)", time_genai(out, prompt, args.new), weights)
+    table = ["| model | runtime | new tokens | prefill tok/s | decode tok/s | bound tok/s | decode / bound |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for model_name, runtime, new, prefill, tps, bound in rows:
+        table.append(f"| {model_name} | {runtime} | {new} | {prefill:.0f} | {tps:.1f} | {bound:.1f} | "
+                     f"{tps / bound:.2f} |")
+    body = "\n".join([
+        "## Decode on CPU (KV cache, batch 1, greedy)", "",
+        f"`python tools/bench_decode.py --prompt {args.prompt} --new {args.new}{' --anchor' if args.anchor else ''}"
+        " --write`", "", benchdoc.stamp(), "",
+        f"Read bandwidth measured by the tool: {bandwidth / 1e9:.1f} GB/s; bound = that / fp32 weight bytes "
+        "(every decode step reads every weight once).", "", *table])
+    print(body)
+    if args.write:
+        print(f"wrote {benchdoc.write_section('decode', body)}")
+
+
+if __name__ == "__main__":
+    main()
