@@ -217,6 +217,9 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     options = options or CheckOptions()
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)
+    if record["onnx_metadata"].get("kv_cache") == "1":
+        raise DiffExportError(f"{engine_path.name} is a KV-cache decoder engine: its step-by-step check is not "
+                              "written yet; check the folder in onnxruntime (`diffexport check FOLDER`)")
     meta = record["onnx_metadata"]
     dtype = meta["dtype"]
     check_same_model(meta, loaded, engine_path)

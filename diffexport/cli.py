@@ -499,12 +499,29 @@ def cmd_trt(args) -> int:
                             logit_bits=bits, smooth_k=not args.no_smooth_k, plugin_lib=args.plugin_lib,
                             module={"auto": "auto", "tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[args.builder],
                             targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
-                            opt_shape=_shape_pair(args.opt, "--opt"), max_shape=_shape_pair(args.max, "--max"),
-                            timing_cache=args.timing_cache, save_onnx=args.save_onnx)
-    meta = read_export_metadata(args.model)
-    model = load_onnx(args.model)
+                            opt_shape=_shape_pair(args.opt or "1x128", "--opt"),
+                            max_shape=_shape_pair(args.max or "4x2048", "--max"), timing_cache=args.timing_cache, save_onnx=args.save_onnx)
+    model_path = Path(args.model)
+    if model_path.is_dir():  # a KV-cache decoder folder: its graph, past lengths up to the context length
+        from diffexport.export.decoder import read_decoder_folder
+
+        model_path, config, _ = read_decoder_folder(model_path)
+        context = int(config["model"]["context_length"])
+        if args.max is None:
+            options.max_shape = (4, max(1, min(512, context // 4)))
+        options.max_past = args.max_past if args.max_past is not None else context - options.max_shape[1]
+        if options.max_past + options.max_shape[1] > context:
+            raise DiffExportError(f"--max-past {options.max_past} + max sequence {options.max_shape[1]} exceeds the "
+                                  f"context length {context}: lower --max-past or --max")
+    elif args.max_past is not None:
+        options.max_past = args.max_past
+    options.opt_past = min(args.opt_past, options.max_past)
+    if args.opt is None:  # the default optimum never exceeds the maximum
+        options.opt_shape = tuple(min(o, m) for o, m in zip(options.opt_shape, options.max_shape))
+    meta = read_export_metadata(model_path)
+    model = load_onnx(model_path)
     result = build_engine(model, options)  # TensorRT's build phases show on stderr while it runs
-    write_engine(output, result, Path(args.model), meta, options)
+    write_engine(output, result, model_path, meta, options)
     print("\n".join(result.summary() + [f"wrote         {output} (+ {output.name}.json)"]))
     return 0
 
@@ -553,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("model", help="an .onnx file (weights are not loaded)")
             p.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "trt":
-            p.add_argument("model", help="an .onnx file written by `diffexport onnx` (fp16/bf16 for the plugin)")
+            p.add_argument("model", help="an .onnx file written by `diffexport onnx` (fp16/bf16 for the plugin), "
+                                         "or a --kv-cache folder")
             p.add_argument("-o", "--output", default="model.engine", help="engine path (default model.engine)")
             precision = p.add_mutually_exclusive_group()
             precision.add_argument("--fp16", action="store_true", help="require an fp16 graph (TensorRT types come from the ONNX)")
@@ -566,8 +584,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "function: the ONNX function body, inlined by the parser")
             p.add_argument("--plugin-lib", help="libdiffexport_plugins.so (default: $DIFFEXPORT_PLUGIN_LIB or build/)")
             p.add_argument("--min", default="1x1", help="profile minimum BATCHxSEQ (default 1x1)")
-            p.add_argument("--opt", default="1x128", help="profile optimum BATCHxSEQ (default 1x128)")
-            p.add_argument("--max", default="4x2048", help="profile maximum BATCHxSEQ (default 4x2048)")
+            p.add_argument("--opt", help="profile optimum BATCHxSEQ (default 1x128, at most --max)")
+            p.add_argument("--max", help="profile maximum BATCHxSEQ (default 4x2048; KV-cache folders: "
+                                         "4x(context/4, at most 512))")
+            p.add_argument("--opt-past", type=int, default=128,
+                           help="KV-cache graphs: past length the profile optimises for (default 128)")
+            p.add_argument("--max-past", type=int,
+                           help="KV-cache graphs: longest past (default: the folder's context length - 1, else 2048)")
             p.add_argument("--timing-cache", help="timing cache file: read if present, written after the build")
             p.add_argument("--save-onnx", help="also write the graph given to the parser (plugin fields stamped and "
                                                "no function body, or lowered): what trtexec/polygraphy need for "

@@ -264,3 +264,33 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--tokenizer", tmp_path / "nope", "-o",
                                   tmp_path / "d"), "is not a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "tok", "v128.pt"]  # nothing half-written
+
+
+# ---------------------------------------------------------------- TensorRT: profiles over past length
+
+def test_trt_rtx_builds_the_kv_cache_folder_natively(v1_folder, tmp_path):
+    pytest.importorskip("tensorrt_rtx")
+    engine = tmp_path / "kv.engine"
+    result = run_cli("trt", v1_folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+                     "--max", "2x64", "--max-past", "256")
+    assert result.returncode == 0, result.stderr
+    assert "2 DiffAttention nodes -> native" in result.stdout
+    record = json.loads((tmp_path / "kv.engine.json").read_text())
+    assert record["profile"]["max_past"] == 256 and record["onnx_metadata"]["kv_cache"] == "1"
+    too_long = run_cli("trt", v1_folder, "-o", tmp_path / "x.engine", "--attention", "native", "--builder",
+                       "tensorrt-rtx", "--max", "1x64", "--max-past", "2000")
+    assert_one_line_error(too_long, "exceeds the context length 2048")
+
+
+def test_profile_ranges_of_a_kv_graph_and_plugin_refusal(v1_folder):
+    from diffexport.backends.tensorrt import EngineOptions, _profile_shapes, prepare_graph
+
+    model = onnx.load(str(v1_folder / "model.onnx"))
+    options = EngineOptions(min_shape=(1, 1), opt_shape=(1, 1), max_shape=(2, 32), opt_past=100, max_past=500)
+    shapes = _profile_shapes(model, options)
+    assert shapes["input_ids"] == ((1, 1), (1, 1), (2, 32))
+    assert shapes["attention_mask"] == ((1, 1), (1, 101), (2, 532))
+    width = shapes["past_key_values.0.key"][0][3]
+    assert shapes["past_key_values.0.key"] == ((1, 1, 0, width), (1, 1, 100, width), (2, 1, 500, width))
+    with pytest.raises(DiffExportError, match="key_mask"):
+        prepare_graph(model, EngineOptions(attention="plugin"))

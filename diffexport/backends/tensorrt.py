@@ -103,6 +103,8 @@ class EngineOptions:
     min_shape: tuple[int, int] = (1, 1)  # (batch, sequence) of every dynamic [batch, seq] input
     opt_shape: tuple[int, int] = (1, 128)
     max_shape: tuple[int, int] = (4, 2048)
+    opt_past: int = 128  # KV-cache graphs: past length at the optimum (its minimum is 0: the prefill)
+    max_past: int = 2048  # KV-cache graphs: the longest past (at most the context length)
     timing_cache: str | None = None
     save_onnx: str | None = None       # also write the graph handed to the parser (for trtexec/polygraphy)
     progress: bool = True
@@ -165,6 +167,10 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
     if not nodes:
         raise DiffExportError("the graph has no DiffAttention node for the plugin: export it with `diffexport onnx` "
                               "(or fuse it with `diffexport optimize`), or build with --attention native")
+    if any(len([i for i in n.input if i]) > len(contract.INPUTS) for n in nodes):
+        raise DiffExportError(f"the plugin implements DiffAttention version {contract.OP_VERSION}; this graph's nodes "
+                              f"pass key_mask (version {contract.KEY_MASK_VERSION}, a KV-cache decoder): build it with "
+                              "--attention native (or function)")
     staged = onnx.ModelProto()
     staged.CopyFrom(model)  # no serialisation: models past protobuf's 2 GiB limit copy too
     for node in staged.graph.node:
@@ -232,16 +238,36 @@ def _parse(parser, graph: onnx.ModelProto, save_to: Path | None) -> bool:
         return parser.parse_from_file(str(path))
 
 
-def _profile_shapes(model: onnx.ModelProto, min_shape, opt_shape, max_shape):
-    """Every graph input with dynamic dims gets the same (batch, sequence) profile."""
+def _dim_ranges(options: EngineOptions) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of every named dynamic dim our exports use."""
+    (b0, s0), (b1, s1), (b2, s2) = options.min_shape, options.opt_shape, options.max_shape
+    p1, p2 = options.opt_past, options.max_past
+    return {"batch": (b0, b1, b2), "sequence": (s0, s1, s2), "past_sequence": (0, p1, p2),
+            "total_sequence": (s0, s1 + p1, s2 + p2)}
+
+
+def _profile_shapes(model: onnx.ModelProto, options: EngineOptions):
+    """Every dynamic dim gets the range of its name: batch and sequence from --min/--opt/--max, and for
+    KV-cache decoders past_sequence (0 .. --max-past) and total_sequence (sequence + past)."""
+    ranges = _dim_ranges(options)
     shapes = {}
     for value in model.graph.input:
         dims = value.type.tensor_type.shape.dim
-        if any(d.dim_param or not d.HasField("dim_value") for d in dims):
-            if len(dims) != 2:
-                raise DiffExportError(f"input {value.name} has {len(dims)} dims with dynamic ones; "
-                                      "only [batch, sequence] inputs get an automatic profile")
-            shapes[value.name] = (min_shape, opt_shape, max_shape)
+        if not any(d.dim_param or not d.HasField("dim_value") for d in dims):
+            continue
+        if len(dims) == 2 and not all(d.dim_param in ranges for d in dims):  # an older or foreign [B, S] input
+            shapes[value.name] = (options.min_shape, options.opt_shape, options.max_shape)
+            continue
+        per_dim = []
+        for d in dims:
+            if d.HasField("dim_value"):
+                per_dim.append((d.dim_value,) * 3)
+            elif d.dim_param in ranges:
+                per_dim.append(ranges[d.dim_param])
+            else:
+                raise DiffExportError(f"input {value.name} has a dynamic dim {d.dim_param or '?'!r} with no profile "
+                                      f"range (known: {', '.join(ranges)})")
+        shapes[value.name] = tuple(tuple(r[i] for r in per_dim) for i in range(3))
     return shapes
 
 
@@ -249,6 +275,9 @@ def _check_profile(options: EngineOptions) -> None:
     for lo, mid, hi, what in zip(options.min_shape, options.opt_shape, options.max_shape, ("batch", "sequence")):
         if not 1 <= lo <= mid <= hi:
             raise DiffExportError(f"profile {what}: need 1 <= min <= opt <= max, got {lo}, {mid}, {hi}")
+    if not 0 <= options.opt_past <= options.max_past:
+        raise DiffExportError(f"profile past length: need 0 <= --opt-past <= --max-past, got {options.opt_past}, "
+                              f"{options.max_past}")
 
 
 def _progress_monitor(trt):
@@ -316,7 +345,7 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
             except AttributeError:
                 raise DiffExportError(f"TensorRT-RTX has no target {target}") from None
     profile = builder.create_optimization_profile()
-    for input_name, shapes in _profile_shapes(graph, options.min_shape, options.opt_shape, options.max_shape).items():
+    for input_name, shapes in _profile_shapes(graph, options).items():
         profile.set_shape(input_name, *shapes)
     config.add_optimization_profile(profile)
     cache_path = Path(options.timing_cache) if options.timing_cache else None
@@ -359,7 +388,9 @@ def write_engine(engine_path: Path, result: BuildResult, onnx_path: Path, onnx_m
         "onnx": str(onnx_path), "onnx_metadata": onnx_metadata, "module": result.module, "version": result.version,
         "targets": list(result.targets), "attention": result.attention, "logit_bits": result.logit_bits,
         "smooth_k": bool(options.smooth_k), "precision": result.precision,
-        "profile": {"min": list(options.min_shape), "opt": list(options.opt_shape), "max": list(options.max_shape)},
+        "profile": {"min": list(options.min_shape), "opt": list(options.opt_shape), "max": list(options.max_shape),
+                    **({"opt_past": options.opt_past, "max_past": options.max_past}
+                       if onnx_metadata.get("kv_cache") == "1" else {})},
         "plugin_lib": str(find_plugin_library(options.plugin_lib)) if result.attention == "plugin" else None,
     }
     atomic_write(engine_path, lambda tmp: Path(tmp).write_bytes(result.engine))

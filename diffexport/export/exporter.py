@@ -181,9 +181,11 @@ def _trace_legacy(model, options: ExportOptions):
     return ir.serde.deserialize_model(onnx.load_from_string(buffer.getvalue()))
 
 
-def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, *attr_values):
+def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, key_mask, *attr_values):
     from torch.onnx import symbolic_helper
 
+    if not symbolic_helper._is_none(key_mask):  # prefill graphs only: KV-cache decoders use dynamo
+        raise DiffExportError("the legacy exporter writes version-1 DiffAttention nodes only (no key_mask)")
     attrs = {}
     for spec, value_ in zip(contract.ATTRIBUTES, attr_values):
         parsed = symbolic_helper._maybe_get_const(value_, "i" if spec.kind == "int" else "f")
