@@ -26,7 +26,7 @@ from diffexport.errors import DiffExportError
 from diffexport.quantization import check_bits
 
 LIBRARY_NAME = "libdiffexport_kernels.so"
-ABI_VERSION = 1  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
+ABI_VERSION = 2  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
 HEAD_DIMS = (64, 128)
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # float32: converted to fp16 inside
 MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
@@ -49,6 +49,7 @@ class DiffxAttentionParams(ctypes.Structure):
         ("lambda_row_stride", ctypes.c_int64), ("lambda_head_stride", ctypes.c_int64),
         ("norm_weight", ctypes.c_void_p),
         ("output", ctypes.c_void_p), ("o_batch_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
+        ("key_mask", ctypes.c_void_p), ("mask_batch_stride", ctypes.c_int64),
         ("dtype", ctypes.c_int32), ("variant", ctypes.c_int32),
         ("batch", ctypes.c_int32), ("q_len", ctypes.c_int32), ("kv_len", ctypes.c_int32),
         ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
@@ -120,9 +121,14 @@ def status_error(lib: ctypes.CDLL, status: int) -> DiffExportError:
     return DiffExportError(f"fused kernel: {detail}")
 
 
-def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> str | None:
+def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
+                       key_mask=None) -> str | None:
     """Why the fused kernel cannot take this call, or None when it can (library not considered)."""
     tensors = {"query": query, "key": key, "value": value, "lambda_full": lambda_full, "norm_weight": norm_weight}
+    if key_mask is not None:
+        tensors["key_mask"] = key_mask
+        if key_mask.dtype != torch.int64 or key_mask.stride(-1) != 1:
+            return "key_mask must be int64 with contiguous rows"
     if not all(t.is_cuda for t in tensors.values()):
         return "the fused kernel runs on CUDA tensors only"
     if len({t.device for t in tensors.values()}) > 1:
@@ -146,7 +152,7 @@ def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffA
 
 
 def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAttentionAttrs, *,
-                logit_bits: int = 0, smooth_k: bool = True) -> DiffxAttentionParams:
+                logit_bits: int = 0, smooth_k: bool = True, key_mask=None) -> DiffxAttentionParams:
     """The C params struct for tensors already validated (pointers, element strides, attributes)."""
     p = DiffxAttentionParams()
     p.query, p.q_batch_stride, p.q_row_stride = query.data_ptr(), query.stride(0), query.stride(1)
@@ -157,6 +163,8 @@ def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAtt
         p.lambda_batch_stride, p.lambda_row_stride, p.lambda_head_stride = lambda_full.stride()
     p.norm_weight = norm_weight.data_ptr()
     p.output, p.o_batch_stride, p.o_row_stride = out.data_ptr(), out.stride(0), out.stride(1)
+    if key_mask is not None:
+        p.key_mask, p.mask_batch_stride = key_mask.data_ptr(), key_mask.stride(0)
     p.dtype = DTYPE_CODES.get(query.dtype, 0)
     p.variant, p.num_heads, p.num_kv_heads, p.head_dim = attrs.variant, attrs.num_heads, attrs.num_kv_heads, attrs.head_dim
     p.batch, p.q_len, p.kv_len = query.shape[0], query.shape[1], key.shape[1]
@@ -186,20 +194,23 @@ def launch(params: DiffxAttentionParams, device: torch.device) -> None:
 
 
 def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs, *,
-                   logit_bits: int = 0, smooth_k: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+                   logit_bits: int = 0, smooth_k: bool = True, out: torch.Tensor | None = None,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel on contract inputs: output [B, Sq, H*Dv] in query's dtype.
 
     logit_bits 0 or 16: fp16/bf16 logits; 2..8: INT8 logits (diffexport/quantization.py "qk").
     float32 tensors are converted to fp16 in the workspace, computed in fp16 and converted back.
     `out` (optional) is written in place: it must be [B, Sq, H*Dv] with contiguous rows.
+    key_mask (op version 2): [B, Skv] int64, 0 = padding key.
     """
     if logit_bits not in (0, 16):
         check_bits(logit_bits)
         if logit_bits > MAX_INT8_BITS:
             raise DiffExportError(f"the INT8-logits kernel takes 2..8 bits, got {logit_bits} (16 = not quantised)")
     out_shape = contract.check_shapes(attrs, tuple(query.shape), tuple(key.shape), tuple(value.shape),
-                                      tuple(lambda_full.shape), tuple(norm_weight.shape))
-    reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs)
+                                      tuple(lambda_full.shape), tuple(norm_weight.shape),
+                                      None if key_mask is None else tuple(key_mask.shape))
+    reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs, key_mask)
     if reason:
         raise DiffExportError(reason)
     if out is None:
@@ -207,7 +218,7 @@ def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAtten
     elif tuple(out.shape) != out_shape or out.dtype != query.dtype or out.device != query.device:
         raise DiffExportError(f"out must be {list(out_shape)} {query.dtype} on {query.device}")
     params = make_params(query, key, value, lambda_full, norm_weight, out, attrs,
-                         logit_bits=logit_bits, smooth_k=smooth_k)
+                         logit_bits=logit_bits, smooth_k=smooth_k, key_mask=key_mask)
     launch(params, query.device)
     return out
 
@@ -219,20 +230,20 @@ def impl_choice() -> str:
     return choice
 
 
-def use_fused(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs) -> bool:
+def use_fused(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs, key_mask=None) -> bool:
     """Whether the op should run the fused kernel for this CUDA call ($DIFFEXPORT_ATTENTION)."""
     choice = impl_choice()
     if choice == "reference":
         return False
     if choice == "fused":
         load_library()  # raises with the build hint when missing
-        reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs)
+        reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs, key_mask)
         if reason:
             raise DiffExportError(f"{IMPL_ENV}=fused: {reason}")
         return True
     if query.dtype == torch.float32:  # auto keeps fp32 accuracy: the kernel would compute in fp16
         return False
-    if unsupported_reason(query, key, value, lambda_full, norm_weight, attrs):
+    if unsupported_reason(query, key, value, lambda_full, norm_weight, attrs, key_mask):
         return False
     try:
         load_library()

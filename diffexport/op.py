@@ -70,9 +70,8 @@ def _diff_attention_cuda(query, key, value, lambda_full, norm_weight, key_mask, 
                          head_dim, causal, scale, norm, norm_eps, output_scale):
     attrs = attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm, norm_eps,
                             output_scale)
-    # The fused kernel implements op version 1 (no key_mask yet): masked calls take the reference.
-    if key_mask is None and kernels.use_fused(query, key, value, lambda_full, norm_weight, attrs):
-        return kernels.diff_attention(query, key, value, lambda_full, norm_weight, attrs)
+    if kernels.use_fused(query, key, value, lambda_full, norm_weight, attrs, key_mask):
+        return kernels.diff_attention(query, key, value, lambda_full, norm_weight, attrs, key_mask=key_mask)
     return _reference(query, key, value, lambda_full, norm_weight, key_mask, attrs)
 
 

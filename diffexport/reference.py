@@ -147,12 +147,16 @@ def naive_diff_attention(query, key, value, lambda_full, norm_weight, attrs: Dif
     rep = attrs.num_heads // attrs.num_kv_heads
     k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
     scale = attrs.effective_scale
-    mask = visible_mask(q1.shape[2], k1.shape[2], bool(attrs.causal), key_mask, q1.device)
+    if key_mask is None:  # Eq. 1 exactly as plain exports write it (what `diffexport optimize` fuses)
+        mask = causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+    else:
+        mask = visible_mask(q1.shape[2], k1.shape[2], bool(attrs.causal), key_mask, q1.device)
 
     def softmax_map(q, k):
         acc = acc_dtype(q)
         logits = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
-        return zero_unseen_rows(masked_softmax(logits, mask), mask)
+        probs = masked_softmax(logits, mask)
+        return probs if key_mask is None else zero_unseen_rows(probs, mask)
 
     diff_map = softmax_map(q1, k1) - lambda_as_bhs1(lambda_full, attrs) * softmax_map(q2, k2)
     if clamp_renormalise:
@@ -211,8 +215,9 @@ def explicit_diff_maps(query, key, value, lambda_full, attrs: DiffAttentionAttrs
     scale = attrs.effective_scale
     s1 = attention_logits(q1, k1, scale, visible, quant)
     s2 = attention_logits(q2, k2, scale, visible, quant)
-    a1 = zero_unseen_rows(masked_softmax(s1, visible), visible)
-    a2 = zero_unseen_rows(masked_softmax(s2, visible), visible)
+    a1, a2 = masked_softmax(s1, visible), masked_softmax(s2, visible)
+    if key_mask is not None:  # padding can leave a row with no visible key: zeros, not NaN
+        a1, a2 = zero_unseen_rows(a1, visible), zero_unseen_rows(a2, visible)
     diff_map = a1 - lambda_as_bhs1(lambda_full, attrs) * a2
     v = v.to(diff_map.dtype).repeat_interleave(attrs.num_heads // attrs.num_kv_heads, dim=1)
     return s1, s2, visible, diff_map, v

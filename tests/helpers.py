@@ -45,18 +45,18 @@ def assert_close_lowprec(out, baseline, ref, what="", atol=1e-3, min_cosine=0.99
     assert cos >= min_cosine, f"{what}: cosine {cos:.6f} < {min_cosine}"
 
 
-def lowprec_baseline(query, key, value, lam, weight, attrs):
+def lowprec_baseline(query, key, value, lam, weight, attrs, key_mask=None):
     """Plain PyTorch in the low-precision dtype throughout (no upcast): the error yardstick."""
     q1, q2, k1, k2, v = reference.split_maps(query, key, value, attrs)
     rep = attrs.num_heads // attrs.num_kv_heads
     k1, k2, v = (t.repeat_interleave(rep, dim=1) for t in (k1, k2, v))
-    mask = reference.causal_mask(q1.shape[2], k1.shape[2], q1.device) if attrs.causal else None
+    mask = reference.visible_mask(q1.shape[2], k1.shape[2], bool(attrs.causal), key_mask, q1.device)
 
     def amap(q, k):
         s = (q @ k.transpose(-1, -2)) * attrs.effective_scale
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
-        return s.softmax(-1)
+        return reference.zero_unseen_rows(s.softmax(-1), mask)
 
     lam4 = lam.reshape(1, 1, 1, 1) if attrs.variant == 1 else lam.permute(0, 2, 1).unsqueeze(-1)
     o = (amap(q1, k1) - lam4 * amap(q2, k2)) @ v

@@ -36,12 +36,12 @@ def emulator(tmp_path_factory):
     return lib
 
 
-def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contract=True):
+def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contract=True, key_mask=None):
     """Run the emulated kernels on CPU tensors; the output starts poisoned with NaN."""
     B, Sq = inputs[0].shape[:2]
     if out is None:
         out = torch.full((B, Sq, attrs.num_heads * attrs.value_dim), float("nan"), dtype=inputs[0].dtype)
-    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, smooth_k=smooth_k)
+    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, smooth_k=smooth_k, key_mask=key_mask)
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))
     if size:
         workspace = torch.zeros(size + 256, dtype=torch.uint8)
@@ -52,9 +52,9 @@ def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contra
     return out
 
 
-def oracle(inputs, attrs):
+def oracle(inputs, attrs, key_mask=None):
     q, k, v, lam, w = (t.double().numpy() for t in inputs)
-    return diff_attention_oracle(q, k, v, lam, w, **attrs.as_dict())
+    return diff_attention_oracle(q, k, v, lam, w, None if key_mask is None else key_mask.numpy(), **attrs.as_dict())
 
 
 def min_cosine(dtype):
@@ -113,6 +113,36 @@ def test_emulated_rows_without_keys_are_zero(emulator, rng):
     assert torch.isfinite(out).all() and (out[:, : q_len - kv_len] == 0).all()
     tail = [inputs[0][:, q_len - kv_len:], *inputs[1:]]
     assert_close_lowprec(out[:, q_len - kv_len:], lowprec_baseline(*tail, attrs), oracle(tail, attrs), "tail")
+
+
+MASK_CASES = [  # variant, head dim, GQA ratio, batch, q_len, kv_len, left pads per batch row, dtype
+    (1, 64, 2, 2, 1, 130, [67, 0], torch.float16),          # decode step: padding spans a whole key tile
+    (1, 128, 1, 2, 70, 70, [70, 5], torch.bfloat16),        # prefill: one sequence all padding (rows of zeros)
+    (2, 64, 2, 3, 4, 75, [0, 74, 13], torch.float16),       # a row with a single present key
+    (2, 128, 1, 1, 17, 200, [130, ], torch.bfloat16),       # multi-token step against a long padded cache
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=[f"v{c[0]}-d{c[1]}-{c[4]}x{c[5]}-pads{'_'.join(map(str, c[6]))}"
+                                                   for c in MASK_CASES])
+def test_emulated_key_mask_matches_the_oracle(emulator, case, rng):
+    """Op version 2: padding keys are hidden like future keys; rows that see no key give zeros."""
+    variant, head_dim, ratio, batch, q_len, kv_len, pads, dtype = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=2 * ratio, num_kv_heads=2, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.6)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    key_mask = torch.ones(batch, kv_len, dtype=torch.int64)
+    for row, pad in enumerate(pads):
+        key_mask[row, :pad] = 0
+    out = emulate(emulator, inputs, attrs, key_mask=key_mask)
+    assert not out.isnan().any(), "output not fully written (poison left) or NaN"
+    ref = oracle(inputs, attrs, key_mask)
+    assert_close_lowprec(out, lowprec_baseline(*inputs, attrs, key_mask=key_mask), ref, str(case),
+                         min_cosine=min_cosine(dtype))
+    unmasked = emulate(emulator, inputs, attrs)
+    assert not torch.equal(out, unmasked)  # the mask changed the result (a check that can fail)
+    if max(pads) >= kv_len:
+        assert (out[[p >= kv_len for p in pads]] == 0).all()
 
 
 INT8_CASES = [(1, 64, 8, True, torch.float16), (1, 128, 6, False, torch.bfloat16),

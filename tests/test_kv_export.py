@@ -292,5 +292,8 @@ def test_profile_ranges_of_a_kv_graph_and_plugin_refusal(v1_folder):
     assert shapes["attention_mask"] == ((1, 1), (1, 101), (2, 532))
     width = shapes["past_key_values.0.key"][0][3]
     assert shapes["past_key_values.0.key"] == ((1, 1, 0, width), (1, 1, 100, width), (2, 1, 500, width))
-    with pytest.raises(DiffExportError, match="key_mask"):
-        prepare_graph(model, EngineOptions(attention="plugin"))
+    staged, count = prepare_graph(model, EngineOptions(attention="plugin"))
+    nodes = [n for n in staged.graph.node if n.op_type == contract.OP_NAME]
+    assert count == 2 and all(len(n.input) == 6 for n in nodes)
+    assert [a.s.decode() for n in nodes for a in n.attribute if a.name == "plugin_version"] == ["2", "2"]
+    assert not staged.functions  # no body to import instead of the plugin

@@ -151,6 +151,37 @@ def test_parser_gives_every_node_to_the_plugin(head_dim_64_models, family, graph
         assert "PARSED ok=True plugin_layers=2" in log
 
 
+def test_version_2_creator_takes_the_same_fields(creator):
+    """Plugin version "2" (op version 2: + key_mask) sits beside version "1" in the same library."""
+    registry = trt.get_plugin_registry()
+    v2 = registry.get_creator(contract.PLUGIN_NAME, contract.KEY_MASK_PLUGIN_VERSION, contract.PLUGIN_NAMESPACE)
+    assert v2 is not None and v2.plugin_version == contract.KEY_MASK_PLUGIN_VERSION
+    assert [f.name for f in v2.field_names] == list(contract.PLUGIN_FIELD_NAMES)
+    plugin = v2.create_plugin("layer0", fields(num_heads=2, num_kv_heads=1, head_dim=64), trt.TensorRTPhase.BUILD)
+    core = plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+    assert core.plugin_version == contract.KEY_MASK_PLUGIN_VERSION
+    assert "key_mask" in plugin.get_capability_interface(trt.PluginCapabilityType.BUILD).metadata_string
+
+
+@pytest.mark.parametrize("graph", ["exported", "staged"])
+def test_parser_gives_kv_cache_nodes_to_the_version_2_plugin(tmp_path, graph):
+    """A KV-cache decoder (fp16, head dim 64): its six-input nodes reach the version-2 creator."""
+    from diffexport.checkpoint import save_checkpoint
+    from diffexport.modeling import build_model, config_from_dict
+    from helpers import run_cli
+
+    cfg = config_from_dict("diff_v1", dict(vocab_size=256, d_model=256, n_layers=2, ffn_hidden=256, n_heads=2,
+                                           n_kv_heads=1, head_dim=64))
+    ckpt = save_checkpoint(build_model(cfg, seed=3), tmp_path / "v1.pt")
+    result = run_cli("onnx", ckpt, "--kv-cache", "--fp16", "-o", tmp_path / "kv")
+    assert result.returncode == 0, result.stderr
+    log = parse_with_plugin(tmp_path / "kv" / "model.onnx", graph)
+    assert "Successfully created plugin: DiffAttention" in log, log[-3000:]
+    assert "DiffAttention plugin:" not in log
+    if "PARSED" in log:
+        assert "PARSED ok=True plugin_layers=2" in log
+
+
 def test_parser_reports_the_creators_reason(tmp_path):
     """A head dim the kernel lacks: the creator refuses the node and says why through the logger."""
     from helpers import run_cli

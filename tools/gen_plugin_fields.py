@@ -32,14 +32,15 @@ def render() -> str:
         "",
         f'constexpr char kPluginName[] = "{contract.PLUGIN_NAME}";',
         f'constexpr char kPluginVersion[] = "{contract.PLUGIN_VERSION}";',
+        f'constexpr char kKeyMaskPluginVersion[] = "{contract.KEY_MASK_PLUGIN_VERSION}";  // op version 2: + key_mask',
         f'constexpr char kPluginNamespace[] = "{contract.PLUGIN_NAMESPACE}";',
         f'constexpr char kOnnxDomain[] = "{contract.ONNX_DOMAIN}";',
         "",
-        "// Inputs in contract order (the plugin's input indices).",
+        "// Inputs in contract order (the plugin's input indices); version 2 adds the optional ones.",
         "enum InputIndex : int {",
     ]
-    lines += [f"  kInput_{t.name} = {i}," for i, t in enumerate(contract.INPUTS)]
-    lines += [f"  kNumInputs = {len(contract.INPUTS)}", "};", f"constexpr int kNumOutputs = {len(contract.OUTPUTS)};",
+    lines += [f"  kInput_{t.name} = {i}," for i, t in enumerate(contract.ALL_INPUTS)]
+    lines += [f"  kNumInputs = {len(contract.INPUTS)},", f"  kNumInputsKeyMask = {len(contract.ALL_INPUTS)}", "};", f"constexpr int kNumOutputs = {len(contract.OUTPUTS)};",
               "", "enum class FieldKind { kInt, kFloat };", "",
               "struct FieldSpec {",
               "  const char* name;",

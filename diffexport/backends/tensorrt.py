@@ -81,14 +81,22 @@ def find_plugin_library(explicit: str | os.PathLike | None = None) -> Path:
                           "pass --plugin-lib, or build with --attention native")
 
 
-def load_plugin(trt, path: Path) -> None:
-    """Load the plugin library into TensorRT's registry and make sure our creator is there."""
+def has_key_mask(node: onnx.NodeProto) -> bool:
+    """A version-2 DiffAttention node: its sixth input (key_mask) is given."""
+    return len(node.input) > len(contract.INPUTS) and bool(node.input[len(contract.INPUTS)])
+
+
+def load_plugin(trt, path: Path, key_mask: bool = False) -> None:
+    """Load the plugin library into TensorRT's registry and make sure our creators are there
+    (version 2, for nodes with key_mask, when the graph has such nodes)."""
     registry = trt.get_plugin_registry()
     if not registry.load_library(str(path)):
         raise DiffExportError(f"TensorRT could not load the plugin library {path}")
-    if registry.get_creator(contract.PLUGIN_NAME, contract.PLUGIN_VERSION, contract.PLUGIN_NAMESPACE) is None:
-        raise DiffExportError(f"{path} holds no {contract.PLUGIN_NAMESPACE}::{contract.PLUGIN_NAME} "
-                              f"version {contract.PLUGIN_VERSION} creator: rebuild it from this checkout")
+    versions = [contract.PLUGIN_VERSION] + ([contract.KEY_MASK_PLUGIN_VERSION] if key_mask else [])
+    for version in versions:
+        if registry.get_creator(contract.PLUGIN_NAME, version, contract.PLUGIN_NAMESPACE) is None:
+            raise DiffExportError(f"{path} holds no {contract.PLUGIN_NAMESPACE}::{contract.PLUGIN_NAME} "
+                                  f"version {version} creator: rebuild it from this checkout")
 
 
 @dataclasses.dataclass
@@ -167,10 +175,6 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
     if not nodes:
         raise DiffExportError("the graph has no DiffAttention node for the plugin: export it with `diffexport onnx` "
                               "(or fuse it with `diffexport optimize`), or build with --attention native")
-    if any(len([i for i in n.input if i]) > len(contract.INPUTS) for n in nodes):
-        raise DiffExportError(f"the plugin implements DiffAttention version {contract.OP_VERSION}; this graph's nodes "
-                              f"pass key_mask (version {contract.KEY_MASK_VERSION}, a KV-cache decoder): build it with "
-                              "--attention native (or function)")
     staged = onnx.ModelProto()
     staged.CopyFrom(model)  # no serialisation: models past protobuf's 2 GiB limit copy too
     for node in staged.graph.node:
@@ -181,8 +185,9 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
         node.attribute.extend(keep)
         # Every plugin-only field is written, also at its default: the parser warns about creator
         # fields a node lacks.
+        version = contract.KEY_MASK_PLUGIN_VERSION if has_key_mask(node) else contract.PLUGIN_VERSION
         node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", contract.PLUGIN_NAMESPACE),
-                               onnx.helper.make_attribute("plugin_version", contract.PLUGIN_VERSION),
+                               onnx.helper.make_attribute("plugin_version", version),
                                onnx.helper.make_attribute("logit_bits", options.logit_bits),
                                onnx.helper.make_attribute("smooth_k", int(options.smooth_k))])
     # Without its function body the node can only become the plugin. TensorRT 10.0-10.6 (JetPack 6's
@@ -316,7 +321,8 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
                               f"with `diffexport onnx --{options.precision}` (fp32 = no flag) to get {options.precision}")
     graph, n_attention = prepare_graph(model, options)
     if options.attention == "plugin":
-        load_plugin(trt, find_plugin_library(options.plugin_lib))
+        key_mask = any(has_key_mask(n) for n in graph.graph.node if n.op_type == contract.OP_NAME)
+        load_plugin(trt, find_plugin_library(options.plugin_lib), key_mask)
 
     logger = _collecting_logger(trt)
     builder = trt.Builder(logger)

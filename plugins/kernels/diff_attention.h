@@ -10,6 +10,7 @@
  *   value  [B, Skv, Hkv*Dv] Dv = 2D (V1) or D (V2)
  *   lambda V1: one element; V2: [B, Sq, H] (after the sigmoid)         (dtype = query's)
  *   norm_weight [Dv] float32 (all ones where the model has none)
+ *   key_mask [B, Skv] int64 or NULL (op version 2: 0 marks padding keys, hidden like future keys)
  *   output [B, Sq, H*Dv]
  * Within a token row the layout is the contract's; batch and token strides are free (in
  * elements), so views of larger buffers need no copy. Rows and heads must start on 16 bytes.
@@ -32,8 +33,8 @@
 extern "C" {
 #endif
 
-/* Bumped whenever DiffxAttentionParams or a signature below changes. */
-#define DIFFX_ABI_VERSION 1
+/* Bumped whenever DiffxAttentionParams or a signature below changes (2: key_mask). */
+#define DIFFX_ABI_VERSION 2
 
 #define DIFFX_QUERY_BLOCK 64 /* query tokens per CTA and per Q quantisation scale */
 #define DIFFX_KEY_BLOCK 64   /* key tokens per tile and per K quantisation scale */
@@ -73,6 +74,10 @@ typedef struct DiffxAttentionParams {
   const float* norm_weight; /* [Dv] */
   void* output;
   int64_t o_batch_stride, o_row_stride;
+  /* op version 2: key padding mask [B, Skv] int64 (1 = key present, 0 = padding: left-padded
+     batches of a KV-cache decoder); NULL = every key present. Stride in elements, 0 = one row for all. */
+  const int64_t* key_mask;
+  int64_t mask_batch_stride;
 
   /* sizes and attributes (contract names) */
   int32_t dtype;   /* DiffxDtype */

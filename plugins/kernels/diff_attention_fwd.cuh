@@ -237,8 +237,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
         for (int e = 0; e < 4; ++e) s[i][e] *= scale_log2;
     }
 
-    // Mask keys past the end and, for causal, keys after the bottom-right diagonal.
-    const bool need_mask = (n_start + kBlockN > p.kv_len) ||
+    // Mask keys past the end, for causal keys after the bottom-right diagonal, and padding keys.
+    const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
+    const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
                            (p.causal && n_start + kBlockN - 1 > m_start + p.kv_len - p.q_len);
     if (need_mask) {
 #pragma unroll
@@ -247,7 +248,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
         for (int e = 0; e < 4; ++e) {
           const int key = n_start + i * 8 + tq * 2 + (e & 1);
           const int qi = m_start + wrow + gq + (e >> 1) * 8;
-          const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len);
+          const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
+                               (!mask_row || mask_row[key] != 0);
           if (!visible) s[i][e] = -INFINITY;
         }
     }

@@ -135,6 +135,11 @@ int check_params(const DiffxAttentionParams* pp) {
     return record_error(DIFFX_ERR_BAD_SIZE, "lambda_full strides must be >= 0");
   if (p.variant == 2 && p.dtype == DIFFX_DTYPE_FLOAT32 && p.lambda_head_stride != 1)
     return record_error(DIFFX_ERR_BAD_SIZE, "float32 I/O needs lambda_full with head stride 1");
+  if (p.key_mask && !aligned(p.key_mask, 8))
+    return record_error(DIFFX_ERR_MISALIGNED, "key_mask must be 8-byte aligned (int64)");
+  if (p.key_mask && p.mask_batch_stride != 0 && p.mask_batch_stride < p.kv_len)
+    return record_error(DIFFX_ERR_BAD_SIZE, "key_mask batch stride %lld must be 0 or >= kv_len %d",
+                        (long long)p.mask_batch_stride, p.kv_len);
   if (!p.norm_weight) return record_error(DIFFX_ERR_NULL_POINTER, "norm_weight is a null pointer");
   if (!aligned(p.norm_weight, 4)) return record_error(DIFFX_ERR_MISALIGNED, "norm_weight must be 4-byte aligned");
   const size_t need = workspace_layout(p).total;

@@ -105,8 +105,9 @@ void set_logger_finder(ILoggerFinder* finder) noexcept {
 
 // ----------------------------------------------------------------------------------------- plugin
 
-DiffAttentionPlugin::DiffAttentionPlugin(const PluginConfig& config)
-    : config_(config), description_(config.describe()), serialized_(config) {
+DiffAttentionPlugin::DiffAttentionPlugin(const PluginConfig& config, bool key_mask)
+    : config_(config), key_mask_(key_mask), description_(config.describe() + (key_mask ? " key_mask" : "")),
+      serialized_(config) {
   for (int32_t i = 0; i < serialized_.count(); ++i) {
     const RawField& f = serialized_.fields()[i];
     fields_.emplace_back(f.name, f.data, static_cast<PluginFieldType>(f.type), f.length);
@@ -115,7 +116,8 @@ DiffAttentionPlugin::DiffAttentionPlugin(const PluginConfig& config)
   field_collection_.fields = fields_.data();
 }
 
-DiffAttentionPlugin::DiffAttentionPlugin(const DiffAttentionPlugin& other) : DiffAttentionPlugin(other.config_) {
+DiffAttentionPlugin::DiffAttentionPlugin(const DiffAttentionPlugin& other)
+    : DiffAttentionPlugin(other.config_, other.key_mask_) {
   recorder_ = other.recorder_;
 }
 
@@ -146,7 +148,9 @@ IPluginV3* DiffAttentionPlugin::clone() noexcept {
 }
 
 const char* DiffAttentionPlugin::getPluginName() const noexcept { return c::kPluginName; }
-const char* DiffAttentionPlugin::getPluginVersion() const noexcept { return c::kPluginVersion; }
+const char* DiffAttentionPlugin::getPluginVersion() const noexcept {
+  return key_mask_ ? c::kKeyMaskPluginVersion : c::kPluginVersion;
+}
 const char* DiffAttentionPlugin::getPluginNamespace() const noexcept { return c::kPluginNamespace; }
 
 std::string DiffAttentionPlugin::check_shapes(const Dims* in, const Dims* out) const {
@@ -170,18 +174,23 @@ std::string DiffAttentionPlugin::check_shapes(const Dims* in, const Dims* out) c
     return v1 ? "lambda_full must be [1] for variant 1" : "lambda_full must be [batch, q_len, num_heads] for variant 2";
   if (w.nbDims != 1 || !same(w.d[0], Dv)) return "norm_weight must be [" + std::to_string(Dv) + "]";
   if (out && (out->nbDims != 3 || !same(out->d[2], H * Dv))) return "output must be [batch, seq, num_heads*Dv]";
+  if (key_mask_) {
+    const Dims& m = in[c::kInput_key_mask];
+    if (m.nbDims != 2 || !same(m.d[0], q.d[0]) || !same(m.d[1], k.d[1])) return "key_mask must be [batch, key length]";
+  }
   return "";
 }
 
 int32_t DiffAttentionPlugin::configurePlugin(const DynamicPluginTensorDesc* in, int32_t nbInputs,
                                              const DynamicPluginTensorDesc* out, int32_t nbOutputs) noexcept {
   try {
-    if (nbInputs != c::kNumInputs || nbOutputs != c::kNumOutputs || !in || !out) {
-      report("expects 5 inputs (query, key, value, lambda_full, norm_weight) and 1 output");
+    if (nbInputs != num_inputs() || nbOutputs != c::kNumOutputs || !in || !out) {
+      report(key_mask_ ? "version 2 expects 6 inputs (query, key, value, lambda_full, norm_weight, key_mask) and 1 output"
+                       : "expects 5 inputs (query, key, value, lambda_full, norm_weight) and 1 output");
       return -1;
     }
-    Dims dims[c::kNumInputs];
-    for (int i = 0; i < c::kNumInputs; ++i) dims[i] = in[i].desc.dims;
+    Dims dims[c::kNumInputsKeyMask];
+    for (int i = 0; i < num_inputs(); ++i) dims[i] = in[i].desc.dims;
     const std::string problem = check_shapes(dims, &out[0].desc.dims);
     if (!problem.empty()) {
       report(problem);
@@ -196,7 +205,7 @@ int32_t DiffAttentionPlugin::configurePlugin(const DynamicPluginTensorDesc* in, 
 
 int32_t DiffAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, const DataType* inputTypes,
                                                 int32_t nbInputs) const noexcept {
-  if (!outputTypes || !inputTypes || nbOutputs != c::kNumOutputs || nbInputs != c::kNumInputs) return -1;
+  if (!outputTypes || !inputTypes || nbOutputs != c::kNumOutputs || nbInputs != num_inputs()) return -1;
   outputTypes[0] = inputTypes[c::kInput_query];
   return 0;
 }
@@ -204,7 +213,7 @@ int32_t DiffAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t n
 int32_t DiffAttentionPlugin::getOutputShapes(const DimsExprs* inputs, int32_t nbInputs, const DimsExprs*, int32_t,
                                              DimsExprs* outputs, int32_t nbOutputs, IExprBuilder& exprBuilder) noexcept {
   try {
-    if (!inputs || !outputs || nbInputs != c::kNumInputs || nbOutputs != c::kNumOutputs ||
+    if (!inputs || !outputs || nbInputs != num_inputs() || nbOutputs != c::kNumOutputs ||
         inputs[c::kInput_query].nbDims != 3) {
       report("query must be 3-D [batch, seq, 2*num_heads*head_dim]");
       return -1;
@@ -222,12 +231,13 @@ int32_t DiffAttentionPlugin::getOutputShapes(const DimsExprs* inputs, int32_t nb
 
 bool DiffAttentionPlugin::supportsFormatCombination(int32_t pos, const DynamicPluginTensorDesc* inOut, int32_t nbInputs,
                                                     int32_t nbOutputs) noexcept {
-  if (!inOut || nbInputs != c::kNumInputs || nbOutputs != c::kNumOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+  if (!inOut || nbInputs != num_inputs() || nbOutputs != c::kNumOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
     return false;
   const PluginTensorDesc& desc = inOut[pos].desc;
   if (desc.format != TensorFormat::kLINEAR) return false;
   if (pos == c::kInput_query) return dtype_code(desc.type) != 0;  // fp16, bf16, or fp32 (run in fp16)
   if (pos == c::kInput_norm_weight) return desc.type == DataType::kFLOAT;
+  if (key_mask_ && pos == c::kInput_key_mask) return desc.type == DataType::kINT64;
   return desc.type == inOut[c::kInput_query].desc.type;  // key, value, lambda_full, output: query's type
 }
 
@@ -235,7 +245,7 @@ int32_t DiffAttentionPlugin::getNbOutputs() const noexcept { return c::kNumOutpu
 
 size_t DiffAttentionPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* inputs, int32_t nbInputs,
                                              const DynamicPluginTensorDesc*, int32_t) const noexcept {
-  if (!inputs || nbInputs != c::kNumInputs) return 0;
+  if (!inputs || nbInputs != num_inputs()) return 0;
   const DiffxAttentionParams p =
       base_params(config_, inputs[c::kInput_query].max, inputs[c::kInput_key].max, inputs[c::kInput_query].desc.type);
   const size_t bytes = diffx_attention_workspace_size(&p);
@@ -248,9 +258,9 @@ const char* DiffAttentionPlugin::getMetadataString() noexcept { return descripti
 int32_t DiffAttentionPlugin::onShapeChange(const PluginTensorDesc* in, int32_t nbInputs, const PluginTensorDesc* out,
                                            int32_t nbOutputs) noexcept {
   try {
-    if (!in || !out || nbInputs != c::kNumInputs || nbOutputs != c::kNumOutputs) return -1;
-    Dims dims[c::kNumInputs];
-    for (int i = 0; i < c::kNumInputs; ++i) dims[i] = in[i].dims;
+    if (!in || !out || nbInputs != num_inputs() || nbOutputs != c::kNumOutputs) return -1;
+    Dims dims[c::kNumInputsKeyMask];
+    for (int i = 0; i < num_inputs(); ++i) dims[i] = in[i].dims;
     const std::string problem = check_shapes(dims, &out[0].dims);
     if (!problem.empty()) {
       report(problem);
@@ -271,7 +281,7 @@ int32_t DiffAttentionPlugin::enqueue(const PluginTensorDesc* inputDesc, const Pl
       report("enqueue called without tensors");
       return -1;
     }
-    for (int i = 0; i < c::kNumInputs; ++i)
+    for (int i = 0; i < num_inputs(); ++i)
       if (!fits_int32(inputDesc[i].dims)) {
         report("a dimension exceeds the kernel's int32 range");
         return -1;
@@ -284,6 +294,10 @@ int32_t DiffAttentionPlugin::enqueue(const PluginTensorDesc* inputDesc, const Pl
     p.lambda_full = inputs[c::kInput_lambda_full];
     p.norm_weight = static_cast<const float*>(inputs[c::kInput_norm_weight]);
     p.output = outputs[0];
+    if (key_mask_) {  // [batch, key length] int64, contiguous
+      p.key_mask = static_cast<const int64_t*>(inputs[c::kInput_key_mask]);
+      p.mask_batch_stride = inputDesc[c::kInput_key_mask].dims.d[1];
+    }
     const size_t need = diffx_attention_workspace_size(&p);
     if (need) {
       const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
@@ -317,7 +331,7 @@ const PluginFieldCollection* DiffAttentionPlugin::getFieldsToSerialize() noexcep
 
 // ---------------------------------------------------------------------------------------- creator
 
-DiffAttentionPluginCreator::DiffAttentionPluginCreator() {
+DiffAttentionPluginCreator::DiffAttentionPluginCreator(bool key_mask) : key_mask_(key_mask) {
   for (int i = 0; i < c::kNumFields; ++i) {
     const bool is_int = c::kFields[i].kind == FieldKind::kInt;
     field_names_.emplace_back(c::kFields[i].name, nullptr, is_int ? PluginFieldType::kINT32 : PluginFieldType::kFLOAT32, 1);
@@ -351,7 +365,7 @@ IPluginV3* DiffAttentionPluginCreator::createPlugin(const char* name, const Plug
       log_error(layer + ": " + problem);
       return nullptr;
     }
-    return new DiffAttentionPlugin(config);
+    return new DiffAttentionPlugin(config, key_mask_);
   } catch (...) {
     log_error("createPlugin failed");
     return nullptr;
@@ -360,7 +374,9 @@ IPluginV3* DiffAttentionPluginCreator::createPlugin(const char* name, const Plug
 
 const PluginFieldCollection* DiffAttentionPluginCreator::getFieldNames() noexcept { return &field_name_collection_; }
 const char* DiffAttentionPluginCreator::getPluginName() const noexcept { return c::kPluginName; }
-const char* DiffAttentionPluginCreator::getPluginVersion() const noexcept { return c::kPluginVersion; }
+const char* DiffAttentionPluginCreator::getPluginVersion() const noexcept {
+  return key_mask_ ? c::kKeyMaskPluginVersion : c::kPluginVersion;
+}
 const char* DiffAttentionPluginCreator::getPluginNamespace() const noexcept { return c::kPluginNamespace; }
 
 }  // namespace diffx::trt

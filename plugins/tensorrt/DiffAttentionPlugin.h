@@ -17,7 +17,8 @@ class DiffAttentionPlugin final : public nvinfer1::IPluginV3,
                                   public nvinfer1::IPluginV3OneBuild,
                                   public nvinfer1::IPluginV3OneRuntime {
  public:
-  explicit DiffAttentionPlugin(const PluginConfig& config);
+  // key_mask: plugin version "2" (op version 2), whose sixth input is the int64 key padding mask.
+  DiffAttentionPlugin(const PluginConfig& config, bool key_mask);
   DiffAttentionPlugin(const DiffAttentionPlugin& other);
   DiffAttentionPlugin& operator=(const DiffAttentionPlugin&) = delete;
   ~DiffAttentionPlugin() override = default;
@@ -60,8 +61,10 @@ class DiffAttentionPlugin final : public nvinfer1::IPluginV3,
   // One line through the execution context's error recorder (runtime) and TensorRT's logger.
   void report(const std::string& message) const noexcept;
   std::string check_shapes(const nvinfer1::Dims* inputs, const nvinfer1::Dims* output) const;
+  int32_t num_inputs() const { return key_mask_ ? contract::kNumInputsKeyMask : contract::kNumInputs; }
 
   PluginConfig config_;
+  bool key_mask_ = false;
   std::string description_;  // timing-cache id / metadata: every field value
   SerializedFields serialized_;
   std::vector<nvinfer1::PluginField> fields_;
@@ -71,7 +74,7 @@ class DiffAttentionPlugin final : public nvinfer1::IPluginV3,
 
 class DiffAttentionPluginCreator final : public nvinfer1::IPluginCreatorV3One {
  public:
-  DiffAttentionPluginCreator();
+  explicit DiffAttentionPluginCreator(bool key_mask);
   nvinfer1::IPluginV3* createPlugin(const char* name, const nvinfer1::PluginFieldCollection* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override;
   const nvinfer1::PluginFieldCollection* getFieldNames() noexcept override;
@@ -82,6 +85,7 @@ class DiffAttentionPluginCreator final : public nvinfer1::IPluginCreatorV3One {
  private:
   std::vector<nvinfer1::PluginField> field_names_;
   nvinfer1::PluginFieldCollection field_name_collection_{};
+  bool key_mask_ = false;
 };
 
 // Logs an error through the logger TensorRT handed to setLoggerFinder (stderr before that).

@@ -12,9 +12,11 @@ void set_logger_finder(nvinfer1::ILoggerFinder* finder) noexcept;
 #define DIFFX_PLUGIN_API extern "C" __attribute__((visibility("default")))
 
 DIFFX_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators) {
-  static diffx::trt::DiffAttentionPluginCreator creator;
-  static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator};
-  nbCreators = 1;
+  // version "1": the five-input op; version "2": + key_mask (KV-cache decoders, op version 2)
+  static diffx::trt::DiffAttentionPluginCreator creator(false);
+  static diffx::trt::DiffAttentionPluginCreator creator_key_mask(true);
+  static nvinfer1::IPluginCreatorInterface* const creators[] = {&creator, &creator_key_mask};
+  nbCreators = 2;
   return creators;
 }
 

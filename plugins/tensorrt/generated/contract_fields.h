@@ -5,17 +5,20 @@ namespace diffx::contract {
 
 constexpr char kPluginName[] = "DiffAttention";
 constexpr char kPluginVersion[] = "1";
+constexpr char kKeyMaskPluginVersion[] = "2";  // op version 2: + key_mask
 constexpr char kPluginNamespace[] = "diffexport";
 constexpr char kOnnxDomain[] = "diffexport";
 
-// Inputs in contract order (the plugin's input indices).
+// Inputs in contract order (the plugin's input indices); version 2 adds the optional ones.
 enum InputIndex : int {
   kInput_query = 0,
   kInput_key = 1,
   kInput_value = 2,
   kInput_lambda_full = 3,
   kInput_norm_weight = 4,
-  kNumInputs = 5
+  kInput_key_mask = 5,
+  kNumInputs = 5,
+  kNumInputsKeyMask = 6
 };
 constexpr int kNumOutputs = 1;
 
