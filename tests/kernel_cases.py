@@ -29,6 +29,13 @@ def main() -> None:
             out = kernels.diff_attention(q, k, v, lam.to(dtype).cuda(), w, attrs, logit_bits=bits)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
+            if causal:  # op version 2: left padding through key_mask (the first rows see no key)
+                mask = torch.ones(batch, kv_len, dtype=torch.int64)
+                mask[0, : kv_len // 2] = 0
+                out = kernels.diff_attention(q, k, v, lam.to(dtype).cuda(), w, attrs, logit_bits=bits,
+                                             key_mask=mask.cuda())
+                torch.cuda.synchronize()
+                assert torch.isfinite(out).all()
     print("kernel cases ok")
 
 

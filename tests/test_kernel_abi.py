@@ -77,7 +77,7 @@ def test_params_carry_every_contract_attribute():
     """The kernel's params use the contract's attribute names, so the plugin can forward them 1:1."""
     fields = {f for f, _ in kernels.DiffxAttentionParams._fields_}
     assert set(contract.ATTRIBUTE_NAMES) <= fields
-    assert set(contract.INPUT_NAMES) <= fields
+    assert set(contract.ALL_INPUT_NAMES) <= fields  # key_mask (op version 2) included
 
 
 def test_build_info(lib):
@@ -120,7 +120,19 @@ BAD = [
     ("q_row_stride", 100, "DIFFX_ERR_MISALIGNED", "query row stride 100"),
     ("v_row_stride", 64, "DIFFX_ERR_MISALIGNED", "value row stride 64 must be >= its width 256"),
     ("k_batch_stride", 4, "DIFFX_ERR_MISALIGNED", "key batch stride 4"),
+    ("key_mask", FAKE + 4, "DIFFX_ERR_MISALIGNED", "key_mask must be 8-byte aligned"),
 ]
+
+
+@pytest.mark.parametrize("stride,ok", [(100, True), (0, True), (128, True), (99, False)])
+def test_key_mask_stride(lib, stride, ok):
+    """Op version 2: the mask row stride is 0 (one row for every sequence) or at least kv_len."""
+    p = valid_params()
+    p.key_mask, p.mask_batch_stride = FAKE, stride
+    status = lib.diffx_attention_check(ctypes.byref(p))
+    assert status == (STATUS["DIFFX_OK"] if ok else STATUS["DIFFX_ERR_BAD_SIZE"])
+    if not ok:
+        assert "key_mask batch stride 99" in lib.diffx_last_error().decode()
 
 
 @pytest.mark.parametrize("field,value,status,message", BAD, ids=[f"{b[0]}={b[1]}" for b in BAD])

@@ -37,9 +37,10 @@ def min_cosine(dtype):
     return 0.9999 if dtype == torch.float16 else 0.999
 
 
-def oracle(cpu_inputs, attrs):
+def oracle(cpu_inputs, attrs, key_mask=None):
     q, k, v, lam, w = (t.double().numpy() for t in cpu_inputs)
-    return diff_attention_oracle(q, k, v, lam, w, **attrs.as_dict())
+    mask = None if key_mask is None else key_mask.cpu().numpy()
+    return diff_attention_oracle(q, k, v, lam, w, mask, **attrs.as_dict())
 
 
 def strided(t: torch.Tensor, pad: int = 8) -> torch.Tensor:
@@ -184,3 +185,28 @@ def test_float32_io_equals_the_fp16_kernel(rng):
     half = [t.cuda() for t in make_inputs(attrs, 2, 100, 300, dtype=torch.float16, rng=rng)]
     wide = [t.float() for t in half]
     assert torch.equal(kernels.diff_attention(*wide, attrs), run_kernel(half, attrs).float())
+
+
+MASK_CASES = [  # variant, head dim, batch, q_len, kv_len, left pads, dtype: op version 2 (KV-cache decoders)
+    (1, 128, 2, 1, 4097, [3000, 0], torch.float16),
+    (1, 64, 2, 70, 70, [70, 5], torch.bfloat16),
+    (2, 128, 3, 4, 1023, [0, 1022, 500], torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_key_mask_matches_the_oracle(case, rng):
+    variant, head_dim, batch, q_len, kv_len, pads, dtype = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.6)
+    cpu = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    key_mask = torch.ones(batch, kv_len, dtype=torch.int64)
+    for row, pad in enumerate(pads):
+        key_mask[row, :pad] = 0
+    B, Sq = cpu[0].shape[:2]
+    out = torch.full((B, Sq, attrs.num_heads * attrs.value_dim), POISON, dtype=dtype, device="cuda")
+    kernels.diff_attention(*[t.cuda() for t in cpu], attrs, out=out, key_mask=key_mask.cuda())
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    assert_close_lowprec(out.cpu(), lowprec_baseline(*cpu, attrs, key_mask=key_mask), oracle(cpu, attrs, key_mask),
+                         str(case), min_cosine=min_cosine(dtype))

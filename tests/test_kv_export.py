@@ -15,7 +15,6 @@ from diffexport import contract  # noqa: E402
 from diffexport.backends import decoding  # noqa: E402
 from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
-from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
 from diffexport.generation import Sampling, generate  # noqa: E402

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from diffexport import contract, fingerprint
+from diffexport import contract
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
@@ -244,8 +244,6 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
                    tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
                    log: Callable[[str], None] = print) -> DecoderExportSummary:
     """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime)."""
-    import onnx
-
     options = options or ExportOptions()
     out_dir = Path(out_dir)
     check_target(out_dir, options, context_length)
@@ -264,11 +262,8 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         context_length = int(getattr(cfg, "max_position_embeddings", 0) or 0) or DEFAULT_CONTEXT
         context_length = _hf_context(source_dir) or context_length
     start = time.monotonic()
-    model = loaded.model.eval()
+    model, weights_id = exporter.model_in_dtype(loaded, options.dtype)
     dtype = DTYPES[options.dtype]
-    if next(model.parameters()).dtype != dtype:
-        model = model.to(dtype)
-    weights_id = fingerprint.weights_fingerprint(model, options.dtype)
     log(f"tracing       {cfg.family} KV-cache decoder ({model.num_parameters():,} parameters, {options.dtype}), "
         f"opset {options.resolved_opset()}")
     with torch.no_grad():
@@ -278,20 +273,15 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     if is_diff:
         count = exporter._finish(model_ir, loaded, options, weights_id, key_mask=True,
                                  outputs=output_names(cfg.n_layers), extra_meta=meta)
-    else:
-        count = _finish_plain(model_ir, loaded, options, weights_id, meta)
-    external = exporter._weight_bytes(model_ir) > exporter.PROTOBUF_LIMIT - 64 * 1024**2 \
-        if options.external_data is None else options.external_data
+    else:  # the baseline Transformer (side-by-side comparisons): no DiffAttention node, the same metadata
+        count = 0
+        exporter.stamp_metadata(model_ir, loaded, options, weights_id, output_names(cfg.n_layers), meta)
+    external = exporter.wants_external(model_ir, options)
     tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
     try:
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))
-        exporter._save(model_ir, tmp_dir / MODEL_FILE, external, log)
+        exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
-        log("checking      onnx.checker full check")
-        try:
-            onnx.checker.check_model(str(tmp_dir / MODEL_FILE), full_check=True)
-        except onnx.checker.ValidationError as exc:
-            raise DiffExportError(f"internal: the exported graph fails onnx.checker: {str(exc).splitlines()[0]}")
         special = _special_ids(source_dir) if tokenizer is None else {**_special_ids(source_dir),
                                                                       **_special_ids(tok_dir)}
         config = genai_config(cfg, options.dtype, context_length, special)
@@ -323,24 +313,6 @@ def _hf_context(folder: Path | None) -> int | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 2 else None
-
-
-def _finish_plain(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str, meta: dict) -> int:
-    """The baseline Transformer (for side-by-side comparisons): no DiffAttention node, the same metadata."""
-    from diffexport import __version__
-
-    model_ir.ir_version = exporter.IR_VERSION
-    model_ir.producer_name, model_ir.producer_version = "diffexport", __version__
-    model_ir.metadata_props.update({
-        exporter.META_PREFIX + "family": loaded.config.family,
-        exporter.META_PREFIX + "config": json.dumps(loaded.config.to_dict(), sort_keys=True),
-        exporter.META_PREFIX + "dtype": options.dtype,
-        exporter.META_PREFIX + "body_style": options.body_style,
-        exporter.META_PREFIX + "outputs": ",".join(output_names(loaded.config.n_layers)),
-        exporter.META_PREFIX + "weights": weights_id,
-        **meta,
-    })
-    return 0
 
 
 def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:

@@ -208,7 +208,6 @@ def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: s
     function = ir.serde.deserialize_function(function_body.build_function(options.body_style, opset, key_mask))
     model_ir.functions[function.identifier()] = function
     model_ir.opset_imports[contract.ONNX_DOMAIN] = contract.op_version(key_mask)
-    model_ir.ir_version = IR_VERSION
     plugin_version = contract.KEY_MASK_PLUGIN_VERSION if key_mask else contract.PLUGIN_VERSION
     count = 0
     for node in model_ir.graph.all_nodes():
@@ -222,20 +221,54 @@ def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: s
     expected = loaded.config.n_layers
     if count != expected:
         raise DiffExportError(f"internal: expected {expected} {contract.OP_NAME} nodes, the trace has {count}")
+    stamp_metadata(model_ir, loaded, options, weights_id, outputs or ([LOGITS, HIDDEN] if options.hidden else [LOGITS]),
+                   {META_PREFIX + "op_version": str(contract.op_version(key_mask)), **(extra_meta or {})})
+    return count
+
+
+def stamp_metadata(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str, outputs: list[str],
+                   extra_meta: dict[str, str]) -> None:
+    """Producer, IR version and what was exported (read back by `diffexport check`)."""
     from diffexport import __version__
 
+    model_ir.ir_version = IR_VERSION
     model_ir.producer_name, model_ir.producer_version = "diffexport", __version__
     model_ir.metadata_props.update({
         META_PREFIX + "family": loaded.config.family,
         META_PREFIX + "config": json.dumps(loaded.config.to_dict(), sort_keys=True),
         META_PREFIX + "dtype": options.dtype,
         META_PREFIX + "body_style": options.body_style,
-        META_PREFIX + "outputs": ",".join(outputs or ([LOGITS, HIDDEN] if options.hidden else [LOGITS])),
+        META_PREFIX + "outputs": ",".join(outputs),
         META_PREFIX + "weights": weights_id,
-        META_PREFIX + "op_version": str(contract.op_version(key_mask)),
-        **(extra_meta or {}),
+        **extra_meta,
     })
-    return count
+
+
+def model_in_dtype(loaded: LoadedModel, dtype_name: str):
+    """(the model in eval mode and the export dtype, the fingerprint of its weights in that dtype)."""
+    model = loaded.model.eval()
+    if next(model.parameters()).dtype != DTYPES[dtype_name]:
+        model = model.to(DTYPES[dtype_name])
+    return model, fingerprint.weights_fingerprint(model, dtype_name)
+
+
+def save_checked(model_ir, tmp_model: Path, external: bool, log: Callable[[str], None]) -> None:
+    """Write the graph (weights beside it when external), then onnx.checker's full check on the file."""
+    import onnx
+
+    _save(model_ir, tmp_model, external, log)
+    log("checking      onnx.checker full check")
+    try:
+        onnx.checker.check_model(str(tmp_model), full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise DiffExportError(f"internal: the exported graph fails onnx.checker: {str(exc).splitlines()[0]}")
+
+
+def wants_external(model_ir, options: ExportOptions) -> bool:
+    """External data when asked, or when the weights would pass protobuf's 2 GiB limit."""
+    if options.external_data is not None:
+        return options.external_data
+    return _weight_bytes(model_ir) > PROTOBUF_LIMIT - 64 * 1024**2
 
 
 # ---------------------------------------------------------------- publish
@@ -276,11 +309,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     check_target(out_path, options)
     check_family(loaded)
     start = time.monotonic()
-    model = loaded.model.eval()
-    dtype = DTYPES[options.dtype]
-    if next(model.parameters()).dtype != dtype:
-        model = model.to(dtype)
-    weights_id = fingerprint.weights_fingerprint(model, options.dtype)
+    model, weights_id = model_in_dtype(loaded, options.dtype)
     exporter = "legacy" if options.legacy else "dynamo"
     log(f"tracing       {loaded.config.family} ({model.num_parameters():,} parameters, {options.dtype}) "
         f"with the {exporter} exporter, opset {options.resolved_opset()}")
@@ -288,18 +317,12 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
         model_ir = (_trace_legacy if options.legacy else _trace_dynamo)(model, options)
     count = _finish(model_ir, loaded, options, weights_id)
     nbytes = _weight_bytes(model_ir)
-    external = nbytes > PROTOBUF_LIMIT - 64 * 1024**2 if options.external_data is None else options.external_data
+    external = wants_external(model_ir, options)
     log(f"writing       {out_path}" + (" with external data" if external else ""))
     tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp"))
     try:
-        tmp_model = tmp_dir / out_path.name
-        _save(model_ir, tmp_model, external, log)
+        save_checked(model_ir, tmp_dir / out_path.name, external, log)
         del model_ir
-        log("checking      onnx.checker full check")
-        try:
-            onnx.checker.check_model(str(tmp_model), full_check=True)
-        except onnx.checker.ValidationError as exc:
-            raise DiffExportError(f"internal: the exported graph fails onnx.checker: {str(exc).splitlines()[0]}")
         data_path = _publish(tmp_dir, out_path, external)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
