@@ -42,6 +42,7 @@ def _weights(model, folder: Path) -> dict:
 
 def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int) -> dict[str, str]:
     has_body = (contract.ONNX_DOMAIN, contract.OP_NAME) in functions
+    versions = sorted({str(n["attributes"].get("plugin_version", contract.PLUGIN_VERSION)) for n in nodes})
     if not nodes:
         return {"onnxruntime": "yes (standard ops only)", "tensorrt_plugin": "not needed (no DiffAttention)",
                 "tensorrt_native": "yes if TensorRT supports every op"}
@@ -50,7 +51,8 @@ def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int) -> dict[str,
                        "no: DiffAttention nodes without a function body (re-export with `diffexport onnx`)",
         "tensorrt_plugin": (f"ready: {plugin_nodes}/{len(nodes)} nodes carry plugin_namespace for the "
                             f"DiffAttention plugin (namespace {contract.PLUGIN_NAMESPACE}, version "
-                            f"{contract.PLUGIN_VERSION}, libdiffexport_plugins.so); "
+                            f"{', '.join(versions)}{' with key_mask' if contract.KEY_MASK_PLUGIN_VERSION in versions else ''}"
+                            f", libdiffexport_plugins.so); "
                             + ("TensorRT >= 10.7 picks it over the function body, 10.1-10.6 import the body "
                                "instead: use `diffexport trt` or the graph its --save-onnx writes"
                                if has_body else "no function body: TensorRT >= 10.1 with the plugin loaded"))
