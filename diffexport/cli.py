@@ -89,14 +89,14 @@ def cmd_onnx(args) -> int:
         from diffexport.export.decoder import check_target as check_folder, export_decoder
 
         output = "model-kv" if args.output is None else args.output
-        check_folder(Path(output), options, args.context_length)  # before loading a possibly big checkpoint
+        check_folder(Path(output), options, args.context_length, args.threads)  # before loading the checkpoint
         loaded = _load(args, dtype=options.dtype, default_model=False)
         summary = export_decoder(loaded, output, options, tokenizer=args.tokenizer,
-                                 context_length=args.context_length, log=_log)
+                                 context_length=args.context_length, threads=args.threads, log=_log)
         print(summary.report())
         return 0
-    if args.tokenizer or args.context_length:
-        raise DiffExportError("--tokenizer and --context-length belong to --kv-cache exports")
+    if args.tokenizer or args.context_length or args.threads:
+        raise DiffExportError("--tokenizer, --context-length and --threads belong to --kv-cache exports")
     output = "model.onnx" if args.output is None else args.output
     check_target(Path(output), options)  # before loading a possibly big checkpoint
     loaded = _load(args, dtype=options.dtype, default_model=False)
@@ -630,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tokenizer", help="with --kv-cache: tokenizer folder to copy (HF folders: their own)")
             p.add_argument("--context-length", type=int,
                            help="with --kv-cache: context length for genai (default: the HF config's, else 2048)")
+            p.add_argument("--threads", type=int,
+                           help="with --kv-cache: intra-op threads in genai_config.json (default: onnxruntime-genai's "
+                                "own, one thread on the machines we measured; set it to the target's cores)")
             precision = p.add_mutually_exclusive_group()
             precision.add_argument("--fp16", action="store_true", help="float16 weights and activations")
             precision.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations")

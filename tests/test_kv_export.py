@@ -208,6 +208,17 @@ def test_hf_diffllama_folder_with_tokenizer(hf_dir, tmp_path):
     assert looped.returncode == 0 and looped.stdout == text.stdout, looped.stderr
 
 
+def test_hf_folder_without_tokenizer_exports_ids_only(tmp_path):
+    """save_pretrained writes generation_config.json but no tokenizer: token ids only, eos from the config."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=5)
+    transformers.DiffLlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    summary = export_decoder(load_model(tmp_path / "hf"), tmp_path / "kv", log=_quiet)
+    assert not summary.tokenizer and not (tmp_path / "kv" / "tokenizer.json").exists()
+    assert json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["eos_token_id"] == 5
+
+
 def test_generate_streams_ids_and_samples_reproducibly(v1_folder):
     pytest.importorskip("onnxruntime_genai")
     first = run_cli("generate", v1_folder, "--ids", "1,2,3", "--max-new-tokens", "6", "--sample", "--top-k", "5",
@@ -255,6 +266,8 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "-o", tmp_path / "a.onnx"), "writes a folder")
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--tokenizer", tmp_path, "-o", tmp_path / "b.onnx"),
                           "belong to --kv-cache")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--threads", "0", "-o", tmp_path / "e"),
+                          "--threads must be in 1..1024")
     small = tmp_path / "tok"
     _byte_bpe_tokenizer(small)  # 279 tokens: more than a 128-token vocabulary holds
     cfg = preset_config("diff-v1-tiny")

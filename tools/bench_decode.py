@@ -10,13 +10,19 @@ Models (batch 1, greedy, seeded random weights, every runtime on the same weight
   llama-100m      with --anchor: a plain Llama of the same size exported by onnxruntime-genai's own
                   model builder (`python -m onnxruntime_genai.models.builder -p fp32 -e cpu`)
 Decode tokens/s counts the tokens after the first (prefill excluded); each runtime runs once after a
-warm-up generation of 8 tokens. Bound: weight bytes read per token / read bandwidth, the bandwidth
-measured here by summing a 512 MiB array (median of 5). --write replaces the section in docs/BENCHMARKS.md.
+warm-up generation of 8 tokens. onnxruntime-genai folders run twice: with the session options their
+writer put in genai_config.json (neither ours nor the builder's sets threads) and with
+intra_op_num_threads = the machine's cores written into both (`diffexport onnx --kv-cache --threads`).
+Bound: weight bytes each decode step reads (every initializer except an embedding table that only a
+Gather reads) / read bandwidth, measured here by torch summing 1 GiB on all cores (median of 5).
+--write replaces the section in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,26 +45,49 @@ HIDDEN, LAYERS, VOCAB, FFN = 768, 12, 32000, 2048
 
 
 def read_bandwidth() -> float:
-    """Bytes/s of a streaming read (numpy sum of 512 MiB of float32), median of 5 after one warm-up."""
-    a = np.ones(128 * 1024**2, dtype=np.float32)
+    """Bytes/s of a streaming read on all cores (torch sum of 1 GiB of float32), median of 5 after a warm-up."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    a = torch.ones(256 * 1024**2, dtype=torch.float32)
     a.sum()
     times = []
     for _ in range(5):
         start = time.perf_counter()
         a.sum()
         times.append(time.perf_counter() - start)
-    return a.nbytes / statistics.median(times)
+    nbytes = a.numel() * 4
+    del a
+    return nbytes / statistics.median(times)
 
 
 def weight_bytes_per_token(folder: Path) -> int:
-    """Bytes of the weights every decode step reads: all initializers of the graph (fp32)."""
+    """Bytes of the weights a decode step reads: every initializer, except one only Gather nodes read
+    (an untied embedding table: one row per token)."""
     import onnx
 
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    consumers: dict[str, set] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, set()).add(node.op_type)
     total = 0
     for t in model.graph.initializer:
+        if consumers.get(t.name, set()) <= {"Gather"} and t.name in consumers:
+            continue
         total += int(np.prod(t.dims)) * (2 if t.data_type == onnx.TensorProto.FLOAT16 else 4)
     return total
+
+
+def with_threads(folder: Path, root: Path, threads: int) -> Path:
+    """A copy of a genai folder (weights linked) whose genai_config sets intra_op_num_threads."""
+    copy = root / f"{folder.name}-t{threads}"
+    copy.mkdir()
+    for path in folder.iterdir():
+        if path.name != "genai_config.json":
+            (copy / path.name).symlink_to(path.resolve())
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    (copy / "genai_config.json").write_text(json.dumps(config, indent=2))
+    return copy
 
 
 def tokenizer_folder(folder: Path) -> None:
@@ -92,8 +121,10 @@ def hf_models(root: Path):
 
 
 def time_genai(folder, prompt, new):
-    decoding.generate_genai(folder, prompt[:16], 8, Sampling())  # warm-up
-    return decoding.generate_genai(folder, prompt, new, Sampling(), min_new_tokens=new)
+    og = decoding.import_genai()
+    model = og.Model(str(folder))  # the anchor has no diffexport metadata: no folder validation here
+    decoding.generate_genai(folder, prompt[:16], 8, Sampling(), model=model)  # warm-up
+    return decoding.generate_genai(folder, prompt, new, Sampling(), model=model, min_new_tokens=new)
 
 
 def time_ort(folder, prompt, new, threads=None):
@@ -134,6 +165,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, VOCAB, size=args.prompt).tolist()
     bandwidth = read_bandwidth()
+    cores = os.cpu_count() or 1
     rows = []
 
     def add(model_name, runtime, result, weights):
@@ -157,6 +189,8 @@ def main() -> None:
             export_decoder(loaded, folder, log=lambda _: None)
             weights = weight_bytes_per_token(folder)
             add(name, "onnxruntime-genai (our folder)", time_genai(folder, prompt, args.new), weights)
+            add(name, f"onnxruntime-genai, {cores} threads", time_genai(with_threads(folder, root, cores), prompt,
+                                                                          args.new), weights)
             add(name, "onnxruntime loop (our folder)", time_ort(folder, prompt, args.new), weights)
             add(name, "diffexport eager generate", time_eager(loaded.model.eval(), prompt, args.new), weights)
             if name == "diffllama-100m":
@@ -168,6 +202,8 @@ def main() -> None:
                            capture_output=True)
             weights = weight_bytes_per_token(out)
             add("llama-100m", "onnxruntime-genai (its builder)", time_genai(out, prompt, args.new), weights)
+            add("llama-100m", f"onnxruntime-genai, {cores} threads", time_genai(with_threads(out, root, cores), prompt,
+                                                                              args.new), weights)
     table = ["| model | runtime | new tokens | prefill tok/s | decode tok/s | bound tok/s | decode / bound |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for model_name, runtime, new, prefill, tps, bound in rows:
@@ -177,8 +213,9 @@ def main() -> None:
         "## Decode on CPU (KV cache, batch 1, greedy)", "",
         f"`python tools/bench_decode.py --prompt {args.prompt} --new {args.new}{' --anchor' if args.anchor else ''}"
         " --write`", "", benchdoc.stamp(), "",
-        f"Read bandwidth measured by the tool: {bandwidth / 1e9:.1f} GB/s; bound = that / fp32 weight bytes "
-        "(every decode step reads every weight once).", "", *table])
+        f"Read bandwidth measured by the tool: {bandwidth / 1e9:.1f} GB/s ({cores} cores); bound = that / the "
+        "fp32 weight bytes a decode step reads (an untied embedding table, read one row per token, excluded).",
+        "", *table])
     print(body)
     if args.write:
         print(f"wrote {benchdoc.write_section('decode', body)}")

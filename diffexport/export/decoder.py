@@ -125,16 +125,20 @@ def _trace(model, options: ExportOptions, dtype: torch.dtype):
     return program.model
 
 
-def genai_config(cfg, dtype: str, context_length: int, special: dict) -> dict:
-    """What onnxruntime-genai reads: the decoder's I/O names, cache shape (one head of width W), search defaults."""
+def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: int | None = None) -> dict:
+    """What onnxruntime-genai reads: the decoder's I/O names, cache shape (one head of width W), search defaults.
+    threads: intra-op threads of genai's session (unset: genai's own default, which may be 1)."""
     width = cache_width(cfg)
+    session = {"log_id": "onnxruntime-genai", "provider_options": []}
+    if threads:
+        session["intra_op_num_threads"] = threads
     maps = 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads
     return {
         "model": {
             "bos_token_id": special.get("bos_token_id", 1),
             "context_length": context_length,
             "decoder": {
-                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "session_options": session,
                 "filename": MODEL_FILE,
                 "head_size": width,
                 "hidden_size": cfg.d_model,
@@ -219,7 +223,8 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
     return files
 
 
-def check_target(out_dir: Path, options: ExportOptions, context_length: int | None) -> None:
+def check_target(out_dir: Path, options: ExportOptions, context_length: int | None,
+                 threads: int | None = None) -> None:
     if options.dtype not in ("float32", "float16"):
         raise DiffExportError(f"--kv-cache exports float32 or float16 (onnxruntime-genai's CPU and CUDA caches), "
                               f"not {options.dtype}")
@@ -238,15 +243,17 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
         raise DiffExportError(f"output folder {out_dir.parent} is not writable")
     if context_length is not None and context_length < 2:
         raise DiffExportError(f"context length must be >= 2, got {context_length}")
+    if threads is not None and not 1 <= threads <= 1024:
+        raise DiffExportError(f"--threads must be in 1..1024, got {threads}")
 
 
 def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
                    tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
-                   log: Callable[[str], None] = print) -> DecoderExportSummary:
+                   threads: int | None = None, log: Callable[[str], None] = print) -> DecoderExportSummary:
     """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime)."""
     options = options or ExportOptions()
     out_dir = Path(out_dir)
-    check_target(out_dir, options, context_length)
+    check_target(out_dir, options, context_length, threads)
     cfg = loaded.config
     if cfg.family not in KV_FAMILIES:
         raise DiffExportError(f"--kv-cache exports {list(KV_FAMILIES)} models, not {cfg.family!r}")
@@ -256,8 +263,8 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     if tok_dir is not None:
         if tokenizer is not None:
             tok_files = check_tokenizer(tok_dir, cfg.vocab_size)
-        elif tokenizer_files(tok_dir):
-            tok_files = check_tokenizer(tok_dir, cfg.vocab_size)
+        elif any((tok_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+            tok_files = check_tokenizer(tok_dir, cfg.vocab_size)  # an HF folder with its tokenizer
     if context_length is None:
         context_length = int(getattr(cfg, "max_position_embeddings", 0) or 0) or DEFAULT_CONTEXT
         context_length = _hf_context(source_dir) or context_length
@@ -284,7 +291,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         del model_ir
         special = _special_ids(source_dir) if tokenizer is None else {**_special_ids(source_dir),
                                                                       **_special_ids(tok_dir)}
-        config = genai_config(cfg, options.dtype, context_length, special)
+        config = genai_config(cfg, options.dtype, context_length, special, threads)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
             shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
