@@ -77,13 +77,17 @@ def test_v1_folder_graph_and_genai_config(v1_folder, v1_ckpt):
     width = cache_width(load_model(v1_ckpt).config)
     assert inputs["input_ids"] == ["batch", "sequence"] and inputs["attention_mask"] == ["batch", "total_sequence"]
     assert inputs["past_key_values.1.value"] == ["batch", 1, "past_sequence", width]
-    # each DiffAttention reads the concatenated cache (past + new tokens) as it is: no transpose or re-pack
+    # each DiffAttention reads the graph's present output (past + new tokens, a Concat) through a view of
+    # its unit axis: no transpose or re-pack of the cache outside the op
     producers = {o: n for n in model.graph.node for o in n.output}
+    outputs = {o.name for o in model.graph.output}
     for node in nodes:
         for key_or_value in node.input[1:3]:
-            concat = producers[key_or_value]
-            assert concat.op_type == "Concat"
-            assert any(producers.get(i) is None or producers[i].op_type == "Squeeze" for i in concat.input)
+            view = producers[key_or_value]
+            assert view.op_type in ("Squeeze", "Reshape"), view.op_type
+            concat = producers[view.input[0]]
+            assert concat.op_type == "Concat" and concat.output[0] in outputs
+            assert any(i.startswith("past_key_values.") for i in concat.input)
     config = json.loads((v1_folder / "genai_config.json").read_text())
     decoder = config["model"]["decoder"]
     assert (decoder["head_size"], decoder["num_key_value_heads"], decoder["num_hidden_layers"]) == (width, 1, 2)

@@ -120,6 +120,37 @@ def hf_models(root: Path):
     return diff
 
 
+def profile_step(folder: Path, past: int, threads: int, steps: int = 30) -> tuple[float, int, list]:
+    """onnxruntime's own profile of one decode step (1 new token, `past` cached): (us per step, nodes per
+    step, [(op type, us per step, nodes per step)] sorted by time)."""
+    import collections
+    import onnxruntime as ort
+
+    from diffexport.export.decoder import read_decoder_folder
+
+    model_path, config, _ = read_decoder_folder(folder)
+    options = ort.SessionOptions()
+    options.enable_profiling, options.intra_op_num_threads = True, threads
+    options.profile_file_prefix = str(folder.parent / "decode-profile")
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    decoder = config["model"]["decoder"]
+    feeds = {"input_ids": np.array([[5]], np.int64), "attention_mask": np.ones((1, past + 1), np.int64)}
+    rng = np.random.default_rng(0)
+    for i in range(decoder["num_hidden_layers"]):
+        for name in ("key", "value"):
+            feeds[f"past_key_values.{i}.{name}"] = rng.standard_normal((1, 1, past, decoder["head_size"]), np.float32)
+    for _ in range(steps):
+        session.run(None, feeds)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    times, counts = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            times[e["args"]["op_name"]] += e["dur"]
+            counts[e["args"]["op_name"]] += 1
+    total = sum(times.values()) / steps
+    return total, sum(counts.values()) // steps, [(op, t / steps, counts[op] // steps) for op, t in times.most_common()]
+
+
 def time_genai(folder, prompt, new):
     og = decoding.import_genai()
     model = og.Model(str(folder))  # the anchor has no diffexport metadata: no folder validation here
@@ -195,6 +226,8 @@ def main() -> None:
             add(name, "diffexport eager generate", time_eager(loaded.model.eval(), prompt, args.new), weights)
             if name == "diffllama-100m":
                 add(name, "transformers generate", time_hf(hf_diff, prompt, args.new), weights)
+            if name == "diff-v1-110m":
+                profile = profile_step(folder, args.prompt + args.new // 2, cores)
         if args.anchor:
             out = root / "llama-genai"
             subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
@@ -204,18 +237,30 @@ def main() -> None:
             add("llama-100m", "onnxruntime-genai (its builder)", time_genai(out, prompt, args.new), weights)
             add("llama-100m", f"onnxruntime-genai, {cores} threads", time_genai(with_threads(out, root, cores), prompt,
                                                                               args.new), weights)
+            anchor_profile = profile_step(out, args.prompt + args.new // 2, cores)
     table = ["| model | runtime | new tokens | prefill tok/s | decode tok/s | bound tok/s | decode / bound |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for model_name, runtime, new, prefill, tps, bound in rows:
         table.append(f"| {model_name} | {runtime} | {new} | {prefill:.0f} | {tps:.1f} | {bound:.1f} | "
                      f"{tps / bound:.2f} |")
+    def profile_table(title, prof):
+        total, nodes, ops = prof
+        lines = [f"{title}: {total / 1e3:.1f} ms of kernel time per step over {nodes} nodes (onnxruntime profile, "
+                 f"{cores} threads, past {args.prompt + args.new // 2} tokens).", "",
+                 "| op type | ms per step | nodes | share |", "|---|---:|---:|---:|"]
+        lines += [f"| {op} | {t / 1e3:.2f} | {n} | {100 * t / total:.1f}% |" for op, t, n in ops[:10]]
+        return lines + [""]
+
+    profiles = profile_table("Where one decode step of diff-v1-110m (our folder) spends its time", profile)
+    if args.anchor:
+        profiles += profile_table("The same for the builder's llama-100m", anchor_profile)
     body = "\n".join([
         "## Decode on CPU (KV cache, batch 1, greedy)", "",
         f"`python tools/bench_decode.py --prompt {args.prompt} --new {args.new}{' --anchor' if args.anchor else ''}"
         " --write`", "", benchdoc.stamp(), "",
         f"Read bandwidth measured by the tool: {bandwidth / 1e9:.1f} GB/s ({cores} cores); bound = that / the "
         "fp32 weight bytes a decode step reads (an untied embedding table, read one row per token, excluded).",
-        "", *table])
+        "", *table, "", *profiles])
     print(body)
     if args.write:
         print(f"wrote {benchdoc.write_section('decode', body)}")

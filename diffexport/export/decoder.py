@@ -89,9 +89,9 @@ class _DecoderStep(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, *past_flat):
-        past = [(past_flat[2 * i].squeeze(1), past_flat[2 * i + 1].squeeze(1)) for i in range(len(past_flat) // 2)]
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]  # [B, 1, P, W]
         logits, presents = self.model(input_ids, attention_mask=attention_mask, past_key_values=past, use_cache=True)
-        return (logits, *[t.unsqueeze(1) for kv in presents for t in kv])
+        return (logits, *[t for kv in presents for t in kv])
 
 
 def input_names(layers: int) -> list[str]:

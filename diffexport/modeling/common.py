@@ -127,14 +127,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def extend_cache(past, key: torch.Tensor, value: torch.Tensor):
-    """Append this step's rotated keys and values [B, S, W] to a layer's cache (k, v) [B, P, W].
+    """Append this step's rotated keys and values [B, S, W] to a layer's cache; -> (key, value, present).
 
     The cache is token-major, exactly the contract's key/value layout, so attention reads it as it
-    is: no transpose or re-pack of past tokens on any step (docs/EXPORT.md, KV-cache decoders)."""
-    if past is not None:
-        key = torch.cat((past[0], key), dim=1)
-        value = torch.cat((past[1], value), dim=1)
-    return key, value
+    is: no transpose or re-pack of past tokens on any step (docs/EXPORT.md, KV-cache decoders).
+    Eager caches are [B, P, W]; the exported decoder's are [B, 1, P, W] (onnxruntime-genai's
+    [batch, kv heads, tokens, head size] with one head): those are concatenated in 4-D, so the
+    graph's `present` outputs are the Concat results themselves and attention reads a view of them."""
+    if past is None:
+        return key, value, (key, value)
+    if past[0].dim() == 4:
+        key4 = torch.cat((past[0], key.unsqueeze(1)), dim=2)
+        value4 = torch.cat((past[1], value.unsqueeze(1)), dim=2)
+        return key4.squeeze(1), value4.squeeze(1), (key4, value4)
+    key, value = torch.cat((past[0], key), dim=1), torch.cat((past[1], value), dim=1)
+    return key, value, (key, value)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -183,10 +190,11 @@ class DecoderLM(nn.Module):
         """input_ids [B, S] int64 -> logits [B, S, V] (and the last hidden state [B, S, d_model]).
 
         KV cache: past_key_values is one (k, v) per layer, each [B, P, W] (rotated keys, values in the
-        contract's token-major layout); attention_mask [B, P+S] marks present tokens (1) and left
-        padding (0). With use_cache the presents [B, P+S, W] come last in the returned tuple."""
+        contract's token-major layout; [B, 1, P, W] in the exported decoder); attention_mask [B, P+S]
+        marks present tokens (1) and left padding (0). With use_cache the presents (the pasts' rank,
+        P+S tokens) come last in the returned tuple."""
         B, S = input_ids.shape
-        P = 0 if past_key_values is None else past_key_values[0][0].shape[1]
+        P = 0 if past_key_values is None else past_key_values[0][0].shape[-2]  # [B, P, W] or [B, 1, P, W]
         key_mask = None
         if attention_mask is not None:
             if tuple(attention_mask.shape) != (B, P + S):

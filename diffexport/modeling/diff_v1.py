@@ -82,7 +82,7 @@ class DiffV1Attention(nn.Module):
         D = self.attrs.head_dim
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
-        k, v = extend_cache(past, k, self.v_proj(x))  # (B, P + T, width)
+        k, v, present = extend_cache(past, k, self.v_proj(x))  # k, v: (B, P + T, width)
         lam = self.lambda_full().to(x.dtype)
         weight = self.head_norm.weight  # the contract wants it fp32, and all ones for a weightless norm
         weight = torch.ones(2 * D, device=x.device) if weight is None else weight.float()
@@ -91,7 +91,7 @@ class DiffV1Attention(nn.Module):
         else:
             out = with_key_mask(reference.resolve(self.impl), key_mask)(q, k, v, lam, weight, self.attrs)
         out = self.o_proj(out)  # out: (B, T, H * 2D)
-        return (out, (k, v)) if use_cache else out
+        return (out, present) if use_cache else out
 
 
 class DiffV1LM(DecoderLM):

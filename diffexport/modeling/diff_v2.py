@@ -50,7 +50,7 @@ class DiffV2Attention(nn.Module):
         D = self.attrs.head_dim
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
-        k, v = extend_cache(past, k, self.v_proj(x))  # (B, P + T, width)
+        k, v, present = extend_cache(past, k, self.v_proj(x))  # k, v: (B, P + T, width)
         lam = torch.sigmoid(self.lambda_proj(x))  # (B, T, H): per token, per head
         if self.impl == "op":
             out = op.call(q, k, v, lam, torch.ones(D, device=x.device), self.attrs,  # V2 has no weight
@@ -58,7 +58,7 @@ class DiffV2Attention(nn.Module):
         else:
             out = with_key_mask(reference.resolve(self.impl), key_mask)(q, k, v, lam, None, self.attrs)
         out = self.o_proj(out)  # out: (B, T, H * D)
-        return (out, (k, v)) if use_cache else out
+        return (out, present) if use_cache else out
 
 
 class DiffV2LM(DecoderLM):

@@ -52,11 +52,11 @@ class CausalSelfAttention(nn.Module):
         D = self.head_dim
         q = apply_rope(self.q_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).transpose(1, 2)
         k = apply_rope(self.k_proj(x).unflatten(-1, (-1, D)), cos, sin, self.interleaved).flatten(2)
-        k, v = extend_cache(past, k, self.v_proj(x))  # (B, P + T, Hkv * D)
+        k, v, present = extend_cache(past, k, self.v_proj(x))  # k, v: (B, P + T, Hkv * D)
         heads_k, heads_v = (t.unflatten(-1, (-1, D)).transpose(1, 2) for t in (k, v))
         out = with_key_mask(self.impl, key_mask)(q, heads_k, heads_v, causal=True, scale=D ** -0.5)  # (B, H, T, D)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-        return (out, (k, v)) if use_cache else out
+        return (out, present) if use_cache else out
 
 
 class TransformerLM(DecoderLM):
