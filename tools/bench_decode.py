@@ -9,8 +9,8 @@ Models (batch 1, greedy, seeded random weights, every runtime on the same weight
   diff-v1-110m    our preset (same shape, tied embeddings); no transformers row (not an HF model)
   llama-100m      with --anchor: a plain Llama of the same size exported by onnxruntime-genai's own
                   model builder (`python -m onnxruntime_genai.models.builder -p fp32 -e cpu`)
-Decode tokens/s counts the tokens after the first (prefill excluded); each runtime runs once after a
-warm-up generation of 8 tokens. onnxruntime-genai folders run twice: with the session options their
+Decode tokens/s counts the tokens after the first (prefill excluded); each runtime runs once per
+round after a warm-up generation of 8 tokens, rounds interleaved, medians reported. onnxruntime-genai folders run twice: with the session options their
 writer put in genai_config.json (neither ours nor the builder's sets threads) and with
 intra_op_num_threads = the machine's cores written into both (`diffexport onnx --kv-cache --threads`).
 Bound: weight bytes each decode step reads (every initializer except an embedding table that only a
@@ -126,9 +126,8 @@ def profile_step(folder: Path, past: int, threads: int, steps: int = 30) -> tupl
     import collections
     import onnxruntime as ort
 
-    from diffexport.export.decoder import read_decoder_folder
-
-    model_path, config, _ = read_decoder_folder(folder)
+    config = json.loads((folder / "genai_config.json").read_text())  # ours or the builder's: no metadata check
+    model_path = folder / config["model"]["decoder"]["filename"]
     options = ort.SessionOptions()
     options.enable_profiling, options.intra_op_num_threads = True, threads
     options.profile_file_prefix = str(folder.parent / "decode-profile")
@@ -136,9 +135,10 @@ def profile_step(folder: Path, past: int, threads: int, steps: int = 30) -> tupl
     decoder = config["model"]["decoder"]
     feeds = {"input_ids": np.array([[5]], np.int64), "attention_mask": np.ones((1, past + 1), np.int64)}
     rng = np.random.default_rng(0)
+    shape = (1, decoder["num_key_value_heads"], past, decoder["head_size"])
     for i in range(decoder["num_hidden_layers"]):
         for name in ("key", "value"):
-            feeds[f"past_key_values.{i}.{name}"] = rng.standard_normal((1, 1, past, decoder["head_size"]), np.float32)
+            feeds[f"past_key_values.{i}.{name}"] = rng.standard_normal(shape, np.float32)
     for _ in range(steps):
         session.run(None, feeds)
     events = json.loads(Path(session.end_profiling()).read_text())
@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--anchor", action="store_true", help="also build and run the plain Llama anchor")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table shows medians")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -199,6 +200,8 @@ def main() -> None:
     cores = os.cpu_count() or 1
     rows = []
 
+    runs: dict[tuple[str, str], list] = {}  # (model, runtime) -> per round (new, prefill tok/s, decode tok/s, bound)
+
     def add(model_name, runtime, result, weights):
         if isinstance(result, tuple):
             prompt_tokens, prefill, decode, new = result
@@ -206,38 +209,45 @@ def main() -> None:
             prompt_tokens, prefill, decode, new = (result.prompt_tokens, result.prefill_seconds,
                                                    result.decode_seconds, len(result.tokens))
         tps = (new - 1) / decode
-        rows.append((model_name, runtime, new, prompt_tokens / prefill, tps, bandwidth / weights))
-        print(f"{model_name:15s} {runtime:28s} prefill {prompt_tokens / prefill:8.1f} tok/s  decode {tps:7.1f} tok/s  "
+        runs.setdefault((model_name, runtime), []).append((new, prompt_tokens / prefill, tps, bandwidth / weights))
+        print(f"{model_name:15s} {runtime:32s} prefill {prompt_tokens / prefill:8.1f} tok/s  decode {tps:7.1f} tok/s  "
               f"(bound {bandwidth / weights:.1f})", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; building models in {root}", flush=True)
         hf_diff = hf_models(root)
+        models = []
         for name, loaded in (("diffllama-100m", load_model(root / "diffllama")),
                              ("diff-v1-110m", load_model(None, preset="diff-v1-110m", seed=0))):
             folder = root / f"{name}-kv"
             export_decoder(loaded, folder, log=lambda _: None)
-            weights = weight_bytes_per_token(folder)
-            add(name, "onnxruntime-genai (our folder)", time_genai(folder, prompt, args.new), weights)
-            add(name, f"onnxruntime-genai, {cores} threads", time_genai(with_threads(folder, root, cores), prompt,
-                                                                          args.new), weights)
-            add(name, "onnxruntime loop (our folder)", time_ort(folder, prompt, args.new), weights)
-            add(name, "diffexport eager generate", time_eager(loaded.model.eval(), prompt, args.new), weights)
-            if name == "diffllama-100m":
-                add(name, "transformers generate", time_hf(hf_diff, prompt, args.new), weights)
-            if name == "diff-v1-110m":
-                profile = profile_step(folder, args.prompt + args.new // 2, cores)
+            models.append((name, loaded, folder, with_threads(folder, root, cores), weight_bytes_per_token(folder)))
         if args.anchor:
             out = root / "llama-genai"
             subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
                             "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")], check=True,
                            capture_output=True)
-            weights = weight_bytes_per_token(out)
-            add("llama-100m", "onnxruntime-genai (its builder)", time_genai(out, prompt, args.new), weights)
-            add("llama-100m", f"onnxruntime-genai, {cores} threads", time_genai(with_threads(out, root, cores), prompt,
-                                                                              args.new), weights)
-            anchor_profile = profile_step(out, args.prompt + args.new // 2, cores)
+            anchor = (out, with_threads(out, root, cores), weight_bytes_per_token(out))
+        for round_ in range(args.rounds):  # interleaved rounds: drift of a shared machine hits every runtime alike
+            print(f"round {round_ + 1}/{args.rounds}", flush=True)
+            for name, loaded, folder, threaded, weights in models:
+                add(name, "onnxruntime-genai (our folder)", time_genai(folder, prompt, args.new), weights)
+                add(name, f"onnxruntime-genai, {cores} threads", time_genai(threaded, prompt, args.new), weights)
+                add(name, "onnxruntime loop (our folder)", time_ort(folder, prompt, args.new), weights)
+                add(name, "diffexport eager generate", time_eager(loaded.model.eval(), prompt, args.new), weights)
+                if name == "diffllama-100m":
+                    add(name, "transformers generate", time_hf(hf_diff, prompt, args.new), weights)
+            if args.anchor:
+                add("llama-100m", "onnxruntime-genai (its builder)", time_genai(anchor[0], prompt, args.new), anchor[2])
+                add("llama-100m", f"onnxruntime-genai, {cores} threads", time_genai(anchor[1], prompt, args.new),
+                    anchor[2])
+        profile = profile_step(models[1][2], args.prompt + args.new // 2, cores)
+        if args.anchor:
+            anchor_profile = profile_step(anchor[0], args.prompt + args.new // 2, cores)
+    for (model_name, runtime), results in runs.items():
+        rows.append((model_name, runtime, results[0][0], statistics.median(r[1] for r in results),
+                     statistics.median(r[2] for r in results), results[0][3]))
     table = ["| model | runtime | new tokens | prefill tok/s | decode tok/s | bound tok/s | decode / bound |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for model_name, runtime, new, prefill, tps, bound in rows:
@@ -257,7 +267,8 @@ def main() -> None:
     body = "\n".join([
         "## Decode on CPU (KV cache, batch 1, greedy)", "",
         f"`python tools/bench_decode.py --prompt {args.prompt} --new {args.new}{' --anchor' if args.anchor else ''}"
-        " --write`", "", benchdoc.stamp(), "",
+        f" --rounds {args.rounds} --write`", "", benchdoc.stamp(), "",
+        f"Medians of {args.rounds} interleaved rounds (every runtime once per round).", "",
         f"Read bandwidth measured by the tool: {bandwidth / 1e9:.1f} GB/s ({cores} cores); bound = that / the "
         "fp32 weight bytes a decode step reads (an untied embedding table, read one row per token, excluded).",
         "", *table, "", *profiles])
