@@ -4,4 +4,4 @@ Heavy modules (torch, onnx) are imported by the submodules that need them, never
 so `diffexport --help` answers without loading torch.
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
