@@ -82,7 +82,7 @@ def test_params_carry_every_contract_attribute():
 
 def test_build_info(lib):
     info = kernels.build_info()
-    assert re.match(r"archs=\S+ cuda=\d+\.\d+ abi=1$", info), info
+    assert re.match(rf"archs=\S+ cuda=\d+\.\d+ abi={kernels.ABI_VERSION}$", info), info
 
 
 @pytest.mark.parametrize("variant,head_dim,bits", [(1, 64, 0), (1, 128, 16), (2, 64, 8), (2, 128, 4), (1, 128, 6)])
