@@ -235,11 +235,8 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     return same and report.passed
 
 
-def _prompt_ids(args, folder) -> tuple[list[int], object]:
-    """The prompt as token ids, and the tokenizer (None with --ids)."""
-    from diffexport.export.decoder import read_decoder_folder
-
-    _, config, _ = read_decoder_folder(folder)
+def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
+    """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
     vocab = int(config["model"]["vocab_size"])
     if args.ids is not None:
         try:
@@ -279,14 +276,14 @@ def cmd_generate(args) -> int:
     from diffexport.generation import Sampling
 
     folder = Path(args.folder)
-    read_decoder_folder(folder)
+    _, config, _ = read_decoder_folder(folder)
     if args.max_new_tokens < 1:
         raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed)
     if args.backend == "genai":
         decoding.import_genai()
-    ids, tokenizer = _prompt_ids(args, folder)
+    ids, tokenizer = _prompt_ids(args, folder, config)
     stream = tokenizer.create_stream() if tokenizer is not None else None
 
     def show(token: int) -> None:

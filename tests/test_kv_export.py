@@ -247,6 +247,43 @@ def test_generate_refuses_a_prefill_export_and_a_plain_folder(tmp_path):
     assert_one_line_error(run_cli("generate", tmp_path / "fake", "--ids", "1"), "prefill-only export")
 
 
+def test_hostile_decoder_folders(v1_folder, tmp_path):
+    """Corrupt genai configs, a model file named outside the folder or behind a link, a plain folder to check."""
+    import shutil
+
+    def folder_with(name, config_text=None, link_model=False):
+        folder = tmp_path / name
+        shutil.copytree(v1_folder, folder)
+        if config_text is not None:
+            (folder / "genai_config.json").write_text(config_text)
+        if link_model:
+            (folder / "model.onnx").unlink()
+            (folder / "model.onnx").symlink_to(v1_folder / "model.onnx")
+        return folder
+
+    assert_one_line_error(run_cli("generate", folder_with("garbage", "{not json"), "--ids", "1"),
+                          "not a readable genai config")
+    assert_one_line_error(run_cli("generate", folder_with("list", "[1, 2]"), "--ids", "1"),
+                          "not a readable genai config")
+    escape = json.dumps({"model": {"decoder": {"filename": "../outside.onnx"}}})
+    assert_one_line_error(run_cli("generate", folder_with("escape", escape), "--ids", "1"), "inside the folder")
+    assert_one_line_error(run_cli("generate", folder_with("linked", link_model=True), "--ids", "1"),
+                          "symbolic link")
+    (tmp_path / "plain").mkdir()
+    assert_one_line_error(run_cli("check", tmp_path / "plain", "--preset", "diff-v1-tiny"), "no genai_config.json")
+
+
+def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):
+    real = tmp_path / "real"
+    _byte_bpe_tokenizer(real)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "tokenizer.json").symlink_to(real / "tokenizer.json")
+    result = run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "--tokenizer", linked, "-o", tmp_path / "kv")
+    assert_one_line_error(result, "symbolic link")
+    assert not (tmp_path / "kv").exists()
+
+
 def test_generate_bad_requests(v1_folder):
     assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "0"),
                           "--max-new-tokens must be >= 1")

@@ -18,9 +18,6 @@ from diffexport.errors import DiffExportError
 from diffexport.export import decoder
 from diffexport.generation import Sampling
 
-BACKENDS = ("genai", "onnxruntime")
-
-
 @dataclasses.dataclass
 class DecodeRun:
     tokens: list[int]  # new tokens (batch 1)

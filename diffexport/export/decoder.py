@@ -164,8 +164,9 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
     }  # genai refuses unknown keys: what diffexport knows lives in model.onnx's metadata
 
 
-def _special_ids(folder: Path | None) -> dict:
-    """bos/eos/pad ids from an HF folder's config.json / generation_config.json (first found wins)."""
+def _hf_values(folder: Path | None) -> dict:
+    """bos/eos/pad ids and max_position_embeddings from an HF folder's generation_config.json and
+    config.json (first found wins; links, huge or broken files are passed over)."""
     found: dict = {}
     if folder is None:
         return found
@@ -177,7 +178,9 @@ def _special_ids(folder: Path | None) -> dict:
             values = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if not isinstance(values, dict):
+            continue
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
             value = values.get(key)
             if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
                 value = value[0]
@@ -258,16 +261,16 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     if cfg.family not in KV_FAMILIES:
         raise DiffExportError(f"--kv-cache exports {list(KV_FAMILIES)} models, not {cfg.family!r}")
     source_dir = Path(loaded.path) if loaded.source == "hf-diffllama" and loaded.path else None
-    tok_dir = Path(tokenizer) if tokenizer is not None else source_dir
-    tok_files = []
-    if tok_dir is not None:
-        if tokenizer is not None:
-            tok_files = check_tokenizer(tok_dir, cfg.vocab_size)
-        elif any((tok_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
-            tok_files = check_tokenizer(tok_dir, cfg.vocab_size)  # an HF folder with its tokenizer
+    if tokenizer is not None:  # named by the user: it must be a tokenizer of this vocabulary
+        tok_files = check_tokenizer(Path(tokenizer), cfg.vocab_size)
+    elif source_dir is not None and any((source_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        tok_files = check_tokenizer(source_dir, cfg.vocab_size)  # an HF folder with its own tokenizer
+    else:
+        tok_files = []
+    special = {**_hf_values(source_dir), **_hf_values(None if tokenizer is None else Path(tokenizer))}
     if context_length is None:
-        context_length = int(getattr(cfg, "max_position_embeddings", 0) or 0) or DEFAULT_CONTEXT
-        context_length = _hf_context(source_dir) or context_length
+        context = special.get("max_position_embeddings")
+        context_length = context if isinstance(context, int) and context >= 2 else DEFAULT_CONTEXT
     start = time.monotonic()
     model, weights_id = exporter.model_in_dtype(loaded, options.dtype)
     dtype = DTYPES[options.dtype]
@@ -289,8 +292,6 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
-        special = _special_ids(source_dir) if tokenizer is None else {**_special_ids(source_dir),
-                                                                      **_special_ids(tok_dir)}
         config = genai_config(cfg, options.dtype, context_length, special, threads)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
@@ -310,16 +311,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _hf_context(folder: Path | None) -> int | None:
-    if folder is None or not (folder / "config.json").is_file():
-        return None
-    try:
-        value = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 2 else None
 
 
 def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
@@ -343,6 +334,8 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
         raise DiffExportError(f"{config_path} is not a readable genai config") from None
     if not isinstance(decoder["filename"], str) or Path(decoder["filename"]).name != decoder["filename"]:
         raise DiffExportError(f"{config_path}: decoder filename must name a file inside the folder")
+    if model_path.is_symlink():
+        raise DiffExportError(f"{model_path} is a symbolic link: a decoder folder holds its model file itself")
     meta = read_export_metadata(model_path)
     if meta.get("kv_cache") != "1":
         raise DiffExportError(f"{model_path} is a prefill-only export, not a KV-cache decoder: "
