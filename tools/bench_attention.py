@@ -11,6 +11,7 @@ the same run. Medians of CUDA-event timings after warm-up. Not a test.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -48,13 +49,33 @@ def matmul_peak_tflops() -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+
+
+def forced(backend: str, fn, inputs, attrs):
+    """fn on the default attention library ('default': flash_attn when importable, else SDPA's own
+    choice) or with one torch SDPA backend forced."""
+    if backend == "default":
+        return lambda: fn(*inputs, attrs)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+
+    def run():
+        with sdpa_kernel([chosen]):
+            return fn(*inputs, attrs)
+    return run
+
+
 def attention_flops(attrs: DiffAttentionAttrs, batch: int, n: int) -> float:
     """Exact DIFF V1 work: S1, S2 (2 * 2N^2 d) and P1 V, P2 V (2 * 2N^2 * 2d) per diff-head."""
     per_head = 12 * n * n * attrs.head_dim
     return per_head * batch * attrs.num_heads * (0.5 if attrs.causal else 1.0)
 
 
-def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: int, repeats: int) -> dict:
+def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: int, repeats: int,
+               backends: list[str]) -> dict:
     batch = max(1, TOKENS_PER_BATCH // n)
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=causal,
                                output_scale=0.8)
@@ -69,22 +90,25 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
     methods = {
         "fused": lambda: kernels.diff_attention(*inputs, attrs, out=out),
         "fused_int8": lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out),
-        "flash_diff_1": lambda: reference.flash_diff_attention_1(*inputs, attrs),
-        "flash_diff_2": lambda: reference.flash_diff_attention_2(*inputs, attrs),
     }
+    for backend in backends:  # each composition on each attention library, the backend forced
+        for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
+                         ("flash_diff_2", reference.flash_diff_attention_2)):
+            methods[f"{name}/{backend}"] = forced(backend, fn, inputs, attrs)
     if batch * heads * n * n * 4 * 4 <= NAIVE_MAX_BYTES:
         methods["naive"] = lambda: reference.naive_diff_attention(*inputs, attrs)
     flops = attention_flops(attrs, batch, n)
     row = {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "causal": causal, "n": n, "batch": batch,
-           "heads": heads, "backend": reference.attention_backend(q, q)}
+           "heads": heads, "backend": reference.attention_backend(q, q), "timings": {}}
     for name, fn in methods.items():
         try:
             ms = median_ms(fn, warmup, repeats)
-        except (RuntimeError, torch.OutOfMemoryError) as exc:
-            print(f"  {name}: failed ({str(exc).splitlines()[0]})", file=sys.stderr)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:  # e.g. a backend refusing a value head of 2d
+            print(f"  {name}: not measured ({(str(exc).splitlines() or [type(exc).__name__])[0][:150]})",
+                  file=sys.stderr)
             torch.cuda.empty_cache()
             continue
-        row[name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+        row["timings"][name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
     exact = kernels.diff_attention(*inputs, attrs).float()
     quant = kernels.diff_attention(*inputs, attrs, logit_bits=8).float()
     row["int8_cosine"] = torch.nn.functional.cosine_similarity(quant.flatten(), exact.flatten(), dim=0).item()
@@ -93,26 +117,56 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
     return row
 
 
+def best_baseline(row: dict) -> tuple[str, dict] | None:
+    baselines = [(name, r) for name, r in row["timings"].items() if not name.startswith("fused")]
+    return min(baselines, key=lambda item: item[1]["ms"]) if baselines else None
+
+
 def table(rows: list[dict], peak: float) -> str:
-    def cell(row, name):
-        r = row.get(name)
+    def cell(r):
         return "-" if r is None else f"{r['ms']:.3f} ({r['tflops']:.0f})"
 
-    lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | FlashDiffAttn_1 | FlashDiffAttn_2 | naive "
-             "| fused vs best baseline | INT8 vs fused | fused % of matmul peak | INT8 cosine |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | best composition | which "
+             "| fused vs best | INT8 vs fused | fused % of matmul peak | INT8 cosine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        baselines = [row[m]["ms"] for m in ("flash_diff_1", "flash_diff_2", "naive") if m in row]
-        fused = row.get("fused")
-        int8 = row.get("fused_int8")
-        vs_best = f"{min(baselines) / fused['ms']:.2f}x" if fused and baselines else "-"
+        t = row["timings"]
+        fused, int8, best = t.get("fused"), t.get("fused_int8"), best_baseline(row)
+        vs_best = f"{best[1]['ms'] / fused['ms']:.2f}x" if fused and best else "-"
         vs_fused = f"{fused['ms'] / int8['ms']:.2f}x" if fused and int8 else "-"
         pct = f"{100 * fused['tflops'] / peak:.0f}%" if fused else "-"
         lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['causal']} | {row['n']} "
-                     f"| {row['batch']} x {row['heads']} | {cell(row, 'fused')} | {cell(row, 'fused_int8')} "
-                     f"| {cell(row, 'flash_diff_1')} | {cell(row, 'flash_diff_2')} | {cell(row, 'naive')} "
+                     f"| {row['batch']} x {row['heads']} | {cell(fused)} | {cell(int8)} "
+                     f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} "
                      f"| {vs_best} | {vs_fused} | {pct} | {row['int8_cosine']:.5f} |")
     return "\n".join(lines)
+
+
+def composition_table(rows: list[dict]) -> str:
+    """Every composition's median ms per case ('-': the backend refused the shape)."""
+    names = sorted({name for row in rows for name in row["timings"] if not name.startswith("fused")})
+    lines = ["| dtype | d | causal | N | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
+    for row in rows:
+        cells = [f"{row['timings'][n]['ms']:.3f}" if n in row["timings"] else "-" for n in names]
+        lines.append(f"| {row['dtype']} | {row['d']} | {row['causal']} | {row['n']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def profile_launches(n: int) -> None:
+    """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one
+    (bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads)."""
+    kernels.load_library()
+    batch, heads = max(1, TOKENS_PER_BATCH // n), 16
+    attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=128, causal=0)
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(batch, n, 2 * heads * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(batch, n, attrs.key_width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(batch, n, heads * attrs.value_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lam = torch.tensor([0.4], device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(attrs.value_dim, device="cuda")
+    for _ in range(4):
+        kernels.diff_attention(q, k, v, lam, w, attrs)
+    torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -124,11 +178,18 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=16, help="diff-heads per batch element (default 16)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--backends", nargs="+", default=["default", *SDPA_BACKENDS],
+                        help="attention libraries for the compositions: default and/or forced SDPA backends")
+    parser.add_argument("--json", type=Path, help="also write the raw rows here")
+    parser.add_argument("--profile", type=int, metavar="N", help="only launch the fused kernel 4 times at N (for ncu)")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/BENCHMARKS.md")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.profile:
+        profile_launches(args.profile)
+        return 0
     kernels.load_library()
     peak = matmul_peak_tflops()
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", file=sys.stderr)
@@ -138,15 +199,18 @@ def main() -> int:
             for causal in args.causal:
                 for n in args.seqs:
                     print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
-                    rows.append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats))
-    text = table(rows, peak)
+                    rows.append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
+                                           args.backends))
+    text = table(rows, peak) + "\n\nAll compositions, median ms:\n\n" + composition_table(rows)
     print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
     if args.write:
         command = "python tools/bench_attention.py " + " ".join(sys.argv[1:])
         body = (f"## Fused differential attention on the GPU (DIFF V1, forward)\n\n`{command}`\n\n"
                 f"{benchdoc.stamp()} Measured bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s. "
                 f"Cells: median ms (TFLOP/s on 12*N^2*d per diff-head, halved for causal), {args.repeats} runs "
-                f"after {args.warmup} warm-up. Baselines use `{rows[0]['backend']}` attention calls. INT8 = 8-bit "
+                f"after {args.warmup} warm-up. Compositions: FlashDiffAttn_1/_2 on the default attention library (`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(args.backends)}), and the naive form where it fits; 'best' is the fastest of them in this run. INT8 = 8-bit "
                 "logits with K-smoothing, including the K quantisation pre-pass; its cosine is against the "
                 "fused fp output on the same inputs.\n\n" + text + "\n")
         print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)

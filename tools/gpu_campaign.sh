@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU verification campaign (issue 16): build the kernel library for the GPU in hand, record
+# the machine, run the GPU tests, the sanitizers, the benchmark and one Nsight Compute profile.
+#
+#   tools/gpu_campaign.sh [--out DIR] PART...      PART: env build test sanitize bench profile all
+#                                                   (PART+PART runs two parts at once)
+#
+# Made for the lent GPU machine: each part has its own time limit so that a call of at most
+# 10 minutes comes back with its logs, and everything lands in at most 8 files under DIR
+# (default $OUT when set, else ./campaign-out). tools/README.md says how to split the parts
+# into calls. Runs from the repository root with the python3 that holds torch (no install:
+# PYTHONPATH=.). Exit status: the number of parts that failed.
+set -u
+cd "$(dirname "$0")/.."
+
+OUT_DIR="${OUT:-campaign-out}"
+if [[ "${1:-}" == "--out" ]]; then OUT_DIR="$2"; shift 2; fi
+[[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] env|build|test|sanitize|bench|profile|all ..." >&2; exit 2; }
+mkdir -p "$OUT_DIR"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+BUILD_DIR="${CAMPAIGN_BUILD_DIR:-build-gpu}"
+ARCH="${CAMPAIGN_ARCH:-90a-real}"
+export DIFFEXPORT_KERNEL_LIB="${DIFFEXPORT_KERNEL_LIB:-$PWD/$BUILD_DIR/plugins/kernels/libdiffexport_kernels.so}"
+export DIFFEXPORT_REQUIRE_KERNELS=1   # a missing library fails the GPU tests instead of skipping them
+failed=0
+
+note() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT_DIR/campaign.log"; }
+
+part_env() {
+  {
+    date -u; uname -srm
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu,persistence_mode \
+      --format=csv
+    nvidia-smi -q -d CLOCK,PERFORMANCE | sed -n '1,60p'
+    nvcc --version | tail -2
+    "$PY" - <<'EOF'
+import torch
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__} cuda {torch.version.cuda} cudnn {torch.backends.cudnn.version()}")
+print(f"device {p.name} sm_{p.major}{p.minor} SMs {p.multi_processor_count} "
+      f"L2 {p.L2_cache_size >> 20} MiB memory {p.total_memory >> 30} GiB")
+try:
+    import flash_attn
+    print("flash_attn", flash_attn.__version__)
+except ImportError:
+    print("flash_attn not installed (baselines use torch SDPA)")
+EOF
+  } > "$OUT_DIR/env.txt" 2>&1
+  cat "$OUT_DIR/env.txt"
+}
+
+part_build() {
+  local start=$SECONDS
+  {
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
+      -DDIFFEXPORT_BUILD_EMULATOR=OFF && cmake --build "$BUILD_DIR" --parallel
+  } > "$OUT_DIR/build.log" 2>&1 || { tail -30 "$OUT_DIR/build.log"; return 1; }
+  echo "build: $((SECONDS - start)) s for $ARCH" | tee -a "$OUT_DIR/build.log"
+  # Registers, shared memory and stack frames per kernel (spills show as a non-zero STACK).
+  cuobjdump --dump-resource-usage "$DIFFEXPORT_KERNEL_LIB" 2>&1 | grep -E "Function|REG" >> "$OUT_DIR/build.log"
+  "$PY" -c "from diffexport import kernels; print(kernels.build_info())" | tee -a "$OUT_DIR/build.log"
+}
+
+part_test() {
+  # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
+  timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rfEs -m gpu -n 6 \
+    tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py tests/test_kernel_abi.py \
+    -k "not compute_sanitizer" > "$OUT_DIR/pytest.log" 2>&1
+  local rc=$?
+  tail -25 "$OUT_DIR/pytest.log"
+  return $rc
+}
+
+part_sanitize() {
+  # tests/kernel_cases.py: short, odd, GQA, decode, INT8 and key-mask launches. Only our kernels
+  # are instrumented (kns=diffx): torch's own kernels would make the run ten times longer.
+  local rc=0
+  for tool in memcheck racecheck synccheck initcheck; do
+    echo "--- $tool" >> "$OUT_DIR/sanitizer.log"
+    timeout 80 compute-sanitizer --tool "$tool" --kernel-name kns=diffx --error-exitcode 99 \
+      "$PY" tests/kernel_cases.py >> "$OUT_DIR/sanitizer.log" 2>&1 || { rc=1; echo "$tool FAILED"; }
+    grep -E "SUMMARY" "$OUT_DIR/sanitizer.log" | tail -1
+  done
+  return $rc
+}
+
+part_bench() {
+  timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_attention.py --json "$OUT_DIR/bench.json" ${BENCH_ARGS:-} \
+    > "$OUT_DIR/bench.md" 2> "$OUT_DIR/bench.log"
+  local rc=$?
+  tail -5 "$OUT_DIR/bench.log"; cat "$OUT_DIR/bench.md"
+  return $rc
+}
+
+part_profile() {
+  # One fused launch at N=4096 (bf16, d=128, non-causal), the clocks left as they are.
+  timeout 150 ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
+    --launch-count 1 -f -o "$OUT_DIR/profile" "$PY" tools/bench_attention.py --profile 4096 \
+    > "$OUT_DIR/profile.txt" 2>&1 || { tail -20 "$OUT_DIR/profile.txt"; return 1; }
+  ncu --import "$OUT_DIR/profile.ncu-rep" --page details >> "$OUT_DIR/profile.txt" 2>&1
+  grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Warp Cycles Per Issued" \
+    "$OUT_DIR/profile.txt" | head -20
+}
+
+run_part() {
+  note "part $1"
+  if "part_$1"; then note "part $1 ok"; else note "part $1 FAILED"; return 1; fi
+}
+
+# PART1+PART2 runs both at once (e.g. test+sanitize: neither is timed); anything timed runs alone.
+parts=("$@")
+[[ " ${parts[*]} " == *" all "* ]] && parts=(env build test+sanitize bench profile)
+for group in "${parts[@]}"; do
+  IFS=+ read -r -a members <<< "$group"
+  pids=()
+  for part in "${members[@]}"; do
+    declare -F "part_$part" > /dev/null || { echo "unknown part: $part" >&2; exit 2; }
+    run_part "$part" & pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
+done
+note "done: $failed part(s) failed"
+exit "$failed"
