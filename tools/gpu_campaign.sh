@@ -7,6 +7,7 @@
 #
 # Made for the lent GPU machine: each part has its own time limit so that a call of at most
 # 10 minutes comes back with its logs, and everything lands in at most 8 files under DIR
+# (campaign.log, build.log, pytest.log, sanitizer.log, bench.md, bench.json, profile.ncu-rep, profile.txt)
 # (default $OUT when set, else ./campaign-out). tools/README.md says how to split the parts
 # into calls. Runs from the repository root with the python3 that holds torch (no install:
 # PYTHONPATH=.). Exit status: the number of parts that failed.
@@ -46,8 +47,7 @@ try:
 except ImportError:
     print("flash_attn not installed (baselines use torch SDPA)")
 EOF
-  } > "$OUT_DIR/env.txt" 2>&1
-  cat "$OUT_DIR/env.txt"
+  } 2>&1 | tee -a "$OUT_DIR/campaign.log"
 }
 
 part_build() {
@@ -87,9 +87,9 @@ part_sanitize() {
 
 part_bench() {
   timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_attention.py --json "$OUT_DIR/bench.json" ${BENCH_ARGS:-} \
-    > "$OUT_DIR/bench.md" 2> "$OUT_DIR/bench.log"
+    > "$OUT_DIR/bench.md" 2>> "$OUT_DIR/campaign.log"
   local rc=$?
-  tail -5 "$OUT_DIR/bench.log"; cat "$OUT_DIR/bench.md"
+  cat "$OUT_DIR/bench.md"
   return $rc
 }
 
