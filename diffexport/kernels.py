@@ -79,6 +79,12 @@ def load_library() -> ctypes.CDLL:
     if path is None:
         where = ", ".join(str(p) for p in library_candidates())
         raise DiffExportError(f"fused kernel library not found (looked at {where}): {BUILD_HINT}")
+    return open_library(path)
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The kernel library at `path`, checked against this module's ABI (benchmarks compare builds
+    with it; everything else goes through load_library)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -174,9 +180,9 @@ def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAtt
     return p
 
 
-def launch(params: DiffxAttentionParams, device: torch.device) -> None:
+def launch(params: DiffxAttentionParams, device: torch.device, lib: ctypes.CDLL | None = None) -> None:
     """Allocate the workspace (INT8 path) and run the kernel on the device's current stream."""
-    lib = load_library()
+    lib = lib or load_library()
     workspace = None
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))
     if size:
@@ -195,13 +201,13 @@ def launch(params: DiffxAttentionParams, device: torch.device) -> None:
 
 def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs, *,
                    logit_bits: int = 0, smooth_k: bool = True, out: torch.Tensor | None = None,
-                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   key_mask: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The fused kernel on contract inputs: output [B, Sq, H*Dv] in query's dtype.
 
     logit_bits 0 or 16: fp16/bf16 logits; 2..8: INT8 logits (diffexport/quantization.py "qk").
     float32 tensors are converted to fp16 in the workspace, computed in fp16 and converted back.
     `out` (optional) is written in place: it must be [B, Sq, H*Dv] with contiguous rows.
-    key_mask (op version 2): [B, Skv] int64, 0 = padding key.
+    key_mask (op version 2): [B, Skv] int64, 0 = padding key. lib: another build (open_library).
     """
     if logit_bits not in (0, 16):
         check_bits(logit_bits)
@@ -219,7 +225,7 @@ def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAtten
         raise DiffExportError(f"out must be {list(out_shape)} {query.dtype} on {query.device}")
     params = make_params(query, key, value, lambda_full, norm_weight, out, attrs,
                          logit_bits=logit_bits, smooth_k=smooth_k, key_mask=key_mask)
-    launch(params, query.device)
+    launch(params, query.device, lib)
     return out
 
 

@@ -135,6 +135,22 @@ def test_key_mask_stride(lib, stride, ok):
         assert "key_mask batch stride 99" in lib.diffx_last_error().decode()
 
 
+def test_variant_2_with_norm_is_refused_as_the_contract_does(lib):
+    p = valid_params(variant=2)
+    p.norm = 1
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_BAD_ATTRIBUTE"]
+    assert "variant 2 (DIFF V2) has no per-head norm" in lib.diffx_last_error().decode()
+    with pytest.raises(DiffExportError, match="no per-head norm"):
+        DiffAttentionAttrs(variant=2, num_heads=4, num_kv_heads=2, head_dim=64, norm=1)
+
+
+def test_query_blocks_fit_the_grid(lib):
+    """Query blocks of 64 tokens are the grid's z dimension (at most 65535)."""
+    p = valid_params(q_len=65535 * 64 + 1, kv_len=65535 * 64 + 1)
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_BAD_SIZE"]
+    assert f"q_len {65535 * 64 + 1} must be in 1..{65535 * 64}" in lib.diffx_last_error().decode()
+
+
 @pytest.mark.parametrize("field,value,status,message", BAD, ids=[f"{b[0]}={b[1]}" for b in BAD])
 def test_bad_params_are_refused_with_a_reason(lib, field, value, status, message):
     p = valid_params()
@@ -153,10 +169,11 @@ def test_null_params_and_status_strings(lib):
 
 @pytest.mark.parametrize("smooth_k", [1, 0])
 def test_workspace_size_and_check(lib, smooth_k):
-    """INT8 path: codes [B*key_maps, 64-padded keys, D] int8, scales per 64-key block, means (smoothing)."""
-    p = valid_params(variant=1, head_dim=64, num_kv_heads=2, batch=2, kv_len=100, bits=8, smooth_k=smooth_k)
-    maps, blocks = 2 * 2 * 2, 2
-    codes, scales, mean = maps * blocks * 64 * 64, maps * blocks * 4, maps * 64 * 4
+    """INT8 path: codes [B*key_maps, 64-padded keys, D] int8, scales per 64-key block, K sums per
+    1024-key chunk (smoothing)."""
+    p = valid_params(variant=1, head_dim=64, num_kv_heads=2, batch=2, kv_len=1100, bits=8, smooth_k=smooth_k)
+    maps, blocks, chunks = 2 * 2 * 2, 18, 2
+    codes, scales, mean = maps * blocks * 64 * 64, maps * blocks * 4, maps * chunks * 64 * 4
     up = lambda x: -(-x // 256) * 256  # noqa: E731
     expected = up(codes) + up(scales) + (up(mean) if smooth_k else 0)
     assert lib.diffx_attention_workspace_size(ctypes.byref(p)) == expected

@@ -145,15 +145,18 @@ def test_emulated_key_mask_matches_the_oracle(emulator, case, rng):
         assert (out[[p >= kv_len for p in pads]] == 0).all()
 
 
-INT8_CASES = [(1, 64, 8, True, torch.float16), (1, 128, 6, False, torch.bfloat16),
-              (2, 64, 4, True, torch.bfloat16), (2, 128, 8, False, torch.float16), (1, 64, 4, False, torch.float16)]
+INT8_CASES = [  # variant, head dim, bits, K-smoothing, dtype, keys (1100: two chunks of the K-sum pre-pass)
+    (1, 64, 8, True, torch.float16, 1100), (1, 128, 6, False, torch.bfloat16, 130),
+    (2, 64, 4, True, torch.bfloat16, 130), (2, 128, 8, False, torch.float16, 130), (1, 64, 4, False, torch.float16, 130),
+]
 
 
-@pytest.mark.parametrize("variant,head_dim,bits,smooth_k,dtype", INT8_CASES)
-def test_emulated_int8_logits_match_the_mirrored_quantisation(emulator, variant, head_dim, bits, smooth_k, dtype, rng):
+@pytest.mark.parametrize("variant,head_dim,bits,smooth_k,dtype,kv_len", INT8_CASES)
+def test_emulated_int8_logits_match_the_mirrored_quantisation(emulator, variant, head_dim, bits, smooth_k, dtype, kv_len,
+                                                              rng):
     attrs = DiffAttentionAttrs(variant=variant, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=1,
                                norm=int(variant == 1), output_scale=0.8)
-    inputs = make_inputs(attrs, 1, 70, 130, dtype=dtype, rng=rng)
+    inputs = make_inputs(attrs, 1, 70, kv_len, dtype=dtype, rng=rng)
     inputs[1].add_(torch.linspace(-1, 2, attrs.key_width).to(dtype))  # a per-channel offset: what smoothing removes
     out = emulate(emulator, inputs, attrs, bits=bits, smooth_k=smooth_k).double()
     assert torch.isfinite(out).all()

@@ -75,7 +75,7 @@ def attention_flops(attrs: DiffAttentionAttrs, batch: int, n: int) -> float:
 
 
 def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: int, repeats: int,
-               backends: list[str]) -> dict:
+               backends: list[str], other_builds: dict) -> dict:
     batch = max(1, TOKENS_PER_BATCH // n)
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=causal,
                                output_scale=0.8)
@@ -91,6 +91,10 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
         "fused": lambda: kernels.diff_attention(*inputs, attrs, out=out),
         "fused_int8": lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out),
     }
+    for name, lib in other_builds.items():  # other builds of the library, timed in the same loop
+        methods[f"fused@{name}"] = lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out, lib=lib)
+        methods[f"fused_int8@{name}"] = lambda lib=lib: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out,
+                                                                               lib=lib)
     for backend in backends:  # each composition on each attention library, the backend forced
         for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
                          ("flash_diff_2", reference.flash_diff_attention_2)):
@@ -152,6 +156,26 @@ def composition_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def builds_table(rows: list[dict], other_builds: dict) -> str:
+    names = list(other_builds)
+    head = "| dtype | d | causal | N | fused | " + " | ".join(f"fused@{n}" for n in names) + " | INT8 | " + \
+        " | ".join(f"INT8@{n}" for n in names) + " |"
+    lines = [head, "|---|---|---|---|" + "---|" * (2 + 2 * len(names))]
+    for row in rows:
+        t = row["timings"]
+
+        def cell(key, this):
+            if key not in t or this not in t:
+                return "-"
+            return f"{t[key]['ms']:.3f} ({t[key]['ms'] / t[this]['ms']:.2f}x)"
+        fused = f"{t['fused']['ms']:.3f}" if "fused" in t else "-"
+        int8 = f"{t['fused_int8']['ms']:.3f}" if "fused_int8" in t else "-"
+        lines.append(f"| {row['dtype']} | {row['d']} | {row['causal']} | {row['n']} | {fused} | "
+                     + " | ".join(cell(f"fused@{n}", "fused") for n in names) + f" | {int8} | "
+                     + " | ".join(cell(f"fused_int8@{n}", "fused_int8") for n in names) + " |")
+    return "\n".join(lines)
+
+
 def profile_launches(n: int) -> None:
     """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one
     (bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads)."""
@@ -181,6 +205,8 @@ def main() -> int:
     parser.add_argument("--backends", nargs="+", default=["default", *SDPA_BACKENDS],
                         help="attention libraries for the compositions: default and/or forced SDPA backends")
     parser.add_argument("--json", type=Path, help="also write the raw rows here")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="NAME=PATH",
+                        help="other builds of the kernel library, timed beside the current one (before/after)")
     parser.add_argument("--profile", type=int, metavar="N", help="only launch the fused kernel 4 times at N (for ncu)")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/BENCHMARKS.md")
     args = parser.parse_args()
@@ -191,6 +217,10 @@ def main() -> int:
         profile_launches(args.profile)
         return 0
     kernels.load_library()
+    other_builds = {}
+    for spec in args.compare:
+        name, _, path = spec.partition("=")
+        other_builds[name] = kernels.open_library(Path(path))
     peak = matmul_peak_tflops()
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", file=sys.stderr)
     rows = []
@@ -200,8 +230,10 @@ def main() -> int:
                 for n in args.seqs:
                     print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
                     rows.append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
-                                           args.backends))
+                                           args.backends, other_builds))
     text = table(rows, peak) + "\n\nAll compositions, median ms:\n\n" + composition_table(rows)
+    if other_builds:
+        text += "\n\nThis build vs the others, median ms (ratio = other / this):\n\n" + builds_table(rows, other_builds)
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))

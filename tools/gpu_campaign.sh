@@ -2,7 +2,7 @@
 # The GPU verification campaign (issue 16): build the kernel library for the GPU in hand, record
 # the machine, run the GPU tests, the sanitizers, the benchmark and one Nsight Compute profile.
 #
-#   tools/gpu_campaign.sh [--out DIR] PART...      PART: env build test sanitize bench profile all
+#   tools/gpu_campaign.sh [--out DIR] PART...      PART: env build variants test sanitize bench profile all
 #                                                   (PART+PART runs two parts at once)
 #
 # Made for the lent GPU machine: each part has its own time limit so that a call of at most
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 OUT_DIR="${OUT:-campaign-out}"
 if [[ "${1:-}" == "--out" ]]; then OUT_DIR="$2"; shift 2; fi
-[[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] env|build|test|sanitize|bench|profile|all ..." >&2; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] env|build|variants|test|sanitize|bench|profile|all ..." >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -62,6 +62,26 @@ part_build() {
   "$PY" -c "from diffexport import kernels; print(kernels.build_info())" | tee -a "$OUT_DIR/build.log"
 }
 
+# CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "d64x1:-DDIFFX_D64_MIN_BLOCKS=1"),
+# and the bench times each beside this checkout's build, with any CAMPAIGN_COMPARE="name=path"
+# (e.g. a carried build of the previous commit).
+part_variants() {
+  local spec name flags
+  for spec in ${CAMPAIGN_VARIANTS:-}; do
+    name="${spec%%:*}"; flags="${spec#*:}"
+    cmake -S . -B "$BUILD_DIR-$name" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
+      -DDIFFEXPORT_BUILD_EMULATOR=OFF -DCMAKE_CUDA_FLAGS="$flags" >> "$OUT_DIR/build.log" 2>&1 &&
+      cmake --build "$BUILD_DIR-$name" --parallel >> "$OUT_DIR/build.log" 2>&1 || return 1
+    echo "variant $name ($flags) built" | tee -a "$OUT_DIR/build.log"
+  done
+}
+
+compare_args() {
+  local spec list=(${CAMPAIGN_COMPARE:-})
+  for spec in ${CAMPAIGN_VARIANTS:-}; do list+=("${spec%%:*}=$PWD/$BUILD_DIR-${spec%%:*}/plugins/kernels/libdiffexport_kernels.so"); done
+  [[ ${#list[@]} -gt 0 ]] && echo "--compare ${list[*]}"
+}
+
 part_test() {
   # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
   timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rfEs -m gpu -n 6 \
@@ -86,7 +106,7 @@ part_sanitize() {
 }
 
 part_bench() {
-  timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_attention.py --json "$OUT_DIR/bench.json" ${BENCH_ARGS:-} \
+  timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_attention.py --json "$OUT_DIR/bench.json" ${BENCH_ARGS:-} $(compare_args) \
     > "$OUT_DIR/bench.md" 2>> "$OUT_DIR/campaign.log"
   local rc=$?
   cat "$OUT_DIR/bench.md"
@@ -99,6 +119,19 @@ part_profile() {
     --launch-count 1 -f -o "$OUT_DIR/profile" "$PY" tools/bench_attention.py --profile 4096 \
     > "$OUT_DIR/profile.txt" 2>&1 || { tail -20 "$OUT_DIR/profile.txt"; return 1; }
   ncu --import "$OUT_DIR/profile.ncu-rep" --page details >> "$OUT_DIR/profile.txt" 2>&1
+  # What limits it: tensor-pipe activity, issue slots, stall reasons, shared-memory conflicts.
+  ncu --import "$OUT_DIR/profile.ncu-rep" --page raw 2>&1 | grep -E "$PROFILE_METRICS" > "$OUT_DIR/profile.metrics"
+  { echo "--- selected raw metrics"; cat "$OUT_DIR/profile.metrics"; } >> "$OUT_DIR/profile.txt"
+  rm -f "$OUT_DIR/profile.metrics"
+  local spec name path
+  for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
+    name="${spec%%=*}"; path="${spec#*=}"
+    DIFFEXPORT_KERNEL_LIB="$path" timeout 120 ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
+      --launch-skip 3 --launch-count 1 -f -o "/tmp/profile-$name" "$PY" tools/bench_attention.py --profile 4096 \
+      > /dev/null 2>&1 || continue
+    { echo "--- selected raw metrics, build $name"; ncu --import "/tmp/profile-$name.ncu-rep" --page raw 2>&1 |
+        grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+  done
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Warp Cycles Per Issued" \
     "$OUT_DIR/profile.txt" | head -20
 }
@@ -109,8 +142,10 @@ run_part() {
 }
 
 # PART1+PART2 runs both at once (e.g. test+sanitize: neither is timed); anything timed runs alone.
+PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_issue_active|issue_active.avg.pct|bank_conflicts_pipe_lsu_mem_shared_op_(ld|st).sum |registers_per_thread|warps_active.avg.pct|inst_executed_pipe_[a-z_]+.avg.pct|smsp__inst_executed.sum "
+
 parts=("$@")
-[[ " ${parts[*]} " == *" all "* ]] && parts=(env build test+sanitize bench profile)
+[[ " ${parts[*]} " == *" all "* ]] && parts=(env build variants test+sanitize bench profile)
 for group in "${parts[@]}"; do
   IFS=+ read -r -a members <<< "$group"
   pids=()

@@ -35,7 +35,10 @@ struct TileConfig {
   static constexpr int kKTileBytes = kBlockN * D * (INT8 ? 1 : int(sizeof(T)));
   static constexpr int kVTileBytes = kBlockN * DV * int(sizeof(T));
   static constexpr int kMainBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + kKeyTiles * kKTileBytes + kVTileBytes;
-  static constexpr int kScratchStride = DV + 4;  // floats per row of the epilogue scratch (padding: fewer bank conflicts)
+  // Floats per row of the epilogue scratch. Rows are written and read as float2 by a warp's 8 row
+  // groups x 4 column pairs; a stride of 8 (mod 32) words puts each half-warp's 16 float2 in 16
+  // distinct bank pairs (DV + 4 gave 4-way conflicts, seen in Nsight Compute on H100).
+  static constexpr int kScratchStride = DV + 8;
   static constexpr int kScratchBytes = kBlockM * kScratchStride * int(sizeof(float));
   static constexpr int kSmemBytes = kMainBytes > kScratchBytes ? kMainBytes : kScratchBytes;
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
@@ -44,16 +47,23 @@ struct TileConfig {
 
 // Copies a ROWS x ROW_BYTES tile (global row r at gmem + r*row_stride_bytes) into a swizzled
 // shared tile; rows >= valid_rows are zero-filled and never read from global memory.
+// Each thread owns one 16-byte column chunk and every kRowStep-th row: a fixed trip count, and
+// since kRowStep is a multiple of 8 the swizzle (row & 7) is the same for all of a thread's rows,
+// so the shared offset is one base plus a constant step (no per-chunk division or swizzle).
 template <int ROWS, int ROW_BYTES>
 __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, int64_t row_stride_bytes,
                                                 int valid_rows, int tid) {
   constexpr int kChunks = ROW_BYTES / 16;
+  static_assert(kThreads % kChunks == 0, "a thread keeps one chunk column");
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kRowStep % 8 == 0 && ROWS % kRowStep == 0, "fixed trip count, one swizzle per thread");
+  const int row0 = tid / kChunks, chunk = tid % kChunks;
+  char* dst = smem + swizzled_chunk<kChunks>(row0, chunk) * 16;
+  const char* src = gmem + row0 * row_stride_bytes + chunk * 16;
 #pragma unroll
-  for (int c = tid; c < ROWS * kChunks; c += kThreads) {
-    const int row = c / kChunks, chunk = c % kChunks;
-    const bool valid = row < valid_rows;
-    const char* src = valid ? gmem + row * row_stride_bytes + chunk * 16 : gmem;
-    cp_async_16(smem + swizzled_chunk<kChunks>(row, chunk) * 16, src, valid);
+  for (int i = 0; i < ROWS / kRowStep; ++i) {
+    const bool valid = row0 + i * kRowStep < valid_rows;
+    cp_async_16(dst + i * kRowStep * ROW_BYTES, valid ? src + i * kRowStep * row_stride_bytes : gmem, valid);
   }
 }
 
@@ -97,8 +107,26 @@ __device__ float quantise_q_tile(const char* q_tile, char* q8_tile, int qmax, fl
   return amax / float(qmax);
 }
 
+// Head dim 64 fits two CTAs per SM (at most 128 registers a thread, under half the shared
+// memory), which hides one CTA's barriers and epilogue behind the other's matrix work; head dim
+// 128 needs its registers (a 16 x 2D fp32 accumulator a warp) and stays at one.
+#ifndef DIFFX_D64_MIN_BLOCKS  // build knob, so a campaign can time both settings side by side
+#define DIFFX_D64_MIN_BLOCKS 2
+#endif
+template <int D>
+constexpr int kMinBlocksPerSM = D == 64 ? DIFFX_D64_MIN_BLOCKS : 1;
+
+// Grid: x = diff-head, y = batch element, z = query block counted from the last one. CTAs start
+// in x, y, z order, so the last query blocks of every head (under a causal mask, the ones that
+// see the most keys) start first and the short ones fill the tail of the launch.
+inline void attention_grid(const DiffxAttentionParams& p, unsigned (&dims)[3]) {
+  dims[0] = unsigned(p.num_heads);
+  dims[1] = unsigned(p.batch);
+  dims[2] = unsigned((p.q_len + kBlockM - 1) / kBlockM);
+}
+
 template <typename T, int D, int DV, bool INT8>
-__global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const KernelArgs args) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM<D>) diff_attention_fwd_kernel(const KernelArgs args) {
   using Cfg = TileConfig<T, D, DV, INT8>;
   constexpr int kSTiles = kBlockN / 8;  // n-tiles of the 16 x 64 score tile of a warp
   constexpr int kOTiles = DV / 8;       // n-tiles of the 16 x DV output accumulator of a warp
@@ -110,7 +138,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
   const int map = warp / kWarpsPerMap;             // 0: map 1, 1: map 2 (warp-uniform)
   const int wrow = (warp % kWarpsPerMap) * 16;     // this warp's first row in the query block
   const int gq = lane >> 2, tq = lane & 3;         // mma fragment coordinates (row group, column pair)
-  const int m_start = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
+  const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
+  const int m_start = (m_blocks - 1 - int(blockIdx.z)) * kBlockM, h = blockIdx.x, b = blockIdx.y;
   const int g = h / (p.num_heads / p.num_kv_heads);
   const int q_rows = min(kBlockM, p.q_len - m_start);
   const int64_t esz = sizeof(T);
@@ -166,6 +195,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
     q_scale = quantise_q_tile<T, D>(sQ + map * Cfg::kQTileBytes, sQ8 + map * Cfg::kQ8TileBytes, args.qmax, reduce,
                                     tid, map);
   }
+  // Logits stay in raw units (the running max too); the logit scale, in log2 units, is folded
+  // into the one FFMA before ex2: p = 2^(s*c - max*c).
   const float scale_log2 = args.scale * kLog2e;
   const int key_head = Cfg::kV1 ? 2 * g + map : g;
 
@@ -207,12 +238,13 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
           mma_16832_s8(si[2 * np + 1], a, bf[2], bf[3]);
         }
       }
-      // Dequantise as the reference does: fp32(integer sum) * (scale_q * scale_k), then the logit scale.
+      // Dequantise as the reference does: fp32(integer sum) * (scale_q * scale_k); the logit
+      // scale comes with the softmax's FFMA.
       const float qk_scale = q_scale * args.k_scales[(int64_t(b) * args.key_maps + key_head) * args.n_kv_blocks + nb];
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][e] = (__int2float_rn(si[i][e]) * qk_scale) * scale_log2;
+        for (int e = 0; e < 4; ++e) s[i][e] = __int2float_rn(si[i][e]) * qk_scale;
     } else {
       constexpr int kChunks = D / 8;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
@@ -231,10 +263,6 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
           mma_16816(s[2 * np + 1], a, bf[2], bf[3], T());
         }
       }
-#pragma unroll
-      for (int i = 0; i < kSTiles; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][e] *= scale_log2;
     }
 
     // Mask keys past the end, for causal keys after the bottom-right diagonal, and padding keys.
@@ -262,6 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
     }
 
     // Online softmax update of this map's state (rows gq and gq + 8 of the warp).
+    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = row_max[r];
@@ -269,21 +298,28 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
       for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_use = (mx == -INFINITY) ? 0.f : mx;  // a row with nothing visible yet stays at 0
-      const float alpha = exp2f(row_max[r] - m_use);
+      // A max that did not grow rescales by exactly 1; a row with nothing visible yet stays at 0.
+      alpha[r] = mx == row_max[r] ? 1.f : fast_exp2((row_max[r] - mx) * scale_log2);
+      const float neg_max = (mx == -INFINITY) ? 0.f : -mx * scale_log2;
       row_max[r] = mx;
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i) {
-        s[i][2 * r] = exp2f(s[i][2 * r] - m_use);
-        s[i][2 * r + 1] = exp2f(s[i][2 * r + 1] - m_use);
+        s[i][2 * r] = fast_exp2(fmaf(s[i][2 * r], scale_log2, neg_max));
+        s[i][2 * r + 1] = fast_exp2(fmaf(s[i][2 * r + 1], scale_log2, neg_max));
         sum += s[i][2 * r] + s[i][2 * r + 1];
       }
-      row_sum[r] = row_sum[r] * alpha + sum;
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+    // Once the running maxima settle most tiles leave every row's max in place: the 16 x DV
+    // accumulator rescale (the bulk of the loop's FP32 work) is skipped when the whole warp agrees.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int i = 0; i < kOTiles; ++i) {
-        acc_o[i][2 * r] *= alpha;
-        acc_o[i][2 * r + 1] *= alpha;
+        acc_o[i][0] *= alpha[0];
+        acc_o[i][1] *= alpha[0];
+        acc_o[i][2] *= alpha[1];
+        acc_o[i][3] *= alpha[1];
       }
     }
 
@@ -323,9 +359,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
 #pragma unroll
     for (int i = 0; i < kOTiles; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = wrow + gq + (e >> 1) * 8, col = i * 8 + tq * 2 + (e & 1);
-        scratch[row * Cfg::kScratchStride + col] = acc_o[i][e] * inv_l[e >> 1];
+      for (int r = 0; r < 2; ++r) {
+        const int row = wrow + gq + r * 8, col = i * 8 + tq * 2;
+        *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + col) =
+            make_float2(acc_o[i][2 * r] * inv_l[r], acc_o[i][2 * r + 1] * inv_l[r]);
       }
   }
   __syncthreads();
@@ -343,13 +380,14 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_fwd_kernel(const K
       }
       float sumsq = 0.f;
 #pragma unroll
-      for (int i = 0; i < kOTiles; ++i)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float o = acc_o[i][2 * r + c] * inv_l[r] - lam * scratch[row * Cfg::kScratchStride + i * 8 + tq * 2 + c];
-          acc_o[i][2 * r + c] = o;
-          sumsq += o * o;
-        }
+      for (int i = 0; i < kOTiles; ++i) {
+        const float2 o2 = *reinterpret_cast<const float2*>(scratch + row * Cfg::kScratchStride + i * 8 + tq * 2);
+        const float o0 = acc_o[i][2 * r] * inv_l[r] - lam * o2.x;
+        const float o1 = acc_o[i][2 * r + 1] * inv_l[r] - lam * o2.y;
+        acc_o[i][2 * r] = o0;
+        acc_o[i][2 * r + 1] = o1;
+        sumsq += o0 * o0 + o1 * o1;
+      }
       sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
       sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
       const float rms = p.norm ? rsqrtf(sumsq / float(DV) + p.norm_eps) : 1.f;
@@ -374,8 +412,9 @@ cudaError_t launch_diff_attention(const KernelArgs& args, cudaStream_t stream) {
   const auto kernel = diff_attention_fwd_kernel<T, D, DV, INT8>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid((args.p.q_len + kBlockM - 1) / kBlockM, args.p.num_heads, args.p.batch);
-  kernel<<<grid, kThreads, Cfg::kSmemBytes, stream>>>(args);
+  unsigned dims[3];
+  attention_grid(args.p, dims);
+  kernel<<<dim3(dims[0], dims[1], dims[2]), kThreads, Cfg::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -9,6 +9,9 @@
 
 namespace diffx {
 
+// K-smoothing sums keys in chunks of this many tokens, one CTA each (then a fixed-order total).
+constexpr int kKeySumChunk = 1024;
+
 // Launch arguments resolved on the host from DiffxAttentionParams.
 struct KernelArgs {
   DiffxAttentionParams p;
@@ -19,14 +22,15 @@ struct KernelArgs {
   int qmax;               // 2^(logit_bits-1) - 1 for the INT8 variant
   const int8_t* k_codes;  // [B*key_maps, kv_pad, D] (workspace), null unless INT8
   const float* k_scales;  // [B*key_maps, n_kv_blocks]
-  const float* k_mean;    // [B*key_maps, D] or null (no K-smoothing)
+  const float* k_sums;    // [B*key_maps, key chunks, D] partial K sums, or null (no K-smoothing)
+  int n_key_chunks;       // kv_len in chunks of kKeySumChunk tokens (the sums' middle dimension)
 };
 
 struct WorkspaceLayout {
   // float32 I/O: fp16 copies of the inputs and the output (byte offsets; all 0 otherwise)
   size_t query16 = 0, key16 = 0, value16 = 0, lambda16 = 0, output16 = 0;
   size_t int8_base = 0;  // where the INT8 part starts; the offsets below are relative to it
-  size_t codes = 0, scales = 0, mean = 0;
+  size_t codes = 0, scales = 0, sums = 0;
   size_t total = 0;      // bytes of the whole workspace
 };
 

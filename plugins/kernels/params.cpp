@@ -43,8 +43,9 @@ WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
     const size_t blocks = (size_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
     w.codes = 0;
     w.scales = round_up(maps * blocks * DIFFX_KEY_BLOCK * p.head_dim, kAlign);
-    w.mean = w.scales + round_up(maps * blocks * sizeof(float), kAlign);
-    offset += w.mean + (p.smooth_k ? round_up(maps * p.head_dim * sizeof(float), kAlign) : 0);
+    const size_t chunks = (size_t(p.kv_len) + kKeySumChunk - 1) / kKeySumChunk;
+    w.sums = w.scales + round_up(maps * blocks * sizeof(float), kAlign);
+    offset += w.sums + (p.smooth_k ? round_up(maps * chunks * p.head_dim * sizeof(float), kAlign) : 0);
   }
   w.total = offset;
   return w;
@@ -100,7 +101,8 @@ int check_params(const DiffxAttentionParams* pp) {
     return record_error(DIFFX_ERR_UNSUPPORTED_HEAD_DIM, "head_dim %d is not supported by the fused kernel: use 64 or 128",
                 p.head_dim);
   if (p.batch < 1 || p.batch > 65535) return record_error(DIFFX_ERR_BAD_SIZE, "batch %d must be in 1..65535", p.batch);
-  if (p.q_len < 1) return record_error(DIFFX_ERR_BAD_SIZE, "q_len %d must be >= 1", p.q_len);
+  if (p.q_len < 1 || p.q_len > 65535 * DIFFX_QUERY_BLOCK)  // query blocks are the grid's z (at most 65535)
+    return record_error(DIFFX_ERR_BAD_SIZE, "q_len %d must be in 1..%d", p.q_len, 65535 * DIFFX_QUERY_BLOCK);
   if (p.kv_len < 1) return record_error(DIFFX_ERR_BAD_SIZE, "kv_len %d must be >= 1", p.kv_len);
   if (p.num_heads < 1 || p.num_heads > 65535)
     return record_error(DIFFX_ERR_BAD_HEADS, "num_heads %d must be in 1..65535", p.num_heads);
@@ -109,6 +111,8 @@ int check_params(const DiffxAttentionParams* pp) {
                 p.num_heads);
   if (p.causal != 0 && p.causal != 1) return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "causal %d must be 0 or 1", p.causal);
   if (p.norm != 0 && p.norm != 1) return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "norm %d must be 0 or 1", p.norm);
+  if (p.variant == 2 && p.norm)  // as the contract: DIFF V2 has no per-head norm
+    return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "variant 2 (DIFF V2) has no per-head norm: set norm=0");
   if (p.smooth_k != 0 && p.smooth_k != 1)
     return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "smooth_k %d must be 0 or 1", p.smooth_k);
   if (!std::isfinite(p.scale) || p.scale < 0.f)
@@ -181,7 +185,8 @@ KernelArgs make_kernel_args(const DiffxAttentionParams& p) {
     args.qmax = (1 << (p.logit_bits - 1)) - 1;
     args.k_codes = reinterpret_cast<const int8_t*>(base + w.codes);
     args.k_scales = reinterpret_cast<const float*>(base + w.scales);
-    args.k_mean = p.smooth_k ? reinterpret_cast<const float*>(base + w.mean) : nullptr;
+    args.k_sums = p.smooth_k ? reinterpret_cast<const float*>(base + w.sums) : nullptr;
+    args.n_key_chunks = (p.kv_len + kKeySumChunk - 1) / kKeySumChunk;
   }
   return args;
 }

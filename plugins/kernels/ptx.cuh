@@ -77,6 +77,14 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
 }
+// 2^x on the special-function unit (MUFU.EX2) without exp2f's subnormal handling: the
+// arguments here are logits minus their running max (<= 0), results below 2^-126 flush to 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 

@@ -1,4 +1,4 @@
-// INT8-logits pre-pass: K-smoothing mean and per-tile K quantisation, exactly as
+// INT8-logits pre-pass: K-smoothing mean (chunked sums, then their total) and per-tile K quantisation, exactly as
 // diffexport/quantization.py defines them (scheme "qk"). Q is quantised inside the attention
 // kernel (one query block per CTA); K is quantised once here because every query block reads it.
 #pragma once
@@ -9,24 +9,27 @@ namespace diffx {
 
 constexpr int kQuantThreads = 256;
 
-// mean[bm, d] = mean over all kv_len tokens of K[b, :, km*D + d] (bm = b*key_maps + km), fp32.
-// Deterministic: fixed per-thread token strides and a fixed reduction order.
+// sums[bm, c, d] = sum of K[b, t, km*D + d] over the tokens t of chunk c (kKeySumChunk tokens),
+// fp32, one CTA per (chunk, bm): every SM takes part, where one CTA per map walking all kv_len
+// keys left most of the GPU idle. Deterministic: fixed per-thread token strides and a fixed
+// reduction order (the quantisation kernel adds the chunks in order).
 template <typename T, int D>
-__global__ void __launch_bounds__(kQuantThreads) key_mean_kernel(const KernelArgs args, float* mean) {
+__global__ void __launch_bounds__(kQuantThreads) key_sum_kernel(const KernelArgs args, float* sums) {
   constexpr int kLanes = kQuantThreads / D;
   DIFFX_SHARED_ARRAY(float, partial, kQuantThreads);
   const DiffxAttentionParams& p = args.p;
-  const int bm = blockIdx.x, b = bm / args.key_maps, km = bm % args.key_maps;
+  const int chunk = blockIdx.x, bm = blockIdx.y, b = bm / args.key_maps, km = bm % args.key_maps;
   const int d = threadIdx.x % D, lane = threadIdx.x / D;
+  const int t_end = min(p.kv_len, (chunk + 1) * kKeySumChunk);
   const T* column = static_cast<const T*>(p.key) + b * p.k_batch_stride + km * D + d;
   float sum = 0.f;
-  for (int t = lane; t < p.kv_len; t += kLanes) sum += to_float(column[int64_t(t) * p.k_row_stride]);
+  for (int t = chunk * kKeySumChunk + lane; t < t_end; t += kLanes) sum += to_float(column[int64_t(t) * p.k_row_stride]);
   partial[threadIdx.x] = sum;
   __syncthreads();
   if (lane == 0) {
     float total = 0.f;
     for (int l = 0; l < kLanes; ++l) total += partial[l * D + d];
-    mean[bm * D + d] = total / float(p.kv_len);
+    sums[(int64_t(bm) * args.n_key_chunks + chunk) * D + d] = total;
   }
 }
 
@@ -35,11 +38,22 @@ __global__ void __launch_bounds__(kQuantThreads) key_mean_kernel(const KernelArg
 template <typename T, int D>
 __global__ void __launch_bounds__(kQuantThreads) key_quantise_kernel(const KernelArgs args) {
   DIFFX_SHARED_ARRAY(float, reduce, kQuantThreads / 32);
+  DIFFX_SHARED_ARRAY(float, mean_s, D);
   const DiffxAttentionParams& p = args.p;
   const int blk = blockIdx.x, bm = blockIdx.y, b = bm / args.key_maps, km = bm % args.key_maps;
   const int t0 = blk * kBlockN;
   const T* base = static_cast<const T*>(p.key) + b * p.k_batch_stride + km * D;
-  const float* mean = args.k_mean ? args.k_mean + bm * D : nullptr;
+  const float* mean = nullptr;
+  if (args.k_sums) {  // the chunks' sums added in chunk order: the same mean in every CTA
+    if (threadIdx.x < D) {
+      const float* sums = args.k_sums + int64_t(bm) * args.n_key_chunks * D + threadIdx.x;
+      float total = 0.f;
+      for (int c = 0; c < args.n_key_chunks; ++c) total += sums[int64_t(c) * D];
+      mean_s[threadIdx.x] = total / float(p.kv_len);
+    }
+    __syncthreads();
+    mean = mean_s;
+  }
   auto smoothed = [&](int i) {
     const int t = t0 + i / D, d = i % D;
     return to_float(base[int64_t(t) * p.k_row_stride + d]) - (mean ? mean[d] : 0.f);
@@ -67,8 +81,8 @@ __global__ void __launch_bounds__(kQuantThreads) key_quantise_kernel(const Kerne
 template <typename T, int D>
 cudaError_t launch_key_quantisation(const KernelArgs& args, cudaStream_t stream) {
   const int maps = args.p.batch * args.key_maps;
-  if (args.k_mean) {
-    key_mean_kernel<T, D><<<maps, kQuantThreads, 0, stream>>>(args, const_cast<float*>(args.k_mean));
+  if (args.k_sums) {
+    key_sum_kernel<T, D><<<dim3(args.n_key_chunks, maps), kQuantThreads, 0, stream>>>(args, const_cast<float*>(args.k_sums));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

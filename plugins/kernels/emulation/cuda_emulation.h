@@ -33,6 +33,10 @@ struct uint2 {
   uint32_t x, y;
 };
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+struct float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
 
 using std::max;
 using std::min;
@@ -128,6 +132,18 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   std::memcpy(&other, &w.words[l ^ lane_mask][0], 4);
   w.sync.arrive_and_wait();
   return other;
+}
+
+// Warp vote: true in every lane when the predicate holds in any lane (all 32 lanes take part here).
+inline bool __any_sync(unsigned, bool predicate) {
+  diffx_emu::Warp& w = diffx_emu::warp();
+  const int l = diffx_emu::lane();
+  w.words[l][0] = predicate ? 1u : 0u;
+  w.sync.arrive_and_wait();
+  bool any = false;
+  for (int i = 0; i < 32; ++i) any = any || w.words[i][0] != 0u;
+  w.sync.arrive_and_wait();
+  return any;
 }
 
 inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // default rounding: half to even
@@ -256,6 +272,11 @@ inline uint32_t pack2(float lo, float hi, __half) {
 }
 inline uint32_t pack2(float lo, float hi, __nv_bfloat16) {
   return uint32_t(diffx_emu::float_to_bf16(lo)) | (uint32_t(diffx_emu::float_to_bf16(hi)) << 16);
+}
+// ex2.approx.ftz: the GPU's result is within 2 ulp of 2^x and flushes subnormals; exact 2^x here.
+inline float fast_exp2(float x) {
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
 }
 inline float to_float(__half x) { return diffx_emu::half_to_float(x.bits); }
 inline __half __float2half_rn(float v) { return __half{diffx_emu::float_to_half(v)}; }

@@ -39,8 +39,9 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_by
 template <typename T, int D, int DV, bool INT8>
 void run_attention(const diffx::KernelArgs& args) {
   using Cfg = diffx::TileConfig<T, D, DV, INT8>;
-  const unsigned gx = (args.p.q_len + diffx::kBlockM - 1) / diffx::kBlockM;
-  run_grid(gx, args.p.num_heads, args.p.batch, diffx::kThreads, Cfg::kSmemBytes,
+  unsigned dims[3];
+  diffx::attention_grid(args.p, dims);
+  run_grid(dims[0], dims[1], dims[2], diffx::kThreads, Cfg::kSmemBytes,
            [&] { diffx::diff_attention_fwd_kernel<T, D, DV, INT8>(args); });
 }
 
@@ -49,9 +50,9 @@ void run_head_dim(const diffx::KernelArgs& args) {
   const bool v1 = args.p.variant == 1;
   if (args.k_codes) {
     const unsigned maps = args.p.batch * args.key_maps;
-    if (args.k_mean)
-      run_grid(maps, 1, 1, diffx::kQuantThreads, 0,
-               [&] { diffx::key_mean_kernel<T, D>(args, const_cast<float*>(args.k_mean)); });
+    if (args.k_sums)
+      run_grid(args.n_key_chunks, maps, 1, diffx::kQuantThreads, 0,
+               [&] { diffx::key_sum_kernel<T, D>(args, const_cast<float*>(args.k_sums)); });
     // key_quantise_kernel reads blockIdx.x (tile) and blockIdx.y (map)
     run_grid(args.n_kv_blocks, maps, 1, diffx::kQuantThreads, 0, [&] { diffx::key_quantise_kernel<T, D>(args); });
     v1 ? run_attention<T, D, 2 * D, true>(args) : run_attention<T, D, D, true>(args);
