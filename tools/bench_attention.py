@@ -156,8 +156,7 @@ def composition_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def builds_table(rows: list[dict], other_builds: dict) -> str:
-    names = list(other_builds)
+def builds_table(rows: list[dict], names: list[str]) -> str:
     head = "| dtype | d | causal | N | fused | " + " | ".join(f"fused@{n}" for n in names) + " | INT8 | " + \
         " | ".join(f"INT8@{n}" for n in names) + " |"
     lines = [head, "|---|---|---|---|" + "---|" * (2 + 2 * len(names))]
@@ -193,6 +192,27 @@ def profile_launches(n: int) -> None:
     torch.cuda.synchronize()
 
 
+def publish(record: dict, other_builds, write: bool) -> None:
+    """Print the tables of a run and, with write, replace the section of docs/BENCHMARKS.md."""
+    rows, peak = record["rows"], record["peak_tflops"]
+    text = table(rows, peak) + "\n\nAll compositions, median ms:\n\n" + composition_table(rows)
+    if other_builds:
+        text += ("\n\nThis build vs the others, median ms (ratio = other / this):\n\n"
+                 + builds_table(rows, list(other_builds)))
+    print(text)
+    if not write:
+        return
+    body = (f"## Fused differential attention on the GPU (DIFF V1, forward)\n\n`{record['command']}`\n\n"
+            f"{record['stamp']} Measured bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s. "
+            f"Cells: median ms (TFLOP/s on 12*N^2*d per diff-head, halved for causal), {record['repeats']} runs "
+            f"after {record['warmup']} warm-up. Compositions: FlashDiffAttn_1/_2 on the default attention library "
+            f"(`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(record['backends'])}), "
+            "and the naive form where it fits; 'best' is the fastest of them in this run. INT8 = 8-bit logits "
+            "with K-smoothing, including the K quantisation pre-pass; its cosine is against the fused fp output "
+            "on the same inputs.\n\n" + text + "\n")
+    print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
@@ -208,8 +228,14 @@ def main() -> int:
     parser.add_argument("--compare", nargs="*", default=[], metavar="NAME=PATH",
                         help="other builds of the kernel library, timed beside the current one (before/after)")
     parser.add_argument("--profile", type=int, metavar="N", help="only launch the fused kernel 4 times at N (for ncu)")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="print (or --write) the tables of a saved --json run")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/BENCHMARKS.md")
     args = parser.parse_args()
+    if args.render:  # a run saved on the GPU machine: its own stamp and command, no GPU needed here
+        record = json.loads(args.render.read_text())
+        publish(record, {name.split("@", 1)[1] for row in record["rows"] for name in row["timings"] if "@" in name},
+                args.write)
+        return 0
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -231,21 +257,12 @@ def main() -> int:
                     print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
                     rows.append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
                                            args.backends, other_builds))
-    text = table(rows, peak) + "\n\nAll compositions, median ms:\n\n" + composition_table(rows)
-    if other_builds:
-        text += "\n\nThis build vs the others, median ms (ratio = other / this):\n\n" + builds_table(rows, other_builds)
-    print(text)
+    record = {"peak_tflops": peak, "rows": rows, "stamp": benchdoc.stamp(),
+              "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
+              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends}
     if args.json:
-        args.json.write_text(json.dumps({"peak_tflops": peak, "rows": rows}, indent=1))
-    if args.write:
-        command = "python tools/bench_attention.py " + " ".join(sys.argv[1:])
-        body = (f"## Fused differential attention on the GPU (DIFF V1, forward)\n\n`{command}`\n\n"
-                f"{benchdoc.stamp()} Measured bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s. "
-                f"Cells: median ms (TFLOP/s on 12*N^2*d per diff-head, halved for causal), {args.repeats} runs "
-                f"after {args.warmup} warm-up. Compositions: FlashDiffAttn_1/_2 on the default attention library (`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(args.backends)}), and the naive form where it fits; 'best' is the fastest of them in this run. INT8 = 8-bit "
-                "logits with K-smoothing, including the K quantisation pre-pass; its cosine is against the "
-                "fused fp output on the same inputs.\n\n" + text + "\n")
-        print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)
+        args.json.write_text(json.dumps(record, indent=1))
+    publish(record, other_builds, args.write)
     return 0
 
 

@@ -107,11 +107,13 @@ __device__ float quantise_q_tile(const char* q_tile, char* q8_tile, int qmax, fl
   return amax / float(qmax);
 }
 
-// Head dim 64 fits two CTAs per SM (at most 128 registers a thread, under half the shared
-// memory), which hides one CTA's barriers and epilogue behind the other's matrix work; head dim
-// 128 needs its registers (a 16 x 2D fp32 accumulator a warp) and stays at one.
-#ifndef DIFFX_D64_MIN_BLOCKS  // build knob, so a campaign can time both settings side by side
-#define DIFFX_D64_MIN_BLOCKS 2
+// Head dim 64 could run two CTAs per SM (at most 128 registers a thread, under half the shared
+// memory), hiding one CTA's barriers and epilogue behind the other's matrix work. Under that cap
+// ptxas spills (V1 fp: 208-byte stack frame for sm_90a), so the default stays at one CTA until a
+// GPU run times both: build with -DDIFFX_D64_MIN_BLOCKS=2 (tools/gpu_campaign.sh variants).
+// Head dim 128 needs its registers (a 16 x 2D fp32 accumulator a warp) and stays at one.
+#ifndef DIFFX_D64_MIN_BLOCKS
+#define DIFFX_D64_MIN_BLOCKS 1
 #endif
 template <int D>
 constexpr int kMinBlocksPerSM = D == 64 ? DIFFX_D64_MIN_BLOCKS : 1;
