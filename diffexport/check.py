@@ -34,6 +34,14 @@ class CheckOptions:
     provider: str = "auto"
     seed: int = 0
     save_dir: Path | None = None  # default: <model>.check/ beside the model
+    atol: float | None = None  # user bounds (polygraphy's elementwise rule) instead of the dtype rule
+    rtol: float | None = None
+
+    @property
+    def user_bounds(self) -> tuple[float, float] | None:
+        if self.atol is None and self.rtol is None:
+            return None
+        return (self.atol or 0.0, self.rtol or 0.0)
 
 
 @dataclasses.dataclass
@@ -161,7 +169,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
         None if ref32 is None else (lambda ids: _run_eager(ref32, ids, device, outputs)))
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
     return _finish(runner, options.save_dir or onnx_path.with_suffix(".check"), feeds, saved, comparisons, lines,
-                   outputs, dtype)
+                   outputs, dtype, user_bounds=options.user_bounds)
 
 
 def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None):
@@ -178,7 +186,7 @@ def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, 
         saved.append(ref)
         for name in outputs:
             c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
-                                   baseline=None if eager_ref is None else base[name])
+                                   baseline=None if eager_ref is None else base[name], user_bounds=options.user_bounds)
             comparisons.append((name, c))
             lines.append(c.line())
             if note is not None:
@@ -187,17 +195,21 @@ def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, 
 
 
 def _finish(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines, outputs, dtype,
-            other_failures: tuple[str, ...] = ()) -> CheckReport:
+            other_failures: tuple[str, ...] = (), user_bounds: tuple[float, float] | None = None) -> CheckReport:
     """Save the polygraphy JSON files and build the report: verdict and the `polygraphy run` command.
     other_failures: checks besides the comparisons that failed (named in the verdict)."""
     inputs_path, outputs_path = _save_polygraphy(save_dir, feeds, saved, dtype)
-    atols = []
-    for name in outputs:
-        ref_max = max(float(np.abs(r[name]).max()) for r in saved)
-        atol = tolerances.elementwise_atol([c for n, c in comparisons if n == name], dtype, ref_max)
-        atols.append(f"{name}:{atol:.3g}")
+    if user_bounds is not None:
+        bounds = ["--atol", f"{user_bounds[0]:g}", "--rtol", f"{user_bounds[1]:g}"]
+    else:
+        atols = []
+        for name in outputs:
+            ref_max = max(float(np.abs(r[name]).max()) for r in saved)
+            atol = tolerances.elementwise_atol([c for n, c in comparisons if n == name], dtype, ref_max)
+            atols.append(f"{name}:{atol:.3g}")
+        bounds = ["--atol", *atols, "--rtol", "0"]
     command = " ".join([*runner, "--load-inputs", shlex.quote(str(inputs_path)),
-                        "--load-outputs", shlex.quote(str(outputs_path)), "--atol", *atols, "--rtol", "0"])
+                        "--load-outputs", shlex.quote(str(outputs_path)), *bounds])
     passed = all(c.passed for _, c in comparisons) and not other_failures
     also = f"; failed: {', '.join(other_failures)}" if other_failures else ""
     lines.append(f"result        {'PASS' if passed else 'FAIL'}: {sum(c.passed for _, c in comparisons)}/"
@@ -261,7 +273,7 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     plugin = ["--plugins", shlex.quote(record["plugin_lib"])] if record.get("plugin_lib") else []
     runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
     return _finish(runner, options.save_dir or engine_path.with_suffix(".check"), feeds, saved, comparisons, lines,
-                   outputs, dtype)
+                   outputs, dtype, user_bounds=options.user_bounds)
 
 
 # ---------------------------------------------------------------- KV-cache decoder folders
@@ -330,7 +342,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
         present = step_mask[:, -step_ids.shape[1]:].numpy().astype(bool)
         label = "prefill" if step == 0 else f"step {step}"
         c = tolerances.compare(f"logits {label}", logits[present], ref_np[present], dtype,
-                               baseline=None if ref32 is None else base_np[present])
+                               baseline=None if ref32 is None else base_np[present], user_bounds=options.user_bounds)
         comparisons.append(("logits", c))
         if worst is None or c.max_abs / max(c.bound, 1e-30) > worst.max_abs / max(worst.bound, 1e-30):
             worst = c
@@ -363,4 +375,4 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok)
     return _finish(runner_cmd, options.save_dir or folder.with_name(folder.name + ".check"), feeds, saved,
-                   comparisons, lines, ["logits"], dtype, failures)
+                   comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)

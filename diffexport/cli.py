@@ -179,6 +179,7 @@ def cmd_demo(args) -> int:
 
     Prints the model summary, the op-vs-Eq.-1 self-check, the export summary and the check report.
     """
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -190,14 +191,24 @@ def cmd_demo(args) -> int:
     print(describe(loaded))
     op_ok, op_report = self_check(loaded.model, seed=args.seed)  # the op vs eager Eq. 1, before exporting it
     print(op_report)
-    out_dir = Path(args.out_dir) if args.out_dir else Path(tempfile.mkdtemp(prefix="diffexport-demo-"))
+    temporary = args.out_dir is None
+    out_dir = Path(tempfile.mkdtemp(prefix="diffexport-demo-")) if temporary else Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(), log=_log)
-    print(summary.report())
-    report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=_log)
-    print(report.text())
-    kv_ok = _demo_generation(loaded, out_dir, args.seed)
-    return 0 if report.passed and op_ok and kv_ok else 1
+    passed = False
+    try:
+        summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(), log=_log)
+        print(summary.report())
+        report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=_log)
+        print(report.text())
+        kv_ok = _demo_generation(loaded, out_dir, args.seed)
+        passed = report.passed and op_ok and kv_ok
+    finally:
+        if temporary and passed:  # nothing worth keeping: the files were only the demo's means
+            shutil.rmtree(out_dir, ignore_errors=True)
+            _log(f"removed       {out_dir} (the demo's temporary files; --out-dir DIR keeps them)")
+        elif temporary:
+            _log(f"kept          {out_dir}: the demo did not pass, its files are there to inspect")
+    return 0 if passed else 1
 
 
 def _demo_generation(loaded, out_dir, seed: int) -> bool:
@@ -339,6 +350,16 @@ def _load_models(args) -> dict:
     return models
 
 
+def _random_weights_note(args) -> None:
+    """Printed on stderr just before the results of stats/quant-sweep/retrieval run on presets alone."""
+    from diffexport.presets import DEFAULT_PRESET
+
+    if not args.ckpts:
+        presets = args.preset or [DEFAULT_PRESET]
+        _log(f"note: no checkpoint given: these results are for preset {', '.join(presets)} with random weights "
+             f"(seed {args.seed}); pass a trained CKPT for meaningful numbers")
+
+
 def _progress(label: str, total: int):
     from diffexport.progress import Progress
 
@@ -374,6 +395,7 @@ def cmd_stats(args) -> int:
         progress, advance = _progress(f"{name}: statistics", len(stream.batches))
         with progress:
             results[name] = stats.collect(loaded.model, stream.batches, advance)
+    _random_weights_note(args)
     if args.json:
         print(json.dumps({name: {"family": families[name], "stream": sources[name], **result.to_dict()}
                           for name, result in results.items()}, indent=2))
@@ -428,6 +450,7 @@ def cmd_quant_sweep(args) -> int:
         compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
         _log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
              f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}")
+    _random_weights_note(args)
     if args.json:
         print(json.dumps({"scheme": describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
                          indent=2))
@@ -457,6 +480,7 @@ def cmd_retrieval(args) -> int:
                 loaded.model, needles=tuple(args.needles), queries=tuple(args.queries), depths=tuple(args.depths),
                 context_len=context, samples=args.samples, seed=args.seed + 1, quant=quant,
                 progress=lambda done, total: advance(done))
+    _random_weights_note(args)
     if args.json:
         print(json.dumps({n: {"context_len": r.context_len, "samples": r.samples, "accuracy": r.accuracy(),
                               "cells": [vars(c) for c in r.cells]} for n, r in results.items()}, indent=2))
@@ -529,7 +553,13 @@ def cmd_kernels(args) -> int:
 
     from diffexport import kernels
 
-    lib = kernels.load_library()  # one-line error with the build command when missing
+    if kernels.library_path() is None:  # informational: not built is a state, not a failure
+        where = ", ".join(str(p) for p in kernels.library_candidates())
+        print(f"library      not built (looked at {where})")
+        print(f"build        {kernels.BUILD_HINT}")
+        print(f"op on CUDA   the PyTorch reference (${kernels.IMPL_ENV}={kernels.impl_choice()}, no library)")
+        return 0
+    lib = kernels.load_library()  # a library that is there but unusable: one-line error, exit 2
     print(f"library      {kernels.library_path()}")
     print(f"build        {kernels.build_info()}")
     print(f"op on CUDA   ${kernels.IMPL_ENV}={kernels.impl_choice()}")

@@ -18,7 +18,7 @@ def _umask() -> int:
 def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same folder, then rename: no half-written output.
     The result gets the permissions a plain open() would give (mkstemp's are owner-only)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_output_folder(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
@@ -28,6 +28,28 @@ def atomic_write(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_output_folder(folder: Path) -> None:
+    """Validate, before any work, the folder an output will go into: it exists as a writable
+    folder, or its nearest existing ancestor is one (the missing folders are made at write time,
+    as optimum-cli does); anything else is one line."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DiffExportError(f"output folder {folder}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DiffExportError(f"output folder {folder}: {probe} is not writable")
+
+
+def make_output_folder(folder: Path) -> None:
+    """The output's folder, made (with missing parents) once the work is ready to be written."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DiffExportError(f"cannot create output folder {folder}: {exc.strerror}") from None
 
 
 def load_onnx(path: str | os.PathLike, *, weights: bool = True):

@@ -222,6 +222,8 @@ def test_cli_writes_each_plot_as_png(tmp_path):
     for name, argv in runs.items():
         out = run_cli(*argv, "--plot", tmp_path / f"{name}.png")
         assert out.returncode == 0, out.stderr
+        # no checkpoint: the results describe random weights, and the tool says so first
+        assert "note: no checkpoint given: these results are for preset diff-v1-tiny with random weights" in out.stderr
         data = (tmp_path / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["retrieval.png", "stats.png", "sweep.png"]  # no temp files
@@ -261,3 +263,27 @@ def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(
                           "needs the built-in needle-task stream")
     auto = run_cli("quant-sweep", ckpt, "--text", text, "--bits", "8", "--samples", "1", "--seq-len", "64")
     assert auto.returncode == 0 and "every position" in auto.stderr, auto.stderr
+
+
+def test_sweep_plot_kl_axis_is_readable():
+    """The KL panel: a labelled tick every decade between the floor (drawn as 0) and the largest value."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from diffexport.analysis import plots
+
+    values = [0.0, 3e-7, 4e-5, 2e-3]
+    floor = plots.kl_floor(values)
+    assert floor == pytest.approx(3e-8)
+    fig, ax = plt.subplots()
+    ax.plot([16, 8, 6, 4], [max(v, floor) for v in values])
+    plots.format_kl_axis(ax, floor)
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    labels = [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high and t.get_text()]
+    plt.close(fig)
+    assert len(labels) >= 4, labels
+    assert "1e-03" in labels and "1e-06" in labels

@@ -38,9 +38,15 @@ def test_non_diff_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
-def test_output_in_a_missing_folder(tmp_path):
-    result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "nope" / "m.onnx")
-    assert_one_line_error(result, "does not exist")
+def test_output_in_a_missing_folder_creates_it(tmp_path):
+    """-o into folders that do not exist yet makes them (as optimum-cli does); under a file it is one line."""
+    result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "new" / "deeper" / "m.onnx")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "new" / "deeper" / "m.onnx").is_file()
+    (tmp_path / "afile").write_text("x")
+    result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "afile" / "sub" / "m.onnx")
+    assert_one_line_error(result, "is not a folder")
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 @pytest.mark.parametrize("content", [b"", b"\x08\x07garbage-not-a-protobuf" * 10])

@@ -233,10 +233,21 @@ def test_cli_kernels(lib, tmp_path):
     result = run_cli("kernels")
     assert result.returncode == 0, result.stderr
     assert "archs=" in result.stdout and str(kernels.library_path()) in result.stdout
-    missing = subprocess.run([sys.executable, "-m", "diffexport", "kernels"], capture_output=True, text=True,
-                             env={**os.environ, "DIFFEXPORT_KERNEL_LIB": str(tmp_path / "missing.so")})
-    assert missing.returncode == 2
-    assert missing.stderr.startswith("error: fused kernel library not found") and missing.stderr.count("\n") == 1
+
+
+def test_cli_kernels_not_built_is_information_a_broken_library_an_error(tmp_path):
+    """`diffexport kernels` reports a missing library (exit 0, with the build command); a file
+    that is there but not a usable library is an error (one line, exit 2)."""
+    env = {**os.environ, "DIFFEXPORT_KERNEL_LIB": str(tmp_path / "missing.so")}
+    missing = subprocess.run([sys.executable, "-m", "diffexport", "kernels"], capture_output=True, text=True, env=env)
+    assert missing.returncode == 0, missing.stderr
+    assert "not built" in missing.stdout and "cmake -S . -B build" in missing.stdout
+    broken = tmp_path / "libdiffexport_kernels.so"
+    broken.write_bytes(b"\x7fELF not a library")
+    env["DIFFEXPORT_KERNEL_LIB"] = str(broken)
+    bad = subprocess.run([sys.executable, "-m", "diffexport", "kernels"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: cannot load the fused kernel library") and bad.stderr.count("\n") == 1
 
 
 def test_float32_io_workspace(lib):

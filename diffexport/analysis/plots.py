@@ -66,6 +66,27 @@ def plot_stats(named, path) -> Path:
         plt.close(fig)
 
 
+def kl_floor(values) -> float:
+    """Where a KL of 0 (the 16-bit reference itself) is drawn on the log axis: a decade under the
+    smallest positive value."""
+    positive = [v for v in values if v > 0]
+    return min(positive) / 10 if positive else 1e-12
+
+
+def format_kl_axis(ax, floor: float) -> None:
+    """Log scale with a labelled tick every decade (a symlog axis showed only 0 and 1e-6), the
+    floor labelled as 0."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, numticks=15))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: "0" if v <= floor * 1.0001 else f"{v:.0e}"))
+    low, high = ax.get_ylim()
+    ax.set_ylim(floor / 1.5, max(high, floor * 100))
+    ax.axhline(floor, color="0.6", lw=0.8, ls=":")
+    ax.set_ylabel("log scale; the dotted line is 0")
+
+
 def plot_sweep(named, path, describe: str) -> Path:
     """Task accuracy (when known), KL divergence and logit cosine against bits, models side by side."""
     plt = _pyplot()
@@ -75,12 +96,16 @@ def plot_sweep(named, path, describe: str) -> Path:
               "cosine_mean": "output-logit cosine vs 16-bit"}
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, layout="constrained")
     for ax, key in zip(axes[0], panels):
+        floor = kl_floor([p.kl_mean for points in named.values() for p in points]) if key == "kl_mean" else None
         for (name, points), marker in zip(named.items(), "os^vD"):
             shown = [p for p in points if getattr(p, key) is not None]
-            ax.plot([p.bits for p in shown], [getattr(p, key) for p in shown], marker=marker, label=name)
+            values = [getattr(p, key) for p in shown]
+            if floor is not None:
+                values = [max(v, floor) for v in values]
+            ax.plot([p.bits for p in shown], values, marker=marker, label=name)
         ax.set(title=titles[key], xlabel="logit bits")
-        if key == "kl_mean":
-            ax.set_yscale("symlog", linthresh=1e-6)
+        if floor is not None:
+            format_kl_axis(ax, floor)
         else:
             ax.ticklabel_format(axis="y", useOffset=False)
         ax.invert_xaxis()

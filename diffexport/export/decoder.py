@@ -34,6 +34,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
+from diffexport.files import check_output_folder, make_output_folder
 
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
@@ -240,10 +241,7 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
                               f"give a folder name, not {out_dir.name}")
     if out_dir.exists() or out_dir.is_symlink():
         raise DiffExportError(f"{out_dir} already exists: give a new folder (nothing is overwritten)")
-    if not out_dir.parent.is_dir():
-        raise DiffExportError(f"output folder {out_dir.parent} does not exist: create it first")
-    if not os.access(out_dir.parent, os.W_OK):
-        raise DiffExportError(f"output folder {out_dir.parent} is not writable")
+    check_output_folder(out_dir.parent)
     if context_length is not None and context_length < 2:
         raise DiffExportError(f"context length must be >= 2, got {context_length}")
     if threads is not None and not 1 <= threads <= 1024:
@@ -287,6 +285,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         count = 0
         exporter.stamp_metadata(model_ir, loaded, options, weights_id, output_names(cfg.n_layers), meta)
     external = exporter.wants_external(model_ir, options)
+    make_output_folder(out_dir.parent)
     tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
     try:
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))

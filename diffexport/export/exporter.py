@@ -30,6 +30,7 @@ from diffexport import contract, fingerprint
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import function_body
+from diffexport.files import check_output_folder, make_output_folder
 from diffexport.modeling import DIFF_FAMILIES
 from diffexport.progress import Progress
 
@@ -118,8 +119,7 @@ def check_target(out_path: Path, options: ExportOptions) -> None:
         raise DiffExportError("the legacy exporter stops at opset 20: drop --legacy or use the decomposed body")
     if out_path.suffix != ".onnx":
         raise DiffExportError(f"output {out_path} should end in .onnx")
-    if not out_path.parent.is_dir():
-        raise DiffExportError(f"output folder {out_path.parent} does not exist: create it first")
+    check_output_folder(out_path.parent)
     if out_path.is_dir():
         raise DiffExportError(f"output {out_path} is a folder: give a file name ending in .onnx")
 
@@ -319,6 +319,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     nbytes = _weight_bytes(model_ir)
     external = wants_external(model_ir, options)
     log(f"writing       {out_path}" + (" with external data" if external else ""))
+    make_output_folder(out_path.parent)
     tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp"))
     try:
         save_checked(model_ir, tmp_dir / out_path.name, external, log)
