@@ -34,6 +34,7 @@ class CheckOptions:
     provider: str = "auto"
     seed: int = 0
     save_dir: Path | None = None  # default: <model>.check/ beside the model
+    reference: str = "auto"  # diffexport | transformers | both | auto (both for HF checkpoints when importable)
     atol: float | None = None  # user bounds (polygraphy's elementwise rule) instead of the dtype rule
     rtol: float | None = None
 
@@ -76,8 +77,9 @@ def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:
     model = load_onnx(path, weights=False)
     meta = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
     if "config" not in meta or "dtype" not in meta:
-        raise DiffExportError(f"{path} carries no diffexport metadata: check only compares files written "
-                              "by `diffexport onnx`")
+        raise DiffExportError(f"{path} carries no diffexport metadata, so there is no model to compare it with: "
+                              "for a graph of another exporter (or what `diffexport optimize` made of one) use "
+                              "`check MODEL --against THE_ORIGINAL.onnx`")
     if meta["dtype"] not in DTYPES:
         raise DiffExportError(f"{path} declares an unknown dtype {meta['dtype']!r}")
     return meta
@@ -118,7 +120,8 @@ def _run_eager(model, ids: np.ndarray, device: str, outputs: list[str]) -> dict[
     return {name: t.float().cpu().numpy() for name, t in zip(outputs, tensors)}
 
 
-def _save_polygraphy(save_dir: Path, feeds: list[dict], eager: list[dict[str, np.ndarray]], dtype: str):
+def _save_polygraphy(save_dir: Path, feeds: list[dict], eager: list[dict[str, np.ndarray]], dtype: str,
+                     runner_name: str = EAGER_RUNNER):
     try:
         from polygraphy.comparator import RunResults
         from polygraphy.comparator.struct import IterationResult
@@ -131,10 +134,64 @@ def _save_polygraphy(save_dir: Path, feeds: list[dict], eager: list[dict[str, np
     inputs_path, outputs_path = save_dir / "inputs.json", save_dir / "eager_outputs.json"
     np_dtype = np.float16 if dtype == "float16" else np.float32  # numpy has no bfloat16
     save_json(feeds, str(inputs_path), description="diffexport check inputs")
-    iterations = [IterationResult({k: v.astype(np_dtype) for k, v in outs.items()}, runner_name=EAGER_RUNNER)
+    iterations = [IterationResult({k: v.astype(np_dtype) for k, v in outs.items()}, runner_name=runner_name)
                   for outs in eager]
-    RunResults([(EAGER_RUNNER, iterations)]).save(str(outputs_path))
+    RunResults([(runner_name, iterations)]).save(str(outputs_path))
     return inputs_path, outputs_path
+
+
+REFERENCES = ("auto", "diffexport", "transformers", "both")
+
+
+def resolve_reference(choice: str, loaded: LoadedModel) -> tuple[bool, bool, str]:
+    """(use diffexport's port, use transformers, the report's line saying which and why)."""
+    if choice not in REFERENCES:
+        raise DiffExportError(f"--reference {choice!r} is not one of {', '.join(REFERENCES)}")
+    is_hf = loaded.source == "hf-diffllama" and loaded.path is not None
+    try:
+        import transformers  # noqa: F401
+
+        have = True
+    except ImportError:
+        have = False
+    if choice in ("transformers", "both"):
+        if not is_hf:
+            raise DiffExportError(f"--reference {choice}: the checkpoint is {loaded.source}, not a Hugging Face "
+                                  "DiffLlama folder; no library model exists for it, diffexport's port is its reference "
+                                  "(--reference diffexport)")
+        if not have:
+            raise DiffExportError(f"--reference {choice} needs transformers: pip install 'diffexport[hf]'")
+    if choice == "auto":
+        choice = "both" if is_hf and have else "diffexport"
+    port, library = choice in ("diffexport", "both"), choice in ("transformers", "both")
+    if library and port:
+        why = "diffexport's port (eager PyTorch) and transformers' DiffLlamaForCausalLM (lines marked 'vs transformers')"
+    elif library:
+        why = "transformers' DiffLlamaForCausalLM (lines marked 'vs transformers')"
+    elif is_hf:
+        why = "diffexport's port only (--reference diffexport" + ("" if have else "; transformers not installed") + ")"
+    else:
+        why = f"diffexport's port: the checkpoint is {loaded.source}, which no other library loads"
+    return port, library, f"reference     {why}"
+
+
+def _transformers_models(loaded: LoadedModel, dtype: str):
+    """transformers' own model of an HF folder: (in the export dtype, fp32 on the same rounded weights or None)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # its loading bars would land in our report
+    hf = transformers.DiffLlamaForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+    if dtype == "float32":
+        return hf, None
+    import copy
+
+    low = hf.to(DTYPES[dtype])
+    return low, copy.deepcopy(low).float()
+
+
+def _run_transformers(model, ids: np.ndarray) -> dict[str, np.ndarray]:
+    with torch.no_grad():
+        return {"logits": model(input_ids=torch.from_numpy(ids), use_cache=False).logits.float().numpy()}
 
 
 def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
@@ -143,6 +200,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
 
     options = options or CheckOptions()
     onnx_path = Path(onnx_path)
+    port, library, reference_line = resolve_reference(options.reference, loaded)
     meta = read_export_metadata(onnx_path)
     dtype = meta["dtype"]
     check_same_model(meta, loaded, onnx_path)
@@ -167,12 +225,23 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
         options, options.shapes, loaded.config.vocab_size, outputs, dtype, run,
         lambda ids: _run_eager(low, ids, device, outputs),
         None if ref32 is None else (lambda ids: _run_eager(ref32, ids, device, outputs)))
+    port_comparisons = comparisons  # the polygraphy files hold the port's outputs: their bounds go with them
+    if not port:  # ... but with --reference transformers its lines are not the verdict
+        comparisons, lines = [], []
+    if library:  # the same seeded ids through transformers itself (logits: what it returns)
+        hf_low, hf32 = _transformers_models(loaded, dtype)
+        _, _, hf_comparisons, hf_lines = _compare(
+            options, options.shapes, loaded.config.vocab_size, ["logits"], dtype, run,
+            lambda ids: _run_transformers(hf_low, ids),
+            None if hf32 is None else (lambda ids: _run_transformers(hf32, ids)), label=" vs transformers")
+        comparisons, lines = comparisons + hf_comparisons, lines + hf_lines
+    lines.insert(0, reference_line)
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
     return _finish(runner, options.save_dir or onnx_path.with_suffix(".check"), feeds, saved, comparisons, lines,
-                   outputs, dtype, user_bounds=options.user_bounds)
+                   outputs, dtype, user_bounds=options.user_bounds, atol_comparisons=port_comparisons)
 
 
-def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None):
+def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None, label=""):
     """Seeded token ids per (batch, seq) through the runtime and eager; each output compared under
     the dtype rule (eager_ref None: fp32, eager_low is the reference). note(name, got, ids) may add a line."""
     rng = np.random.default_rng(options.seed)
@@ -185,7 +254,7 @@ def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, 
         ref = base if eager_ref is None else eager_ref(ids)
         saved.append(ref)
         for name in outputs:
-            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
+            c = tolerances.compare(f"{name} [{batch}x{seq}]{label}", got[name], ref[name], dtype,
                                    baseline=None if eager_ref is None else base[name], user_bounds=options.user_bounds)
             comparisons.append((name, c))
             lines.append(c.line())
@@ -195,17 +264,19 @@ def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, 
 
 
 def _finish(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines, outputs, dtype,
-            other_failures: tuple[str, ...] = (), user_bounds: tuple[float, float] | None = None) -> CheckReport:
+            other_failures: tuple[str, ...] = (), user_bounds: tuple[float, float] | None = None,
+            runner_name: str = EAGER_RUNNER, atol_comparisons=None) -> CheckReport:
     """Save the polygraphy JSON files and build the report: verdict and the `polygraphy run` command.
     other_failures: checks besides the comparisons that failed (named in the verdict)."""
-    inputs_path, outputs_path = _save_polygraphy(save_dir, feeds, saved, dtype)
+    inputs_path, outputs_path = _save_polygraphy(save_dir, feeds, saved, dtype, runner_name)
     if user_bounds is not None:
         bounds = ["--atol", f"{user_bounds[0]:g}", "--rtol", f"{user_bounds[1]:g}"]
     else:
         atols = []
         for name in outputs:
             ref_max = max(float(np.abs(r[name]).max()) for r in saved)
-            atol = tolerances.elementwise_atol([c for n, c in comparisons if n == name], dtype, ref_max)
+            atol = tolerances.elementwise_atol([c for n, c in (atol_comparisons or comparisons) if n == name], dtype,
+                                               ref_max)
             atols.append(f"{name}:{atol:.3g}")
         bounds = ["--atol", *atols, "--rtol", "0"]
     command = " ".join([*runner, "--load-inputs", shlex.quote(str(inputs_path)),
@@ -290,6 +361,7 @@ def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps
         import transformers
     except ImportError:
         return None
+    transformers.utils.logging.disable_progress_bar()
     hf = transformers.DiffLlamaForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
@@ -376,3 +448,78 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
                                            ("greedy tokens vs transformers", hf_ok)) if not ok)
     return _finish(runner_cmd, options.save_dir or folder.with_name(folder.name + ".check"), feeds, saved,
                    comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)
+
+
+# ---------------------------------------------------------------- one ONNX graph against another
+
+ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16"}
+
+
+def _graph_feeds(session, batch: int, seq: int, vocab: int, rng) -> dict[str, np.ndarray]:
+    """Seeded inputs for any graph: token ids below the vocabulary, masks of ones, positions
+    0..seq-1, normal floats; dimensions past (batch, seq) are 1."""
+    feeds = {}
+    for value in session.get_inputs():
+        rank = len(value.shape)
+        shape = [batch, seq][:rank] + [1] * max(0, rank - 2)
+        if value.type in ("tensor(int64)", "tensor(int32)"):
+            dtype = np.int64 if value.type == "tensor(int64)" else np.int32
+            if "mask" in value.name:
+                feeds[value.name] = np.ones(shape, dtype)
+            elif "position" in value.name:
+                feeds[value.name] = np.broadcast_to(np.arange(seq, dtype=dtype), shape).copy()
+            else:
+                feeds[value.name] = rng.integers(0, vocab, size=shape).astype(dtype)
+        elif value.type in ORT_DTYPES and value.type != "tensor(bfloat16)":
+            feeds[value.name] = rng.standard_normal(shape).astype(np.float16 if "16" in value.type else np.float32)
+        else:
+            raise DiffExportError(f"input {value.name!r} has type {value.type}: --against cannot make inputs for it")
+    return feeds
+
+
+def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, options: CheckOptions | None = None,
+                log: Callable[[str], None] = print) -> CheckReport:
+    """`check MODEL --against OTHER`: both graphs in onnxruntime on the same seeded inputs (e.g. a
+    graph `diffexport optimize` wrote against its input), every shared output compared. fp32:
+    the fp32 rule; fp16/bf16: |model - other| <= atol(dtype) * max(1, |other|) and the cosine floor
+    (two low-precision graphs leave no fp32 reference to measure rounding against); --atol/--rtol
+    replace the rule."""
+    from diffexport.backends.onnxruntime import open_session, resolve_provider
+
+    options = options or CheckOptions()
+    model_path, against_path = Path(model_path), Path(against_path)
+    provider = resolve_provider(options.provider)
+    session, other = open_session(model_path, provider), open_session(against_path, provider)
+    ins = {(i.name, i.type) for i in session.get_inputs()}
+    if ins != {(i.name, i.type) for i in other.get_inputs()}:
+        raise DiffExportError(f"{model_path.name} and {against_path.name} take different inputs "
+                              f"({sorted(n for n, _ in ins)} vs {sorted(i.name for i in other.get_inputs())}): "
+                              "--against compares two versions of one model")
+    theirs = {o.name: o for o in other.get_outputs()}
+    outputs = [o.name for o in session.get_outputs() if o.name in theirs]
+    if not outputs:
+        raise DiffExportError(f"{model_path.name} and {against_path.name} share no output name")
+    out_types = {ORT_DTYPES.get(o.type) for o in session.get_outputs() if o.name in outputs}
+    if None in out_types or len(out_types) != 1:
+        raise DiffExportError(f"outputs of {model_path.name} must all be float32, float16 or bfloat16 to compare")
+    dtype = out_types.pop()
+    last = theirs[outputs[0]].shape[-1] if theirs[outputs[0]].shape else None
+    vocab = last if isinstance(last, int) and last > 1 else 2  # token ids valid for any embedding
+    log(f"checking      {model_path.name} against {against_path.name} in onnxruntime {provider}, same inputs, "
+        f"outputs {', '.join(outputs)} ({dtype})")
+    rng = np.random.default_rng(options.seed)
+    feeds, saved, comparisons, lines = [], [], [], []
+    for batch, seq in options.shapes:
+        feed = _graph_feeds(session, batch, seq, vocab, rng)
+        got = dict(zip(outputs, session.run(outputs, feed)))
+        ref = dict(zip(outputs, other.run(outputs, feed)))
+        feeds.append(feed)
+        saved.append(ref)
+        for name in outputs:
+            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
+                                   baseline=None if dtype == "float32" else ref[name], user_bounds=options.user_bounds)
+            comparisons.append((name, c))
+            lines.append(c.line())
+    runner = ["polygraphy run", shlex.quote(str(model_path)), "--onnxrt", "--providers", provider]
+    return _finish(runner, options.save_dir or model_path.with_suffix(".check"), feeds, saved, comparisons, lines,
+                   outputs, dtype, user_bounds=options.user_bounds, runner_name=f"onnxrt-{against_path.stem}")

@@ -110,17 +110,34 @@ def _check_options(args):
 
     from diffexport.check import CheckOptions, DEFAULT_SHAPES, parse_shapes
 
+    from diffexport.errors import DiffExportError
+
+    for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
+        if value is not None and not (value >= 0 and value != float("inf")):
+            raise DiffExportError(f"{flag} must be a finite number >= 0, got {value}")
     return CheckOptions(shapes=parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
                         provider=args.provider, seed=args.seed,
-                        save_dir=Path(args.save_dir) if args.save_dir else None)
+                        save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
+                        reference=args.reference)
 
 
 def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
     from pathlib import Path
 
-    from diffexport.check import read_export_metadata, run_check, run_decoder_check, run_engine_check
+    from diffexport.check import read_export_metadata, run_against, run_check, run_decoder_check, run_engine_check
 
+    if args.against:  # one graph against another (e.g. optimize's output against its input), then the model
+        options = _check_options(args)
+        report = run_against(args.model, args.against, options, log=_log)
+        print(report.text())
+        if args.ckpt is None and args.preset is None and args.config is None:
+            return 0 if report.passed else 1
+        options.save_dir = Path(str(options.save_dir or Path(args.model).with_suffix(".check")) + "-model")
+        read_export_metadata(args.model)  # the model comparison needs diffexport's metadata
+        model_report = run_check(args.model, _load(args, default_model=False), options, log=_log)
+        print(model_report.text())
+        return 0 if report.passed and model_report.passed else 1
     if Path(args.model).is_dir():  # a KV-cache decoder folder
         from diffexport.export.decoder import read_decoder_folder
 
@@ -679,6 +696,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
             p.add_argument("--steps", type=int, default=32, help="decode steps checked for a --kv-cache folder "
                                                                  "(default 32)")
+            p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
+                           help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
+                                "own DiffLlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
+                                "when transformers is installed, else diffexport)")
+            p.add_argument("--against", metavar="OTHER.onnx",
+                           help="compare with another ONNX file on the same inputs (e.g. optimize's input); with "
+                                "--ckpt also against the model")
+            p.add_argument("--atol", type=float, help="your own bound: |out - ref| <= atol + rtol*|ref| elementwise "
+                                                      "(polygraphy's rule) instead of the automatic dtype rule")
+            p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")
         if name in ("stats", "quant-sweep", "retrieval"):
             _add_models(p)
         if name in ("stats", "quant-sweep"):

@@ -221,3 +221,37 @@ def test_hf_diffllama_graphs_fuse(impl, opset, batch, tmp_path):
     with torch.no_grad():
         expected = hf(input_ids=torch.from_numpy(ids), use_cache=False).logits.numpy()
     assert np.abs(ort_logits(result.model, ids) - expected).max() <= 1e-4
+
+
+def test_optimize_records_provenance_and_check_against_the_input(naive_v1, tmp_path):
+    """A third-party graph and what optimize made of it: `check fused --against plain` runs both
+    on the same inputs under the dtype rule; a changed weight fails it; without --against the
+    message says how to check such a file."""
+    import json
+
+    src, fused = tmp_path / "plain.onnx", tmp_path / "fused.onnx"
+    onnx.save(naive_v1, src)
+    assert run_cli("optimize", src, "-o", fused).returncode == 0
+    meta = {p.key: p.value for p in onnx.load(str(fused), load_external_data=False).metadata_props}
+    assert meta["diffexport.optimized_from"] == "plain.onnx"
+    report = json.loads(meta["diffexport.optimize_report"])
+    assert report["fused"] == 2 and report["rules"]["eq1"] == 2 and report["verified_max_abs"] < 1e-4
+
+    ok = run_cli("check", fused, "--against", src, "--shapes", "1x1,2x9")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "against plain.onnx" in ok.stderr and "PASS: 2/2" in ok.stdout and "polygraphy run" in ok.stdout
+
+    tampered = onnx.ModelProto.FromString(naive_v1.SerializeToString())
+    weight = max(tampered.graph.initializer, key=lambda t: int(np.prod(t.dims)))
+    values = onnx.numpy_helper.to_array(weight).copy()
+    values *= 1.01  # a 1% change of the largest weight: far outside the fp32 rule, well inside atol 100
+    weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
+    onnx.save(tampered, tmp_path / "tampered.onnx")
+    bad = run_cli("check", fused, "--against", tmp_path / "tampered.onnx", "--shapes", "2x9")
+    assert bad.returncode == 1 and "FAIL" in bad.stdout
+
+    loose = run_cli("check", fused, "--against", tmp_path / "tampered.onnx", "--shapes", "2x9", "--atol", "100")
+    assert loose.returncode == 0 and "(user bounds)" in loose.stdout and "--atol 100 --rtol 0" in loose.stdout
+
+    alone = run_cli("check", fused, "--preset", "diff-v1-tiny")
+    assert alone.returncode == 2 and "--against THE_ORIGINAL.onnx" in alone.stderr

@@ -16,7 +16,7 @@ import onnx
 from diffexport import contract
 from diffexport.backends.onnxruntime import open_session
 from diffexport.errors import DiffExportError
-from diffexport.export.exporter import IR_VERSION
+from diffexport.export.exporter import IR_VERSION, META_PREFIX
 from diffexport.export.function_body import DEFAULT_BODY_STYLE, build_function
 from diffexport.files import atomic_write, check_output_folder, load_onnx
 from diffexport.passes import fusion
@@ -107,5 +107,24 @@ def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: 
     if lower:
         lowered = lower_diff_attention(result.model, body)
         result.model, result.lowered = cleanup(lowered.model), lowered.lowered
+    record_provenance(result, model, src, body)
     atomic_write(dst, lambda tmp: onnx.save(result.model, tmp))
     return result
+
+
+def record_provenance(result: OptimizeResult, source: onnx.ModelProto, src: Path, body: str) -> None:
+    """The output says where it came from and what was done: the input's metadata (a diffexport
+    export stays checkable against its checkpoint), the input file, and the fusion report."""
+    import json
+
+    kept = {p.key: p.value for p in source.metadata_props}
+    kept.update({p.key: p.value for p in result.model.metadata_props})
+    report = result.report
+    kept[f"{META_PREFIX}optimized_from"] = src.name
+    kept[f"{META_PREFIX}optimize_report"] = json.dumps({
+        "fused": report.total, "rules": dict(report.fired), "absorbed_epilogues": result.absorbed,
+        "lowered": result.lowered, "body": body, "verified_max_abs": result.max_abs,
+        "verified_batch": result.verified_batch, "not_fused": len(report.misses)}, sort_keys=True)
+    del result.model.metadata_props[:]
+    for key, value in kept.items():
+        result.model.metadata_props.add(key=key, value=value)
