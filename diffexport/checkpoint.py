@@ -276,6 +276,23 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
                           f"or a bare state dict of tensors")
 
 
+def from_module(model: torch.nn.Module, dtype: torch.dtype | None = None) -> LoadedModel:
+    """An in-memory model as a LoadedModel: one of ours (diffexport.modeling), or transformers'
+    DiffLlamaForCausalLM converted exactly as an HF folder is (its weights copied, the module left
+    as it was). Without a folder on disk, `check` compares with diffexport's port only."""
+    if isinstance(model, DecoderLM):
+        return LoadedModel(model, model.config, "in-memory")
+    hf_config = getattr(model, "config", None)
+    if getattr(hf_config, "model_type", None) == "diffllama" and hasattr(model, "state_dict"):
+        cfg = config_from_dict("diff_v1", layouts.hf_diffllama_config(hf_config.to_dict()))
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        where = "the in-memory DiffLlama"
+        return LoadedModel(model_from_state(cfg, layouts.hf_diffllama_state(state, cfg), where, dtype), cfg,
+                           "hf-diffllama (in memory)")
+    raise DiffExportError(f"{type(model).__name__} is not a model diffexport knows: pass a diffexport model "
+                          "(diffexport.modeling) or a transformers DiffLlamaForCausalLM")
+
+
 def _load_bare_state(state: dict, cfg: ModelConfig | None, layout: str, where: str, dtype) -> LoadedModel:
     if cfg is None:
         raise DiffExportError(f"{where} is a bare state dict without a config: give --preset NAME or --config "

@@ -280,3 +280,19 @@ def test_failed_save_leaves_nothing(tmp_path):
     finally:
         ck.torch.save = original
     assert not target.exists() and not list(tmp_path.iterdir())
+
+
+def test_from_module_takes_our_model_and_an_in_memory_diffllama(tmp_path, rng):
+    from diffexport.checkpoint import from_module
+    from diffexport.errors import DiffExportError
+
+    hf, _ = _hf_model(tmp_path, 8, 4, False)
+    loaded = from_module(hf)
+    assert loaded.source == "hf-diffllama (in memory)" and loaded.path is None
+    ids = torch.randint(0, 96, (2, 11), generator=rng)
+    with torch.no_grad():
+        assert (loaded.model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    ours = load_model(None, preset="diff-v2-tiny", seed=1).model
+    assert from_module(ours).model is ours
+    with pytest.raises(DiffExportError, match="Linear is not a model diffexport knows"):
+        from_module(torch.nn.Linear(2, 2))
