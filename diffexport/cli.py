@@ -618,8 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "or a --kv-cache folder")
             p.add_argument("-o", "--output", default="model.engine", help="engine path (default model.engine)")
             precision = p.add_mutually_exclusive_group()
-            precision.add_argument("--fp16", action="store_true", help="require an fp16 graph (TensorRT types come from the ONNX)")
-            precision.add_argument("--bf16", action="store_true", help="require a bf16 graph")
+            precision.add_argument("--fp16", action="store_true",
+                                   help="the graph must already be fp16 (export it with `diffexport onnx --fp16`): "
+                                        "the network is strongly typed, TensorRT takes its types from the ONNX. Not "
+                                        "trtexec's --fp16, which lets TensorRT pick fp16 kernels for an fp32 graph")
+            precision.add_argument("--bf16", action="store_true",
+                                   help="the graph must already be bf16 (`diffexport onnx --bf16`); see --fp16")
             p.add_argument("--int8", action="store_true", help="INT8 attention logits in every DiffAttention (= --logit-bits 8)")
             p.add_argument("--logit-bits", type=int, choices=[8, 6, 4], help="low-bit attention logits (plugin only)")
             p.add_argument("--no-smooth-k", action="store_true", help="INT8 logits without K-smoothing")

@@ -71,3 +71,30 @@ def test_progress_only_on_a_terminal():
     with Progress("work", 10, min_total=100, stream=small) as p:
         p.advance(10)
     assert small.getvalue() == ""
+
+
+def test_readme_command_list_names_every_flag():
+    """Every long flag of every subcommand appears in the README's command list."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    from diffexport.cli import build_parser
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme[readme.index("## Commands"):readme.index("## Layout")]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, command in sub.choices.items():
+        assert f"diffexport {name}" in block, name
+        for action in command._actions:
+            flags = [f for f in action.option_strings if f not in ("-h", "--help")]
+            if flags and not any(re.search(re.escape(f) + r"(?![\w-])", block) for f in flags):
+                missing.append(f"{name} {flags[-1]}")
+    assert not missing, missing
+
+
+def test_trt_help_says_what_fp16_means():
+    result = run_cli("trt", "--help")
+    assert "Not trtexec's --fp16" in " ".join(result.stdout.split())
