@@ -22,7 +22,7 @@ from diffexport import fingerprint, reference, tolerances
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
-from diffexport.files import load_onnx
+from diffexport.files import atomic_write, load_onnx
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))  # batch x sequence: 1, odd lengths, batch > 1
 EAGER_RUNNER = "eager-pytorch"
@@ -35,6 +35,7 @@ class CheckOptions:
     seed: int = 0
     save_dir: Path | None = None  # default: <model>.check/ beside the model
     reference: str = "auto"  # diffexport | transformers | both | auto (both for HF checkpoints when importable)
+    plugin_lib: str | None = None  # engines: the plugin library to load (never the one an engine's sidecar names)
     atol: float | None = None  # user bounds (polygraphy's elementwise rule) instead of the dtype rule
     rtol: float | None = None
 
@@ -120,6 +121,19 @@ def _run_eager(model, ids: np.ndarray, device: str, outputs: list[str]) -> dict[
     return {name: t.float().cpu().numpy() for name, t in zip(outputs, tensors)}
 
 
+def save_dir_for(options: CheckOptions, default: Path) -> Path:
+    """Where the polygraphy files go, validated before any work: a real folder (or one to create
+    in a writable folder), never a symbolic link."""
+    from diffexport.files import check_output_folder
+
+    save_dir = Path(options.save_dir) if options.save_dir else default
+    if save_dir.is_symlink() or (save_dir.exists() and not save_dir.is_dir()):
+        raise DiffExportError(f"{save_dir} is a symbolic link or not a folder: the check files are written only "
+                              "into a real folder (pass --save-dir)")
+    check_output_folder(save_dir)
+    return save_dir
+
+
 def _save_polygraphy(save_dir: Path, feeds: list[dict], eager: list[dict[str, np.ndarray]], dtype: str,
                      runner_name: str = EAGER_RUNNER):
     try:
@@ -130,13 +144,18 @@ def _save_polygraphy(save_dir: Path, feeds: list[dict], eager: list[dict[str, np
     except ImportError:
         raise DiffExportError("polygraphy is not installed: pip install 'diffexport[onnx]'") from None
     G_LOGGER.module_severity = G_LOGGER.ERROR  # its "Saving ..." lines would drown our report
+    if save_dir.is_symlink() or (save_dir.exists() and not save_dir.is_dir()):
+        raise DiffExportError(f"{save_dir} is a symbolic link or not a folder: the check files are written only "
+                              "into a real folder (pass --save-dir)")
     save_dir.mkdir(parents=True, exist_ok=True)
     inputs_path, outputs_path = save_dir / "inputs.json", save_dir / "eager_outputs.json"
     np_dtype = np.float16 if dtype == "float16" else np.float32  # numpy has no bfloat16
-    save_json(feeds, str(inputs_path), description="diffexport check inputs")
+    # Each file goes to a temporary name and is renamed over the target: a symbolic link already
+    # sitting at a target name is replaced, never written through.
+    atomic_write(inputs_path, lambda tmp: save_json(feeds, tmp, description="diffexport check inputs"))
     iterations = [IterationResult({k: v.astype(np_dtype) for k, v in outs.items()}, runner_name=runner_name)
                   for outs in eager]
-    RunResults([(runner_name, iterations)]).save(str(outputs_path))
+    atomic_write(outputs_path, lambda tmp: RunResults([(runner_name, iterations)]).save(tmp))
     return inputs_path, outputs_path
 
 
@@ -201,6 +220,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     options = options or CheckOptions()
     onnx_path = Path(onnx_path)
     port, library, reference_line = resolve_reference(options.reference, loaded)
+    save_dir = save_dir_for(options, onnx_path.with_suffix(".check"))
     meta = read_export_metadata(onnx_path)
     dtype = meta["dtype"]
     check_same_model(meta, loaded, onnx_path)
@@ -237,7 +257,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
         comparisons, lines = comparisons + hf_comparisons, lines + hf_lines
     lines.insert(0, reference_line)
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
-    return _finish(runner, options.save_dir or onnx_path.with_suffix(".check"), feeds, saved, comparisons, lines,
+    return _finish(runner, save_dir, feeds, saved, comparisons, lines,
                    outputs, dtype, user_bounds=options.user_bounds, atol_comparisons=port_comparisons)
 
 
@@ -303,12 +323,20 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     options = options or CheckOptions()
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)
+    save_dir = save_dir_for(options, engine_path.with_suffix(".check"))
     if record["onnx_metadata"].get("kv_cache") == "1":
         raise DiffExportError(f"{engine_path.name} is a KV-cache decoder engine: its step-by-step check is not "
                               "written yet; check the folder in onnxruntime (`diffexport check FOLDER`)")
     meta = record["onnx_metadata"]
     dtype = meta["dtype"]
     check_same_model(meta, loaded, engine_path)
+    # The sidecar says which library the build used, but a library is code: it is loaded only from
+    # where the user says (--plugin-lib, $DIFFEXPORT_PLUGIN_LIB) or from this install's own build.
+    plugin_lib = None
+    if record.get("attention") == "plugin":
+        from diffexport.backends.tensorrt import find_plugin_library
+
+        plugin_lib = str(find_plugin_library(options.plugin_lib))
     if not torch.cuda.is_available():
         raise DiffExportError("checking a TensorRT engine needs an NVIDIA GPU (torch sees none)")
     low_max, seq_max = record["profile"]["max"]
@@ -336,14 +364,14 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         cos = tolerances.compare("", got, plain, "float32").cosine
         return f"{'':18s} vs unquantised eager: cosine {cos:.6f} (reported, not a pass criterion)"
 
-    run = open_engine(engine_path.read_bytes(), record["module"], record.get("plugin_lib"))
+    run = open_engine(engine_path.read_bytes(), record["module"], plugin_lib)
     feeds, saved, comparisons, lines = _compare(
         options, shapes, loaded.config.vocab_size, outputs, dtype, lambda ids: run({INPUT_NAMES[0]: ids}),
         lambda ids: eager(low, ids), None if ref32 is None else (lambda ids: eager(ref32, ids)),
         note=None if quant is None else unquantised)
-    plugin = ["--plugins", shlex.quote(record["plugin_lib"])] if record.get("plugin_lib") else []
+    plugin = ["--plugins", shlex.quote(plugin_lib)] if plugin_lib else []
     runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
-    return _finish(runner, options.save_dir or engine_path.with_suffix(".check"), feeds, saved, comparisons, lines,
+    return _finish(runner, save_dir, feeds, saved, comparisons, lines,
                    outputs, dtype, user_bounds=options.user_bounds)
 
 
@@ -381,6 +409,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
 
     options = options or CheckOptions()
     folder = Path(folder)
+    save_dir = save_dir_for(options, folder.with_name(folder.name + ".check"))
     provider = resolve_provider(options.provider)
     runner = OrtDecoder(folder, provider)
     meta, dtype = runner.meta, runner.meta["dtype"]
@@ -446,7 +475,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     runner_cmd = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok)
-    return _finish(runner_cmd, options.save_dir or folder.with_name(folder.name + ".check"), feeds, saved,
+    return _finish(runner_cmd, save_dir, feeds, saved,
                    comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)
 
 
@@ -488,6 +517,7 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
 
     options = options or CheckOptions()
     model_path, against_path = Path(model_path), Path(against_path)
+    save_dir = save_dir_for(options, model_path.with_suffix(".check"))
     provider = resolve_provider(options.provider)
     session, other = open_session(model_path, provider), open_session(against_path, provider)
     ins = {(i.name, i.type) for i in session.get_inputs()}
@@ -521,5 +551,5 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
             comparisons.append((name, c))
             lines.append(c.line())
     runner = ["polygraphy run", shlex.quote(str(model_path)), "--onnxrt", "--providers", provider]
-    return _finish(runner, options.save_dir or model_path.with_suffix(".check"), feeds, saved, comparisons, lines,
+    return _finish(runner, save_dir, feeds, saved, comparisons, lines,
                    outputs, dtype, user_bounds=options.user_bounds, runner_name=f"onnxrt-{against_path.stem}")

@@ -118,7 +118,7 @@ def _check_options(args):
     return CheckOptions(shapes=parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
                         provider=args.provider, seed=args.seed,
                         save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
-                        reference=args.reference)
+                        reference=args.reference, plugin_lib=args.plugin_lib)
 
 
 def cmd_check(args) -> int:
@@ -707,6 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--against", metavar="OTHER.onnx",
                            help="compare with another ONNX file on the same inputs (e.g. optimize's input); with "
                                 "--ckpt also against the model")
+            p.add_argument("--plugin-lib", help="engines: libdiffexport_plugins.so to load (default: "
+                                                "$DIFFEXPORT_PLUGIN_LIB or this install's build; never the path an "
+                                                "engine's .json names)")
             p.add_argument("--atol", type=float, help="your own bound: |out - ref| <= atol + rtol*|ref| elementwise "
                                                       "(polygraphy's rule) instead of the automatic dtype rule")
             p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")

@@ -35,9 +35,24 @@ def _weights(model, folder: Path) -> dict:
         count += numel
         nbytes += numel * onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
         if init.data_location == onnx.TensorProto.EXTERNAL:
-            location = next(e.value for e in init.external_data if e.key == "location")
-            files[location] = (folder / location).is_file()
+            location = next((e.value for e in init.external_data if e.key == "location"), "")
+            files[location] = external_file_state(folder, location)
     return {"parameters": count, "bytes": nbytes, "external_data": files}
+
+
+def external_file_state(folder: Path, location: str) -> str:
+    """'present', 'MISSING', or 'REFUSED' for a location outside the model's folder (absolute,
+    '..', or a link leading out): such a path is never looked at, so inspect reveals nothing
+    about files elsewhere on the machine (onnx refuses to load them too)."""
+    relative = Path(location)
+    if not location or relative.is_absolute() or ".." in relative.parts:
+        return "REFUSED"
+    probe = folder
+    for part in relative.parts:  # no link on the way may lead out of the folder
+        probe = probe / part
+        if probe.is_symlink():
+            return "REFUSED"
+    return "present" if probe.is_file() else "MISSING"
 
 
 def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int) -> dict[str, str]:
@@ -107,7 +122,8 @@ def render(info: dict) -> str:
             shape = "[" + ", ".join(str(d) for d in value["shape"]) + "]"
             lines.append(f"{kind[:-1]:<13s} {value['name']} {value['dtype']} {shape}")
     w = info["weights"]
-    external = ", ".join(f"{f}{'' if ok else ' (MISSING)'}" for f, ok in w["external_data"].items()) or "none"
+    external = ", ".join(f"{f}{'' if state == 'present' else f' ({state})'}"
+                         for f, state in w["external_data"].items()) or "none"
     lines.append(f"weights       {w['parameters']:,} values, {w['bytes'] / 1e6:.1f} MB; external data: {external}")
     top = ", ".join(f"{op} {n}" for op, n in list(info["histogram"].items())[:12])
     more = len(info["histogram"]) - 12

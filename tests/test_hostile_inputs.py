@@ -1,0 +1,91 @@
+"""Inputs from strangers (issue 14, first part): no library loaded because an input names it, no
+write through a link a downloaded folder carries, no probing of files outside a model's folder."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from helpers import assert_one_line_error, run_cli
+
+onnx = pytest.importorskip("onnx")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("exported")
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", folder / "m.onnx").returncode == 0
+    return folder / "m.onnx"
+
+
+def test_engine_sidecar_cannot_make_check_load_a_library(exported, tmp_path, monkeypatch):
+    """An engine's .json names the plugin library its build used; `check` never loads that path
+    (a library is code). Here the sidecar names one that would leave a marker if loaded."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the marker library")
+    marker = tmp_path / "LOADED"
+    src = tmp_path / "evil.c"
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{'
+                   f' FILE* f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    evil = tmp_path / "libevil.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(evil), str(src)], check=True)
+    from diffexport.check import read_export_metadata
+
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"not really an engine")
+    record = {"onnx": str(exported), "onnx_metadata": read_export_metadata(exported), "module": "tensorrt",
+              "attention": "plugin", "logit_bits": 16, "smooth_k": True, "precision": "float32",
+              "profile": {"min": [1, 1], "opt": [1, 8], "max": [2, 64]}, "plugin_lib": str(evil)}
+    (tmp_path / "m.engine.json").write_text(json.dumps(record))
+    monkeypatch.setenv("DIFFEXPORT_PLUGIN_LIB", str(tmp_path / "no-plugin-here.so"))
+    result = run_cli("check", engine, "--preset", "diff-v1-tiny")
+    assert_one_line_error(result, "plugin library not found")
+    assert str(evil) not in result.stderr and not marker.exists()
+
+
+def test_check_files_never_go_through_links(exported, tmp_path):
+    """A MODEL.check/ folder that arrived holding links to files elsewhere: the links are replaced,
+    their targets untouched; a save folder that is itself a link is refused."""
+    model = tmp_path / "m.onnx"
+    shutil.copy(exported, model)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    check_dir = tmp_path / "m.check"
+    check_dir.mkdir()
+    (check_dir / "inputs.json").symlink_to(victim)
+    (check_dir / "eager_outputs.json").symlink_to(victim)
+    result = run_cli("check", model, "--preset", "diff-v1-tiny", "--shapes", "1x3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert victim.read_text() == "precious"
+    assert not (check_dir / "inputs.json").is_symlink() and (check_dir / "inputs.json").stat().st_size > 0
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(check_dir)
+    check_dir.symlink_to(elsewhere)
+    refused = run_cli("check", model, "--preset", "diff-v1-tiny", "--shapes", "1x3")
+    assert_one_line_error(refused, "is a symbolic link or not a folder")
+    assert not any(elsewhere.iterdir())
+
+
+def test_inspect_does_not_probe_files_outside_the_model_folder(exported, tmp_path):
+    """External-data locations outside the folder are reported REFUSED whether or not they exist."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(exported))
+    weight = max(model.graph.initializer, key=lambda t: len(t.raw_data) or 0)
+    secret = tmp_path.parent / "secret.bin"
+    secret.write_bytes(b"exists")
+    values = numpy_helper.to_array(weight)
+    for location in ("../secret.bin", str(secret), "../no-such-file.bin"):
+        tensor = numpy_helper.from_array(values, weight.name)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value=location)
+        weight.CopyFrom(tensor)
+        path = tmp_path / "hostile.onnx"
+        path.write_bytes(model.SerializeToString())  # onnx.save itself refuses such a location
+        out = run_cli("inspect", path)
+        assert out.returncode == 0, out.stderr
+        assert f"{location} (REFUSED)" in out.stdout
