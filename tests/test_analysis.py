@@ -187,6 +187,7 @@ def test_analysis_cli_bad_values_one_line(argv, message):
     assert_one_line_error(run_cli(*argv), message)
 
 
+@pytest.mark.slow
 def test_analysis_cli_refuses_empty_text_and_foreign_checkpoints(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -211,6 +212,7 @@ def test_checkpoint_carries_its_training_task(tmp_path):
     assert load_model(without).task is None
 
 
+@pytest.mark.slow
 def test_cli_writes_each_plot_as_png(tmp_path):
     pytest.importorskip("matplotlib")
     runs = {
@@ -247,6 +249,7 @@ def test_text_through_a_local_tokenizer(tmp_path):
         streams.text_ids(str(text), str(tmp_path / "missing"), 512)
 
 
+@pytest.mark.slow
 def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(tmp_path):
     from diffexport.presets import preset_config
 

@@ -282,6 +282,7 @@ def test_failed_save_leaves_nothing(tmp_path):
     assert not target.exists() and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_from_module_takes_our_model_and_an_in_memory_diffllama(tmp_path, rng):
     from diffexport.checkpoint import from_module
     from diffexport.errors import DiffExportError

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from helpers import run_cli
 
 
@@ -14,6 +16,7 @@ def test_help_does_not_import_heavy_modules():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_demo_runs_on_default_model():
     result = run_cli("demo")
     assert result.returncode == 0, result.stderr

@@ -9,6 +9,8 @@ import pytest
 
 from helpers import run_cli
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 

@@ -72,6 +72,7 @@ def v1_export(v1_ckpt, tmp_path_factory):
     return path, summary, report
 
 
+@pytest.mark.slow
 def test_v1_native_checkpoint_exports_and_checks(v1_export):
     path, summary, report = v1_export
     assert report.passed, report.text()
@@ -115,6 +116,7 @@ def test_polygraphy_command_printed_by_check_passes(v1_export):
     assert "PASSED" in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_polygraphy_command_fails_when_the_model_differs(v1_export, tmp_path):
     """The saved outputs really constrain the model: another seed's export must fail the same command."""
     pytest.importorskip("polygraphy")
@@ -127,6 +129,7 @@ def test_polygraphy_command_fails_when_the_model_differs(v1_export, tmp_path):
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_v2_checkpoint_exports_and_checks(tmp_path):
     model = build_model(preset_config("diff-v2-tiny"), seed=5)
     save_safetensors(model, tmp_path / "v2")
@@ -137,6 +140,7 @@ def test_v2_checkpoint_exports_and_checks(tmp_path):
     _assert_unit_weights(tmp_path / "v2.onnx", 32)  # V2 has no norm weight: the contract passes ones
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (8, 2)])
 def test_hf_diffllama_exports_checks_and_matches_transformers(heads, kv_heads, tmp_path, rng):
     """GQA DiffLlama: halves layout, weightless head norm; also compared with transformers itself."""
@@ -159,6 +163,7 @@ def test_hf_diffllama_exports_checks_and_matches_transformers(heads, kv_heads, t
     _assert_unit_weights(tmp_path / "hf.onnx", 32)  # weightless head norm: the contract passes ones
 
 
+@pytest.mark.slow
 def test_fp16_export_passes_its_tolerance(tmp_path):
     loaded = load_model(None, preset="diff-v1-tiny", seed=2, dtype=torch.float16)
     summary, report = _export_and_check(loaded, tmp_path / "fp16.onnx", dtype="float16")
@@ -168,6 +173,7 @@ def test_fp16_export_passes_its_tolerance(tmp_path):
     assert "torch low-precision baseline" in report.text()
 
 
+@pytest.mark.slow
 def test_attention_body_hidden_output_and_external_data(tmp_path):
     loaded = load_model(None, preset="diff-v1-tiny", seed=4)
     path = tmp_path / "att.onnx"
@@ -189,6 +195,7 @@ def test_legacy_exporter_fallback(tmp_path):
     assert len(_diff_nodes(tmp_path / "legacy.onnx")) == 2
 
 
+@pytest.mark.slow
 def test_check_of_an_hf_checkpoint_compares_with_transformers_itself(tmp_path):
     """`check` on an HF DiffLlama export: against diffexport's port and against transformers'
     DiffLlamaForCausalLM (the default when transformers is installed), each line saying which;

@@ -24,6 +24,7 @@ def tiny(tmp_path_factory):
     return ckpt, folder / "model.onnx"
 
 
+@pytest.mark.slow
 def test_cli_check_passes_on_its_own_export(tiny):
     ckpt, model = tiny
     result = run_cli("check", model, "--ckpt", ckpt, "--shapes", "1x3,2x5")
@@ -31,6 +32,7 @@ def test_cli_check_passes_on_its_own_export(tiny):
     assert "result        PASS" in result.stdout and "polygraphy run" in result.stdout
 
 
+@pytest.mark.slow
 def test_non_diff_checkpoint_is_refused(tmp_path):
     ckpt = save_checkpoint(build_model(preset_config("transformer-tiny"), seed=0), tmp_path / "base.pt")
     result = run_cli("onnx", ckpt, "-o", tmp_path / "m.onnx")
@@ -38,6 +40,7 @@ def test_non_diff_checkpoint_is_refused(tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.slow
 def test_output_in_a_missing_folder_creates_it(tmp_path):
     """-o into folders that do not exist yet makes them (as optimum-cli does); under a file it is one line."""
     result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "new" / "deeper" / "m.onnx")
@@ -75,22 +78,26 @@ def test_foreign_onnx_without_metadata(tmp_path):
     assert_one_line_error(run_cli("check", tmp_path / "neg.onnx", "--preset", "diff-v1-tiny"), "no diffexport metadata")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_preset(tiny):
     _, model = tiny
     assert_one_line_error(run_cli("check", model, "--preset", "diff-v2-tiny"), "holds a diff_v1 model")
     assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-3b"), "different configuration")
 
 
+@pytest.mark.slow
 def test_same_preset_other_weights(tiny):
     _, model = tiny
     assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-tiny", "--seed", "7"), "other weights")
 
 
+@pytest.mark.slow
 def test_bad_shapes_argument(tiny):
     ckpt, model = tiny
     assert_one_line_error(run_cli("check", model, "--ckpt", ckpt, "--shapes", "2by3"), "BATCHxSEQ")
 
 
+@pytest.mark.slow
 def test_bf16_on_the_cpu_provider_says_what_to_use(tmp_path):
     loaded = load_model(None, preset="diff-v1-tiny", dtype=__import__("torch").bfloat16)
     export_onnx(loaded, tmp_path / "bf16.onnx", ExportOptions(dtype="bfloat16"), log=lambda _: None)
@@ -98,6 +105,7 @@ def test_bf16_on_the_cpu_provider_says_what_to_use(tmp_path):
                            "CUDA provider or TensorRT")
 
 
+@pytest.mark.slow
 def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
     """Ctrl-C while the weights are being written: no model.onnx, no temporary folder, no .data file."""
     import onnx_ir
@@ -116,6 +124,7 @@ def test_interrupted_export_leaves_nothing(tmp_path, monkeypatch):
         assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_failed_check_of_the_graph_leaves_an_older_export_intact(tmp_path, monkeypatch):
     """An export that fails after tracing must not replace a good model.onnx already there."""
     loaded = load_model(None, preset="diff-v1-tiny")

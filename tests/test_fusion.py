@@ -16,6 +16,8 @@ from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.passes.optimize import optimize_model  # noqa: E402
 from helpers import assert_same_logits, ort_logits, run_cli  # noqa: E402
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 
 def plain_export(preset, impl, path, seed=0, opset=18, dtype=torch.float32):
     """torch.onnx.export of a model whose attention is plain torch ops (no diffexport op)."""

@@ -9,6 +9,8 @@ import pytest
 
 from helpers import assert_one_line_error, run_cli
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 onnx = pytest.importorskip("onnx")
 
 

@@ -10,6 +10,8 @@ from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from helpers import run_cli  # noqa: E402
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 
 @pytest.fixture(scope="module")
 def external_export(tmp_path_factory):

@@ -235,6 +235,7 @@ def test_cli_kernels(lib, tmp_path):
     assert "archs=" in result.stdout and str(kernels.library_path()) in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_kernels_not_built_is_information_a_broken_library_an_error(tmp_path):
     """`diffexport kernels` reports a missing library (exit 0, with the build command); a file
     that is there but not a usable library is an error (one line, exit 2)."""

@@ -17,6 +17,8 @@ from diffexport.quantization import LogitQuant
 from helpers import assert_close_lowprec, host_library, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "plugins" / "kernels"
 BUILT = ROOT / "build" / "plugins" / "kernels" / "emulation" / "libdiffexport_kernel_emulator.so"

@@ -22,6 +22,8 @@ from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
 from helpers import assert_one_line_error, run_cli  # noqa: E402
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 NEW_TOKENS = 36
 

@@ -210,6 +210,7 @@ def test_training_step_through_the_op(rng):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_building_allocates_the_weights_once(tmp_path):
     """Peak RSS while building a ~170M-parameter model stays near one copy of its fp32 weights."""
     import subprocess

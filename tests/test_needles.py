@@ -14,6 +14,8 @@ from diffexport.errors import DiffExportError
 from diffexport.modeling import build_model
 from diffexport.presets import preset_config
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -13,6 +13,8 @@ from diffexport.passes.cleanup import cleanup  # noqa: E402
 from diffexport.passes.lowering import lower_diff_attention  # noqa: E402
 from helpers import assert_same_logits  # noqa: E402
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 
 @pytest.fixture(scope="module", params=["diff-v1-tiny", "diff-v2-tiny"])
 def exported(request, tmp_path_factory):

@@ -18,6 +18,8 @@ from diffexport.export import export_onnx  # noqa: E402
 from diffexport.passes.cleanup import cleanup  # noqa: E402
 from diffexport.passes.lowering import lower_diff_attention  # noqa: E402
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 
 # "function": the graph as it is (the parser inlines the DiffAttention function; no plugin is registered)
 RTX_INLINED = EngineOptions(attention="function", module="tensorrt_rtx", targets=("SM80", "SM89"), progress=False)

@@ -14,6 +14,8 @@ from diffexport.errors import DiffExportError
 from diffexport.passes.lowering import node_attrs
 from helpers import assert_one_line_error, run_cli
 
+pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
