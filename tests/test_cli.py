@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,8 @@ def test_demo_runs_on_default_model():
     assert "PASS" in result.stdout
     assert "error" not in result.stderr and "Traceback" not in result.stderr
     assert "polygraphy run" in result.stdout and "2 DiffAttention" in result.stdout
+    removed = [line.split()[1] for line in result.stderr.splitlines() if line.startswith("removed ")]
+    assert removed and not Path(removed[0]).exists()  # the temporary folder is gone, and it said so
 
 
 def test_presets_lists_the_zoo():
@@ -101,3 +104,10 @@ def test_readme_command_list_names_every_flag():
 def test_trt_help_says_what_fp16_means():
     result = run_cli("trt", "--help")
     assert "Not trtexec's --fp16" in " ".join(result.stdout.split())
+
+
+def test_check_refuses_bad_user_bounds_in_one_line():
+    from helpers import assert_one_line_error
+
+    result = run_cli("check", "model.onnx", "--against", "other.onnx", "--atol", "-1")
+    assert_one_line_error(result, "--atol must be a finite number >= 0")

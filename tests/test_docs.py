@@ -15,7 +15,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def python_blocks(page: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
+    path = DOCS.parent / page if page == "README.md" else DOCS / page
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
 def run_blocks(blocks: list[str], folder: Path, replace: dict[str, str] | None = None) -> dict:
@@ -55,3 +56,9 @@ def test_hf_torch_onnx_recipe_then_optimize_and_check(tmp_path):
     assert fused.returncode == 0, fused.stderr
     checked = run_cli("check", tmp_path / "diffllama-fused.onnx", "--against", tmp_path / "diffllama.onnx")
     assert checked.returncode == 0 and "PASS" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_readme_api_example_runs(tmp_path):
+    (block,) = python_blocks("README.md")
+    ns = run_blocks([block], tmp_path)
+    assert ns["report"].passed and (tmp_path / "model.onnx").is_file()
