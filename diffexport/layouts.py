@@ -14,6 +14,8 @@ converted model computes exactly what the original computed.
 
 from __future__ import annotations
 
+import math
+
 from typing import Mapping
 
 import torch
@@ -50,40 +52,73 @@ def _take(state: dict, key: str) -> torch.Tensor:
     return state.pop(key)
 
 
+# transformers' DiffLlamaConfig defaults (5.x) for keys a config.json may leave out: a missing key
+# must mean what it means to transformers (rms_norm_eps 1e-6 here once gave logits 3.6e-3 apart).
+HF_DIFFLLAMA_DEFAULTS = {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "lambda_std_dev": 0.1,
+                         "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False}
+
+
+def _hf_int(hf: Mapping, key: str) -> int:
+    if key not in hf:
+        raise DiffExportError(f"DiffLlama config.json lacks {key!r}")
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DiffExportError(f"DiffLlama config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _hf_float(hf: Mapping, key: str, value=None) -> float:
+    value = hf.get(key, HF_DIFFLLAMA_DEFAULTS.get(key)) if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise DiffExportError(f"DiffLlama config.json: {key} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def _hf_bool(hf: Mapping, key: str) -> bool:
+    value = hf.get(key, HF_DIFFLLAMA_DEFAULTS[key])
+    if not isinstance(value, bool):
+        raise DiffExportError(f"DiffLlama config.json: {key} must be true or false, got {value!r}")
+    return value
+
+
 def hf_diffllama_config(hf: Mapping) -> dict:
-    """DiffLlama config.json -> diff_v1 config values (one-line errors for what we cannot represent)."""
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise DiffExportError(f"DiffLlama with {flag}=true is not supported (diffexport models have no biases)")
-    if hf.get("hidden_act", "silu") != "silu":
+    """DiffLlama config.json -> diff_v1 config values, read as transformers reads it (its defaults
+    for missing keys, rope_scaling before rope_parameters); one-line errors for what we cannot
+    represent or what is not a valid value."""
+    if _hf_bool(hf, "attention_bias"):
+        raise DiffExportError("DiffLlama with attention_bias=true is not supported (diffexport models have no biases)")
+    # mlp_bias is ignored, as transformers' DiffLlamaMLP ignores it: its projections never have biases.
+    if hf.get("hidden_act", HF_DIFFLLAMA_DEFAULTS["hidden_act"]) != "silu":
         raise DiffExportError(f"DiffLlama hidden_act={hf['hidden_act']!r} is not supported (only silu)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers: rope_scaling wins
+    if not isinstance(rope, Mapping):
+        raise DiffExportError(f"DiffLlama config.json: rope_scaling/rope_parameters must be an object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise DiffExportError(f"DiffLlama rope_type={rope_type!r} is not supported (only default RoPE)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    try:
-        heads, kv_heads = int(hf["num_attention_heads"]), int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        cfg = {
-            "vocab_size": int(hf["vocab_size"]),
-            "d_model": hidden,
-            "n_layers": int(hf["num_hidden_layers"]),
-            "ffn_hidden": int(hf["intermediate_size"]),
-            "rope_theta": float(theta),
-            "rope_interleaved": False,
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "n_heads": heads // 2,
-            "n_kv_heads": kv_heads // 2,
-            "head_dim": int(hf.get("head_dim") or hidden // heads),
-            "head_norm_affine": False,
-            "head_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            "lambda_init": None,
-            "lambda_std": float(hf.get("lambda_std_dev", 0.1)),
-        }
-    except KeyError as exc:
-        raise DiffExportError(f"DiffLlama config.json lacks {exc.args[0]!r}") from None
+    theta = _hf_float(hf, "rope_theta", rope.get("rope_theta", hf.get("rope_theta", HF_DIFFLLAMA_DEFAULTS["rope_theta"])))
+    heads = _hf_int(hf, "num_attention_heads")
+    kv_heads = _hf_int(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else heads
+    hidden = _hf_int(hf, "hidden_size")
+    head_dim = _hf_int(hf, "head_dim") if hf.get("head_dim") is not None else hidden // heads
+    eps = _hf_float(hf, "rms_norm_eps")
+    cfg = {
+        "vocab_size": _hf_int(hf, "vocab_size"),
+        "d_model": hidden,
+        "n_layers": _hf_int(hf, "num_hidden_layers"),
+        "ffn_hidden": _hf_int(hf, "intermediate_size"),
+        "rope_theta": theta,
+        "rope_interleaved": False,
+        "norm_eps": eps,
+        "tie_embeddings": _hf_bool(hf, "tie_word_embeddings"),
+        "n_heads": heads // 2,
+        "n_kv_heads": kv_heads // 2,
+        "head_dim": head_dim,
+        "head_norm_affine": False,
+        "head_norm_eps": eps,
+        "lambda_init": None,
+        "lambda_std": _hf_float(hf, "lambda_std_dev"),
+    }
     if heads % 2 or kv_heads % 2:
         raise DiffExportError(f"DiffLlama needs even num_attention_heads and num_key_value_heads, "
                               f"got {heads} and {kv_heads}")

@@ -1,6 +1,7 @@
 """Checkpoints: round trips, Hugging Face DiffLlama and unilm imports, and every kind of bad input."""
 
 import json
+import re
 import os
 import pickle
 from pathlib import Path
@@ -297,3 +298,42 @@ def test_from_module_takes_our_model_and_an_in_memory_diffllama(tmp_path, rng):
     assert from_module(ours).model is ours
     with pytest.raises(DiffExportError, match="Linear is not a model diffexport knows"):
         from_module(torch.nn.Linear(2, 2))
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes", [
+    {"rms_norm_eps": None},  # missing: transformers' default 1e-5 (not 1e-6)
+    {"mlp_bias": True},  # transformers' DiffLlama MLP never has biases: ignored as it ignores it
+])
+def test_hf_config_is_read_as_transformers_reads_it(changes, tmp_path, rng):
+    transformers = pytest.importorskip("transformers")
+    _, path = _hf_model(tmp_path, 4, 2, False, rms_norm_eps=1e-5)
+    _edit_config(path, **changes)
+    hf = transformers.DiffLlamaForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, 96, (2, 13), generator=rng)
+    with torch.no_grad():
+        assert (load_model(path).model(ids) - hf(ids).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear' is not supported"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+    ({"rope_theta": float("nan"), "rope_parameters": None}, "rope_theta must be a finite number"),
+    ({"num_attention_heads": "four"}, "num_attention_heads must be a positive integer"),
+    ({"lambda_std_dev": "abc"}, "lambda_std_dev must be a finite number"),
+    ({"rope_scaling": "linear"}, "must be an object"),
+])
+def test_hf_config_values_transformers_would_read_differently_are_refused(changes, message, tmp_path):
+    _, path = _hf_model(tmp_path, 4, 2, False)
+    _edit_config(path, **changes)
+    with pytest.raises(DiffExportError, match=re.escape(message)):
+        load_model(path)
