@@ -217,6 +217,7 @@ def model_from_state(cfg: ModelConfig, state: Mapping, where: str, dtype: torch.
             _check_tensor(name, state[name], ref, where)
             progress.advance(ref.numel())
     target = dtype or state["embed.weight"].dtype
+    check_range(((k, state[k]) for k in expected), target, where)
     weights = {k: state[k].to(target) for k in expected}
     if cfg.tie_embeddings:
         weights["lm_head.weight"] = weights["embed.weight"]
@@ -224,6 +225,21 @@ def model_from_state(cfg: ModelConfig, state: Mapping, where: str, dtype: torch.
     if cfg.tie_embeddings:  # assign=True sets two Parameters: make them one again
         model.lm_head.weight = model.embed.weight
     return model.eval()
+
+
+def check_range(named_tensors, dtype: torch.dtype, where: str) -> None:
+    """Finite weights that the target dtype cannot hold would become inf when cast (fp16 stops at
+    65504): refuse, naming the tensor, instead of exporting infinities."""
+    if not dtype.is_floating_point:
+        return
+    limit = torch.finfo(dtype).max
+    for name, tensor in named_tensors:
+        if tensor.is_floating_point() and torch.finfo(tensor.dtype).max > limit and tensor.numel():
+            peak = float(tensor.detach().abs().max())
+            if peak > limit:
+                kind = str(dtype).replace("torch.", "")
+                raise DiffExportError(f"{where}: {name} holds values up to {peak:.4g}, beyond {kind}'s range "
+                                      f"({limit:.4g}): export in float32 or bfloat16")
 
 
 def _require_diff(state: Mapping, where: str) -> None:

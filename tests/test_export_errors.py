@@ -1,6 +1,7 @@
 """Bad input to `diffexport onnx` / `diffexport check`: one line `error: ...`, exit 2, nothing half-written."""
 
 import pytest
+import torch
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
@@ -148,3 +149,16 @@ def test_a_model_must_be_named(command, tmp_path, tiny):
     args = [model if a == "x.onnx" and command[0] == "check" else tmp_path / a if a == "x.onnx" else a
             for a in command]
     assert_one_line_error(run_cli(*args), "name the model")
+
+
+@pytest.mark.slow
+def test_fp16_export_of_weights_beyond_its_range_is_refused(tmp_path):
+    """A finite fp32 weight fp16 cannot hold would export as inf: one line naming it, nothing written."""
+    model = load_model(None, preset="diff-v1-tiny", seed=0).model
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight[0, 0] = 1e5
+    ckpt = save_checkpoint(model, tmp_path / "big.pt")
+    result = run_cli("onnx", ckpt, "--fp16", "-o", tmp_path / "m.onnx")
+    assert_one_line_error(result, "layers.0.mlp.up_proj.weight holds values up to 1e+05, beyond float16's range")
+    assert not (tmp_path / "m.onnx").exists()
+    assert run_cli("onnx", ckpt, "--bf16", "-o", tmp_path / "b.onnx").returncode == 0

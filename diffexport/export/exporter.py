@@ -248,6 +248,9 @@ def model_in_dtype(loaded: LoadedModel, dtype_name: str):
     """(the model in eval mode and the export dtype, the fingerprint of its weights in that dtype)."""
     model = loaded.model.eval()
     if next(model.parameters()).dtype != DTYPES[dtype_name]:
+        from diffexport.checkpoint import check_range
+
+        check_range(model.state_dict().items(), DTYPES[dtype_name], "the model")
         model = model.to(DTYPES[dtype_name])
     return model, fingerprint.weights_fingerprint(model, dtype_name)
 
