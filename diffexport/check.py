@@ -167,12 +167,9 @@ def resolve_reference(choice: str, loaded: LoadedModel) -> tuple[bool, bool, str
     if choice not in REFERENCES:
         raise DiffExportError(f"--reference {choice!r} is not one of {', '.join(REFERENCES)}")
     is_hf = loaded.source == "hf-diffllama" and loaded.path is not None
-    try:
-        import transformers  # noqa: F401
+    import importlib.util
 
-        have = True
-    except ImportError:
-        have = False
+    have = importlib.util.find_spec("transformers") is not None
     if choice in ("transformers", "both"):
         if not is_hf:
             raise DiffExportError(f"--reference {choice}: the checkpoint is {loaded.source}, not a Hugging Face "
