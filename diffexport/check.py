@@ -73,9 +73,19 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """diffexport's metadata_props of an ONNX file (weights are not read)."""
+    """diffexport's metadata_props of an ONNX file (weights are not read). Its DiffAttention nodes
+    must hold contract-valid attributes: a tampered node (variant 9, say) is refused here rather
+    than run by whichever runtime tolerates it."""
+    from diffexport.passes.lowering import is_diff_attention, node_attrs
+
     path = Path(path)
     model = load_onnx(path, weights=False)
+    for node in model.graph.node:
+        if is_diff_attention(node):
+            try:
+                node_attrs(node)
+            except DiffExportError as exc:
+                raise DiffExportError(f"{path.name}: {exc}") from None
     meta = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
     if "config" not in meta or "dtype" not in meta:
         raise DiffExportError(f"{path} carries no diffexport metadata, so there is no model to compare it with: "

@@ -91,3 +91,13 @@ def test_inspect_does_not_probe_files_outside_the_model_folder(exported, tmp_pat
         out = run_cli("inspect", path)
         assert out.returncode == 0, out.stderr
         assert f"{location} (REFUSED)" in out.stdout
+
+
+def test_check_refuses_a_diff_attention_node_outside_the_contract(exported, tmp_path):
+    model = onnx.load(str(exported))
+    node = next(n for n in model.graph.node if n.op_type == "DiffAttention")
+    next(a for a in node.attribute if a.name == "variant").i = 9
+    onnx.save(model, str(tmp_path / "tampered.onnx"))
+    result = run_cli("check", tmp_path / "tampered.onnx", "--preset", "diff-v1-tiny")
+    assert_one_line_error(result, "variant")
+    assert "tampered.onnx: DiffAttention node" in result.stderr
