@@ -1,9 +1,9 @@
 """Checkpoints: round trips, Hugging Face DiffLlama and unilm imports, and every kind of bad input."""
 
 import json
-import re
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -14,7 +14,7 @@ from diffexport.checkpoint import FORMAT, load_model, save_checkpoint, save_safe
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DiffV1Config, build_model
 from diffexport.presets import preset_config
-from helpers import assert_one_line_error, run_cli  # noqa: E402
+from helpers import assert_one_line_error, run_cli
 
 
 def _logits(model, rng, vocab, seq=13):
@@ -337,3 +337,36 @@ def test_hf_config_values_transformers_would_read_differently_are_refused(change
     _edit_config(path, **changes)
     with pytest.raises(DiffExportError, match=re.escape(message)):
         load_model(path)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"n_layers": 10**9}, "n_layers must be an int in 1..1024"),
+    ({"d_model": 10**7}, "d_model must be an int in 1..65536"),
+    ({"tie_embeddings": "yes"}, "tie_embeddings must be true or false"),
+    ({"rope_theta": float("nan")}, "rope_theta must be a finite number > 0"),
+    ({"vocab_size": "512"}, "vocab_size must be an int"),
+])
+def test_config_values_are_validated_before_anything_is_built(changes, message, tmp_path):
+    import time
+
+    from diffexport.checkpoint import load_config_file
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"family": "diff_v1", "config": {"vocab_size": 512, "d_model": 128, **changes}}))
+    start = time.perf_counter()
+    with pytest.raises(DiffExportError, match=re.escape(message)):
+        load_model(None, config=load_config_file(path))
+    assert time.perf_counter() - start < 5
+
+
+def test_a_model_larger_than_memory_is_refused_before_allocation(tmp_path):
+    from diffexport.checkpoint import load_config_file
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"family": "diff_v1", "config": {"vocab_size": 1 << 20, "d_model": 1 << 15,
+                                                                 "n_layers": 256, "n_heads": 64}}))
+    result = run_cli("info", "--config", path)
+    assert_one_line_error(result, "parameters (")
+    assert "GiB to build), more than the" in result.stderr
+    with pytest.raises(DiffExportError, match="check the config's sizes"):
+        load_model(None, config=load_config_file(path))

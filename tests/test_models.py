@@ -186,7 +186,7 @@ def test_seeded_builds_are_deterministic():
     ("diff_v1", dict(d_model=100, n_heads=3), "not divisible"),
     ("diff_v1", dict(head_dim=7), "even"),
     ("diff_v2", dict(n_heads=2, n_kv_heads=4), "must divide"),
-    ("diff_v1", dict(n_layers=0), "positive"),
+    ("diff_v1", dict(n_layers=0), "n_layers must be an int in 1..1024"),
     ("diff_v1", dict(unknown_knob=1), "unknown key"),
     ("gpt2", dict(), "unknown model family"),
 ])

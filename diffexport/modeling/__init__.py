@@ -35,12 +35,30 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", seed: i
         model = FAMILIES[cfg.family][1](cfg)
     if str(device) == "meta":
         return model
+    check_fits_in_memory(model, dtype, device)
     model = model.to_empty(device=device)
     if cfg.tie_embeddings:  # to_empty re-creates parameters: tie again
         model.lm_head.weight = model.embed.weight
     if seed is not None:
         model.init_weights(seed)
     return model.to(dtype).eval()
+
+
+def check_fits_in_memory(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
+    """Refuse, before allocating, a model larger than this machine's memory (CPU) or the GPU's."""
+    import os
+
+    from diffexport.errors import DiffExportError
+
+    params = sum(p.numel() for p in model.parameters())
+    need = params * max(4, torch.empty(0, dtype=dtype).element_size())  # fp32 while initialising
+    if torch.device(device).type == "cuda":
+        have = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise DiffExportError(f"this configuration has {params:,} parameters ({need / 2**30:.1f} GiB to build), "
+                              f"more than the {have / 2**30:.0f} GiB here: check the config's sizes")
 
 
 __all__ = ["FAMILIES", "DIFF_FAMILIES", "DiffV1Config", "DiffV1LM", "DiffV2Config", "DiffV2LM",

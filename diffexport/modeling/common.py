@@ -19,6 +19,9 @@ def swiglu_hidden(d_model: int, multiple_of: int = 256) -> int:
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
 
+MAX_SIZES = {"vocab_size": 1 << 24, "d_model": 1 << 16, "n_layers": 1024, "ffn_hidden": 1 << 20}
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """Base of the family configs: dict round-trip with one-line errors on bad values."""
@@ -36,12 +39,29 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        d_model = self.d_model
+        if isinstance(d_model, bool) or not isinstance(d_model, int) or not 1 <= d_model <= MAX_SIZES["d_model"]:
+            raise DiffExportError(f"{self.family} config: d_model must be an int in 1..{MAX_SIZES['d_model']}, "
+                                  f"got {d_model!r}")
         if self.ffn_hidden is None:
             self.ffn_hidden = swiglu_hidden(self.d_model)
-        for name in ("vocab_size", "d_model", "n_layers", "ffn_hidden"):
+        # Bounds far above any released model: a config is validated before anything is built, so
+        # a stray 10**9 layers cannot grow memory while the skeleton is made.
+        for name, limit in MAX_SIZES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DiffExportError(f"{self.family} config: {name} must be a positive int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+                raise DiffExportError(f"{self.family} config: {name} must be an int in 1..{limit}, got {value!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise DiffExportError(f"{self.family} config: {name} must be a finite number > 0, got {value!r}")
+        value = self.init_std
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise DiffExportError(f"{self.family} config: init_std must be a finite number >= 0, got {value!r}")
+        for name in ("rope_interleaved", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise DiffExportError(f"{self.family} config: {name} must be true or false, "
+                                      f"got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
