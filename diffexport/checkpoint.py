@@ -271,6 +271,8 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
     path = Path(path)
     if not path.exists():
         raise DiffExportError(f"checkpoint not found: {path}")
+    if not path.is_dir() and not path.is_file():  # a FIFO would hang, /dev/zero grow without end
+        raise DiffExportError(f"{path} is not a regular file or folder (a device, FIFO or socket): give a checkpoint file")
     if path.is_dir():
         return _load_directory(path, dtype)
     if path.suffix == ".safetensors":

@@ -101,3 +101,16 @@ def test_check_refuses_a_diff_attention_node_outside_the_contract(exported, tmp_
     result = run_cli("check", tmp_path / "tampered.onnx", "--preset", "diff-v1-tiny")
     assert_one_line_error(result, "variant")
     assert "tampered.onnx: DiffAttention node" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_non_regular_checkpoints_are_refused_at_once(kind, tmp_path):
+    import os
+
+    if kind == "fifo":
+        path = tmp_path / "ckpt.pt"
+        os.mkfifo(path)  # opening it for reading would block forever
+    else:
+        path = "/dev/zero"  # reading it would never end
+    result = run_cli("info", path)
+    assert_one_line_error(result, "is not a regular file or folder")
