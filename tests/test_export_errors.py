@@ -162,3 +162,18 @@ def test_fp16_export_of_weights_beyond_its_range_is_refused(tmp_path):
     assert_one_line_error(result, "layers.0.mlp.up_proj.weight holds values up to 1e+05, beyond float16's range")
     assert not (tmp_path / "m.onnx").exists()
     assert run_cli("onnx", ckpt, "--bf16", "-o", tmp_path / "b.onnx").returncode == 0
+
+
+@pytest.mark.slow
+def test_export_removes_only_the_data_file_of_the_export_it_replaces(tmp_path):
+    """Re-exporting without external data removes the .data file the replaced export used, and
+    never an unrelated file that merely has the name."""
+    out, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
+    data.write_text("someone else's file")
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
+    assert data.read_text() == "someone else's file"
+    data.unlink()
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", out, "--external-data").returncode == 0
+    assert data.stat().st_size > 100_000
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
+    assert not data.exists()  # the replaced export's weights: stale, removed

@@ -292,6 +292,20 @@ def _save(model_ir, tmp_model: Path, external: bool, log: Callable[[str], None])
                 callback=lambda tensor, info: progress.advance(1))
 
 
+def _references(model_path: Path, data_name: str) -> bool:
+    """Whether the ONNX file at model_path keeps weights in data_name (False when unreadable)."""
+    import onnx
+
+    if not model_path.is_file() or model_path.is_symlink():
+        return False
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception:  # not an ONNX file: then the data file is not its either
+        return False
+    return any(e.key == "location" and e.value == data_name
+               for init in model.graph.initializer for e in init.external_data)
+
+
 def _publish(tmp_dir: Path, out_path: Path, external: bool) -> Path | None:
     """Move the checked files into place (data first, so a model file never points at nothing)."""
     data_path = None
@@ -323,6 +337,10 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     external = wants_external(model_ir, options)
     log(f"writing       {out_path}" + (" with external data" if external else ""))
     make_output_folder(out_path.parent)
+    stale = out_path.with_name(out_path.name + ".data")
+    # Only the data file of the export this one replaces is removed: one that the previous file
+    # did not reference is someone else's and stays.
+    replaces_data = not external and stale.is_file() and not stale.is_symlink() and _references(out_path, stale.name)
     tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp"))
     try:
         save_checked(model_ir, tmp_dir / out_path.name, external, log)
@@ -330,8 +348,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
         data_path = _publish(tmp_dir, out_path, external)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    if not external:  # an older export's weights beside this file would be stale
-        stale = out_path.with_name(out_path.name + ".data")
+    if replaces_data:  # the older export's weights beside this file would be stale
         stale.unlink(missing_ok=True)
     graph = onnx.load(str(out_path), load_external_data=False).graph
     file_bytes = out_path.stat().st_size + (data_path.stat().st_size if data_path else 0)
