@@ -24,7 +24,8 @@ from diffexport.errors import DiffExportError
 from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
 from diffexport.files import atomic_write, load_onnx
 
-DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))  # batch x sequence: 1, odd lengths, batch > 1
+DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
+MAX_CHECK_SHAPE = (64, 16384)  # batch, sequence: beyond, the references' N x N maps outgrow a workstation  # batch x sequence: 1, odd lengths, batch > 1
 EAGER_RUNNER = "eager-pytorch"
 
 
@@ -68,6 +69,9 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
             raise DiffExportError(f"bad shape {item!r} in --shapes: write BATCHxSEQ pairs like 1x1,2x33") from None
         if batch < 1 or seq < 1:
             raise DiffExportError(f"bad shape {item!r} in --shapes: batch and sequence must be >= 1")
+        if batch > MAX_CHECK_SHAPE[0] or seq > MAX_CHECK_SHAPE[1]:
+            raise DiffExportError(f"bad shape {item!r} in --shapes: at most {MAX_CHECK_SHAPE[0]} sequences of "
+                                  f"{MAX_CHECK_SHAPE[1]} tokens (the eager reference holds every attention map)")
         shapes.append((batch, seq))
     return tuple(shapes)
 

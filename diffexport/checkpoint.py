@@ -279,6 +279,9 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
         return _load_safetensors(path, path.parent / "config.json", dtype)
     if path.suffix == ".json":
         raise DiffExportError(f"{path} is a config file: give the checkpoint (or its directory) instead")
+    if path.suffix in (".onnx", ".engine", ".plan", ".trt"):
+        raise DiffExportError(f"{path} is an exported model, not a checkpoint: give the checkpoint it came from "
+                              "(check takes the exported file first, then --ckpt CHECKPOINT)")
 
     obj = _torch_load(path)
     if isinstance(obj, Mapping) and "format" in obj:

@@ -599,8 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "PyTorch to ONNX, ONNX Runtime and TensorRT.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser._subcommands = {}
     for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
+        parser._subcommands[name] = p
         if name == "optimize":
             p.add_argument("model", help="input .onnx")
             p.add_argument("-o", "--output", required=True, help="output .onnx")
@@ -746,9 +748,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _terminate_like_interrupt(signum, frame):
+    """SIGTERM takes the same way out as Ctrl-C, so every cleanup (temporary files) runs."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's own usage, then one error line
+        sub = parser._subcommands.get(args.command, parser) if args.command else parser
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
+    if threading_is_main():
+        signal.signal(signal.SIGTERM, _terminate_like_interrupt)
     if args.version:
         from diffexport import __version__
 

@@ -114,3 +114,35 @@ def test_non_regular_checkpoints_are_refused_at_once(kind, tmp_path):
         path = "/dev/zero"  # reading it would never end
     result = run_cli("info", path)
     assert_one_line_error(result, "is not a regular file or folder")
+
+
+def test_cli_argument_mistakes_are_one_line(exported, tmp_path):
+    """Swapped check arguments, an unknown flag (the subcommand's usage, one error line), a
+    check shape the eager reference cannot hold."""
+    swapped = run_cli("onnx", exported, "-o", tmp_path / "x.onnx")
+    assert_one_line_error(swapped, "is an exported model, not a checkpoint")
+    unknown = run_cli("inspect", exported, "--frobnicate")
+    assert unknown.returncode == 2
+    assert unknown.stderr.startswith("usage: diffexport inspect")
+    assert unknown.stderr.strip().splitlines()[-1] == "diffexport inspect: error: unrecognized arguments: --frobnicate"
+    huge = run_cli("check", exported, "--preset", "diff-v1-tiny", "--shapes", "1x100000")
+    assert_one_line_error(huge, "at most 64 sequences of 16384 tokens")
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+    """SIGTERM during an export: exit 130, no temporary folder, no partial file."""
+    import signal
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "diffexport", "onnx", "--preset", "diff-v1-tiny", "-o",
+                             str(tmp_path / "m.onnx")], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list(tmp_path.glob(".m.onnx.*")):
+        time.sleep(0.01)  # wait until the export has made its temporary folder
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the export finished before the signal arrived")
+    assert proc.returncode == 130 and "error: interrupted" in err
+    assert list(tmp_path.iterdir()) == []
