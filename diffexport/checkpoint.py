@@ -100,28 +100,65 @@ def _check_zip_crc(path: Path) -> None:
 
 
 def _is_wellformed_pickle(path: Path, is_zip: bool) -> bool:
-    """Parse (never run) the pickle opcodes: tells a foreign-but-valid pickle from garbage."""
+    """Parse (never run) the pickle opcodes, streaming (a big file is never read whole): tells a
+    foreign-but-valid pickle from garbage."""
     import pickletools
 
     try:
         if is_zip:
             with zipfile.ZipFile(path) as archive:
                 name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
-                data = archive.read(name)
-        else:
-            data = path.read_bytes()
-        for opcode, _, _ in pickletools.genops(data):
-            if opcode.name == "STOP":
-                return True
-    except Exception:  # any parse failure means: not a well-formed pickle
+                with archive.open(name) as stream:
+                    return any(op.name == "STOP" for op, _, _ in pickletools.genops(_Bounded(stream)))
+        with path.open("rb") as stream:
+            return any(op.name == "STOP" for op, _, _ in pickletools.genops(_Bounded(stream)))
+    except Exception:  # any parse failure (or the bound) means: not a well-formed pickle
         return False
-    return False
+
+
+class _Bounded:
+    """A read-only stream that stops MAX_STRUCTURE_PICKLE_BYTES in: a 'line' opcode over gigabytes
+    of garbage must not be read into memory whole."""
+
+    def __init__(self, raw):
+        self.raw, self.left = raw, MAX_STRUCTURE_PICKLE_BYTES
+
+    def _take(self, data: bytes) -> bytes:
+        self.left -= len(data)
+        if self.left < 0:
+            raise ValueError("pickle longer than a checkpoint's structure")
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        return self._take(self.raw.read(self.left + 1 if n is None or n < 0 else min(n, self.left + 1)))
+
+    def readline(self, n: int = -1) -> bytes:
+        return self._take(self.raw.readline(self.left + 1 if n is None or n < 0 else min(n, self.left + 1)))
+
+
+# data.pkl holds a checkpoint's structure only (names, shapes, storage keys): a few MB even for
+# models of 100B parameters. A declared size beyond this is a deflate bomb, not a checkpoint.
+MAX_STRUCTURE_PICKLE_BYTES = 256 << 20
+
+
+def _check_zip_structure(path: Path) -> None:
+    """The archive's own declarations, read before any member is inflated."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.filename.endswith("data.pkl") and info.file_size > MAX_STRUCTURE_PICKLE_BYTES:
+                    raise DiffExportError(f"{path}: {info.filename} declares {info.file_size:,} bytes (at most "
+                                          f"{MAX_STRUCTURE_PICKLE_BYTES:,} for a checkpoint's structure): refused "
+                                          "unread")
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise _corrupt(path, exc) from None
 
 
 def _torch_load(path: Path) -> Any:
     """torch.load with weights_only=True; every failure becomes one line."""
     is_zip = zipfile.is_zipfile(path)
     if is_zip:
+        _check_zip_structure(path)
         _check_zip_crc(path)
     try:
         # mmap keeps big checkpoints out of RAM until used; only the zip format supports it.

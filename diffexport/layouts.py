@@ -198,7 +198,13 @@ def unilm_state(state: dict, cfg) -> dict:
         for ours, theirs in UNILM_LAYER_NAMES.items():
             key = f"layers.{i}.{theirs}"
             if ours == "attn.head_norm.weight" and not cfg.head_norm_affine:
-                state.pop(key, None)
+                weight = state.pop(key, None)
+                # A weightless norm equals the affine one only when the weight is all ones:
+                # anything else would be dropped silently.
+                if weight is not None and not bool((weight == 1).all()):
+                    raise DiffExportError(f"{key} is not all ones but the config says head_norm_affine: false: "
+                                          "set head_norm_affine: true to keep it (the official code's subln is "
+                                          "affine)")
                 continue
             tensor = _take(state, key)
             if perm is not None and ours in ("attn.q_proj.weight", "attn.k_proj.weight"):

@@ -370,3 +370,37 @@ def test_a_model_larger_than_memory_is_refused_before_allocation(tmp_path):
     assert "GiB to build), more than the" in result.stderr
     with pytest.raises(DiffExportError, match="check the config's sizes"):
         load_model(None, config=load_config_file(path))
+
+
+def test_unilm_import_refuses_to_drop_a_real_subln_weight(tmp_path):
+    """head_norm_affine: false drops subln.weight only when it is all ones (then nothing changes)."""
+    cfg = DiffV1Config(vocab_size=80, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, head_norm_affine=True)
+    model = build_model(cfg, seed=3)
+    with torch.no_grad():
+        model.layers[1].attn.head_norm.weight.mul_(1.5)
+    path = tmp_path / "unilm.pt"
+    torch.save(_to_unilm(model.state_dict(), cfg), path)
+    plain = DiffV1Config(**{**cfg.to_dict(), "head_norm_affine": False})
+    with pytest.raises(DiffExportError, match=r"layers.1.self_attn.subln.weight is not all ones"):
+        load_model(path, config=plain, layout="unilm")
+    with torch.no_grad():
+        model.layers[1].attn.head_norm.weight.fill_(1.0)
+        model.layers[0].attn.head_norm.weight.fill_(1.0)
+    torch.save(_to_unilm(model.state_dict(), cfg), path)
+    assert load_model(path, config=plain, layout="unilm").config.head_norm_affine is False
+
+
+def test_checkpoint_whose_structure_pickle_inflates_to_gigabytes_is_refused_unread(tmp_path):
+    """A small zip whose data.pkl declares more than 256 MiB: refused from the archive's directory,
+    before anything is inflated."""
+    import zipfile
+
+    path = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("archive/data.pkl", "w", force_zip64=True) as member:
+            block = b"\0" * (1 << 20)
+            for _ in range(257):
+                member.write(block)
+    assert path.stat().st_size < 2 << 20
+    with pytest.raises(DiffExportError, match="declares 269,484,032 bytes"):
+        load_model(path)

@@ -146,3 +146,23 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
         pytest.skip("the export finished before the signal arrived")
     assert proc.returncode == 130 and "error: interrupted" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_large_non_pickle_file_is_not_read_whole(tmp_path):
+    """2 GiB (sparse) of a pickle header then zeros: one line, quickly; the pickle check reads a
+    bounded prefix, never the whole file into memory (it once read it whole: 4.4 GB, 15 s)."""
+    import sys
+    import time
+
+    path = tmp_path / "big.pt"
+    with path.open("wb") as f:
+        f.write(b"\x80\x04garbage")
+        f.truncate(2 << 30)
+    code = ("import resource, sys; from diffexport.cli import main; rc = main(['info', sys.argv[1]]); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 30
+    *lines, peak_kb = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "not a readable checkpoint" in lines[0], result.stderr
+    assert int(peak_kb) < 1_500_000, f"peak {int(peak_kb) // 1024} MB"
