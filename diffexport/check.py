@@ -158,10 +158,7 @@ def _save_polygraphy(save_dir: Path, feeds: list[dict], eager: list[dict[str, np
     except ImportError:
         raise DiffExportError("polygraphy is not installed: pip install 'diffexport[onnx]'") from None
     G_LOGGER.module_severity = G_LOGGER.ERROR  # its "Saving ..." lines would drown our report
-    if save_dir.is_symlink() or (save_dir.exists() and not save_dir.is_dir()):
-        raise DiffExportError(f"{save_dir} is a symbolic link or not a folder: the check files are written only "
-                              "into a real folder (pass --save-dir)")
-    save_dir.mkdir(parents=True, exist_ok=True)
+    save_dir.mkdir(parents=True, exist_ok=True)  # validated by save_dir_for before any work
     inputs_path, outputs_path = save_dir / "inputs.json", save_dir / "eager_outputs.json"
     np_dtype = np.float16 if dtype == "float16" else np.float32  # numpy has no bfloat16
     # Each file goes to a temporary name and is renamed over the target: a symbolic link already
@@ -495,28 +492,6 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
 ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16"}
 
 
-def _graph_feeds(session, batch: int, seq: int, vocab: int, rng) -> dict[str, np.ndarray]:
-    """Seeded inputs for any graph: token ids below the vocabulary, masks of ones, positions
-    0..seq-1, normal floats; dimensions past (batch, seq) are 1."""
-    feeds = {}
-    for value in session.get_inputs():
-        rank = len(value.shape)
-        shape = [batch, seq][:rank] + [1] * max(0, rank - 2)
-        if value.type in ("tensor(int64)", "tensor(int32)"):
-            dtype = np.int64 if value.type == "tensor(int64)" else np.int32
-            if "mask" in value.name:
-                feeds[value.name] = np.ones(shape, dtype)
-            elif "position" in value.name:
-                feeds[value.name] = np.broadcast_to(np.arange(seq, dtype=dtype), shape).copy()
-            else:
-                feeds[value.name] = rng.integers(0, vocab, size=shape).astype(dtype)
-        elif value.type in ORT_DTYPES and value.type != "tensor(bfloat16)":
-            feeds[value.name] = rng.standard_normal(shape).astype(np.float16 if "16" in value.type else np.float32)
-        else:
-            raise DiffExportError(f"input {value.name!r} has type {value.type}: --against cannot make inputs for it")
-    return feeds
-
-
 def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, options: CheckOptions | None = None,
                 log: Callable[[str], None] = print) -> CheckReport:
     """`check MODEL --against OTHER`: both graphs in onnxruntime on the same seeded inputs (e.g. a
@@ -548,10 +523,13 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     vocab = last if isinstance(last, int) and last > 1 else 2  # token ids valid for any embedding
     log(f"checking      {model_path.name} against {against_path.name} in onnxruntime {provider}, same inputs, "
         f"outputs {', '.join(outputs)} ({dtype})")
+    from diffexport.passes.fusion import probe_feeds
+
+    graph = load_onnx(model_path, weights=False)
     rng = np.random.default_rng(options.seed)
     feeds, saved, comparisons, lines = [], [], [], []
     for batch, seq in options.shapes:
-        feed = _graph_feeds(session, batch, seq, vocab, rng)
+        feed = probe_feeds(graph, batch, seq, vocab=vocab, rng=rng)
         got = dict(zip(outputs, session.run(outputs, feed)))
         ref = dict(zip(outputs, other.run(outputs, feed)))
         feeds.append(feed)

@@ -748,12 +748,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def threading_is_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def _terminate_like_interrupt(signum, frame):
     """SIGTERM takes the same way out as Ctrl-C, so every cleanup (temporary files) runs."""
     raise KeyboardInterrupt
@@ -767,8 +761,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # the subcommand's own usage, then one error line
         sub = parser._subcommands.get(args.command, parser) if args.command else parser
         sub.error(f"unrecognized arguments: {' '.join(extra)}")
-    if threading_is_main():
+    try:
         signal.signal(signal.SIGTERM, _terminate_like_interrupt)
+    except ValueError:  # main() called from a thread other than the main one: leave signals alone
+        pass
     if args.version:
         from diffexport import __version__
 

@@ -109,6 +109,17 @@ def attention_backend(q: torch.Tensor, v: torch.Tensor) -> str:
     return "flash_attn" if usable and _flash_attn_func() is not None else "sdpa"
 
 
+SDPA_BACKEND_NAMES = ("flash", "cudnn", "efficient", "math")
+
+
+def sdpa_backend(name: str):
+    """torch's SDPBackend for one of SDPA_BACKEND_NAMES (to force it with sdpa_kernel)."""
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
 def attend(q, k, v, *, causal: bool, scale: float, key_mask=None) -> torch.Tensor:
     """softmax(scale*q k^T [+ bottom-right causal mask] [+ key padding mask]) v with GQA;
     q [B,H,Sq,D], k/v [B,Hkv,Skv,*], key_mask [B, Skv] (1 = present) or None."""

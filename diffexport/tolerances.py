@@ -67,14 +67,15 @@ def compare(name: str, out: np.ndarray, ref: np.ndarray, dtype: str, baseline: n
     finite = bool(np.isfinite(out64).all())
     diff = np.abs(out64 - ref64)
     scale = max(1.0, float(np.abs(ref64).max(initial=0.0)))
+    stats = dict(name=name, max_abs=float(diff.max(initial=0.0)) if finite else float("inf"),
+                 mean_abs=float(diff.mean()) if finite else float("inf"),
+                 cosine=_cosine(out64, ref64) if finite else 0.0, finite=finite)
     base_err = None
     if user_bounds is not None:
         atol, rtol = user_bounds
         outside = int((diff > atol + rtol * np.abs(ref64)).sum()) if finite else int(out64.size)
-        return Comparison(name=name, max_abs=float(diff.max(initial=0.0)) if finite else float("inf"),
-                          mean_abs=float(diff.mean()) if finite else float("inf"),
-                          cosine=_cosine(out64, ref64) if finite else 0.0, bound=atol, baseline_max_abs=None,
-                          finite=finite, min_cosine=0.0, user_bounds=(atol, rtol), outside=outside)
+        return Comparison(**stats, bound=atol, baseline_max_abs=None, min_cosine=0.0, user_bounds=(atol, rtol),
+                          outside=outside)
     if dtype == "float32":
         bound = FP32_RTOL_OF_SCALE * scale
     else:
@@ -82,10 +83,7 @@ def compare(name: str, out: np.ndarray, ref: np.ndarray, dtype: str, baseline: n
             raise ValueError(f"{name}: a {dtype} comparison needs the low-precision baseline")
         base_err = float(np.abs(np.asarray(baseline, np.float64).ravel() - ref64).max(initial=0.0))
         bound = 2 * base_err + LOWPREC_ATOL_OF_SCALE[dtype] * scale
-    return Comparison(name=name, max_abs=float(diff.max(initial=0.0)) if finite else float("inf"),
-                      mean_abs=float(diff.mean()) if finite else float("inf"),
-                      cosine=_cosine(out64, ref64) if finite else 0.0, bound=bound,
-                      baseline_max_abs=base_err, finite=finite, min_cosine=MIN_COSINE[dtype])
+    return Comparison(**stats, bound=bound, baseline_max_abs=base_err, min_cosine=MIN_COSINE[dtype])
 
 
 def elementwise_atol(comparisons: list[Comparison], dtype: str, ref_max: float) -> float:

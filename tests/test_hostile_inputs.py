@@ -166,3 +166,29 @@ def test_a_large_non_pickle_file_is_not_read_whole(tmp_path):
     *lines, peak_kb = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and "not a readable checkpoint" in lines[0], result.stderr
     assert int(peak_kb) < 1_500_000, f"peak {int(peak_kb) // 1024} MB"
+
+
+def test_check_against_and_plugin_lib_bad_inputs(exported, tmp_path):
+    """--against: a missing file, a corrupt file, a graph taking other inputs; --plugin-lib that
+    does not exist. Each one line, exit 2."""
+    from onnx import TensorProto, helper
+
+    assert_one_line_error(run_cli("check", exported, "--against", tmp_path / "nope.onnx"), "does not exist")
+    (tmp_path / "corrupt.onnx").write_bytes(b"\x08\x07not a protobuf" * 20)
+    assert_one_line_error(run_cli("check", exported, "--against", tmp_path / "corrupt.onnx"),
+                          "is not a valid ONNX model")
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["logits"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
+              tmp_path / "other.onnx")
+    assert_one_line_error(run_cli("check", exported, "--against", tmp_path / "other.onnx"), "take different inputs")
+    engine = tmp_path / "m.engine"
+    engine.write_bytes(b"x")
+    from diffexport.check import read_export_metadata
+
+    (tmp_path / "m.engine.json").write_text(json.dumps({
+        "onnx_metadata": read_export_metadata(exported), "module": "tensorrt", "attention": "plugin",
+        "profile": {"min": [1, 1], "opt": [1, 8], "max": [2, 64]}, "plugin_lib": None}))
+    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny", "--plugin-lib", tmp_path / "no.so"),
+                          "plugin library not found")

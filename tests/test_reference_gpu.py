@@ -12,13 +12,6 @@ from oracle import diff_attention_oracle
 pytestmark = pytest.mark.gpu
 
 
-def _backend(name):
-    from torch.nn.attention import SDPBackend
-
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
-
-
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "efficient"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("variant,ratio,causal,lengths", [
@@ -34,7 +27,7 @@ def test_flash_diff_2_on_sdpa_backends(backend, dtype, variant, ratio, causal, l
     inputs = [None if t is None else t.cuda() for t in cpu_inputs]
     torch.cuda.synchronize()
     try:
-        with sdpa_kernel([_backend(backend)]):
+        with sdpa_kernel([reference.sdpa_backend(backend)]):
             out = reference.flash_diff_attention_2(*inputs, attrs)
     except RuntimeError as exc:  # a backend that cannot take this shape/mask says so: not our failure
         pytest.skip(f"SDPA {backend} refused: {str(exc).splitlines()[0]}")

@@ -57,10 +57,9 @@ def forced(backend: str, fn, inputs, attrs):
     choice) or with one torch SDPA backend forced."""
     if backend == "default":
         return lambda: fn(*inputs, attrs)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-              "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+    chosen = reference.sdpa_backend(backend)
 
     def run():
         with sdpa_kernel([chosen]):

@@ -363,8 +363,11 @@ RULES: dict[str, Callable[[Graph, onnx.NodeProto], Match]] = {
 
 # ---------------------------------------------------------------- numeric probe
 
-def probe_feeds(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
+def probe_feeds(model: onnx.ModelProto, batch: int, seq: int, vocab: int = 2,
+                rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+    """Seeded inputs for any graph: token ids below `vocab` (2 is valid for any embedding), masks
+    of ones, positions 0..seq-1, normal floats; dimensions past (batch, seq) are 1."""
+    rng = np.random.default_rng(0) if rng is None else rng
     feeds = {}
     initializers = {i.name for i in model.graph.initializer}
     for value in model.graph.input:
@@ -380,7 +383,7 @@ def probe_feeds(model: onnx.ModelProto, batch: int, seq: int) -> dict[str, np.nd
             elif "position" in value.name:
                 feeds[value.name] = np.broadcast_to(np.arange(seq, dtype=dtype), shape).copy()
             else:
-                feeds[value.name] = rng.integers(0, 2, size=shape).astype(dtype)  # valid for any vocab >= 2
+                feeds[value.name] = rng.integers(0, vocab, size=shape).astype(dtype)
         else:
             feeds[value.name] = rng.standard_normal(shape).astype(dtype)
     return feeds
