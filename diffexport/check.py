@@ -138,13 +138,13 @@ def _run_eager(model, ids: np.ndarray, device: str, outputs: list[str]) -> dict[
 def save_dir_for(options: CheckOptions, default: Path) -> Path:
     """Where the polygraphy files go, validated before any work: a real folder (or one to create
     in a writable folder), never a symbolic link."""
-    from diffexport.files import check_output_folder
+    from diffexport.files import check_output_path
 
     save_dir = Path(options.save_dir) if options.save_dir else default
     if save_dir.is_symlink() or (save_dir.exists() and not save_dir.is_dir()):
         raise DiffExportError(f"{save_dir} is a symbolic link or not a folder: the check files are written only "
                               "into a real folder (pass --save-dir)")
-    check_output_folder(save_dir)
+    check_output_path(save_dir)
     return save_dir
 
 

@@ -154,12 +154,81 @@ def _check_zip_structure(path: Path) -> None:
         raise _corrupt(path, exc) from None
 
 
+class _StructureReader(pickle.Unpickler):
+    """Reads data.pkl without importing or calling anything: every global becomes a placeholder,
+    and each storage the file declares is recorded as (key, storage type name, element count)."""
+
+    class _Global:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __call__(self, *args, **kwargs):
+            return _StructureReader._Object()
+
+    class _Object:
+        def __setstate__(self, state):
+            pass
+
+        def __setitem__(self, key, value):
+            pass
+
+        def append(self, value):
+            pass
+
+        def extend(self, values):
+            pass
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.storages: list[tuple[str, str, int]] = []
+
+    def find_class(self, module, name):
+        return self._Global(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+            _, kind, key, _, numel = pid
+            self.storages.append((str(key), getattr(kind, "name", ""), numel))
+        return self._Object()
+
+
+def _check_storage_sizes(path: Path) -> None:
+    """Every storage data.pkl declares fits in its archive member, stored uncompressed. torch.load
+    with mmap=True checks neither: a short member would load the bytes that follow it (the next
+    tensor's) as weights, a deflated one its compressed bytes."""
+    element_size = {f"torch.{name}": dtype.itemsize
+                    for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pkl = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+            with archive.open(pkl) as stream:
+                reader = _StructureReader(stream)
+                reader.load()
+            members = {info.filename: info for info in archive.infolist()}
+    except (pickle.UnpicklingError, zipfile.BadZipFile, OSError, EOFError, ValueError, StopIteration, TypeError,
+            AttributeError, IndexError, KeyError, RecursionError) as exc:
+        raise _corrupt(path, exc) from None
+    prefix = pkl[: -len("data.pkl")]
+    for key, kind, numel in reader.storages:
+        info = members.get(f"{prefix}data/{key}")
+        if info is None or kind not in element_size or not isinstance(numel, int) or numel < 0:
+            continue  # torch.load reports these itself
+        declared = numel * element_size[kind]
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise DiffExportError(f"{path}: tensor storage {info.filename} is compressed; torch.save stores them "
+                                  "uncompressed (re-save the checkpoint with torch.save)")
+        if info.file_size < declared:
+            raise _corrupt(path, f"tensor storage {info.filename} holds {info.file_size:,} bytes but its tensor "
+                                 f"declares {declared:,}")
+
+
 def _torch_load(path: Path) -> Any:
     """torch.load with weights_only=True; every failure becomes one line."""
     is_zip = zipfile.is_zipfile(path)
     if is_zip:
         _check_zip_structure(path)
         _check_zip_crc(path)
+        _check_storage_sizes(path)
     try:
         # mmap keeps big checkpoints out of RAM until used; only the zip format supports it.
         with warnings.catch_warnings():  # torch warns about foreign pickle protocols: our error says it
@@ -220,14 +289,23 @@ def _check_header(header: Mapping, where: str) -> ModelConfig:
     return config_from_dict(family, header.get("config"))
 
 
+READABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def _check_tensor(name: str, t, ref: torch.Tensor, where: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise DiffExportError(f"{where}: {name} is a {type(t).__name__}, not a tensor")
+    if t.layout != torch.strided or t.is_meta or t.device.type != "cpu":
+        kind = "meta" if t.is_meta else (str(t.layout).removeprefix("torch.") if t.layout != torch.strided
+                                         else t.device.type)
+        raise DiffExportError(f"{where}: {name} is a {kind} tensor; diffexport reads dense CPU tensors "
+                              f"(save with .to_dense().cpu())")
     if tuple(t.shape) != tuple(ref.shape):
         raise DiffExportError(f"{where}: wrong shape for {name}: got {list(t.shape)}, "
                               f"expected {list(ref.shape)} for this config")
-    if not t.is_floating_point():
-        raise DiffExportError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point tensor")
+    if t.dtype not in READABLE_DTYPES:
+        raise DiffExportError(f"{where}: {name} has dtype {str(t.dtype).removeprefix('torch.')}; diffexport reads "
+                              f"float32, float16, bfloat16 and float64 weights (dequantise fp8/int weights first)")
     if not torch.isfinite(t).all():
         raise DiffExportError(f"{where}: {name} contains NaN or infinity")
 

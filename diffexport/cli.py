@@ -523,6 +523,7 @@ def cmd_trt(args) -> int:
     from pathlib import Path
 
     from diffexport.backends.tensorrt import EngineOptions, build_engine, write_engine
+    from diffexport.files import check_output_path
     from diffexport.check import read_export_metadata
     from diffexport.errors import DiffExportError
     from diffexport.files import load_onnx
@@ -530,6 +531,7 @@ def cmd_trt(args) -> int:
     output = Path(args.output)
     if output.suffix not in (".engine", ".plan", ".trt"):
         raise DiffExportError(f"-o {output}: name the engine *.engine (or .plan/.trt)")
+    check_output_path(output, ("", ".json"))
     if args.int8 and args.logit_bits not in (None, 8):
         raise DiffExportError("--int8 means --logit-bits 8: pass one of them")
     bits = 8 if args.int8 else (args.logit_bits or 16)
@@ -783,6 +785,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `diffexport inspect m.onnx | head`: the reader left; quiet, as cat is
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe ended
+    except OSError as exc:  # the file system said no: read-only, disk full, a name too long, ...
+        if os.environ.get("DIFFEXPORT_DEBUG"):
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: the file system refused: {exc.strerror or exc}{where}",
+              file=sys.stderr)
+        return 2
     except Exception as exc:  # a bug of ours: still one line, unless debugging
         if os.environ.get("DIFFEXPORT_DEBUG"):
             raise

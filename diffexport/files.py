@@ -15,11 +15,39 @@ def _umask() -> int:
     return mask
 
 
+NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems alike
+
+
+def temp_prefix(name: str) -> str:
+    """A hidden prefix for the temporary twin of `name` that leaves room for mkstemp's random part
+    and suffix: a legal 250-byte output name must not fail because its temporary name is longer."""
+    while len(os.fsencode(name)) > 200:
+        name = name[:-1]
+    return f".{name}."
+
+
+def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",)) -> None:
+    """Validate, before any work, an output path: its folder (check_output_folder), a name that
+    ONNX and TensorRT can take (UTF-8), and every file name it will be written as (path + each
+    suffix, e.g. ".data") within the file-name limit."""
+    path = Path(path)
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DiffExportError(f"output path {os.fsdecode(os.fsencode(path))!r} is not valid UTF-8; "
+                              f"ONNX and TensorRT take UTF-8 file names: rename it") from None
+    for suffix in suffixes:
+        if len(os.fsencode(path.name + suffix)) > NAME_MAX:
+            raise DiffExportError(f"output name {path.name[:40]}...{suffix} is longer than {NAME_MAX} bytes: "
+                                  f"choose a shorter name")
+    check_output_folder(path.parent)
+
+
 def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same folder, then rename: no half-written output.
     The result gets the permissions a plain open() would give (mkstemp's are owner-only)."""
     make_output_folder(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)

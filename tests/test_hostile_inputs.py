@@ -192,3 +192,130 @@ def test_check_against_and_plugin_lib_bad_inputs(exported, tmp_path):
         "profile": {"min": [1, 1], "opt": [1, 8], "max": [2, 64]}, "plugin_lib": None}))
     assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny", "--plugin-lib", tmp_path / "no.so"),
                           "plugin library not found")
+
+
+# ------------------------------------------------------------ issue 14, second part
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from diffexport.checkpoint import load_model, save_checkpoint
+
+    return save_checkpoint(load_model(preset="diff-v1-tiny").model, tmp_path_factory.mktemp("ckpt") / "good.pt")
+
+
+def _edited(checkpoint, tmp_path, edit):
+    import torch
+
+    obj = torch.load(checkpoint, weights_only=True)
+    edit(obj)
+    path = tmp_path / "edited.pt"
+    torch.save(obj, path)
+    return path
+
+
+def _set_tensor(make):
+    def edit(obj):
+        obj["state_dict"]["embed.weight"] = make(obj["state_dict"]["embed.weight"])
+    return edit
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda o: o["config"].update(lambda_init="abc"), "lambda_init must be a finite number or null, got 'abc'"),
+    (lambda o: o["config"].update(n_heads="four"), "n_heads must be an int, got 'four'"),
+    (lambda o: o["config"].update(lambda_std=[0.1]), "lambda_std must be a finite number"),
+    (lambda o: o["config"].update(head_norm_affine=1), "head_norm_affine must be true or false"),
+    (lambda o: o["config"].update(rope_scaling="linear"), "unknown key(s) ['rope_scaling']"),
+    (_set_tensor(lambda t: t.to(__import__("torch").float8_e4m3fn)), "has dtype float8_e4m3fn"),
+    (_set_tensor(lambda t: t.to_sparse()), "embed.weight is a sparse_coo tensor"),
+    (_set_tensor(lambda t: __import__("torch").empty_like(t, device="meta")), "embed.weight is a meta tensor"),
+    (_set_tensor(lambda t: t.to(__import__("torch").int8)), "has dtype int8"),
+], ids=["lambda-abc", "heads-four", "list-number", "int-as-bool", "rope-string", "fp8", "sparse", "meta", "int8"])
+def test_wrong_typed_configs_and_tensors_are_one_line(checkpoint, tmp_path, edit, message):
+    assert_one_line_error(run_cli("info", _edited(checkpoint, tmp_path, edit)), message)
+
+
+def test_zip_members_are_checked_against_their_declared_sizes(checkpoint, tmp_path):
+    """torch.load(mmap=True) trusts the pickle's sizes: a storage member cut short would load the
+    next member's bytes as weights, a deflated member its compressed bytes. Both are refused."""
+    import zipfile
+
+    with zipfile.ZipFile(checkpoint) as source:
+        members = [(info.filename, source.read(info.filename)) for info in source.infolist()]
+    short, deflated = tmp_path / "short.pt", tmp_path / "deflated.pt"
+    victim = next(name for name, data in members if "/data/" in name and len(data) > 64)
+    with zipfile.ZipFile(short, "w", zipfile.ZIP_STORED) as out:
+        for name, data in members:
+            out.writestr(name, data[:64] if name == victim else data)
+    with zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as out:
+        for name, data in members:
+            out.writestr(name, data)
+    assert_one_line_error(run_cli("info", short), "holds 64 bytes but its tensor declares")
+    assert_one_line_error(run_cli("info", deflated), "is compressed")
+
+
+def test_output_names_the_file_system_or_onnx_cannot_take(tmp_path):
+    """A legal 245-character name works (its temporary twin is shortened); a name whose .data twin
+    would pass the 255-byte limit, and a name that is not UTF-8, are refused before any work."""
+    ok = tmp_path / ("a" * 240 + ".onnx")
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", ok).returncode == 0 and ok.is_file()
+    too_long = tmp_path / ("b" * 248 + ".onnx")
+    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "-o", too_long), "longer than 255 bytes")
+    not_utf8 = tmp_path / "m\udcff.onnx"  # the bytes b"m\xff.onnx", as Python names them
+    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "-o", not_utf8), "is not valid UTF-8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ok.name]
+
+
+def test_a_closed_pipe_ends_quietly(exported):
+    """`diffexport inspect m.onnx | head -0`: no traceback, no error line, the shell's SIGPIPE status."""
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "diffexport", "inspect", str(exported)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+    """A file-size limit makes every write past 200 kB fail as a full disk would (EFBIG)."""
+    import sys
+
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
+            "from diffexport.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-c", code, "onnx", "--preset", "diff-v1-tiny", "-o", out / "m.onnx"],
+                            capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if not line.startswith(("tracing ", "writing "))]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr  # the progress lines, then one error
+    assert errors[0].startswith("error: the file system refused: File too large")
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_the_cleanup_is_linear_in_the_node_count():
+    """`diffexport optimize` once spent quadratic time in onnxscript's SlicesSplit rule (10k nodes:
+    26 s). Counted in Python calls, not seconds: doubling the graph must about double the work."""
+    import cProfile
+    import pstats
+
+    from onnx import TensorProto, helper
+
+    from diffexport.passes.cleanup import cleanup
+
+    def chain(n):
+        nodes = [helper.make_node("Relu" if i % 2 else "Neg", [f"t{i - 1}" if i else "x"], [f"t{i}"])
+                 for i in range(n)]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                                  [helper.make_tensor_value_info(f"t{n - 1}", TensorProto.FLOAT, [1, 3])])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+    cleanup(chain(8))  # imports and first-use caches out of the count
+    calls = {}
+    for n in (400, 800):
+        model, profiler = chain(n), cProfile.Profile()
+        profiler.enable()
+        cleaned = cleanup(model)
+        profiler.disable()
+        assert len(cleaned.graph.node) == n
+        calls[n] = pstats.Stats(profiler).total_calls
+    assert calls[800] / calls[400] < 2.2, calls

@@ -34,7 +34,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
-from diffexport.files import check_output_folder, make_output_folder
+from diffexport.files import check_output_path, make_output_folder, temp_prefix
 
 MODEL_FILE = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
@@ -241,7 +241,7 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
                               f"give a folder name, not {out_dir.name}")
     if out_dir.exists() or out_dir.is_symlink():
         raise DiffExportError(f"{out_dir} already exists: give a new folder (nothing is overwritten)")
-    check_output_folder(out_dir.parent)
+    check_output_path(out_dir)
     if context_length is not None and context_length < 2:
         raise DiffExportError(f"context length must be >= 2, got {context_length}")
     if threads is not None and not 1 <= threads <= 1024:
@@ -286,7 +286,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         exporter.stamp_metadata(model_ir, loaded, options, weights_id, output_names(cfg.n_layers), meta)
     external = exporter.wants_external(model_ir, options)
     make_output_folder(out_dir.parent)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=temp_prefix(out_dir.name), suffix=".tmp"))
     try:
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)

@@ -30,7 +30,7 @@ from diffexport import contract, fingerprint
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import function_body
-from diffexport.files import check_output_folder, make_output_folder
+from diffexport.files import check_output_path, make_output_folder, temp_prefix
 from diffexport.modeling import DIFF_FAMILIES
 from diffexport.progress import Progress
 
@@ -119,7 +119,7 @@ def check_target(out_path: Path, options: ExportOptions) -> None:
         raise DiffExportError("the legacy exporter stops at opset 20: drop --legacy or use the decomposed body")
     if out_path.suffix != ".onnx":
         raise DiffExportError(f"output {out_path} should end in .onnx")
-    check_output_folder(out_path.parent)
+    check_output_path(out_path, ("", ".data"))
     if out_path.is_dir():
         raise DiffExportError(f"output {out_path} is a folder: give a file name ending in .onnx")
 
@@ -341,7 +341,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     # Only the data file of the export this one replaces is removed: one that the previous file
     # did not reference is someone else's and stays.
     replaces_data = not external and stale.is_file() and not stale.is_symlink() and _references(out_path, stale.name)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp"))
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=temp_prefix(out_path.name), suffix=".tmp"))
     try:
         save_checked(model_ir, tmp_dir / out_path.name, external, log)
         del model_ir

@@ -39,6 +39,7 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        self._check_types()
         d_model = self.d_model
         if isinstance(d_model, bool) or not isinstance(d_model, int) or not 1 <= d_model <= MAX_SIZES["d_model"]:
             raise DiffExportError(f"{self.family} config: d_model must be an int in 1..{MAX_SIZES['d_model']}, "
@@ -62,6 +63,28 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise DiffExportError(f"{self.family} config: {name} must be true or false, "
                                       f"got {getattr(self, name)!r}")
+
+    def _check_types(self) -> None:
+        """Every field holds what its annotation says (JSON and pickles carry any type): a string
+        where a number belongs is one line here, not a ValueError deep in the model code."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            kinds = str(field.type).replace(" ", "").split("|")
+            if value is None and "None" in kinds:
+                continue
+            if "bool" in kinds:
+                ok = isinstance(value, bool)
+            elif "int" in kinds:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif "float" in kinds:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            else:
+                continue
+            if not ok:
+                want = {"bool": "true or false", "int": "an int", "float": "a finite number"}[
+                    next(k for k in ("bool", "int", "float") if k in kinds)]
+                raise DiffExportError(f"{self.family} config: {field.name} must be {want}"
+                                      f"{' or null' if 'None' in kinds else ''}, got {value!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

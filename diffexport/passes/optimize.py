@@ -18,7 +18,7 @@ from diffexport.backends.onnxruntime import open_session
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import IR_VERSION, META_PREFIX
 from diffexport.export.function_body import DEFAULT_BODY_STYLE, build_function
-from diffexport.files import atomic_write, check_output_folder, load_onnx
+from diffexport.files import atomic_write, check_output_path, load_onnx
 from diffexport.passes import fusion
 from diffexport.passes.cleanup import cleanup
 
@@ -94,7 +94,7 @@ def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: 
     from diffexport.passes.lowering import lower_diff_attention
 
     src, dst = Path(src), Path(dst)
-    check_output_folder(dst.parent)
+    check_output_path(dst)
     model = load_onnx(src)
     already = sum(n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN for n in model.graph.node)
     if already and lower:  # an export of ours: nothing to fuse, only lower
