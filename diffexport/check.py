@@ -18,11 +18,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from diffexport import fingerprint, reference, tolerances
+from diffexport import contract, fingerprint, reference, tolerances
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
 from diffexport.files import atomic_write, load_onnx
+from diffexport.modeling import config_from_dict
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
 MAX_CHECK_SHAPE = (64, 16384)  # batch, sequence: beyond, the references' N x N maps outgrow a workstation  # batch x sequence: 1, odd lengths, batch > 1
@@ -95,8 +96,25 @@ def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:
         raise DiffExportError(f"{path} carries no diffexport metadata, so there is no model to compare it with: "
                               "for a graph of another exporter (or what `diffexport optimize` made of one) use "
                               "`check MODEL --against THE_ORIGINAL.onnx`")
-    if meta["dtype"] not in DTYPES:
-        raise DiffExportError(f"{path} declares an unknown dtype {meta['dtype']!r}")
+    return check_export_metadata(meta, path)
+
+
+def check_export_metadata(meta: dict[str, str], path) -> dict[str, str]:
+    """The metadata an export (or an engine's record of it) declares, validated once: a known dtype
+    and op version, and a config that is a valid configuration of its family."""
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise DiffExportError(f"{path}: its diffexport metadata is not a mapping of strings")
+    if meta.get("dtype") not in DTYPES:
+        raise DiffExportError(f"{path} declares an unknown dtype {meta.get('dtype')!r}")
+    known = (contract.OP_VERSION, contract.KEY_MASK_VERSION)
+    if meta.get("op_version", str(contract.OP_VERSION)) not in map(str, known):
+        raise DiffExportError(f"{path} declares DiffAttention op version {meta['op_version']!r}; this diffexport "
+                              f"knows {', '.join(map(str, known))} (upgrade diffexport, or re-export)")
+    try:
+        config_from_dict(meta.get("family", ""), json.loads(meta["config"]))
+    except (json.JSONDecodeError, RecursionError, DiffExportError) as exc:
+        raise DiffExportError(f"{path}: its diffexport.config/family metadata is not a model configuration "
+                              f"({str(exc).splitlines()[0]})") from None
     return meta
 
 
@@ -325,17 +343,17 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     to the eager model's attention, and the unquantised agreement is reported beside it.
     """
     from diffexport.analysis.probe import AttentionProbe
-    from diffexport.backends.tensorrt import open_engine, read_engine_record
+    from diffexport.backends.tensorrt import open_engine, read_engine_record, sidecar_path
     from diffexport.quantization import LogitQuant
 
     options = options or CheckOptions()
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)
     save_dir = save_dir_for(options, engine_path.with_suffix(".check"))
-    if record["onnx_metadata"].get("kv_cache") == "1":
+    if isinstance(record["onnx_metadata"], dict) and record["onnx_metadata"].get("kv_cache") == "1":
         raise DiffExportError(f"{engine_path.name} is a KV-cache decoder engine: its step-by-step check is not "
                               "written yet; check the folder in onnxruntime (`diffexport check FOLDER`)")
-    meta = record["onnx_metadata"]
+    meta = check_export_metadata(record["onnx_metadata"], sidecar_path(engine_path))
     dtype = meta["dtype"]
     check_same_model(meta, loaded, engine_path)
     # The sidecar says which library the build used, but a library is code: it is loaded only from

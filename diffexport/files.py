@@ -70,6 +70,10 @@ def check_output_folder(folder: Path) -> None:
         raise DiffExportError(f"output folder {folder}: {probe} is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise DiffExportError(f"output folder {folder}: {probe} is not writable")
+    try:  # os.access says yes to root everywhere; an unnamed file asks the file system itself
+        tempfile.TemporaryFile(dir=probe).close()
+    except OSError as exc:
+        raise DiffExportError(f"output folder {folder}: {probe} is not writable ({exc.strerror})") from None
 
 
 def make_output_folder(folder: Path) -> None:

@@ -319,3 +319,43 @@ def test_the_cleanup_is_linear_in_the_node_count():
         assert len(cleaned.graph.node) == n
         calls[n] = pstats.Stats(profiler).total_calls
     assert calls[800] / calls[400] < 2.2, calls
+
+
+def test_an_unwritable_output_folder_is_refused_before_any_work():
+    """/sys refuses new files even to root (for whom permission bits say yes): one line, before the
+    model is built or traced (no progress line)."""
+    import os
+
+    if not os.path.isdir("/sys/kernel"):
+        pytest.skip("no /sys on this system")
+    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "-o", "/sys/kernel/m.onnx"),
+                          "/sys/kernel is not writable")
+
+
+@pytest.mark.parametrize("key,value", [("config", "{not json"), ("config", '{"n_layers": "x"}'), ("family", "[1, 2]"),
+                                       ("op_version", "99"), ("dtype", ""), ("weights", "null")])
+def test_malformed_export_metadata_is_one_line(exported, tmp_path, key, value):
+    """A diffexport export whose metadata was edited: inspect still describes the file (or says
+    why not, in one line); check refuses in one line instead of trusting it."""
+    model = onnx.load(str(exported))
+    next(p for p in model.metadata_props if p.key == f"diffexport.{key}").value = value
+    path = tmp_path / "edited.onnx"
+    onnx.save(model, str(path))
+    described = run_cli("inspect", path)
+    assert described.returncode == 0 or (described.returncode == 2 and len(described.stderr.splitlines()) == 1)
+    assert "Traceback" not in described.stderr and "internal error" not in described.stderr
+    checked = run_cli("check", path, "--preset", "diff-v1-tiny", "--shapes", "1x3")
+    if key == "weights":  # only a fingerprint: a mismatch is said, not fatal to the comparison
+        assert checked.returncode in (0, 2) and "internal error" not in checked.stderr
+    else:
+        assert_one_line_error(checked, "")
+        # the same metadata recorded in an engine's sidecar: refused before anything runs
+        from diffexport.check import read_export_metadata
+
+        meta = read_export_metadata(exported)
+        meta[key] = value
+        (tmp_path / "m.engine").write_bytes(b"x")
+        (tmp_path / "m.engine.json").write_text(json.dumps({
+            "onnx_metadata": meta, "module": "tensorrt", "attention": "native",
+            "profile": {"min": [1, 1], "opt": [1, 8], "max": [2, 64]}}))
+        assert_one_line_error(run_cli("check", tmp_path / "m.engine", "--preset", "diff-v1-tiny"), "m.engine")

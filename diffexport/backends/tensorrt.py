@@ -416,7 +416,11 @@ def read_engine_record(engine_path: Path) -> dict:
                               "records the model and options they came from")
     try:
         record = json.loads(side.read_text())
-        record["onnx_metadata"]["config"], record["profile"]["max"]  # noqa: B018 - the fields check needs
+        record["onnx_metadata"]["config"]  # noqa: B018 - the fields check needs
+        for end in ("min", "max"):
+            low, seq = record["profile"][end]
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (low, seq)):
+                raise ValueError(end)
     except (ValueError, KeyError, TypeError):
         raise DiffExportError(f"{side} is corrupt: rebuild the engine with `diffexport trt`") from None
     return record
