@@ -292,7 +292,8 @@ def _check_header(header: Mapping, where: str) -> ModelConfig:
 READABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _check_tensor(name: str, t, ref: torch.Tensor, where: str) -> None:
+def _check_tensor_kind(name: str, t, where: str) -> None:
+    """A dense CPU tensor of a float dtype we read: anything else is named, before any conversion."""
     if not isinstance(t, torch.Tensor):
         raise DiffExportError(f"{where}: {name} is a {type(t).__name__}, not a tensor")
     if t.layout != torch.strided or t.is_meta or t.device.type != "cpu":
@@ -300,12 +301,29 @@ def _check_tensor(name: str, t, ref: torch.Tensor, where: str) -> None:
                                          else t.device.type)
         raise DiffExportError(f"{where}: {name} is a {kind} tensor; diffexport reads dense CPU tensors "
                               f"(save with .to_dense().cpu())")
-    if tuple(t.shape) != tuple(ref.shape):
-        raise DiffExportError(f"{where}: wrong shape for {name}: got {list(t.shape)}, "
-                              f"expected {list(ref.shape)} for this config")
     if t.dtype not in READABLE_DTYPES:
         raise DiffExportError(f"{where}: {name} has dtype {str(t.dtype).removeprefix('torch.')}; diffexport reads "
                               f"float32, float16, bfloat16 and float64 weights (dequantise fp8/int weights first)")
+
+
+def read_tensors(state, where: str) -> dict[str, torch.Tensor]:
+    """The loader's first step after reading a file: a mapping of names to tensors of kinds we
+    read, checked before any layout conversion touches them (shapes come later, against the
+    config, in model_from_state)."""
+    if not isinstance(state, Mapping):
+        raise DiffExportError(f"{where}: state_dict must be a mapping of names to tensors")
+    for name, t in state.items():
+        if not isinstance(name, str):
+            raise DiffExportError(f"{where}: state_dict key {name!r} is not a string")
+        _check_tensor_kind(name, t, where)
+    return dict(state)
+
+
+def _check_tensor(name: str, t, ref: torch.Tensor, where: str) -> None:
+    _check_tensor_kind(name, t, where)
+    if tuple(t.shape) != tuple(ref.shape):
+        raise DiffExportError(f"{where}: wrong shape for {name}: got {list(t.shape)}, "
+                              f"expected {list(ref.shape)} for this config")
     if not torch.isfinite(t).all():
         raise DiffExportError(f"{where}: {name} contains NaN or infinity")
 
@@ -403,11 +421,11 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
         if obj["format"] != FORMAT:
             raise DiffExportError(f"{path}: unknown checkpoint format {obj['format']!r} (expected {FORMAT!r})")
         cfg = _check_header(obj, str(path))
-        model = model_from_state(cfg, obj.get("state_dict"), str(path), dtype)
+        model = model_from_state(cfg, read_tensors(obj.get("state_dict"), str(path)), str(path), dtype)
         task = obj.get("task")
         return LoadedModel(model, cfg, "native", str(path), task if isinstance(task, dict) else None)
     if isinstance(obj, Mapping) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return _load_bare_state(dict(obj), given_cfg, layout, str(path), dtype)
+        return _load_bare_state(read_tensors(obj, str(path)), given_cfg, layout, str(path), dtype)
     raise DiffExportError(f"{path} is not a diffexport checkpoint: expected a dict with 'format': {FORMAT!r} "
                           f"or a bare state dict of tensors")
 
@@ -421,8 +439,8 @@ def from_module(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Loa
     hf_config = getattr(model, "config", None)
     if getattr(hf_config, "model_type", None) == "diffllama" and hasattr(model, "state_dict"):
         cfg = config_from_dict("diff_v1", layouts.hf_diffllama_config(hf_config.to_dict()))
-        state = {k: v.detach() for k, v in model.state_dict().items()}
         where = "the in-memory DiffLlama"
+        state = read_tensors({k: v.detach().cpu() for k, v in model.state_dict().items()}, where)
         return LoadedModel(model_from_state(cfg, layouts.hf_diffllama_state(state, cfg), where, dtype), cfg,
                            "hf-diffllama (in memory)")
     raise DiffExportError(f"{type(model).__name__} is not a model diffexport knows: pass a diffexport model "
@@ -454,7 +472,7 @@ def _load_safetensors(path: Path, config_path: Path, dtype) -> LoadedModel:
     if header.get("format") != FORMAT:
         raise DiffExportError(f"{config_path} is not a diffexport config (no 'format': {FORMAT!r})")
     cfg = _check_header(header, str(config_path))
-    model = model_from_state(cfg, _safetensors_load(path), str(path), dtype)
+    model = model_from_state(cfg, read_tensors(_safetensors_load(path), str(path)), str(path), dtype)
     return LoadedModel(model, cfg, "safetensors", str(path))
 
 
@@ -481,6 +499,7 @@ def _load_directory(path: Path, dtype) -> LoadedModel:
             if not isinstance(part, Mapping):
                 raise DiffExportError(f"{shard} does not hold a state dict")
             state.update(part)
+    state = read_tensors(state, str(path))
     model = model_from_state(cfg, layouts.hf_diffllama_state(state, cfg), str(path), dtype)
     return LoadedModel(model, cfg, "hf-diffllama", str(path))
 
