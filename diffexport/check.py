@@ -256,6 +256,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     if outputs != meta.get("outputs", "").split(","):
         raise DiffExportError(f"{onnx_path.name} outputs {outputs} differ from its metadata: re-export it")
     device = "cuda" if provider == "cuda" else "cpu"
+    budget = tolerances.weight_quant_budget(meta.get("weight_quant"))
     low, ref32 = _eager_models(loaded, dtype, device)
     head_dim = loaded.config.head_dim  # which library the attention calls reach, for the report
     value_dim = 2 * head_dim if loaded.config.family == "diff_v1" else head_dim
@@ -263,6 +264,8 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     probe_v = torch.empty(1, 1, 1, value_dim, device=device, dtype=DTYPES[dtype])
     eager_name = f"eager PyTorch ({reference.attention_backend(probe_q, probe_v)}, {device})"
     log(f"checking      {onnx_path.name} ({dtype}) in onnxruntime {provider} against {eager_name}")
+    if budget is not None:
+        log(f"budget        quantised weights: {budget.describe()}, not the {dtype} rule (docs/NUMERICS.md)")
 
     def run(ids):
         return dict(zip(outputs, session.run(outputs, {INPUT_NAMES[0]: ids})))
@@ -270,7 +273,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     feeds, saved, comparisons, lines = _compare(
         options, options.shapes, loaded.config.vocab_size, outputs, dtype, run,
         lambda ids: _run_eager(low, ids, device, outputs),
-        None if ref32 is None else (lambda ids: _run_eager(ref32, ids, device, outputs)))
+        None if ref32 is None else (lambda ids: _run_eager(ref32, ids, device, outputs)), budget=budget)
     port_comparisons = comparisons  # the polygraphy files hold the port's outputs: their bounds go with them
     if not port:  # ... but with --reference transformers its lines are not the verdict
         comparisons, lines = [], []
@@ -279,7 +282,8 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
         _, _, hf_comparisons, hf_lines = _compare(
             options, options.shapes, loaded.config.vocab_size, ["logits"], dtype, run,
             lambda ids: _run_transformers(hf_low, ids),
-            None if hf32 is None else (lambda ids: _run_transformers(hf32, ids)), label=" vs transformers")
+            None if hf32 is None else (lambda ids: _run_transformers(hf32, ids)), label=" vs transformers",
+            budget=budget)
         comparisons, lines = comparisons + hf_comparisons, lines + hf_lines
     lines.insert(0, reference_line)
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
@@ -287,9 +291,25 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
                    outputs, dtype, user_bounds=options.user_bounds, atol_comparisons=port_comparisons)
 
 
-def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None, label=""):
+def _judge(name: str, label: str, got, ref, base, dtype: str, options, budget):
+    """One output against its reference: the budget of quantised weights when there is one (and
+    the user gave no bounds of their own), else the dtype rule."""
+    if budget is not None and options.user_bounds is None:
+        return tolerances.compare_distributions(label, got, ref, budget, logits=name == "logits")
+    return tolerances.compare(label, got, ref, dtype, baseline=base, user_bounds=options.user_bounds)
+
+
+def _severity(c) -> float:
+    """How close a comparison came to failing (the worst one is reported)."""
+    if isinstance(c, tolerances.DistributionComparison):
+        return (c.mean_kl or 0.0) / c.budget.max_kl if c.finite else float("inf")
+    return c.max_abs / max(c.bound, 1e-30)
+
+
+def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None, label="", budget=None):
     """Seeded token ids per (batch, seq) through the runtime and eager; each output compared under
-    the dtype rule (eager_ref None: fp32, eager_low is the reference). note(name, got, ids) may add a line."""
+    the dtype rule (eager_ref None: fp32, eager_low is the reference), or under `budget` for a
+    weight-quantised model. note(name, got, ids) may add a line."""
     rng = np.random.default_rng(options.seed)
     feeds, saved, comparisons, lines = [], [], [], []
     for batch, seq in shapes:
@@ -300,8 +320,8 @@ def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, 
         ref = base if eager_ref is None else eager_ref(ids)
         saved.append(ref)
         for name in outputs:
-            c = tolerances.compare(f"{name} [{batch}x{seq}]{label}", got[name], ref[name], dtype,
-                                   baseline=None if eager_ref is None else base[name], user_bounds=options.user_bounds)
+            c = _judge(name, f"{name} [{batch}x{seq}]{label}", got[name], ref[name],
+                       None if eager_ref is None else base[name], dtype, options, budget)
             comparisons.append((name, c))
             lines.append(c.line())
             if note is not None:
@@ -441,7 +461,11 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     meta, dtype = runner.meta, runner.meta["dtype"]
     check_same_model(meta, loaded, runner.model_path)
     device = "cuda" if provider == "cuda" else "cpu"
+    budget = tolerances.weight_quant_budget(meta.get("weight_quant"))
     low, ref32 = _eager_models(loaded, dtype, device)
+    if budget is not None:
+        log(f"budget        quantised weights: {budget.describe()} per step, not the {dtype} rule; greedy "
+            "tokens reported, not judged")
     log(f"checking      {folder}/ ({dtype}) in onnxruntime {provider} against eager PyTorch with its KV cache: "
         f"batch {len(DECODE_PROMPTS)} left-padded, prefill + {steps} decode steps")
     rng = np.random.default_rng(options.seed)
@@ -468,10 +492,10 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
         # rows of padding (prefill of the padded sequence) carry no meaning: compare present tokens only
         present = step_mask[:, -step_ids.shape[1]:].numpy().astype(bool)
         label = "prefill" if step == 0 else f"step {step}"
-        c = tolerances.compare(f"logits {label}", logits[present], ref_np[present], dtype,
-                               baseline=None if ref32 is None else base_np[present], user_bounds=options.user_bounds)
+        c = _judge("logits", f"logits {label}", logits[present], ref_np[present],
+                   None if ref32 is None else base_np[present], dtype, options, budget)
         comparisons.append(("logits", c))
-        if worst is None or c.max_abs / max(c.bound, 1e-30) > worst.max_abs / max(worst.bound, 1e-30):
+        if worst is None or _severity(c) > _severity(worst):
             worst = c
         if step in (0, 1):  # polygraphy: one prefill and one decode step, every input the graph takes
             feeds.append({**feed, **past_feed})
@@ -489,9 +513,10 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
                  f"left-padded; worst:")
     lines.append(worst.line())
     agree = int((eager_tokens == ort_tokens).all(axis=0).sum())
-    tokens_ok = agree == eager_tokens.shape[1]
-    lines.append(f"greedy tokens onnxruntime == eager at {agree}/{eager_tokens.shape[1]} steps  "
-                 f"{'PASS' if tokens_ok else 'FAIL'}")
+    # quantised weights change the function: their tokens may part ways, the budget judges them
+    tokens_ok = agree == eager_tokens.shape[1] or budget is not None
+    verdict = "(reported: quantised weights)" if budget is not None else ("PASS" if tokens_ok else "FAIL")
+    lines.append(f"greedy tokens onnxruntime == eager at {agree}/{eager_tokens.shape[1]} steps  {verdict}")
     hf_tokens = _hf_greedy(loaded, ids, mask, steps + 1) if dtype == "float32" else None
     hf_ok = True
     if hf_tokens is not None:
@@ -544,6 +569,14 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     from diffexport.passes.fusion import probe_feeds
 
     graph = load_onnx(model_path, weights=False)
+    # a weight-quantised model against its unquantised source: the budget, not the dtype rule
+    from diffexport.passes.weight_quant import META_KEY
+
+    record = next((p.value for p in graph.metadata_props if p.key == META_KEY), None)
+    theirs_quantised = any(p.key == META_KEY for p in load_onnx(against_path, weights=False).metadata_props)
+    budget = None if theirs_quantised else tolerances.weight_quant_budget(record)
+    if budget is not None:
+        log(f"budget        quantised weights: {budget.describe()}, not the {dtype} rule")
     rng = np.random.default_rng(options.seed)
     feeds, saved, comparisons, lines = [], [], [], []
     for batch, seq in options.shapes:
@@ -553,8 +586,8 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
         feeds.append(feed)
         saved.append(ref)
         for name in outputs:
-            c = tolerances.compare(f"{name} [{batch}x{seq}]", got[name], ref[name], dtype,
-                                   baseline=None if dtype == "float32" else ref[name], user_bounds=options.user_bounds)
+            c = _judge(name, f"{name} [{batch}x{seq}]", got[name], ref[name],
+                       None if dtype == "float32" else ref[name], dtype, options, budget)
             comparisons.append((name, c))
             lines.append(c.line())
     runner = ["polygraphy run", shlex.quote(str(model_path)), "--onnxrt", "--providers", provider]

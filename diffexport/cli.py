@@ -182,6 +182,17 @@ def cmd_optimize(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    """Quantise the MatMul weights of an export (a .onnx file or a --kv-cache folder) to INT4/INT8 MatMulNBits for ONNX Runtime and onnxruntime-genai."""
+    from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
+
+    options = WeightQuantOptions(bits=int(args.weights.removeprefix("int")), block_size=args.block_size,
+                                 method=args.method, symmetric=not args.asymmetric,
+                                 accuracy_level=args.accuracy_level)
+    print("\n".join(quantize_weights(args.model, args.output, options).lines()))
+    return 0
+
+
 def cmd_inspect(args) -> int:
     """Describe an ONNX file: opsets, I/O shapes, node histogram, DiffAttention nodes, weights, runnable where."""
     from diffexport.inspect_onnx import inspect_onnx, render, to_json
@@ -591,7 +602,7 @@ def cmd_kernels(args) -> int:
     return 0
 
 
-COMMANDS = {"onnx": cmd_onnx, "trt": cmd_trt, "check": cmd_check, "generate": cmd_generate, "optimize": cmd_optimize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
+COMMANDS = {"onnx": cmd_onnx, "trt": cmd_trt, "check": cmd_check, "generate": cmd_generate, "optimize": cmd_optimize, "quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
             "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep, "retrieval": cmd_retrieval,
             "kernels": cmd_kernels}
 
@@ -614,6 +625,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="then replace DiffAttention nodes by standard ops (runtimes without functions)")
             p.add_argument("--body", default="decomposed", choices=["decomposed", "attention"],
                            help="function body / lowering style (attention needs opset 23)")
+        if name == "quantize":
+            p.add_argument("model", help="an .onnx file written by `diffexport onnx`, or a --kv-cache folder")
+            p.add_argument("-o", "--output", required=True, help="the quantised .onnx (a new folder for a folder)")
+            p.add_argument("--weights", default="int4", choices=["int4", "int8"], help="weight bits (default int4)")
+            p.add_argument("--block-size", type=int, default=32, help="weights per scale: 16, 32 (default), 64, "
+                                                                      "128 or 256")
+            p.add_argument("--method", default="rtn", choices=["rtn", "hqq"],
+                           help="rtn: round to nearest (default); hqq: half-quadratic (int4 only)")
+            p.add_argument("--asymmetric", action="store_true", help="a zero point per block (default symmetric)")
+            p.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
+                           help="MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU path "
+                                "(default); 0 = its default (fp32)")
         if name == "inspect":
             p.add_argument("model", help="an .onnx file (weights are not loaded)")
             p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -90,3 +90,90 @@ def elementwise_atol(comparisons: list[Comparison], dtype: str, ref_max: float) 
     """An atol for polygraphy's elementwise check against the saved reference (cast to `dtype`):
     the largest bound, plus the rounding of the reference into `dtype`."""
     return max(c.bound for c in comparisons) + UNIT_ROUNDOFF[dtype] * max(1.0, ref_max)
+
+
+# ---------------------------------------------------------------- quantised weights
+# A weight-quantised model is not the same function as its source, so elementwise bounds do not
+# apply: it is judged on what a user of its next-token distribution sees. Budgets (docs/NUMERICS.md,
+# "Quantised weights"): mean KL(reference || quantised) of next-token distributions in nats per
+# token, and a logit cosine floor. Top-1 agreement is reported, not judged: on models whose
+# reference is unsure (near-tied logits, e.g. untrained weights) it flips without harm.
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantBudget:
+    max_kl: float
+    min_cosine: float
+
+    def describe(self) -> str:
+        return f"mean KL <= {self.max_kl:g} nats/token, cosine >= {self.min_cosine:g}"
+
+
+# KL is the accuracy budget; the cosine floor only catches a broken graph (a wrong scale or zero
+# point gives cosines far below it), so it sits well under what RTN reaches even on random weights.
+WEIGHT_QUANT_BUDGETS = {8: QuantBudget(max_kl=0.005, min_cosine=0.995), 4: QuantBudget(max_kl=0.05, min_cosine=0.95)}
+
+
+@dataclasses.dataclass
+class DistributionComparison:
+    name: str
+    max_abs: float
+    cosine: float
+    mean_kl: float | None  # None for outputs that are not logits
+    top1: float | None
+    finite: bool
+    budget: QuantBudget
+
+    @property
+    def bound(self) -> float:  # polygraphy's elementwise rerun reproduces the error observed here
+        return self.max_abs
+
+    @property
+    def passed(self) -> bool:
+        kl_ok = self.mean_kl is None or self.mean_kl <= self.budget.max_kl
+        return self.finite and kl_ok and self.cosine >= self.budget.min_cosine
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else ("FAIL (non-finite)" if not self.finite else "FAIL")
+        kl = "" if self.mean_kl is None else f"  KL {self.mean_kl:.2e} (budget {self.budget.max_kl:g})  top-1 {self.top1:.1%}"
+        return (f"{self.name:<18s} max abs {self.max_abs:.2e}  cosine {self.cosine:.7f} (floor "
+                f"{self.budget.min_cosine:g}){kl}  {verdict}")
+
+
+def compare_distributions(name: str, out: np.ndarray, ref: np.ndarray, budget: QuantBudget,
+                          logits: bool) -> DistributionComparison:
+    """A quantised model's output against its unquantised reference under `budget`; for logits
+    ([..., vocab]) the next-token distributions are compared too."""
+    out64, ref64 = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if out64.shape != ref64.shape:
+        raise ValueError(f"{name}: shapes differ, {out64.shape} vs {ref64.shape}")
+    finite = bool(np.isfinite(out64).all())
+    if not finite:
+        return DistributionComparison(name, float("inf"), 0.0, None, None, False, budget)
+    kl = top1 = None
+    if logits:
+        log_p = ref64 - np.logaddexp.reduce(ref64, axis=-1, keepdims=True)
+        log_q = out64 - np.logaddexp.reduce(out64, axis=-1, keepdims=True)
+        kl = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+        top1 = float((out64.argmax(-1) == ref64.argmax(-1)).mean())
+    return DistributionComparison(name, float(np.abs(out64 - ref64).max(initial=0.0)),
+                                  _cosine(out64.ravel(), ref64.ravel()), kl, top1, True, budget)
+
+
+def weight_quant_budget(record: str | None) -> QuantBudget | None:
+    """The budget for an export's `weight_quant` metadata (None: not weight-quantised)."""
+    if record is None:
+        return None
+    import json
+
+    try:
+        bits = int(json.loads(record)["bits"])
+    except (ValueError, KeyError, TypeError, RecursionError):
+        from diffexport.errors import DiffExportError
+
+        raise DiffExportError("the weight_quant metadata is not a quantisation record") from None
+    if bits not in WEIGHT_QUANT_BUDGETS:
+        from diffexport.errors import DiffExportError
+
+        raise DiffExportError(f"no accuracy budget for int{bits} weights (diffexport quantize writes int4 and int8)")
+    return WEIGHT_QUANT_BUDGETS[bits]

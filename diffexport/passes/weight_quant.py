@@ -1,0 +1,255 @@
+"""Weight-only quantisation for ONNX Runtime and onnxruntime-genai: MatMul weights to INT4/INT8
+MatMulNBits through onnxruntime's own quantiser (onnxruntime.quantization). DiffAttention nodes and
+their function body are left as they are: they hold no weights, and the plugin/body take the
+activations in the export's precision.
+
+Works on a prefill export (one .onnx file) and on a KV-cache folder (model.onnx quantised,
+genai_config.json and the tokenizer carried over, so onnxruntime-genai runs the result).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from diffexport.errors import DiffExportError
+from diffexport.files import _umask, check_output_path, load_onnx, make_output_folder, temp_prefix
+from diffexport.progress import Progress
+
+BITS = (4, 8)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+METHODS = ("rtn", "hqq")  # gptq needs calibration batches: see docs/QUANTIZATION.md
+META_KEY = "diffexport.weight_quant"
+# Ops that mean a graph already holds quantised weights: quantising again would stack two errors.
+QUANTISED_OPS = {"MatMulNBits", "DequantizeLinear", "QuantizeLinear", "MatMulInteger", "QLinearMatMul",
+                 "GatherBlockQuantized", "DynamicQuantizeLinear"}
+
+
+@dataclasses.dataclass
+class WeightQuantOptions:
+    bits: int = 4
+    block_size: int = 32
+    method: str = "rtn"
+    symmetric: bool = True
+    # 4: the matmul runs on int8 activations (ONNX Runtime's fast CPU path, what onnxruntime-genai's
+    # model builder picks for CPU int4); 0 leaves ONNX Runtime's default (fp32 compute).
+    accuracy_level: int = 4
+
+    def validate(self) -> None:
+        if self.bits not in BITS:
+            raise DiffExportError(f"--weights int{self.bits}: MatMulNBits takes int4 or int8")
+        if self.block_size not in BLOCK_SIZES:
+            raise DiffExportError(f"--block-size {self.block_size}: use one of {', '.join(map(str, BLOCK_SIZES))}")
+        if self.method not in METHODS:
+            raise DiffExportError(f"--method {self.method}: use one of {', '.join(METHODS)}")
+        if self.method == "hqq" and self.bits != 4:
+            raise DiffExportError("--method hqq quantises to int4 only (onnxruntime's HQQ): use --weights int4 "
+                                  "or --method rtn")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise DiffExportError(f"accuracy level {self.accuracy_level}: use 0..4")
+
+    def describe(self) -> str:
+        return f"int{self.bits}, block {self.block_size}, {self.method}, {'symmetric' if self.symmetric else 'asymmetric'}"
+
+
+@dataclasses.dataclass
+class WeightQuantSummary:
+    output: Path
+    quantised: int  # MatMul nodes turned into MatMulNBits
+    skipped: list[str]  # MatMul nodes with a weight left as it was, and why
+    bytes_before: int  # weight bytes (initializers) before and after
+    bytes_after: int
+    options: WeightQuantOptions
+    seconds: float
+
+    def lines(self) -> list[str]:
+        ratio = self.bytes_before / max(self.bytes_after, 1)
+        out = [f"quantised     {self.quantised} MatMul weights to MatMulNBits ({self.options.describe()})",
+               f"weights       {self.bytes_before / 1e6:,.1f} MB -> {self.bytes_after / 1e6:,.1f} MB ({ratio:.2f}x smaller)"]
+        if self.skipped:
+            out.append(f"kept          {len(self.skipped)} MatMul weight(s) as they were: {'; '.join(self.skipped[:3])}")
+        out.append(f"wrote         {self.output} in {self.seconds:.1f}s")
+        return out
+
+
+def _log_default(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr)
+
+
+def quantisable_matmuls(model) -> tuple[list[str], list[str]]:
+    """(names of MatMul nodes whose B input is a 2-D float weight, reasons for the other weight
+    MatMuls). MatMulNBits takes a constant [K, N] B; K need not divide the block (it is padded)."""
+    from onnx import TensorProto
+
+    inits = {t.name: t for t in model.graph.initializer}
+    floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    names, skipped = [], []
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in inits:
+            continue
+        weight = inits[node.input[1]]
+        if len(weight.dims) != 2:
+            skipped.append(f"{node.name} ({len(weight.dims)}-D weight)")
+        elif weight.data_type not in floats:
+            skipped.append(f"{node.name} (weight type {TensorProto.DataType.Name(weight.data_type)})")
+        else:
+            names.append(node.name)
+    return names, skipped
+
+
+def _initializer_bytes(model) -> int:
+    from onnx.external_data_helper import uses_external_data
+
+    total = 0
+    for t in model.graph.initializer:
+        if uses_external_data(t):
+            total += next((int(e.value) for e in t.external_data if e.key == "length"), 0)
+        else:
+            total += len(t.raw_data) or t.ByteSize()
+    return total
+
+
+def _check_input(model, path: Path) -> list[str]:
+    present = {n.op_type for n in model.graph.node} & QUANTISED_OPS
+    if present or any(p.key == META_KEY for p in model.metadata_props):
+        raise DiffExportError(f"{path} is already quantised ({', '.join(sorted(present)) or META_KEY}): quantise "
+                              "the unquantised export instead")
+    names, skipped = quantisable_matmuls(model)
+    if not names:
+        raise DiffExportError(f"{path} has no MatMul with a constant 2-D float weight: nothing to quantise"
+                              + (f" ({'; '.join(skipped[:2])})" if skipped else ""))
+    nodes = [n.name for n in model.graph.node]
+    if len(set(nodes)) != len(nodes) or not all(nodes):
+        raise DiffExportError(f"{path}: its nodes need unique names for the quantiser (run `diffexport optimize` "
+                              "on it first)")
+    return names
+
+
+def _quantise(model, names: list[str], options: WeightQuantOptions):
+    """onnxruntime's MatMulNBitsQuantizer, a chunk of nodes at a time so that progress shows."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    if options.method == "hqq":
+        config = mnq.HQQWeightOnlyQuantConfig(block_size=options.block_size, bits=options.bits)
+    else:
+        config = mnq.DefaultWeightOnlyQuantConfig(block_size=options.block_size, is_symmetric=options.symmetric,
+                                                  bits=options.bits, accuracy_level=options.accuracy_level or None)
+    chunk = max(1, len(names) // 20)
+    with Progress("quantising", len(names), min_total=40) as progress:
+        for start in range(0, len(names), chunk):
+            part = names[start:start + chunk]
+            quantiser = mnq.MatMulNBitsQuantizer(model, bits=options.bits, block_size=options.block_size,
+                                                 is_symmetric=options.symmetric,
+                                                 accuracy_level=options.accuracy_level or None,
+                                                 nodes_to_include=part, algo_config=config)
+            with warnings.catch_warnings():  # its HQQ path warns about numpy views it only reads
+                warnings.simplefilter("ignore", UserWarning)
+                quantiser.process()
+            model = quantiser.model.model
+            progress.advance(len(part))
+    return model
+
+
+def _stamp(model, options: WeightQuantOptions, count: int, before: int, after: int) -> None:
+    record = {"bits": options.bits, "block_size": options.block_size, "method": options.method,
+              "symmetric": options.symmetric, "accuracy_level": options.accuracy_level, "quantised": count,
+              "bytes_before": before, "bytes_after": after}
+    for prop in list(model.metadata_props):
+        if prop.key == META_KEY:
+            model.metadata_props.remove(prop)
+    model.metadata_props.add(key=META_KEY, value=json.dumps(record, sort_keys=True))
+
+
+def read_weight_quant(model) -> dict | None:
+    """The record `quantize` stamps on its output (None for an unquantised graph)."""
+    value = next((p.value for p in model.metadata_props if p.key == META_KEY), None)
+    if value is None:
+        return None
+    try:
+        record = json.loads(value)
+        int(record["bits"]), int(record["block_size"])
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise DiffExportError(f"the {META_KEY} metadata is not a quantisation record") from None
+    return record
+
+
+def _write(model, tmp_model: Path, log) -> None:
+    import onnx_ir as ir
+
+    from diffexport.export import exporter
+
+    model_ir = ir.serde.deserialize_model(model)
+    external = exporter._weight_bytes(model_ir) > exporter.PROTOBUF_LIMIT - 64 * 1024**2
+    exporter.save_checked(model_ir, tmp_model, external, log)
+
+
+def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: WeightQuantOptions | None = None,
+                     log: Callable[[str], None] = _log_default) -> WeightQuantSummary:
+    """Quantise the MatMul weights of a prefill .onnx file or a KV-cache folder into `dst` (a new
+    .onnx file, or a new folder for a folder)."""
+    options = options or WeightQuantOptions()
+    options.validate()
+    src, dst = Path(src), Path(dst)
+    start = time.monotonic()
+    folder = src.is_dir()
+    if folder:
+        from diffexport.export.decoder import read_decoder_folder
+
+        model_path, _, _ = read_decoder_folder(src)
+        if dst.exists() or dst.is_symlink():
+            raise DiffExportError(f"{dst} already exists: give a new folder (nothing is overwritten)")
+        check_output_path(dst)
+    else:
+        if not src.is_file():
+            raise DiffExportError(f"{src} does not exist: give an exported .onnx file or a --kv-cache folder")
+        model_path = src
+        if dst.suffix != ".onnx":
+            raise DiffExportError(f"-o {dst}: name the quantised model *.onnx")
+        if dst.resolve() == src.resolve() or dst.with_name(dst.name + ".data").resolve() == src.resolve():
+            raise DiffExportError(f"-o {dst} would overwrite the input: write the quantised model elsewhere")
+        check_output_path(dst, ("", ".data"))
+    model = load_onnx(model_path)
+    names = _check_input(model, model_path)
+    before = _initializer_bytes(model)
+    _, skipped = quantisable_matmuls(model)
+    log(f"quantising    {len(names)} MatMul weights of {model_path.name} ({options.describe()}) with onnxruntime "
+        "MatMulNBitsQuantizer")
+    model = _quantise(model, names, options)
+    count = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    after = _initializer_bytes(model)
+    _stamp(model, options, count, before, after)
+
+    out_parent = dst.parent
+    make_output_folder(out_parent)
+    tmp_dir = Path(tempfile.mkdtemp(dir=out_parent, prefix=temp_prefix(dst.name), suffix=".tmp"))
+    try:
+        inner = tmp_dir / (model_path.name if folder else dst.name)
+        log(f"writing       {dst}{'/' if folder else ''}")
+        _write(model, inner, log)
+        del model
+        if folder:
+            for item in sorted(src.iterdir()):  # genai_config.json, tokenizer files: carried as they are
+                if item.name in (model_path.name, model_path.name + ".data") or not item.is_file() or item.is_symlink():
+                    continue
+                shutil.copyfile(item, tmp_dir / item.name, follow_symlinks=False)
+            os.chmod(tmp_dir, 0o777 & ~_umask())
+            os.rename(tmp_dir, dst)  # fails, leaving nothing, if dst appeared meanwhile
+        else:
+            from diffexport.export import exporter
+
+            exporter._publish(tmp_dir, dst, inner.with_name(inner.name + ".data").exists())
+    finally:
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    return WeightQuantSummary(dst, count, skipped, before, after, options, time.monotonic() - start)

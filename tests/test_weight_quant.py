@@ -1,0 +1,139 @@
+"""`diffexport quantize`: INT4/INT8 MatMulNBits weights through onnxruntime's quantiser, judged
+against the unquantised model under the budgets of tolerances.WEIGHT_QUANT_BUDGETS."""
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers import assert_one_line_error, run_cli
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime.quantization")
+
+pytestmark = pytest.mark.slow  # exports and onnxruntime sessions: see README (quick loop)
+
+LAYERS = 2  # diff-v1-tiny
+WEIGHT_MATMULS = LAYERS * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wq")
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", folder / "m.onnx").returncode == 0
+    return folder / "m.onnx"
+
+
+def _logits(path, ids):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {"input_ids": ids})[0]
+
+
+def _mean_kl(ref, out):
+    log_p = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    log_q = out - np.logaddexp.reduce(out, axis=-1, keepdims=True)
+    return float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("bits,block,method", [(4, 32, "rtn"), (8, 128, "rtn"), (4, 64, "hqq")])
+def test_quantised_export_keeps_diff_attention_and_meets_its_budget(exported, tmp_path, bits, block, method):
+    from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
+    from diffexport.tolerances import WEIGHT_QUANT_BUDGETS
+
+    out = tmp_path / "q.onnx"
+    summary = quantize_weights(exported, out, WeightQuantOptions(bits=bits, block_size=block, method=method),
+                               log=lambda _: None)
+    assert summary.quantised == WEIGHT_MATMULS and summary.bytes_after < summary.bytes_before / (2 if bits == 8 else 3)
+    before, after = onnx.load(str(exported)), onnx.load(str(out))
+    ops = [n.op_type for n in after.graph.node]
+    assert ops.count("MatMulNBits") == WEIGHT_MATMULS and "MatMul" not in ops  # the graph's matmuls all have weights
+    # the attention is untouched: the same DiffAttention nodes, the same function body
+    diff = [n for n in after.graph.node if n.op_type == "DiffAttention"]
+    assert [n.SerializeToString() for n in diff] == [n.SerializeToString() for n in before.graph.node
+                                                     if n.op_type == "DiffAttention"]
+    assert [f.SerializeToString() for f in after.functions] == [f.SerializeToString() for f in before.functions]
+    record = json.loads(next(p.value for p in after.metadata_props if p.key == "diffexport.weight_quant"))
+    assert (record["bits"], record["block_size"], record["method"]) == (bits, block, method)
+
+    ids = np.random.default_rng(bits * 1000 + block).integers(0, 512, size=(2, 37), dtype=np.int64)
+    ref, got = _logits(exported, ids), _logits(out, ids)
+    assert np.isfinite(got).all()
+    assert 0 < _mean_kl(ref, got) <= WEIGHT_QUANT_BUDGETS[bits].max_kl  # changed, within budget
+    report = run_cli("check", out, "--preset", "diff-v1-tiny", "--shapes", "1x9,2x33")
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "budget        quantised weights" in report.stderr + report.stdout and "KL" in report.stdout
+
+
+def test_the_budget_fails_a_broken_quantisation(exported, tmp_path):
+    """The LM head's scales negated (a sign error a quantiser could make): the check must FAIL."""
+    from onnx import numpy_helper
+
+    from diffexport.passes.weight_quant import quantize_weights
+
+    out = tmp_path / "q.onnx"
+    quantize_weights(exported, out, log=lambda _: None)
+    model = onnx.load(str(out))
+    node = [n for n in model.graph.node if n.op_type == "MatMulNBits"][-1]  # the LM head comes last
+    scales = next(t for t in model.graph.initializer if t.name == node.input[2])
+    scales.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(scales), scales.name))
+    broken = tmp_path / "broken.onnx"
+    onnx.save(model, str(broken))
+    report = run_cli("check", broken, "--preset", "diff-v1-tiny", "--shapes", "2x33")
+    assert report.returncode == 1 and "FAIL" in report.stdout, report.stdout + report.stderr
+
+
+def test_kv_cache_folder_is_quantised_and_still_decodes(tmp_path):
+    folder = tmp_path / "kv"
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder).returncode == 0
+    out = tmp_path / "kv-int4"
+    result = run_cli("quantize", folder, "-o", out, "--weights", "int4")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in folder.iterdir())
+    assert (out / "genai_config.json").read_text() == (folder / "genai_config.json").read_text()
+    report = run_cli("check", out, "--preset", "diff-v1-tiny")
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "greedy tokens onnxruntime == eager" in report.stdout
+    pytest.importorskip("onnxruntime_genai")
+    generated = run_cli("generate", out, "--ids", "1,2,3", "--max-new-tokens", "6")
+    assert generated.returncode == 0 and len(generated.stdout.split()) == 6, generated.stdout + generated.stderr
+
+
+def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="r")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])])
+    plain = tmp_path / "plain.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(plain))
+    done = tmp_path / "done.onnx"
+    assert run_cli("quantize", exported, "-o", done).returncode == 0
+    existing = tmp_path / "exists"
+    existing.mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    cases = [
+        (("quantize", exported, "-o", tmp_path / "x.onnx", "--block-size", "48"), "--block-size 48: use one of"),
+        (("quantize", exported, "-o", tmp_path / "x.onnx", "--weights", "int8", "--method", "hqq"), "int4 only"),
+        (("quantize", plain, "-o", tmp_path / "x.onnx"), "nothing to quantise"),
+        (("quantize", done, "-o", tmp_path / "x.onnx"), "is already quantised"),
+        (("quantize", exported, "-o", exported), "would overwrite the input"),
+        (("quantize", exported, "-o", tmp_path / "x.txt"), "name the quantised model *.onnx"),
+        (("quantize", tmp_path / "missing.onnx", "-o", tmp_path / "x.onnx"), "does not exist"),
+        (("quantize", existing, "-o", tmp_path / "y"), "genai_config.json"),
+    ]
+    for args, message in cases:
+        assert_one_line_error(run_cli(*args), message)
+    bad_bits = run_cli("quantize", exported, "-o", tmp_path / "x.onnx", "--weights", "int3")
+    assert bad_bits.returncode == 2 and "invalid choice: 'int3'" in bad_bits.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_options_are_validated_in_the_python_api():
+    from diffexport.errors import DiffExportError
+    from diffexport.passes.weight_quant import WeightQuantOptions
+
+    for options, message in [(WeightQuantOptions(bits=2), "int4 or int8"), (WeightQuantOptions(block_size=0), "use one"),
+                             (WeightQuantOptions(method="gptq"), "use one of rtn, hqq")]:
+        with pytest.raises(DiffExportError, match=message):
+            options.validate()
