@@ -131,3 +131,12 @@ def host_library(tmp_path_factory, env_var: str, built, name: str, sources, flag
     if result.returncode != 0:
         pytest.skip(f"cannot build {name} here: {result.stderr.strip().splitlines()[-1:]}")
     return path
+
+
+def resave_checkpoint(path, tmp_path, edit):
+    """The checkpoint at `path` loaded, changed by edit(obj) in place, saved as tmp_path/edited.pt."""
+    obj = torch.load(path, weights_only=True)
+    edit(obj)
+    out = tmp_path / "edited.pt"
+    torch.save(obj, out)
+    return out

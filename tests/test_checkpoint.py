@@ -14,7 +14,7 @@ from diffexport.checkpoint import FORMAT, load_model, save_checkpoint, save_safe
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DiffV1Config, build_model
 from diffexport.presets import preset_config
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, resave_checkpoint, run_cli
 
 
 def _logits(model, rng, vocab, seq=13):
@@ -182,26 +182,18 @@ def test_pickle_with_code_is_not_executed(writer, tmp_path):
     assert not marker.exists()
 
 
-def _resave(good_ckpt, tmp_path, edit):
-    obj = torch.load(good_ckpt, weights_only=True)
-    edit(obj)
-    path = tmp_path / "edited.pt"
-    torch.save(obj, path)
-    return path
-
-
 def test_missing_key(good_ckpt, tmp_path):
-    path = _resave(good_ckpt, tmp_path, lambda o: o["state_dict"].pop("layers.1.attn.lambda_q2"))
+    path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o["state_dict"].pop("layers.1.attn.lambda_q2"))
     assert_one_line_error(run_cli("info", path), "missing key(s) layers.1.attn.lambda_q2")
 
 
 def test_unexpected_key(good_ckpt, tmp_path):
-    path = _resave(good_ckpt, tmp_path, lambda o: o["state_dict"].update({"layers.9.extra": torch.ones(2)}))
+    path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o["state_dict"].update({"layers.9.extra": torch.ones(2)}))
     assert_one_line_error(run_cli("info", path), "unexpected key(s) layers.9.extra")
 
 
 def test_wrong_shape(good_ckpt, tmp_path):
-    path = _resave(good_ckpt, tmp_path,
+    path = resave_checkpoint(good_ckpt, tmp_path,
                    lambda o: o["state_dict"].update({"layers.0.attn.q_proj.weight": torch.ones(64, 128)}))
     assert_one_line_error(run_cli("info", path), "wrong shape for layers.0.attn.q_proj.weight")
 
@@ -209,16 +201,16 @@ def test_wrong_shape(good_ckpt, tmp_path):
 def test_nan_weights(good_ckpt, tmp_path):
     def poison(o):
         o["state_dict"]["norm.weight"][3] = float("nan")
-    assert_one_line_error(run_cli("info", _resave(good_ckpt, tmp_path, poison)), "NaN")
+    assert_one_line_error(run_cli("info", resave_checkpoint(good_ckpt, tmp_path, poison)), "NaN")
 
 
 def test_unknown_format_version(good_ckpt, tmp_path):
-    path = _resave(good_ckpt, tmp_path, lambda o: o.update({"format_version": 99}))
+    path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o.update({"format_version": 99}))
     assert_one_line_error(run_cli("info", path), "unknown format_version 99")
 
 
 def test_bad_config_values(good_ckpt, tmp_path):
-    path = _resave(good_ckpt, tmp_path, lambda o: o["config"].update({"n_kv_heads": 3}))
+    path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o["config"].update({"n_kv_heads": 3}))
     assert_one_line_error(run_cli("info", path), "must divide")
 
 

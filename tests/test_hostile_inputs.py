@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, resave_checkpoint, run_cli
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -203,16 +203,6 @@ def checkpoint(tmp_path_factory):
     return save_checkpoint(load_model(preset="diff-v1-tiny").model, tmp_path_factory.mktemp("ckpt") / "good.pt")
 
 
-def _edited(checkpoint, tmp_path, edit):
-    import torch
-
-    obj = torch.load(checkpoint, weights_only=True)
-    edit(obj)
-    path = tmp_path / "edited.pt"
-    torch.save(obj, path)
-    return path
-
-
 def _set_tensor(make):
     def edit(obj):
         obj["state_dict"]["embed.weight"] = make(obj["state_dict"]["embed.weight"])
@@ -231,7 +221,7 @@ def _set_tensor(make):
     (_set_tensor(lambda t: t.to(__import__("torch").int8)), "has dtype int8"),
 ], ids=["lambda-abc", "heads-four", "list-number", "int-as-bool", "rope-string", "fp8", "sparse", "meta", "int8"])
 def test_wrong_typed_configs_and_tensors_are_one_line(checkpoint, tmp_path, edit, message):
-    assert_one_line_error(run_cli("info", _edited(checkpoint, tmp_path, edit)), message)
+    assert_one_line_error(run_cli("info", resave_checkpoint(checkpoint, tmp_path, edit)), message)
 
 
 def test_zip_members_are_checked_against_their_declared_sizes(checkpoint, tmp_path):
