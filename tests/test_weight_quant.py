@@ -111,6 +111,8 @@ def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path
     assert run_cli("quantize", exported, "-o", done).returncode == 0
     existing = tmp_path / "exists"
     existing.mkdir()
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"\x08\x07not a protobuf" * 20)
     before = sorted(p.name for p in tmp_path.iterdir())
     cases = [
         (("quantize", exported, "-o", tmp_path / "x.onnx", "--block-size", "48"), "--block-size 48: use one of"),
@@ -121,6 +123,8 @@ def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path
         (("quantize", exported, "-o", tmp_path / "x.txt"), "name the quantised model *.onnx"),
         (("quantize", tmp_path / "missing.onnx", "-o", tmp_path / "x.onnx"), "does not exist"),
         (("quantize", existing, "-o", tmp_path / "y"), "genai_config.json"),
+        (("quantize", corrupt, "-o", tmp_path / "x.onnx"), "is not a readable ONNX file"),
+        (("quantize", exported, "-o", "/sys/kernel/x.onnx"), "is not writable"),
     ]
     for args, message in cases:
         assert_one_line_error(run_cli(*args), message)

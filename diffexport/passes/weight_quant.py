@@ -119,7 +119,7 @@ def _initializer_bytes(model) -> int:
     return total
 
 
-def _check_input(model, path: Path) -> list[str]:
+def _check_input(model, path: Path) -> tuple[list[str], list[str]]:
     present = {n.op_type for n in model.graph.node} & QUANTISED_OPS
     if present or any(p.key == META_KEY for p in model.metadata_props):
         raise DiffExportError(f"{path} is already quantised ({', '.join(sorted(present)) or META_KEY}): quantise "
@@ -132,7 +132,7 @@ def _check_input(model, path: Path) -> list[str]:
     if len(set(nodes)) != len(nodes) or not all(nodes):
         raise DiffExportError(f"{path}: its nodes need unique names for the quantiser (run `diffexport optimize` "
                               "on it first)")
-    return names
+    return names, skipped
 
 
 def _quantise(model, names: list[str], options: WeightQuantOptions):
@@ -171,27 +171,13 @@ def _stamp(model, options: WeightQuantOptions, count: int, before: int, after: i
     model.metadata_props.add(key=META_KEY, value=json.dumps(record, sort_keys=True))
 
 
-def read_weight_quant(model) -> dict | None:
-    """The record `quantize` stamps on its output (None for an unquantised graph)."""
-    value = next((p.value for p in model.metadata_props if p.key == META_KEY), None)
-    if value is None:
-        return None
-    try:
-        record = json.loads(value)
-        int(record["bits"]), int(record["block_size"])
-    except (ValueError, KeyError, TypeError, RecursionError):
-        raise DiffExportError(f"the {META_KEY} metadata is not a quantisation record") from None
-    return record
-
-
 def _write(model, tmp_model: Path, log) -> None:
     import onnx_ir as ir
 
     from diffexport.export import exporter
 
     model_ir = ir.serde.deserialize_model(model)
-    external = exporter._weight_bytes(model_ir) > exporter.PROTOBUF_LIMIT - 64 * 1024**2
-    exporter.save_checked(model_ir, tmp_model, external, log)
+    exporter.save_checked(model_ir, tmp_model, exporter.wants_external(model_ir, exporter.ExportOptions()), log)
 
 
 def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: WeightQuantOptions | None = None,
@@ -220,9 +206,8 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
             raise DiffExportError(f"-o {dst} would overwrite the input: write the quantised model elsewhere")
         check_output_path(dst, ("", ".data"))
     model = load_onnx(model_path)
-    names = _check_input(model, model_path)
+    names, skipped = _check_input(model, model_path)
     before = _initializer_bytes(model)
-    _, skipped = quantisable_matmuls(model)
     log(f"quantising    {len(names)} MatMul weights of {model_path.name} ({options.describe()}) with onnxruntime "
         "MatMulNBitsQuantizer")
     model = _quantise(model, names, options)
