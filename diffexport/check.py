@@ -256,7 +256,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     if outputs != meta.get("outputs", "").split(","):
         raise DiffExportError(f"{onnx_path.name} outputs {outputs} differ from its metadata: re-export it")
     device = "cuda" if provider == "cuda" else "cpu"
-    budget = tolerances.weight_quant_budget(meta.get("weight_quant"))
+    budget = tolerances.quant_budget(meta)
     low, ref32 = _eager_models(loaded, dtype, device)
     head_dim = loaded.config.head_dim  # which library the attention calls reach, for the report
     value_dim = 2 * head_dim if loaded.config.family == "diff_v1" else head_dim
@@ -265,7 +265,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     eager_name = f"eager PyTorch ({reference.attention_backend(probe_q, probe_v)}, {device})"
     log(f"checking      {onnx_path.name} ({dtype}) in onnxruntime {provider} against {eager_name}")
     if budget is not None:
-        log(f"budget        quantised weights: {budget.describe()}, not the {dtype} rule (docs/NUMERICS.md)")
+        log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule (docs/QUANTIZATION.md)")
 
     def run(ids):
         return dict(zip(outputs, session.run(outputs, {INPUT_NAMES[0]: ids})))
@@ -398,6 +398,9 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     log(f"checking      {engine_path.name} ({dtype}, attention {record['attention']}"
         f"{'' if quant is None else ', ' + quant.describe() + ' logits'}) against eager PyTorch"
         f"{'' if quant is None else ' with the same logit quantisation'} (cuda)")
+    budget = tolerances.quant_budget(meta)  # Q/DQ matmuls (or quantised weights) change the function
+    if budget is not None:
+        log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule (docs/QUANTIZATION.md)")
 
     def eager(model, ids):
         if quant is None:
@@ -414,7 +417,7 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     feeds, saved, comparisons, lines = _compare(
         options, shapes, loaded.config.vocab_size, outputs, dtype, lambda ids: run({INPUT_NAMES[0]: ids}),
         lambda ids: eager(low, ids), None if ref32 is None else (lambda ids: eager(ref32, ids)),
-        note=None if quant is None else unquantised)
+        note=None if quant is None else unquantised, budget=budget)
     plugin = ["--plugins", shlex.quote(plugin_lib)] if plugin_lib else []
     runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
     return _finish(runner, save_dir, feeds, saved, comparisons, lines,
@@ -461,10 +464,10 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     meta, dtype = runner.meta, runner.meta["dtype"]
     check_same_model(meta, loaded, runner.model_path)
     device = "cuda" if provider == "cuda" else "cpu"
-    budget = tolerances.weight_quant_budget(meta.get("weight_quant"))
+    budget = tolerances.quant_budget(meta)
     low, ref32 = _eager_models(loaded, dtype, device)
     if budget is not None:
-        log(f"budget        quantised weights: {budget.describe()} per step, not the {dtype} rule; greedy "
+        log(f"budget        {budget.what}: {budget.describe()} per step, not the {dtype} rule; greedy "
             "tokens reported, not judged")
     log(f"checking      {folder}/ ({dtype}) in onnxruntime {provider} against eager PyTorch with its KV cache: "
         f"batch {len(DECODE_PROMPTS)} left-padded, prefill + {steps} decode steps")
@@ -570,13 +573,14 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
 
     graph = load_onnx(model_path, weights=False)
     # a weight-quantised model against its unquantised source: the budget, not the dtype rule
-    from diffexport.passes.weight_quant import META_KEY
+    def quant_records(model) -> dict[str, str]:
+        return {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props
+                if p.key in (META_PREFIX + "weight_quant", META_PREFIX + "qdq")}
 
-    record = next((p.value for p in graph.metadata_props if p.key == META_KEY), None)
-    theirs_quantised = any(p.key == META_KEY for p in load_onnx(against_path, weights=False).metadata_props)
-    budget = None if theirs_quantised else tolerances.weight_quant_budget(record)
+    theirs_quantised = bool(quant_records(load_onnx(against_path, weights=False)))
+    budget = None if theirs_quantised else tolerances.quant_budget(quant_records(graph))
     if budget is not None:
-        log(f"budget        quantised weights: {budget.describe()}, not the {dtype} rule")
+        log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule")
     rng = np.random.default_rng(options.seed)
     feeds, saved, comparisons, lines = [], [], [], []
     for batch, seq in options.shapes:

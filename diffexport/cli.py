@@ -183,12 +183,28 @@ def cmd_optimize(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    """Quantise the MatMul weights of an export (a .onnx file or a --kv-cache folder) to INT4/INT8 MatMulNBits for ONNX Runtime and onnxruntime-genai."""
+    """Quantise an export: INT4/INT8 MatMulNBits weights for ONNX Runtime and onnxruntime-genai (--weights), or a calibrated INT8/FP8 Q/DQ graph for TensorRT (--qdq)."""
+    if args.qdq:
+        from diffexport.passes.qdq import QDQOptions, quantize_qdq
+
+        given = [flag for flag, value in (("--weights", args.weights), ("--block-size", args.block_size),
+                                          ("--method", args.method), ("--asymmetric", args.asymmetric or None),
+                                          ("--accuracy-level", args.accuracy_level)) if value is not None]
+        if given:
+            raise DiffExportError(f"{', '.join(given)} belong to weight-only quantisation (--weights), not --qdq")
+        options = QDQOptions(format=args.qdq, calib=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples,
+                             seq_len=args.calib_seq_len, seed=args.seed)
+        print("\n".join(quantize_qdq(args.model, args.output, options).lines()))
+        return 0
     from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
 
-    options = WeightQuantOptions(bits=int(args.weights.removeprefix("int")), block_size=args.block_size,
-                                 method=args.method, symmetric=not args.asymmetric,
-                                 accuracy_level=args.accuracy_level)
+    given = [flag for flag, value in (("--calib", args.calib), ("--tokenizer", args.tokenizer)) if value is not None]
+    if given:
+        raise DiffExportError(f"{', '.join(given)} belong to --qdq (weight-only int4/int8 needs no calibration)")
+    options = WeightQuantOptions(bits=int((args.weights or "int4").removeprefix("int")),
+                                 block_size=32 if args.block_size is None else args.block_size,
+                                 method=args.method or "rtn", symmetric=not args.asymmetric,
+                                 accuracy_level=4 if args.accuracy_level is None else args.accuracy_level)
     print("\n".join(quantize_weights(args.model, args.output, options).lines()))
     return 0
 
@@ -628,15 +644,24 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "quantize":
             p.add_argument("model", help="an .onnx file written by `diffexport onnx`, or a --kv-cache folder")
             p.add_argument("-o", "--output", required=True, help="the quantised .onnx (a new folder for a folder)")
-            p.add_argument("--weights", default="int4", choices=["int4", "int8"], help="weight bits (default int4)")
-            p.add_argument("--block-size", type=int, default=32, help="weights per scale: 16, 32 (default), 64, "
-                                                                      "128 or 256")
-            p.add_argument("--method", default="rtn", choices=["rtn", "hqq"],
-                           help="rtn: round to nearest (default); hqq: half-quadratic (int4 only)")
-            p.add_argument("--asymmetric", action="store_true", help="a zero point per block (default symmetric)")
-            p.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
-                           help="MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU path "
-                                "(default); 0 = its default (fp32)")
+            p.add_argument("--weights", choices=["int4", "int8"], help="weight-only bits (the default: int4)")
+            p.add_argument("--block-size", type=int, help="--weights: weights per scale: 16, 32 (default), 64, "
+                                                          "128 or 256")
+            p.add_argument("--method", choices=["rtn", "hqq"],
+                           help="--weights: rtn, round to nearest (default); hqq, half-quadratic (int4 only)")
+            p.add_argument("--asymmetric", action="store_true", help="--weights: a zero point per block")
+            p.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4],
+                           help="--weights: MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU "
+                                "path (default); 0 = its default (fp32)")
+            p.add_argument("--qdq", choices=["int8", "fp8"],
+                           help="instead: a calibrated Q/DQ graph for TensorRT (weights and matmul activations)")
+            p.add_argument("--calib", metavar="TEXTFILE|synthetic",
+                           help="--qdq calibration data: a UTF-8 text file, or 'synthetic' (seeded token ids)")
+            p.add_argument("--tokenizer", help="--calib: Hugging Face tokenizer (folder or hub name); without it "
+                                               "the text's bytes are the token ids")
+            p.add_argument("--calib-samples", type=int, default=32, help="--qdq: calibration sequences (default 32)")
+            p.add_argument("--calib-seq-len", type=int, default=128, help="--qdq: tokens per sequence (default 128)")
+            p.add_argument("--seed", type=int, default=0, help="--calib synthetic: seed of the token ids")
         if name == "inspect":
             p.add_argument("model", help="an .onnx file (weights are not loaded)")
             p.add_argument("--json", action="store_true", help="machine-readable output")

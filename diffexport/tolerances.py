@@ -104,6 +104,7 @@ def elementwise_atol(comparisons: list[Comparison], dtype: str, ref_max: float) 
 class QuantBudget:
     max_kl: float
     min_cosine: float
+    what: str = "quantised weights"  # what was quantised, for the report
 
     def describe(self) -> str:
         return f"mean KL <= {self.max_kl:g} nats/token, cosine >= {self.min_cosine:g}"
@@ -111,7 +112,12 @@ class QuantBudget:
 
 # KL is the accuracy budget; the cosine floor only catches a broken graph (a wrong scale or zero
 # point gives cosines far below it), so it sits well under what RTN reaches even on random weights.
-WEIGHT_QUANT_BUDGETS = {8: QuantBudget(max_kl=0.005, min_cosine=0.995), 4: QuantBudget(max_kl=0.05, min_cosine=0.95)}
+WEIGHT_QUANT_BUDGETS = {8: QuantBudget(max_kl=0.005, min_cosine=0.995, what="int8 weights"),
+                        4: QuantBudget(max_kl=0.05, min_cosine=0.95, what="int4 weights")}
+# Q/DQ graphs for TensorRT quantise the activations entering every weight matmul too (one
+# calibrated scale per tensor), which costs more than int8 weights alone: "about 2% perplexity".
+QDQ_BUDGETS = {"int8": QuantBudget(max_kl=0.02, min_cosine=0.98, what="int8 Q/DQ weights and activations"),
+               "fp8": QuantBudget(max_kl=0.02, min_cosine=0.98, what="fp8 Q/DQ weights and activations")}
 
 
 @dataclasses.dataclass
@@ -160,20 +166,54 @@ def compare_distributions(name: str, out: np.ndarray, ref: np.ndarray, budget: Q
                                   _cosine(out64.ravel(), ref64.ravel()), kl, top1, True, budget)
 
 
-def weight_quant_budget(record: str | None) -> QuantBudget | None:
-    """The budget for an export's `weight_quant` metadata (None: not weight-quantised)."""
-    if record is None:
-        return None
+def _record(text: str, what: str) -> dict:
     import json
 
-    try:
-        bits = int(json.loads(record)["bits"])
-    except (ValueError, KeyError, TypeError, RecursionError):
-        from diffexport.errors import DiffExportError
+    from diffexport.errors import DiffExportError
 
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):
+        record = None
+    if not isinstance(record, dict):
+        raise DiffExportError(f"the {what} metadata is not a quantisation record")
+    return record
+
+
+def weight_quant_budget(record: str | None) -> QuantBudget | None:
+    """The budget for an export's `weight_quant` metadata (None: not weight-quantised)."""
+    from diffexport.errors import DiffExportError
+
+    if record is None:
+        return None
+    try:
+        bits = int(_record(record, "weight_quant")["bits"])
+    except (ValueError, KeyError, TypeError):
         raise DiffExportError("the weight_quant metadata is not a quantisation record") from None
     if bits not in WEIGHT_QUANT_BUDGETS:
-        from diffexport.errors import DiffExportError
-
         raise DiffExportError(f"no accuracy budget for int{bits} weights (diffexport quantize writes int4 and int8)")
     return WEIGHT_QUANT_BUDGETS[bits]
+
+
+def qdq_budget(record: str | None) -> QuantBudget | None:
+    """The budget for an export's `qdq` metadata (None: no Q/DQ quantisation)."""
+    from diffexport.errors import DiffExportError
+
+    if record is None:
+        return None
+    fmt = _record(record, "qdq").get("format")
+    if fmt not in QDQ_BUDGETS:
+        raise DiffExportError(f"no accuracy budget for Q/DQ format {fmt!r} (diffexport quantize writes int8 and fp8)")
+    return QDQ_BUDGETS[fmt]
+
+
+def quant_budget(meta: dict[str, str]) -> QuantBudget | None:
+    """The budget an export's diffexport metadata (keys without the prefix) calls for: None when
+    neither its weights nor its activations were quantised by `diffexport quantize`."""
+    weights, qdq = weight_quant_budget(meta.get("weight_quant")), qdq_budget(meta.get("qdq"))
+    if weights is not None and qdq is not None:
+        from diffexport.errors import DiffExportError
+
+        raise DiffExportError("the export declares both weight-only and Q/DQ quantisation; diffexport quantize "
+                              "writes one or the other: re-quantise the unquantised export")
+    return weights or qdq

@@ -307,6 +307,17 @@ def _progress_monitor(trt):
     return Phases()
 
 
+def _check_fp8_targets(model: onnx.ModelProto, targets) -> None:
+    """FP8 tensor cores start with Ada (SM89): say so before the builder fails inside its compiler."""
+    fp8 = {onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E5M2}
+    if not any(t.data_type in fp8 for t in model.graph.initializer):
+        return
+    older = [t for t in targets if t.upper().startswith("SM") and t[2:].isdigit() and int(t[2:]) < 89]
+    if older:
+        raise DiffExportError(f"the graph holds FP8 Q/DQ, which needs SM89 (Ada) or newer, but the targets include "
+                              f"{', '.join(older)}: pass e.g. --targets SM89 SM120")
+
+
 def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -> BuildResult:
     """Parse and build; parse errors name the failing node, build errors say what TensorRT said."""
     options = options or EngineOptions()
@@ -344,6 +355,7 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
 
     config = builder.create_builder_config()
     if name == "tensorrt_rtx":
+        _check_fp8_targets(model, options.targets)
         config.num_compute_capabilities = len(options.targets)
         for i, target in enumerate(options.targets):
             try:

@@ -28,6 +28,7 @@ BITS = (4, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 METHODS = ("rtn", "hqq")  # gptq needs calibration batches: see docs/QUANTIZATION.md
 META_KEY = "diffexport.weight_quant"
+QUANT_META_KEYS = (META_KEY, "diffexport.qdq")  # weight-only here, Q/DQ in passes/qdq.py
 # Ops that mean a graph already holds quantised weights: quantising again would stack two errors.
 QUANTISED_OPS = {"MatMulNBits", "DequantizeLinear", "QuantizeLinear", "MatMulInteger", "QLinearMatMul",
                  "GatherBlockQuantized", "DynamicQuantizeLinear"}
@@ -107,7 +108,7 @@ def quantisable_matmuls(model) -> tuple[list[str], list[str]]:
     return names, skipped
 
 
-def _initializer_bytes(model) -> int:
+def initializer_bytes(model) -> int:
     from onnx.external_data_helper import uses_external_data
 
     total = 0
@@ -119,9 +120,9 @@ def _initializer_bytes(model) -> int:
     return total
 
 
-def _check_input(model, path: Path) -> tuple[list[str], list[str]]:
+def check_input(model, path: Path) -> tuple[list[str], list[str]]:
     present = {n.op_type for n in model.graph.node} & QUANTISED_OPS
-    if present or any(p.key == META_KEY for p in model.metadata_props):
+    if present or any(p.key in QUANT_META_KEYS for p in model.metadata_props):
         raise DiffExportError(f"{path} is already quantised ({', '.join(sorted(present)) or META_KEY}): quantise "
                               "the unquantised export instead")
     names, skipped = quantisable_matmuls(model)
@@ -161,14 +162,12 @@ def _quantise(model, names: list[str], options: WeightQuantOptions):
     return model
 
 
-def _stamp(model, options: WeightQuantOptions, count: int, before: int, after: int) -> None:
-    record = {"bits": options.bits, "block_size": options.block_size, "method": options.method,
-              "symmetric": options.symmetric, "accuracy_level": options.accuracy_level, "quantised": count,
-              "bytes_before": before, "bytes_after": after}
+def stamp(model, key: str, record: dict) -> None:
+    """The quantiser's record as metadata (replacing one of the same key)."""
     for prop in list(model.metadata_props):
-        if prop.key == META_KEY:
+        if prop.key == key:
             model.metadata_props.remove(prop)
-    model.metadata_props.add(key=META_KEY, value=json.dumps(record, sort_keys=True))
+    model.metadata_props.add(key=key, value=json.dumps(record, sort_keys=True))
 
 
 def _write(model, tmp_model: Path, log) -> None:
@@ -180,49 +179,45 @@ def _write(model, tmp_model: Path, log) -> None:
     exporter.save_checked(model_ir, tmp_model, exporter.wants_external(model_ir, exporter.ExportOptions()), log)
 
 
-def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: WeightQuantOptions | None = None,
-                     log: Callable[[str], None] = _log_default) -> WeightQuantSummary:
-    """Quantise the MatMul weights of a prefill .onnx file or a KV-cache folder into `dst` (a new
-    .onnx file, or a new folder for a folder)."""
-    options = options or WeightQuantOptions()
-    options.validate()
-    src, dst = Path(src), Path(dst)
-    start = time.monotonic()
-    folder = src.is_dir()
-    if folder:
+def resolve_paths(src: Path, dst: Path) -> tuple[bool, Path]:
+    """(is a KV-cache folder, the model file inside) for a quantiser's input; the output is refused
+    here, before any work, when it would overwrite anything."""
+    if src.is_dir():
         from diffexport.export.decoder import read_decoder_folder
 
         model_path, _, _ = read_decoder_folder(src)
         if dst.exists() or dst.is_symlink():
             raise DiffExportError(f"{dst} already exists: give a new folder (nothing is overwritten)")
         check_output_path(dst)
-    else:
-        if not src.is_file():
-            raise DiffExportError(f"{src} does not exist: give an exported .onnx file or a --kv-cache folder")
-        model_path = src
-        if dst.suffix != ".onnx":
-            raise DiffExportError(f"-o {dst}: name the quantised model *.onnx")
-        if dst.resolve() == src.resolve() or dst.with_name(dst.name + ".data").resolve() == src.resolve():
-            raise DiffExportError(f"-o {dst} would overwrite the input: write the quantised model elsewhere")
-        check_output_path(dst, ("", ".data"))
-    model = load_onnx(model_path)
-    names, skipped = _check_input(model, model_path)
-    before = _initializer_bytes(model)
-    log(f"quantising    {len(names)} MatMul weights of {model_path.name} ({options.describe()}) with onnxruntime "
-        "MatMulNBitsQuantizer")
-    model = _quantise(model, names, options)
-    count = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
-    after = _initializer_bytes(model)
-    _stamp(model, options, count, before, after)
+        return True, model_path
+    if not src.is_file():
+        raise DiffExportError(f"{src} does not exist: give an exported .onnx file or a --kv-cache folder")
+    if dst.suffix != ".onnx":
+        raise DiffExportError(f"-o {dst}: name the quantised model *.onnx")
+    if dst.resolve() == src.resolve() or dst.with_name(dst.name + ".data").resolve() == src.resolve():
+        raise DiffExportError(f"-o {dst} would overwrite the input: write the quantised model elsewhere")
+    check_output_path(dst, ("", ".data"))
+    return False, src
 
-    out_parent = dst.parent
-    make_output_folder(out_parent)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_parent, prefix=temp_prefix(dst.name), suffix=".tmp"))
+
+def publish(model, src: Path, dst: Path, model_path: Path, log, make=None) -> None:
+    """Write `model` to dst whole or not at all: through a temporary folder beside it, renamed at
+    the end. For a folder, its other files (genai_config.json, tokenizer) are carried over.
+    make(tmp_dir) -> model, when given, builds the model inside that folder first (scratch files
+    left there are cleaned up with it)."""
+    folder = src.is_dir()
+    make_output_folder(dst.parent)
+    tmp_dir = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".tmp"))
     try:
+        if make is not None:
+            model = make(tmp_dir)
         inner = tmp_dir / (model_path.name if folder else dst.name)
         log(f"writing       {dst}{'/' if folder else ''}")
         _write(model, inner, log)
         del model
+        for scratch in tmp_dir.iterdir():
+            if scratch.is_dir():
+                shutil.rmtree(scratch)
         if folder:
             for item in sorted(src.iterdir()):  # genai_config.json, tokenizer files: carried as they are
                 if item.name in (model_path.name, model_path.name + ".data") or not item.is_file() or item.is_symlink():
@@ -237,4 +232,27 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: WeightQuantOptions | None = None,
+                     log: Callable[[str], None] = _log_default) -> WeightQuantSummary:
+    """Quantise the MatMul weights of a prefill .onnx file or a KV-cache folder into `dst` (a new
+    .onnx file, or a new folder for a folder)."""
+    options = options or WeightQuantOptions()
+    options.validate()
+    src, dst = Path(src), Path(dst)
+    start = time.monotonic()
+    _, model_path = resolve_paths(src, dst)
+    model = load_onnx(model_path)
+    names, skipped = check_input(model, model_path)
+    before = initializer_bytes(model)
+    log(f"quantising    {len(names)} MatMul weights of {model_path.name} ({options.describe()}) with onnxruntime "
+        "MatMulNBitsQuantizer")
+    model = _quantise(model, names, options)
+    count = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    after = initializer_bytes(model)
+    stamp(model, META_KEY, {"bits": options.bits, "block_size": options.block_size, "method": options.method,
+                            "symmetric": options.symmetric, "accuracy_level": options.accuracy_level,
+                            "quantised": count, "bytes_before": before, "bytes_after": after})
+    publish(model, src, dst, model_path, log)
     return WeightQuantSummary(dst, count, skipped, before, after, options, time.monotonic() - start)

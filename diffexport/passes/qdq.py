@@ -1,0 +1,245 @@
+"""Q/DQ quantisation for TensorRT: every weight MatMul gets QuantizeLinear/DequantizeLinear pairs on
+its activation input (one calibrated scale per tensor) and on its weight (one scale per output
+channel for int8), in INT8 or FP8 (E4M3). TensorRT fuses each pair into an INT8/FP8 matmul.
+
+The calibration and the graph rewrite are onnxruntime's static quantiser (quantize_static, QDQ
+format); diffexport picks the nodes, feeds it calibration batches, checks and writes the result.
+DiffAttention nodes are not quantised: their inputs and outputs stay in the export's precision,
+which is what the plugin (or the lowered body) takes; the plugin's own low-bit path is the
+separate `diffexport trt --logit-bits`. Scales are symmetric (zero point 0), as TensorRT requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from diffexport.errors import DiffExportError
+from diffexport.files import load_onnx
+from diffexport.passes.weight_quant import (_log_default, check_input, initializer_bytes, publish, resolve_paths,
+                                            stamp)
+from diffexport.progress import Progress
+
+FORMATS = ("int8", "fp8")
+META_KEY = "diffexport.qdq"
+SYNTHETIC = "synthetic"
+# FP8 QuantizeLinear, and fp16/bf16 scales, exist from opset 19; onnxruntime's own upgrade of older
+# graphs drops model-local functions (our DiffAttention body), so the export must already be 19+.
+MIN_OPSET_19 = 19
+CALIB_BATCH = 8  # sequences per calibration forward pass (ranges do not depend on it)
+
+
+@dataclasses.dataclass
+class QDQOptions:
+    format: str = "int8"
+    calib: str | None = None  # "synthetic", or a UTF-8 text file
+    tokenizer: str | None = None  # Hugging Face tokenizer for a text file (else its bytes are the ids)
+    samples: int = 32  # calibration sequences
+    seq_len: int = 128  # tokens per calibration sequence
+    seed: int = 0  # synthetic calibration ids
+
+    def validate(self) -> None:
+        if self.format not in FORMATS:
+            raise DiffExportError(f"--qdq {self.format}: use int8 or fp8")
+        if self.calib is None:
+            raise DiffExportError("--qdq needs calibration data: --calib TEXTFILE [--tokenizer T], or --calib "
+                                  "synthetic (seeded token ids; ranges of a real text are better)")
+        if not 1 <= self.samples <= 4096:
+            raise DiffExportError(f"--calib-samples {self.samples}: use 1..4096")
+        if not 1 <= self.seq_len <= 65536:
+            raise DiffExportError(f"--calib-seq-len {self.seq_len}: use 1..65536")
+        if self.tokenizer is not None and self.calib == SYNTHETIC:
+            raise DiffExportError("--tokenizer goes with a --calib text file, not --calib synthetic")
+
+    @property
+    def calibration_method(self) -> str:
+        # onnxruntime calibrates FP8 from activation histograms only; INT8 takes the observed
+        # absolute maximum, as TensorRT's and ModelOpt's default INT8 calibration does.
+        return "distribution" if self.format == "fp8" else "minmax"
+
+    def describe(self) -> str:
+        return f"{self.format} Q/DQ, {self.calibration_method} calibration"
+
+
+@dataclasses.dataclass
+class QDQSummary:
+    output: Path
+    quantised: int  # MatMul nodes given Q/DQ pairs
+    skipped: list[str]
+    calibration: str  # what the ranges came from
+    bytes_before: int
+    bytes_after: int
+    options: QDQOptions
+    seconds: float
+
+    def lines(self) -> list[str]:
+        out = [f"quantised     {self.quantised} MatMul nodes with Q/DQ pairs ({self.options.describe()})",
+               f"calibrated    on {self.calibration}",
+               f"weights       {self.bytes_before / 1e6:,.1f} MB -> {self.bytes_after / 1e6:,.1f} MB (stored "
+               f"{'as int8' if self.options.format == 'int8' else 'as fp8'}, dequantised by TensorRT's fused matmuls)"]
+        if self.skipped:
+            out.append(f"kept          {len(self.skipped)} MatMul weight(s) as they were: {'; '.join(self.skipped[:3])}")
+        out.append(f"wrote         {self.output} in {self.seconds:.1f}s; build it with `diffexport trt "
+                   f"{self.output}{' --targets SM89' if self.options.format == 'fp8' else ''}`")
+        return out
+
+
+def _vocab_size(model, path: Path) -> int:
+    import json
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    try:
+        return int(json.loads(meta["diffexport.config"])["vocab_size"])
+    except (KeyError, ValueError, TypeError, RecursionError):
+        raise DiffExportError(f"{path} carries no diffexport config, so calibration cannot choose token ids: "
+                              "quantise an export written by `diffexport onnx`") from None
+
+
+def calibration_batches(options: QDQOptions, vocab_size: int) -> tuple[list[np.ndarray], str]:
+    """Calibration inputs [batch, seq_len] int64, and where they came from."""
+    from diffexport.analysis import streams
+
+    if options.calib == SYNTHETIC:
+        ids, _, source = streams.synthetic_ids(vocab_size, options.samples * options.seq_len, options.seq_len,
+                                               options.seed)
+        source = f"{options.samples} x {options.seq_len} synthetic tokens ({source}, seed {options.seed})"
+    else:
+        ids = streams.text_ids(options.calib, options.tokenizer, vocab_size)
+        if len(ids) < options.seq_len:
+            raise DiffExportError(f"{options.calib} has {len(ids)} tokens, fewer than one calibration sample of "
+                                  f"{options.seq_len}: give more text or a smaller --calib-seq-len")
+        samples = min(options.samples, len(ids) // options.seq_len)
+        source = (f"{samples} x {options.seq_len} tokens of {options.calib} "
+                  f"({'tokenizer ' + options.tokenizer if options.tokenizer else 'UTF-8 bytes'})")
+        ids = ids[:samples * options.seq_len]
+    data = np.asarray(ids, dtype=np.int64).reshape(-1, options.seq_len)
+    return [data[i:i + CALIB_BATCH] for i in range(0, len(data), CALIB_BATCH)], source
+
+
+def _quantise(model_path: Path, names: list[str], batches: list[np.ndarray], options: QDQOptions, scratch: Path,
+              external: bool):
+    """onnxruntime's quantize_static on the file; returns the quantised ModelProto."""
+    import onnx
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+
+    from diffexport.export.exporter import INPUT_NAMES
+
+    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # its pre-processing advice
+    progress = Progress("calibrating", sum(len(b) for b in batches), min_total=1)
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self):
+            self.pending = iter(batches)
+
+        def get_next(self):
+            batch = next(self.pending, None)
+            if batch is None:
+                return None
+            progress.advance(len(batch))
+            return {INPUT_NAMES[0]: batch}
+
+    qtype = QuantType.QInt8 if options.format == "int8" else QuantType.QFLOAT8E4M3FN
+    method = CalibrationMethod.MinMax if options.format == "int8" else CalibrationMethod.Distribution
+    out = scratch / "qdq.onnx"
+    with progress:
+        quantize_static(str(model_path), str(out), Feeds(), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=["MatMul"], nodes_to_quantize=names,
+                        per_channel=options.format == "int8", activation_type=qtype, weight_type=qtype,
+                        calibrate_method=method, use_external_data_format=external,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                       # inputs only: a Q/DQ on the output would quantise what reaches
+                                       # DiffAttention and the residual stream, which TensorRT needs not
+                                       "OpTypesToExcludeOutputQuantization": ["MatMul"],
+                                       # [K, N] weights: one scale per output column
+                                       "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
+    return onnx.load(str(out))
+
+
+def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOptions | None = None,
+                 log: Callable[[str], None] = _log_default) -> QDQSummary:
+    """Calibrate and write a Q/DQ .onnx of a prefill export for TensorRT."""
+    options = options or QDQOptions()
+    options.validate()
+    src, dst = Path(src), Path(dst)
+    start = time.monotonic()
+    if src.is_dir():
+        raise DiffExportError(f"{src} is a KV-cache folder: --qdq takes a prefill .onnx export (TensorRT builds "
+                              "it); for onnxruntime-genai folders use --weights int4|int8")
+    _, model_path = resolve_paths(src, dst)
+    model = load_onnx(model_path, weights=False)
+    names, skipped = check_input(model, model_path)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    dtype = {p.key: p.value for p in model.metadata_props}.get("diffexport.dtype", "float32")
+    if dtype == "bfloat16":
+        raise DiffExportError("--qdq calibrates in onnxruntime, whose CPU provider does not run bfloat16 graphs: "
+                              "quantise the fp16 (opset 19+) or fp32 export")
+    if dtype == "float16" and options.format == "fp8":
+        raise DiffExportError("--qdq fp8 calibrates from onnxruntime's activation histograms, which it cannot build "
+                              "in float16: quantise the fp32 export (opset 19+), or use --qdq int8")
+    why = ("FP8 QuantizeLinear" if options.format == "fp8" else
+           f"{dtype} scales on QuantizeLinear" if dtype != "float32" else None)
+    if why and opset < MIN_OPSET_19:
+        raise DiffExportError(f"--qdq {options.format} of a {dtype} export needs opset {MIN_OPSET_19} or newer ({why}); "
+                              f"{model_path.name} is opset {opset}: re-export it with `diffexport onnx ... "
+                              f"--opset {MIN_OPSET_19}`")
+    batches, source = calibration_batches(options, _vocab_size(model, model_path))
+    external = any(t.data_location == 1 for t in model.graph.initializer)  # TensorProto.EXTERNAL
+    del model
+    log(f"quantising    {len(names)} MatMul nodes of {model_path.name} ({options.describe()}) with onnxruntime "
+        "quantize_static")
+    record: dict = {}
+
+    def make(tmp_dir: Path):
+        scratch = tmp_dir / "calibration"
+        scratch.mkdir()
+        quantised = _quantise(model_path, names, batches, options, scratch, external)
+        _scales_in(quantised, dtype)
+        count = len(_dequantised_weights(quantised))
+        record.update(format=options.format, calibration=options.calibration_method, source=source,
+                      samples=sum(len(b) for b in batches), seq_len=options.seq_len, quantised=count,
+                      bytes_before=before, bytes_after=initializer_bytes(quantised))
+        stamp(quantised, META_KEY, record)
+        return quantised
+
+    before = initializer_bytes(load_onnx(model_path, weights=False))
+    publish(None, src, dst, model_path, log, make=make)
+    return QDQSummary(dst, record["quantised"], skipped, source, before, record["bytes_after"], options,
+                      time.monotonic() - start)
+
+
+def _scales_in(model, dtype: str) -> None:
+    """onnxruntime writes float32 scales; in an fp16/bf16 graph QuantizeLinear's input and
+    DequantizeLinear's output take the scale's type, so the scales take the graph's type."""
+    if dtype == "float32":
+        return
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    scales = {n.input[1] for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
+    target = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    for name in sorted(scales):
+        init = inits.get(name)
+        if init is None or init.data_type != onnx.TensorProto.FLOAT:
+            continue
+        value = torch.from_numpy(numpy_helper.to_array(init).copy()).to(target)
+        if target == torch.bfloat16:
+            new = onnx.helper.make_tensor(name, onnx.TensorProto.BFLOAT16, list(value.shape),
+                                          value.view(torch.int16).numpy().tobytes(), raw=True)
+        else:
+            new = numpy_helper.from_array(value.numpy(), name)
+        init.CopyFrom(new)
+
+
+def _dequantised_weights(model) -> list[str]:
+    """MatMul nodes whose weight input is a DequantizeLinear output (what TensorRT fuses)."""
+    dequantised = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in dequantised]
