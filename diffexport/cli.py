@@ -505,6 +505,45 @@ def cmd_quant_sweep(args) -> int:
     return 0
 
 
+def cmd_linear_sweep(args) -> int:
+    """Quantise every linear layer (int8/int4 weights, or w8a8 weights and activations, as `quantize` deploys them) and report the damage, DIFF vs Transformer."""
+    import json
+
+    from diffexport.analysis import linear_quant, plots
+    from diffexport.errors import DiffExportError
+
+    quants = [linear_quant.LinearQuant(scheme, args.block_size) for scheme in dict.fromkeys(args.schemes)]
+    plots.check_plot_path(args.plot)
+    results = {}
+    for name, loaded in _load_models(args).items():
+        stream = _stream(args, loaded)
+        task = _task_eval(loaded, args)
+        task_eval = None if task is None else (lambda task=task: task(None))
+        if args.positions == "answers" and stream.answer_masks is None:
+            raise DiffExportError(f"{name}: --positions answers needs the built-in needle-task stream "
+                                  f"(no --text, a vocabulary of at least 512)")
+        answers_only = args.positions == "answers" or (args.positions == "auto" and task_eval is not None)
+        masks = stream.answer_masks if answers_only else None
+        progress, advance = _progress(f"{name}: linear sweep", len(stream.batches))
+        with progress:
+            results[name] = linear_quant.sweep(loaded.model.eval(), quants, stream.batches, task_eval=task_eval,
+                                               masks=masks, progress=advance)
+        compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
+        _log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
+             f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}"
+             f"{'; w8a8 calibrated on the same tokens' if any(q.scheme == 'w8a8' for q in quants) else ''}")
+    _random_weights_note(args)
+    describe = [q.describe for q in quants]
+    if args.json:
+        print(json.dumps({"schemes": describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
+                         indent=2))
+    else:
+        print(linear_quant.render(results, describe))
+    if args.plot:
+        _log(f"wrote {plots.plot_linear_sweep(results, args.plot)}")
+    return 0
+
+
 def cmd_retrieval(args) -> int:
     """Multi-needle retrieval: accuracy per (needles, queries, depth) and the attention on the answer vs the rest."""
     import json
@@ -619,7 +658,8 @@ def cmd_kernels(args) -> int:
 
 
 COMMANDS = {"onnx": cmd_onnx, "trt": cmd_trt, "check": cmd_check, "generate": cmd_generate, "optimize": cmd_optimize, "quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
-            "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep, "retrieval": cmd_retrieval,
+            "presets": cmd_presets, "stats": cmd_stats, "quant-sweep": cmd_quant_sweep,
+            "linear-sweep": cmd_linear_sweep, "retrieval": cmd_retrieval,
             "kernels": cmd_kernels}
 
 
@@ -765,9 +805,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--atol", type=float, help="your own bound: |out - ref| <= atol + rtol*|ref| elementwise "
                                                       "(polygraphy's rule) instead of the automatic dtype rule")
             p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")
-        if name in ("stats", "quant-sweep", "retrieval"):
+        if name in ("stats", "quant-sweep", "linear-sweep", "retrieval"):
             _add_models(p)
-        if name in ("stats", "quant-sweep"):
+        if name in ("stats", "quant-sweep", "linear-sweep"):
             _add_stream(p, tokens=16384 if name == "stats" else 8192)
         if name in ("quant-sweep", "retrieval"):
             p.add_argument("--scheme", default="qk", choices=["qk", "logits"],
@@ -777,6 +817,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--bits", type=int, nargs="+", default=[16, 8, 6, 4],
                            help="logit bit widths, 2..16 (16 = not quantised, always the reference)")
             p.add_argument("--no-smooth-k", action="store_true", help="qk scheme without K-smoothing")
+        if name == "linear-sweep":
+            p.add_argument("--schemes", nargs="+", default=["int8", "int4", "w8a8"], choices=["int8", "int4", "w8a8"],
+                           help="int8/int4: weights only, RTN in blocks; w8a8: int8 weights per channel and "
+                                "int8 activations per tensor (default: all three)")
+            p.add_argument("--block-size", type=int, default=32, help="int8/int4 block (default 32)")
+        if name in ("quant-sweep", "linear-sweep"):
             p.add_argument("--task", default="auto", choices=["auto", "needles", "none"],
                            help="task metric: auto = what the checkpoint was trained on")
             p.add_argument("--samples", type=int, default=32, help="task documents per (needles, queries, depth) cell")

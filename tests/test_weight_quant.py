@@ -141,3 +141,39 @@ def test_options_are_validated_in_the_python_api():
                              (WeightQuantOptions(method="gptq"), "use one of rtn, hqq")]:
         with pytest.raises(DiffExportError, match=message):
             options.validate()
+
+
+def test_a_tied_head_read_through_transpose_gets_its_own_quantised_copy(tmp_path):
+    """The exporter folds the tied LM head's Transpose(embedding) only for small tables: the quantiser
+    must still see (and quantise) the head, while the Gather keeps reading the float table."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from diffexport.passes.weight_quant import materialise_transposed_weights, quantize_weights
+
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((96, 64)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["h"], name="embed"),
+             helper.make_node("Transpose", ["table"], ["table_t"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "table_t"], ["logits"], name="head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 5])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 5, 96])],
+                              [numpy_helper.from_array(table, "table")])
+    src = tmp_path / "tied.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(src))
+    ids = rng.integers(0, 96, (1, 5)).astype(np.int64)
+
+    model = onnx.load(str(src))
+    assert materialise_transposed_weights(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Gather", "MatMul"]
+    moved = tmp_path / "moved.onnx"
+    onnx.save(model, str(moved))
+    run = lambda path: ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(  # noqa: E731
+        None, {"ids": ids})[0]
+    np.testing.assert_array_equal(run(moved), run(src))  # the same function, bit for bit
+
+    out = tmp_path / "q.onnx"
+    summary = quantize_weights(src, out, log=lambda _: None)
+    quantised = onnx.load(str(out))
+    assert summary.quantised == 1 and [n.op_type for n in quantised.graph.node] == ["Gather", "MatMulNBits"]
+    assert next(n for n in quantised.graph.node if n.op_type == "Gather").input[0] == "table"  # still float
+    assert 0.99 < float(np.corrcoef(run(out).ravel(), run(src).ravel())[0, 1]) < 1.0

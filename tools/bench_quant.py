@@ -105,6 +105,24 @@ def accuracy(folder: Path, log) -> str:
             if kls else "no logits compared")
 
 
+def profile_tables(profiles: dict) -> list[str]:
+    """The op types of each profiled step side by side: ms per step and nodes per step."""
+    names = list(profiles)
+    ops: list[str] = []
+    for _, _, table in profiles.values():
+        ops += [op for op, _, _ in table[:8] if op not in ops]
+    lines = ["| op type | " + " | ".join(f"{n}: ms / nodes" for n in names) + " |",
+             "|---|" + "---:|" * len(names)]
+    for op in ops:
+        cells = []
+        for name in names:
+            row = next(((t, k) for o, t, k in profiles[name][2] if o == op), None)
+            cells.append("-" if row is None else f"{row[0] / 1e3:.2f} / {row[1]}")
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    lines.append("| all | " + " | ".join(f"{profiles[n][0] / 1e3:.2f} / {profiles[n][1]}" for n in names) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt", type=int, default=128)
@@ -135,6 +153,10 @@ def main() -> None:
                 runs.setdefault(str(folder), []).append(tps)
                 log(f"  {model:28s} {precision:5s} decode {tps:6.1f} tok/s")
         checks = {name: accuracy(ours[name], log) for name in ("int8", "int4")}
+        past = args.prompt + args.new // 2
+        profiles = {name: bench_decode.profile_step(folder, past, cores)
+                    for name, folder in (("diff-v1-110m int4 (diffexport)", ours["int4"]),
+                                         ("llama-100m int4 (model builder)", builder["int4"]))}
         table = ["| model | weights | folder MB | read per token MB | decode tok/s | bound tok/s | decode / bound | "
                  "vs fp32 of its writer |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         medians = {}
@@ -167,7 +189,9 @@ def main() -> None:
         f"**{vs_builder:.2f}x, {'met' if vs_builder >= TARGET_VS_BUILDER else 'missed'}**.", "",
         f"Accuracy of our quantised folders (`diffexport check FOLDER --preset {PRESET}`: 2 prompts, prefill + 32 "
         "decode steps, each step judged on the budget of docs/QUANTIZATION.md; random weights, so this proves "
-        "the graphs, not how a trained model quantises):", "", *check_table])
+        "the graphs, not how a trained model quantises):", "", *check_table, "",
+        f"Where one int4 decode step spends its time (onnxruntime's profile, {cores} threads, past {past} tokens):",
+        "", *profile_tables(profiles)])
     print(body)
     if args.write:
         print(f"wrote {benchdoc.write_section('quant', body)}")

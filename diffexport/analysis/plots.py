@@ -118,6 +118,38 @@ def plot_sweep(named, path, describe: str) -> Path:
         plt.close(fig)
 
 
+def plot_linear_sweep(named, path) -> Path:
+    """KL divergence (and task accuracy, when known) per quantisation scheme, models side by side."""
+    plt = _pyplot()
+    has_task = any(p.task_accuracy is not None for points in named.values() for p in points)
+    panels = (["task_accuracy"] if has_task else []) + ["kl_mean"]
+    titles = {"task_accuracy": "retrieval accuracy", "kl_mean": "KL(p_float || p_quantised), mean per token"}
+    schemes = list(dict.fromkeys(p.scheme for points in named.values() for p in points if p.scheme != "float"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 3.6), squeeze=False, layout="constrained")
+    width = 0.8 / max(len(named), 1)
+    for ax, key in zip(axes[0], panels):
+        shown = schemes if key == "kl_mean" else ["float", *schemes]
+        values_all = [getattr(p, key) for points in named.values() for p in points if p.scheme in shown]
+        floor = kl_floor(values_all) if key == "kl_mean" else None
+        for i, (name, points) in enumerate(named.items()):
+            by_scheme = {p.scheme: getattr(p, key) for p in points}
+            values = [by_scheme.get(s) or 0.0 for s in shown]
+            if floor is not None:
+                values = [max(v, floor) for v in values]
+            ax.bar([x + i * width for x in range(len(shown))], values, width, label=name)
+        ax.set_xticks([x + width * (len(named) - 1) / 2 for x in range(len(shown))], shown)
+        ax.set(title=titles[key], xlabel="linear layers")
+        if floor is not None:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle("quantised linear layers: damage against the float model", fontsize=10)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
 def plot_retrieval(named, path) -> Path:
     """Heat maps: attention of the question over document position (last layer) per needle depth."""
     plt = _pyplot()

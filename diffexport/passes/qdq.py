@@ -22,8 +22,9 @@ import numpy as np
 
 from diffexport.errors import DiffExportError
 from diffexport.files import load_onnx
-from diffexport.passes.weight_quant import (_log_default, check_input, initializer_bytes, publish, resolve_paths,
-                                            stamp)
+from diffexport.passes.weight_quant import (_log_default, check_input, initializer_bytes,
+                                            materialise_transposed_weights, publish, quantisable_matmuls,
+                                            resolve_paths, stamp)
 from diffexport.progress import Progress
 
 FORMATS = ("int8", "fp8")
@@ -174,7 +175,7 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
                               "it); for onnxruntime-genai folders use --weights int4|int8")
     _, model_path = resolve_paths(src, dst)
     model = load_onnx(model_path, weights=False)
-    names, skipped = check_input(model, model_path)
+    _, skipped = check_input(model, model_path)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     dtype = {p.key: p.value for p in model.metadata_props}.get("diffexport.dtype", "float32")
     if dtype == "bfloat16":
@@ -191,15 +192,25 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
                               f"--opset {MIN_OPSET_19}`")
     batches, source = calibration_batches(options, _vocab_size(model, model_path))
     external = any(t.data_location == 1 for t in model.graph.initializer)  # TensorProto.EXTERNAL
+    before = initializer_bytes(model)
     del model
-    log(f"quantising    {len(names)} MatMul nodes of {model_path.name} ({options.describe()}) with onnxruntime "
-        "quantize_static")
     record: dict = {}
 
     def make(tmp_dir: Path):
+        import onnx
+
         scratch = tmp_dir / "calibration"
         scratch.mkdir()
-        quantised = _quantise(model_path, names, batches, options, scratch, external)
+        source_path, full = model_path, load_onnx(model_path)
+        if materialise_transposed_weights(full):
+            log("transposed    a tied LM head's weight into its own constant, so that it is quantised too")
+            source_path = scratch / "input.onnx"
+            onnx.save(full, str(source_path), save_as_external_data=external, location="input.onnx.data")
+        names, _ = quantisable_matmuls(full)
+        del full
+        log(f"quantising    {len(names)} MatMul nodes of {model_path.name} ({options.describe()}) with onnxruntime "
+            "quantize_static")
+        quantised = _quantise(source_path, names, batches, options, scratch, external)
         _scales_in(quantised, dtype)
         count = len(_dequantised_weights(quantised))
         record.update(format=options.format, calibration=options.calibration_method, source=source,
@@ -208,7 +219,6 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
         stamp(quantised, META_KEY, record)
         return quantised
 
-    before = initializer_bytes(load_onnx(model_path, weights=False))
     publish(None, src, dst, model_path, log, make=make)
     return QDQSummary(dst, record["quantised"], skipped, source, before, record["bytes_after"], options,
                       time.monotonic() - start)

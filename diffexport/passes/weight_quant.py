@@ -87,6 +87,52 @@ def _log_default(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def materialise_transposed_weights(model) -> int:
+    """MatMul(x, Transpose(W)) with W a 2-D float initializer, as a tied LM head reads the embedding
+    table (the exporter folds that Transpose for small tables only), gets its own transposed copy
+    of W: the quantisers take only a constant [K, N] weight, and a runtime Transpose would
+    otherwise leave the largest matmul in float. W stays for the Gather that reads it. Returns how
+    many weights were materialised; the model is changed in place."""
+    from onnx import TensorProto, numpy_helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    graph_outputs = {o.name for o in model.graph.output}
+    done = 0
+    for node in list(model.graph.node):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or node.input[0] not in inits:
+            continue
+        weight = inits[node.input[0]]
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        users = consumers.get(node.output[0], [])
+        if (len(weight.dims) != 2 or weight.data_type not in floats or perm != [1, 0] or not users
+                or node.output[0] in graph_outputs
+                or not all(u.op_type == "MatMul" and list(u.input).index(node.output[0]) == 1 for u in users)):
+            continue
+        name = f"{weight.name}.transposed"
+        while name in inits:
+            name += "_"
+        if weight.data_type == TensorProto.BFLOAT16:  # numpy has no bfloat16: move the raw 16-bit words
+            import numpy as np
+
+            words = np.frombuffer(numpy_helper.to_array(weight).tobytes(), np.uint16).reshape(list(weight.dims))
+            copy = TensorProto(name=name, data_type=weight.data_type, dims=list(weight.dims)[::-1],
+                               raw_data=np.ascontiguousarray(words.T).tobytes())
+        else:
+            copy = numpy_helper.from_array(numpy_helper.to_array(weight).T.copy(), name)
+        model.graph.initializer.append(copy)
+        inits[name] = copy
+        for user in users:
+            user.input[1] = name
+        model.graph.node.remove(node)
+        done += 1
+    return done
+
+
 def quantisable_matmuls(model) -> tuple[list[str], list[str]]:
     """(names of MatMul nodes whose B input is a 2-D float weight, reasons for the other weight
     MatMuls). MatMulNBits takes a constant [K, N] B; K need not divide the block (it is padded)."""
@@ -244,8 +290,10 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
     start = time.monotonic()
     _, model_path = resolve_paths(src, dst)
     model = load_onnx(model_path)
-    names, skipped = check_input(model, model_path)
     before = initializer_bytes(model)
+    if materialise_transposed_weights(model):
+        log("transposed    a tied LM head's weight into its own constant, so that it is quantised too")
+    names, skipped = check_input(model, model_path)
     log(f"quantising    {len(names)} MatMul weights of {model_path.name} ({options.describe()}) with onnxruntime "
         "MatMulNBitsQuantizer")
     model = _quantise(model, names, options)
