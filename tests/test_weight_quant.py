@@ -152,14 +152,16 @@ def test_a_tied_head_read_through_transpose_gets_its_own_quantised_copy(tmp_path
 
     rng = np.random.default_rng(3)
     table = rng.standard_normal((96, 64)).astype(np.float32)
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["h"], name="embed"),
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["h"], name="embed"),
              helper.make_node("Transpose", ["table"], ["table_t"], name="t", perm=[1, 0]),
              helper.make_node("MatMul", ["h", "table_t"], ["logits"], name="head")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 5])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 5, 96])],
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", 96])],
                               [numpy_helper.from_array(table, "table")])
     src = tmp_path / "tied.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(src))
+    tied = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    helper.set_model_props(tied, {"diffexport.config": json.dumps({"vocab_size": 96})})  # for --qdq's calibration
+    onnx.save(tied, str(src))
     ids = rng.integers(0, 96, (1, 5)).astype(np.int64)
 
     model = onnx.load(str(src))
@@ -168,7 +170,7 @@ def test_a_tied_head_read_through_transpose_gets_its_own_quantised_copy(tmp_path
     moved = tmp_path / "moved.onnx"
     onnx.save(model, str(moved))
     run = lambda path: ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(  # noqa: E731
-        None, {"ids": ids})[0]
+        None, {"input_ids": ids})[0]
     np.testing.assert_array_equal(run(moved), run(src))  # the same function, bit for bit
 
     out = tmp_path / "q.onnx"
@@ -176,4 +178,14 @@ def test_a_tied_head_read_through_transpose_gets_its_own_quantised_copy(tmp_path
     quantised = onnx.load(str(out))
     assert summary.quantised == 1 and [n.op_type for n in quantised.graph.node] == ["Gather", "MatMulNBits"]
     assert next(n for n in quantised.graph.node if n.op_type == "Gather").input[0] == "table"  # still float
+    assert 0.99 < float(np.corrcoef(run(out).ravel(), run(src).ravel())[0, 1]) < 1.0
+
+    from diffexport.passes.qdq import QDQOptions, quantize_qdq
+
+    out = tmp_path / "qdq.onnx"
+    summary = quantize_qdq(src, out, QDQOptions(calib="synthetic", samples=4, seq_len=8), log=lambda _: None)
+    quantised = onnx.load(str(out))
+    producers = {o: n for n in quantised.graph.node for o in n.output}
+    head = next(n for n in quantised.graph.node if n.op_type == "MatMul")
+    assert summary.quantised == 1 and producers[head.input[1]].op_type == "DequantizeLinear"
     assert 0.99 < float(np.corrcoef(run(out).ravel(), run(src).ravel())[0, 1]) < 1.0

@@ -140,11 +140,18 @@ def quantisable_matmuls(model) -> tuple[list[str], list[str]]:
 
     inits = {t.name: t for t in model.graph.initializer}
     floats = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    # a weight read through Transpose (a tied LM head) counts: materialise_transposed_weights gives it a constant
+    transposed = {n.output[0]: n.input[0] for n in model.graph.node
+                  if n.op_type == "Transpose" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2
+                  and next((list(a.ints) for a in n.attribute if a.name == "perm"), [1, 0]) == [1, 0]}
     names, skipped = [], []
     for node in model.graph.node:
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in inits:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
-        weight = inits[node.input[1]]
+        source = node.input[1] if node.input[1] in inits else transposed.get(node.input[1])
+        if source is None:
+            continue
+        weight = inits[source]
         if len(weight.dims) != 2:
             skipped.append(f"{node.name} ({len(weight.dims)}-D weight)")
         elif weight.data_type not in floats:
