@@ -198,13 +198,12 @@ def cmd_quantize(args) -> int:
         return 0
     from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
 
-    given = [flag for flag, value in (("--calib", args.calib), ("--tokenizer", args.tokenizer)) if value is not None]
-    if given:
-        raise DiffExportError(f"{', '.join(given)} belong to --qdq (weight-only int4/int8 needs no calibration)")
     options = WeightQuantOptions(bits=int((args.weights or "int4").removeprefix("int")),
                                  block_size=32 if args.block_size is None else args.block_size,
                                  method=args.method or "rtn", symmetric=not args.asymmetric,
-                                 accuracy_level=4 if args.accuracy_level is None else args.accuracy_level)
+                                 accuracy_level=4 if args.accuracy_level is None else args.accuracy_level,
+                                 calib=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples,
+                                 seq_len=args.calib_seq_len, seed=args.seed)
     print("\n".join(quantize_weights(args.model, args.output, options).lines()))
     return 0
 
@@ -687,8 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--weights", choices=["int4", "int8"], help="weight-only bits (the default: int4)")
             p.add_argument("--block-size", type=int, help="--weights: weights per scale: 16, 32 (default), 64, "
                                                           "128 or 256")
-            p.add_argument("--method", choices=["rtn", "hqq"],
-                           help="--weights: rtn, round to nearest (default); hqq, half-quadratic (int4 only)")
+            p.add_argument("--method", choices=["rtn", "hqq", "gptq"],
+                           help="--weights: rtn, round to nearest (default); hqq, half-quadratic; gptq, calibrated "
+                                "on --calib (hqq and gptq: int4 only)")
             p.add_argument("--asymmetric", action="store_true", help="--weights: a zero point per block")
             p.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4],
                            help="--weights: MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU "
@@ -696,11 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--qdq", choices=["int8", "fp8"],
                            help="instead: a calibrated Q/DQ graph for TensorRT (weights and matmul activations)")
             p.add_argument("--calib", metavar="TEXTFILE|synthetic",
-                           help="--qdq calibration data: a UTF-8 text file, or 'synthetic' (seeded token ids)")
+                           help="calibration data of --qdq and --method gptq: a UTF-8 text file, or 'synthetic' "
+                                "(seeded token ids)")
             p.add_argument("--tokenizer", help="--calib: Hugging Face tokenizer (folder or hub name); without it "
                                                "the text's bytes are the token ids")
-            p.add_argument("--calib-samples", type=int, default=32, help="--qdq: calibration sequences (default 32)")
-            p.add_argument("--calib-seq-len", type=int, default=128, help="--qdq: tokens per sequence (default 128)")
+            p.add_argument("--calib-samples", type=int, default=32, help="--calib: sequences (default 32)")
+            p.add_argument("--calib-seq-len", type=int, default=128, help="--calib: tokens per sequence (default 128)")
             p.add_argument("--seed", type=int, default=0, help="--calib synthetic: seed of the token ids")
         if name == "inspect":
             p.add_argument("model", help="an .onnx file (weights are not loaded)")

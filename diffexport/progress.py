@@ -24,6 +24,12 @@ class Progress:
             self.stream.write(f"\r{self.label} {100 * self.done / self.total:5.1f}%")
             self.stream.flush()
 
+    def close(self) -> None:
+        """The end of work not run inside `with` (printed once)."""
+        if not getattr(self, "_closed", False):
+            self._closed = True
+            self.__exit__(None)
+
     def __enter__(self) -> "Progress":
         return self
 

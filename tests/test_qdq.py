@@ -154,8 +154,6 @@ def test_bad_qdq_requests_are_one_line_and_write_nothing(exports, tmp_path):
     short.write_text("too short")
     bf16 = tmp_path / "bf16.onnx"
     assert run_cli("onnx", "--preset", "diff-v1-tiny", "--bf16", "--opset", "19", "-o", bf16).returncode == 0
-    kv = tmp_path / "kv"
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", kv).returncode == 0
     before = sorted(p.name for p in tmp_path.iterdir())
     x = tmp_path / "x.onnx"
     cases = [
@@ -165,14 +163,13 @@ def test_bad_qdq_requests_are_one_line_and_write_nothing(exports, tmp_path):
         (("quantize", m18, "-o", x, "--qdq", "fp8", "--calib", "synthetic"), "needs opset 19 or newer"),
         (("quantize", exports / "m16.onnx", "-o", x, "--qdq", "fp8", "--calib", "synthetic"), "use --qdq int8"),
         (("quantize", bf16, "-o", x, "--qdq", "int8", "--calib", "synthetic"), "does not run bfloat16"),
-        (("quantize", kv, "-o", tmp_path / "kvq", "--qdq", "int8", "--calib", "synthetic"), "is a KV-cache folder"),
         (("quantize", done, "-o", x, "--qdq", "int8", "--calib", "synthetic"), "is already quantised"),
         (("quantize", qdq, "-o", x, "--qdq", "int8", "--calib", "synthetic"), "is already quantised"),
         (("quantize", qdq, "-o", x, "--weights", "int4"), "is already quantised"),
         (("quantize", m19, "-o", m19, "--qdq", "int8", "--calib", "synthetic"), "would overwrite the input"),
         (("quantize", m18, "-o", x, "--qdq", "int8", "--calib", "synthetic", "--weights", "int4"),
          "--weights belong to weight-only"),
-        (("quantize", m18, "-o", x, "--calib", "synthetic"), "--calib belong to --qdq"),
+        (("quantize", m18, "-o", x, "--calib", "synthetic"), "--calib/--tokenizer belong to --qdq and --method gptq"),
         (("quantize", m18, "-o", x, "--qdq", "int8", "--calib", "synthetic", "--tokenizer", "t"),
          "--tokenizer goes with a --calib text file"),
         (("quantize", m18, "-o", x, "--qdq", "int8", "--calib", "synthetic", "--calib-samples", "0"),
@@ -181,3 +178,15 @@ def test_bad_qdq_requests_are_one_line_and_write_nothing(exports, tmp_path):
     for args, message in cases:
         assert_one_line_error(run_cli(*args), message)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_kv_cache_folder_gets_qdq_and_passes_its_step_check(tmp_path):
+    """Calibrated on the prefill step (an empty cache); every decode step is judged on the budget."""
+    kv, out = tmp_path / "kv", tmp_path / "kv-w8a8"
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", kv).returncode == 0
+    result = run_cli("quantize", kv, "-o", out, "--qdq", "int8", "--calib", "synthetic", "--calib-samples", "8",
+                     "--calib-seq-len", "32")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in kv.iterdir())
+    report = run_cli("check", out, "--preset", "diff-v1-tiny")
+    assert report.returncode == 0 and "int8 Q/DQ" in report.stdout + report.stderr, report.stdout + report.stderr

@@ -138,7 +138,10 @@ def test_options_are_validated_in_the_python_api():
     from diffexport.passes.weight_quant import WeightQuantOptions
 
     for options, message in [(WeightQuantOptions(bits=2), "int4 or int8"), (WeightQuantOptions(block_size=0), "use one"),
-                             (WeightQuantOptions(method="gptq"), "use one of rtn, hqq")]:
+                             (WeightQuantOptions(method="awq"), "use one of rtn, hqq, gptq"),
+                             (WeightQuantOptions(method="gptq"), "--method gptq needs calibration data"),
+                             (WeightQuantOptions(method="gptq", bits=8, calib="synthetic"), "int4 only"),
+                             (WeightQuantOptions(calib="synthetic"), "belong to --qdq and --method gptq")]:
         with pytest.raises(DiffExportError, match=message):
             options.validate()
 
@@ -189,3 +192,28 @@ def test_a_tied_head_read_through_transpose_gets_its_own_quantised_copy(tmp_path
     head = next(n for n in quantised.graph.node if n.op_type == "MatMul")
     assert summary.quantised == 1 and producers[head.input[1]].op_type == "DequantizeLinear"
     assert 0.99 < float(np.corrcoef(run(out).ravel(), run(src).ravel())[0, 1]) < 1.0
+
+
+def test_gptq_calibrates_and_meets_the_int4_budget(exported, tmp_path):
+    """onnxruntime's GPTQ on calibration batches: the prefill file and a KV-cache folder (fed an
+    empty cache) both come out as MatMulNBits within the int4 budget."""
+    from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
+    from diffexport.tolerances import WEIGHT_QUANT_BUDGETS
+
+    out = tmp_path / "gptq.onnx"
+    options = WeightQuantOptions(method="gptq", calib="synthetic", samples=8, seq_len=64)
+    summary = quantize_weights(exported, out, options, log=lambda _: None)
+    assert summary.quantised == WEIGHT_MATMULS
+    model = onnx.load(str(out))
+    record = json.loads(next(p.value for p in model.metadata_props if p.key == "diffexport.weight_quant"))
+    assert record["method"] == "gptq" and "8 x 64 synthetic tokens" in record["calibration"]
+    ids = np.random.default_rng(11).integers(0, 512, size=(2, 29), dtype=np.int64)
+    ref, got = _logits(exported, ids), _logits(out, ids)
+    assert np.isfinite(got).all() and 0 < _mean_kl(ref, got) <= WEIGHT_QUANT_BUDGETS[4].max_kl
+    folder = tmp_path / "kv"
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder).returncode == 0
+    result = run_cli("quantize", folder, "-o", tmp_path / "kv-gptq", "--method", "gptq", "--calib", "synthetic",
+                     "--calib-samples", "4", "--calib-seq-len", "32")
+    assert result.returncode == 0 and "Progress" not in result.stdout, result.stdout + result.stderr
+    report = run_cli("check", tmp_path / "kv-gptq", "--preset", "diff-v1-tiny")
+    assert report.returncode == 0, report.stdout + report.stderr

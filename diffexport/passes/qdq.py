@@ -22,41 +22,26 @@ import numpy as np
 
 from diffexport.errors import DiffExportError
 from diffexport.files import load_onnx
+from diffexport.passes import calibration
 from diffexport.passes.weight_quant import (_log_default, check_input, initializer_bytes,
                                             materialise_transposed_weights, publish, quantisable_matmuls,
                                             resolve_paths, stamp)
-from diffexport.progress import Progress
 
 FORMATS = ("int8", "fp8")
 META_KEY = "diffexport.qdq"
-SYNTHETIC = "synthetic"
 # FP8 QuantizeLinear, and fp16/bf16 scales, exist from opset 19; onnxruntime's own upgrade of older
 # graphs drops model-local functions (our DiffAttention body), so the export must already be 19+.
 MIN_OPSET_19 = 19
-CALIB_BATCH = 8  # sequences per calibration forward pass (ranges do not depend on it)
 
 
 @dataclasses.dataclass
-class QDQOptions:
+class QDQOptions(calibration.CalibrationFields):
     format: str = "int8"
-    calib: str | None = None  # "synthetic", or a UTF-8 text file
-    tokenizer: str | None = None  # Hugging Face tokenizer for a text file (else its bytes are the ids)
-    samples: int = 32  # calibration sequences
-    seq_len: int = 128  # tokens per calibration sequence
-    seed: int = 0  # synthetic calibration ids
 
     def validate(self) -> None:
         if self.format not in FORMATS:
             raise DiffExportError(f"--qdq {self.format}: use int8 or fp8")
-        if self.calib is None:
-            raise DiffExportError("--qdq needs calibration data: --calib TEXTFILE [--tokenizer T], or --calib "
-                                  "synthetic (seeded token ids; ranges of a real text are better)")
-        if not 1 <= self.samples <= 4096:
-            raise DiffExportError(f"--calib-samples {self.samples}: use 1..4096")
-        if not 1 <= self.seq_len <= 65536:
-            raise DiffExportError(f"--calib-seq-len {self.seq_len}: use 1..65536")
-        if self.tokenizer is not None and self.calib == SYNTHETIC:
-            raise DiffExportError("--tokenizer goes with a --calib text file, not --calib synthetic")
+        self.validate_calibration("--qdq")
 
     @property
     def calibration_method(self) -> str:
@@ -91,75 +76,27 @@ class QDQSummary:
         return out
 
 
-def _vocab_size(model, path: Path) -> int:
-    import json
-
-    meta = {p.key: p.value for p in model.metadata_props}
-    try:
-        return int(json.loads(meta["diffexport.config"])["vocab_size"])
-    except (KeyError, ValueError, TypeError, RecursionError):
-        raise DiffExportError(f"{path} carries no diffexport config, so calibration cannot choose token ids: "
-                              "quantise an export written by `diffexport onnx`") from None
-
-
-def calibration_batches(options: QDQOptions, vocab_size: int) -> tuple[list[np.ndarray], str]:
-    """Calibration inputs [batch, seq_len] int64, and where they came from."""
-    from diffexport.analysis import streams
-
-    if options.calib == SYNTHETIC:
-        ids, _, source = streams.synthetic_ids(vocab_size, options.samples * options.seq_len, options.seq_len,
-                                               options.seed)
-        source = f"{options.samples} x {options.seq_len} synthetic tokens ({source}, seed {options.seed})"
-    else:
-        ids = streams.text_ids(options.calib, options.tokenizer, vocab_size)
-        if len(ids) < options.seq_len:
-            raise DiffExportError(f"{options.calib} has {len(ids)} tokens, fewer than one calibration sample of "
-                                  f"{options.seq_len}: give more text or a smaller --calib-seq-len")
-        samples = min(options.samples, len(ids) // options.seq_len)
-        source = (f"{samples} x {options.seq_len} tokens of {options.calib} "
-                  f"({'tokenizer ' + options.tokenizer if options.tokenizer else 'UTF-8 bytes'})")
-        ids = ids[:samples * options.seq_len]
-    data = np.asarray(ids, dtype=np.int64).reshape(-1, options.seq_len)
-    return [data[i:i + CALIB_BATCH] for i in range(0, len(data), CALIB_BATCH)], source
-
-
-def _quantise(model_path: Path, names: list[str], batches: list[np.ndarray], options: QDQOptions, scratch: Path,
+def _quantise(model_path: Path, names: list[str], data: list[np.ndarray], options: QDQOptions, scratch: Path,
               external: bool):
     """onnxruntime's quantize_static on the file; returns the quantised ModelProto."""
     import onnx
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
-
-    from diffexport.export.exporter import INPUT_NAMES
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # its pre-processing advice
-    progress = Progress("calibrating", sum(len(b) for b in batches), min_total=1)
-
-    class Feeds(CalibrationDataReader):
-        def __init__(self):
-            self.pending = iter(batches)
-
-        def get_next(self):
-            batch = next(self.pending, None)
-            if batch is None:
-                return None
-            progress.advance(len(batch))
-            return {INPUT_NAMES[0]: batch}
-
     qtype = QuantType.QInt8 if options.format == "int8" else QuantType.QFLOAT8E4M3FN
     method = CalibrationMethod.MinMax if options.format == "int8" else CalibrationMethod.Distribution
     out = scratch / "qdq.onnx"
-    with progress:
-        quantize_static(str(model_path), str(out), Feeds(), quant_format=QuantFormat.QDQ,
-                        op_types_to_quantize=["MatMul"], nodes_to_quantize=names,
-                        per_channel=options.format == "int8", activation_type=qtype, weight_type=qtype,
-                        calibrate_method=method, use_external_data_format=external,
-                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                                       # inputs only: a Q/DQ on the output would quantise what reaches
-                                       # DiffAttention and the residual stream, which TensorRT needs not
-                                       "OpTypesToExcludeOutputQuantization": ["MatMul"],
-                                       # [K, N] weights: one scale per output column
-                                       "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
+    graph = load_onnx(model_path, weights=False)
+    quantize_static(str(model_path), str(out), calibration.reader(graph, data, "calibrating"),
+                    quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"], nodes_to_quantize=names,
+                    per_channel=options.format == "int8", activation_type=qtype, weight_type=qtype,
+                    calibrate_method=method, use_external_data_format=external,
+                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                   # inputs only: a Q/DQ on the output would quantise what reaches
+                                   # DiffAttention and the residual stream, which TensorRT needs not
+                                   "OpTypesToExcludeOutputQuantization": ["MatMul"],
+                                   # [K, N] weights: one scale per output column
+                                   "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
     return onnx.load(str(out))
 
 
@@ -170,9 +107,6 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
     options.validate()
     src, dst = Path(src), Path(dst)
     start = time.monotonic()
-    if src.is_dir():
-        raise DiffExportError(f"{src} is a KV-cache folder: --qdq takes a prefill .onnx export (TensorRT builds "
-                              "it); for onnxruntime-genai folders use --weights int4|int8")
     _, model_path = resolve_paths(src, dst)
     model = load_onnx(model_path, weights=False)
     _, skipped = check_input(model, model_path)
@@ -190,7 +124,7 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
         raise DiffExportError(f"--qdq {options.format} of a {dtype} export needs opset {MIN_OPSET_19} or newer ({why}); "
                               f"{model_path.name} is opset {opset}: re-export it with `diffexport onnx ... "
                               f"--opset {MIN_OPSET_19}`")
-    batches, source = calibration_batches(options, _vocab_size(model, model_path))
+    batches, source = calibration.batches(options, calibration.vocab_size(model, model_path))
     external = any(t.data_location == 1 for t in model.graph.initializer)  # TensorProto.EXTERNAL
     before = initializer_bytes(model)
     del model

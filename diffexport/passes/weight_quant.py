@@ -22,11 +22,12 @@ from typing import Callable
 
 from diffexport.errors import DiffExportError
 from diffexport.files import _umask, check_output_path, load_onnx, make_output_folder, temp_prefix
+from diffexport.passes import calibration
 from diffexport.progress import Progress
 
 BITS = (4, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-METHODS = ("rtn", "hqq")  # gptq needs calibration batches: see docs/QUANTIZATION.md
+METHODS = ("rtn", "hqq", "gptq")  # gptq calibrates on --calib batches
 META_KEY = "diffexport.weight_quant"
 QUANT_META_KEYS = (META_KEY, "diffexport.qdq")  # weight-only here, Q/DQ in passes/qdq.py
 # Ops that mean a graph already holds quantised weights: quantising again would stack two errors.
@@ -35,7 +36,7 @@ QUANTISED_OPS = {"MatMulNBits", "DequantizeLinear", "QuantizeLinear", "MatMulInt
 
 
 @dataclasses.dataclass
-class WeightQuantOptions:
+class WeightQuantOptions(calibration.CalibrationFields):
     bits: int = 4
     block_size: int = 32
     method: str = "rtn"
@@ -51,9 +52,10 @@ class WeightQuantOptions:
             raise DiffExportError(f"--block-size {self.block_size}: use one of {', '.join(map(str, BLOCK_SIZES))}")
         if self.method not in METHODS:
             raise DiffExportError(f"--method {self.method}: use one of {', '.join(METHODS)}")
-        if self.method == "hqq" and self.bits != 4:
-            raise DiffExportError("--method hqq quantises to int4 only (onnxruntime's HQQ): use --weights int4 "
-                                  "or --method rtn")
+        if self.method in ("hqq", "gptq") and self.bits != 4:
+            raise DiffExportError(f"--method {self.method} quantises to int4 only (onnxruntime's "
+                                  f"{self.method.upper()}): use --weights int4 or --method rtn")
+        self.validate_calibration("--method gptq" if self.method == "gptq" else None)
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise DiffExportError(f"accuracy level {self.accuracy_level}: use 0..4")
 
@@ -189,11 +191,27 @@ def check_input(model, path: Path) -> tuple[list[str], list[str]]:
     return names, skipped
 
 
-def _quantise(model, names: list[str], options: WeightQuantOptions):
-    """onnxruntime's MatMulNBitsQuantizer, a chunk of nodes at a time so that progress shows."""
+def _quantise(model, names: list[str], options: WeightQuantOptions, data=None):
+    """onnxruntime's MatMulNBitsQuantizer, a chunk of nodes at a time so that progress shows (GPTQ:
+    all at once, calibrated on `data`)."""
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    if options.method == "gptq":
+        import contextlib
+        import sys
+
+        config = mnq.GPTQWeightOnlyQuantConfig(calibration_data_reader=calibration.reader(model, data, "calibrating"))
+        quantiser = mnq.MatMulNBitsQuantizer(model, bits=4, block_size=options.block_size,
+                                             is_symmetric=options.symmetric,
+                                             accuracy_level=options.accuracy_level or None,
+                                             nodes_to_include=names, algo_config=config)
+        with contextlib.redirect_stdout(sys.stderr):  # its progress bar prints to stdout
+            quantiser.process()
+        model = quantiser.model.model
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):  # its GPTQ path omits it
+            model.opset_import.add(domain="com.microsoft", version=1)
+        return model
     if options.method == "hqq":
         config = mnq.HQQWeightOnlyQuantConfig(block_size=options.block_size, bits=options.bits)
     else:
@@ -301,13 +319,18 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
     if materialise_transposed_weights(model):
         log("transposed    a tied LM head's weight into its own constant, so that it is quantised too")
     names, skipped = check_input(model, model_path)
+    data, source = None, None
+    if options.method == "gptq":
+        data, source = calibration.batches(options, calibration.vocab_size(model, model_path))
+        log(f"calibrating   on {source}")
     log(f"quantising    {len(names)} MatMul weights of {model_path.name} ({options.describe()}) with onnxruntime "
         "MatMulNBitsQuantizer")
-    model = _quantise(model, names, options)
+    model = _quantise(model, names, options, data)
     count = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
     after = initializer_bytes(model)
     stamp(model, META_KEY, {"bits": options.bits, "block_size": options.block_size, "method": options.method,
                             "symmetric": options.symmetric, "accuracy_level": options.accuracy_level,
-                            "quantised": count, "bytes_before": before, "bytes_after": after})
+                            "quantised": count, "bytes_before": before, "bytes_after": after,
+                            **({"calibration": source} if source else {})})
     publish(model, src, dst, model_path, log)
     return WeightQuantSummary(dst, count, skipped, before, after, options, time.monotonic() - start)
