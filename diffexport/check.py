@@ -40,6 +40,8 @@ class CheckOptions:
     plugin_lib: str | None = None  # engines: the plugin library to load (never the one an engine's sidecar names)
     atol: float | None = None  # user bounds (polygraphy's elementwise rule) instead of the dtype rule
     rtol: float | None = None
+    text: str | None = None  # token ids from this UTF-8 text instead of random ids; perplexity reported
+    tokenizer: str | None = None  # Hugging Face tokenizer for `text` (else its bytes are the ids)
 
     @property
     def user_bounds(self) -> tuple[float, float] | None:
@@ -263,6 +265,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     probe_q = torch.empty(1, 1, 1, head_dim, device=device, dtype=DTYPES[dtype])
     probe_v = torch.empty(1, 1, 1, value_dim, device=device, dtype=DTYPES[dtype])
     eager_name = f"eager PyTorch ({reference.attention_backend(probe_q, probe_v)}, {device})"
+    text = None if options.text is None else TextIds(options, loaded.config.vocab_size, options.shapes)
     log(f"checking      {onnx_path.name} ({dtype}) in onnxruntime {provider} against {eager_name}")
     if budget is not None:
         log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule (docs/QUANTIZATION.md)")
@@ -273,7 +276,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     feeds, saved, comparisons, lines = _compare(
         options, options.shapes, loaded.config.vocab_size, outputs, dtype, run,
         lambda ids: _run_eager(low, ids, device, outputs),
-        None if ref32 is None else (lambda ids: _run_eager(ref32, ids, device, outputs)), budget=budget)
+        None if ref32 is None else (lambda ids: _run_eager(ref32, ids, device, outputs)), budget=budget, text=text)
     port_comparisons = comparisons  # the polygraphy files hold the port's outputs: their bounds go with them
     if not port:  # ... but with --reference transformers its lines are not the verdict
         comparisons, lines = [], []
@@ -283,7 +286,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
             options, options.shapes, loaded.config.vocab_size, ["logits"], dtype, run,
             lambda ids: _run_transformers(hf_low, ids),
             None if hf32 is None else (lambda ids: _run_transformers(hf32, ids)), label=" vs transformers",
-            budget=budget)
+            budget=budget, text=None if text is None else TextIds(options, loaded.config.vocab_size, options.shapes))
         comparisons, lines = comparisons + hf_comparisons, lines + hf_lines
     lines.insert(0, reference_line)
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
@@ -306,14 +309,57 @@ def _severity(c) -> float:
     return c.max_abs / max(c.bound, 1e-30)
 
 
-def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None, label="", budget=None):
-    """Seeded token ids per (batch, seq) through the runtime and eager; each output compared under
-    the dtype rule (eager_ref None: fp32, eager_low is the reference), or under `budget` for a
-    weight-quantised model. note(name, got, ids) may add a line."""
+class TextIds:
+    """--text: consecutive [batch, seq] slices of the text's token ids, and the perplexity each
+    runtime reaches on them (next-token NLL over every position that has a next token)."""
+
+    def __init__(self, options: CheckOptions, vocab: int, shapes):
+        from diffexport.analysis.streams import text_ids
+
+        self.ids = text_ids(options.text, options.tokenizer, vocab)
+        need = sum(b * s for b, s in shapes)
+        if len(self.ids) < need:
+            raise DiffExportError(f"{options.text} has {len(self.ids)} tokens; the --shapes need {need}: give more "
+                                  "text or smaller --shapes")
+        self.source = f"{options.text} ({'tokenizer ' + options.tokenizer if options.tokenizer else 'UTF-8 bytes'})"
+        self.used = 0
+        self.nll: dict[str, float] = {}
+        self.count = 0
+
+    def take(self, batch: int, seq: int) -> np.ndarray:
+        out = np.asarray(self.ids[self.used:self.used + batch * seq], np.int64).reshape(batch, seq)
+        self.used += batch * seq
+        return out
+
+    def score(self, ids: np.ndarray, logits: dict[str, np.ndarray]) -> None:
+        """logits: runtime name -> [batch, seq, vocab] on `ids`."""
+        if ids.shape[1] < 2:
+            return
+        target = ids[:, 1:]
+        for name, values in logits.items():
+            x = np.asarray(values[:, :-1], np.float64)
+            logp = x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+            self.nll[name] = self.nll.get(name, 0.0) - float(np.take_along_axis(logp, target[..., None], -1).sum())
+        self.count += target.size
+
+    def line(self, model: str, reference: str) -> str:
+        if not self.count:
+            return f"perplexity    no --shapes sequence of 2 or more tokens to score {self.source} on"
+        ppl = {name: float(np.exp(nll / self.count)) for name, nll in self.nll.items()}
+        change = ppl[model] / ppl[reference] - 1
+        return (f"perplexity    {model} {ppl[model]:.4g}, {reference} {ppl[reference]:.4g} ({change:+.2%}) on "
+                f"{self.count} next tokens of {self.source} (reported, not judged)")
+
+
+def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None, label="", budget=None,
+             text: TextIds | None = None):
+    """Seeded token ids (or --text's) per (batch, seq) through the runtime and eager; each output
+    compared under the dtype rule (eager_ref None: fp32, eager_low is the reference), or under
+    `budget` for a weight-quantised model. note(name, got, ids) may add a line."""
     rng = np.random.default_rng(options.seed)
     feeds, saved, comparisons, lines = [], [], [], []
     for batch, seq in shapes:
-        ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64)
+        ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64) if text is None else text.take(batch, seq)
         feeds.append({INPUT_NAMES[0]: ids})
         got = run(ids)
         base = eager_low(ids)
@@ -326,6 +372,10 @@ def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, 
             lines.append(c.line())
             if note is not None:
                 lines.append(note(name, got[name], ids))
+        if text is not None and "logits" in outputs:
+            text.score(ids, {"model": got["logits"], "reference": ref["logits"]})
+    if text is not None and "logits" in outputs:
+        lines.append(text.line("model", "reference"))
     return feeds, saved, comparisons, lines
 
 
@@ -417,7 +467,8 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     feeds, saved, comparisons, lines = _compare(
         options, shapes, loaded.config.vocab_size, outputs, dtype, lambda ids: run({INPUT_NAMES[0]: ids}),
         lambda ids: eager(low, ids), None if ref32 is None else (lambda ids: eager(ref32, ids)),
-        note=None if quant is None else unquantised, budget=budget)
+        note=None if quant is None else unquantised, budget=budget,
+        text=None if options.text is None else TextIds(options, loaded.config.vocab_size, shapes))
     plugin = ["--plugins", shlex.quote(plugin_lib)] if plugin_lib else []
     runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
     return _finish(runner, save_dir, feeds, saved, comparisons, lines,
@@ -567,6 +618,11 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     dtype = out_types.pop()
     last = theirs[outputs[0]].shape[-1] if theirs[outputs[0]].shape else None
     vocab = last if isinstance(last, int) and last > 1 else 2  # token ids valid for any embedding
+    text = None
+    if options.text is not None:  # the text is read (and refused) before any work
+        if INPUT_NAMES[0] not in {i.name for i in session.get_inputs()}:
+            raise DiffExportError(f"--text needs a graph that takes {INPUT_NAMES[0]}")
+        text = TextIds(options, vocab, options.shapes)
     log(f"checking      {model_path.name} against {against_path.name} in onnxruntime {provider}, same inputs, "
         f"outputs {', '.join(outputs)} ({dtype})")
     from diffexport.passes.fusion import probe_feeds
@@ -585,8 +641,12 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     feeds, saved, comparisons, lines = [], [], [], []
     for batch, seq in options.shapes:
         feed = probe_feeds(graph, batch, seq, vocab=vocab, rng=rng)
+        if text is not None:
+            feed[INPUT_NAMES[0]] = text.take(batch, seq)
         got = dict(zip(outputs, session.run(outputs, feed)))
         ref = dict(zip(outputs, other.run(outputs, feed)))
+        if text is not None and "logits" in outputs:
+            text.score(feed[INPUT_NAMES[0]], {model_path.name: got["logits"], against_path.name: ref["logits"]})
         feeds.append(feed)
         saved.append(ref)
         for name in outputs:
@@ -594,6 +654,8 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
                        None if dtype == "float32" else ref[name], dtype, options, budget)
             comparisons.append((name, c))
             lines.append(c.line())
+    if text is not None and "logits" in outputs:
+        lines.append(text.line(model_path.name, against_path.name))
     runner = ["polygraphy run", shlex.quote(str(model_path)), "--onnxrt", "--providers", provider]
     return _finish(runner, save_dir, feeds, saved, comparisons, lines,
                    outputs, dtype, user_bounds=options.user_bounds, runner_name=f"onnxrt-{against_path.stem}")

@@ -118,7 +118,7 @@ def _check_options(args):
     return CheckOptions(shapes=parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
                         provider=args.provider, seed=args.seed,
                         save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
-                        reference=args.reference, plugin_lib=args.plugin_lib)
+                        reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer)
 
 
 def cmd_check(args) -> int:
@@ -142,6 +142,9 @@ def cmd_check(args) -> int:
         from diffexport.export.decoder import read_decoder_folder
 
         read_decoder_folder(args.model)  # not a decoder folder: say so before the checkpoint loads
+        if args.text is not None:
+            raise DiffExportError("--text scores prefill graphs: check a prefill export of the model (quantised "
+                                  "the same way) with --text")
         report = run_decoder_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
                                    steps=args.steps)
         print(report.text())
@@ -806,6 +809,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--atol", type=float, help="your own bound: |out - ref| <= atol + rtol*|ref| elementwise "
                                                       "(polygraphy's rule) instead of the automatic dtype rule")
             p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")
+            p.add_argument("--text", help="a UTF-8 text whose tokens replace the random ids (prefill files, engines, "
+                                          "--against); the perplexity of both sides is reported")
+            p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it the "
+                                               "text's bytes are the token ids")
         if name in ("stats", "quant-sweep", "linear-sweep", "retrieval"):
             _add_models(p)
         if name in ("stats", "quant-sweep", "linear-sweep"):

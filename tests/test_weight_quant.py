@@ -217,3 +217,39 @@ def test_gptq_calibrates_and_meets_the_int4_budget(exported, tmp_path):
     assert result.returncode == 0 and "Progress" not in result.stdout, result.stdout + result.stderr
     report = run_cli("check", tmp_path / "kv-gptq", "--preset", "diff-v1-tiny")
     assert report.returncode == 0, report.stdout + report.stderr
+
+
+def test_check_scores_a_text_and_reports_both_perplexities(exported, tmp_path):
+    """--text: the text's bytes replace the random ids; the perplexity printed is the next-token NLL of
+    each graph on those slices (recomputed here from onnxruntime's logits)."""
+    import re
+
+    from diffexport.passes.weight_quant import quantize_weights
+
+    out = tmp_path / "q.onnx"
+    quantize_weights(exported, out, log=lambda _: None)
+    text = tmp_path / "t.txt"
+    text.write_text("a quantised model should predict the next byte of this text nearly as well. " * 3)
+    report = run_cli("check", out, "--against", exported, "--text", text, "--shapes", "1x17,2x33")
+    assert report.returncode == 0, report.stdout + report.stderr
+    ids = np.frombuffer(text.read_bytes(), np.uint8).astype(np.int64)
+    slices, used = [], 0
+    for batch, seq in ((1, 17), (2, 33)):
+        slices.append(ids[used:used + batch * seq].reshape(batch, seq))
+        used += batch * seq
+
+    def perplexity(path):
+        nll, count = 0.0, 0
+        for part in slices:
+            x = _logits(path, part)[:, :-1].astype(np.float64)
+            logp = x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+            nll -= np.take_along_axis(logp, part[:, 1:, None], -1).sum()
+            count += part[:, 1:].size
+        return np.exp(nll / count), count
+
+    (ours, count), (theirs, _) = perplexity(out), perplexity(exported)
+    line = next(x for x in report.stdout.splitlines() if x.startswith("perplexity"))
+    printed = [float(v) for v in re.findall(r"onnx ([0-9.e+]+)", line)]
+    assert printed == pytest.approx([ours, theirs], rel=1e-3) and f"on {count} next tokens" in line
+    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", text, "--shapes", "4x64"),
+                          "the --shapes need 256")
