@@ -354,3 +354,19 @@ def test_profile_ranges_of_a_kv_graph_and_plugin_refusal(v1_folder):
     assert count == 2 and all(len(n.input) == 6 for n in nodes)
     assert [a.s.decode() for n in nodes for a in n.attribute if a.name == "plugin_version"] == ["2", "2"]
     assert not staged.functions  # no body to import instead of the plugin
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_hf_diffllama_folder_quantised_generates_and_meets_its_budget(hf_dir, tmp_path, weights):
+    """Issue 18's end point for an HF checkpoint: the quantised folder still decodes in
+    onnxruntime-genai with its tokenizer and passes its budget against our port and transformers."""
+    pytest.importorskip("onnxruntime_genai")
+    assert run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    result = run_cli("quantize", tmp_path / "kv", "-o", tmp_path / "q", "--weights", weights)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "q" / "tokenizer.json").is_file()
+    report = run_cli("check", tmp_path / "q", "--ckpt", hf_dir)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert f"budget        {weights} weights" in report.stderr and "transformers" in report.stdout
+    text = run_cli("generate", tmp_path / "q", "--prompt", "the cat sat", "--max-new-tokens", "8")
+    assert text.returncode == 0 and text.stdout.strip(), text.stderr
