@@ -466,19 +466,11 @@ def _task_eval(loaded, args):
                                           seed=args.seed + 1, quant=quant).accuracy()
 
 
-def cmd_quant_sweep(args) -> int:
-    """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
-    import json
-
-    from diffexport.analysis import plots, sweep
+def _sweep_models(args, label: str, run, note: str = "") -> dict:
+    """Every model's stream, task metric and compared positions, then run(loaded, stream, task_eval,
+    masks, advance) -> its points; task_eval(quant) -> accuracy, or None without a task."""
     from diffexport.errors import DiffExportError
-    from diffexport.quantization import LogitQuant
 
-    for bits in args.bits:
-        LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
-    plots.check_plot_path(args.plot)
-    bits_list = sorted(set(args.bits) | {16}, reverse=True)
-    describe = LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
     results = {}
     for name, loaded in _load_models(args).items():
         stream = _stream(args, loaded)
@@ -488,61 +480,67 @@ def cmd_quant_sweep(args) -> int:
                                   f"(no --text, a vocabulary of at least 512)")
         answers_only = args.positions == "answers" or (args.positions == "auto" and task_eval is not None)
         masks = stream.answer_masks if answers_only else None  # auto without task answers: every position
-        progress, advance = _progress(f"{name}: sweep", len(stream.batches))
+        progress, advance = _progress(f"{name}: {label}", len(stream.batches))
         with progress:
-            results[name] = sweep.sweep(loaded.model, bits_list, stream.batches, scheme=args.scheme,
-                                        smooth_k=not args.no_smooth_k, task_eval=task_eval, masks=masks,
-                                        progress=advance)
+            results[name] = run(loaded, stream, task_eval, masks, advance)
         compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
         _log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
-             f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}")
+             f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}"
+             f"{note}")
     _random_weights_note(args)
+    return results
+
+
+def _print_sweep(args, results: dict, key: str, describe, text: str, plot) -> None:
+    import json
+
     if args.json:
-        print(json.dumps({"scheme": describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
+        print(json.dumps({key: describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
                          indent=2))
     else:
-        print(sweep.render(results, describe))
+        print(text)
     if args.plot:
-        _log(f"wrote {plots.plot_sweep(results, args.plot, describe)}")
+        _log(f"wrote {plot()}")
+
+
+def cmd_quant_sweep(args) -> int:
+    """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
+    from diffexport.analysis import plots, sweep
+    from diffexport.quantization import LogitQuant
+
+    for bits in args.bits:
+        LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
+    plots.check_plot_path(args.plot)
+    bits_list = sorted(set(args.bits) | {16}, reverse=True)
+    describe = LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
+
+    def run(loaded, stream, task_eval, masks, advance):
+        return sweep.sweep(loaded.model, bits_list, stream.batches, scheme=args.scheme, smooth_k=not args.no_smooth_k,
+                           task_eval=task_eval, masks=masks, progress=advance)
+
+    results = _sweep_models(args, "sweep", run)
+    _print_sweep(args, results, "scheme", describe, sweep.render(results, describe),
+                 lambda: plots.plot_sweep(results, args.plot, describe))
     return 0
 
 
 def cmd_linear_sweep(args) -> int:
     """Quantise every linear layer (int8/int4 weights, or w8a8 weights and activations, as `quantize` deploys them) and report the damage, DIFF vs Transformer."""
-    import json
-
     from diffexport.analysis import linear_quant, plots
-    from diffexport.errors import DiffExportError
 
     quants = [linear_quant.LinearQuant(scheme, args.block_size) for scheme in dict.fromkeys(args.schemes)]
     plots.check_plot_path(args.plot)
-    results = {}
-    for name, loaded in _load_models(args).items():
-        stream = _stream(args, loaded)
-        task = _task_eval(loaded, args)
-        task_eval = None if task is None else (lambda task=task: task(None))
-        if args.positions == "answers" and stream.answer_masks is None:
-            raise DiffExportError(f"{name}: --positions answers needs the built-in needle-task stream "
-                                  f"(no --text, a vocabulary of at least 512)")
-        answers_only = args.positions == "answers" or (args.positions == "auto" and task_eval is not None)
-        masks = stream.answer_masks if answers_only else None
-        progress, advance = _progress(f"{name}: linear sweep", len(stream.batches))
-        with progress:
-            results[name] = linear_quant.sweep(loaded.model.eval(), quants, stream.batches, task_eval=task_eval,
-                                               masks=masks, progress=advance)
-        compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
-        _log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
-             f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}"
-             f"{'; w8a8 calibrated on the same tokens' if any(q.scheme == 'w8a8' for q in quants) else ''}")
-    _random_weights_note(args)
+
+    def run(loaded, stream, task_eval, masks, advance):
+        unquantised_task = None if task_eval is None else (lambda: task_eval(None))
+        return linear_quant.sweep(loaded.model.eval(), quants, stream.batches, task_eval=unquantised_task,
+                                  masks=masks, progress=advance)
+
+    w8a8 = any(q.scheme == "w8a8" for q in quants)
+    results = _sweep_models(args, "linear sweep", run, "; w8a8 calibrated on the same tokens" if w8a8 else "")
     describe = [q.describe for q in quants]
-    if args.json:
-        print(json.dumps({"schemes": describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
-                         indent=2))
-    else:
-        print(linear_quant.render(results, describe))
-    if args.plot:
-        _log(f"wrote {plots.plot_linear_sweep(results, args.plot)}")
+    _print_sweep(args, results, "schemes", describe, linear_quant.render(results, describe),
+                 lambda: plots.plot_linear_sweep(results, args.plot))
     return 0
 
 

@@ -60,9 +60,11 @@ def read_bandwidth() -> float:
 
 
 def weight_bytes_per_token(folder: Path) -> int:
-    """Bytes of the weights a decode step reads: every initializer, except one only Gather nodes read
-    (an untied embedding table: one row per token)."""
+    """Bytes of the weights a decode step reads, as stored (fp32, fp16, or int4 packed in uint8 with
+    its scales): every initializer except one only Gather nodes read (an untied embedding table,
+    one row per token)."""
     import onnx
+    from onnx.external_data_helper import uses_external_data
 
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     consumers: dict[str, set] = {}
@@ -71,9 +73,12 @@ def weight_bytes_per_token(folder: Path) -> int:
             consumers.setdefault(name, set()).add(node.op_type)
     total = 0
     for t in model.graph.initializer:
-        if consumers.get(t.name, set()) <= {"Gather"} and t.name in consumers:
+        if t.name in consumers and consumers[t.name] <= {"Gather"}:
             continue
-        total += int(np.prod(t.dims)) * (2 if t.data_type == onnx.TensorProto.FLOAT16 else 4)
+        if uses_external_data(t):
+            total += next(int(e.value) for e in t.external_data if e.key == "length")
+        else:
+            total += len(t.raw_data) or t.ByteSize()
     return total
 
 

@@ -43,28 +43,6 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
-def read_bytes_per_token(folder: Path) -> int:
-    """Bytes of the initializers a decode step reads, by their stored type (int4 packed in uint8,
-    scales in fp32/fp16), less an embedding table only Gather nodes read."""
-    import onnx
-    from onnx.external_data_helper import uses_external_data
-
-    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    consumers: dict[str, set] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, set()).add(node.op_type)
-    total = 0
-    for t in model.graph.initializer:
-        if t.name in consumers and consumers[t.name] <= {"Gather"}:
-            continue
-        if uses_external_data(t):
-            total += next(int(e.value) for e in t.external_data if e.key == "length")
-        else:
-            total += len(t.raw_data) or t.ByteSize()
-    return total
-
-
 def build_ours(root: Path, log) -> dict[str, Path]:
     loaded = load_model(None, preset=PRESET, seed=0)
     folders = {"fp32": root / "diff-fp32"}
@@ -163,7 +141,7 @@ def main() -> None:
         for model, precision, folder in rows:
             tps = statistics.median(runs[str(folder)])
             medians[(model, precision)] = tps
-            per_token = read_bytes_per_token(folder)
+            per_token = bench_decode.weight_bytes_per_token(folder)
             fp32 = statistics.median(runs[str(rows[0 if "diff" in model else len(ours)][2])])
             table.append(f"| {model} | {precision} | {folder_bytes(folder) / 1e6:.0f} | {per_token / 1e6:.0f} | "
                          f"{tps:.1f} | {bandwidth / per_token:.1f} | {tps / (bandwidth / per_token):.2f} | "

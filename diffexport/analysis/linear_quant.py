@@ -22,6 +22,7 @@ import types
 
 import torch
 
+from diffexport.analysis.sweep import Damage
 from diffexport.errors import DiffExportError
 
 SCHEMES = ("int8", "int4", "w8a8")
@@ -141,7 +142,7 @@ def sweep(model, quants: list[LinearQuant], batches, *, calibration=None, task_e
             for input_ids in calibration if calibration is not None else batches:
                 model(input_ids)
         ranges = recorder.absmax
-    sums = {q: [0.0, float("inf"), 0.0, 0] for q in quants}  # cos sum, cos min, kl sum, tokens
+    damage = {q: Damage() for q in quants}
     for done, input_ids in enumerate(batches):
         keep = None if masks is None else masks[done]
         if keep is not None and not keep.any():
@@ -152,27 +153,19 @@ def sweep(model, quants: list[LinearQuant], batches, *, calibration=None, task_e
         for quant in quants:
             with QuantisedLinears(model, quant, ranges):
                 out = model(input_ids).float()
-            out = out if keep is None else out[keep]
-            cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
-            kl = (ref_logp.exp() * (ref_logp - out.log_softmax(-1))).sum(-1)
-            acc = sums[quant]
-            acc[0] += cos.sum().item()
-            acc[1] = min(acc[1], cos.min().item())
-            acc[2] += kl.sum().item()
-            acc[3] += cos.numel()
+            damage[quant].add(out if keep is None else out[keep], ref, ref_logp)
         if progress is not None:
             progress(done + 1)
-    if sums[quants[0]][3] == 0:
+    if damage[quants[0]].count == 0:
         raise DiffExportError("no positions to compare: the stream holds no task answers; use --positions all")
     points = []
     baseline = task_eval() if task_eval is not None else None
     for quant in quants:
-        cos_sum, cos_min, kl_sum, n = sums[quant]
         accuracy = None
         if task_eval is not None:
             with QuantisedLinears(model, quant, ranges):
                 accuracy = task_eval()
-        points.append(LinearPoint(quant.scheme, cos_sum / n, cos_min, kl_sum / n, accuracy))
+        points.append(LinearPoint(quant.scheme, *damage[quant].means(), accuracy))
     return [LinearPoint("float", 1.0, 1.0, 0.0, baseline)] + points
 
 

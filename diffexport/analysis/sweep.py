@@ -27,6 +27,25 @@ class SweepPoint:
     task_accuracy: float | None = None
 
 
+class Damage:
+    """Running logit cosine (mean, worst) and mean KL(reference || quantised) over token positions."""
+
+    def __init__(self):
+        self.cos_sum, self.cos_min, self.kl_sum, self.count = 0.0, float("inf"), 0.0, 0
+
+    def add(self, out: torch.Tensor, ref: torch.Tensor, ref_logp: torch.Tensor) -> None:
+        cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
+        kl = (ref_logp.exp() * (ref_logp - out.log_softmax(-1))).sum(-1)
+        self.cos_sum += cos.sum().item()
+        self.cos_min = min(self.cos_min, cos.min().item())
+        self.kl_sum += kl.sum().item()
+        self.count += cos.numel()
+
+    def means(self) -> tuple[float, float, float]:
+        """(cosine mean, cosine min, KL mean)."""
+        return self.cos_sum / self.count, self.cos_min, self.kl_sum / self.count
+
+
 @torch.no_grad()
 def sweep(model, bits_list, batches, *, scheme: str = "qk", smooth_k: bool = True,
           task_eval=None, masks=None, progress=None) -> list[SweepPoint]:
@@ -35,7 +54,7 @@ def sweep(model, bits_list, batches, *, scheme: str = "qk", smooth_k: bool = Tru
     from diffexport.analysis.probe import AttentionProbe
 
     settings = [LogitQuant(bits, scheme, smooth_k) for bits in bits_list]  # validates every value first
-    sums = {q.bits: [0.0, float("inf"), 0.0, 0] for q in settings}  # cos sum, cos min, kl sum, tokens
+    damage = {q.bits: Damage() for q in settings}
     for done, input_ids in enumerate(batches):
         keep = None if masks is None else masks[done]
         if keep is not None and not keep.any():
@@ -47,23 +66,15 @@ def sweep(model, bits_list, batches, *, scheme: str = "qk", smooth_k: bool = Tru
         for quant in settings:
             with AttentionProbe(model, quant=quant):
                 out = model(input_ids).float()
-            out = out if keep is None else out[keep]
-            cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
-            kl = (ref_logp.exp() * (ref_logp - out.log_softmax(-1))).sum(-1)
-            acc = sums[quant.bits]
-            acc[0] += cos.sum().item()
-            acc[1] = min(acc[1], cos.min().item())
-            acc[2] += kl.sum().item()
-            acc[3] += cos.numel()
+            damage[quant.bits].add(out if keep is None else out[keep], ref, ref_logp)
         if progress is not None:
             progress(done + 1)
-    if sums[settings[0].bits][3] == 0:
+    if damage[settings[0].bits].count == 0:
         raise DiffExportError("no positions to compare: the stream holds no task answers; use --positions all")
     points = []
     for quant in settings:
-        cos_sum, cos_min, kl_sum, n = sums[quant.bits]
         accuracy = task_eval(quant) if task_eval is not None else None
-        points.append(SweepPoint(quant.bits, cos_sum / n, cos_min, kl_sum / n, accuracy))
+        points.append(SweepPoint(quant.bits, *damage[quant.bits].means(), accuracy))
     return points
 
 
