@@ -141,6 +141,9 @@ def plot_linear_sweep(named, path) -> Path:
         ax.set(title=titles[key], xlabel="linear layers")
         if floor is not None:
             ax.set_yscale("log")
+            ax.set_ylim(top=max(values_all + [floor]) * 4)  # room for the legend above the bars
+        else:
+            ax.set_ylim(0, max([v for v in values_all if v is not None] + [1e-9]) * 1.3)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
     fig.suptitle("quantised linear layers: damage against the float model", fontsize=10)
