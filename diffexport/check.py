@@ -42,6 +42,7 @@ class CheckOptions:
     rtol: float | None = None
     text: str | None = None  # token ids from this UTF-8 text instead of random ids; perplexity reported
     tokenizer: str | None = None  # Hugging Face tokenizer for `text` (else its bytes are the ids)
+    plot: str | None = None  # KV-cache folders: a PNG of the comparison step by step
 
     @property
     def user_bounds(self) -> tuple[float, float] | None:
@@ -507,7 +508,10 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     from diffexport.backends.onnxruntime import resolve_provider
     from diffexport.generation import left_pad
 
+    from diffexport.analysis import plots
+
     options = options or CheckOptions()
+    plots.check_plot_path(options.plot)
     folder = Path(folder)
     save_dir = save_dir_for(options, folder.with_name(folder.name + ".check"))
     provider = resolve_provider(options.provider)
@@ -571,6 +575,9 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     tokens_ok = agree == eager_tokens.shape[1] or budget is not None
     verdict = "(reported: quantised weights)" if budget is not None else ("PASS" if tokens_ok else "FAIL")
     lines.append(f"greedy tokens onnxruntime == eager at {agree}/{eager_tokens.shape[1]} steps  {verdict}")
+    if options.plot:
+        what = budget.what if budget is not None else f"{dtype} rule"
+        lines.append(f"plot          {plots.plot_decode_steps([c for _, c in comparisons], options.plot, f'{folder.name}: onnxruntime vs eager per step ({what})')}")
     hf_tokens = _hf_greedy(loaded, ids, mask, steps + 1) if dtype == "float32" else None
     hf_ok = True
     if hf_tokens is not None:

@@ -118,7 +118,8 @@ def _check_options(args):
     return CheckOptions(shapes=parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
                         provider=args.provider, seed=args.seed,
                         save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
-                        reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer)
+                        reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer,
+                        plot=args.plot)
 
 
 def cmd_check(args) -> int:
@@ -127,6 +128,8 @@ def cmd_check(args) -> int:
 
     from diffexport.check import read_export_metadata, run_against, run_check, run_decoder_check, run_engine_check
 
+    if args.plot is not None and not Path(args.model).is_dir():
+        raise DiffExportError("--plot draws a KV-cache folder's check step by step: give a --kv-cache folder")
     if args.against:  # one graph against another (e.g. optimize's output against its input), then the model
         options = _check_options(args)
         report = run_against(args.model, args.against, options, log=_log)
@@ -811,6 +814,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "--against); the perplexity of both sides is reported")
             p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it the "
                                                "text's bytes are the token ids")
+            p.add_argument("--plot", help="KV-cache folders: a PNG of KL (or error) and cosine per decode step")
         if name in ("stats", "quant-sweep", "linear-sweep", "retrieval"):
             _add_models(p)
         if name in ("stats", "quant-sweep", "linear-sweep"):

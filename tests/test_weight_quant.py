@@ -91,9 +91,11 @@ def test_kv_cache_folder_is_quantised_and_still_decodes(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in folder.iterdir())
     assert (out / "genai_config.json").read_text() == (folder / "genai_config.json").read_text()
-    report = run_cli("check", out, "--preset", "diff-v1-tiny")
+    plot = tmp_path / "steps.png"
+    report = run_cli("check", out, "--preset", "diff-v1-tiny", "--plot", plot)
     assert report.returncode == 0, report.stdout + report.stderr
     assert "greedy tokens onnxruntime == eager" in report.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot          {plot}" in report.stdout
     pytest.importorskip("onnxruntime_genai")
     generated = run_cli("generate", out, "--ids", "1,2,3", "--max-new-tokens", "6")
     assert generated.returncode == 0 and len(generated.stdout.split()) == 6, generated.stdout + generated.stderr
@@ -125,6 +127,7 @@ def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path
         (("quantize", existing, "-o", tmp_path / "y"), "genai_config.json"),
         (("quantize", corrupt, "-o", tmp_path / "x.onnx"), "is not a readable ONNX file"),
         (("quantize", exported, "-o", "/sys/kernel/x.onnx"), "is not writable"),
+        (("check", exported, "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.png"), "--plot draws a KV-cache"),
     ]
     for args, message in cases:
         assert_one_line_error(run_cli(*args), message)

@@ -170,3 +170,37 @@ def plot_retrieval(named, path) -> Path:
         return _save(fig, path)
     finally:
         plt.close(fig)
+
+
+def plot_decode_steps(comparisons, path, title: str) -> Path:
+    """A KV-cache check, step by step (0 = prefill): the KL budget (quantised models) or the largest
+    error against its bound (the dtype rule), and the logit cosine against its floor."""
+    plt = _pyplot()
+    steps = list(range(len(comparisons)))
+    quantised = hasattr(comparisons[0], "budget")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6), layout="constrained")
+    if quantised:
+        values = [c.mean_kl if c.mean_kl is not None else float("nan") for c in comparisons]
+        left.plot(steps, values, marker=".", label="mean KL(reference || model)")
+        left.axhline(comparisons[0].budget.max_kl, color="C3", linestyle="--", label="budget")
+        left.set(title="next-token KL per step (nats)")
+        floor = comparisons[0].budget.min_cosine
+    else:
+        left.plot(steps, [c.max_abs for c in comparisons], marker=".", label="max |model - reference|")
+        left.plot(steps, [c.bound for c in comparisons], color="C3", linestyle="--", label="bound")
+        left.set(title="largest logit error per step")
+        floor = comparisons[0].min_cosine
+    left.set_yscale("log")
+    right.plot(steps, [c.cosine for c in comparisons], marker=".", label="logit cosine")
+    right.axhline(floor, color="C3", linestyle="--", label="floor")
+    right.set(title="logit cosine per step")
+    right.ticklabel_format(axis="y", useOffset=False)
+    for ax in (left, right):
+        ax.set(xlabel="step (0 = prefill)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
