@@ -204,9 +204,6 @@ def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: s
     key_mask: the graph's nodes pass the version-2 key_mask input (KV-cache decoders)."""
     import onnx_ir as ir
 
-    from diffexport.passes import runtime_forms
-
-    runtime_forms.apply(model_ir)  # forms the runtimes' fusers recognise (RMSNorm as a Div)
     opset = options.resolved_opset()
     function = ir.serde.deserialize_function(function_body.build_function(options.body_style, opset, key_mask))
     model_ir.functions[function.identifier()] = function
