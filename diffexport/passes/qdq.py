@@ -159,28 +159,20 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
 
 
 def _scales_in(model, dtype: str) -> None:
-    """onnxruntime writes float32 scales; in an fp16/bf16 graph QuantizeLinear's input and
-    DequantizeLinear's output take the scale's type, so the scales take the graph's type."""
-    if dtype == "float32":
+    """onnxruntime writes float32 scales; in an fp16 graph QuantizeLinear's input and
+    DequantizeLinear's output take the scale's type, so the scales become fp16 (bf16 exports are
+    refused before calibration)."""
+    if dtype != "float16":
         return
+    import numpy as np
     import onnx
-    import torch
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}
-    scales = {n.input[1] for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}
-    target = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    for name in sorted(scales):
+    for name in sorted({n.input[1] for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")}):
         init = inits.get(name)
-        if init is None or init.data_type != onnx.TensorProto.FLOAT:
-            continue
-        value = torch.from_numpy(numpy_helper.to_array(init).copy()).to(target)
-        if target == torch.bfloat16:
-            new = onnx.helper.make_tensor(name, onnx.TensorProto.BFLOAT16, list(value.shape),
-                                          value.view(torch.int16).numpy().tobytes(), raw=True)
-        else:
-            new = numpy_helper.from_array(value.numpy(), name)
-        init.CopyFrom(new)
+        if init is not None and init.data_type == onnx.TensorProto.FLOAT:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), name))
 
 
 def _dequantised_weights(model) -> list[str]:
