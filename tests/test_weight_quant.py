@@ -256,3 +256,8 @@ def test_check_scores_a_text_and_reports_both_perplexities(exported, tmp_path):
     assert printed == pytest.approx([ours, theirs], rel=1e-3) and f"on {count} next tokens" in line
     assert_one_line_error(run_cli("check", out, "--against", exported, "--text", text, "--shapes", "4x64"),
                           "the --shapes need 256")
+    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", tmp_path / "none.txt"),
+                          "text file not found")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe" * 200)
+    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", binary), "is not UTF-8 text")
