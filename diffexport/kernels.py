@@ -26,12 +26,17 @@ from diffexport.errors import DiffExportError
 from diffexport.quantization import check_bits
 
 LIBRARY_NAME = "libdiffexport_kernels.so"
-ABI_VERSION = 2  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
+ABI_VERSION = 3  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
 HEAD_DIMS = (64, 128)
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # float32: converted to fp16 inside
 MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
 IMPL_ENV = "DIFFEXPORT_ATTENTION"
 IMPL_CHOICES = ("auto", "fused", "reference")
+# Read by the C library itself on every call: auto (default: the split-KV decode kernels for
+# q_len <= DECODE_MAX_QUERY, the one-pass kernel above) or mma (the one-pass kernel for every call).
+KERNEL_PATH_ENV = "DIFFEXPORT_KERNEL_PATH"
+DECODE_MAX_QUERY = 16  # DIFFX_DECODE_MAX_QUERY in plugins/kernels/diff_attention.h
+PLAN_NAMES = {1: "one-pass", 2: "split-kv"}
 BUILD_HINT = ("build it with `cmake -S . -B build -G Ninja && cmake --build build` (needs nvcc) "
               "or point DIFFEXPORT_KERNEL_LIB at libdiffexport_kernels.so")
 
@@ -116,6 +121,23 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.diffx_attention_workspace_size.argtypes = [params_p]
     lib.diffx_attention_forward.restype = ctypes.c_int
     lib.diffx_attention_forward.argtypes = [params_p, ctypes.c_void_p]
+    declare_plan(lib)
+
+
+def declare_plan(lib: ctypes.CDLL) -> None:
+    int_p = ctypes.POINTER(ctypes.c_int)
+    lib.diffx_attention_plan.restype = ctypes.c_int
+    lib.diffx_attention_plan.argtypes = [ctypes.POINTER(DiffxAttentionParams), int_p, int_p]
+
+
+def kernel_plan(params: DiffxAttentionParams, lib: ctypes.CDLL | None = None) -> tuple[str, int]:
+    """Which kernel the library runs for these params ("one-pass" or "split-kv") and its key splits."""
+    lib = lib or load_library()
+    path, splits = ctypes.c_int(), ctypes.c_int()
+    status = lib.diffx_attention_plan(ctypes.byref(params), ctypes.byref(path), ctypes.byref(splits))
+    if status != STATUS_OK:
+        raise status_error(lib, status)
+    return PLAN_NAMES[path.value], splits.value
 
 
 def build_info() -> str:
@@ -181,7 +203,7 @@ def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAtt
 
 
 def launch(params: DiffxAttentionParams, device: torch.device, lib: ctypes.CDLL | None = None) -> None:
-    """Allocate the workspace (INT8 path) and run the kernel on the device's current stream."""
+    """Allocate the workspace (INT8, float32 I/O, decode partials) and run the kernel on the device's current stream."""
     lib = lib or load_library()
     workspace = None
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))

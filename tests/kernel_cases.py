@@ -1,6 +1,6 @@
 """A few fused-kernel launches for compute-sanitizer (tests/test_kernel_gpu.py runs this under
 memcheck and racecheck, tools/gpu_campaign.sh under all four tools): short and odd lengths, GQA,
-both variants, the INT8 path, decode, key masks. Outputs are checked after a copy to the host:
+both variants, the INT8 path, the split-KV decode kernels, key masks. Outputs are checked after a copy to the host:
 under initcheck that copy proves every output byte was written by our kernels (a device-side
 torch reduction would read through kernels the sanitizer was told to leave alone)."""
 
@@ -16,6 +16,9 @@ CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, l
     (1, 4, 2, 64, 1, 2, 70, 130, 8),
     (2, 2, 2, 128, 1, 1, 65, 65, 4),
     (1, 2, 1, 64, 1, 1, 200, 1100, 8),  # several query blocks (grid order), two K-sum chunks
+    (1, 4, 1, 128, 1, 2, 1, 5000, 0),   # split-KV decode: many splits, a ragged last tile
+    (2, 4, 2, 64, 1, 3, 16, 300, 8),    # split-KV decode, full 16-row tile, INT8 logits
+    (1, 2, 2, 64, 0, 1, 5, 1, 0),       # split-KV decode of a one-key cache
 ]
 
 

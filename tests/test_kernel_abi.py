@@ -268,3 +268,52 @@ def test_float32_io_workspace(lib):
     assert lib.diffx_attention_check(ctypes.byref(p)) == 0
     p.logit_bits = 8
     assert lib.diffx_attention_workspace_size(ctypes.byref(p)) > expected
+
+
+def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
+    """q_len <= 16 runs the split-KV decode kernels (splits from the shapes alone, never empty);
+    DIFFEXPORT_KERNEL_PATH=mma forces the one-pass kernel; an unknown value is a one-line error."""
+    def plan(**kw):
+        return kernels.kernel_plan(valid_params(**kw), lib)
+
+    assert plan(q_len=100, kv_len=100) == ("one-pass", 1)
+    assert plan(q_len=17, kv_len=4096) == ("one-pass", 1)
+    # batch 2 x 4 heads = 8 CTAs a split: 32 splits reach 256 CTAs; 4096 keys are 64 tiles, 2 a split
+    assert plan(q_len=1, kv_len=4096) == ("split-kv", 32)
+    assert plan(q_len=16, kv_len=100) == ("split-kv", 2)  # never more splits than 64-key tiles
+    assert plan(q_len=1, kv_len=1) == ("split-kv", 1)
+    # 70 tiles over 32 splits: 3 tiles a split, so 24 splits (none left empty)
+    assert plan(q_len=4, kv_len=70 * 64) == ("split-kv", 24)
+    assert plan(q_len=1, kv_len=128 * 1024, batch=64, num_heads=32) == ("split-kv", 1)
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
+    assert plan(q_len=1, kv_len=4096) == ("one-pass", 1)
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper-please")
+    with pytest.raises(DiffExportError, match="DIFFEXPORT_KERNEL_PATH=hopper-please is not auto or mma"):
+        plan(q_len=1, kv_len=4096)
+
+
+def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
+    """The decode partials: min(B*H*tiles, B*H + 256) CTAs x 2 maps x 4 warps x q_len rows of Dv + 2
+    floats, reserved whatever DIFFEXPORT_KERNEL_PATH says, and never shrinking as batch, heads or keys
+    grow (a TensorRT plugin sizes it once at its profile's maximum)."""
+    up = lambda x: -(-x // 256) * 256  # noqa: E731
+
+    def size(**kw):
+        return lib.diffx_attention_workspace_size(ctypes.byref(valid_params(**kw)))
+
+    ctas = min(2 * 4 * 64, 2 * 4 + 256)
+    states = ctas * 2 * 4 * 3
+    assert size(q_len=3, kv_len=4096) == up(states * 128 * 4) + up(states * 2 * 4)
+    assert size(q_len=17, kv_len=4096) == 0
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
+    assert size(q_len=3, kv_len=4096) == up(states * 128 * 4) + up(states * 2 * 4)
+    monkeypatch.delenv(kernels.KERNEL_PATH_ENV)
+    previous = 0
+    for batch, heads, kv_len in [(1, 1, 1), (1, 1, 640), (1, 2, 640), (1, 255, 640), (1, 256, 640), (2, 256, 640),
+                                 (2, 256, 70_000)]:
+        now = size(q_len=1, batch=batch, num_heads=heads, num_kv_heads=1, kv_len=kv_len)
+        assert now >= previous, (batch, heads, kv_len)
+        previous = now
+    p = valid_params(q_len=1, kv_len=4096)
+    assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_WORKSPACE_TOO_SMALL"]
+    assert "split-KV decode" in lib.diffx_last_error().decode()

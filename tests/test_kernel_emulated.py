@@ -35,18 +35,23 @@ def emulator(tmp_path_factory):
     lib.diffx_attention_workspace_size.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
     lib.diffx_attention_workspace_size.restype = ctypes.c_size_t
     lib.diffx_last_error.restype = ctypes.c_char_p
+    kernels.declare_plan(lib)
     return lib
 
 
-def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contract=True, key_mask=None):
-    """Run the emulated kernels on CPU tensors; the output starts poisoned with NaN."""
+def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contract=True, key_mask=None, plan=None):
+    """Run the emulated kernels on CPU tensors; the output starts poisoned with NaN (and the
+    workspace with NaN bytes: a partial state the decode kernel forgot to write cannot pass).
+    plan: the (kernel, key splits) the library must choose for this call."""
     B, Sq = inputs[0].shape[:2]
     if out is None:
         out = torch.full((B, Sq, attrs.num_heads * attrs.value_dim), float("nan"), dtype=inputs[0].dtype)
     params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, smooth_k=smooth_k, key_mask=key_mask)
+    if plan is not None:
+        assert kernels.kernel_plan(params, lib) == plan
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))
     if size:
-        workspace = torch.zeros(size + 256, dtype=torch.uint8)
+        workspace = torch.full((size + 256,), 0xFF, dtype=torch.uint8)
         params.workspace = workspace.data_ptr() + (-workspace.data_ptr()) % 256
         params.workspace_bytes = size
     status = lib.diffx_emulated_attention_forward(ctypes.byref(params))
@@ -186,3 +191,112 @@ def test_emulated_float32_io_runs_the_fp16_kernel(emulator, variant, bits, rng):
     out32 = emulate(emulator, wide, attrs, bits=bits)
     assert out32.dtype == torch.float32 and not out32.isnan().any()
     assert torch.equal(out32, emulate(emulator, half, attrs, bits=bits).float())
+
+
+def splits_for(batch, heads, kv_len):
+    """The decode plan's key splits (DIFFX_DECODE_TARGET_CTAS = 256 CTAs, never an empty split)."""
+    tiles = -(-kv_len // 64)
+    splits = min(tiles, max(1, -(-256 // (batch * heads))))
+    per_split = -(-tiles // splits)
+    return -(-tiles // per_split)
+
+
+DECODE_CASES = [  # variant, head dim, causal, GQA ratio, heads, batch, q_len, kv_len, dtype
+    (1, 64, 1, 1, 2, 2, 1, 1, torch.float16),          # a cache of one key
+    (1, 64, 1, 2, 4, 3, 1, 1000, torch.bfloat16),      # batch 3, 16 splits of one tile
+    (1, 128, 1, 4, 4, 1, 16, 130, torch.float16),      # the full 16-row tile, a ragged last tile
+    (1, 128, 0, 8, 8, 1, 5, 64, torch.bfloat16),       # GQA 8, exactly one tile
+    (2, 64, 1, 2, 2, 2, 3, 65, torch.bfloat16),        # speculative-decoding-sized step
+    (2, 128, 1, 1, 2, 1, 16, 16, torch.float16),       # causal square: the triangle inside one tile
+    (2, 64, 0, 4, 4, 1, 7, 777, torch.float16),
+    (1, 64, 1, 1, 1, 1, 2, 70_000, torch.float16),     # a long cache: 219 splits of 5 tiles
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"v{c[0]}-d{c[1]}-causal{c[2]}-gqa{c[3]}-b{c[5]}-{c[6]}x{c[7]}-"
+                                                     f"{str(c[8])[6:]}" for c in DECODE_CASES])
+def test_emulated_decode_kernel_matches_the_oracle(emulator, case, rng):
+    """q_len <= 16: the split-KV kernels (partial states per warp and split, then the merge kernel)."""
+    variant, head_dim, causal, ratio, heads, batch, q_len, kv_len, dtype = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=causal, norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    out = emulate(emulator, inputs, attrs, plan=("split-kv", splits_for(batch, heads, kv_len)))
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    assert_close_lowprec(out, lowprec_baseline(*inputs, attrs), oracle(inputs, attrs), str(case),
+                         min_cosine=min_cosine(dtype))
+
+
+def test_emulated_decode_agrees_with_the_one_pass_kernel(emulator, rng, monkeypatch):
+    """The same decode step through both kernels (DIFFEXPORT_KERNEL_PATH=mma forces the one-pass one):
+    the same math, summed in another order, so equal to within a few units of the last place."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=4, num_kv_heads=2, head_dim=64, causal=1)
+    inputs = make_inputs(attrs, 2, 4, 300, dtype=torch.float16, rng=rng)
+    split = emulate(emulator, inputs, attrs, plan=("split-kv", 5)).double()
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
+    one_pass = emulate(emulator, inputs, attrs, plan=("one-pass", 1)).double()
+    err = (split - one_pass).abs().max().item()
+    assert err <= 4e-3, f"split-KV vs one-pass: {err:.3e}"
+    assert torch.nn.functional.cosine_similarity(split.flatten(), one_pass.flatten(), dim=0).item() >= 0.99999
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "fastest")
+    params = kernels.make_params(*inputs, torch.empty(2, 4, 4 * 128, dtype=torch.float16), attrs)
+    assert lib_status(emulator, params) == 7  # DIFFX_ERR_BAD_ATTRIBUTE
+    assert "DIFFEXPORT_KERNEL_PATH=fastest is not auto or mma" in emulator.diffx_last_error().decode()
+
+
+def lib_status(lib, params):
+    return lib.diffx_emulated_attention_forward(ctypes.byref(params))
+
+
+def test_emulated_decode_rows_without_keys_and_a_cache_read_in_place(emulator, rng):
+    """Causal with Sq > Skv gives rows without keys (zeros); a preallocated cache buffer is read as a
+    strided view (batch stride of the whole buffer, rows past kv_len never read: poisoned with NaN)."""
+    attrs = DiffAttentionAttrs(variant=2, num_heads=2, num_kv_heads=1, head_dim=64, causal=1, norm=0)
+    q_len, kv_len, capacity = 16, 5, 200
+    inputs = make_inputs(attrs, 2, q_len, kv_len, dtype=torch.bfloat16, rng=rng)
+    cache_k = torch.full((2, capacity, attrs.key_width), float("nan"), dtype=torch.bfloat16)
+    cache_v = torch.full((2, capacity, attrs.value_dim), float("nan"), dtype=torch.bfloat16)
+    cache_k[:, :kv_len], cache_v[:, :kv_len] = inputs[1], inputs[2]
+    views = [inputs[0], cache_k[:, :kv_len], cache_v[:, :kv_len], *inputs[3:]]
+    out = emulate(emulator, views, attrs, plan=("split-kv", 1))
+    assert torch.isfinite(out).all() and (out[:, : q_len - kv_len] == 0).all()
+    tail = [inputs[0][:, q_len - kv_len:], *inputs[1:3], inputs[3][:, q_len - kv_len:], inputs[4]]
+    assert_close_lowprec(out[:, q_len - kv_len:], lowprec_baseline(*tail, attrs), oracle(tail, attrs), "tail",
+                         min_cosine=min_cosine(torch.bfloat16))
+    # a longer cache in the same buffer: several splits, each reading its tiles in place
+    kv_len = 150
+    cache_k[:, :kv_len] = torch.randn(2, kv_len, attrs.key_width, generator=rng).to(torch.bfloat16)
+    cache_v[:, :kv_len] = torch.randn(2, kv_len, attrs.value_dim, generator=rng).to(torch.bfloat16)
+    views = [inputs[0], cache_k[:, :kv_len], cache_v[:, :kv_len], *inputs[3:]]
+    out = emulate(emulator, views, attrs, plan=("split-kv", 3))
+    dense = [views[0], views[1].contiguous(), views[2].contiguous(), *views[3:]]
+    assert_close_lowprec(out, lowprec_baseline(*dense, attrs), oracle(dense, attrs), "cache view",
+                         min_cosine=min_cosine(torch.bfloat16))
+
+
+DECODE_INT8_CASES = [  # variant, head dim, bits, K-smoothing, dtype, q_len, kv_len
+    (1, 64, 8, True, torch.float16, 1, 1100), (2, 128, 4, False, torch.bfloat16, 16, 130),
+    (1, 128, 6, True, torch.bfloat16, 3, 200),
+]
+
+
+@pytest.mark.parametrize("variant,head_dim,bits,smooth_k,dtype,q_len,kv_len", DECODE_INT8_CASES)
+def test_emulated_decode_int8_logits_match_the_mirrored_quantisation(emulator, variant, head_dim, bits, smooth_k,
+                                                                     dtype, q_len, kv_len, rng):
+    """INT8 logits in the decode kernel: Q's one block (all q_len tokens) quantised in the CTA, K
+    per 64-key tile by the same pre-pass as the one-pass kernel."""
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.8)
+    inputs = make_inputs(attrs, 2, q_len, kv_len, dtype=dtype, rng=rng)
+    inputs[1].add_(torch.linspace(-1, 2, attrs.key_width).to(dtype))
+    plan = ("split-kv", splits_for(2, 2, kv_len))
+    out = emulate(emulator, inputs, attrs, bits=bits, smooth_k=smooth_k, plan=plan).double()
+    assert torch.isfinite(out).all()
+    mirror = reference.quantised_diff_attention(*[t.float() for t in inputs], attrs,
+                                                LogitQuant(bits, "qk", smooth_k)).double()
+    exact = torch.as_tensor(oracle(inputs, attrs))
+    fp_err = (emulate(emulator, inputs, attrs, plan=plan).double() - exact).abs().max().item()
+    err = (out - mirror).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
+    assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation {err:.3e} > 2*{fp_err:.3e} + 1e-3"
+    assert cos >= min_cosine(dtype)

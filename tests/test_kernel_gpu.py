@@ -210,3 +210,52 @@ def test_key_mask_matches_the_oracle(case, rng):
     assert not out.isnan().any()
     assert_close_lowprec(out.cpu(), lowprec_baseline(*cpu, attrs, key_mask=key_mask), oracle(cpu, attrs, key_mask),
                          str(case), min_cosine=min_cosine(dtype))
+
+
+DECODE_CASES = [  # variant, head dim, GQA ratio, batch, q_len, kv_len: the split-KV decode kernels (q_len <= 16)
+    (1, 64, 1, 4, 1, 1), (1, 128, 2, 1, 1, 1000), (2, 128, 4, 2, 4, 32768 + 5), (1, 64, 8, 1, 16, 70_000),
+    (2, 64, 1, 3, 7, 4097), (1, 128, 4, 2, 16, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [1, 0])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"v{c[0]}-d{c[1]}-gqa{c[2]}-b{c[3]}-{c[4]}x{c[5]}"
+                                                    for c in DECODE_CASES])
+def test_decode_kernel_matches_the_oracle(case, causal, dtype, rng, monkeypatch):
+    """Decode-sized calls run the split-KV kernels; the one-pass kernel (DIFFEXPORT_KERNEL_PATH=mma)
+    on the same inputs meets the same bound."""
+    variant, head_dim, ratio, batch, q_len, kv_len = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=8, num_kv_heads=8 // ratio, head_dim=head_dim,
+                               causal=causal, norm=int(variant == 1), output_scale=0.7)
+    cpu = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    inputs = [t.cuda() for t in cpu]
+    out = torch.empty(batch, q_len, attrs.num_heads * attrs.value_dim, dtype=dtype, device="cuda")
+    assert kernels.kernel_plan(kernels.make_params(*inputs, out, attrs))[0] == "split-kv"
+    split = run_kernel(inputs, attrs)
+    assert not split.isnan().any(), "output not fully written (poison left)"
+    ref, baseline = oracle(cpu, attrs), lowprec_baseline(*inputs, attrs).cpu()
+    assert_close_lowprec(split.cpu(), baseline, ref, f"split-kv {case}", min_cosine=min_cosine(dtype))
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
+    assert kernels.kernel_plan(kernels.make_params(*inputs, out, attrs)) == ("one-pass", 1)
+    assert_close_lowprec(run_kernel(inputs, attrs).cpu(), baseline, ref, f"one-pass {case}",
+                         min_cosine=min_cosine(dtype))
+
+
+@pytest.mark.parametrize("bits,smooth_k", [(8, True), (4, False)])
+@pytest.mark.parametrize("variant,head_dim", [(1, 64), (2, 128)])
+def test_decode_int8_logits_match_the_mirrored_quantisation(variant, head_dim, bits, smooth_k, rng):
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.8)
+    cpu = make_inputs(attrs, 2, 3, 5000, dtype=torch.float16, rng=rng)
+    cpu[1].add_(torch.linspace(-1, 2, attrs.key_width).to(torch.float16))
+    inputs = [t.cuda() for t in cpu]
+    out = run_kernel(inputs, attrs, bits=bits, smooth_k=smooth_k).float()
+    mirror = reference.quantised_diff_attention(*[t.float() for t in inputs], attrs,
+                                                LogitQuant(bits, "qk", smooth_k)).float()
+    exact = torch.as_tensor(oracle(cpu, attrs), dtype=torch.float32, device="cuda")
+    fp_err = (run_kernel(inputs, attrs).float() - exact).abs().max().item()
+    err = (out - mirror).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
+    assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation: {err:.3e} > 2*{fp_err:.3e} + 1e-3"
+    assert cos >= min_cosine(torch.float16)

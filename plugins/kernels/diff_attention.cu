@@ -1,11 +1,14 @@
 // diffx_attention_forward and diffx_build_info: checks (params.cpp), then dispatch to the
-// compiled instantiations. All math lives in diff_attention_fwd.cuh and quantize_keys.cuh.
+// compiled instantiations: the one-pass kernel or, for decode-sized calls, the split-KV kernels
+// (kernel_path in params.cpp decides). All math lives in diff_attention_fwd.cuh,
+// diff_attention_decode.cuh and quantize_keys.cuh.
 #include <cuda_runtime.h>
 
 #include <string>
 
 #include "convert.cuh"
 #include "diff_attention.h"
+#include "diff_attention_decode.cuh"
 #include "diff_attention_fwd.cuh"
 #include "instances.h"
 #include "kernel_args.h"
@@ -16,8 +19,9 @@
 #endif
 
 namespace diffx {
-#define DIFFX_DECLARE_EXTERN(T, D, DV, Q) \
-  extern template cudaError_t launch_diff_attention<T, D, DV, Q>(const KernelArgs&, cudaStream_t);
+#define DIFFX_DECLARE_EXTERN(T, D, DV, Q)                                                   \
+  extern template cudaError_t launch_diff_attention<T, D, DV, Q>(const KernelArgs&, cudaStream_t); \
+  extern template cudaError_t launch_diff_attention_decode<T, D, DV, Q>(const KernelArgs&, cudaStream_t);
 DIFFX_FOR_EACH_FWD_INSTANCE(DIFFX_DECLARE_EXTERN)
 #undef DIFFX_DECLARE_EXTERN
 }  // namespace diffx
@@ -39,17 +43,21 @@ int cuda_failure(cudaError_t err, const char* what) {
   return diffx::record_error(DIFFX_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
 }
 
+template <typename T, int D, int DV, bool INT8>
+cudaError_t dispatch_path(const diffx::KernelArgs& args, cudaStream_t stream) {
+  return args.path == diffx::KernelPath::kDecode ? diffx::launch_diff_attention_decode<T, D, DV, INT8>(args, stream)
+                                                 : diffx::launch_diff_attention<T, D, DV, INT8>(args, stream);
+}
+
 template <typename T, int D>
 cudaError_t dispatch_head_dim(const diffx::KernelArgs& args, cudaStream_t stream) {
   const bool v1 = args.p.variant == 1;
   if (args.k_codes) {
     const cudaError_t err = diffx::launch_key_quantisation<T, D>(args, stream);
     if (err != cudaSuccess) return err;
-    return v1 ? diffx::launch_diff_attention<T, D, 2 * D, true>(args, stream)
-              : diffx::launch_diff_attention<T, D, D, true>(args, stream);
+    return v1 ? dispatch_path<T, D, 2 * D, true>(args, stream) : dispatch_path<T, D, D, true>(args, stream);
   }
-  return v1 ? diffx::launch_diff_attention<T, D, 2 * D, false>(args, stream)
-            : diffx::launch_diff_attention<T, D, D, false>(args, stream);
+  return v1 ? dispatch_path<T, D, 2 * D, false>(args, stream) : dispatch_path<T, D, D, false>(args, stream);
 }
 
 template <typename T>

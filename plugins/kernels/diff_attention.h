@@ -16,6 +16,13 @@
  * elements), so views of larger buffers need no copy. Rows and heads must start on 16 bytes.
  * Diff-head h reads kv-group h / (H / Hkv). Causal masks align bottom-right: query i sees key j
  * iff j <= i + Skv - Sq; a query row that sees no key at all gets an output of zeros.
+ *
+ * Two kernels implement it. Calls with q_len <= DIFFX_DECODE_MAX_QUERY (decode steps of a
+ * KV-cache decoder) run the split-KV decode kernel: the keys are cut into splits, one CTA per
+ * (diff-head, batch element, split), and a second kernel merges the splits' partial softmax
+ * states and applies the epilogue. Longer calls run the one-pass kernel (one CTA per 64 query
+ * tokens). The environment variable DIFFEXPORT_KERNEL_PATH=mma forces the one-pass kernel for
+ * every call (comparisons, fallback); auto (the default) chooses as above.
  */
 #ifndef DIFFEXPORT_DIFF_ATTENTION_H
 #define DIFFEXPORT_DIFF_ATTENTION_H
@@ -33,11 +40,18 @@
 extern "C" {
 #endif
 
-/* Bumped whenever DiffxAttentionParams or a signature below changes (2: key_mask). */
-#define DIFFX_ABI_VERSION 2
+/* Bumped whenever DiffxAttentionParams, a signature below or what a caller must provide changes
+   (2: key_mask; 3: a workspace for q_len <= DIFFX_DECODE_MAX_QUERY, the split-KV decode path). */
+#define DIFFX_ABI_VERSION 3
 
 #define DIFFX_QUERY_BLOCK 64 /* query tokens per CTA and per Q quantisation scale */
 #define DIFFX_KEY_BLOCK 64   /* key tokens per tile and per K quantisation scale */
+#define DIFFX_DECODE_MAX_QUERY 16 /* q_len up to this runs the split-KV decode kernel */
+/* Split-KV: enough splits that batch * heads * splits reaches this many CTAs (about two waves on
+   a 132-SM H100), never more splits than 64-key tiles. A constant, not the GPU's SM count, so
+   that the workspace size is a function of the shapes alone (diffx_attention_workspace_size
+   touches no device). */
+#define DIFFX_DECODE_TARGET_CTAS 256
 
 typedef enum DiffxDtype {
   DIFFX_DTYPE_FLOAT16 = 1,
@@ -117,8 +131,15 @@ DIFFX_API const char* diffx_last_error(void);
 /* Validates params without touching the GPU (no CUDA call). DIFFX_OK or the first problem. */
 DIFFX_API int diffx_attention_check(const DiffxAttentionParams* params);
 
-/* Device workspace the launch needs (0 unless logit_bits is 2..8 or dtype is float32). Does not read pointers. */
+/* Device workspace the launch needs: 0 unless logit_bits is 2..8, dtype is float32 or q_len <=
+   DIFFX_DECODE_MAX_QUERY (the decode kernel's partial results, whatever DIFFEXPORT_KERNEL_PATH says).
+   Non-decreasing in batch, heads and kv_len. Does not read pointers. */
 DIFFX_API size_t diffx_attention_workspace_size(const DiffxAttentionParams* params);
+
+/* Which kernel a call runs (validated like diffx_attention_check except the workspace, no CUDA call): *path = 1 for the
+   one-pass kernel, 2 for the split-KV decode kernels, and *splits = key splits per (batch, diff-head)
+   (1 for the one-pass kernel). Either pointer may be NULL. */
+DIFFX_API int diffx_attention_plan(const DiffxAttentionParams* params, int* path, int* splits);
 
 /* Checks params, then enqueues the kernels on `cuda_stream` (a cudaStream_t; NULL = default). */
 DIFFX_API int diffx_attention_forward(const DiffxAttentionParams* params, void* cuda_stream);

@@ -67,17 +67,18 @@ __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, in
   }
 }
 
-// Quantises this map's Q tile (fp16/bf16, swizzled) to int8 codes exactly as
-// diffexport/quantization.py does: one absmax over the block's 64 tokens x D channels (padding
+// Quantises this map's Q tile (ROWS tokens, fp16/bf16, swizzled) to int8 codes exactly as
+// diffexport/quantization.py does: one absmax over the block's tokens x D channels (padding
 // rows are zeros), inv = qmax/absmax, code = clamp(rint(x*inv)), scale = absmax/qmax.
 // All 256 threads call it (it synchronises); each half of the CTA handles its own map.
-template <typename T, int D>
+// ROWS = 64 (one-pass kernel) or 16 (decode: every query token of the call is in the first block).
+template <typename T, int D, int ROWS = kBlockM>
 __device__ float quantise_q_tile(const char* q_tile, char* q8_tile, int qmax, float* reduce, int tid, int map) {
   constexpr int kChunks = D / 8;     // 16-byte chunks of 8 elements per fp row
   constexpr int kChunks8 = D / 16;   // 16-byte chunks per int8 row
   const int t = tid % (kWarpsPerMap * 32);
   float amax = 0.f;
-  for (int c = t; c < kBlockM * kChunks; c += kWarpsPerMap * 32) {
+  for (int c = t; c < ROWS * kChunks; c += kWarpsPerMap * 32) {
     const T* e = reinterpret_cast<const T*>(q_tile + swizzled_chunk<kChunks>(c / kChunks, c % kChunks) * 16);
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(to_float(e[i])));
@@ -91,7 +92,7 @@ __device__ float quantise_q_tile(const char* q_tile, char* q8_tile, int qmax, fl
   for (int w = 0; w < kWarpsPerMap; ++w) amax = fmaxf(amax, reduce[map * kWarpsPerMap + w]);
   if (!(amax > 0.f)) amax = 1.f;  // all-zero block: codes are 0 whatever the scale
   const float inv = float(qmax) / amax;
-  for (int c = t; c < kBlockM * kChunks; c += kWarpsPerMap * 32) {
+  for (int c = t; c < ROWS * kChunks; c += kWarpsPerMap * 32) {
     const int row = c / kChunks, chunk = c % kChunks;
     const T* e = reinterpret_cast<const T*>(q_tile + swizzled_chunk<kChunks>(row, chunk) * 16);
     uint32_t packed[2] = {0u, 0u};

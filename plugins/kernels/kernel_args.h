@@ -11,6 +11,18 @@ namespace diffx {
 
 // K-smoothing sums keys in chunks of this many tokens, one CTA each (then a fixed-order total).
 constexpr int kKeySumChunk = 1024;
+// Warps per softmax map in a decode CTA: each takes 16 keys of every 64-key tile and keeps its own
+// partial state (a part), so a split yields this many parts per map.
+constexpr int kDecodeWarpsPerMap = 4;
+
+// Which kernel runs a call (DIFFX_DECODE_MAX_QUERY, DIFFEXPORT_KERNEL_PATH in diff_attention.h).
+enum class KernelPath { kOnePass, kDecode };
+
+// The split-KV decode kernel's key splits: `splits` CTAs per (batch, diff-head), each over
+// `tiles_per_split` 64-key tiles (the last split may have fewer), none empty.
+struct DecodePlan {
+  int splits = 0, tiles_per_split = 0;
+};
 
 // Launch arguments resolved on the host from DiffxAttentionParams.
 struct KernelArgs {
@@ -24,6 +36,13 @@ struct KernelArgs {
   const float* k_scales;  // [B*key_maps, n_kv_blocks]
   const float* k_sums;    // [B*key_maps, key chunks, D] partial K sums, or null (no K-smoothing)
   int n_key_chunks;       // kv_len in chunks of kKeySumChunk tokens (the sums' middle dimension)
+  // split-KV decode (path kDecode): each warp's partial softmax state over its share of a split's
+  // keys, merged by the second kernel. Part index = split * kDecodeWarpsPerMap + warp-in-map.
+  KernelPath path;
+  DecodePlan plan;
+  int decode_parts;       // partial states per (batch, diff-head, map): plan.splits * kDecodeWarpsPerMap
+  float* part_o;          // [B, H, 2 maps, parts, q_len, Dv] unnormalised P.V sums (fp32)
+  float* part_ml;         // [B, H, 2 maps, parts, q_len, 2]: running max (raw logit units), sum
 };
 
 struct WorkspaceLayout {
@@ -31,12 +50,20 @@ struct WorkspaceLayout {
   size_t query16 = 0, key16 = 0, value16 = 0, lambda16 = 0, output16 = 0;
   size_t int8_base = 0;  // where the INT8 part starts; the offsets below are relative to it
   size_t codes = 0, scales = 0, sums = 0;
+  size_t part_o = 0, part_ml = 0;  // decode partials (q_len <= DIFFX_DECODE_MAX_QUERY), after the INT8 part
   size_t total = 0;      // bytes of the whole workspace
 };
 
 bool logits_quantised(const DiffxAttentionParams& p);
+// The decode kernel's plan for p (deterministic: shapes and DIFFX_DECODE_TARGET_CTAS only).
+DecodePlan decode_plan(const DiffxAttentionParams& p);
+// The kernel that runs p: kDecode for q_len <= DIFFX_DECODE_MAX_QUERY unless DIFFEXPORT_KERNEL_PATH=mma.
+KernelPath kernel_path(const DiffxAttentionParams& p);
+// DIFFEXPORT_KERNEL_PATH's value when it is not one this library knows, else null.
+const char* bad_kernel_path_setting();
 WorkspaceLayout workspace_layout(const DiffxAttentionParams& p);
-int check_params(const DiffxAttentionParams* p);  // DIFFX_OK or a status, with the detail recorded
+// DIFFX_OK or a status, with the detail recorded; with_workspace = false skips the workspace check.
+int check_params(const DiffxAttentionParams* p, bool with_workspace = true);
 KernelArgs make_kernel_args(const DiffxAttentionParams& p);  // p must have passed check_params; fp16/bf16 only
 // float32 I/O: the fp16 problem the kernel runs, on contiguous copies in the workspace.
 DiffxAttentionParams half_params(const DiffxAttentionParams& p);

@@ -1,9 +1,12 @@
 // Parameter checks, workspace layout and argument preparation: host C++ shared by the CUDA
 // launcher (diff_attention.cu) and the CPU emulator (emulation/). No CUDA calls here.
+#include <algorithm>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "kernel_args.h"
@@ -47,6 +50,19 @@ WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
     w.sums = w.scales + round_up(maps * blocks * sizeof(float), kAlign);
     offset += w.sums + (p.smooth_k ? round_up(maps * chunks * p.head_dim * sizeof(float), kAlign) : 0);
   }
+  if (p.q_len >= 1 && p.q_len <= DIFFX_DECODE_MAX_QUERY) {
+    // Sized for the most partial states any plan can ask for: batch*heads*splits is at most
+    // batch*heads*tiles and less than batch*heads + DIFFX_DECODE_TARGET_CTAS (a bound that only
+    // grows with the shapes, so a TensorRT plugin can size it at its profile's maximum).
+    const size_t bh = size_t(p.batch) * p.num_heads;
+    const size_t tiles = (size_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
+    const size_t ctas = std::min(bh * tiles, bh + DIFFX_DECODE_TARGET_CTAS);
+    const size_t states = ctas * 2 * kDecodeWarpsPerMap * size_t(p.q_len);  // per map, per warp
+    const size_t int8_end = offset - w.int8_base;
+    w.part_o = int8_end;
+    w.part_ml = w.part_o + round_up(states * value_dim(p) * sizeof(float), kAlign);
+    offset += (w.part_ml - int8_end) + round_up(states * 2 * sizeof(float), kAlign);
+  }
   w.total = offset;
   return w;
 }
@@ -87,10 +103,45 @@ int check_tensor(const char* name, const void* ptr, int64_t batch_stride, int64_
   return DIFFX_OK;
 }
 
+
+// What the workspace holds, for the error message.
+std::string workspace_users(const DiffxAttentionParams& p) {
+  std::string users;
+  auto add = [&](const char* what) { users += users.empty() ? what : std::string(", ") + what; };
+  if (p.dtype == DIFFX_DTYPE_FLOAT32) add("float32 I/O");
+  if (logits_quantised(p)) add("INT8 logits");
+  if (p.q_len <= DIFFX_DECODE_MAX_QUERY) add("split-KV decode");
+  return users;
+}
+
 }  // namespace
 
-int check_params(const DiffxAttentionParams* pp) {
+const char* bad_kernel_path_setting() {
+  const char* path = std::getenv("DIFFEXPORT_KERNEL_PATH");
+  if (!path || !*path || !std::strcmp(path, "auto") || !std::strcmp(path, "mma")) return nullptr;
+  return path;
+}
+
+KernelPath kernel_path(const DiffxAttentionParams& p) {
+  const char* path = std::getenv("DIFFEXPORT_KERNEL_PATH");
+  if (path && !std::strcmp(path, "mma")) return KernelPath::kOnePass;
+  return p.q_len <= DIFFX_DECODE_MAX_QUERY ? KernelPath::kDecode : KernelPath::kOnePass;
+}
+
+DecodePlan decode_plan(const DiffxAttentionParams& p) {
+  const int64_t bh = int64_t(p.batch) * p.num_heads;
+  const int64_t tiles = (int64_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
+  int64_t splits = std::min<int64_t>(tiles, std::max<int64_t>(1, (DIFFX_DECODE_TARGET_CTAS + bh - 1) / bh));
+  DecodePlan plan;
+  plan.tiles_per_split = int((tiles + splits - 1) / splits);
+  plan.splits = int((tiles + plan.tiles_per_split - 1) / plan.tiles_per_split);  // no empty split
+  return plan;
+}
+
+int check_params(const DiffxAttentionParams* pp, bool with_workspace) {
   if (!pp) return record_error(DIFFX_ERR_NULL_POINTER, "params is a null pointer");
+  if (const char* path = bad_kernel_path_setting())
+    return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "DIFFEXPORT_KERNEL_PATH=%s is not auto or mma", path);
   const DiffxAttentionParams& p = *pp;
   if (p.dtype != DIFFX_DTYPE_FLOAT16 && p.dtype != DIFFX_DTYPE_BFLOAT16 && p.dtype != DIFFX_DTYPE_FLOAT32)
     return record_error(DIFFX_ERR_UNSUPPORTED_DTYPE,
@@ -147,10 +198,11 @@ int check_params(const DiffxAttentionParams* pp) {
   if (!p.norm_weight) return record_error(DIFFX_ERR_NULL_POINTER, "norm_weight is a null pointer");
   if (!aligned(p.norm_weight, 4)) return record_error(DIFFX_ERR_MISALIGNED, "norm_weight must be 4-byte aligned");
   const size_t need = workspace_layout(p).total;
-  if (need) {
+  if (need && with_workspace) {
     if (!p.workspace || p.workspace_bytes < need)
-      return record_error(DIFFX_ERR_WORKSPACE_TOO_SMALL, "the INT8-logits path needs a workspace of %zu bytes, got %zu%s",
-                  need, p.workspace_bytes, p.workspace ? "" : " (null pointer)");
+      return record_error(DIFFX_ERR_WORKSPACE_TOO_SMALL,
+                          "this call (%s) needs a workspace of %zu bytes (diffx_attention_workspace_size), got %zu%s",
+                          workspace_users(p).c_str(), need, p.workspace_bytes, p.workspace ? "" : " (null pointer)");
     if (!aligned(p.workspace, kAlign))
       return record_error(DIFFX_ERR_MISALIGNED, "workspace must start on a %zu-byte boundary", kAlign);
   }
@@ -188,6 +240,15 @@ KernelArgs make_kernel_args(const DiffxAttentionParams& p) {
     args.k_sums = p.smooth_k ? reinterpret_cast<const float*>(base + w.sums) : nullptr;
     args.n_key_chunks = (p.kv_len + kKeySumChunk - 1) / kKeySumChunk;
   }
+  args.path = kernel_path(p);
+  if (args.path == KernelPath::kDecode) {
+    const WorkspaceLayout w = workspace_layout(p);
+    char* base = static_cast<char*>(p.workspace) + w.int8_base;
+    args.plan = decode_plan(p);
+    args.decode_parts = args.plan.splits * kDecodeWarpsPerMap;
+    args.part_o = reinterpret_cast<float*>(base + w.part_o);
+    args.part_ml = reinterpret_cast<float*>(base + w.part_ml);
+  }
   return args;
 }
 
@@ -222,6 +283,16 @@ DIFFX_API const char* diffx_last_error(void) { return diffx::g_last_error.c_str(
 DIFFX_API int diffx_attention_check(const DiffxAttentionParams* params) {
   diffx::clear_error();
   return diffx::check_params(params);
+}
+
+DIFFX_API int diffx_attention_plan(const DiffxAttentionParams* params, int* path, int* splits) {
+  diffx::clear_error();
+  const int status = diffx::check_params(params, /*with_workspace=*/false);  // asked before allocating it
+  if (status != DIFFX_OK) return status;
+  const bool decode = diffx::kernel_path(*params) == diffx::KernelPath::kDecode;
+  if (path) *path = decode ? 2 : 1;
+  if (splits) *splits = decode ? diffx::decode_plan(*params).splits : 1;
+  return DIFFX_OK;
 }
 
 DIFFX_API size_t diffx_attention_workspace_size(const DiffxAttentionParams* params) {

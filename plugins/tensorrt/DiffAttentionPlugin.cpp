@@ -1,5 +1,6 @@
 #include "DiffAttentionPlugin.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -246,9 +247,16 @@ int32_t DiffAttentionPlugin::getNbOutputs() const noexcept { return c::kNumOutpu
 size_t DiffAttentionPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* inputs, int32_t nbInputs,
                                              const DynamicPluginTensorDesc*, int32_t) const noexcept {
   if (!inputs || nbInputs != num_inputs()) return 0;
-  const DiffxAttentionParams p =
+  DiffxAttentionParams p =
       base_params(config_, inputs[c::kInput_query].max, inputs[c::kInput_key].max, inputs[c::kInput_query].desc.type);
-  const size_t bytes = diffx_attention_workspace_size(&p);
+  size_t bytes = diffx_attention_workspace_size(&p);
+  // Calls with few query tokens run the split-KV decode kernels, whose partial states need room
+  // of their own: size it for the most decode rows the profile allows (the size only grows with
+  // batch, heads and keys, so the profile's maximum covers every shape in it).
+  if (inputs[c::kInput_query].min.d[1] <= DIFFX_DECODE_MAX_QUERY && p.q_len > DIFFX_DECODE_MAX_QUERY) {
+    p.q_len = DIFFX_DECODE_MAX_QUERY;
+    bytes = std::max(bytes, diffx_attention_workspace_size(&p));
+  }
   return bytes ? bytes + kWorkspaceAlign : 0;
 }
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "../convert.cuh"
+#include "../diff_attention_decode.cuh"
 #include "../diff_attention_fwd.cuh"
 #include "../kernel_args.h"
 #include "../quantize_keys.cuh"
@@ -38,8 +39,17 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_by
 
 template <typename T, int D, int DV, bool INT8>
 void run_attention(const diffx::KernelArgs& args) {
-  using Cfg = diffx::TileConfig<T, D, DV, INT8>;
   unsigned dims[3];
+  if (args.path == diffx::KernelPath::kDecode) {
+    using Cfg = diffx::DecodeTileConfig<T, D, DV, INT8>;
+    diffx::decode_grid(args, dims);
+    run_grid(dims[0], dims[1], dims[2], diffx::kThreads, Cfg::kSmemBytes,
+             [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8>(args); });
+    run_grid(args.p.num_heads, args.p.batch, args.p.q_len, DV / 2, 0,
+             [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
+    return;
+  }
+  using Cfg = diffx::TileConfig<T, D, DV, INT8>;
   diffx::attention_grid(args.p, dims);
   run_grid(dims[0], dims[1], dims[2], diffx::kThreads, Cfg::kSmemBytes,
            [&] { diffx::diff_attention_fwd_kernel<T, D, DV, INT8>(args); });

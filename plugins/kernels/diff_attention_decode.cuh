@@ -1,0 +1,357 @@
+// The split-KV decode kernels (flash-decoding for differential attention): calls with at most
+// DIFFX_DECODE_MAX_QUERY query tokens, where a 64-row query tile would be mostly padding and one
+// CTA per (batch, diff-head) would leave most SMs idle while the whole cache streams through them.
+//
+// Kernel 1, one CTA per (diff-head, batch element, key split), 8 warps: warps 0-3 run map 1 and
+// warps 4-7 map 2 on the same 16-row query tile (every query token of the call, zero-padded), and
+// warp w of a map takes keys 16w..16w+15 of every 64-key tile of the split. Each warp keeps its own
+// running max, sum and fp32 P.V accumulator for both of its rows-halves, exactly as the one-pass
+// kernel's warps do, and writes them, unnormalised, as one partial state ("part") to the workspace.
+// Every K/V tile is read from global memory once per CTA; V serves both maps.
+//
+// Kernel 2, one CTA per (diff-head, batch element, query token): rescales the parts of each map to
+// their common max, sums them, divides by the summed softmax denominators, and applies the epilogue
+// of the one-pass kernel: norm(O1/l1 - lambda * O2/l2) * weight * output_scale.
+//
+// The key/value layout is the op contract's (the KV-cache export feeds the whole cache, past and
+// new tokens, as `key`/`value`; batch and row strides let a preallocated cache be read in place).
+// Causal masks align bottom-right, key_mask hides padding keys, a row that sees no key gives zeros.
+#pragma once
+
+#include <math.h>
+
+#include "diff_attention_fwd.cuh"
+
+namespace diffx {
+
+constexpr int kDecodeRows = DIFFX_DECODE_MAX_QUERY;  // query rows of the tile (one mma M)
+static_assert(kDecodeRows == 16, "one m16n8k16 row block");
+static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == kBlockN, "16 keys a warp");
+
+template <typename T, int D, int DV, bool INT8>
+struct DecodeTileConfig {
+  using Fwd = TileConfig<T, D, DV, INT8>;
+  static constexpr int kQTileBytes = kDecodeRows * D * int(sizeof(T));
+  static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
+  static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + Fwd::kKeyTiles * Fwd::kKTileBytes + Fwd::kVTileBytes;
+};
+
+// Copies ROWS rows of ROW_BYTES into a swizzled shared tile (rows >= valid_rows zero-filled).
+// For the small query tile, where the one-pass loader's fixed trip count does not divide.
+template <int ROWS, int ROW_BYTES>
+__device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, int64_t row_stride_bytes, int valid_rows,
+                                                int tid) {
+  constexpr int kChunks = ROW_BYTES / 16;
+  for (int c = tid; c < ROWS * kChunks; c += kThreads) {
+    const int row = c / kChunks, chunk = c % kChunks;
+    const bool valid = row < valid_rows;
+    cp_async_16(smem + swizzled_chunk<kChunks>(row, chunk) * 16,
+                valid ? gmem + row * row_stride_bytes + chunk * 16 : gmem, valid);
+  }
+}
+
+// Grid: x = diff-head, y = batch element, z = key split.
+inline void decode_grid(const KernelArgs& args, unsigned (&dims)[3]) {
+  dims[0] = unsigned(args.p.num_heads);
+  dims[1] = unsigned(args.p.batch);
+  dims[2] = unsigned(args.plan.splits);
+}
+
+// Index of the first (row 0) partial state of (b, h, map, part).
+__device__ __forceinline__ int64_t part_index(const KernelArgs& args, int b, int h, int map, int part) {
+  return ((int64_t(b) * args.p.num_heads + h) * 2 + map) * args.decode_parts * args.p.q_len +
+         int64_t(part) * args.p.q_len;
+}
+
+template <typename T, int D, int DV, bool INT8>
+__global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(const KernelArgs args) {
+  using Cfg = DecodeTileConfig<T, D, DV, INT8>;
+  using Fwd = typename Cfg::Fwd;
+  constexpr int kSTiles = 2;        // a warp's 16 x 16 score tile: two n-tiles of 8 keys
+  constexpr int kOTiles = DV / 8;   // n-tiles of the 16 x DV output accumulator of a warp
+  DIFFX_DYNAMIC_SHARED(smem);
+  DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
+
+  const DiffxAttentionParams& p = args.p;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int map = warp / kWarpsPerMap;        // 0: map 1, 1: map 2 (warp-uniform)
+  const int quarter = warp % kWarpsPerMap;    // this warp's 16 keys of each tile
+  const int gq = lane >> 2, tq = lane & 3;    // mma fragment coordinates (row group, column pair)
+  const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  const int g = h / (p.num_heads / p.num_kv_heads);
+  const int64_t esz = sizeof(T);
+
+  char* sQ = smem;                                    // [2][16][D] T
+  char* sQ8 = sQ + 2 * Cfg::kQTileBytes;              // [2][16][D] int8 (INT8 only)
+  char* sK = sQ8 + 2 * Cfg::kQ8TileBytes;             // [kKeyTiles][64][D] T or int8
+  char* sV = sK + Fwd::kKeyTiles * Fwd::kKTileBytes;  // [64][DV] T
+
+  const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
+  const int nb_begin = split * args.plan.tiles_per_split;
+  const int nb_end = min(n_total, nb_begin + args.plan.tiles_per_split);
+  // Under a causal mask the last query token sees every key, so no tile of the split is skipped.
+
+  const T* q_rows = static_cast<const T*>(p.query) + b * p.q_batch_stride;
+  for (int m = 0; m < 2; ++m) {
+    load_rows_async<kDecodeRows, D * sizeof(T)>(sQ + m * Cfg::kQTileBytes,
+                                                reinterpret_cast<const char*>(q_rows + (2 * h + m) * D),
+                                                p.q_row_stride * esz, p.q_len, tid);
+  }
+  auto load_k = [&](int nb) {
+    const int n_start = nb * kBlockN;
+#pragma unroll
+    for (int m = 0; m < Fwd::kKeyTiles; ++m) {
+      const int km = Fwd::kV1 ? 2 * g + m : g;
+      if constexpr (INT8) {
+        const int8_t* src = args.k_codes + ((int64_t(b) * args.key_maps + km) * args.kv_pad + n_start) * D;
+        load_tile_async<kBlockN, D>(sK + m * Fwd::kKTileBytes, reinterpret_cast<const char*>(src), D, kBlockN, tid);
+      } else {
+        const T* src = static_cast<const T*>(p.key) + b * p.k_batch_stride + int64_t(n_start) * p.k_row_stride + km * D;
+        load_tile_async<kBlockN, D * sizeof(T)>(sK + m * Fwd::kKTileBytes, reinterpret_cast<const char*>(src),
+                                                p.k_row_stride * esz, p.kv_len - n_start, tid);
+      }
+    }
+  };
+  auto load_v = [&](int nb) {
+    const int n_start = nb * kBlockN;
+    const T* src = static_cast<const T*>(p.value) + b * p.v_batch_stride + int64_t(n_start) * p.v_row_stride + g * DV;
+    load_tile_async<kBlockN, DV * sizeof(T)>(sV, reinterpret_cast<const char*>(src), p.v_row_stride * esz,
+                                             p.kv_len - n_start, tid);
+  };
+
+  load_k(nb_begin);
+  load_v(nb_begin);
+  cp_async_commit();
+
+  float q_scale = 1.f;
+  if constexpr (INT8) {
+    cp_async_wait_all();
+    __syncthreads();
+    q_scale = quantise_q_tile<T, D, kDecodeRows>(sQ + map * Cfg::kQTileBytes, sQ8 + map * Cfg::kQ8TileBytes,
+                                                 args.qmax, reduce, tid, map);
+  }
+  const float scale_log2 = args.scale * kLog2e;
+  const int key_head = Fwd::kV1 ? 2 * g + map : g;
+  const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
+
+  float acc_o[kOTiles][4];
+#pragma unroll
+  for (int i = 0; i < kOTiles; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  for (int nb = nb_begin; nb < nb_end; ++nb) {
+    const int n_start = nb * kBlockN;
+    const int k0 = quarter * 16;  // this warp's first key in the tile
+    cp_async_wait_all();          // K(nb) and V(nb) landed
+    __syncthreads();              // ... for every thread
+
+    // S = Q K^T for the 16 query rows and this warp's 16 keys.
+    float s[kSTiles][4];
+#pragma unroll
+    for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    const int mi = lane >> 3;
+    if constexpr (INT8) {
+      constexpr int kChunks8 = D / 16;
+      const char* q_tile = sQ8 + map * Cfg::kQ8TileBytes;
+      const char* k_tile = sK + (Fwd::kV1 ? map : 0) * Fwd::kKTileBytes;
+      int si[kSTiles][4];
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i) si[i][0] = si[i][1] = si[i][2] = si[i][3] = 0;
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks) {
+        uint32_t a[4], bf[4];
+        ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks8>((lane & 7) + ((lane >> 3) & 1) * 8, ks * 2 + (lane >> 4)) * 16);
+        ldmatrix_x4(bf, k_tile + swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16);
+        mma_16832_s8(si[0], a, bf[0], bf[1]);
+        mma_16832_s8(si[1], a, bf[2], bf[3]);
+      }
+      const float qk_scale = q_scale * args.k_scales[(int64_t(b) * args.key_maps + key_head) * args.n_kv_blocks + nb];
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][e] = __int2float_rn(si[i][e]) * qk_scale;
+    } else {
+      constexpr int kChunks = D / 8;
+      const char* q_tile = sQ + map * Cfg::kQTileBytes;
+      const char* k_tile = sK + (Fwd::kV1 ? map : 0) * Fwd::kKTileBytes;
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        uint32_t a[4], bf[4];
+        ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, ks * 2 + (lane >> 4)) * 16);
+        ldmatrix_x4(bf, k_tile + swizzled_chunk<kChunks>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16);
+        mma_16816(s[0], a, bf[0], bf[1], T());
+        mma_16816(s[1], a, bf[2], bf[3], T());
+      }
+    }
+
+    // Keys past the end, after the bottom-right diagonal (row 0 sees up to kv_len - q_len), padding.
+    const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
+                           (p.causal && n_start + kBlockN - 1 > p.kv_len - p.q_len);
+    if (need_mask) {
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n_start + k0 + i * 8 + tq * 2 + (e & 1);
+          const int qi = gq + (e >> 1) * 8;  // rows >= q_len are padding: computed, never written
+          const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
+                               (!mask_row || mask_row[key] != 0);
+          if (!visible) s[i][e] = -INFINITY;
+        }
+    }
+
+    __syncthreads();  // every warp has read K(nb): the next K tile may land while P.V runs
+    if (nb + 1 < nb_end) {
+      load_k(nb + 1);
+      cp_async_commit();
+    }
+
+    // Online softmax update of this warp's partial state (rows gq and gq + 8).
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      alpha[r] = mx == row_max[r] ? 1.f : fast_exp2((row_max[r] - mx) * scale_log2);
+      const float neg_max = (mx == -INFINITY) ? 0.f : -mx * scale_log2;
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kSTiles; ++i) {
+        s[i][2 * r] = fast_exp2(fmaf(s[i][2 * r], scale_log2, neg_max));
+        s[i][2 * r + 1] = fast_exp2(fmaf(s[i][2 * r + 1], scale_log2, neg_max));
+        sum += s[i][2 * r] + s[i][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i) {
+        acc_o[i][0] *= alpha[0];
+        acc_o[i][1] *= alpha[0];
+        acc_o[i][2] *= alpha[1];
+        acc_o[i][3] *= alpha[1];
+      }
+    }
+
+    // O += P V over this warp's 16 keys (one k-step of 16).
+    constexpr int kVChunks = DV / 8;
+    uint32_t a[4];
+    a[0] = pack2(s[0][0], s[0][1], T());
+    a[1] = pack2(s[0][2], s[0][3], T());
+    a[2] = pack2(s[1][0], s[1][1], T());
+    a[3] = pack2(s[1][2], s[1][3], T());
+#pragma unroll
+    for (int np = 0; np < kOTiles / 2; ++np) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, sV + swizzled_chunk<kVChunks>(k0 + (mi & 1) * 8 + (lane & 7), np * 2 + (mi >> 1)) * 16);
+      mma_16816(acc_o[2 * np], a, bf[0], bf[1], T());
+      mma_16816(acc_o[2 * np + 1], a, bf[2], bf[3], T());
+    }
+
+    __syncthreads();  // every warp has read V(nb)
+    if (nb + 1 < nb_end) {
+      load_v(nb + 1);
+      cp_async_commit();
+    }
+  }
+  cp_async_wait_all();
+
+  // This warp's partial state, unnormalised, for the merge kernel (valid query rows only).
+  const int part = split * kWarpsPerMap + quarter;
+  const int64_t first = part_index(args, b, h, map, part);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = gq + r * 8;
+    if (row < p.q_len) {
+      if (tq == 0) *reinterpret_cast<float2*>(args.part_ml + (first + row) * 2) = make_float2(row_max[r], l);
+      float* o = args.part_o + (first + row) * DV;
+#pragma unroll
+      for (int i = 0; i < kOTiles; ++i)
+        *reinterpret_cast<float2*>(o + i * 8 + tq * 2) = make_float2(acc_o[i][2 * r], acc_o[i][2 * r + 1]);
+    }
+  }
+}
+
+// Kernel 2: DV/2 threads, two adjacent output channels each; grid x = diff-head, y = batch, z = query token.
+template <typename T, int DV>
+__global__ void __launch_bounds__(DV / 2) diff_attention_decode_merge_kernel(const KernelArgs args) {
+  constexpr int kWarps = DV / 64;
+  DIFFX_SHARED_ARRAY(float, reduce, kWarps);
+  const DiffxAttentionParams& p = args.p;
+  const int h = blockIdx.x, b = blockIdx.y, qi = blockIdx.z, c = 2 * threadIdx.x;
+  const float scale_log2 = args.scale * kLog2e;
+
+  float o[2][2];
+#pragma unroll
+  for (int map = 0; map < 2; ++map) {
+    const int64_t first = part_index(args, b, h, map, 0) + qi;  // part k's row qi: first + k * q_len
+    float mx = -INFINITY;
+    for (int k = 0; k < args.decode_parts; ++k) mx = fmaxf(mx, args.part_ml[(first + int64_t(k) * p.q_len) * 2]);
+    float l = 0.f, o0 = 0.f, o1 = 0.f;
+    if (mx != -INFINITY) {  // else no key of any part is visible to this row: zeros, never NaN
+      for (int k = 0; k < args.decode_parts; ++k) {
+        const int64_t row = first + int64_t(k) * p.q_len;
+        const float m_k = args.part_ml[row * 2];
+        if (m_k == -INFINITY) continue;  // this part saw no key (its sums are 0)
+        const float w = fast_exp2((m_k - mx) * scale_log2);
+        const float2 part = *reinterpret_cast<const float2*>(args.part_o + row * DV + c);
+        l = fmaf(args.part_ml[row * 2 + 1], w, l);
+        o0 = fmaf(part.x, w, o0);
+        o1 = fmaf(part.y, w, o1);
+      }
+    }
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    o[map][0] = o0 * inv_l;
+    o[map][1] = o1 * inv_l;
+  }
+
+  const T* lambda = static_cast<const T*>(p.lambda_full);
+  const float lam = p.variant == 1
+                        ? to_float(lambda[0])
+                        : to_float(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride +
+                                          h * p.lambda_head_stride]);
+  const float y0 = o[0][0] - lam * o[1][0], y1 = o[0][1] - lam * o[1][1];
+  float rms = 1.f;
+  if (p.norm) {
+    float sumsq = y0 * y0 + y1 * y1;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sumsq += __shfl_xor_sync(0xffffffffu, sumsq, off);
+    if ((threadIdx.x & 31) == 0) reduce[threadIdx.x >> 5] = sumsq;
+    __syncthreads();
+    sumsq = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sumsq += reduce[w];
+    rms = rsqrtf(sumsq / float(DV) + p.norm_eps);
+  }
+  T* out = static_cast<T*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
+  *reinterpret_cast<uint32_t*>(out + c) = pack2(y0 * rms * p.norm_weight[c] * p.output_scale,
+                                                y1 * rms * p.norm_weight[c + 1] * p.output_scale, T());
+}
+
+#ifndef DIFFX_EMULATE
+template <typename T, int D, int DV, bool INT8>
+cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t stream) {
+  using Cfg = DecodeTileConfig<T, D, DV, INT8>;
+  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  unsigned dims[3];
+  decode_grid(args, dims);
+  kernel<<<dim3(dims[0], dims[1], dims[2]), kThreads, Cfg::kSmemBytes, stream>>>(args);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  diff_attention_decode_merge_kernel<T, DV>
+      <<<dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len)), DV / 2, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+#endif  // DIFFX_EMULATE
+
+}  // namespace diffx
