@@ -6,12 +6,20 @@ FlashDiffAttn_1 and FlashDiffAttn_2 on the eager attention backend (flash_attn w
 else torch SDPA), and the naive eager form where its N x N maps fit in memory. FLOPs are the exact
 12*N^2*d per diff-head (halved for causal); the matmul peak is a bf16 8192^3 matmul measured in
 the same run. Medians of CUDA-event timings after warm-up. Not a test.
+
+--decode measures decode steps instead (Sq = 1 and 4 query tokens against 1k-128k cached keys):
+our split-KV decode kernels, the one-pass kernel on the same call (DIFFEXPORT_KERNEL_PATH=mma),
+the INT8-logits variant and the compositions, as achieved GB/s (the bytes of Q, K, V and the
+output once) beside a device-to-device copy's GB/s measured in the same run. Each call is timed
+inside a CUDA graph of 20 calls, so Python's launch overhead is not in the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -191,6 +199,146 @@ def profile_launches(n: int) -> None:
     torch.cuda.synchronize()
 
 
+DECODE_GRAPH_CALLS = 20
+
+
+def graph_ms(fn, warmup: int, repeats: int) -> float:
+    """Median ms of one call of fn, replayed as a CUDA graph of DECODE_GRAPH_CALLS calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (allocations, kernel attributes)
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(DECODE_GRAPH_CALLS):
+            fn()
+    return median_ms(graph.replay, warmup, repeats) / DECODE_GRAPH_CALLS
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 2 GiB: read + write bytes over time (the bound a decode kernel nears)."""
+    src = torch.empty(2**30, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), 3, 20)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto"):
+    """Our library called directly on prepared params and a preallocated workspace (capturable),
+    with DIFFEXPORT_KERNEL_PATH set to `path` for the call; returns (fn, plan)."""
+    lib = kernels.load_library()
+    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits)
+    size = lib.diffx_attention_workspace_size(ctypes.byref(params))
+    workspace = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
+    params.workspace, params.workspace_bytes = (workspace.data_ptr(), size) if size else (None, 0)
+    os.environ[kernels.KERNEL_PATH_ENV] = path
+    plan = kernels.kernel_plan(params, lib)
+
+    def run(workspace=workspace):
+        os.environ[kernels.KERNEL_PATH_ENV] = path
+        status = lib.diffx_attention_forward(ctypes.byref(params), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if status != kernels.STATUS_OK:
+            raise kernels.status_error(lib, status)
+    return run, plan
+
+
+def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads: int, kv_heads: int, warmup: int,
+                repeats: int, backends: list[str]) -> dict:
+    attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=1,
+                               output_scale=0.8)
+    gen = torch.Generator(device="cuda").manual_seed(kv_len + head_dim + q_len)
+    q = torch.randn(batch, q_len, 2 * heads * head_dim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, kv_len, attrs.key_width, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(batch, kv_len, kv_heads * attrs.value_dim, device="cuda", dtype=dtype, generator=gen)
+    lam = torch.tensor([0.4], device="cuda", dtype=dtype)
+    w = 1 + 0.1 * torch.randn(attrs.value_dim, device="cuda", generator=gen)
+    inputs = (q, k, v, lam, w)
+    out = torch.empty(batch, q_len, heads * attrs.value_dim, device="cuda", dtype=dtype)
+    nbytes = sum(t.numel() * t.element_size() for t in (q, k, v, out))
+    methods, plans = {}, {}
+    for name, bits, path in (("split_kv", 0, "auto"), ("one_pass", 0, "mma"), ("split_kv_int8", 8, "auto")):
+        methods[name], plans[name] = prepared_call(inputs, attrs, out, bits=bits, path=path)
+    os.environ.pop(kernels.KERNEL_PATH_ENV, None)
+    for backend in backends:
+        for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
+                         ("flash_diff_2", reference.flash_diff_attention_2)):
+            methods[f"{name}/{backend}"] = forced(backend, fn, inputs, attrs)
+    row = {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "q_len": q_len, "kv_len": kv_len,
+           "batch": batch, "heads": heads, "kv_heads": kv_heads, "bytes": nbytes,
+           "splits": plans["split_kv"][1], "timings": {}}
+    for name, fn in methods.items():
+        try:
+            ms = graph_ms(fn, warmup, repeats)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            print(f"  {name}: not measured ({(str(exc).splitlines() or [type(exc).__name__])[0][:150]})",
+                  file=sys.stderr)
+            torch.cuda.empty_cache()
+            continue
+        finally:
+            os.environ.pop(kernels.KERNEL_PATH_ENV, None)
+        row["timings"][name] = {"ms": ms, "gbs": nbytes / (ms * 1e-3) / 1e9}
+    exact = torch.as_tensor(reference.flash_diff_attention_1(*[t.float() for t in inputs], attrs))
+    methods["split_kv"]()
+    row["max_err_vs_fp32"] = (out.float() - exact).abs().max().item()
+    del inputs, q, k, v, out, exact
+    torch.cuda.empty_cache()
+    return row
+
+
+def decode_table(rows: list[dict], copy_gbs: float) -> str:
+    def cell(t):
+        return "-" if t is None else f"{t['ms'] * 1e3:.1f} ({t['gbs']:.0f})"
+
+    lines = ["| dtype | d (V) | Sq | keys | B x H (kv) | splits | split-KV | one-pass | split-KV INT8 | best composition "
+             "| which | split-KV vs best | vs one-pass | % of copy GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        t = row["timings"]
+        ours = t.get("split_kv")
+        comps = [(n, r) for n, r in t.items() if "/" in n]
+        best = min(comps, key=lambda item: item[1]["ms"]) if comps else None
+        vs_best = f"{best[1]['ms'] / ours['ms']:.2f}x" if ours and best else "-"
+        vs_one = f"{t['one_pass']['ms'] / ours['ms']:.2f}x" if ours and "one_pass" in t else "-"
+        pct = f"{100 * ours['gbs'] / copy_gbs:.0f}%" if ours else "-"
+        lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['q_len']} | {row['kv_len']} "
+                     f"| {row['batch']} x {row['heads']} ({row['kv_heads']}) | {row['splits']} | {cell(ours)} "
+                     f"| {cell(t.get('one_pass'))} | {cell(t.get('split_kv_int8'))} "
+                     f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} |")
+    return "\n".join(lines)
+
+
+def publish_decode(record: dict, write: bool) -> None:
+    text = decode_table(record["rows"], record["copy_gbs"])
+    print(text)
+    if not write:
+        return
+    body = (f"## Split-KV decode on the GPU (DIFF V1, causal, forward)\n\n`{record['command']}`\n\n"
+            f"{record['stamp']} Device-to-device copy bandwidth measured in this run: {record['copy_gbs']:.0f} GB/s "
+            f"(read + write of 2 GiB). Cells: median µs per call (achieved GB/s on the bytes of Q, K, V and the "
+            f"output once), each call timed inside a CUDA graph of {DECODE_GRAPH_CALLS} calls, {record['repeats']} "
+            f"replays after {record['warmup']} warm-up. One-pass: the same call with DIFFEXPORT_KERNEL_PATH=mma. "
+            "INT8 includes its K quantisation pre-pass (which reads all of K once more). Compositions: "
+            f"FlashDiffAttn_1/_2 on {', '.join(record['backends'])}.\n\n" + text + "\n")
+    print(f"wrote {benchdoc.write_section('fused-attention-decode', body)}", file=sys.stderr)
+
+
+def profile_decode_launches(kv_len: int) -> None:
+    """Launches for Nsight Compute: 3 warm-up decode steps then the profiled one (bf16, d=128,
+    Sq=1, batch 4, 16 diff-heads over 4 kv groups)."""
+    kernels.load_library()
+    attrs = DiffAttentionAttrs(variant=1, num_heads=16, num_kv_heads=4, head_dim=128, causal=1)
+    gen = torch.Generator(device="cuda").manual_seed(kv_len)
+    q = torch.randn(4, 1, 2 * 16 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(4, kv_len, attrs.key_width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(4, kv_len, 4 * attrs.value_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lam = torch.tensor([0.4], device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(attrs.value_dim, device="cuda")
+    for _ in range(4):
+        kernels.diff_attention(q, k, v, lam, w, attrs)
+    torch.cuda.synchronize()
+
+
 def publish(record: dict, other_builds, write: bool) -> None:
     """Print the tables of a run and, with write, replace the section of docs/BENCHMARKS.md."""
     rows, peak = record["rows"], record["peak_tflops"]
@@ -227,11 +375,23 @@ def main() -> int:
     parser.add_argument("--compare", nargs="*", default=[], metavar="NAME=PATH",
                         help="other builds of the kernel library, timed beside the current one (before/after)")
     parser.add_argument("--profile", type=int, metavar="N", help="only launch the fused kernel 4 times at N (for ncu)")
+    parser.add_argument("--profile-decode", type=int, metavar="KEYS",
+                        help="only launch the split-KV decode kernel 4 times against KEYS keys (for ncu)")
     parser.add_argument("--render", type=Path, metavar="JSON", help="print (or --write) the tables of a saved --json run")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/BENCHMARKS.md")
+    parser.add_argument("--decode", action="store_true",
+                        help="decode steps instead: --queries tokens against --keys cached keys, in GB/s")
+    parser.add_argument("--queries", nargs="+", type=int, default=[1, 4], help="decode: query tokens per call")
+    parser.add_argument("--keys", nargs="+", type=int, default=[1024, 8192, 32768, 131072],
+                        help="decode: cached keys")
+    parser.add_argument("--decode-batch", type=int, default=4, help="decode: batch (default 4)")
+    parser.add_argument("--kv-heads", type=int, help="decode: kv groups (default --heads / 4: GQA 4)")
     args = parser.parse_args()
     if args.render:  # a run saved on the GPU machine: its own stamp and command, no GPU needed here
         record = json.loads(args.render.read_text())
+        if record.get("mode") == "decode":
+            publish_decode(record, args.write)
+            return 0
         publish(record, {name.split("@", 1)[1] for row in record["rows"] for name in row["timings"] if "@" in name},
                 args.write)
         return 0
@@ -241,11 +401,16 @@ def main() -> int:
     if args.profile:
         profile_launches(args.profile)
         return 0
+    if args.profile_decode:
+        profile_decode_launches(args.profile_decode)
+        return 0
     kernels.load_library()
     other_builds = {}
     for spec in args.compare:
         name, _, path = spec.partition("=")
         other_builds[name] = kernels.open_library(Path(path))
+    if args.decode:
+        return run_decode(args)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", file=sys.stderr)
     rows = []
@@ -262,6 +427,27 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(record, indent=1))
     publish(record, other_builds, args.write)
+    return 0
+
+
+def run_decode(args) -> int:
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s", file=sys.stderr)
+    kv_heads = args.kv_heads or max(1, args.heads // 4)
+    rows = []
+    for dtype in args.dtypes:
+        for d in args.head_dims:
+            for q_len in args.queries:
+                for kv_len in args.keys:
+                    print(f"{dtype} d={d} Sq={q_len} keys={kv_len} ...", file=sys.stderr, flush=True)
+                    rows.append(decode_case(getattr(torch, dtype), d, q_len, kv_len, args.decode_batch, args.heads,
+                                            kv_heads, args.warmup, args.repeats, args.backends))
+    record = {"mode": "decode", "copy_gbs": copy_gbs, "rows": rows, "stamp": benchdoc.stamp(),
+              "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
+              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends}
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
+    publish_decode(record, args.write)
     return 0
 
 

@@ -2,12 +2,13 @@
 # The GPU verification campaign (issue 16): build the kernel library for the GPU in hand, record
 # the machine, run the GPU tests, the sanitizers, the benchmark and one Nsight Compute profile.
 #
-#   tools/gpu_campaign.sh [--out DIR] PART...      PART: env build variants test sanitize bench profile all
+#   tools/gpu_campaign.sh [--out DIR] PART...      PART: env build variants test sanitize bench decode profile all
 #                                                   (PART+PART runs two parts at once)
 #
 # Made for the lent GPU machine: each part has its own time limit so that a call of at most
 # 10 minutes comes back with its logs, and everything lands in at most 8 files under DIR
-# (campaign.log, build.log, pytest.log, sanitizer.log, bench.md, bench.json, profile.ncu-rep, profile.txt)
+# (campaign.log, build.log, pytest.log, sanitizer.log, bench.md, bench.json, decode.json, profile.txt;
+# the Nsight Compute reports stay in /tmp, their details and selected metrics go into profile.txt)
 # (default $OUT when set, else ./campaign-out). tools/README.md says how to split the parts
 # into calls. Runs from the repository root with the python3 that holds torch (no install:
 # PYTHONPATH=.). Exit status: the number of parts that failed.
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 OUT_DIR="${OUT:-campaign-out}"
 if [[ "${1:-}" == "--out" ]]; then OUT_DIR="$2"; shift 2; fi
-[[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] env|build|variants|test|sanitize|bench|profile|all ..." >&2; exit 2; }
+[[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] env|build|variants|test|sanitize|bench|decode|profile|all ..." >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -113,16 +114,35 @@ part_bench() {
   return $rc
 }
 
+part_decode() {
+  # The split-KV decode kernels vs the one-pass kernel and the compositions, in GB/s (table appended to bench.md).
+  timeout "${DECODE_TIMEOUT:-300}" "$PY" tools/bench_attention.py --decode --json "$OUT_DIR/decode.json" \
+    ${DECODE_ARGS:-} > "$OUT_DIR/decode.md" 2>> "$OUT_DIR/campaign.log"
+  local rc=$?
+  { echo; echo "--- decode"; cat "$OUT_DIR/decode.md"; } >> "$OUT_DIR/bench.md"
+  cat "$OUT_DIR/decode.md"
+  rm -f "$OUT_DIR/decode.md"
+  return $rc
+}
+
 part_profile() {
   # One fused launch at N=4096 (bf16, d=128, non-causal), the clocks left as they are.
   timeout 150 ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
-    --launch-count 1 -f -o "$OUT_DIR/profile" "$PY" tools/bench_attention.py --profile 4096 \
+    --launch-count 1 -f -o /tmp/profile "$PY" tools/bench_attention.py --profile 4096 \
     > "$OUT_DIR/profile.txt" 2>&1 || { tail -20 "$OUT_DIR/profile.txt"; return 1; }
-  ncu --import "$OUT_DIR/profile.ncu-rep" --page details >> "$OUT_DIR/profile.txt" 2>&1
+  ncu --import /tmp/profile.ncu-rep --page details >> "$OUT_DIR/profile.txt" 2>&1
   # What limits it: tensor-pipe activity, issue slots, stall reasons, shared-memory conflicts.
-  ncu --import "$OUT_DIR/profile.ncu-rep" --page raw 2>&1 | grep -E "$PROFILE_METRICS" > "$OUT_DIR/profile.metrics"
-  { echo "--- selected raw metrics"; cat "$OUT_DIR/profile.metrics"; } >> "$OUT_DIR/profile.txt"
-  rm -f "$OUT_DIR/profile.metrics"
+  { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
+    >> "$OUT_DIR/profile.txt"
+  # One split-KV decode launch (bf16, d=128, Sq=1, 32k keys): how close to DRAM bandwidth, and why not.
+  if timeout 120 ncu --clock-control none --set full --kernel-name regex:diff_attention_decode_kernel --launch-skip 3 \
+      --launch-count 1 -f -o /tmp/profile-decode "$PY" tools/bench_attention.py --profile-decode 32768 > /dev/null 2>&1; then
+    { echo "--- split-KV decode kernel, Sq=1, 32768 keys"; ncu --import /tmp/profile-decode.ncu-rep --page details 2>&1 |
+        grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size"; } \
+      >> "$OUT_DIR/profile.txt"
+  else
+    echo "--- split-KV decode profile FAILED" >> "$OUT_DIR/profile.txt"
+  fi
   local spec name path
   for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
@@ -145,7 +165,7 @@ run_part() {
 PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_issue_active|issue_active.avg.pct|bank_conflicts_pipe_lsu_mem_shared_op_(ld|st).sum |registers_per_thread|warps_active.avg.pct|inst_executed_pipe_[a-z_]+.avg.pct|smsp__inst_executed.sum "
 
 parts=("$@")
-[[ " ${parts[*]} " == *" all "* ]] && parts=(env build variants test+sanitize bench profile)
+[[ " ${parts[*]} " == *" all "* ]] && parts=(env build variants test+sanitize bench decode profile)
 for group in "${parts[@]}"; do
   IFS=+ read -r -a members <<< "$group"
   pids=()
