@@ -1,8 +1,10 @@
 """A few fused-kernel launches for compute-sanitizer (tests/test_kernel_gpu.py runs this under
 memcheck and racecheck, tools/gpu_campaign.sh under all four tools): short and odd lengths, GQA,
-both variants, the INT8 path, the split-KV decode kernels, key masks. Outputs are checked after a copy to the host:
-under initcheck that copy proves every output byte was written by our kernels (a device-side
+both variants, the INT8 path, the split-KV decode kernels, key masks, and (on sm_90) the Hopper
+path. Outputs are checked after a copy to the host: under initcheck that copy proves every output byte was written by our kernels (a device-side
 torch reduction would read through kernels the sanitizer was told to leave alone)."""
+
+import os
 
 import torch
 
@@ -22,7 +24,20 @@ CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, l
 ]
 
 
+def paths() -> list[str]:
+    """Every kernel path this GPU and library have: auto, and the opt-in Hopper path on sm_90."""
+    hopper = torch.cuda.get_device_capability() == (9, 0) and "sm90=1" in kernels.build_info()
+    return ["auto", "hopper"] if hopper else ["auto"]
+
+
 def main() -> None:
+    for path in paths():
+        os.environ[kernels.KERNEL_PATH_ENV] = path
+        run_cases()
+        print(f"kernel cases ok ({path})")
+
+
+def run_cases() -> None:
     gen = torch.Generator().manual_seed(0)
     for variant, heads, kv_heads, head_dim, causal, batch, q_len, kv_len, bits in CASES:
         attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -41,7 +56,6 @@ def main() -> None:
                 out = kernels.diff_attention(q, k, v, lam.to(dtype).cuda(), w, attrs, logit_bits=bits,
                                              key_mask=mask.cuda())
                 assert torch.isfinite(out.cpu()).all()
-    print("kernel cases ok")
 
 
 if __name__ == "__main__":

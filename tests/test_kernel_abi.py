@@ -82,7 +82,7 @@ def test_params_carry_every_contract_attribute():
 
 def test_build_info(lib):
     info = kernels.build_info()
-    assert re.match(rf"archs=\S+ cuda=\d+\.\d+ abi={kernels.ABI_VERSION}$", info), info
+    assert re.match(rf"archs=\S+ cuda=\d+\.\d+ abi={kernels.ABI_VERSION} sm90=[01]$", info), info
 
 
 @pytest.mark.parametrize("variant,head_dim,bits", [(1, 64, 0), (1, 128, 16), (2, 64, 8), (2, 128, 4), (1, 128, 6)])
@@ -288,7 +288,7 @@ def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
     assert plan(q_len=1, kv_len=4096) == ("one-pass", 1)
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper-please")
-    with pytest.raises(DiffExportError, match="DIFFEXPORT_KERNEL_PATH=hopper-please is not auto or mma"):
+    with pytest.raises(DiffExportError, match="DIFFEXPORT_KERNEL_PATH=hopper-please is not auto, mma or hopper"):
         plan(q_len=1, kv_len=4096)
 
 
@@ -317,3 +317,24 @@ def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
     p = valid_params(q_len=1, kv_len=4096)
     assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_WORKSPACE_TOO_SMALL"]
     assert "split-KV decode" in lib.diffx_last_error().decode()
+
+
+def test_hopper_path_is_opt_in_and_only_for_what_it_implements(lib, monkeypatch):
+    """DIFFEXPORT_KERNEL_PATH=hopper (opt-in until a GPU run has verified it) takes prefill-sized
+    calls with fp logits; decode-sized calls keep split-KV, INT8 logits and zero batch strides
+    (which TMA descriptors cannot express) keep the mma.sync kernel. Without the variable nothing
+    runs on it."""
+    def plan(**kw):
+        return kernels.kernel_plan(valid_params(**kw), lib)
+
+    assert plan(q_len=100) == ("one-pass", 1)
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper")
+    assert plan(q_len=100) == ("hopper", 1)
+    assert plan(q_len=17, batch=1) == ("hopper", 1)
+    assert plan(q_len=16, kv_len=4096) == ("split-kv", 32)
+    assert plan(q_len=100, bits=8) == ("one-pass", 1)
+    p = valid_params(q_len=100)
+    p.v_batch_stride = 0  # one value tensor broadcast over the batch
+    assert kernels.kernel_plan(p, lib) == ("one-pass", 1)
+    p.batch = 1
+    assert kernels.kernel_plan(p, lib) == ("hopper", 1)

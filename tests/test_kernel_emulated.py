@@ -241,7 +241,13 @@ def test_emulated_decode_agrees_with_the_one_pass_kernel(emulator, rng, monkeypa
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "fastest")
     params = kernels.make_params(*inputs, torch.empty(2, 4, 4 * 128, dtype=torch.float16), attrs)
     assert lib_status(emulator, params) == 7  # DIFFX_ERR_BAD_ATTRIBUTE
-    assert "DIFFEXPORT_KERNEL_PATH=fastest is not auto or mma" in emulator.diffx_last_error().decode()
+    assert "DIFFEXPORT_KERNEL_PATH=fastest is not auto, mma or hopper" in emulator.diffx_last_error().decode()
+    # the Hopper path (wgmma, TMA) has no CPU emulation: a prefill-sized call asking for it is refused
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper")
+    prefill = make_inputs(attrs, 1, 20, 30, dtype=torch.float16, rng=rng)
+    params = kernels.make_params(*prefill, torch.empty(1, 20, 4 * 128, dtype=torch.float16), attrs)
+    assert lib_status(emulator, params) == 10  # DIFFX_ERR_NO_KERNEL_FOR_GPU
+    assert "no Hopper path" in emulator.diffx_last_error().decode()
 
 
 def lib_status(lib, params):

@@ -33,6 +33,16 @@ def lib():
     return kernels.load_library()
 
 
+def require_hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper path runs on sm_90 GPUs only")
+    if "sm90=1" not in kernels.build_info():
+        message = "kernel library built without the Hopper path (sm_90a and CUTLASS headers needed)"
+        if os.environ.get("DIFFEXPORT_REQUIRE_KERNELS"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
 def min_cosine(dtype):
     return 0.9999 if dtype == torch.float16 else 0.999
 
@@ -68,13 +78,22 @@ LENGTHS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (17, 1023), (1, 4097), (6
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("causal", [1, 0])
 @pytest.mark.parametrize("case", range(len(LENGTHS)))
-def test_fused_matches_the_oracle(dtype, head_dim, variant, causal, case, rng):
+@pytest.mark.parametrize("path", ["auto", "hopper"])
+def test_fused_matches_the_oracle(dtype, head_dim, variant, causal, case, path, rng, monkeypatch):
+    """Every kernel path on the same cases: auto (the mma.sync one-pass kernel, split-KV for q_len <= 16)
+    and the opt-in Hopper path (DIFFEXPORT_KERNEL_PATH=hopper: sm_90 GPUs, libraries built with it)."""
     q_len, kv_len = LENGTHS[case]
     ratio = (1, 2, 4, 8)[case % 4]
     attrs = DiffAttentionAttrs(variant=variant, num_heads=8, num_kv_heads=8 // ratio, head_dim=head_dim,
                                causal=causal, norm=int(variant == 1), output_scale=0.7)
     cpu = make_inputs(attrs, 2, q_len, kv_len, dtype=dtype, rng=rng)
     inputs = [t.cuda() for t in cpu]
+    if path == "hopper":
+        require_hopper()
+        monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper")
+        out = torch.empty(2, q_len, attrs.num_heads * attrs.value_dim, dtype=dtype, device="cuda")
+        expected = "hopper" if q_len > kernels.DECODE_MAX_QUERY else "split-kv"
+        assert kernels.kernel_plan(kernels.make_params(*inputs, out, attrs))[0] == expected
     out = run_kernel(inputs, attrs)
     assert not out.isnan().any(), "output not fully written (poison left)"
     ref = oracle(cpu, attrs)
@@ -259,3 +278,30 @@ def test_decode_int8_logits_match_the_mirrored_quantisation(variant, head_dim, b
     cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
     assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation: {err:.3e} > 2*{fp_err:.3e} + 1e-3"
     assert cos >= min_cosine(torch.float16)
+
+
+@pytest.mark.parametrize("variant,head_dim", [(1, 64), (1, 128), (2, 64), (2, 128)])
+def test_hopper_path_views_masks_and_its_refusals(variant, head_dim, rng, monkeypatch):
+    """The Hopper path on strided views (TMA descriptors with the contract's free strides), key masks
+    and 32k keys; INT8 logits stay on the mma.sync kernel; on another GPU the opt-in is an error."""
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.6)
+    cpu = make_inputs(attrs, 3, 77, 4100, dtype=torch.bfloat16, rng=rng)
+    dense = [t.cuda() for t in cpu]
+    views = [strided(t) for t in dense[:3]] + dense[3:]
+    key_mask = torch.ones(3, 4100, dtype=torch.int64)
+    key_mask[1, :3000] = 0
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper")
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(Exception, match="DIFFEXPORT_KERNEL_PATH=hopper needs an sm_90 GPU"):
+            kernels.diff_attention(*views, attrs)
+        return
+    require_hopper()
+    out = torch.full((3, 77, attrs.num_heads * attrs.value_dim), POISON, dtype=torch.bfloat16, device="cuda")
+    kernels.diff_attention(*views, attrs, out=out, key_mask=key_mask.cuda())
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    assert_close_lowprec(out.cpu(), lowprec_baseline(*cpu, attrs, key_mask=key_mask), oracle(cpu, attrs, key_mask),
+                         "hopper views+mask", min_cosine=min_cosine(torch.bfloat16))
+    params = kernels.make_params(*dense, out, attrs, logit_bits=8)
+    assert kernels.kernel_plan(params) == ("one-pass", 1)

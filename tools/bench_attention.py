@@ -1,7 +1,8 @@
 """Fused differential attention vs its baselines on a CUDA GPU: ms, TFLOP/s, speed-ups, % of matmul peak.
 
 One run measures, side by side for each (dtype, head dim, causal, N): our fused kernel, its INT8
-logits variant (8 bits, K-smoothing; the time includes the K quantisation pre-pass), the paper's
+logits variant (8 bits, K-smoothing; the time includes the K quantisation pre-pass), the opt-in
+Hopper path on sm_90 GPUs whose library has it (DIFFEXPORT_KERNEL_PATH=hopper), the paper's
 FlashDiffAttn_1 and FlashDiffAttn_2 on the eager attention backend (flash_attn when importable,
 else torch SDPA), and the naive eager form where its N x N maps fit in memory. FLOPs are the exact
 12*N^2*d per diff-head (halved for causal); the matmul peak is a bf16 8192^3 matmul measured in
@@ -98,6 +99,8 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
         "fused": lambda: kernels.diff_attention(*inputs, attrs, out=out),
         "fused_int8": lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out),
     }
+    if hopper_available():  # the opt-in sm_90a TMA + wgmma path beside the mma.sync one
+        methods["fused_hopper"] = on_path("hopper", lambda: kernels.diff_attention(*inputs, attrs, out=out))
     for name, lib in other_builds.items():  # other builds of the library, timed in the same loop
         methods[f"fused@{name}"] = lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out, lib=lib)
         methods[f"fused_int8@{name}"] = lambda lib=lib: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out,
@@ -128,6 +131,21 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
     return row
 
 
+def hopper_available() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0) and "sm90=1" in kernels.build_info()
+
+
+def on_path(path: str, fn):
+    """fn run with DIFFEXPORT_KERNEL_PATH=path (read by the library at each call), then unset again."""
+    def run():
+        os.environ[kernels.KERNEL_PATH_ENV] = path
+        try:
+            return fn()
+        finally:
+            os.environ.pop(kernels.KERNEL_PATH_ENV, None)
+    return run
+
+
 def best_baseline(row: dict) -> tuple[str, dict] | None:
     baselines = [(name, r) for name, r in row["timings"].items() if not name.startswith("fused")]
     return min(baselines, key=lambda item: item[1]["ms"]) if baselines else None
@@ -137,19 +155,20 @@ def table(rows: list[dict], peak: float) -> str:
     def cell(r):
         return "-" if r is None else f"{r['ms']:.3f} ({r['tflops']:.0f})"
 
-    lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | best composition | which "
-             "| fused vs best | INT8 vs fused | fused % of matmul peak | INT8 cosine |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | Hopper path | best composition | which "
+             "| fused vs best | Hopper vs best | INT8 vs fused | fused % of matmul peak | INT8 cosine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         t = row["timings"]
-        fused, int8, best = t.get("fused"), t.get("fused_int8"), best_baseline(row)
+        fused, int8, hopper, best = t.get("fused"), t.get("fused_int8"), t.get("fused_hopper"), best_baseline(row)
         vs_best = f"{best[1]['ms'] / fused['ms']:.2f}x" if fused and best else "-"
+        hopper_vs_best = f"{best[1]['ms'] / hopper['ms']:.2f}x" if hopper and best else "-"
         vs_fused = f"{fused['ms'] / int8['ms']:.2f}x" if fused and int8 else "-"
         pct = f"{100 * fused['tflops'] / peak:.0f}%" if fused else "-"
         lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['causal']} | {row['n']} "
-                     f"| {row['batch']} x {row['heads']} | {cell(fused)} | {cell(int8)} "
+                     f"| {row['batch']} x {row['heads']} | {cell(fused)} | {cell(int8)} | {cell(hopper)} "
                      f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} "
-                     f"| {vs_best} | {vs_fused} | {pct} | {row['int8_cosine']:.5f} |")
+                     f"| {vs_best} | {hopper_vs_best} | {vs_fused} | {pct} | {row['int8_cosine']:.5f} |")
     return "\n".join(lines)
 
 
@@ -356,7 +375,8 @@ def publish(record: dict, other_builds, write: bool) -> None:
             f"(`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(record['backends'])}), "
             "and the naive form where it fits; 'best' is the fastest of them in this run. INT8 = 8-bit logits "
             "with K-smoothing, including the K quantisation pre-pass; its cosine is against the fused fp output "
-            "on the same inputs.\n\n" + text + "\n")
+            "on the same inputs. Hopper path: the opt-in sm_90a TMA + wgmma kernel (DIFFEXPORT_KERNEL_PATH=hopper), "
+            "'-' where the GPU or the build has none.\n\n" + text + "\n")
     print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)
 
 

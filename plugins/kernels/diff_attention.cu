@@ -13,6 +13,9 @@
 #include "instances.h"
 #include "kernel_args.h"
 #include "quantize_keys.cuh"
+#ifdef DIFFX_HAVE_SM90
+#include "hopper/diff_attention_sm90.h"
+#endif
 
 #ifndef DIFFX_BUILD_ARCHS
 #define DIFFX_BUILD_ARCHS "unknown"
@@ -25,6 +28,10 @@ namespace diffx {
 DIFFX_FOR_EACH_FWD_INSTANCE(DIFFX_DECLARE_EXTERN)
 #undef DIFFX_DECLARE_EXTERN
 }  // namespace diffx
+
+#ifndef DIFFX_HAVE_SM90
+#define DIFFX_HAVE_SM90 0
+#endif
 
 namespace {
 
@@ -45,6 +52,9 @@ int cuda_failure(cudaError_t err, const char* what) {
 
 template <typename T, int D, int DV, bool INT8>
 cudaError_t dispatch_path(const diffx::KernelArgs& args, cudaStream_t stream) {
+#if DIFFX_HAVE_SM90
+  if (!INT8 && args.path == diffx::KernelPath::kHopper) return diffx::launch_diff_attention_sm90(args, stream);
+#endif
   return args.path == diffx::KernelPath::kDecode ? diffx::launch_diff_attention_decode<T, D, DV, INT8>(args, stream)
                                                  : diffx::launch_diff_attention<T, D, DV, INT8>(args, stream);
 }
@@ -104,7 +114,7 @@ DIFFX_API const char* diffx_build_info(void) {
   static const std::string info = std::string("archs=") + DIFFX_BUILD_ARCHS + " cuda=" +
                                   std::to_string(CUDART_VERSION / 1000) + "." +
                                   std::to_string(CUDART_VERSION % 1000 / 10) + " abi=" +
-                                  std::to_string(DIFFX_ABI_VERSION);
+                                  std::to_string(DIFFX_ABI_VERSION) + " sm90=" + std::to_string(DIFFX_HAVE_SM90);
   return info.c_str();
 }
 
@@ -116,6 +126,16 @@ DIFFX_API int diffx_attention_forward(const DiffxAttentionParams* params, void* 
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return cuda_failure(err, "no usable CUDA device");
   const cudaStream_t stream = static_cast<cudaStream_t>(cuda_stream);
+  if (diffx::kernel_path(*params) == diffx::KernelPath::kHopper) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (!DIFFX_HAVE_SM90 || major != 9 || minor != 0)
+      return diffx::record_error(DIFFX_ERR_NO_KERNEL_FOR_GPU,
+                                 "DIFFEXPORT_KERNEL_PATH=hopper needs an sm_90 GPU (this one is sm_%d%d) and a library "
+                                 "built with the Hopper path (this one: %s); unset it for the mma.sync kernel",
+                                 major, minor, DIFFX_HAVE_SM90 ? "yes" : "no, build with sm_90a and CUTLASS");
+  }
   switch (params->dtype) {
     case DIFFX_DTYPE_FLOAT16: err = dispatch_dtype<__half>(diffx::make_kernel_args(*params), stream); break;
     case DIFFX_DTYPE_BFLOAT16: err = dispatch_dtype<__nv_bfloat16>(diffx::make_kernel_args(*params), stream); break;

@@ -22,7 +22,10 @@
  * (diff-head, batch element, split), and a second kernel merges the splits' partial softmax
  * states and applies the epilogue. Longer calls run the one-pass kernel (one CTA per 64 query
  * tokens). The environment variable DIFFEXPORT_KERNEL_PATH=mma forces the one-pass kernel for
- * every call (comparisons, fallback); auto (the default) chooses as above.
+ * every call (comparisons, fallback); auto (the default) chooses as above; hopper (opt-in until a
+ * GPU run has verified it) runs calls longer than DIFFX_DECODE_MAX_QUERY with fp logits on the
+ * sm_90a TMA + wgmma kernel, when the library was built with it (diffx_build_info says sm90=1) and
+ * the GPU is an sm_90 one (else the call fails with DIFFX_ERR_NO_KERNEL_FOR_GPU).
  */
 #ifndef DIFFEXPORT_DIFF_ATTENTION_H
 #define DIFFEXPORT_DIFF_ATTENTION_H
@@ -119,7 +122,7 @@ DIFFX_API int diffx_abi_version(void);
 /* sizeof(DiffxAttentionParams): lets bindings (ctypes) check that their struct mirrors this one. */
 DIFFX_API size_t diffx_params_size(void);
 
-/* "archs=80-real;... cuda=13.0": what this library was compiled for. */
+/* "archs=80-real;... cuda=13.0 abi=3 sm90=1": what this library was compiled for (sm90=1: with the Hopper path). */
 DIFFX_API const char* diffx_build_info(void);
 
 /* A one-line description of a status code. */
@@ -137,8 +140,8 @@ DIFFX_API int diffx_attention_check(const DiffxAttentionParams* params);
 DIFFX_API size_t diffx_attention_workspace_size(const DiffxAttentionParams* params);
 
 /* Which kernel a call runs (validated like diffx_attention_check except the workspace, no CUDA call): *path = 1 for the
-   one-pass kernel, 2 for the split-KV decode kernels, and *splits = key splits per (batch, diff-head)
-   (1 for the one-pass kernel). Either pointer may be NULL. */
+   one-pass kernel, 2 for the split-KV decode kernels, 3 for the Hopper kernel, and *splits = key splits per
+   (batch, diff-head) (1 unless split-KV). Either pointer may be NULL. */
 DIFFX_API int diffx_attention_plan(const DiffxAttentionParams* params, int* path, int* splits);
 
 /* Checks params, then enqueues the kernels on `cuda_stream` (a cudaStream_t; NULL = default). */

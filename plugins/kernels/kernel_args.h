@@ -16,7 +16,7 @@ constexpr int kKeySumChunk = 1024;
 constexpr int kDecodeWarpsPerMap = 4;
 
 // Which kernel runs a call (DIFFX_DECODE_MAX_QUERY, DIFFEXPORT_KERNEL_PATH in diff_attention.h).
-enum class KernelPath { kOnePass, kDecode };
+enum class KernelPath { kOnePass, kDecode, kHopper };
 
 // The split-KV decode kernel's key splits: `splits` CTAs per (batch, diff-head), each over
 // `tiles_per_split` 64-key tiles (the last split may have fewer), none empty.
@@ -57,7 +57,8 @@ struct WorkspaceLayout {
 bool logits_quantised(const DiffxAttentionParams& p);
 // The decode kernel's plan for p (deterministic: shapes and DIFFX_DECODE_TARGET_CTAS only).
 DecodePlan decode_plan(const DiffxAttentionParams& p);
-// The kernel that runs p: kDecode for q_len <= DIFFX_DECODE_MAX_QUERY unless DIFFEXPORT_KERNEL_PATH=mma.
+// The kernel that runs p: kDecode for q_len <= DIFFX_DECODE_MAX_QUERY unless DIFFEXPORT_KERNEL_PATH=mma;
+// kHopper for longer calls with fp logits when DIFFEXPORT_KERNEL_PATH=hopper (opt-in); else kOnePass.
 KernelPath kernel_path(const DiffxAttentionParams& p);
 // DIFFEXPORT_KERNEL_PATH's value when it is not one this library knows, else null.
 const char* bad_kernel_path_setting();

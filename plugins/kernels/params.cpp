@@ -118,14 +118,21 @@ std::string workspace_users(const DiffxAttentionParams& p) {
 
 const char* bad_kernel_path_setting() {
   const char* path = std::getenv("DIFFEXPORT_KERNEL_PATH");
-  if (!path || !*path || !std::strcmp(path, "auto") || !std::strcmp(path, "mma")) return nullptr;
+  if (!path || !*path || !std::strcmp(path, "auto") || !std::strcmp(path, "mma") || !std::strcmp(path, "hopper"))
+    return nullptr;
   return path;
 }
 
 KernelPath kernel_path(const DiffxAttentionParams& p) {
   const char* path = std::getenv("DIFFEXPORT_KERNEL_PATH");
   if (path && !std::strcmp(path, "mma")) return KernelPath::kOnePass;
-  return p.q_len <= DIFFX_DECODE_MAX_QUERY ? KernelPath::kDecode : KernelPath::kOnePass;
+  if (p.q_len <= DIFFX_DECODE_MAX_QUERY) return KernelPath::kDecode;
+  // The Hopper path is opt-in until a GPU run has passed the GPU suite with it; INT8 logits stay
+  // on the mma.sync kernel (the Hopper path has no s8 wgmma yet).
+  // TMA descriptors take no zero strides: a batch broadcast through a zero stride stays there too.
+  const bool batch_strides = p.batch == 1 || (p.q_batch_stride > 0 && p.k_batch_stride > 0 && p.v_batch_stride > 0);
+  if (path && !std::strcmp(path, "hopper") && !logits_quantised(p) && batch_strides) return KernelPath::kHopper;
+  return KernelPath::kOnePass;
 }
 
 DecodePlan decode_plan(const DiffxAttentionParams& p) {
@@ -141,7 +148,7 @@ DecodePlan decode_plan(const DiffxAttentionParams& p) {
 int check_params(const DiffxAttentionParams* pp, bool with_workspace) {
   if (!pp) return record_error(DIFFX_ERR_NULL_POINTER, "params is a null pointer");
   if (const char* path = bad_kernel_path_setting())
-    return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "DIFFEXPORT_KERNEL_PATH=%s is not auto or mma", path);
+    return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "DIFFEXPORT_KERNEL_PATH=%s is not auto, mma or hopper", path);
   const DiffxAttentionParams& p = *pp;
   if (p.dtype != DIFFX_DTYPE_FLOAT16 && p.dtype != DIFFX_DTYPE_BFLOAT16 && p.dtype != DIFFX_DTYPE_FLOAT32)
     return record_error(DIFFX_ERR_UNSUPPORTED_DTYPE,
@@ -289,8 +296,9 @@ DIFFX_API int diffx_attention_plan(const DiffxAttentionParams* params, int* path
   diffx::clear_error();
   const int status = diffx::check_params(params, /*with_workspace=*/false);  // asked before allocating it
   if (status != DIFFX_OK) return status;
-  const bool decode = diffx::kernel_path(*params) == diffx::KernelPath::kDecode;
-  if (path) *path = decode ? 2 : 1;
+  const diffx::KernelPath chosen = diffx::kernel_path(*params);
+  const bool decode = chosen == diffx::KernelPath::kDecode;
+  if (path) *path = decode ? 2 : chosen == diffx::KernelPath::kHopper ? 3 : 1;
   if (splits) *splits = decode ? diffx::decode_plan(*params).splits : 1;
   return DIFFX_OK;
 }

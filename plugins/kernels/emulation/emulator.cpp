@@ -112,6 +112,8 @@ extern "C" DIFFX_EMU_API int diffx_emulated_attention_forward(const DiffxAttenti
   diffx::clear_error();
   const int status = diffx::check_params(params);
   if (status != DIFFX_OK) return status;
+  if (diffx::kernel_path(*params) == diffx::KernelPath::kHopper)  // wgmma and TMA have no CPU emulation
+    return diffx::record_error(DIFFX_ERR_NO_KERNEL_FOR_GPU, "the CPU emulator has no Hopper path: unset DIFFEXPORT_KERNEL_PATH");
   switch (params->dtype) {
     case DIFFX_DTYPE_FLOAT16: run_dtype<__half>(diffx::make_kernel_args(*params)); break;
     case DIFFX_DTYPE_BFLOAT16: run_dtype<__nv_bfloat16>(diffx::make_kernel_args(*params)); break;

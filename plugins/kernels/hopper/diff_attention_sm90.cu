@@ -1,0 +1,384 @@
+// The Hopper (sm_90a) prefill path: warp-specialised, TMA loads into a multi-stage shared-memory
+// pipeline with mbarriers, wgmma for Q.K^T and P.V, built from CuTe/CUTLASS (the nvidia-cutlass
+// wheel's headers; CMake finds them, nothing of CUTLASS is copied here).
+//
+// One CTA = one block of 64 query tokens of one diff-head of one batch element, 3 warpgroups:
+//   warpgroup 0 (producer): one elected thread issues the TMA loads: Q1 and Q2 once, then every
+//     64-key tile (K1 and K2, or V2's shared K, and V) into a kStages-deep ring; its registers are
+//     handed to the consumers (setmaxnreg).
+//   warpgroups 1 and 2 (consumers): map 1 and map 2. Each runs S = Q_m K_m^T (wgmma, both operands
+//     from shared memory), the online softmax of its map on the accumulator in registers, and
+//     O_m += P_m V (wgmma, P from registers, V from shared memory), with its own running max, sum
+//     and fp32 accumulator. The two maps are independent until the epilogue, so one warpgroup's
+//     softmax runs while the other's wgmma occupies the tensor cores.
+// Epilogue as in the mma.sync kernel: map 2 leaves O2/l2 in shared memory (the ring's space, no
+// longer needed), map 1 writes norm(O1/l1 - lambda * O2/l2) * weight * output_scale.
+//
+// Same contract as diff_attention_fwd.cuh: fp16/bf16, D 64/128, V1 (V of 2D, two key maps) and V2
+// (shared K/V of D, lambda [B, Sq, H]), causal bottom-right or none, GQA, key_mask, any lengths
+// (TMA zero-fills rows past the end; masks hide them), the contract's free batch/row strides.
+// Not here (the mma.sync kernel serves them): INT8 logits, float32 I/O conversion happens before.
+//
+// The accumulator of a 64 x N wgmma gives thread t of warp w rows 16w + t/4 (+8) and columns
+// 8j + 2(t%4) (+1), value index c + 2r + 4j: the mma.sync m16n8 layout repeated, so the softmax
+// below reads it exactly as the mma.sync kernel reads its fragments. The register A operand of
+// the 64 x DV x 64 P.V wgmma has the same linear order, so P is the accumulator converted in place.
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "../kernel_args.h"
+#include "diff_attention_sm90.h"
+
+namespace diffx::sm90 {
+
+using namespace cute;
+
+constexpr int kBlockM = DIFFX_QUERY_BLOCK;
+constexpr int kBlockN = DIFFX_KEY_BLOCK;
+constexpr int kThreads = 3 * cutlass::NumThreadsPerWarpGroup;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
+
+template <typename Element, int D, int DV>
+struct Config {
+  static constexpr bool kV1 = DV == 2 * D;
+  static constexpr int kKeyMaps = kV1 ? 2 : 1;
+  static constexpr int kStages = D == 64 ? 3 : 2;
+
+  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, Int<D>>>()));
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<DV>, _64>, GMMA::Major::K, GMMA::Major::MN>()));
+
+  using AtomQK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<D>>());
+  using SmemLayoutQ = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>, Int<kStages>>{}));
+  // V lands as [keys, DV] rows (the global layout); P.V reads it transposed, DV-major, as wgmma's B.
+  using AtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<DV>>());
+  using SmemLayoutV = decltype(tile_to_shape(AtomV{}, Shape<_64, Int<DV>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<DV>, _64, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // Global views (rows, columns, head, batch) with the contract's free row and batch strides.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{})));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kQBytes = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
+  static constexpr uint32_t kStageBytes =
+      (kKeyMaps * size(take<0, 2>(SmemLayoutK{})) + size(take<0, 2>(SmemLayoutV{}))) * sizeof(Element);
+  static constexpr int kScratchStride = DV + 8;  // floats; see TileConfig::kScratchStride
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q[2];
+    union {
+      struct {
+        cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k[kKeyMaps];
+        cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+      } ring;
+      float scratch[kBlockM * kScratchStride];  // epilogue: O2 / l2 of the 64 rows
+    };
+    typename Pipeline::SharedStorage pipeline;
+    uint64_t q_loaded;  // mbarrier: Q1 and Q2 landed
+  };
+};
+
+template <typename Element, int D, int DV>
+struct Params {
+  using Cfg = Config<Element, D, DV>;
+  typename Cfg::TmaQ tma_q;
+  typename Cfg::TmaK tma_k;
+  typename Cfg::TmaV tma_v;
+  typename Cfg::GmemShape shape_q, shape_k, shape_v;
+  KernelArgs args;
+};
+
+template <typename Element>
+__device__ __forceinline__ float to_f(Element x) {
+  return float(x);
+}
+
+template <typename Element, int D, int DV>
+__global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const __grid_constant__ Params<Element, D, DV> prm) {
+  using Cfg = Config<Element, D, DV>;
+  using Pipeline = typename Cfg::Pipeline;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& storage = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  const DiffxAttentionParams& p = prm.args.p;
+
+  const int warpgroup = cutlass::canonical_warp_group_idx();
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
+  const int m_block = m_blocks - 1 - int(blockIdx.z);  // heaviest (causal) blocks first
+  const int m_start = m_block * kBlockM;
+  const int q_rows = min(kBlockM, p.q_len - m_start);
+  const int g = h / (p.num_heads / p.num_kv_heads);
+  const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
+  int n_end = n_total;
+  if (p.causal) {
+    const int last_key = m_start + q_rows - 1 + p.kv_len - p.q_len;
+    n_end = last_key < 0 ? 0 : min(n_total, last_key / kBlockN + 1);
+  }
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Cfg::kStageBytes;
+  pipe_params.role = warpgroup == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = 2 * cutlass::NumThreadsPerWarpGroup;
+  using QBarrier = cutlass::arch::ClusterTransactionBarrier;
+  if (threadIdx.x == 0) QBarrier::init(&storage.q_loaded, 1);
+  Pipeline pipeline(storage.pipeline, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barriers initialised (and fenced) before anyone waits on them
+
+  Tensor sQ1 = make_tensor(make_smem_ptr(storage.q[0].data()), typename Cfg::SmemLayoutQ{});
+  Tensor sQ2 = make_tensor(make_smem_ptr(storage.q[1].data()), typename Cfg::SmemLayoutQ{});
+
+  if (warpgroup == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (threadIdx.x != 0) return;
+    Tensor mQ = prm.tma_q.get_tma_tensor(prm.shape_q);
+    Tensor mK = prm.tma_k.get_tma_tensor(prm.shape_k);
+    Tensor mV = prm.tma_v.get_tma_tensor(prm.shape_v);
+    QBarrier::arrive_and_expect_tx(&storage.q_loaded, Cfg::kQBytes);
+    for (int m = 0; m < 2; ++m) {
+      Tensor gQ = local_tile(mQ(_, _, 2 * h + m, b), Shape<_64, Int<D>>{}, make_coord(m_block, 0));
+      auto [tQg, tQs] = tma_partition(prm.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(m == 0 ? sQ1 : sQ2),
+                                      group_modes<0, 2>(gQ));
+      copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
+    }
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    for (int nb = 0; nb < n_end; ++nb) {
+      pipeline.producer_acquire(state);
+      uint64_t* full = pipeline.producer_get_barrier(state);
+      for (int m = 0; m < Cfg::kKeyMaps; ++m) {
+        const int km = Cfg::kV1 ? 2 * g + m : g;
+        Tensor sK = make_tensor(make_smem_ptr(storage.ring.k[m].data()), typename Cfg::SmemLayoutK{});
+        Tensor gK = local_tile(mK(_, _, km, b), Shape<_64, Int<D>>{}, make_coord(nb, 0));
+        auto [tKg, tKs] = tma_partition(prm.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK(_, _, state.index())),
+                                        group_modes<0, 2>(gK));
+        copy(prm.tma_k.with(*full), tKg, tKs);
+      }
+      Tensor sV = make_tensor(make_smem_ptr(storage.ring.v.data()), typename Cfg::SmemLayoutV{});
+      Tensor gV = local_tile(mV(_, _, g, b), Shape<_64, Int<DV>>{}, make_coord(nb, 0));
+      auto [tVg, tVs] = tma_partition(prm.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV(_, _, state.index())),
+                                      group_modes<0, 2>(gV));
+      copy(prm.tma_v.with(*full), tVg, tVs);
+      ++state;
+    }
+    return;
+  }
+
+  // Consumers: warpgroup 1 runs map 1, warpgroup 2 map 2.
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int map = warpgroup - 1;
+  const int tid = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
+  const int lane = tid & 31, wrow = (tid >> 5) * 16, gq = lane >> 2, tq = lane & 3;
+  typename Cfg::TiledMmaS mma_s;
+  typename Cfg::TiledMmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_o = mma_o.get_thread_slice(tid);
+  Tensor sK = make_tensor(make_smem_ptr(storage.ring.k[Cfg::kV1 ? map : 0].data()), typename Cfg::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(storage.ring.v.data()), typename Cfg::SmemLayoutVt{});
+  Tensor tSrQ = thr_s.make_fragment_A(thr_s.partition_A(map == 0 ? sQ1 : sQ2));
+  Tensor tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK));
+  Tensor tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt));
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<DV>>{});
+  clear(acc_o);
+
+  const float scale_log2 = prm.args.scale * kLog2e;
+  const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  QBarrier::wait(&storage.q_loaded, 0);
+  typename Pipeline::PipelineState state;  // index 0, phase 0
+  for (int nb = 0; nb < n_end; ++nb) {
+    const int n_start = nb * kBlockN;
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});
+    pipeline.consumer_wait(state);
+    warpgroup_fence_operand(acc_s);
+    warpgroup_arrive();
+    // The first k-block overwrites the accumulator, the others add to it (one gemm call over all
+    // of K would overwrite at every k-block).
+    mma_s.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, state.index()), acc_s);
+      mma_s.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+
+    // Mask keys past the end, after the bottom-right diagonal, and padding keys (index c + 2r + 4j).
+    const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
+                           (p.causal && n_start + kBlockN - 1 > m_start + p.kv_len - p.q_len);
+    if (need_mask) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const int key = n_start + (i / 4) * 8 + tq * 2 + (i & 1);
+        const int qi = m_start + wrow + gq + ((i >> 1) & 1) * 8;
+        const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
+                             (!mask_row || mask_row[key] != 0);
+        if (!visible) acc_s(i) = -INFINITY;
+      }
+    }
+    // Online softmax, rows gq and gq + 8 of this warp (same arithmetic as the mma.sync kernel).
+    float alpha[2];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+      CUTE_UNROLL
+      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(acc_s(4 * j + 2 * r), acc_s(4 * j + 2 * r + 1)));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      alpha[r] = mx == row_max[r] ? 1.f : exp2f((row_max[r] - mx) * scale_log2);
+      const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
+      row_max[r] = mx;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < kBlockN / 8; ++j)
+        CUTE_UNROLL
+        for (int c = 0; c < 2; ++c) {
+          float& s = acc_s(4 * j + 2 * r + c);
+          s = exp2f(fmaf(s, scale_log2, neg_max));
+          sum += s;
+        }
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= alpha[(i >> 1) & 1];
+
+    // P (the accumulator, converted in place order) as the register A operand of P.V.
+    Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, _64>{}));
+    static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P has the accumulator's values");
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
+    mma_o.accumulate_ = GMMA::ScaleOut::One;
+    warpgroup_fence_operand(acc_o);
+    warpgroup_arrive();
+    gemm(mma_o, tOrP, tOrV(_, _, _, state.index()), acc_o);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_o);
+    pipeline.consumer_release(state);
+    ++state;
+  }
+
+  // Epilogue: out = norm(O1/l1 - lambda * O2/l2) * weight * output_scale (acc_o index c + 2r + 4j).
+  float inv_l[2];
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv_l[r] = l > 0.f ? 1.f / l : 0.f;
+  }
+  // Both consumers are past their last wgmma and the producer issued nothing more: the ring's
+  // space becomes the scratch.
+  cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier);
+  float* scratch = storage.scratch;
+  if (map == 1) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_o); i += 2) {
+      const int r = (i >> 1) & 1, row = wrow + gq + r * 8, col = (i / 4) * 8 + tq * 2;
+      *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + col) =
+          make_float2(acc_o(i) * inv_l[r], acc_o(i + 1) * inv_l[r]);
+    }
+  }
+  cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier);
+  if (map != 0) return;
+  const Element* lambda = static_cast<const Element*>(p.lambda_full);
+  CUTE_UNROLL
+  for (int r = 0; r < 2; ++r) {
+    const int row = wrow + gq + r * 8, qi = m_start + row;
+    float lam = 0.f;
+    if constexpr (Cfg::kV1) {
+      lam = to_f(lambda[0]);
+    } else if (qi < p.q_len) {
+      lam = to_f(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride + h * p.lambda_head_stride]);
+    }
+    float sumsq = 0.f;
+    CUTE_UNROLL
+    for (int j = 0; j < DV / 8; ++j) {
+      const float2 o2 = *reinterpret_cast<const float2*>(scratch + row * Cfg::kScratchStride + j * 8 + tq * 2);
+      const float o0 = acc_o(4 * j + 2 * r) * inv_l[r] - lam * o2.x;
+      const float o1 = acc_o(4 * j + 2 * r + 1) * inv_l[r] - lam * o2.y;
+      acc_o(4 * j + 2 * r) = o0;
+      acc_o(4 * j + 2 * r + 1) = o1;
+      sumsq += o0 * o0 + o1 * o1;
+    }
+    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
+    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
+    const float rms = p.norm ? rsqrtf(sumsq / float(DV) + p.norm_eps) : 1.f;
+    if (qi < p.q_len) {
+      Element* out = static_cast<Element*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
+      CUTE_UNROLL
+      for (int j = 0; j < DV / 8; ++j) {
+        const int col = j * 8 + tq * 2;
+        out[col] = Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale);
+        out[col + 1] = Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale);
+      }
+    }
+  }
+}
+
+template <typename Element, int D, int DV>
+cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
+  using Cfg = Config<Element, D, DV>;
+  const DiffxAttentionParams& p = args.p;
+  Params<Element, D, DV> prm;
+  prm.args = args;
+  const int key_maps = Cfg::kV1 ? 2 * p.num_kv_heads : p.num_kv_heads;
+  prm.shape_q = make_shape(p.q_len, int32_t(D), 2 * p.num_heads, p.batch);
+  prm.shape_k = make_shape(p.kv_len, int32_t(D), key_maps, p.batch);
+  prm.shape_v = make_shape(p.kv_len, int32_t(DV), p.num_kv_heads, p.batch);
+  // A batch of one may carry any batch stride (0 included); TMA descriptors need a non-zero one.
+  auto batch_stride = [&](int64_t stride, int64_t rows, int64_t row_stride) {
+    return p.batch == 1 ? rows * row_stride : stride;
+  };
+  auto q = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.query)), prm.shape_q,
+                       make_stride(p.q_row_stride, _1{}, int64_t(D), batch_stride(p.q_batch_stride, p.q_len, p.q_row_stride)));
+  auto k = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.key)), prm.shape_k,
+                       make_stride(p.k_row_stride, _1{}, int64_t(D), batch_stride(p.k_batch_stride, p.kv_len, p.k_row_stride)));
+  auto v = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.value)), prm.shape_v,
+                       make_stride(p.v_row_stride, _1{}, int64_t(DV), batch_stride(p.v_batch_stride, p.kv_len, p.v_row_stride)));
+  prm.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Cfg::SmemLayoutQ{});
+  prm.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Cfg::SmemLayoutK{}));
+  prm.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Cfg::SmemLayoutV{}));
+  const auto kernel = diff_attention_sm90_kernel<Element, D, DV>;
+  const int smem = int(sizeof(typename Cfg::SharedStorage));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(unsigned(p.num_heads), unsigned(p.batch), unsigned((p.q_len + kBlockM - 1) / kBlockM));
+  kernel<<<grid, kThreads, smem, stream>>>(prm);
+  return cudaGetLastError();
+}
+
+template <typename Element>
+cudaError_t launch_dtype(const KernelArgs& args, cudaStream_t stream) {
+  const bool v1 = args.p.variant == 1;
+  if (args.p.head_dim == 64) return v1 ? launch<Element, 64, 128>(args, stream) : launch<Element, 64, 64>(args, stream);
+  return v1 ? launch<Element, 128, 256>(args, stream) : launch<Element, 128, 128>(args, stream);
+}
+
+}  // namespace diffx::sm90
+
+namespace diffx {
+
+cudaError_t launch_diff_attention_sm90(const KernelArgs& args, cudaStream_t stream) {
+  return args.p.dtype == DIFFX_DTYPE_BFLOAT16 ? sm90::launch_dtype<cutlass::bfloat16_t>(args, stream)
+                                              : sm90::launch_dtype<cutlass::half_t>(args, stream);
+}
+
+}  // namespace diffx

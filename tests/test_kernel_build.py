@@ -1,0 +1,59 @@
+"""What the compiled kernel library holds, read from its binary on the CPU (cuobjdump and nvdisasm;
+no GPU needed): the Hopper path's sm_90a kernels are built from wgmma (HGMMA) and TMA (UTMALDG)
+with register reallocation, and neither they nor the split-KV decode kernels spill on any
+architecture. Skipped where the library is not built or the binary utilities are missing
+(.ci/run installs them from the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffexport import kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import kernel_resources  # noqa: E402
+
+ARCHS = {"sm_80", "sm_86", "sm_87", "sm_89", "sm_90a"}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    path = kernels.library_path()
+    if path is None:
+        pytest.skip(f"kernel library not built: {kernels.BUILD_HINT}")
+    if kernel_resources.find_tool("cuobjdump") is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    return path
+
+
+def test_decode_kernels_are_built_for_every_architecture_without_spills(lib):
+    rows = kernel_resources.resource_usage(lib)
+    decode = [r for r in rows if "diff_attention_decode" in r["kernel"]]
+    built = {r["arch"] for r in decode}
+    assert ARCHS & built == ARCHS & {r["arch"] for r in rows}, "decode kernels missing for an architecture"
+    # 16 split-KV kernels (dtype x D x variant x logits) and 6 merge kernels (dtype x value dim) per architecture
+    for arch in built:
+        names = {r["kernel"] for r in decode if r["arch"] == arch}
+        assert sum("decode_kernel<" in n for n in names) == 16 and sum("merge_kernel<" in n for n in names) == 6, arch
+    spilled = [(r["arch"], r["kernel"], r["stack"]) for r in decode if r["stack"]]
+    assert not spilled, spilled
+
+
+def test_hopper_path_is_tma_and_wgmma_without_spills(lib):
+    if "sm90=1" not in kernels.build_info():
+        pytest.skip("library built without the Hopper path (no sm_90a or no CUTLASS headers)")
+    if kernel_resources.find_tool("nvdisasm") is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    rows = [r for r in kernel_resources.resource_usage(lib) if "diff_attention_sm90_kernel" in r["kernel"]]
+    assert {r["arch"] for r in rows} == {"sm_90a"}, "the Hopper kernels are compiled for sm_90a only"
+    assert len(rows) == 8  # fp16/bf16 x D 64/128 x V1/V2
+    assert not [r for r in rows if r["stack"]], "the Hopper kernels spill"
+    markers = kernel_resources.sass_markers(lib, "sm_90a")
+    hopper = {name: counts for name, counts in markers.items() if "diff_attention_sm90_kernel" in name}
+    assert len(hopper) == 8
+    for name, counts in hopper.items():
+        assert counts["HGMMA"] > 0 and counts["UTMALDG"] > 0 and counts["USETMAXREG"] > 0, (name, counts)
+        assert counts["HMMA"] == 0, (name, "mma.sync in the wgmma kernel")
+    one_pass = [c for n, c in markers.items() if "diff_attention_fwd_kernel" in n]
+    assert one_pass and all(c["HGMMA"] == 0 and c["HMMA"] > 0 for c in one_pass)  # the check can tell them apart
