@@ -278,13 +278,19 @@ def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
 
     assert plan(q_len=100, kv_len=100) == ("one-pass", 1)
     assert plan(q_len=17, kv_len=4096) == ("one-pass", 1)
-    # batch 2 x 4 heads = 8 CTAs a split: 32 splits reach 256 CTAs; 4096 keys are 64 tiles, 2 a split
-    assert plan(q_len=1, kv_len=4096) == ("split-kv", 32)
+    # batch 2 x 4 heads, one CTA per head (q_len 16 leaves no room to pack the GQA pair): 8 CTAs a
+    # split, 32 splits reach 256 CTAs; 4096 keys are 64 tiles, 2 a split
+    assert plan(q_len=16, kv_len=4096) == ("split-kv", 32)
+    # q_len 1: the two heads of each kv group share a CTA, 4 CTAs a split, 64 splits of one tile
+    assert plan(q_len=1, kv_len=4096) == ("split-kv", 64)
+    assert plan(q_len=1, kv_len=4096, bits=8) == ("split-kv", 32)  # INT8: Q scales per head, no packing
     assert plan(q_len=16, kv_len=100) == ("split-kv", 2)  # never more splits than 64-key tiles
     assert plan(q_len=1, kv_len=1) == ("split-kv", 1)
-    # 70 tiles over 32 splits: 3 tiles a split, so 24 splits (none left empty)
-    assert plan(q_len=4, kv_len=70 * 64) == ("split-kv", 24)
-    assert plan(q_len=1, kv_len=128 * 1024, batch=64, num_heads=32) == ("split-kv", 1)
+    # 70 tiles over 64 splits: 2 tiles a split, so 35 splits (none left empty)
+    assert plan(q_len=4, kv_len=70 * 64) == ("split-kv", 35)
+    # 32 heads over 2 kv groups, all 16 of a group in one CTA: 64 x 2 CTAs, 2 splits reach 256
+    assert plan(q_len=1, kv_len=128 * 1024, batch=64, num_heads=32) == ("split-kv", 2)
+    assert plan(q_len=1, kv_len=128 * 1024, batch=64, num_heads=32, num_kv_heads=32) == ("split-kv", 1)
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
     assert plan(q_len=1, kv_len=4096) == ("one-pass", 1)
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper-please")
@@ -293,16 +299,16 @@ def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
 
 
 def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
-    """The decode partials: min(B*H*tiles, B*H + 256) CTAs x 2 maps x 4 warps x q_len rows of Dv + 2
-    floats, reserved whatever DIFFEXPORT_KERNEL_PATH says, and never shrinking as batch, heads or keys
-    grow (a TensorRT plugin sizes it once at its profile's maximum)."""
+    """The decode partials: min(B*H*q*tiles, B*H*q + 256*min(ratio*q, 16)) rows x 2 maps x 4 warps of
+    Dv + 2 floats, reserved whatever DIFFEXPORT_KERNEL_PATH says, and never shrinking as batch, heads,
+    keys or q_len grow (a TensorRT plugin sizes it once at its profile's maximum)."""
     up = lambda x: -(-x // 256) * 256  # noqa: E731
 
     def size(**kw):
         return lib.diffx_attention_workspace_size(ctypes.byref(valid_params(**kw)))
 
-    ctas = min(2 * 4 * 64, 2 * 4 + 256)
-    states = ctas * 2 * 4 * 3
+    rows = min(2 * 4 * 3 * 64, 2 * 4 * 3 + 256 * min(2 * 3, 16))
+    states = rows * 2 * 4
     assert size(q_len=3, kv_len=4096) == up(states * 128 * 4) + up(states * 2 * 4)
     assert size(q_len=17, kv_len=4096) == 0
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
@@ -314,6 +320,8 @@ def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
         now = size(q_len=1, batch=batch, num_heads=heads, num_kv_heads=1, kv_len=kv_len)
         assert now >= previous, (batch, heads, kv_len)
         previous = now
+    sizes = [size(q_len=q, kv_len=4096) for q in range(1, 17)]
+    assert sizes == sorted(sizes), sizes
     p = valid_params(q_len=1, kv_len=4096)
     assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_WORKSPACE_TOO_SMALL"]
     assert "split-KV decode" in lib.diffx_last_error().decode()

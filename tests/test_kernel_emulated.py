@@ -193,10 +193,16 @@ def test_emulated_float32_io_runs_the_fp16_kernel(emulator, variant, bits, rng):
     assert torch.equal(out32, emulate(emulator, half, attrs, bits=bits).float())
 
 
-def splits_for(batch, heads, kv_len):
+def packed_heads(ratio, q_len, int8=False):
+    """GQA heads a decode CTA packs: the largest divisor of the group size whose rows fit 16 (one for INT8)."""
+    return 1 if int8 else max(h for h in range(1, ratio + 1) if ratio % h == 0 and h * q_len <= 16)
+
+
+def splits_for(batch, heads, kv_len, ratio=1, q_len=1, int8=False):
     """The decode plan's key splits (DIFFX_DECODE_TARGET_CTAS = 256 CTAs, never an empty split)."""
     tiles = -(-kv_len // 64)
-    splits = min(tiles, max(1, -(-256 // (batch * heads))))
+    ctas = batch * heads // packed_heads(ratio, q_len, int8)
+    splits = min(tiles, max(1, -(-256 // ctas)))
     per_split = -(-tiles // splits)
     return -(-tiles // per_split)
 
@@ -210,6 +216,7 @@ DECODE_CASES = [  # variant, head dim, causal, GQA ratio, heads, batch, q_len, k
     (2, 128, 1, 1, 2, 1, 16, 16, torch.float16),       # causal square: the triangle inside one tile
     (2, 64, 0, 4, 4, 1, 7, 777, torch.float16),
     (1, 64, 1, 1, 1, 1, 2, 70_000, torch.float16),     # a long cache: 219 splits of 5 tiles
+    (2, 128, 1, 8, 8, 2, 2, 300, torch.bfloat16),      # GQA 8 x 2 tokens: one CTA fills all 16 rows
 ]
 
 
@@ -221,7 +228,7 @@ def test_emulated_decode_kernel_matches_the_oracle(emulator, case, rng):
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
                                causal=causal, norm=int(variant == 1), output_scale=0.7)
     inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
-    out = emulate(emulator, inputs, attrs, plan=("split-kv", splits_for(batch, heads, kv_len)))
+    out = emulate(emulator, inputs, attrs, plan=("split-kv", splits_for(batch, heads, kv_len, ratio, q_len)))
     assert not out.isnan().any(), "output not fully written (poison left)"
     assert_close_lowprec(out, lowprec_baseline(*inputs, attrs), oracle(inputs, attrs), str(case),
                          min_cosine=min_cosine(dtype))
@@ -232,7 +239,7 @@ def test_emulated_decode_agrees_with_the_one_pass_kernel(emulator, rng, monkeypa
     the same math, summed in another order, so equal to within a few units of the last place."""
     attrs = DiffAttentionAttrs(variant=1, num_heads=4, num_kv_heads=2, head_dim=64, causal=1)
     inputs = make_inputs(attrs, 2, 4, 300, dtype=torch.float16, rng=rng)
-    split = emulate(emulator, inputs, attrs, plan=("split-kv", 5)).double()
+    split = emulate(emulator, inputs, attrs, plan=("split-kv", splits_for(2, 4, 300, 2, 4))).double()
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
     one_pass = emulate(emulator, inputs, attrs, plan=("one-pass", 1)).double()
     err = (split - one_pass).abs().max().item()
@@ -295,13 +302,14 @@ def test_emulated_decode_int8_logits_match_the_mirrored_quantisation(emulator, v
                                norm=int(variant == 1), output_scale=0.8)
     inputs = make_inputs(attrs, 2, q_len, kv_len, dtype=dtype, rng=rng)
     inputs[1].add_(torch.linspace(-1, 2, attrs.key_width).to(dtype))
-    plan = ("split-kv", splits_for(2, 2, kv_len))
+    plan = ("split-kv", splits_for(2, 2, kv_len, 2, q_len, int8=True))
     out = emulate(emulator, inputs, attrs, bits=bits, smooth_k=smooth_k, plan=plan).double()
     assert torch.isfinite(out).all()
     mirror = reference.quantised_diff_attention(*[t.float() for t in inputs], attrs,
                                                 LogitQuant(bits, "qk", smooth_k)).double()
     exact = torch.as_tensor(oracle(inputs, attrs))
-    fp_err = (emulate(emulator, inputs, attrs, plan=plan).double() - exact).abs().max().item()
+    fp_plan = ("split-kv", splits_for(2, 2, kv_len, 2, q_len))  # fp logits pack the two heads of the group
+    fp_err = (emulate(emulator, inputs, attrs, plan=fp_plan).double() - exact).abs().max().item()
     err = (out - mirror).abs().max().item()
     cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
     assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation {err:.3e} > 2*{fp_err:.3e} + 1e-3"

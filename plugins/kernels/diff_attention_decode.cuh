@@ -2,9 +2,12 @@
 // DIFFX_DECODE_MAX_QUERY query tokens, where a 64-row query tile would be mostly padding and one
 // CTA per (batch, diff-head) would leave most SMs idle while the whole cache streams through them.
 //
-// Kernel 1, one CTA per (diff-head, batch element, key split), 8 warps: warps 0-3 run map 1 and
-// warps 4-7 map 2 on the same 16-row query tile (every query token of the call, zero-padded), and
-// warp w of a map takes keys 16w..16w+15 of every 64-key tile of the split. Each warp keeps its own
+// Kernel 1, one CTA per (group of diff-heads, batch element, key split), 8 warps: warps 0-3 run
+// map 1 and warps 4-7 map 2 on the same 16-row query tile, and warp w of a map takes keys
+// 16w..16w+15 of every 64-key tile of the split. The tile's rows are (head, query token) pairs:
+// every query token of the call for each of the group's heads (GQA heads that share a kv group,
+// as many as fit 16 rows; decode_plan chooses), zero-padded. Heads that share K/V thus read each
+// tile once, where one CTA per head would read it once per head. Each warp keeps its own
 // running max, sum and fp32 P.V accumulator for both of its rows-halves, exactly as the one-pass
 // kernel's warps do, and writes them, unnormalised, as one partial state ("part") to the workspace.
 // Every K/V tile is read from global memory once per CTA; V serves both maps.
@@ -36,23 +39,21 @@ struct DecodeTileConfig {
   static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + Fwd::kKeyTiles * Fwd::kKTileBytes + Fwd::kVTileBytes;
 };
 
-// Copies ROWS rows of ROW_BYTES into a swizzled shared tile (rows >= valid_rows zero-filled).
-// For the small query tile, where the one-pass loader's fixed trip count does not divide.
-template <int ROWS, int ROW_BYTES>
-__device__ __forceinline__ void load_rows_async(char* smem, const char* gmem, int64_t row_stride_bytes, int valid_rows,
-                                                int tid) {
+// Copies `rows` rows of ROW_BYTES (row r from src(r)) into a swizzled 16-row shared tile, the other
+// rows zero-filled: the query rows of the packed heads, gathered from their columns of Q.
+template <int ROW_BYTES, typename Src>
+__device__ __forceinline__ void load_query_rows(char* smem, int rows, int tid, Src src) {
   constexpr int kChunks = ROW_BYTES / 16;
-  for (int c = tid; c < ROWS * kChunks; c += kThreads) {
+  for (int c = tid; c < kDecodeRows * kChunks; c += kThreads) {
     const int row = c / kChunks, chunk = c % kChunks;
-    const bool valid = row < valid_rows;
-    cp_async_16(smem + swizzled_chunk<kChunks>(row, chunk) * 16,
-                valid ? gmem + row * row_stride_bytes + chunk * 16 : gmem, valid);
+    const bool valid = row < rows;
+    cp_async_16(smem + swizzled_chunk<kChunks>(row, chunk) * 16, src(valid ? row : 0) + chunk * 16, valid);
   }
 }
 
-// Grid: x = diff-head, y = batch element, z = key split.
+// Grid: x = group of heads_per_cta diff-heads, y = batch element, z = key split.
 inline void decode_grid(const KernelArgs& args, unsigned (&dims)[3]) {
-  dims[0] = unsigned(args.p.num_heads);
+  dims[0] = unsigned(args.p.num_heads / args.plan.heads_per_cta);
   dims[1] = unsigned(args.p.batch);
   dims[2] = unsigned(args.plan.splits);
 }
@@ -77,8 +78,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
   const int map = warp / kWarpsPerMap;        // 0: map 1, 1: map 2 (warp-uniform)
   const int quarter = warp % kWarpsPerMap;    // this warp's 16 keys of each tile
   const int gq = lane >> 2, tq = lane & 3;    // mma fragment coordinates (row group, column pair)
-  const int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
-  const int g = h / (p.num_heads / p.num_kv_heads);
+  const int heads = args.plan.heads_per_cta, h0 = blockIdx.x * heads, b = blockIdx.y, split = blockIdx.z;
+  const int g = h0 / (p.num_heads / p.num_kv_heads);
+  const int rows = heads * p.q_len;  // tile row r: head h0 + r / q_len, query token r % q_len
   const int64_t esz = sizeof(T);
 
   char* sQ = smem;                                    // [2][16][D] T
@@ -91,11 +93,12 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
   const int nb_end = min(n_total, nb_begin + args.plan.tiles_per_split);
   // Under a causal mask the last query token sees every key, so no tile of the split is skipped.
 
-  const T* q_rows = static_cast<const T*>(p.query) + b * p.q_batch_stride;
+  const T* q_batch = static_cast<const T*>(p.query) + b * p.q_batch_stride;
   for (int m = 0; m < 2; ++m) {
-    load_rows_async<kDecodeRows, D * sizeof(T)>(sQ + m * Cfg::kQTileBytes,
-                                                reinterpret_cast<const char*>(q_rows + (2 * h + m) * D),
-                                                p.q_row_stride * esz, p.q_len, tid);
+    load_query_rows<D * sizeof(T)>(sQ + m * Cfg::kQTileBytes, rows, tid, [&](int r) {
+      return reinterpret_cast<const char*>(q_batch + int64_t(r % p.q_len) * p.q_row_stride +
+                                           (2 * (h0 + r / p.q_len) + m) * D);
+    });
   }
   auto load_k = [&](int nb) {
     const int n_start = nb * kBlockN;
@@ -194,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = n_start + k0 + i * 8 + tq * 2 + (e & 1);
-          const int qi = gq + (e >> 1) * 8;  // rows >= q_len are padding: computed, never written
+          const int qi = (gq + (e >> 1) * 8) % p.q_len;  // rows >= `rows` are padding: computed, never written
           const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
                                (!mask_row || mask_row[key] != 0);
           if (!visible) s[i][e] = -INFINITY;
@@ -263,16 +266,16 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
 
   // This warp's partial state, unnormalised, for the merge kernel (valid query rows only).
   const int part = split * kWarpsPerMap + quarter;
-  const int64_t first = part_index(args, b, h, map, part);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = row_sum[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int row = gq + r * 8;
-    if (row < p.q_len) {
-      if (tq == 0) *reinterpret_cast<float2*>(args.part_ml + (first + row) * 2) = make_float2(row_max[r], l);
-      float* o = args.part_o + (first + row) * DV;
+    if (row < rows) {
+      const int64_t state = part_index(args, b, h0 + row / p.q_len, map, part) + row % p.q_len;
+      if (tq == 0) *reinterpret_cast<float2*>(args.part_ml + state * 2) = make_float2(row_max[r], l);
+      float* o = args.part_o + state * DV;
 #pragma unroll
       for (int i = 0; i < kOTiles; ++i)
         *reinterpret_cast<float2*>(o + i * 8 + tq * 2) = make_float2(acc_o[i][2 * r], acc_o[i][2 * r + 1]);

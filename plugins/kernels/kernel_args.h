@@ -18,10 +18,11 @@ constexpr int kDecodeWarpsPerMap = 4;
 // Which kernel runs a call (DIFFX_DECODE_MAX_QUERY, DIFFEXPORT_KERNEL_PATH in diff_attention.h).
 enum class KernelPath { kOnePass, kDecode, kHopper };
 
-// The split-KV decode kernel's key splits: `splits` CTAs per (batch, diff-head), each over
-// `tiles_per_split` 64-key tiles (the last split may have fewer), none empty.
+// The split-KV decode kernel's work: each CTA takes `heads_per_cta` diff-heads of one kv group
+// (GQA heads packed into the 16 query rows, so their shared K/V tiles are read once) and one key
+// split of `tiles_per_split` 64-key tiles (the last split may have fewer, none is empty).
 struct DecodePlan {
-  int splits = 0, tiles_per_split = 0;
+  int splits = 0, tiles_per_split = 0, heads_per_cta = 1;
 };
 
 // Launch arguments resolved on the host from DiffxAttentionParams.

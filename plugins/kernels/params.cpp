@@ -54,10 +54,16 @@ WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
     // Sized for the most partial states any plan can ask for: batch*heads*splits is at most
     // batch*heads*tiles and less than batch*heads + DIFFX_DECODE_TARGET_CTAS (a bound that only
     // grows with the shapes, so a TensorRT plugin can size it at its profile's maximum).
-    const size_t bh = size_t(p.batch) * p.num_heads;
+    // Partial states: B*H*splits*q_len rows per map and warp. With h heads packed per CTA the plan
+    // has splits <= ceil(TARGET*h / (B*H)) and h*q_len <= 16, so B*H*splits*q_len is below
+    // B*H*q_len + TARGET*min(ratio*q_len, 16), and below B*H*q_len*tiles: a bound that only grows
+    // with batch, heads, keys and q_len.
+    const size_t bh = size_t(p.batch) * p.num_heads, q = size_t(p.q_len);
     const size_t tiles = (size_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
-    const size_t ctas = std::min(bh * tiles, bh + DIFFX_DECODE_TARGET_CTAS);
-    const size_t states = ctas * 2 * kDecodeWarpsPerMap * size_t(p.q_len);  // per map, per warp
+    const size_t ratio = size_t(p.num_heads / std::max(1, p.num_kv_heads));
+    const size_t rows = std::min(bh * q * tiles,
+                                 bh * q + size_t(DIFFX_DECODE_TARGET_CTAS) * std::min<size_t>(ratio * q, DIFFX_DECODE_MAX_QUERY));
+    const size_t states = rows * 2 * kDecodeWarpsPerMap;  // per map, per warp
     const size_t int8_end = offset - w.int8_base;
     w.part_o = int8_end;
     w.part_ml = w.part_o + round_up(states * value_dim(p) * sizeof(float), kAlign);
@@ -136,10 +142,19 @@ KernelPath kernel_path(const DiffxAttentionParams& p) {
 }
 
 DecodePlan decode_plan(const DiffxAttentionParams& p) {
-  const int64_t bh = int64_t(p.batch) * p.num_heads;
+  DecodePlan plan;
+  // GQA: pack the most heads of one kv group whose query tokens fit the 16 rows (a divisor of the
+  // group size, so no CTA straddles two groups). INT8 logits quantise Q per head: one head a CTA.
+  const int ratio = p.num_heads / p.num_kv_heads;
+  if (!logits_quantised(p))
+    for (int h = ratio; h >= 1; --h)
+      if (ratio % h == 0 && h * p.q_len <= DIFFX_DECODE_MAX_QUERY) {
+        plan.heads_per_cta = h;
+        break;
+      }
+  const int64_t bh = int64_t(p.batch) * (p.num_heads / plan.heads_per_cta);
   const int64_t tiles = (int64_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
   int64_t splits = std::min<int64_t>(tiles, std::max<int64_t>(1, (DIFFX_DECODE_TARGET_CTAS + bh - 1) / bh));
-  DecodePlan plan;
   plan.tiles_per_split = int((tiles + splits - 1) / splits);
   plan.splits = int((tiles + plan.tiles_per_split - 1) / plan.tiles_per_split);  // no empty split
   return plan;
