@@ -82,18 +82,23 @@ def attention_flops(attrs: DiffAttentionAttrs, batch: int, n: int) -> float:
     return per_head * batch * attrs.num_heads * (0.5 if attrs.causal else 1.0)
 
 
+def random_inputs(attrs: DiffAttentionAttrs, batch: int, q_len: int, kv_len: int, dtype, seed: int):
+    """Contract inputs on the GPU: normal Q, K, V, lambda 0.4 (V1), weights near 1."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, q_len, 2 * attrs.num_heads * attrs.head_dim, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(batch, kv_len, attrs.key_width, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(batch, kv_len, attrs.num_kv_heads * attrs.value_dim, device="cuda", dtype=dtype, generator=gen)
+    lam = torch.tensor([0.4], device="cuda", dtype=dtype)
+    w = 1 + 0.1 * torch.randn(attrs.value_dim, device="cuda", generator=gen)
+    return q, k, v, lam, w
+
+
 def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: int, repeats: int,
                backends: list[str], other_builds: dict) -> dict:
     batch = max(1, TOKENS_PER_BATCH // n)
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=causal,
                                output_scale=0.8)
-    gen = torch.Generator(device="cuda").manual_seed(n + head_dim + causal)
-    q = torch.randn(batch, n, 2 * heads * head_dim, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(batch, n, attrs.key_width, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(batch, n, heads * attrs.value_dim, device="cuda", dtype=dtype, generator=gen)
-    lam = torch.tensor([0.4], device="cuda", dtype=dtype)
-    w = 1 + 0.1 * torch.randn(attrs.value_dim, device="cuda", generator=gen)
-    inputs = (q, k, v, lam, w)
+    inputs = q, k, v, lam, w = random_inputs(attrs, batch, n, n, dtype, n + head_dim + causal)
     out = torch.empty(batch, n, heads * attrs.value_dim, device="cuda", dtype=dtype)
     methods = {
         "fused": lambda: kernels.diff_attention(*inputs, attrs, out=out),
@@ -207,14 +212,9 @@ def profile_launches(n: int) -> None:
     kernels.load_library()
     batch, heads = max(1, TOKENS_PER_BATCH // n), 16
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=128, causal=0)
-    gen = torch.Generator(device="cuda").manual_seed(n)
-    q = torch.randn(batch, n, 2 * heads * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(batch, n, attrs.key_width, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(batch, n, heads * attrs.value_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    lam = torch.tensor([0.4], device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(attrs.value_dim, device="cuda")
+    inputs = random_inputs(attrs, batch, n, n, torch.bfloat16, n)
     for _ in range(4):
-        kernels.diff_attention(q, k, v, lam, w, attrs)
+        kernels.diff_attention(*inputs, attrs)
     torch.cuda.synchronize()
 
 
@@ -266,13 +266,7 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
                 repeats: int, backends: list[str]) -> dict:
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=1,
                                output_scale=0.8)
-    gen = torch.Generator(device="cuda").manual_seed(kv_len + head_dim + q_len)
-    q = torch.randn(batch, q_len, 2 * heads * head_dim, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(batch, kv_len, attrs.key_width, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(batch, kv_len, kv_heads * attrs.value_dim, device="cuda", dtype=dtype, generator=gen)
-    lam = torch.tensor([0.4], device="cuda", dtype=dtype)
-    w = 1 + 0.1 * torch.randn(attrs.value_dim, device="cuda", generator=gen)
-    inputs = (q, k, v, lam, w)
+    inputs = q, k, v, lam, w = random_inputs(attrs, batch, q_len, kv_len, dtype, kv_len + head_dim + q_len)
     out = torch.empty(batch, q_len, heads * attrs.value_dim, device="cuda", dtype=dtype)
     nbytes = sum(t.numel() * t.element_size() for t in (q, k, v, out))
     methods, plans = {}, {}
@@ -347,14 +341,9 @@ def profile_decode_launches(kv_len: int) -> None:
     Sq=1, batch 4, 16 diff-heads over 4 kv groups)."""
     kernels.load_library()
     attrs = DiffAttentionAttrs(variant=1, num_heads=16, num_kv_heads=4, head_dim=128, causal=1)
-    gen = torch.Generator(device="cuda").manual_seed(kv_len)
-    q = torch.randn(4, 1, 2 * 16 * 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(4, kv_len, attrs.key_width, device="cuda", dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(4, kv_len, 4 * attrs.value_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    lam = torch.tensor([0.4], device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(attrs.value_dim, device="cuda")
+    inputs = random_inputs(attrs, 4, 1, kv_len, torch.bfloat16, kv_len)
     for _ in range(4):
-        kernels.diff_attention(q, k, v, lam, w, attrs)
+        kernels.diff_attention(*inputs, attrs)
     torch.cuda.synchronize()
 
 

@@ -210,36 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
       cp_async_commit();
     }
 
-    // Online softmax update of this warp's partial state (rows gq and gq + 8).
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      alpha[r] = mx == row_max[r] ? 1.f : fast_exp2((row_max[r] - mx) * scale_log2);
-      const float neg_max = (mx == -INFINITY) ? 0.f : -mx * scale_log2;
-      row_max[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < kSTiles; ++i) {
-        s[i][2 * r] = fast_exp2(fmaf(s[i][2 * r], scale_log2, neg_max));
-        s[i][2 * r + 1] = fast_exp2(fmaf(s[i][2 * r + 1], scale_log2, neg_max));
-        sum += s[i][2 * r] + s[i][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha[r] + sum;
-    }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < kOTiles; ++i) {
-        acc_o[i][0] *= alpha[0];
-        acc_o[i][1] *= alpha[0];
-        acc_o[i][2] *= alpha[1];
-        acc_o[i][3] *= alpha[1];
-      }
-    }
+    online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // this warp's partial state
 
     // O += P V over this warp's 16 keys (one k-step of 16).
     constexpr int kVChunks = DV / 8;

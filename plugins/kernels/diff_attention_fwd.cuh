@@ -108,6 +108,48 @@ __device__ float quantise_q_tile(const char* q_tile, char* q8_tile, int qmax, fl
   return amax / float(qmax);
 }
 
+// One key tile's online softmax update of a warp's state for its rows gq and gq + 8: the row
+// maxima over the tile (raw logit units, reduced over the quad), the scores turned into
+// probabilities in place, p = 2^(s*c - max*c) with c the logit scale in log2 units folded into one
+// FFMA before ex2, the running sums rescaled and extended, and the P.V accumulator rescaled.
+// A max that did not grow rescales by exactly 1, and once the maxima settle most tiles leave every
+// row's max in place, so the accumulator rescale (the bulk of the loop's FP32 work) is skipped when
+// the whole warp agrees; a row with nothing visible yet stays at 0. Shared by the one-pass and the
+// split-KV decode kernels (S_TILES n-tiles of 8 keys, O_TILES n-tiles of 8 output channels).
+template <int S_TILES, int O_TILES>
+__device__ __forceinline__ void online_softmax_step(float (&s)[S_TILES][4], float (&acc_o)[O_TILES][4],
+                                                    float (&row_max)[2], float (&row_sum)[2], float scale_log2) {
+  float alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_max[r];
+#pragma unroll
+    for (int i = 0; i < S_TILES; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    alpha[r] = mx == row_max[r] ? 1.f : fast_exp2((row_max[r] - mx) * scale_log2);
+    const float neg_max = (mx == -INFINITY) ? 0.f : -mx * scale_log2;
+    row_max[r] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < S_TILES; ++i) {
+      s[i][2 * r] = fast_exp2(fmaf(s[i][2 * r], scale_log2, neg_max));
+      s[i][2 * r + 1] = fast_exp2(fmaf(s[i][2 * r + 1], scale_log2, neg_max));
+      sum += s[i][2 * r] + s[i][2 * r + 1];
+    }
+    row_sum[r] = row_sum[r] * alpha[r] + sum;
+  }
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < O_TILES; ++i) {
+      acc_o[i][0] *= alpha[0];
+      acc_o[i][1] *= alpha[0];
+      acc_o[i][2] *= alpha[1];
+      acc_o[i][3] *= alpha[1];
+    }
+  }
+}
+
 // Head dim 64 could run two CTAs per SM (at most 128 registers a thread, under half the shared
 // memory), hiding one CTA's barriers and epilogue behind the other's matrix work. Under that cap
 // ptxas spills (V1 fp: 208-byte stack frame for sm_90a), so the default stays at one CTA until a
@@ -292,39 +334,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM<D>) diff_attention_f
       cp_async_commit();
     }
 
-    // Online softmax update of this map's state (rows gq and gq + 8 of the warp).
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int i = 0; i < kSTiles; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // A max that did not grow rescales by exactly 1; a row with nothing visible yet stays at 0.
-      alpha[r] = mx == row_max[r] ? 1.f : fast_exp2((row_max[r] - mx) * scale_log2);
-      const float neg_max = (mx == -INFINITY) ? 0.f : -mx * scale_log2;
-      row_max[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < kSTiles; ++i) {
-        s[i][2 * r] = fast_exp2(fmaf(s[i][2 * r], scale_log2, neg_max));
-        s[i][2 * r + 1] = fast_exp2(fmaf(s[i][2 * r + 1], scale_log2, neg_max));
-        sum += s[i][2 * r] + s[i][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha[r] + sum;
-    }
-    // Once the running maxima settle most tiles leave every row's max in place: the 16 x DV
-    // accumulator rescale (the bulk of the loop's FP32 work) is skipped when the whole warp agrees.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < kOTiles; ++i) {
-        acc_o[i][0] *= alpha[0];
-        acc_o[i][1] *= alpha[0];
-        acc_o[i][2] *= alpha[1];
-        acc_o[i][3] *= alpha[1];
-      }
-    }
+    online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);
 
     // O += P V: the score fragment becomes the A operand directly (FlashAttention-2 layout trick).
     constexpr int kVChunks = DV / 8;
