@@ -53,10 +53,15 @@ EOF
 
 part_build() {
   local start=$SECONDS
+  # The Hopper path needs CUTLASS headers; the GPU machine has no network, so they are carried
+  # (tools/README.md): CAMPAIGN_CUTLASS_DIR, default build-cutlass/include when present.
+  local cutlass="${CAMPAIGN_CUTLASS_DIR:-}"
+  [[ -z "$cutlass" && -f build-cutlass/include/cute/tensor.hpp ]] && cutlass="$PWD/build-cutlass/include"
   {
     cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
-      -DDIFFEXPORT_BUILD_EMULATOR=OFF && cmake --build "$BUILD_DIR" --parallel
+      -DDIFFEXPORT_BUILD_EMULATOR=OFF ${cutlass:+-DCUTLASS_INCLUDE_DIR="$cutlass"} && cmake --build "$BUILD_DIR" --parallel
   } > "$OUT_DIR/build.log" 2>&1 || { tail -30 "$OUT_DIR/build.log"; return 1; }
+  grep "diffexport:" "$OUT_DIR/build.log" | tee -a "$OUT_DIR/campaign.log"
   echo "build: $((SECONDS - start)) s for $ARCH" | tee -a "$OUT_DIR/build.log"
   # Registers, shared memory and stack frames per kernel (spills show as a non-zero STACK).
   cuobjdump --dump-resource-usage "$DIFFEXPORT_KERNEL_LIB" 2>&1 | grep -E "Function|REG" >> "$OUT_DIR/build.log"
