@@ -130,6 +130,11 @@ def test_streams_cut_text_and_refuse_empty_files(tmp_path):
         streams.text_ids(str(text), None, 100)
     with pytest.raises(DiffExportError, match="fewer than one sequence"):
         streams.batches([1, 2, 3], 16, 2)
+    huge = tmp_path / "huge.txt"  # sparse: over the limit without using the disk
+    with open(huge, "wb") as handle:
+        handle.truncate(streams.MAX_TEXT_BYTES + 1)
+    with pytest.raises(DiffExportError, match="limited to 64 MiB"):
+        streams.text_ids(str(huge), None, 512)
     ids, flags, source = streams.synthetic_ids(97, 500, 50, 0)  # too small a vocabulary for the task
     assert source == "uniform random token ids" and len(ids) == 500 and max(ids) < 97 and flags is None
 

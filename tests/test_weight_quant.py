@@ -261,3 +261,7 @@ def test_check_scores_a_text_and_reports_both_perplexities(exported, tmp_path):
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\xff\xfe" * 200)
     assert_one_line_error(run_cli("check", out, "--against", exported, "--text", binary), "is not UTF-8 text")
+    huge = tmp_path / "huge.txt"  # sparse: over the limit without using the disk, refused before it is read
+    with open(huge, "wb") as handle:
+        handle.truncate(65 * 2**20)
+    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", huge), "limited to 64 MiB")

@@ -18,10 +18,19 @@ import torch
 from diffexport.errors import DiffExportError
 
 
+# Text inputs (--text, --calib) are read whole and tokenised at once; the tools use at most a few
+# million tokens of them, so a bigger file is refused before it is read.
+MAX_TEXT_BYTES = 64 * 2**20
+
+
 def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
     file = Path(path)
     if not file.is_file():
         raise DiffExportError(f"text file not found: {path}")
+    size = file.stat().st_size
+    if size > MAX_TEXT_BYTES:
+        raise DiffExportError(f"{path} is {size / 2**20:.0f} MiB; text inputs are read whole and limited to "
+                              f"{MAX_TEXT_BYTES >> 20} MiB: give an excerpt")
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
