@@ -81,7 +81,6 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
   const int heads = args.plan.heads_per_cta, h0 = blockIdx.x * heads, b = blockIdx.y, split = blockIdx.z;
   const int g = h0 / (p.num_heads / p.num_kv_heads);
   const int rows = heads * p.q_len;  // tile row r: head h0 + r / q_len, query token r % q_len
-  const int64_t esz = sizeof(T);
 
   char* sQ = smem;                                    // [2][16][D] T
   char* sQ8 = sQ + 2 * Cfg::kQTileBytes;              // [2][16][D] int8 (INT8 only)
@@ -100,27 +99,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
                                            (2 * (h0 + r / p.q_len) + m) * D);
     });
   }
-  auto load_k = [&](int nb) {
-    const int n_start = nb * kBlockN;
-#pragma unroll
-    for (int m = 0; m < Fwd::kKeyTiles; ++m) {
-      const int km = Fwd::kV1 ? 2 * g + m : g;
-      if constexpr (INT8) {
-        const int8_t* src = args.k_codes + ((int64_t(b) * args.key_maps + km) * args.kv_pad + n_start) * D;
-        load_tile_async<kBlockN, D>(sK + m * Fwd::kKTileBytes, reinterpret_cast<const char*>(src), D, kBlockN, tid);
-      } else {
-        const T* src = static_cast<const T*>(p.key) + b * p.k_batch_stride + int64_t(n_start) * p.k_row_stride + km * D;
-        load_tile_async<kBlockN, D * sizeof(T)>(sK + m * Fwd::kKTileBytes, reinterpret_cast<const char*>(src),
-                                                p.k_row_stride * esz, p.kv_len - n_start, tid);
-      }
-    }
-  };
-  auto load_v = [&](int nb) {
-    const int n_start = nb * kBlockN;
-    const T* src = static_cast<const T*>(p.value) + b * p.v_batch_stride + int64_t(n_start) * p.v_row_stride + g * DV;
-    load_tile_async<kBlockN, DV * sizeof(T)>(sV, reinterpret_cast<const char*>(src), p.v_row_stride * esz,
-                                             p.kv_len - n_start, tid);
-  };
+  auto load_k = [&](int nb) { load_key_tiles<T, D, DV, INT8>(sK, args, b, g, nb, tid); };
+  auto load_v = [&](int nb) { load_value_tile<T, DV>(sV, args, b, g, nb, tid); };
 
   load_k(nb_begin);
   load_v(nb_begin);

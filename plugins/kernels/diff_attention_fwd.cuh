@@ -67,6 +67,37 @@ __device__ __forceinline__ void load_tile_async(char* smem, const char* gmem, in
   }
 }
 
+// Key tile nb of kv-group g (V1: K1 and K2, V2: the shared K; INT8: the pre-quantised codes) and
+// value tile nb into their shared tiles; rows past kv_len are zero-filled. Shared by the one-pass
+// and the split-KV decode kernels.
+template <typename T, int D, int DV, bool INT8>
+__device__ __forceinline__ void load_key_tiles(char* sK, const KernelArgs& args, int b, int g, int nb, int tid) {
+  using Cfg = TileConfig<T, D, DV, INT8>;
+  const DiffxAttentionParams& p = args.p;
+  const int n_start = nb * kBlockN;
+#pragma unroll
+  for (int m = 0; m < Cfg::kKeyTiles; ++m) {
+    const int km = Cfg::kV1 ? 2 * g + m : g;  // key head in the key tensor
+    if constexpr (INT8) {
+      const int8_t* src = args.k_codes + ((int64_t(b) * args.key_maps + km) * args.kv_pad + n_start) * D;
+      load_tile_async<kBlockN, D>(sK + m * Cfg::kKTileBytes, reinterpret_cast<const char*>(src), D, kBlockN, tid);
+    } else {
+      const T* src = static_cast<const T*>(p.key) + b * p.k_batch_stride + int64_t(n_start) * p.k_row_stride + km * D;
+      load_tile_async<kBlockN, D * sizeof(T)>(sK + m * Cfg::kKTileBytes, reinterpret_cast<const char*>(src),
+                                              p.k_row_stride * int64_t(sizeof(T)), p.kv_len - n_start, tid);
+    }
+  }
+}
+
+template <typename T, int DV>
+__device__ __forceinline__ void load_value_tile(char* sV, const KernelArgs& args, int b, int g, int nb, int tid) {
+  const DiffxAttentionParams& p = args.p;
+  const int n_start = nb * kBlockN;
+  const T* src = static_cast<const T*>(p.value) + b * p.v_batch_stride + int64_t(n_start) * p.v_row_stride + g * DV;
+  load_tile_async<kBlockN, DV * sizeof(T)>(sV, reinterpret_cast<const char*>(src), p.v_row_stride * int64_t(sizeof(T)),
+                                           p.kv_len - n_start, tid);
+}
+
 // Quantises this map's Q tile (ROWS tokens, fp16/bf16, swizzled) to int8 codes exactly as
 // diffexport/quantization.py does: one absmax over the block's tokens x D channels (padding
 // rows are zeros), inv = qmax/absmax, code = clamp(rint(x*inv)), scale = absmax/qmax.
@@ -208,27 +239,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM<D>) diff_attention_f
                                             reinterpret_cast<const char*>(q_block + (2 * h + m) * D),
                                             p.q_row_stride * esz, q_rows, tid);
   }
-  auto load_k = [&](int nb) {
-    const int n_start = nb * kBlockN;
-#pragma unroll
-    for (int m = 0; m < Cfg::kKeyTiles; ++m) {
-      const int km = Cfg::kV1 ? 2 * g + m : g;  // key head in the key tensor
-      if constexpr (INT8) {
-        const int8_t* src = args.k_codes + ((int64_t(b) * args.key_maps + km) * args.kv_pad + n_start) * D;
-        load_tile_async<kBlockN, D>(sK + m * Cfg::kKTileBytes, reinterpret_cast<const char*>(src), D, kBlockN, tid);
-      } else {
-        const T* src = static_cast<const T*>(p.key) + b * p.k_batch_stride + int64_t(n_start) * p.k_row_stride + km * D;
-        load_tile_async<kBlockN, D * sizeof(T)>(sK + m * Cfg::kKTileBytes, reinterpret_cast<const char*>(src),
-                                                p.k_row_stride * esz, p.kv_len - n_start, tid);
-      }
-    }
-  };
-  auto load_v = [&](int nb) {
-    const int n_start = nb * kBlockN;
-    const T* src = static_cast<const T*>(p.value) + b * p.v_batch_stride + int64_t(n_start) * p.v_row_stride + g * DV;
-    load_tile_async<kBlockN, DV * sizeof(T)>(sV, reinterpret_cast<const char*>(src), p.v_row_stride * esz,
-                                             p.kv_len - n_start, tid);
-  };
+  auto load_k = [&](int nb) { load_key_tiles<T, D, DV, INT8>(sK, args, b, g, nb, tid); };
+  auto load_v = [&](int nb) { load_value_tile<T, DV>(sV, args, b, g, nb, tid); };
 
   if (n_end > 0) load_k(0);
   cp_async_commit();
