@@ -132,7 +132,7 @@ def declare_plan(lib: ctypes.CDLL) -> None:
 
 
 def kernel_plan(params: DiffxAttentionParams, lib: ctypes.CDLL | None = None) -> tuple[str, int]:
-    """Which kernel the library runs for these params ("one-pass" or "split-kv") and its key splits."""
+    """Which kernel the library runs for these params ("one-pass", "split-kv" or "hopper") and its key splits."""
     lib = lib or load_library()
     path, splits = ctypes.c_int(), ctypes.c_int()
     status = lib.diffx_attention_plan(ctypes.byref(params), ctypes.byref(path), ctypes.byref(splits))
