@@ -383,19 +383,37 @@ def _add_stream(parser: argparse.ArgumentParser, tokens: int) -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass (default 8)")
 
 
+def _analysis_device(args):
+    """--device (stats, quant-sweep, retrieval): auto = CUDA when torch sees a GPU, else the CPU."""
+    import torch
+
+    from diffexport.errors import DiffExportError
+
+    wanted = getattr(args, "device", "cpu")
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise DiffExportError("--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU); "
+                              "use --device cpu")
+    return torch.device(wanted)
+
+
 def _load_models(args) -> dict:
-    """label -> LoadedModel for every CKPT and --preset; the default preset when none is named."""
+    """label -> LoadedModel for every CKPT and --preset (on --device); the default preset when none is named."""
     from pathlib import Path
 
     from diffexport.checkpoint import load_model
     from diffexport.presets import DEFAULT_PRESET
 
+    device = _analysis_device(args)  # before any model loads: a missing GPU fails first
     models = {}
     for path in args.ckpts:
         label = Path(path).stem if Path(path).stem not in models else path
         models[label] = load_model(path)
     for preset in args.preset or ([] if args.ckpts else [DEFAULT_PRESET]):
         models[preset if preset not in models else f"{preset}#{len(models)}"] = load_model(preset=preset, seed=args.seed)
+    for loaded in models.values():
+        loaded.model.to(device)
     return models
 
 
@@ -465,13 +483,14 @@ def _task_eval(loaded, args):
     if wanted != needles.TASK_NAME:
         return None
     context = int(task.get("context_len", 128))
-    return lambda quant: needles.evaluate(loaded.model, context_len=context, samples=args.samples,
-                                          seed=args.seed + 1, quant=quant).accuracy()
+    return lambda quant, attention=None: needles.accuracy(loaded.model, context_len=context, samples=args.samples,
+                                                          seed=args.seed + 1, quant=quant, attention=attention)
 
 
 def _sweep_models(args, label: str, run, note: str = "") -> dict:
-    """Every model's stream, task metric and compared positions, then run(loaded, stream, task_eval,
-    masks, advance) -> its points; task_eval(quant) -> accuracy, or None without a task."""
+    """Every model's stream, task metric and compared positions, then run(name, loaded, stream,
+    task_eval, masks, advance) -> its points; task_eval(quant, attention=None) -> accuracy, or None
+    without a task."""
     from diffexport.errors import DiffExportError
 
     results = {}
@@ -485,7 +504,7 @@ def _sweep_models(args, label: str, run, note: str = "") -> dict:
         masks = stream.answer_masks if answers_only else None  # auto without task answers: every position
         progress, advance = _progress(f"{name}: {label}", len(stream.batches))
         with progress:
-            results[name] = run(loaded, stream, task_eval, masks, advance)
+            results[name] = run(name, loaded, stream, task_eval, masks, advance)
         compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
         _log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
              f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}"
@@ -508,7 +527,7 @@ def _print_sweep(args, results: dict, key: str, describe, text: str, plot) -> No
 
 def cmd_quant_sweep(args) -> int:
     """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
-    from diffexport.analysis import plots, sweep
+    from diffexport.analysis import fused, plots, sweep
     from diffexport.quantization import LogitQuant
 
     for bits in args.bits:
@@ -517,9 +536,12 @@ def cmd_quant_sweep(args) -> int:
     bits_list = sorted(set(args.bits) | {16}, reverse=True)
     describe = LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
 
-    def run(loaded, stream, task_eval, masks, advance):
+    def run(name, loaded, stream, task_eval, masks, advance):
+        settings = [LogitQuant(bits, args.scheme, not args.no_smooth_k) for bits in bits_list]
+        attention, why = fused.choose(args.attention, loaded.model, settings, next(loaded.model.parameters()).device)
+        _log(f"{name}: attention {'fused kernel' if attention.name == 'kernel' else 'torch reference'} ({why})")
         return sweep.sweep(loaded.model, bits_list, stream.batches, scheme=args.scheme, smooth_k=not args.no_smooth_k,
-                           task_eval=task_eval, masks=masks, progress=advance)
+                           attention=attention, task_eval=task_eval, masks=masks, progress=advance)
 
     results = _sweep_models(args, "sweep", run)
     _print_sweep(args, results, "scheme", describe, sweep.render(results, describe),
@@ -534,7 +556,7 @@ def cmd_linear_sweep(args) -> int:
     quants = [linear_quant.LinearQuant(scheme, args.block_size) for scheme in dict.fromkeys(args.schemes)]
     plots.check_plot_path(args.plot)
 
-    def run(loaded, stream, task_eval, masks, advance):
+    def run(name, loaded, stream, task_eval, masks, advance):
         unquantised_task = None if task_eval is None else (lambda: task_eval(None))
         return linear_quant.sweep(loaded.model.eval(), quants, stream.batches, task_eval=unquantised_task,
                                   masks=masks, progress=advance)
@@ -819,6 +841,15 @@ def build_parser() -> argparse.ArgumentParser:
             _add_models(p)
         if name in ("stats", "quant-sweep", "linear-sweep"):
             _add_stream(p, tokens=16384 if name == "stats" else 8192)
+        if name in ("stats", "quant-sweep", "retrieval"):
+            p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                           help="where the models run (auto: CUDA when torch sees a GPU, else the CPU)")
+        if name == "quant-sweep":
+            p.add_argument("--attention", default="auto", choices=["auto", "reference", "kernel"],
+                           help="what computes the quantised attention: the torch reference (any model, both "
+                                "schemes) or the fused CUDA kernel's INT8-logits path (DIFF, head_dim 64/128, "
+                                "scheme qk, bits 2..8; needs --device cuda and the built kernel library); auto: "
+                                "the kernel where it applies, else the reference (stderr says which and why)")
         if name in ("quant-sweep", "retrieval"):
             p.add_argument("--scheme", default="qk", choices=["qk", "logits"],
                            help="qk: Q and K quantised per block, as the INT8 kernel (default); "

@@ -154,7 +154,7 @@ def test_task_stream_marks_exactly_the_answer_positions():
 
 def test_sweep_reference_point_is_exact_and_damage_grows():
     model = build_model(CONFIGS["transformer"], seed=8)
-    points = sweep.sweep(model, [16, 8, 3], [_ids(97, length=40)], task_eval=lambda quant: float(quant.bits))
+    points = sweep.sweep(model, [16, 8, 3], [_ids(97, length=40)], task_eval=lambda quant, attention: float(quant.bits))
     assert [p.bits for p in points] == [16, 8, 3]
     assert points[0].cosine_mean == pytest.approx(1.0, abs=1e-6) and points[0].kl_mean == pytest.approx(0, abs=1e-9)
     assert points[1].kl_mean < points[2].kl_mean and points[2].cosine_min <= points[1].cosine_min
@@ -190,6 +190,47 @@ def test_stats_cli_json_on_a_checkpoint_and_a_preset(tmp_path):
 ])
 def test_analysis_cli_bad_values_one_line(argv, message):
     assert_one_line_error(run_cli(*argv), message)
+
+
+def test_kernel_attention_is_chosen_only_where_it_applies():
+    """quant-sweep --attention: auto falls back to the torch reference and says why; kernel refuses
+    with the same reason (the model's family, head dim, scheme, bits, device)."""
+    from diffexport.analysis import fused
+
+    d64 = build_model(DiffV1Config(vocab_size=97, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64))
+    reasons = {
+        "transformer": fused.kernel_unsupported(build_model(CONFIGS["transformer"])),
+        "head dim": fused.kernel_unsupported(build_model(CONFIGS["diff_v1"])),
+        "scheme": fused.kernel_unsupported(d64, LogitQuant(8, "logits")),
+        "bits": fused.kernel_unsupported(d64, LogitQuant(12)),
+    }
+    assert "DIFF attention only" in reasons["transformer"] and "head_dim 64 or 128" in reasons["head dim"]
+    assert "scheme qk" in reasons["scheme"] and "2..8 bits" in reasons["bits"]
+    assert fused.kernel_unsupported(d64, LogitQuant(4)) is None and fused.kernel_unsupported(d64, LogitQuant(16)) is None
+    cpu = torch.device("cpu")
+    attention, why = fused.choose("auto", d64, [LogitQuant(8)], cpu)
+    assert attention.name == "reference" and "CUDA tensors" in why
+    attention, why = fused.choose("auto", d64, [LogitQuant(12)], cpu)
+    assert attention.name == "reference" and "2..8 bits" in why
+    with pytest.raises(DiffExportError, match="--attention kernel: the fused kernel runs on CUDA"):
+        fused.choose("kernel", d64, [LogitQuant(8)], cpu)
+    assert fused.choose("reference", d64, [LogitQuant(8)], cpu)[0] is fused.REFERENCE
+    with pytest.raises(DiffExportError, match="unknown attention"):
+        fused.Attention("flash")
+    with pytest.raises(DiffExportError, match="head_dim 64 or 128"):
+        fused.FusedAttention(build_model(CONFIGS["diff_v1"]), LogitQuant(8))
+
+
+def test_quant_sweep_cli_refuses_the_kernel_where_it_cannot_run():
+    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--tokens", "256"),
+                          "--attention kernel: the fused kernel supports head_dim 64 or 128")
+    auto = run_cli("quant-sweep", "--bits", "8", "--tokens", "256", "--seq-len", "64", "--json")
+    assert auto.returncode == 0, auto.stderr
+    assert "attention torch reference (the fused kernel supports head_dim" in auto.stderr
+    assert {p["attention"] for p in json.loads(auto.stdout)["models"]["diff-v1-tiny"]} == {"reference"}
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli("quant-sweep", "--device", "cuda"), "--device cuda: torch sees no CUDA device")
+        assert_one_line_error(run_cli("retrieval", "--device", "cuda"), "--device cuda")
 
 
 @pytest.mark.slow

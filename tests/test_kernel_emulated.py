@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from diffexport import kernels, reference
+from diffexport.analysis import sweep
+from diffexport.analysis.fused import Attention
+from diffexport.analysis.probe import AttentionProbe
 from diffexport.contract import DiffAttentionAttrs
+from diffexport.modeling import DiffV1Config, DiffV2Config, build_model
 from diffexport.quantization import LogitQuant
 from helpers import assert_close_lowprec, host_library, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
@@ -314,3 +318,58 @@ def test_emulated_decode_int8_logits_match_the_mirrored_quantisation(emulator, v
     cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
     assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation {err:.3e} > 2*{fp_err:.3e} + 1e-3"
     assert cos >= min_cosine(dtype)
+
+
+def emulated_launch(lib):
+    """kernels.diff_attention's signature over the emulator: what quant-sweep --attention kernel
+    launches on a GPU, run here on CPU tensors. float32 inputs go in as fp16, which is exactly what
+    the library's float32 I/O does (test_emulated_float32_io_runs_the_fp16_kernel) at a fraction of
+    the emulation time."""
+    def launch(query, key, value, lambda_full, norm_weight, attrs, *, logit_bits=0, smooth_k=True, key_mask=None):
+        half = [t.half() if t.dtype == torch.float32 else t for t in (query, key, value, lambda_full)]
+        out = emulate(lib, [*half, norm_weight], attrs, bits=logit_bits, smooth_k=smooth_k, key_mask=key_mask)
+        return out.to(query.dtype)
+    return launch
+
+
+SWEEP_MODELS = {  # head dims the kernel takes; V1 with GQA and an affine head norm, V2 with per-token lambda
+    "diff_v1": DiffV1Config(vocab_size=97, d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64,
+                            head_norm_affine=True),
+    "diff_v2": DiffV2Config(vocab_size=97, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("family", sorted(SWEEP_MODELS))
+def test_emulated_kernel_runs_the_quant_sweep_as_the_reference_does(emulator, family, rng):
+    """The analysis' kernel attention (quant-sweep --attention kernel) swaps every layer's attention
+    for the kernel, and the whole model's logits agree with the torch reference of the same
+    quantisation; the sweep it drives reports the same damage."""
+    model = build_model(SWEEP_MODELS[family], seed=int(torch.randint(0, 1000, (1,), generator=rng)))
+    with torch.no_grad():
+        for layer in model.layers:  # random weights make every lambda ~lambda_init: spread them
+            for p in layer.attn.parameters():
+                if p.ndim == 1:
+                    p.add_(0.2 * torch.randn(p.shape, generator=rng))
+    ids = torch.randint(0, 97, (2, 45), generator=rng)
+    kernel = Attention("kernel", launch=emulated_launch(emulator))
+    with torch.no_grad():
+        for bits in (16, 8, 4):
+            quant = LogitQuant(bits)
+            with kernel(model, quant):
+                out = model(ids)
+            with AttentionProbe(model, quant=quant):
+                ref = model(ids)
+            assert torch.isfinite(out).all()
+            cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+            err = (out - ref).abs().max().item() / ref.abs().max().item()
+            assert cos >= 0.9999 and err <= 2e-2, f"{bits} bits: cosine {cos:.6f}, max error {err:.2e} of the peak"
+        assert all(layer.attn.impl == "op" for layer in model.layers)  # restored on exit
+    batches = [ids, torch.randint(0, 97, (2, 45), generator=rng)]
+    points = sweep.sweep(model, [16, 8, 4], batches, attention=kernel)
+    references = sweep.sweep(model, [16, 8, 4], batches)
+    assert [p.attention for p in points] == ["kernel"] * 3 and references[0].attention == "reference"
+    assert points[0].cosine_min == pytest.approx(1.0, abs=1e-6) and points[0].kl_mean == pytest.approx(0, abs=1e-9)
+    assert points[1].kl_mean < points[2].kl_mean  # fewer bits, more damage, as in the reference
+    for got, want in zip(points[1:], references[1:]):
+        assert got.cosine_mean == pytest.approx(want.cosine_mean, abs=5e-5)
+        assert got.kl_mean == pytest.approx(want.kl_mean, rel=0.5, abs=1e-5)

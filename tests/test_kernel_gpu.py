@@ -305,3 +305,27 @@ def test_hopper_path_views_masks_and_its_refusals(variant, head_dim, rng, monkey
                          "hopper views+mask", min_cosine=min_cosine(torch.bfloat16))
     params = kernels.make_params(*dense, out, attrs, logit_bits=8)
     assert kernels.kernel_plan(params) == ("one-pass", 1)
+
+
+def test_quant_sweep_runs_the_int8_logits_kernel_on_cuda(tmp_path):
+    """quant-sweep on a GPU: --attention auto picks the fused kernel for a DIFF model it takes, and
+    its damage per bit width matches the torch reference of the same quantisation on the CPU."""
+    import json
+
+    from diffexport.checkpoint import save_checkpoint
+    from diffexport.modeling import DiffV1Config, build_model
+    from helpers import run_cli
+
+    config = DiffV1Config(vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64)
+    ckpt = save_checkpoint(build_model(config, seed=5), tmp_path / "d64.pt")
+    common = [str(ckpt), "--bits", "8", "4", "--tokens", "2048", "--seq-len", "256", "--json"]
+    gpu = run_cli("quant-sweep", *common, "--device", "cuda")
+    assert gpu.returncode == 0, gpu.stderr
+    assert "attention fused kernel" in gpu.stderr
+    cpu = run_cli("quant-sweep", *common, "--device", "cpu", "--attention", "reference")
+    assert cpu.returncode == 0, cpu.stderr
+    got, want = (json.loads(r.stdout)["models"]["d64"] for r in (gpu, cpu))
+    assert [p["attention"] for p in got] == ["kernel"] * 3 and [p["bits"] for p in got] == [16, 8, 4]
+    assert got[1]["kl_mean"] < got[2]["kl_mean"]
+    for g, w in zip(got, want):
+        assert g["cosine_mean"] == pytest.approx(w["cosine_mean"], abs=1e-4)

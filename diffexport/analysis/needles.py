@@ -166,6 +166,48 @@ class RetrievalResult:
 PROFILE_BINS = 32
 
 
+def _cells(needles, queries, depths, context_len: int, samples: int, seed: int):
+    """(N, R, depth, documents) for every cell of the grid: fresh seeded documents, the same for a
+    given seed whatever runs them."""
+    rng = random.Random(seed)
+    for n, r, depth in grid(needles, queries, depths):
+        yield n, r, depth, [make_sample(rng, context_len, n, r, depth) for _ in range(samples)]
+
+
+def _answer_accuracy(logits: torch.Tensor, batch: list[Sample]) -> float:
+    """Share of asked cities whose next-token argmax is the needle's number."""
+    index = torch.tensor([s.answer_positions for s in batch], device=logits.device)
+    predicted = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).argmax(-1)
+    expected = torch.tensor([s.answers for s in batch], device=logits.device)
+    return (predicted == expected).float().mean().item()
+
+
+def _check(model, samples: int) -> torch.device:
+    check_vocab(model.config.vocab_size)
+    if samples < 1:
+        raise DiffExportError(f"samples per cell must be at least 1, got {samples}")
+    model.eval()
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def accuracy(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 75, 100),
+             context_len: int = 128, samples: int = 32, seed: int = 1234, quant=None, attention=None) -> float:
+    """Mean accuracy over the grid's cells: evaluate()'s accuracy on the same documents, with
+    `attention` (diffexport.analysis.fused.Attention: the torch reference by default, or the fused
+    kernel, which has no maps to observe) running the quantised logits."""
+    from diffexport.analysis.fused import REFERENCE
+
+    device = _check(model, samples)
+    attention = attention or REFERENCE
+    scores = []
+    for _, _, _, batch in _cells(needles, queries, depths, context_len, samples, seed):
+        with attention(model, quant):
+            logits = model(collate(batch)[0].to(device))
+        scores.append(_answer_accuracy(logits, batch))
+    return sum(scores) / len(scores)
+
+
 @torch.no_grad()
 def evaluate(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 75, 100),
              context_len: int = 128, samples: int = 32, seed: int = 1234, quant=None,
@@ -179,32 +221,24 @@ def evaluate(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 
     """
     from diffexport.analysis.probe import AttentionProbe
 
-    check_vocab(model.config.vocab_size)
-    if samples < 1:
-        raise DiffExportError(f"samples per cell must be at least 1, got {samples}")
-    model.eval()
-    rng = random.Random(seed)
+    device = _check(model, samples)
     cells: list[CellResult] = []
     profile_sums: dict[float, torch.Tensor] = {}
     profile_counts: dict[float, int] = {}
-    cells_to_run = grid(needles, queries, depths)
-    for done, (n, r, depth) in enumerate(cells_to_run):
-        batch = [make_sample(rng, context_len, n, r, depth) for _ in range(samples)]
+    total = len(grid(needles, queries, depths))
+    for done, (n, r, depth, batch) in enumerate(_cells(needles, queries, depths, context_len, samples, seed)):
         rows: dict[int, torch.Tensor] = {}
+        index = torch.tensor([s.answer_positions for s in batch])
 
-        def keep_rows(layer, amap, batch=batch, rows=rows):
-            # amap [B, heads, T, T] -> the question rows [B, R, T], averaged over heads
-            index = torch.tensor([s.answer_positions for s in batch])
+        def keep_rows(layer, amap, index=index.to(device), rows=rows):
+            # amap [B, heads, T, T] -> the question rows [B, R, T], averaged over heads (kept on the CPU)
             picked = amap.float().mean(1).gather(1, index[:, :, None].expand(-1, -1, amap.shape[-1]))
-            rows[layer] = picked
+            rows[layer] = picked.cpu()
 
         input_ids, _ = collate(batch)
         with AttentionProbe(model, quant=quant, on_map=keep_rows):
-            logits = model(input_ids)
-        index = torch.tensor([s.answer_positions for s in batch])
-        predicted = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).argmax(-1)
-        expected = torch.tensor([s.answers for s in batch])
-        accuracy = (predicted == expected).float().mean().item()
+            logits = model(input_ids.to(device))
+        accuracy = _answer_accuracy(logits, batch)
 
         answer_mask = torch.zeros(len(batch), r, input_ids.shape[1], dtype=torch.bool)
         doc_mask = torch.zeros_like(answer_mask)
@@ -223,7 +257,7 @@ def evaluate(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 
         profile_sums[float(depth)] = profile_sums.get(float(depth), 0) + binned
         profile_counts[float(depth)] = profile_counts.get(float(depth), 0) + 1
         if progress is not None:
-            progress(done + 1, len(cells_to_run))
+            progress(done + 1, total)
     profiles = {d: (profile_sums[d] / profile_counts[d]).tolist() for d in sorted(profile_sums)}
     return RetrievalResult(context_len, samples, cells, profiles)
 

@@ -32,10 +32,11 @@ class MagnitudeTracker:
             return
         if not torch.isfinite(values).all():
             raise ValueError("non-finite values while collecting statistics")
-        self.top = torch.cat([self.top, values.topk(min(_KEEP, values.numel())).values]).topk(
-            min(_KEEP, self.top.numel() + min(_KEEP, values.numel()))).values
+        # Reduced where the values are (a GPU too); only the top-k and the histogram come to the CPU.
+        top = values.topk(min(_KEEP, values.numel())).values.cpu()
+        self.top = torch.cat([self.top, top]).topk(min(_KEEP, self.top.numel() + top.numel())).values
         logs = values.clamp_min(10 ** _LOG_MIN).log10()
-        self.hist += torch.histc(logs, _BINS, _LOG_MIN, _LOG_MAX).double()
+        self.hist += torch.histc(logs, _BINS, _LOG_MIN, _LOG_MAX).double().cpu()
         self.count += values.numel()
 
     def merge(self, other: "MagnitudeTracker") -> "MagnitudeTracker":
@@ -103,10 +104,11 @@ def collect(model, batches, progress=None) -> MagnitudeStats:
     hooks = [layer.register_forward_hook(lambda mod, inp, out, i=i: hidden[i].add(out[0]))  # (x, cache)
              for i, layer in enumerate(model.layers)]
     tokens = 0
+    device = next(model.parameters()).device
     try:
         with AttentionProbe(model, on_logits=on_logits):
             for done, input_ids in enumerate(batches):
-                model(input_ids)
+                model(input_ids.to(device))
                 tokens += input_ids.numel()
                 if progress is not None:
                     progress(done + 1)

@@ -6,6 +6,10 @@ unquantised model (bits 16) on the same tokens it reports the cosine similarity 
 logits (mean and worst over tokens) and the KL divergence KL(p_16 || p_bits) of the next-token
 distributions (mean over tokens); and, when the checkpoint was trained on the needle task, the
 retrieval accuracy at each bit width.
+
+`attention` (diffexport.analysis.fused) says what computes the quantised attention: the torch
+reference (every family, both schemes, any device) or the fused CUDA kernel's INT8-logits path.
+Inputs move to the model's device.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffexport.analysis.fused import REFERENCE, Attention
 from diffexport.errors import DiffExportError
 from diffexport.quantization import UNQUANTISED_BITS, LogitQuant
 
@@ -25,6 +30,7 @@ class SweepPoint:
     cosine_min: float
     kl_mean: float
     task_accuracy: float | None = None
+    attention: str = "reference"  # what computed the quantised attention: "reference" or "kernel"
 
 
 class Damage:
@@ -48,23 +54,24 @@ class Damage:
 
 @torch.no_grad()
 def sweep(model, bits_list, batches, *, scheme: str = "qk", smooth_k: bool = True,
-          task_eval=None, masks=None, progress=None) -> list[SweepPoint]:
-    """task_eval(quant) -> accuracy, or None when the model has no task. masks: per batch, the
-    positions to compare (e.g. only the task's answers); None compares every position."""
-    from diffexport.analysis.probe import AttentionProbe
-
+          attention: Attention = REFERENCE, task_eval=None, masks=None, progress=None) -> list[SweepPoint]:
+    """task_eval(quant, attention) -> accuracy, or None when the model has no task. masks: per
+    batch, the positions to compare (e.g. only the task's answers); None compares every position."""
     settings = [LogitQuant(bits, scheme, smooth_k) for bits in bits_list]  # validates every value first
+    unquantised = LogitQuant(UNQUANTISED_BITS, scheme, smooth_k)
+    device = next(model.parameters()).device
     damage = {q.bits: Damage() for q in settings}
     for done, input_ids in enumerate(batches):
-        keep = None if masks is None else masks[done]
+        keep = None if masks is None else masks[done].to(device)
         if keep is not None and not keep.any():
             continue
-        with AttentionProbe(model):  # the same explicit attention, unquantised: the reference
+        input_ids = input_ids.to(device)
+        with attention(model, unquantised):  # the same attention, unquantised: the reference
             ref = model(input_ids).float()
         ref = ref if keep is None else ref[keep]
         ref_logp = ref.log_softmax(-1)
         for quant in settings:
-            with AttentionProbe(model, quant=quant):
+            with attention(model, quant):
                 out = model(input_ids).float()
             damage[quant.bits].add(out if keep is None else out[keep], ref, ref_logp)
         if progress is not None:
@@ -73,8 +80,8 @@ def sweep(model, bits_list, batches, *, scheme: str = "qk", smooth_k: bool = Tru
         raise DiffExportError("no positions to compare: the stream holds no task answers; use --positions all")
     points = []
     for quant in settings:
-        accuracy = task_eval(quant) if task_eval is not None else None
-        points.append(SweepPoint(quant.bits, *damage[quant.bits].means(), accuracy))
+        accuracy = task_eval(quant, attention) if task_eval is not None else None
+        points.append(SweepPoint(quant.bits, *damage[quant.bits].means(), accuracy, attention.name))
     return points
 
 
