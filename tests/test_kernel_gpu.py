@@ -329,3 +329,24 @@ def test_quant_sweep_runs_the_int8_logits_kernel_on_cuda(tmp_path):
     assert got[1]["kl_mean"] < got[2]["kl_mean"]
     for g, w in zip(got, want):
         assert g["cosine_mean"] == pytest.approx(w["cosine_mean"], abs=1e-4)
+
+
+def test_train_tiny_on_cuda_then_sweep_the_task_through_the_kernel(tmp_path):
+    """tools/train_tiny.py --device cuda trains a pair the kernel takes; quant-sweep then reports the
+    task accuracy per bit width with the fused kernel computing every quantised attention."""
+    import json
+
+    from helpers import run_cli
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "tools" / "train_tiny.py"), "--out-dir", str(tmp_path), "--steps", "200",
+           "--log-every", "100", "--head-dim", "64", "--device", "cuda", "--only", "diff"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = run_cli("quant-sweep", str(tmp_path / "diff.pt"), "--bits", "8", "4", "--tokens", "1024", "--samples", "4",
+                  "--device", "cuda", "--attention", "kernel", "--json")
+    assert out.returncode == 0, out.stderr
+    points = json.loads(out.stdout)["models"]["diff"]
+    assert [p["attention"] for p in points] == ["kernel"] * 3
+    assert all(0.0 <= p["task_accuracy"] <= 1.0 for p in points)
+    assert abs(points[1]["task_accuracy"] - points[0]["task_accuracy"]) <= 0.05  # 8-bit logits keep the task

@@ -102,3 +102,17 @@ def test_short_training_run_learns_and_is_deterministic(tmp_path):
     again = train(tmp_path / "b").model
     for (name, a), b in zip(loaded.model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
+def test_training_a_pair_with_the_kernels_head_dim(tmp_path):
+    """--head-dim 64: the same width in wider heads (a pair the fused kernel takes), for both models;
+    a head dim that does not divide the width is refused before anything trains."""
+    cmd = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--out-dir", str(tmp_path), "--steps", "3",
+           "--log-every", "3", "--head-dim", "64", "--batch", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    diff, base = load_model(tmp_path / "diff.pt"), load_model(tmp_path / "transformer.pt")
+    assert (diff.config.head_dim, diff.config.n_heads, base.config.head_dim, base.config.n_heads) == (64, 1, 64, 2)
+    assert diff.config.d_model == 128 and "on cpu" in done.stderr
+    bad = subprocess.run(cmd[:-4] + ["--head-dim", "128"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "does not divide" in bad.stderr

@@ -7,11 +7,14 @@ projections have identical shapes. Loss: cross-entropy on the answer tokens only
 
     python tools/train_tiny.py --out-dir runs/tiny              # the smallest size, minutes on 2 CPU cores
     python tools/train_tiny.py --size small --out-dir runs/small   # wider/deeper; better on a GPU
+    python tools/train_tiny.py --size small --head-dim 64 --device cuda --out-dir runs/small64
+                                  # a pair whose attention the fused kernel takes (quant-sweep --attention kernel)
 
 Writes OUT/diff.pt and OUT/transformer.pt (native diffexport checkpoints carrying a "task"
 record, so `diffexport quant-sweep` and `diffexport retrieval` know what they were trained on)
 and OUT/train_log.json. Deterministic: the same command on the same torch build and thread
-count gives bit-identical weights (torch.use_deterministic_algorithms; one seeded generator).
+count gives bit-identical weights (torch.use_deterministic_algorithms; one seeded generator); on
+CUDA the same holds on the same GPU model and driver (cuBLAS in its deterministic workspace mode).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -37,8 +41,12 @@ SIZES = {
 }
 
 
-def diff_config(size: str) -> DiffV1Config:
-    return DiffV1Config(vocab_size=needles.TASK_VOCAB, ffn_hidden=None, **SIZES[size])
+def diff_config(size: str, head_dim: int | None = None) -> DiffV1Config:
+    shape = dict(SIZES[size])
+    if head_dim is not None:  # the same width in fewer, wider heads (d_model = 2 * heads * head_dim holds for both)
+        shape["n_heads"] = shape["n_heads"] * shape["head_dim"] // head_dim
+        shape["head_dim"] = head_dim
+    return DiffV1Config(vocab_size=needles.TASK_VOCAB, ffn_hidden=None, **shape)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -65,6 +73,7 @@ def train_one(model, args, log, name: str) -> list[dict]:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         input_ids, targets = needles.training_batch(rng, args.batch, args.context, args.max_needles, args.max_queries)
+        input_ids, targets = input_ids.to(args.device), targets.to(args.device)
         logits = model(input_ids)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
@@ -108,9 +117,20 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (part of what makes runs repeatable)")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--only", choices=["diff", "transformer"], help="train one of the pair")
+    parser.add_argument("--head-dim", type=int, choices=[32, 64, 128],
+                        help="head dim (default: the size's, 32); the fused kernel takes 64 and 128")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train (default cpu)")
     args = parser.parse_args(argv)
+    shape = SIZES[args.size]
+    if args.head_dim is not None and (shape["n_heads"] * shape["head_dim"]) % args.head_dim:
+        parser.error(f"--head-dim {args.head_dim} does not divide size {args.size}'s "
+                     f"{shape['n_heads']} x {shape['head_dim']} head width")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
 
     torch.set_num_threads(args.threads)
+    # cuBLAS is deterministic only with a fixed workspace; set before CUDA starts (a user's value wins)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,18 +138,18 @@ def main(argv=None) -> int:
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
-    cfg = diff_config(args.size)
+    cfg = diff_config(args.size, args.head_dim)
     configs = {"diff": cfg, "transformer": baseline_for(cfg)}
     task = {"name": needles.TASK_NAME, "context_len": args.context}
     report = {"args": vars(args), "torch": torch.__version__, "models": {}}
     for name, model_cfg in configs.items():
         if args.only and name != args.only:
             continue
-        model = build_model(model_cfg, seed=args.seed).train()
-        log(f"{name}: {model_cfg.family}, {model.num_parameters():,} parameters")
+        model = build_model(model_cfg, seed=args.seed).train().to(args.device)  # seeded on the CPU: same start
+        log(f"{name}: {model_cfg.family}, {model.num_parameters():,} parameters on {args.device}")
         history = train_one(model, args, log, name)
-        path = save_checkpoint(model, out / f"{name}.pt", task=task)
         result = needles.evaluate(model, context_len=args.context, samples=16, seed=args.seed + 1)
+        path = save_checkpoint(model.cpu(), out / f"{name}.pt", task=task)  # a checkpoint loads anywhere
         log(f"{name:12s} held-out retrieval accuracy {result.accuracy():.3f} -> {path}")
         report["models"][name] = {"family": model_cfg.family, "parameters": model.num_parameters(),
                                   "history": history, "eval_accuracy": result.accuracy()}
