@@ -55,3 +55,20 @@ def test_flash_attn_is_used_when_importable(rng):
     q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.float16)
     assert reference.attention_backend(q, q) == "flash_attn"
     assert reference.attention_backend(q, torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.float16)) == "sdpa"
+
+
+def test_analysis_on_cuda_matches_the_cpu(tmp_path):
+    """stats and retrieval with --device cuda: the same magnitudes and accuracies as on the CPU
+    (fp32 both; the statistics reduce on the GPU and come back small)."""
+    import json
+
+    from helpers import run_cli
+
+    for argv, read in ((["stats", "--tokens", "1024", "--seq-len", "128"],
+                        lambda d: d["diff-v1-tiny"]["attention_logits"]["overall"]["top1"]),
+                       (["retrieval", "--needles", "1", "2", "--queries", "1", "--depths", "0", "100", "--samples", "4",
+                         "--context", "64"], lambda d: d["diff-v1-tiny"]["cells"][-1]["answer_attention"])):
+        got = run_cli(*argv, "--json", "--device", "cuda")
+        want = run_cli(*argv, "--json", "--device", "cpu")
+        assert got.returncode == 0 and want.returncode == 0, got.stderr + want.stderr
+        assert read(json.loads(got.stdout)) == pytest.approx(read(json.loads(want.stdout)), rel=1e-3, abs=1e-5)
