@@ -931,9 +931,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the file system refused: {exc.strerror or exc}{where}",
               file=sys.stderr)
         return 2
+    except MemoryError:  # the host ran out: not a bug, and the user can ask for less
+        print("error: out of host memory: lower --batch, --seq-len or --tokens, or use a smaller model",
+              file=sys.stderr)
+        return 2
     except Exception as exc:  # a bug of ours: still one line, unless debugging
         if os.environ.get("DIFFEXPORT_DEBUG"):
             raise
+        torch = sys.modules.get("torch")  # only a command that loaded torch can run out of GPU memory
+        if torch is not None and isinstance(exc, torch.OutOfMemoryError):
+            print("error: out of GPU memory: lower --batch, --seq-len or --tokens, or run with --device cpu",
+                  file=sys.stderr)
+            return 2
         print(f"internal error: {type(exc).__name__}: {exc} (rerun with DIFFEXPORT_DEBUG=1 and report it)",
               file=sys.stderr)
         return 1

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import run_cli
 
@@ -111,3 +112,19 @@ def test_check_refuses_bad_user_bounds_in_one_line():
 
     result = run_cli("check", "model.onnx", "--against", "other.onnx", "--atol", "-1")
     assert_one_line_error(result, "--atol must be a finite number >= 0")
+
+
+@pytest.mark.parametrize("error, where", [(MemoryError(), "out of host memory"),
+                                          (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB"),
+                                           "out of GPU memory")])
+def test_running_out_of_memory_is_one_line_not_a_bug_report(monkeypatch, capsys, error, where):
+    from diffexport import cli
+
+    def exhausted(args):
+        """Statistics that ran out of memory."""
+        raise error
+
+    monkeypatch.setitem(cli.COMMANDS, "stats", exhausted)
+    assert cli.main(["stats"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {where}") and "internal error" not in lines[0]
