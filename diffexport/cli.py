@@ -474,8 +474,9 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def _task_eval(loaded, args):
-    """quant -> needle retrieval accuracy, when the checkpoint was trained on that task (or --task needles)."""
+def _task_eval(name: str, loaded, args):
+    """(quant, attention=None) -> needle retrieval accuracy, when the checkpoint was trained on that
+    task (or --task needles); each evaluation shows its own progress."""
     from diffexport.analysis import needles
 
     task = loaded.task or {}
@@ -483,8 +484,15 @@ def _task_eval(loaded, args):
     if wanted != needles.TASK_NAME:
         return None
     context = int(task.get("context_len", 128))
-    return lambda quant, attention=None: needles.accuracy(loaded.model, context_len=context, samples=args.samples,
-                                                          seed=args.seed + 1, quant=quant, attention=attention)
+
+    def evaluate(quant, attention=None):
+        setting = f" ({quant.describe()} logits)" if quant is not None and quant.active else ""
+        cells = needles.grid(needles.DEFAULT_NEEDLES, needles.DEFAULT_QUERIES, needles.DEFAULT_DEPTHS)
+        progress, advance = _progress(f"{name}: task accuracy{setting}", len(cells))
+        with progress:
+            return needles.accuracy(loaded.model, context_len=context, samples=args.samples, seed=args.seed + 1,
+                                    quant=quant, attention=attention, progress=lambda done, total: advance(done))
+    return evaluate
 
 
 def _sweep_models(args, label: str, run, note: str = "") -> dict:
@@ -496,7 +504,7 @@ def _sweep_models(args, label: str, run, note: str = "") -> dict:
     results = {}
     for name, loaded in _load_models(args).items():
         stream = _stream(args, loaded)
-        task_eval = _task_eval(loaded, args)
+        task_eval = _task_eval(name, loaded, args)
         if args.positions == "answers" and stream.answer_masks is None:
             raise DiffExportError(f"{name}: --positions answers needs the built-in needle-task stream "
                                   f"(no --text, a vocabulary of at least 512)")

@@ -106,6 +106,9 @@ def stream_context_len(seq_len: int) -> int:
     return seq_len - 1 - 2 * QUERY_LEN
 
 
+DEFAULT_NEEDLES, DEFAULT_QUERIES, DEFAULT_DEPTHS = (1, 2, 4, 6), (1, 2), (0, 25, 50, 75, 100)
+
+
 def grid(needles, queries, depths) -> list[tuple[int, int, float]]:
     """The evaluated (N, R, depth) cells: every R <= N."""
     return [(n, r, d) for n in needles for r in queries if r <= n for d in depths]
@@ -191,8 +194,9 @@ def _check(model, samples: int) -> torch.device:
 
 
 @torch.no_grad()
-def accuracy(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 75, 100),
-             context_len: int = 128, samples: int = 32, seed: int = 1234, quant=None, attention=None) -> float:
+def accuracy(model, *, needles=DEFAULT_NEEDLES, queries=DEFAULT_QUERIES, depths=DEFAULT_DEPTHS,
+             context_len: int = 128, samples: int = 32, seed: int = 1234, quant=None, attention=None,
+             progress=None) -> float:
     """Mean accuracy over the grid's cells: evaluate()'s accuracy on the same documents, with
     `attention` (diffexport.analysis.fused.Attention: the torch reference by default, or the fused
     kernel, which has no maps to observe) running the quantised logits."""
@@ -200,16 +204,18 @@ def accuracy(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 
 
     device = _check(model, samples)
     attention = attention or REFERENCE
-    scores = []
+    scores, total = [], len(grid(needles, queries, depths))
     for _, _, _, batch in _cells(needles, queries, depths, context_len, samples, seed):
         with attention(model, quant):
             logits = model(collate(batch)[0].to(device))
         scores.append(_answer_accuracy(logits, batch))
+        if progress is not None:
+            progress(len(scores), total)
     return sum(scores) / len(scores)
 
 
 @torch.no_grad()
-def evaluate(model, *, needles=(1, 2, 4, 6), queries=(1, 2), depths=(0, 25, 50, 75, 100),
+def evaluate(model, *, needles=DEFAULT_NEEDLES, queries=DEFAULT_QUERIES, depths=DEFAULT_DEPTHS,
              context_len: int = 128, samples: int = 32, seed: int = 1234, quant=None,
              progress=None) -> RetrievalResult:
     """Accuracy and attention allocation per (N, R, depth), on fresh seeded documents.
