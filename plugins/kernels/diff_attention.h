@@ -53,8 +53,11 @@ extern "C" {
 /* Split-KV: enough splits that batch * heads * splits reaches this many CTAs (about two waves on
    a 132-SM H100), never more splits than 64-key tiles. A constant, not the GPU's SM count, so
    that the workspace size is a function of the shapes alone (diffx_attention_workspace_size
-   touches no device). */
+   touches no device). Only the emulator's sanitizer build (sanitize_cases.cpp) defines another
+   value, to reach splits of several tiles with a handful of emulated CTAs. */
+#ifndef DIFFX_DECODE_TARGET_CTAS
 #define DIFFX_DECODE_TARGET_CTAS 256
+#endif
 
 typedef enum DiffxDtype {
   DIFFX_DTYPE_FLOAT16 = 1,

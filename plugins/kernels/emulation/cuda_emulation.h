@@ -6,6 +6,7 @@
 // its own results from everybody's operands.
 #pragma once
 
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -53,16 +55,24 @@ struct Warp {
   const char* addr[32];
 };
 
+struct AlignedFree {
+  void operator()(char* p) const { ::operator delete[](p, std::align_val_t(128)); }
+};
+
 struct Block {
-  explicit Block(int threads, size_t smem_bytes) : sync(threads), dynamic_smem(smem_bytes + 128) {
+  // Dynamic shared memory of exactly the launch's size (128-byte aligned, as the kernels assume):
+  // under AddressSanitizer one byte past it is a report, as memcheck reports it on a GPU.
+  explicit Block(int threads, size_t smem_bytes)
+      : sync(threads), dynamic_smem(static_cast<char*>(::operator new[](std::max<size_t>(smem_bytes, 1),
+                                                                         std::align_val_t(128)))) {
     for (int w = 0; w < threads / 32; ++w) warps.emplace_back(new Warp());
   }
   std::barrier<> sync;
-  std::vector<char> dynamic_smem;
+  std::unique_ptr<char[], AlignedFree> dynamic_smem;
   std::map<std::string, std::vector<char>> statics;
   std::mutex statics_mutex;
   std::vector<std::unique_ptr<Warp>> warps;
-  char* smem() { return reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(dynamic_smem.data()) + 127) & ~uintptr_t(127)); }
+  char* smem() { return dynamic_smem.get(); }
 };
 
 struct ThreadContext {
@@ -152,15 +162,29 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
 namespace diffx {
 
-inline void cp_async_16(void* smem, const void* gmem, bool valid) {
-  if (valid) {
-    std::memcpy(smem, gmem, 16);
-  } else {
-    std::memset(smem, 0, 16);
-  }
-}
+// cp.async lands at some time between the issue and the thread's cp.async.wait_all. The emulator
+// takes the latest moment: the copy is queued and done at the wait, so shared memory read before
+// its wait (or by another thread not ordered after that wait by a barrier) holds stale bytes, which
+// the numerics tests see and ThreadSanitizer reports as a race (sanitize_cases.cpp).
+struct PendingCopy {
+  void* smem;
+  const void* gmem;
+  bool valid;
+};
+inline thread_local std::vector<PendingCopy> t_pending_copies;
+
+inline void cp_async_16(void* smem, const void* gmem, bool valid) { t_pending_copies.push_back({smem, gmem, valid}); }
 inline void cp_async_commit() {}
-inline void cp_async_wait_all() {}
+inline void cp_async_wait_all() {
+  for (const PendingCopy& c : t_pending_copies) {
+    if (c.valid) {
+      std::memcpy(c.smem, c.gmem, 16);
+    } else {
+      std::memset(c.smem, 0, 16);
+    }
+  }
+  t_pending_copies.clear();
+}
 
 inline uint32_t load_u32(const char* p) {
   uint32_t v;

@@ -1,0 +1,64 @@
+"""The emulated kernels under the host compiler's sanitizers: the CPU counterpart of
+compute-sanitizer over tests/kernel_cases.py (plugins/kernels/emulation/sanitize_cases.cpp).
+
+ThreadSanitizer: every CUDA thread of the emulation is a std::thread, so a shared-memory access no
+barrier orders against another thread's write is a reported race, and cp.async lands at the
+thread's wait (the latest moment the PTX ISA allows), so a tile read before its wait races too.
+AddressSanitizer + UBSan: tensors, workspace, key mask and dynamic shared memory are allocated at
+their exact sizes, so any access past one is reported, as is undefined integer arithmetic.
+
+The split-KV target is lowered to 4 CTAs in these builds (DIFFX_DECODE_TARGET_CTAS), so decode
+splits of many key tiles run with a handful of emulated CTAs. The launches are kernel_cases.CASES
+(one list for both sanitizers), alternating fp16 and bf16, key-masked where causal, plus a float32
+launch (the conversion kernels). Skipped where the compiler cannot build with a sanitizer."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernel_cases import CASES
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "plugins" / "kernels"
+SOURCES = [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp", KERNELS / "emulation" / "sanitize_cases.cpp"]
+SANITIZERS = {
+    "thread": ["-fsanitize=thread"],
+    "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
+}
+REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
+
+
+def launches() -> list[str]:
+    """sanitize_cases' arguments: variant,heads,kv_heads,head_dim,causal,batch,q_len,kv_len,bits,dtype,masked."""
+    args = [f"{v},{h},{hkv},{d},{causal},{b},{sq},{skv},{bits},{1 + i % 2},{causal}"
+            for i, (v, h, hkv, d, causal, b, sq, skv, bits) in enumerate(CASES)]
+    return args + ["1,2,2,64,1,1,33,40,0,3,1"]  # float32 I/O: the conversion kernels around the fp16 one
+
+
+@pytest.fixture(scope="module", params=sorted(SANITIZERS))
+def sanitized(request, tmp_path_factory):
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    exe = tmp_path_factory.mktemp("sanitized") / "sanitize_cases"
+    build = subprocess.run([compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_DECODE_TARGET_CTAS=4",
+                            f"-I{KERNELS}", *SANITIZERS[request.param], *map(str, SOURCES), "-lpthread", "-o", str(exe)],
+                           capture_output=True, text=True, timeout=600)
+    if build.returncode != 0:
+        pytest.skip(f"cannot build with -fsanitize={request.param}: {build.stderr.strip().splitlines()[-1:]}")
+    return request.param, exe
+
+
+def test_emulated_kernels_are_sanitizer_clean(sanitized):
+    name, exe = sanitized
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1", ASAN_OPTIONS="detect_leaks=1:abort_on_error=0")
+    run = subprocess.run([str(exe), *launches()], capture_output=True, text=True, timeout=900, env=env)
+    output = run.stdout + run.stderr
+    reports = [line for line in output.splitlines() if any(r in line for r in REPORTS)]
+    assert run.returncode == 0 and not reports, f"-fsanitize={name}:\n" + "\n".join(output.splitlines()[:60])
+    assert output.count(" ok") == len(launches())  # every launch ran and wrote finite outputs
