@@ -21,37 +21,16 @@
 #include <vector>
 
 #include "../diff_attention.h"
+#include "cuda_emulation.h"  // the emulator's own fp16/bf16 conversions
 
 extern "C" int diffx_emulated_attention_forward(const DiffxAttentionParams* params);
 
 namespace {
 
-uint16_t to_half(float f) {
-  _Float16 h = static_cast<_Float16>(f);
-  uint16_t bits;
-  std::memcpy(&bits, &h, 2);
-  return bits;
-}
-
-uint16_t to_bf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
 float element(const void* data, int dtype, size_t i) {
   if (dtype == DIFFX_DTYPE_FLOAT32) return static_cast<const float*>(data)[i];
-  uint16_t bits = static_cast<const uint16_t*>(data)[i];
-  if (dtype == DIFFX_DTYPE_FLOAT16) {
-    _Float16 h;
-    std::memcpy(&h, &bits, 2);
-    return float(h);
-  }
-  uint32_t u = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  const uint16_t bits = static_cast<const uint16_t*>(data)[i];
+  return dtype == DIFFX_DTYPE_FLOAT16 ? diffx_emu::half_to_float(bits) : diffx_emu::bf16_to_float(bits);
 }
 
 // A tensor of exactly `count` elements of `dtype` on the heap: one byte past it is an
@@ -68,7 +47,8 @@ struct Buffer {
     if (dtype == DIFFX_DTYPE_FLOAT32) {
       std::memcpy(bytes.data() + 4 * i, &value, 4);
     } else {
-      const uint16_t bits = dtype == DIFFX_DTYPE_FLOAT16 ? to_half(value) : to_bf16(value);
+      const uint16_t bits =
+          dtype == DIFFX_DTYPE_FLOAT16 ? diffx_emu::float_to_half(value) : diffx_emu::float_to_bf16(value);
       std::memcpy(bytes.data() + 2 * i, &bits, 2);
     }
   }
