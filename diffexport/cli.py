@@ -536,6 +536,7 @@ def _print_sweep(args, results: dict, key: str, describe, text: str, plot) -> No
 def cmd_quant_sweep(args) -> int:
     """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
     from diffexport.analysis import fused, plots, sweep
+    from diffexport.errors import DiffExportError
     from diffexport.quantization import LogitQuant
 
     for bits in args.bits:
@@ -543,9 +544,15 @@ def cmd_quant_sweep(args) -> int:
     plots.check_plot_path(args.plot)
     bits_list = sorted(set(args.bits) | {16}, reverse=True)
     describe = LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
+    settings = [LogitQuant(bits, args.scheme, not args.no_smooth_k) for bits in bits_list]
+    if args.attention == "kernel":  # what needs no model is refused before any model loads
+        reason = next(filter(None, map(fused.quant_unsupported, settings)), None)
+        if reason is None and _analysis_device(args).type != "cuda":
+            reason = "the fused kernel runs on CUDA tensors (use --device cuda on a GPU)"
+        if reason:
+            raise DiffExportError(f"--attention kernel: {reason}")
 
     def run(name, loaded, stream, task_eval, masks, advance):
-        settings = [LogitQuant(bits, args.scheme, not args.no_smooth_k) for bits in bits_list]
         attention, why = fused.choose(args.attention, loaded.model, settings, next(loaded.model.parameters()).device)
         _log(f"{name}: attention {'fused kernel' if attention.name == 'kernel' else 'torch reference'} ({why})")
         return sweep.sweep(loaded.model, bits_list, stream.batches, scheme=args.scheme, smooth_k=not args.no_smooth_k,

@@ -222,8 +222,13 @@ def test_kernel_attention_is_chosen_only_where_it_applies():
 
 
 def test_quant_sweep_cli_refuses_the_kernel_where_it_cannot_run():
-    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--tokens", "256"),
-                          "--attention kernel: the fused kernel supports head_dim 64 or 128")
+    """What needs no model (bits, scheme, device) is refused before any model loads."""
+    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--bits", "12"),
+                          "--attention kernel: the INT8-logits kernel takes 2..8 bits")
+    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--scheme", "logits"),
+                          "--attention kernel: the fused kernel quantises Q and K (scheme qk)")
+    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--device", "cpu"),
+                          "--attention kernel: the fused kernel runs on CUDA tensors")
     auto = run_cli("quant-sweep", "--bits", "8", "--tokens", "256", "--seq-len", "64", "--json")
     assert auto.returncode == 0, auto.stderr
     assert "attention torch reference (the fused kernel supports head_dim" in auto.stderr

@@ -24,6 +24,20 @@ from diffexport.quantization import UNQUANTISED_BITS, LogitQuant
 ATTENTIONS = ("reference", "kernel")
 
 
+def quant_unsupported(quant: LogitQuant | None) -> str | None:
+    """Why the fused kernel cannot quantise logits as `quant` says, or None when it can (no model needed:
+    the CLI asks before it loads one)."""
+    from diffexport import kernels
+
+    if quant is not None and quant.active:
+        if quant.scheme != "qk":
+            return f"the fused kernel quantises Q and K (scheme qk), not the {quant.scheme!r} scheme"
+        if quant.bits > kernels.MAX_INT8_BITS:
+            return (f"the INT8-logits kernel takes 2..{kernels.MAX_INT8_BITS} bits (or {UNQUANTISED_BITS}, "
+                    f"not quantised), not {quant.bits}")
+    return None
+
+
 def kernel_unsupported(model, quant: LogitQuant | None = None) -> str | None:
     """Why the fused kernel cannot run this model's attention with `quant`, or None when it can
     (the library and the device are the launcher's to check)."""
@@ -35,13 +49,7 @@ def kernel_unsupported(model, quant: LogitQuant | None = None) -> str | None:
     if config.head_dim not in kernels.HEAD_DIMS:
         return (f"the fused kernel supports head_dim {' or '.join(map(str, kernels.HEAD_DIMS))}, "
                 f"this model has {config.head_dim}")
-    if quant is not None and quant.active:
-        if quant.scheme != "qk":
-            return f"the fused kernel quantises Q and K (scheme qk), not the {quant.scheme!r} scheme"
-        if quant.bits > kernels.MAX_INT8_BITS:
-            return (f"the INT8-logits kernel takes 2..{kernels.MAX_INT8_BITS} bits (or {UNQUANTISED_BITS}, "
-                    f"not quantised), not {quant.bits}")
-    return None
+    return quant_unsupported(quant)
 
 
 class FusedAttention:
