@@ -2,8 +2,15 @@
 no GPU needed): the Hopper path's sm_90a kernels are built from wgmma (HGMMA) and TMA (UTMALDG)
 with register reallocation, and neither they nor the split-KV decode kernels spill on any
 architecture. Skipped where the library is not built or the binary utilities are missing
-(.ci/run installs them from the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels)."""
+(.ci/run installs them from the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels).
 
+Also the Hopper path's layout facts (plugins/kernels/hopper/layout_check.cu): its index arithmetic
+against CuTe's own layouts, compiled with nvcc as host code and run on the CPU."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import kernel_resources  # noqa: E402
 
 ARCHS = {"sm_80", "sm_86", "sm_87", "sm_89", "sm_90a"}
+KERNELS = Path(__file__).resolve().parent.parent / "plugins" / "kernels"
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +65,31 @@ def test_hopper_path_is_tma_and_wgmma_without_spills(lib):
         assert counts["HMMA"] == 0, (name, "mma.sync in the wgmma kernel")
     one_pass = [c for n, c in markers.items() if "diff_attention_fwd_kernel" in n]
     assert one_pass and all(c["HGMMA"] == 0 and c["HMMA"] > 0 for c in one_pass)  # the check can tell them apart
+
+
+def cutlass_include() -> Path | None:
+    """The pinned nvidia-cutlass wheel's headers (the kernels extra), as CMake finds them."""
+    spec = importlib.util.find_spec("cutlass_library")
+    include = Path(spec.origin).parent / "source" / "include" if spec and spec.origin else None
+    return include if include and (include / "cute" / "tensor.hpp").is_file() else None
+
+
+@pytest.mark.slow
+def test_hopper_index_arithmetic_matches_cute_layouts(tmp_path):
+    """The wgmma kernel cannot run here, but what it assumes of CuTe's layouts can be checked: the
+    accumulator rows/columns its masks and epilogue compute, P converted in place as the P.V A
+    operand, the transposed V view, the TMA byte counts, for all 8 instantiations."""
+    cuda_bin = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=cuda_bin)
+    include = cutlass_include()
+    if nvcc is None or include is None:
+        pytest.skip("needs nvcc and the CUTLASS headers (pip install -e '.[kernels]')")
+    exe = tmp_path / "layout_check"
+    build = subprocess.run([nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-isystem", str(include), f"-I{KERNELS}",
+                            str(KERNELS / "hopper" / "layout_check.cu"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    print(run.stdout)
+    assert run.returncode == 0 and "all layout facts hold" in run.stdout, run.stdout[-3000:]
+    assert run.stdout.count(" facts, shared storage ") == 8

@@ -19,79 +19,21 @@
 // (TMA zero-fills rows past the end; masks hide them), the contract's free batch/row strides.
 // Not here (the mma.sync kernel serves them): INT8 logits, float32 I/O conversion happens before.
 //
-// The accumulator of a 64 x N wgmma gives thread t of warp w rows 16w + t/4 (+8) and columns
-// 8j + 2(t%4) (+1), value index c + 2r + 4j: the mma.sync m16n8 layout repeated, so the softmax
-// below reads it exactly as the mma.sync kernel reads its fragments. The register A operand of
-// the 64 x DV x 64 P.V wgmma has the same linear order, so P is the accumulator converted in place.
+// The accumulator of a 64 x N wgmma is the mma.sync m16n8 layout repeated (acc_row/acc_col in
+// diff_attention_sm90_config.cuh), so the softmax below reads it exactly as the mma.sync kernel
+// reads its fragments. The register A operand of the 64 x DV x 64 P.V wgmma has the same linear
+// order, so P is the accumulator converted in place. hopper/layout_check.cu verifies both on the host.
 #include <cuda_runtime.h>
 
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
-#include <cutlass/gemm/collective/builders/sm90_common.inl>
-#include <cutlass/numeric_types.h>
-#include <cutlass/pipeline/pipeline.hpp>
 
 #include "../kernel_args.h"
 #include "diff_attention_sm90.h"
+#include "diff_attention_sm90_config.cuh"
 
 namespace diffx::sm90 {
-
-using namespace cute;
-
-constexpr int kBlockM = DIFFX_QUERY_BLOCK;
-constexpr int kBlockN = DIFFX_KEY_BLOCK;
-constexpr int kThreads = 3 * cutlass::NumThreadsPerWarpGroup;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
-
-template <typename Element, int D, int DV>
-struct Config {
-  static constexpr bool kV1 = DV == 2 * D;
-  static constexpr int kKeyMaps = kV1 ? 2 : 1;
-  static constexpr int kStages = D == 64 ? 3 : 2;
-
-  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, Int<D>>>()));
-  using TiledMmaO = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<DV>, _64>, GMMA::Major::K, GMMA::Major::MN>()));
-
-  using AtomQK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<D>>());
-  using SmemLayoutQ = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>, Int<kStages>>{}));
-  // V lands as [keys, DV] rows (the global layout); P.V reads it transposed, DV-major, as wgmma's B.
-  using AtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<DV>>());
-  using SmemLayoutV = decltype(tile_to_shape(AtomV{}, Shape<_64, Int<DV>, Int<kStages>>{}));
-  using SmemLayoutVt = decltype(composition(
-      SmemLayoutV{}, make_ordered_layout(Shape<Int<DV>, _64, Int<kStages>>{}, Step<_2, _1, _3>{})));
-
-  // Global views (rows, columns, head, batch) with the contract's free row and batch strides.
-  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{})));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{})));
-
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  static constexpr uint32_t kQBytes = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
-  static constexpr uint32_t kStageBytes =
-      (kKeyMaps * size(take<0, 2>(SmemLayoutK{})) + size(take<0, 2>(SmemLayoutV{}))) * sizeof(Element);
-  static constexpr int kScratchStride = DV + 8;  // floats; see TileConfig::kScratchStride
-
-  struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q[2];
-    union {
-      struct {
-        cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k[kKeyMaps];
-        cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
-      } ring;
-      float scratch[kBlockM * kScratchStride];  // epilogue: O2 / l2 of the 64 rows
-    };
-    typename Pipeline::SharedStorage pipeline;
-    uint64_t q_loaded;  // mbarrier: Q1 and Q2 landed
-  };
-};
 
 template <typename Element, int D, int DV>
 struct Params {
@@ -182,7 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int map = warpgroup - 1;
   const int tid = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
-  const int lane = tid & 31, wrow = (tid >> 5) * 16, gq = lane >> 2, tq = lane & 3;
   typename Cfg::TiledMmaS mma_s;
   typename Cfg::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(tid);
@@ -226,14 +167,14 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     if (need_mask) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
-        const int key = n_start + (i / 4) * 8 + tq * 2 + (i & 1);
-        const int qi = m_start + wrow + gq + ((i >> 1) & 1) * 8;
+        const int key = n_start + acc_col(tid, i);
+        const int qi = m_start + acc_row(tid, i);
         const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
                              (!mask_row || mask_row[key] != 0);
         if (!visible) acc_s(i) = -INFINITY;
       }
     }
-    // Online softmax, rows gq and gq + 8 of this warp (same arithmetic as the mma.sync kernel).
+    // Online softmax, rows acc_row(tid, 0) and acc_row(tid, 2) (same arithmetic as the mma.sync kernel).
     float alpha[2];
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
@@ -291,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   if (map == 1) {
     CUTE_UNROLL
     for (int i = 0; i < size(acc_o); i += 2) {
-      const int r = (i >> 1) & 1, row = wrow + gq + r * 8, col = (i / 4) * 8 + tq * 2;
+      const int r = (i >> 1) & 1, row = acc_row(tid, i), col = acc_col(tid, i);
       *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + col) =
           make_float2(acc_o(i) * inv_l[r], acc_o(i + 1) * inv_l[r]);
     }
@@ -301,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   const Element* lambda = static_cast<const Element*>(p.lambda_full);
   CUTE_UNROLL
   for (int r = 0; r < 2; ++r) {
-    const int row = wrow + gq + r * 8, qi = m_start + row;
+    const int row = acc_row(tid, 2 * r), qi = m_start + row;
     float lam = 0.f;
     if constexpr (Cfg::kV1) {
       lam = to_f(lambda[0]);
@@ -311,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     float sumsq = 0.f;
     CUTE_UNROLL
     for (int j = 0; j < DV / 8; ++j) {
-      const float2 o2 = *reinterpret_cast<const float2*>(scratch + row * Cfg::kScratchStride + j * 8 + tq * 2);
+      const float2 o2 = *reinterpret_cast<const float2*>(scratch + row * Cfg::kScratchStride + acc_col(tid, 4 * j));
       const float o0 = acc_o(4 * j + 2 * r) * inv_l[r] - lam * o2.x;
       const float o1 = acc_o(4 * j + 2 * r + 1) * inv_l[r] - lam * o2.y;
       acc_o(4 * j + 2 * r) = o0;
@@ -325,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       Element* out = static_cast<Element*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
       CUTE_UNROLL
       for (int j = 0; j < DV / 8; ++j) {
-        const int col = j * 8 + tq * 2;
+        const int col = acc_col(tid, 4 * j);
         out[col] = Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale);
         out[col + 1] = Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale);
       }

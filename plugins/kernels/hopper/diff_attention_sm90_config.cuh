@@ -1,0 +1,81 @@
+// The Hopper path's tile configuration: MMA atoms, shared-memory layouts, TMA types and the shared
+// storage of diff_attention_sm90.cu, in a header of its own so that hopper/layout_check.cu can
+// check on the host (no GPU) the layout facts the kernel's index arithmetic relies on.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "../diff_attention.h"
+
+namespace diffx::sm90 {
+
+using namespace cute;
+
+constexpr int kBlockM = DIFFX_QUERY_BLOCK;
+constexpr int kBlockN = DIFFX_KEY_BLOCK;
+constexpr int kThreads = 3 * cutlass::NumThreadsPerWarpGroup;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
+constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
+
+// Row and column of value i of consumer thread tid (0..127) in a 64 x N wgmma accumulator (S, and
+// O of DV columns): the mma.sync m16n8 layout repeated, value index c + 2r + 4j for row +8r and
+// column 8j + 2(tid % 4) + c. The kernel's masks and epilogue index the accumulator with these;
+// layout_check.cu compares them with CuTe's own partition of the accumulator.
+CUTE_HOST_DEVICE constexpr int acc_row(int tid, int i) { return (tid >> 5) * 16 + ((tid & 31) >> 2) + ((i >> 1) & 1) * 8; }
+CUTE_HOST_DEVICE constexpr int acc_col(int tid, int i) { return (i >> 2) * 8 + (tid & 3) * 2 + (i & 1); }
+
+template <typename Element, int D, int DV>
+struct Config {
+  static constexpr bool kV1 = DV == 2 * D;
+  static constexpr int kKeyMaps = kV1 ? 2 : 1;
+  static constexpr int kStages = D == 64 ? 3 : 2;
+
+  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, Int<D>>>()));
+  using TiledMmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<DV>, _64>, GMMA::Major::K, GMMA::Major::MN>()));
+
+  using AtomQK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<D>>());
+  using SmemLayoutQ = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>, Int<kStages>>{}));
+  // V lands as [keys, DV] rows (the global layout); P.V reads it transposed, DV-major, as wgmma's B.
+  using AtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<DV>>());
+  using SmemLayoutV = decltype(tile_to_shape(AtomV{}, Shape<_64, Int<DV>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<DV>, _64, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // Global views (rows, columns, head, batch) with the contract's free row and batch strides.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{})));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kQBytes = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
+  static constexpr uint32_t kStageBytes =
+      (kKeyMaps * size(take<0, 2>(SmemLayoutK{})) + size(take<0, 2>(SmemLayoutV{}))) * sizeof(Element);
+  static constexpr int kScratchStride = DV + 8;  // floats; see TileConfig::kScratchStride
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q[2];
+    union {
+      struct {
+        cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k[kKeyMaps];
+        cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+      } ring;
+      float scratch[kBlockM * kScratchStride];  // epilogue: O2 / l2 of the 64 rows
+    };
+    typename Pipeline::SharedStorage pipeline;
+    uint64_t q_loaded;  // mbarrier: Q1 and Q2 landed
+  };
+  static_assert(sizeof(SharedStorage) <= kMaxDynamicSmem, "the Hopper tiles exceed sm_90's shared memory");
+  // The epilogue's scratch reuses the ring: it must not be what sizes the union.
+  static_assert(sizeof(float) * kBlockM * kScratchStride <= sizeof(SharedStorage::ring), "scratch outgrows the ring");
+};
+
+}  // namespace diffx::sm90

@@ -1,0 +1,104 @@
+// Host-side check of the Hopper path's layout facts (no GPU: CuTe's layout algebra runs on the CPU).
+// The wgmma kernel cannot be emulated here, but everything its hand-written index arithmetic assumes
+// about CuTe's layouts can be compared with CuTe itself, for every instantiation:
+//   1. acc_row/acc_col give the row and column CuTe assigns to each accumulator value, for S (64 x 64)
+//      and O (64 x DV), for all 128 threads of a consumer warpgroup;
+//   2. the register A operand of the P.V wgmma holds, value for value, the same (row, key) as S's
+//      accumulator, so converting S in place is P;
+//   3. SmemLayoutVt(dv, key, stage) addresses the same element as SmemLayoutV(key, dv, stage);
+//   4. the TMA transaction bytes per stage and for Q are what the tiles hold.
+// tests/test_kernel_build.py compiles it with nvcc (host code only) and runs it; exit status 0 when
+// every fact holds, 1 with the first mismatches printed otherwise.
+#include <cstdarg>
+#include <cstdio>
+
+#include "diff_attention_sm90_config.cuh"
+
+using namespace cute;
+using namespace diffx::sm90;
+
+namespace {
+
+int failures = 0;
+
+void fail(const char* fmt, ...) {
+  if (++failures > 10) return;
+  std::va_list args;
+  va_start(args, fmt);
+  std::printf("MISMATCH ");
+  std::vprintf(fmt, args);
+  std::printf("\n");
+  va_end(args);
+}
+
+template <typename Element, int D, int DV>
+void check(const char* dtype) {
+  using Cfg = Config<Element, D, DV>;
+  typename Cfg::TiledMmaS mma_s;
+  typename Cfg::TiledMmaO mma_o;
+  static_assert(size(typename Cfg::TiledMmaS{}) == cutlass::NumThreadsPerWarpGroup, "one warpgroup per map");
+  static_assert(size(typename Cfg::TiledMmaO{}) == cutlass::NumThreadsPerWarpGroup, "one warpgroup per map");
+  int checked = 0;
+  for (int tid = 0; tid < cutlass::NumThreadsPerWarpGroup; ++tid) {
+    auto thr_s = mma_s.get_thread_slice(tid);
+    auto thr_o = mma_o.get_thread_slice(tid);
+    Tensor s_coord = thr_s.partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    Tensor p_coord = thr_o.partition_A(make_identity_tensor(Shape<_64, _64>{}));
+    Tensor o_coord = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<DV>>{}));
+    if (size(s_coord) != 32 || size(p_coord) != 32 || size(o_coord) != DV / 2) {
+      fail("fragment sizes (D %d, DV %d, %s): S %d, P %d, O %d values a thread; expected 32, 32, %d", D, DV, dtype,
+           int(size(s_coord)), int(size(p_coord)), int(size(o_coord)), DV / 2);
+      return;
+    }
+    for (int i = 0; i < size(s_coord); ++i) {
+      const int row = get<0>(s_coord(i)), key = get<1>(s_coord(i));
+      if (row != acc_row(tid, i) || key != acc_col(tid, i))
+        fail("S accumulator (D %d, DV %d, %s): thread %d value %d: CuTe (%d, %d), acc_row/acc_col (%d, %d)", D, DV,
+             dtype, tid, i, row, key, acc_row(tid, i), acc_col(tid, i));
+      if (get<0>(p_coord(i)) != row || get<1>(p_coord(i)) != key)
+        fail("P operand (D %d, DV %d, %s): thread %d value %d: A operand (%d, %d), S accumulator (%d, %d)", D, DV,
+             dtype, tid, i, int(get<0>(p_coord(i))), int(get<1>(p_coord(i))), row, key);
+      ++checked;
+    }
+    for (int i = 0; i < size(o_coord); ++i) {
+      const int row = get<0>(o_coord(i)), col = get<1>(o_coord(i));
+      if (row != acc_row(tid, i) || col != acc_col(tid, i))
+        fail("O accumulator (D %d, DV %d, %s): thread %d value %d: CuTe (%d, %d), acc_row/acc_col (%d, %d)", D, DV,
+             dtype, tid, i, row, col, acc_row(tid, i), acc_col(tid, i));
+      ++checked;
+    }
+  }
+  typename Cfg::SmemLayoutV v;
+  typename Cfg::SmemLayoutVt vt;
+  for (int s = 0; s < Cfg::kStages; ++s)
+    for (int key = 0; key < kBlockN; ++key)
+      for (int dv = 0; dv < DV; ++dv, ++checked)
+        if (vt(dv, key, s) != v(key, dv, s))
+          fail("V transposed view (D %d, DV %d, %s): Vt(%d, %d, %d) at %d, V(%d, %d, %d) at %d", D, DV, dtype, dv, key, s,
+               int(vt(dv, key, s)), key, dv, s, int(v(key, dv, s)));
+  const int stage_bytes = (Cfg::kKeyMaps * kBlockN * D + kBlockN * DV) * int(sizeof(Element));
+  if (int(Cfg::kStageBytes) != stage_bytes)
+    fail("stage bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kStageBytes), stage_bytes);
+  const int q_bytes = 2 * kBlockM * D * int(sizeof(Element));
+  if (int(Cfg::kQBytes) != q_bytes)
+    fail("Q bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kQBytes), q_bytes);
+  std::printf("D %3d DV %3d %s: %d facts, shared storage %zu bytes (%d stages)\n", D, DV, dtype, checked,
+              sizeof(typename Cfg::SharedStorage), Cfg::kStages);
+}
+
+template <typename Element>
+void check_dtype(const char* dtype) {
+  check<Element, 64, 64>(dtype);
+  check<Element, 64, 128>(dtype);
+  check<Element, 128, 128>(dtype);
+  check<Element, 128, 256>(dtype);
+}
+
+}  // namespace
+
+int main() {
+  check_dtype<cutlass::half_t>("fp16");
+  check_dtype<cutlass::bfloat16_t>("bf16");
+  std::printf(failures ? "FAILED: %d mismatches\n" : "all layout facts hold\n", failures);
+  return failures ? 1 : 0;
+}
