@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffexport import kernels, reference
+from diffexport import kernel_probe, kernels, reference
 from diffexport.contract import DiffAttentionAttrs
 from diffexport.quantization import LogitQuant
 from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
@@ -41,6 +41,10 @@ def require_hopper():
         if os.environ.get("DIFFEXPORT_REQUIRE_KERNELS"):
             pytest.fail(message)
         pytest.skip(message)
+    # Tried first in a child process: a hang or a fault there must not take this worker's other tests.
+    reason = kernel_probe.probed("hopper")
+    if reason:
+        pytest.fail(f"the Hopper path failed its probe (diffexport/kernel_probe.py), not launched here: {reason}")
 
 
 def min_cosine(dtype):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import statistics
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchdoc  # noqa: E402
 
-from diffexport import kernels, reference  # noqa: E402
+from diffexport import kernel_probe, kernels, reference  # noqa: E402
 from diffexport.contract import DiffAttentionAttrs  # noqa: E402
 
 TOKENS_PER_BATCH = 16384  # B * N: keeps B*H*N/64 CTAs (work per launch) the same at every N
@@ -136,8 +137,16 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
     return row
 
 
+@functools.cache
 def hopper_available() -> bool:
-    return torch.cuda.get_device_capability() == (9, 0) and "sm90=1" in kernels.build_info()
+    """An sm_90 GPU, a library with the Hopper path, and the path passed its probe in a child process
+    (a hung or faulting launch here would cost every row of the table)."""
+    if torch.cuda.get_device_capability() != (9, 0) or "sm90=1" not in kernels.build_info():
+        return False
+    reason = kernel_probe.probed("hopper")
+    if reason:
+        print(f"Hopper path left out of the table, it failed its probe: {reason}", file=sys.stderr)
+    return reason is None
 
 
 def on_path(path: str, fn):

@@ -5,6 +5,8 @@
 #   tools/gpu_campaign.sh [--out DIR] PART...      PART: env build variants test sanitize bench decode profile all
 #                                                   (PART+PART runs two parts at once)
 #
+# Before the first part that launches kernels, the opt-in Hopper path is probed in a child process
+# (probe_hopper); a path that hangs or faults is then left out of the tests and the bench, reported.
 # Made for the lent GPU machine: each part has its own time limit so that a call of at most
 # 10 minutes comes back with its logs, and everything lands in at most 8 files under DIR
 # (campaign.log, build.log, pytest.log, sanitizer.log, bench.md, bench.json, decode.json, profile.txt;
@@ -162,6 +164,19 @@ part_profile() {
     "$OUT_DIR/profile.txt" | head -20
 }
 
+probe_hopper() {
+  # Once per call, after the build: a few Hopper-path launches in a child process (diffexport/kernel_probe.py).
+  # The verdict, exported, tells the tests, kernel_cases.py and the bench whether to launch that path at all:
+  # a hang or fault in their own process would cost every result after it.
+  [[ -n "${DIFFEXPORT_PROBE_HOPPER:-}" || ! -f "$DIFFEXPORT_KERNEL_LIB" ]] && return 0
+  local out verdict
+  out=$(timeout 150 "$PY" -m diffexport.kernel_probe hopper 2>&1)
+  echo "$out" >> "$OUT_DIR/campaign.log"
+  verdict=$(echo "$out" | tail -1)
+  export DIFFEXPORT_PROBE_HOPPER="${verdict:-failed: the probe printed nothing}"
+  note "Hopper path probe: $DIFFEXPORT_PROBE_HOPPER"
+}
+
 run_part() {
   note "part $1"
   if "part_$1"; then note "part $1 ok"; else note "part $1 FAILED"; return 1; fi
@@ -174,6 +189,7 @@ parts=("$@")
 [[ " ${parts[*]} " == *" all "* ]] && parts=(env build variants test+sanitize bench decode profile)
 for group in "${parts[@]}"; do
   IFS=+ read -r -a members <<< "$group"
+  [[ "+$group+" =~ \+(test|sanitize|bench|decode|profile)\+ ]] && probe_hopper
   pids=()
   for part in "${members[@]}"; do
     declare -F "part_$part" > /dev/null || { echo "unknown part: $part" >&2; exit 2; }
