@@ -151,6 +151,18 @@ part_profile() {
   else
     echo "--- split-KV decode profile FAILED" >> "$OUT_DIR/profile.txt"
   fi
+  # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
+  if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok ]]; then
+    if DIFFEXPORT_KERNEL_PATH=hopper timeout 150 ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
+        --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py --profile 4096 > /dev/null 2>&1; then
+      { echo "--- Hopper path (TMA + wgmma), the same launch"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
+          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
+        echo "--- selected raw metrics, Hopper path"; ncu --import /tmp/profile-hopper.ncu-rep --page raw 2>&1 |
+          grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+    else
+      echo "--- Hopper path profile FAILED" >> "$OUT_DIR/profile.txt"
+    fi
+  fi
   local spec name path
   for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
