@@ -679,6 +679,8 @@ def cmd_kernels(args) -> int:
     from diffexport import kernels
 
     if kernels.library_path() is None:  # informational: not built is a state, not a failure
+        if args.check:
+            raise DiffExportError(f"--check needs the kernel library, which is not built: {kernels.BUILD_HINT}")
         where = ", ".join(str(p) for p in kernels.library_candidates())
         print(f"library      not built (looked at {where})")
         print(f"build        {kernels.BUILD_HINT}")
@@ -694,7 +696,29 @@ def cmd_kernels(args) -> int:
     else:
         print("GPU          none visible to torch: the library loads, kernels cannot run here")
     del lib
-    return 0
+    if not args.check:
+        return 0
+    if not torch.cuda.is_available():
+        raise DiffExportError("--check needs a CUDA GPU visible to torch")
+    return check_kernels()
+
+
+def check_kernels() -> int:
+    """Every kernel path this GPU and library have, each in a child process, against the torch reference."""
+    from diffexport import kernel_probe
+
+    failed = 0
+    for name, check in kernel_probe.CHECKS.items():
+        why_not = kernel_probe.applicable(name)
+        if why_not:
+            print(f"check {name:<9} skipped  {check.what}: {why_not}")
+            continue
+        reason, lines = kernel_probe.run_probe(name)
+        failed += reason is not None
+        verdict = f"ok       {lines[-1].removeprefix('ok: ')}" if reason is None else f"FAILED   {reason}"
+        print(f"check {name:<9} {verdict}  ({check.what})")
+    print(f"result       {'PASS' if not failed else f'FAIL: {failed} kernel path(s)'}")
+    return 1 if failed else 0
 
 
 COMMANDS = {"onnx": cmd_onnx, "trt": cmd_trt, "check": cmd_check, "generate": cmd_generate, "optimize": cmd_optimize, "quantize": cmd_quantize, "inspect": cmd_inspect, "demo": cmd_demo, "info": cmd_info,
@@ -712,6 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
         parser._subcommands[name] = p
+        if name == "kernels":
+            p.add_argument("--check", action="store_true",
+                           help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper) "
+                                "on small shapes, each in a child process, against the torch reference")
         if name == "optimize":
             p.add_argument("model", help="input .onnx")
             p.add_argument("-o", "--output", required=True, help="output .onnx")

@@ -1,16 +1,17 @@
-"""A kernel path tried once in a child process before a test run or a benchmark relies on it.
+"""The fused kernels tried on this GPU, each in a child process, against the torch reference.
 
-A path that has never run on a GPU (the opt-in Hopper kernel, until a campaign has seen it pass)
-can hang on a barrier or fault on an address. In the caller's process either one takes everything
-after it down: a hung launch stalls the run until its time limit, a fault leaves a CUDA context
-that refuses every later call. `probe(path)` runs a few small launches of that path in a child
-process under a time limit and compares them with the one-pass kernel on the same inputs; the GPU
-tests, tests/kernel_cases.py and tools/bench_attention.py leave a path that fails it out, say why,
-and still run everything else.
+A kernel path that has not run on a GPU before (the opt-in Hopper kernel until a campaign has seen
+it pass, any path on a GPU model nobody has tested) can hang on a barrier or fault on an address.
+In the caller's process either one takes everything after it down: a hung launch stalls the run
+until its time limit, a fault leaves a CUDA context that refuses every later call. `probe(name)`
+runs a few small launches of one path in a child process under a time limit and compares them with
+the torch reference on the same inputs. Users run all of them with `diffexport kernels --check`;
+the GPU tests, tests/kernel_cases.py and tools/bench_attention.py probe the Hopper path first and
+leave it out, saying why, when it fails, so that every other result is still collected.
 
-    python -m diffexport.kernel_probe hopper     # the launches, then "ok" or "failed: <why>"; exit 0 or 1
+    python -m diffexport.kernel_probe hopper     # the launches, then "ok: ..." or "failed: <why>"; exit 0 or 1
 
-`probed(path)` keeps the answer in $DIFFEXPORT_PROBE_<PATH> so that child processes (pytest
+`probed(name)` keeps the answer in $DIFFEXPORT_PROBE_<NAME> so that child processes (pytest
 workers, the sanitizer runs of tools/gpu_campaign.sh) reuse it instead of probing again.
 """
 
@@ -20,40 +21,69 @@ import argparse
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
-PATHS = ("hopper", "mma", "auto")  # DIFFEXPORT_KERNEL_PATH values; the probe compares each with "mma"
-EXPECTED_PLAN = {"hopper": "hopper", "mma": "one-pass"}
 TIMEOUT_S = 90.0  # the child's CUDA start-up takes seconds; a working path's launches take milliseconds
-MIN_COSINE = 0.999  # bf16 outputs of two kernels computing the same attention in different orders
+MIN_COSINE = 0.999  # bf16 kernel output against the float32 reference (the GPU tests' bf16 floor)
 DEVICE = "cuda"
 
-# variant, head dim, causal, batch, q_len, kv_len: two query blocks with a ragged end, keys that
-# fill several pipeline stages, both variants and head dims, a causal and a full mask.
-CASES = [
-    (1, 128, 1, 2, 130, 300),
-    (2, 64, 0, 1, 70, 520),
-]
+# variant, head dim, causal, batch, q_len, kv_len
+PREFILL = ((1, 128, 1, 2, 130, 300),  # two query blocks with a ragged end, keys over several stages
+           (2, 64, 0, 1, 70, 520))
+DECODE = ((1, 128, 1, 2, 1, 700),  # one token over a cache of 11 tiles, and a full 16-row tile
+          (2, 64, 1, 1, 16, 300))
 
 
-def env_name(path: str) -> str:
-    return f"DIFFEXPORT_PROBE_{path.upper()}"
+@dataclass(frozen=True)
+class Check:
+    kernel_path: str  # $DIFFEXPORT_KERNEL_PATH for the launches
+    plan: str  # the kernel the library must choose for them
+    cases: tuple
+    logit_bits: int
+    what: str
 
 
-def child_command(path: str) -> list[str]:
-    return [sys.executable, "-m", "diffexport.kernel_probe", "--child", path]
+CHECKS = {
+    "one-pass": Check("mma", "one-pass", PREFILL, 0, "the mma.sync prefill kernel"),
+    "int8": Check("mma", "one-pass", PREFILL, 8, "INT8 logits, against the mirrored quantisation"),
+    "split-kv": Check("auto", "split-kv", DECODE, 0, "the split-KV decode kernels"),
+    "hopper": Check("hopper", "hopper", PREFILL, 0, "the opt-in sm_90a TMA + wgmma kernel"),
+}
 
 
-def probe(path: str, timeout: float = TIMEOUT_S) -> str | None:
-    """None when every probe launch of `path` ran and agreed with the one-pass kernel, else why not."""
-    return run_probe(path, timeout)[0]
+def env_name(name: str) -> str:
+    return "DIFFEXPORT_PROBE_" + name.upper().replace("-", "_")
 
 
-def run_probe(path: str, timeout: float) -> tuple[str | None, list[str]]:
+def applicable(name: str) -> str | None:
+    """Why `name` cannot run on this GPU and library, or None (in the caller's process: no launch)."""
+    import torch
+
+    from diffexport import kernels
+
+    if name == "hopper":
+        if torch.cuda.get_device_capability() != (9, 0):
+            return "an sm_90 GPU only"
+        if "sm90=1" not in kernels.build_info():
+            return "library built without it (sm_90a and the CUTLASS headers needed)"
+    return None
+
+
+def child_command(name: str) -> list[str]:
+    return [sys.executable, "-m", "diffexport.kernel_probe", "--child", name]
+
+
+def probe(name: str, timeout: float = TIMEOUT_S) -> str | None:
+    """None when every probe launch of `name` ran and agreed with the reference, else why not."""
+    return run_probe(name, timeout)[0]
+
+
+def run_probe(name: str, timeout: float = TIMEOUT_S) -> tuple[str | None, list[str]]:
     """(why the probe failed or None, the child's output lines)."""
-    if path not in PATHS:
-        raise ValueError(f"kernel path {path!r} is not one of {', '.join(PATHS)}")
+    if name not in CHECKS:
+        raise ValueError(f"kernel probe {name!r} is not one of {', '.join(CHECKS)}")
     try:
-        done = subprocess.run(child_command(path), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(child_command(name), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"no answer within {timeout:g} s (a hung launch?); the child process was killed", []
     lines = [line.rstrip() for line in (done.stdout + "\n" + done.stderr).splitlines() if line.strip()]
@@ -65,27 +95,31 @@ def run_probe(path: str, timeout: float) -> tuple[str | None, list[str]]:
     return last or f"the child process exited with status {done.returncode}", lines
 
 
-def probed(path: str, timeout: float = TIMEOUT_S) -> str | None:
-    """probe(path), once per process tree: the answer is kept in $DIFFEXPORT_PROBE_<PATH> ("ok" or why not)."""
-    name = env_name(path)
-    if not os.environ.get(name):
-        os.environ[name] = probe(path, timeout) or "ok"
-    answer = os.environ[name]
-    return None if answer == "ok" else answer
+def probed(name: str, timeout: float = TIMEOUT_S) -> str | None:
+    """probe(name), once per process tree: the answer is kept in $DIFFEXPORT_PROBE_<NAME> ("ok" or why not)."""
+    var = env_name(name)
+    if not os.environ.get(var):
+        os.environ[var] = probe(name, timeout) or "ok"
+    answer = os.environ[var]
+    return None if answer == "ok" or answer.startswith("ok:") else answer
 
 
-def run_child(path: str) -> int:
-    """The probe launches (in the child): every case on the one-pass kernel and on `path`, compared."""
+def run_child(name: str) -> int:
+    """The probe launches (in the child): every case of the check against the float32 reference."""
     import torch
 
-    from diffexport import kernels
+    from diffexport import kernels, reference
     from diffexport.contract import DiffAttentionAttrs
+    from diffexport.quantization import LogitQuant
 
+    check = CHECKS[name]
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("failed: no CUDA device")
         return 1
+    os.environ[kernels.KERNEL_PATH_ENV] = check.kernel_path
     gen = torch.Generator().manual_seed(0)
-    for variant, head_dim, causal, batch, q_len, kv_len in CASES:
+    worst_cos, worst_err = 1.0, 0.0
+    for variant, head_dim, causal, batch, q_len, kv_len in check.cases:
         attrs = DiffAttentionAttrs(variant=variant, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=causal,
                                    norm=int(variant == 1))
 
@@ -96,45 +130,53 @@ def run_child(path: str) -> int:
         k, v = rand(batch, kv_len, attrs.key_width), rand(batch, kv_len, attrs.num_kv_heads * attrs.value_dim)
         lam = (torch.full((1,), 0.4) if variant == 1 else torch.rand(batch, q_len, attrs.num_heads, generator=gen))
         lam, weight = lam.to(torch.bfloat16).to(DEVICE), torch.ones(attrs.value_dim).to(DEVICE)
-        outs = {}
-        for run in ("mma", path):
-            os.environ[kernels.KERNEL_PATH_ENV] = run
-            out = torch.empty(batch, q_len, attrs.num_heads * attrs.value_dim, dtype=torch.bfloat16, device=DEVICE)
-            plan, _ = kernels.kernel_plan(kernels.make_params(q, k, v, lam, weight, out, attrs))
-            if run in EXPECTED_PLAN and plan != EXPECTED_PLAN[run]:
-                print(f"failed: DIFFEXPORT_KERNEL_PATH={run} plans the {plan} kernel, not {EXPECTED_PLAN[run]}")
-                return 1
-            kernels.diff_attention(q, k, v, lam, weight, attrs, out=out)
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            outs[run] = out.float().cpu()
-        got, want = outs[path], outs["mma"]
+        out = torch.empty(batch, q_len, attrs.num_heads * attrs.value_dim, dtype=torch.bfloat16, device=DEVICE)
+        case = f"V{variant} D{head_dim} causal {causal} B{batch} Sq {q_len} Skv {kv_len}"
+        plan, _ = kernels.kernel_plan(kernels.make_params(q, k, v, lam, weight, out, attrs,
+                                                          logit_bits=check.logit_bits))
+        if plan != check.plan:
+            print(f"failed: DIFFEXPORT_KERNEL_PATH={check.kernel_path} plans the {plan} kernel for {case}, "
+                  f"not {check.plan}")
+            return 1
+        kernels.diff_attention(q, k, v, lam, weight, attrs, logit_bits=check.logit_bits, out=out)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        exact = [t.float() for t in (q, k, v, lam, weight)]
+        if check.logit_bits:
+            want = reference.quantised_diff_attention(*exact, attrs, LogitQuant(check.logit_bits, "qk", True))
+        else:
+            want = reference.naive_diff_attention(*exact, attrs)
+        got, want = out.float().cpu(), want.float().cpu()
         cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
         err = (got - want).abs().max().item()
-        case = f"V{variant} D{head_dim} causal {causal} B{batch} Sq {q_len} Skv {kv_len}"
-        print(f"{path} vs one-pass, {case}: max abs {err:.2e}, cosine {cosine:.6f}")
+        print(f"{name} {case}: max abs {err:.2e}, cosine {cosine:.6f}")
         if not torch.isfinite(got).all() or not cosine >= MIN_COSINE:
-            print(f"failed: {path} disagrees with the one-pass kernel on {case} (cosine {cosine:.6f})")
+            print(f"failed: {name} disagrees with the torch reference on {case} (cosine {cosine:.6f})")
             return 1
+        worst_cos, worst_err = min(worst_cos, cosine), max(worst_err, err)
+    print(f"ok: {len(check.cases)} launches, worst cosine {worst_cos:.6f}, max abs {worst_err:.2e} (bf16 vs float32)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diffexport.kernel_probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", choices=PATHS)
+    parser.add_argument("name", choices=list(CHECKS))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds the child may take")
     args = parser.parse_args(argv)
     if args.child:
         try:
-            return run_child(args.path)
+            return run_child(args.name)
         except Exception as exc:  # noqa: BLE001 - one line for the parent, whatever the CUDA error
             print(f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
             return 1
-    reason, lines = run_probe(args.path, args.timeout)
-    for line in lines if reason is None else lines[:-1]:
+    reason, lines = run_probe(args.name, args.timeout)
+    for line in lines[:-1]:  # the launches; the last line is the verdict
         print(f"  {line}")
-    print("ok" if reason is None else (reason if reason.startswith("failed:") else f"failed: {reason}"))
+    if reason is None:
+        print(lines[-1] if lines else "ok")
+    else:
+        print(reason if reason.startswith("failed:") else f"failed: {reason}")
     return 0 if reason is None else 1
 
 

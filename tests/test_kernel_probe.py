@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from diffexport import kernel_probe, kernels, reference
+from diffexport.quantization import LogitQuant
+from helpers import assert_one_line_error, run_cli
 
 
 @pytest.fixture(autouse=True)
 def no_kept_answer(monkeypatch):
-    for path in kernel_probe.PATHS:
-        monkeypatch.delenv(kernel_probe.env_name(path), raising=False)
+    for name in kernel_probe.CHECKS:
+        monkeypatch.delenv(kernel_probe.env_name(name), raising=False)
 
 
 def child_running(monkeypatch, code: str):
@@ -40,7 +42,7 @@ def test_a_failing_child_gives_its_last_line_and_a_passing_one_none(monkeypatch)
     child_running(monkeypatch, "print('case 1 fine')")
     assert kernel_probe.probe("hopper") is None
     with pytest.raises(ValueError, match="not one of"):
-        kernel_probe.probe("wgmma")
+        kernel_probe.probe("mma")
 
 
 def test_the_answer_is_kept_for_child_processes(monkeypatch):
@@ -49,8 +51,9 @@ def test_the_answer_is_kept_for_child_processes(monkeypatch):
     assert kernel_probe.probed("hopper") == "failed: it hung"
     assert kernel_probe.probed("hopper") == "failed: it hung" and calls == ["hopper"]
     assert os.environ[kernel_probe.env_name("hopper")] == "failed: it hung"
-    monkeypatch.setenv(kernel_probe.env_name("mma"), "ok")  # as tools/gpu_campaign.sh exports it
-    assert kernel_probe.probed("mma") is None and calls == ["hopper"]
+    monkeypatch.setenv(kernel_probe.env_name("split-kv"), "ok: 2 launches")  # as tools/gpu_campaign.sh exports it
+    assert kernel_probe.probed("split-kv") is None and calls == ["hopper"]
+    assert kernel_probe.env_name("split-kv") == "DIFFEXPORT_PROBE_SPLIT_KV"
 
 
 def test_the_real_child_on_a_machine_without_a_gpu(capsys):
@@ -61,39 +64,84 @@ def test_the_real_child_on_a_machine_without_a_gpu(capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1] == "failed: no CUDA device"
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_the_child_compares_the_path_with_the_one_pass_kernel(monkeypatch, capsys, broken):
-    """run_child on CPU tensors, the torch reference as both kernels (the probed one off by a
-    wrong lambda when `broken`): it checks each path's plan, compares every case and names the
-    first that disagrees."""
-    monkeypatch.setattr(kernel_probe, "DEVICE", "cpu")
-    monkeypatch.setattr(kernels, "kernel_plan", lambda params, lib=None: (
-        {"mma": "one-pass", "hopper": "hopper"}[os.environ[kernels.KERNEL_PATH_ENV]], 1))
+PLANS = {"mma": "one-pass", "hopper": "hopper", "auto": "split-kv"}
 
-    def fake_kernel(q, k, v, lam, w, attrs, *, out):
-        if broken and os.environ[kernels.KERNEL_PATH_ENV] == "hopper":
+
+def kernels_on_the_cpu(monkeypatch, broken: str | None = None):
+    """The child's launches on CPU tensors, the torch reference standing in for every kernel path
+    (path `broken` with a wrong lambda) and each path planning its own kernel."""
+    monkeypatch.setattr(kernel_probe, "DEVICE", "cpu")
+    monkeypatch.setattr(kernels, "kernel_plan", lambda params, lib=None: (PLANS[os.environ[kernels.KERNEL_PATH_ENV]], 1))
+    monkeypatch.setattr(kernels, "make_params", lambda *args, **kw: None)
+
+    def fake_kernel(q, k, v, lam, w, attrs, *, logit_bits, out):
+        if os.environ[kernels.KERNEL_PATH_ENV] == broken:
             lam = -lam
-        out.copy_(reference.naive_diff_attention(q.float(), k.float(), v.float(), lam.float(), w.float(), attrs))
-        return out
+        inputs = [t.float() for t in (q, k, v, lam, w)]
+        if logit_bits:
+            want = reference.quantised_diff_attention(*inputs, attrs, LogitQuant(logit_bits, "qk", True))
+        else:
+            want = reference.naive_diff_attention(*inputs, attrs)
+        return out.copy_(want)
 
     monkeypatch.setattr(kernels, "diff_attention", fake_kernel)
-    monkeypatch.setattr(kernels, "make_params", lambda *args, **kw: None)
     monkeypatch.delenv(kernels.KERNEL_PATH_ENV, raising=False)
-    status = kernel_probe.run_child("hopper")
+
+
+@pytest.mark.parametrize("name", sorted(kernel_probe.CHECKS))
+def test_the_child_runs_every_case_against_the_reference(monkeypatch, capsys, name):
+    """run_child's control flow on the CPU: each case on the check's own kernel path, compared with the
+    float32 reference (the INT8 check with the mirrored quantisation), one line each, then the verdict."""
+    kernels_on_the_cpu(monkeypatch)
+    assert kernel_probe.run_child(name) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    if broken:
-        assert status == 1 and lines[-1].startswith("failed: hopper disagrees with the one-pass kernel on V1 D128")
-    else:
-        assert status == 0 and len(lines) == len(kernel_probe.CASES)
-        assert all("cosine 1.0000" in line or "cosine 0.9999" in line for line in lines), lines
+    assert len(lines) == len(kernel_probe.CHECKS[name].cases) + 1
+    assert lines[-1].startswith(f"ok: {len(kernel_probe.CHECKS[name].cases)} launches, worst cosine 0.99")
+    assert os.environ[kernels.KERNEL_PATH_ENV] == kernel_probe.CHECKS[name].kernel_path
+
+
+def test_a_path_that_disagrees_with_the_reference_fails_its_probe(monkeypatch, capsys):
+    kernels_on_the_cpu(monkeypatch, broken="hopper")
+    assert kernel_probe.run_child("hopper") == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("failed: hopper disagrees with the torch reference on V1 D128 causal 1 B2 Sq 130")
+    assert kernel_probe.run_child("one-pass") == 0  # the other paths are not affected
 
 
 def test_a_path_that_plans_another_kernel_fails_the_probe(monkeypatch, capsys):
-    monkeypatch.setattr(kernel_probe, "DEVICE", "cpu")
-    monkeypatch.setattr(kernels, "kernel_plan", lambda params, lib=None: ("one-pass", 1))
-    monkeypatch.setattr(kernels, "make_params", lambda *args, **kw: None)
-    monkeypatch.setattr(kernels, "diff_attention", lambda *args, out, **kw: out.zero_())
-    monkeypatch.delenv(kernels.KERNEL_PATH_ENV, raising=False)
+    kernels_on_the_cpu(monkeypatch)
+    monkeypatch.setitem(PLANS, "hopper", "one-pass")  # e.g. a library that quietly falls back
     assert kernel_probe.run_child("hopper") == 1
-    assert capsys.readouterr().out.strip() == ("failed: DIFFEXPORT_KERNEL_PATH=hopper plans the one-pass kernel, "
-                                               "not hopper")
+    assert capsys.readouterr().out.strip() == ("failed: DIFFEXPORT_KERNEL_PATH=hopper plans the one-pass kernel for "
+                                               "V1 D128 causal 1 B2 Sq 130 Skv 300, not hopper")
+
+
+def test_kernels_check_needs_a_gpu_and_the_library(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    if kernels.library_path() is not None:
+        assert_one_line_error(run_cli("kernels", "--check"), "--check needs a CUDA GPU visible to torch")
+    monkeypatch.setenv("DIFFEXPORT_KERNEL_LIB", "/nonexistent/libdiffexport_kernels.so")  # the only place looked at
+    assert_one_line_error(run_cli("kernels", "--check"), "--check needs the kernel library, which is not built")
+
+
+def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):
+    """The report of `diffexport kernels --check`: one line per path (skipped ones say why), a failed
+    path named with its reason, exit 1."""
+    from diffexport import cli
+
+    answers = {"one-pass": (None, ["ok: 2 launches, worst cosine 0.999990, max abs 3.91e-03 (bf16 vs float32)"]),
+               "int8": (None, ["ok: 2 launches, worst cosine 0.999950, max abs 7.81e-03 (bf16 vs float32)"]),
+               "split-kv": ("no answer within 90 s (a hung launch?); the child process was killed", [])}
+    monkeypatch.setattr(kernel_probe, "applicable", lambda name: "an sm_90 GPU only" if name == "hopper" else None)
+    monkeypatch.setattr(kernel_probe, "run_probe", lambda name: answers[name])
+    assert cli.check_kernels() == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("check one-pass  ok       2 launches, worst cosine 0.999990")
+    assert out[1].startswith("check int8      ok       2 launches") and "mirrored quantisation" in out[1]
+    assert out[2].startswith("check split-kv  FAILED   no answer within 90 s")
+    assert out[3].startswith("check hopper    skipped  the opt-in sm_90a TMA + wgmma kernel: an sm_90 GPU only")
+    assert out[4] == "result       FAIL: 1 kernel path(s)"
+    answers["split-kv"] = answers["one-pass"]
+    assert cli.check_kernels() == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "result       PASS"

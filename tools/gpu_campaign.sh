@@ -152,7 +152,7 @@ part_profile() {
     echo "--- split-KV decode profile FAILED" >> "$OUT_DIR/profile.txt"
   fi
   # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
-  if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok ]]; then
+  if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
     if DIFFEXPORT_KERNEL_PATH=hopper timeout 150 ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
         --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py --profile 4096 > /dev/null 2>&1; then
       { echo "--- Hopper path (TMA + wgmma), the same launch"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
@@ -182,6 +182,8 @@ probe_hopper() {
   # a hang or fault in their own process would cost every result after it.
   [[ -n "${DIFFEXPORT_PROBE_HOPPER:-}" || ! -f "$DIFFEXPORT_KERNEL_LIB" ]] && return 0
   local out verdict
+  # First what users run on their GPU: every path against the torch reference, each in a child process.
+  timeout 300 "$PY" -m diffexport kernels --check 2>&1 | tee -a "$OUT_DIR/campaign.log" | grep -E "^(check|result)"
   out=$(timeout 150 "$PY" -m diffexport.kernel_probe hopper 2>&1)
   echo "$out" >> "$OUT_DIR/campaign.log"
   verdict=$(echo "$out" | tail -1)
