@@ -27,6 +27,9 @@ from diffexport.quantization import check_bits
 
 LIBRARY_NAME = "libdiffexport_kernels.so"
 ABI_VERSION = 3  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
+# ABI 3 only added the split-KV decode workspace and diffx_attention_plan: for calls of more than
+# DECODE_MAX_QUERY tokens an ABI-2 build takes the same params (before/after timings of prefill).
+PREFILL_ABI_VERSIONS = (2, 3)
 HEAD_DIMS = (64, 128)
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # float32: converted to fp16 inside
 MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
@@ -88,9 +91,11 @@ def load_library() -> ctypes.CDLL:
     return open_library(path)
 
 
-def open_library(path: Path) -> ctypes.CDLL:
+def open_library(path: Path, *, prefill_only: bool = False) -> ctypes.CDLL:
     """The kernel library at `path`, checked against this module's ABI (benchmarks compare builds
-    with it; everything else goes through load_library)."""
+    with it; everything else goes through load_library). prefill_only: also an older build whose
+    params are the same for calls of more than DECODE_MAX_QUERY tokens (PREFILL_ABI_VERSIONS), for
+    before/after timings of prefill; such a library has no diffx_attention_plan."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -99,9 +104,15 @@ def open_library(path: Path) -> ctypes.CDLL:
         _declare(lib)
     except AttributeError as exc:  # an older or foreign library
         raise DiffExportError(f"{path} lacks a kernel ABI function ({exc}): rebuild it from this checkout") from None
-    if lib.diffx_abi_version() != ABI_VERSION:
-        raise DiffExportError(f"{path} has kernel ABI {lib.diffx_abi_version()}, this diffexport needs "
+    abi = lib.diffx_abi_version()
+    if abi != ABI_VERSION and not (prefill_only and abi in PREFILL_ABI_VERSIONS):
+        raise DiffExportError(f"{path} has kernel ABI {abi}, this diffexport needs "
                               f"{ABI_VERSION}: rebuild the library from this checkout")
+    if abi == ABI_VERSION:
+        try:
+            declare_plan(lib)
+        except AttributeError as exc:
+            raise DiffExportError(f"{path} lacks a kernel ABI function ({exc}): rebuild it from this checkout") from None
     if lib.diffx_params_size() != ctypes.sizeof(DiffxAttentionParams):
         raise DiffExportError(f"{path}: params struct is {lib.diffx_params_size()} bytes, the binding's "
                               f"{ctypes.sizeof(DiffxAttentionParams)}: rebuild the library from this checkout")
@@ -122,7 +133,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.diffx_attention_workspace_size.argtypes = [params_p]
     lib.diffx_attention_forward.restype = ctypes.c_int
     lib.diffx_attention_forward.argtypes = [params_p, ctypes.c_void_p]
-    declare_plan(lib)
 
 
 def declare_plan(lib: ctypes.CDLL) -> None:

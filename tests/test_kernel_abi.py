@@ -346,3 +346,38 @@ def test_hopper_path_is_opt_in_and_only_for_what_it_implements(lib, monkeypatch)
     assert kernels.kernel_plan(p, lib) == ("one-pass", 1)
     p.batch = 1
     assert kernels.kernel_plan(p, lib) == ("hopper", 1)
+
+
+OLDER_BUILD = r"""
+#include "diff_attention.h"
+int diffx_abi_version(void) { return FAKE_ABI; }
+size_t diffx_params_size(void) { return sizeof(DiffxAttentionParams); }
+const char* diffx_build_info(void) { return "archs=90a-real cuda=13.0 abi=older"; }
+const char* diffx_status_string(int status) { (void)status; return "fake"; }
+const char* diffx_last_error(void) { return ""; }
+int diffx_attention_check(const DiffxAttentionParams* p) { (void)p; return 0; }
+size_t diffx_attention_workspace_size(const DiffxAttentionParams* p) { (void)p; return 0; }
+int diffx_attention_forward(const DiffxAttentionParams* p, void* s) { (void)p; (void)s; return 0; }
+"""
+
+
+@pytest.mark.parametrize("abi", [1, 2])
+def test_an_older_build_opens_for_prefill_comparisons_only_when_its_params_agree(tmp_path, abi):
+    """tools/bench_attention.py --compare times a build of an earlier commit beside this one: an ABI-2
+    build (same params; ABI 3 added the decode workspace and diffx_attention_plan) opens with
+    prefill_only, and nowhere else; an ABI-1 build (no key_mask) never."""
+    source = tmp_path / "older.c"
+    source.write_text(OLDER_BUILD)
+    path = tmp_path / "libolder.so"
+    built = subprocess.run(["cc", "-shared", "-fPIC", f"-DFAKE_ABI={abi}", f"-I{HEADER.parent}", str(source), "-o",
+                            str(path)], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.skip(f"no C compiler here: {built.stderr[-300:]}")
+    with pytest.raises(DiffExportError, match=f"has kernel ABI {abi}, this diffexport needs {kernels.ABI_VERSION}"):
+        kernels.open_library(path)
+    if abi in kernels.PREFILL_ABI_VERSIONS:
+        lib = kernels.open_library(path, prefill_only=True)
+        assert lib.diffx_abi_version() == abi and lib.diffx_build_info() == b"archs=90a-real cuda=13.0 abi=older"
+    else:
+        with pytest.raises(DiffExportError, match=f"has kernel ABI {abi}"):
+            kernels.open_library(path, prefill_only=True)

@@ -215,15 +215,15 @@ def builds_table(rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def profile_launches(n: int) -> None:
+def profile_launches(n: int, lib_path: Path | None = None) -> None:
     """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one
-    (bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads)."""
-    kernels.load_library()
+    (bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads); lib_path: another build (before/after)."""
+    lib = kernels.open_library(lib_path, prefill_only=True) if lib_path else kernels.load_library()
     batch, heads = max(1, TOKENS_PER_BATCH // n), 16
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=128, causal=0)
     inputs = random_inputs(attrs, batch, n, n, torch.bfloat16, n)
     for _ in range(4):
-        kernels.diff_attention(*inputs, attrs)
+        kernels.diff_attention(*inputs, attrs, lib=lib)
     torch.cuda.synchronize()
 
 
@@ -393,6 +393,8 @@ def main() -> int:
     parser.add_argument("--compare", nargs="*", default=[], metavar="NAME=PATH",
                         help="other builds of the kernel library, timed beside the current one (before/after)")
     parser.add_argument("--profile", type=int, metavar="N", help="only launch the fused kernel 4 times at N (for ncu)")
+    parser.add_argument("--profile-lib", type=Path, metavar="PATH",
+                        help="--profile: launch this build of the library (an older prefill-compatible ABI too)")
     parser.add_argument("--profile-decode", type=int, metavar="KEYS",
                         help="only launch the split-KV decode kernel 4 times against KEYS keys (for ncu)")
     parser.add_argument("--render", type=Path, metavar="JSON", help="print (or --write) the tables of a saved --json run")
@@ -417,7 +419,7 @@ def main() -> int:
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.profile:
-        profile_launches(args.profile)
+        profile_launches(args.profile, args.profile_lib)
         return 0
     if args.profile_decode:
         profile_decode_launches(args.profile_decode)
@@ -426,7 +428,7 @@ def main() -> int:
     other_builds = {}
     for spec in args.compare:
         name, _, path = spec.partition("=")
-        other_builds[name] = kernels.open_library(Path(path))
+        other_builds[name] = kernels.open_library(Path(path), prefill_only=not args.decode)
     if args.decode:
         return run_decode(args)
     peak = matmul_peak_tflops()

@@ -166,9 +166,9 @@ part_profile() {
   local spec name path
   for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
-    DIFFEXPORT_KERNEL_LIB="$path" timeout 120 ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
+    timeout 120 ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
       --launch-skip 3 --launch-count 1 -f -o "/tmp/profile-$name" "$PY" tools/bench_attention.py --profile 4096 \
-      > /dev/null 2>&1 || continue
+      --profile-lib "$path" > /dev/null 2>&1 || { echo "--- profile of build $name FAILED" >> "$OUT_DIR/profile.txt"; continue; }
     { echo "--- selected raw metrics, build $name"; ncu --import "/tmp/profile-$name.ncu-rep" --page raw 2>&1 |
         grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
   done
