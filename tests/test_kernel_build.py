@@ -9,6 +9,7 @@ against CuTe's own layouts, compiled with nvcc as host code and run on the CPU."
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,18 @@ def test_decode_kernels_are_built_for_every_architecture_without_spills(lib):
         assert sum("decode_kernel<" in n for n in names) == 16 and sum("merge_kernel<" in n for n in names) == 6, arch
     spilled = [(r["arch"], r["kernel"], r["stack"]) for r in decode if r["stack"]]
     assert not spilled, spilled
+
+
+def test_static_shared_memory_leaves_the_dynamic_tiles_room_on_every_target(lib):
+    """diff_attention_fwd.cuh asserts at compile time that each kernel's dynamic shared memory fits
+    99 KB (sm_86/sm_89's per-block limit) minus kStaticSmemBudget; the static part, known only to
+    the compiler, is read here from the binary for every kernel on every architecture."""
+    source = (KERNELS / "diff_attention_fwd.cuh").read_text()
+    budget = int(re.search(r"constexpr int kStaticSmemBudget = (\d+);", source).group(1))
+    rows = kernel_resources.resource_usage(lib)
+    assert {r["arch"] for r in rows} >= {"sm_86", "sm_89"}
+    over = [(r["arch"], r["kernel"], r["shared"]) for r in rows if r["shared"] > budget]
+    assert not over, over
 
 
 def test_hopper_path_is_tma_and_wgmma_without_spills(lib):

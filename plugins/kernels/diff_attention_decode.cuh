@@ -37,6 +37,7 @@ struct DecodeTileConfig {
   static constexpr int kQTileBytes = kDecodeRows * D * int(sizeof(T));
   static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
   static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + Fwd::kKeyTiles * Fwd::kKTileBytes + Fwd::kVTileBytes;
+  static_assert(kSmemBytes <= kDynamicSmemLimit, "the decode tiles would not launch on sm_86/sm_89");
 };
 
 // Copies `rows` rows of ROW_BYTES (row r from src(r)) into a swizzled 16-row shared tile, the other

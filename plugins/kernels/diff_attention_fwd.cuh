@@ -25,6 +25,12 @@ constexpr int kBlockN = DIFFX_KEY_BLOCK;
 constexpr int kWarpsPerMap = 4;
 constexpr int kThreads = 2 * kWarpsPerMap * 32;
 constexpr float kLog2e = 1.4426950408889634f;
+// The smallest per-block shared memory among the mma.sync targets: sm_86 and sm_89 (RTX 30xx/40xx,
+// A10, L4) allow 99 KB, static shared memory included; sm_80, sm_87 and sm_90 allow 163-227 KB.
+// The kernels' static shared memory stays under kStaticSmemBudget (tests/test_kernel_build.py reads
+// it from the binary), so a dynamic size within kDynamicSmemLimit launches on every target.
+constexpr int kStaticSmemBudget = 2048;
+constexpr int kDynamicSmemLimit = 99 * 1024 - kStaticSmemBudget;
 
 template <typename T, int D, int DV, bool INT8>
 struct TileConfig {
@@ -41,6 +47,7 @@ struct TileConfig {
   static constexpr int kScratchStride = DV + 8;
   static constexpr int kScratchBytes = kBlockM * kScratchStride * int(sizeof(float));
   static constexpr int kSmemBytes = kMainBytes > kScratchBytes ? kMainBytes : kScratchBytes;
+  static_assert(kSmemBytes <= kDynamicSmemLimit, "the one-pass tiles would not launch on sm_86/sm_89");
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(DV == D || DV == 2 * D, "V of D (V2) or 2D (V1)");
 };
