@@ -91,14 +91,18 @@ compare_args() {
 }
 
 part_test() {
+  # First what users run on their GPU: every kernel path against the torch reference, each in a child process.
+  timeout 120 "$PY" -m diffexport kernels --check > "$OUT_DIR/pytest.log" 2>&1
+  local check_rc=$?
+  grep -E "^(check|result)" "$OUT_DIR/pytest.log"
   # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
   # 206 cases took 82 s on the H100 (2026-11-23); there are about 370 now, with a CUDA training run.
   timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -p no:cacheprovider -q -rfEs -m gpu -n 6 \
     tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py tests/test_kernel_abi.py \
-    -k "not compute_sanitizer" > "$OUT_DIR/pytest.log" 2>&1
+    -k "not compute_sanitizer" >> "$OUT_DIR/pytest.log" 2>&1
   local rc=$?
   tail -25 "$OUT_DIR/pytest.log"
-  return $rc
+  return $((rc != 0 || check_rc != 0))
 }
 
 part_sanitize() {
@@ -182,8 +186,6 @@ probe_hopper() {
   # a hang or fault in their own process would cost every result after it.
   [[ -n "${DIFFEXPORT_PROBE_HOPPER:-}" || ! -f "$DIFFEXPORT_KERNEL_LIB" ]] && return 0
   local out verdict
-  # First what users run on their GPU: every path against the torch reference, each in a child process.
-  timeout 300 "$PY" -m diffexport kernels --check 2>&1 | tee -a "$OUT_DIR/campaign.log" | grep -E "^(check|result)"
   out=$(timeout 150 "$PY" -m diffexport.kernel_probe hopper 2>&1)
   echo "$out" >> "$OUT_DIR/campaign.log"
   verdict=$(echo "$out" | tail -1)
