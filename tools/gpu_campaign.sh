@@ -94,7 +94,7 @@ part_test() {
   # First what users run on their GPU: every kernel path against the torch reference, each in a child process.
   timeout 120 "$PY" -m diffexport kernels --check > "$OUT_DIR/pytest.log" 2>&1
   local check_rc=$?
-  grep -E "^(check|result)" "$OUT_DIR/pytest.log"
+  grep -E "^(check|result|error)" "$OUT_DIR/pytest.log"
   # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
   # 206 cases took 82 s on the H100 (2026-11-23); there are about 370 now, with a CUDA training run.
   timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -p no:cacheprovider -q -rfEs -m gpu -n 6 \
