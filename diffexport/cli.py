@@ -715,7 +715,8 @@ def check_kernels() -> int:
             continue
         reason, lines = kernel_probe.run_probe(name)
         failed += reason is not None
-        verdict = f"ok       {lines[-1].removeprefix('ok: ')}" if reason is None else f"FAILED   {reason}"
+        summary = lines[-1].removeprefix("ok: ") if lines else "ran"
+        verdict = f"ok       {summary}" if reason is None else f"FAILED   {reason}"
         print(f"check {name:<9} {verdict}  ({check.what})")
     print(f"result       {'PASS' if not failed else f'FAIL: {failed} kernel path(s)'}")
     return 1 if failed else 0
