@@ -14,10 +14,18 @@ from diffexport.quantization import LogitQuant
 from helpers import assert_one_line_error, run_cli
 
 
+def unset_for_this_test(monkeypatch, name: str):
+    """Unset, and restored after the test even where the code under test sets it (delenv alone
+    records nothing for a variable that was not there)."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
 @pytest.fixture(autouse=True)
 def no_kept_answer(monkeypatch):
     for name in kernel_probe.CHECKS:
-        monkeypatch.delenv(kernel_probe.env_name(name), raising=False)
+        unset_for_this_test(monkeypatch, kernel_probe.env_name(name))
+    unset_for_this_test(monkeypatch, kernels.KERNEL_PATH_ENV)  # run_child sets it
 
 
 def child_running(monkeypatch, code: str):
@@ -85,7 +93,6 @@ def kernels_on_the_cpu(monkeypatch, broken: str | None = None):
         return out.copy_(want)
 
     monkeypatch.setattr(kernels, "diff_attention", fake_kernel)
-    monkeypatch.delenv(kernels.KERNEL_PATH_ENV, raising=False)
 
 
 @pytest.mark.parametrize("name", sorted(kernel_probe.CHECKS))
@@ -145,3 +152,4 @@ def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):
     answers["split-kv"] = answers["one-pass"]
     assert cli.check_kernels() == 0
     assert capsys.readouterr().out.splitlines()[-1] == "result       PASS"
+
