@@ -27,7 +27,7 @@ CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, l
 def paths() -> list[str]:
     """Every kernel path this GPU and library have: auto, and the opt-in Hopper path on sm_90 once it
     has passed its probe (diffexport/kernel_probe.py: a hang or fault must not hide the other results)."""
-    if torch.cuda.get_device_capability() != (9, 0) or "sm90=1" not in kernels.build_info():
+    if kernel_probe.applicable("hopper"):  # not an sm_90 GPU, or a library without the path
         return ["auto"]
     reason = kernel_probe.probed("hopper")
     if reason:

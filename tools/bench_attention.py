@@ -142,7 +142,7 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
 def hopper_available() -> bool:
     """An sm_90 GPU, a library with the Hopper path, and the path passed its probe in a child process
     (a hung or faulting launch here would cost every row of the table)."""
-    if torch.cuda.get_device_capability() != (9, 0) or "sm90=1" not in kernels.build_info():
+    if kernel_probe.applicable("hopper"):
         return False
     reason = kernel_probe.probed("hopper")
     if reason:
