@@ -89,14 +89,15 @@ def cmd_onnx(args) -> int:
         from diffexport.export.decoder import check_target as check_folder, export_decoder
 
         output = "model-kv" if args.output is None else args.output
-        check_folder(Path(output), options, args.context_length, args.threads)  # before loading the checkpoint
+        attention = args.attention or "diffattention"
+        check_folder(Path(output), options, args.context_length, args.threads, attention)  # before loading
         loaded = _load(args, dtype=options.dtype, default_model=False)
-        summary = export_decoder(loaded, output, options, tokenizer=args.tokenizer,
-                                 context_length=args.context_length, threads=args.threads, log=_log)
+        summary = export_decoder(loaded, output, options, tokenizer=args.tokenizer, context_length=args.context_length,
+                                 threads=args.threads, attention=attention, log=_log)
         print(summary.report())
         return 0
-    if args.tokenizer or args.context_length or args.threads:
-        raise DiffExportError("--tokenizer, --context-length and --threads belong to --kv-cache exports")
+    if args.tokenizer or args.context_length or args.threads or args.attention:
+        raise DiffExportError("--tokenizer, --context-length, --threads and --attention belong to --kv-cache exports")
     output = "model.onnx" if args.output is None else args.output
     check_target(Path(output), options)  # before loading a possibly big checkpoint
     loaded = _load(args, dtype=options.dtype, default_model=False)
@@ -665,6 +666,9 @@ def cmd_trt(args) -> int:
     if args.opt is None:  # the default optimum never exceeds the maximum
         options.opt_shape = tuple(min(o, m) for o, m in zip(options.opt_shape, options.max_shape))
     meta = read_export_metadata(model_path)
+    if meta.get("attention") == "gqa":
+        raise DiffExportError(f"{model_path} runs its attention as onnxruntime's GroupQueryAttention (exported with "
+                              "--attention gqa), which TensorRT does not have: build from a folder exported without it")
     model = load_onnx(model_path)
     result = build_engine(model, options)  # TensorRT's build phases show on stderr while it runs
     write_engine(output, result, model_path, meta, options)
@@ -844,6 +848,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--threads", type=int,
                            help="with --kv-cache: intra-op threads in genai_config.json (default: onnxruntime-genai's "
                                 "own, one thread on the machines we measured; set it to the target's cores)")
+            p.add_argument("--attention", choices=["diffattention", "gqa"],
+                           help="with --kv-cache: diffattention (default: one DiffAttention node per layer, runs in "
+                                "onnxruntime and TensorRT) or gqa (onnxruntime's GroupQueryAttention with a shared "
+                                "cache buffer: faster decode in onnxruntime, no TensorRT)")
             precision = p.add_mutually_exclusive_group()
             precision.add_argument("--fp16", action="store_true", help="float16 weights and activations")
             precision.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations")

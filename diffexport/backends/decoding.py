@@ -54,6 +54,7 @@ class OrtDecoder:
         self.model_path, self.config, self.meta = decoder.read_decoder_folder(folder)
         self.session = open_session(self.model_path, provider, threads)
         self.layers = int(self.config["model"]["decoder"]["num_hidden_layers"])
+        self.heads = int(self.config["model"]["decoder"]["num_key_value_heads"])  # 1: token-major cache
         self.width = int(self.config["model"]["decoder"]["head_size"])
         self.dtype = np.float16 if self.meta["dtype"] == "float16" else np.float32
         self.outputs = [o.name for o in self.session.get_outputs()]
@@ -63,7 +64,7 @@ class OrtDecoder:
                                   f"decoder's {expected[:3]}...: re-export it")
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
-        empty = np.zeros((batch, 1, 0, self.width), self.dtype)
+        empty = np.zeros((batch, self.heads, 0, self.width), self.dtype)
         return {name % i: empty for i in range(self.layers) for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
 
     def step(self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]):

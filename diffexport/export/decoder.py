@@ -42,6 +42,10 @@ PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
 PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
 INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
 KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
+# How a decoder folder's attention runs: the DiffAttention node (onnxruntime through its function
+# body, TensorRT through our plugin; token-major cache), or onnxruntime's GroupQueryAttention
+# contrib op (onnxruntime only; head-major cache in genai's shared buffer; passes/group_query_attention.py).
+ATTENTION_OPS = ("diffattention", "gqa")
 DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
 # Files a tokenizer folder may hold that onnxruntime-genai / transformers read (never code files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -60,14 +64,23 @@ class DecoderExportSummary:
     file_bytes: int
     dtype: str
     seconds: float
+    attention: str = "diffattention"
+    cache_heads: int = 1
 
     def report(self) -> str:
         tok = "tokenizer files copied" if self.tokenizer else "no tokenizer: token ids only"
+        cache = (f"cache [batch, {self.cache_heads}, past, {self.cache_width // self.cache_heads}] per layer for keys "
+                 "and values")
+        if self.attention == "gqa":
+            graph = (f"graph         {self.diff_attention_nodes} GroupQueryAttention (onnxruntime contrib op) over "
+                     f"{self.layers} layers; {cache}, genai's shared past/present buffer (onnxruntime only)")
+        else:
+            graph = (f"graph         {self.diff_attention_nodes} {contract.OP_NAME} (op v{contract.KEY_MASK_VERSION}, "
+                     f"key_mask) over {self.layers} layers; {cache}")
         return "\n".join([
             f"exported      {self.folder}/ ({self.file_bytes / 1e6:.1f} MB, {self.dtype}, KV-cache decoder, "
             f"{self.seconds:.1f}s)",
-            f"graph         {self.diff_attention_nodes} {contract.OP_NAME} (op v{contract.KEY_MASK_VERSION}, key_mask) "
-            f"over {self.layers} layers; cache [batch, 1, past, {self.cache_width}] per layer for keys and values",
+            graph,
             f"genai         {GENAI_CONFIG} (context {self.context_length}), {tok}",
         ])
 
@@ -126,10 +139,19 @@ def _trace(model, options: ExportOptions, dtype: torch.dtype):
     return program.model
 
 
-def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: int | None = None) -> dict:
-    """What onnxruntime-genai reads: the decoder's I/O names, cache shape (one head of width W), search defaults.
-    threads: intra-op threads of genai's session (unset: genai's own default, which may be 1)."""
-    width = cache_width(cfg)
+def cache_heads(cfg, attention: str) -> int:
+    """Heads of a layer's cache: 1 (token-major, one "head" of width W) for DiffAttention folders,
+    the kv-groups (head-major, W / Hkv each) for GroupQueryAttention folders."""
+    return cfg.n_kv_heads if attention == "gqa" else 1
+
+
+def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: int | None = None,
+                 attention: str = "diffattention") -> dict:
+    """What onnxruntime-genai reads: the decoder's I/O names, cache shape, search defaults.
+    threads: intra-op threads of genai's session (unset: genai's own default, which may be 1).
+    attention "gqa": the cache is [B, Hkv, T, W / Hkv] in one shared past/present buffer."""
+    heads = cache_heads(cfg, attention)
+    width = cache_width(cfg) // heads
     session = {"log_id": "onnxruntime-genai", "provider_options": []}
     if threads:
         session["intra_op_num_threads"] = threads
@@ -148,7 +170,7 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
                 "outputs": {"logits": LOGITS, "present_key_names": PRESENT_KEY, "present_value_names": PRESENT_VALUE},
                 "num_attention_heads": maps,
                 "num_hidden_layers": cfg.n_layers,
-                "num_key_value_heads": 1,  # token-major cache: one "head" of width W (docs/EXPORT.md)
+                "num_key_value_heads": heads,  # 1: the token-major cache, one "head" of width W (docs/EXPORT.md)
             },
             # without a tokenizer: the last id, where GPT-2-style vocabularies keep end-of-text
             "eos_token_id": special.get("eos_token_id", cfg.vocab_size - 1),
@@ -159,7 +181,7 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
         "search": {
             "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
             "max_length": context_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-            "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+            "num_return_sequences": 1, "past_present_share_buffer": attention == "gqa", "repetition_penalty": 1.0,
             "temperature": 1.0, "top_k": 1, "top_p": 1.0,
         },
     }  # genai refuses unknown keys: what diffexport knows lives in model.onnx's metadata
@@ -228,7 +250,7 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
 
 
 def check_target(out_dir: Path, options: ExportOptions, context_length: int | None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, attention: str = "diffattention") -> None:
     if options.dtype not in ("float32", "float16"):
         raise DiffExportError(f"--kv-cache exports float32 or float16 (onnxruntime-genai's CPU and CUDA caches), "
                               f"not {options.dtype}")
@@ -246,18 +268,26 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
         raise DiffExportError(f"context length must be >= 2, got {context_length}")
     if threads is not None and not 1 <= threads <= 1024:
         raise DiffExportError(f"--threads must be in 1..1024, got {threads}")
+    if attention not in ATTENTION_OPS:
+        raise DiffExportError(f"unknown attention op {attention!r}; choose one of {list(ATTENTION_OPS)}")
 
 
 def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
                    tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
-                   threads: int | None = None, log: Callable[[str], None] = print) -> DecoderExportSummary:
-    """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime)."""
+                   threads: int | None = None, attention: str = "diffattention",
+                   log: Callable[[str], None] = print) -> DecoderExportSummary:
+    """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime).
+    attention "gqa": every DiffAttention node rewritten as onnxruntime's GroupQueryAttention (a
+    folder for onnxruntime only, faster there; passes/group_query_attention.py)."""
     options = options or ExportOptions()
     out_dir = Path(out_dir)
-    check_target(out_dir, options, context_length, threads)
+    check_target(out_dir, options, context_length, threads, attention)
     cfg = loaded.config
     if cfg.family not in KV_FAMILIES:
         raise DiffExportError(f"--kv-cache exports {list(KV_FAMILIES)} models, not {cfg.family!r}")
+    if attention == "gqa" and cfg.family == "transformer":
+        raise DiffExportError("--attention gqa rewrites DiffAttention nodes; the baseline Transformer has none "
+                              "(export it without --attention)")
     source_dir = Path(loaded.path) if loaded.source == "hf-diffllama" and loaded.path else None
     if tokenizer is not None:  # named by the user: it must be a tokenizer of this vocabulary
         tok_files = check_tokenizer(Path(tokenizer), cfg.vocab_size)
@@ -277,7 +307,8 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     with torch.no_grad():
         model_ir = _trace(model, options, dtype)
     is_diff = cfg.family != "transformer"
-    meta = {exporter.META_PREFIX + "kv_cache": "1", exporter.META_PREFIX + "cache_width": str(cache_width(cfg))}
+    meta = {exporter.META_PREFIX + "kv_cache": "1", exporter.META_PREFIX + "cache_width": str(cache_width(cfg)),
+            exporter.META_PREFIX + "attention": attention}
     if is_diff:
         count = exporter._finish(model_ir, loaded, options, weights_id, key_mask=True,
                                  outputs=output_names(cfg.n_layers), extra_meta=meta)
@@ -291,7 +322,9 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
-        config = genai_config(cfg, options.dtype, context_length, special, threads)
+        if attention == "gqa":
+            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, log)
+        config = genai_config(cfg, options.dtype, context_length, special, threads, attention)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
             shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
@@ -303,7 +336,29 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     return DecoderExportSummary(folder=out_dir, layers=cfg.n_layers, diff_attention_nodes=count,
                                 cache_width=cache_width(cfg), context_length=context_length, tokenizer=bool(tok_files),
-                                file_bytes=size, dtype=options.dtype, seconds=time.monotonic() - start)
+                                file_bytes=size, dtype=options.dtype, seconds=time.monotonic() - start,
+                                attention=attention, cache_heads=cache_heads(cfg, attention))
+
+
+def _rewrite_for_gqa(model_path: Path, external: bool, log: Callable[[str], None]) -> None:
+    """The checked DiffAttention graph at model_path, rewritten in place (inside the temporary folder)."""
+    import onnx
+
+    from diffexport.passes.group_query_attention import rewrite_decoder
+
+    model = onnx.load(str(model_path))  # weights too: they are written again below
+    result = rewrite_decoder(model)
+    del model
+    log(f"rewriting     {result.layers} DiffAttention -> GroupQueryAttention (cache [batch, {result.num_kv_heads}, "
+        f"past, {result.head_size}], shared buffer)")
+    data = model_path.with_name(model_path.name + ".data")
+    if data.exists():
+        data.unlink()  # onnx appends to an existing data file; its weights are in memory now
+    onnx.save(result.model, str(model_path), save_as_external_data=external, location=data.name)
+    try:
+        onnx.checker.check_model(str(model_path), full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise DiffExportError(f"internal: the GroupQueryAttention graph fails onnx.checker: {str(exc).splitlines()[0]}")
 
 
 def _umask() -> int:

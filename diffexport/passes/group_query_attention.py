@@ -1,0 +1,336 @@
+"""KV-cache decoders for onnxruntime: every DiffAttention node as onnxruntime's GroupQueryAttention.
+
+Why: onnxruntime runs a DiffAttention node through its standard-op function body, about 60 small
+kernels per layer and step, and its cache grows by a Concat (the whole cache copied each step)
+followed by Transposes of every cached token into head-major MatMul operands. Its contrib kernel
+`com.microsoft.GroupQueryAttention` reads a head-major (BNSH) cache in place, inside
+onnxruntime-genai's shared past/present buffer. At int4 weights, where the matmuls no longer hide
+the rest of a step, this is the difference docs/BENCHMARKS.md measures.
+
+The mapping is exact (no approximation):
+  V1  kv-group g holds [K1 | K2] (2D wide) and V (2D). GQA with head size 2D and 2H query heads:
+      map 1 of diff-head h is the query [q1 | 0], map 2 is [0 | q2], so each logit is q1.K1 or
+      q2.K2 (the zero half adds exact zeros) and both maps weight the same value head.
+  V2  one key and one value of width D per kv-group, shared by both maps: GQA with head size D and
+      the 2H query maps as they are.
+  The logit scale is the op's (1/sqrt(D) by default), not GQA's 1/sqrt(head size). Then
+  O1 - lambda*O2, the per-head RMSNorm (RMSNormalization, opset 23) with norm_weight*output_scale
+  folded into one weight (norm=0: one Mul), and the [B, S, H*Dv] output the rest of the graph reads.
+Cache: [B, Hkv, T, head size] per layer, the same bytes per token as the token-major cache. GQA has
+no key mask, so left padding becomes its attention_bias (a large negative number on padded keys,
+finite so that a padded query row stays finite), a query row that sees no key gets zeros as the
+contract says, and every row's seqlens_k is T - 1 (padded slots hold cache positions like real tokens). Positions in the rest of
+the graph were taken from the past's shape; with a shared buffer that shape is the buffer's, so
+those Shape nodes read [B, 1, T - S, W] from the attention mask instead.
+
+Only graphs written by `diffexport onnx --kv-cache` are rewritten; anything else is refused with
+the reason. The result has no DiffAttention node: it is for onnxruntime (CPU, CUDA), not TensorRT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from diffexport import contract
+from diffexport.contract import VARIANT_V1
+from diffexport.errors import DiffExportError
+from diffexport.export import decoder
+from diffexport.passes.lowering import is_diff_attention, node_attrs
+
+GQA_DOMAIN = "com.microsoft"
+RMS_NORM_OPSET = 23  # RMSNormalization entered the default domain at opset 23
+# Added to the logits of padded keys: exp() of it is exactly 0 next to any real logit, and it stays
+# finite (a fully padded row gives a uniform average, not NaN that would reach the cache).
+PAD_BIAS = {TensorProto.FLOAT: -1e30, TensorProto.FLOAT16: -3e4}
+
+
+@dataclasses.dataclass
+class GqaResult:
+    model: onnx.ModelProto
+    layers: int
+    num_kv_heads: int
+    head_size: int
+
+
+def _refuse(why: str) -> DiffExportError:
+    return DiffExportError(f"cannot rewrite for GroupQueryAttention: {why}")
+
+
+class _Graph:
+    """Producers/consumers of a graph and a builder of uniquely named nodes and constants."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.graph = model.graph
+        self.producer = {o: n for n in self.graph.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.graph.node:
+            for name in n.input:
+                self.consumers.setdefault(name, []).append(n)
+        self.initializers = {t.name: t for t in self.graph.initializer}
+        taken = {n.name for n in self.graph.node} | set(self.producer) | set(self.initializers) \
+            | {i.name for i in self.graph.input}
+        self._taken = taken
+        self._count = 0
+
+    def fresh(self, hint: str) -> str:
+        while True:
+            self._count += 1
+            name = f"gqa/{hint}_{self._count}"
+            if name not in self._taken:
+                self._taken.add(name)
+                return name
+
+    def node(self, op: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs):
+        names = [self.fresh(op.lower()) for _ in range(outputs)] if isinstance(outputs, int) else outputs
+        node = helper.make_node(op, inputs, names, name=self.fresh(op), domain=domain, **attrs)
+        return node, (names[0] if len(names) == 1 else names)
+
+    def const(self, array: np.ndarray, hint: str = "const") -> str:
+        name = self.fresh(hint)
+        self.graph.initializer.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def only_producer(self, name: str, op: str, what: str) -> onnx.NodeProto:
+        node = self.producer.get(name)
+        if node is None or node.op_type != op or node.domain not in ("", "ai.onnx"):
+            raise _refuse(f"{what} is not made by {op} as `diffexport onnx --kv-cache` writes it")
+        return node
+
+
+def _value_type(graph: onnx.GraphProto, name: str) -> int:
+    for value in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if value.name == name:
+            return value.type.tensor_type.elem_type
+    raise _refuse(f"no type recorded for {name}")
+
+
+def _ints(g: _Graph, values: list[int]) -> str:
+    return g.const(np.asarray(values, np.int64), "shape")
+
+
+def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
+    """A copy of a KV-cache decoder graph with every DiffAttention node as GroupQueryAttention and a
+    head-major cache interface (past/present [B, Hkv, T, head size]) for a shared buffer."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    g = _Graph(model)
+    inputs = [i.name for i in model.graph.input]
+    layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
+    if layers == 0 or inputs != decoder.input_names(layers):
+        raise _refuse(f"the graph's inputs {inputs[:4]}... are not a KV-cache decoder's "
+                      f"(export it with `diffexport onnx CKPT --kv-cache`)")
+    attention = [n for n in model.graph.node if is_diff_attention(n)]
+    if len(attention) != layers:
+        raise _refuse(f"{len(attention)} DiffAttention nodes for {layers} layers (the baseline Transformer has "
+                      "none: its folder runs as it is)")
+    dtype = _value_type(model.graph, decoder.PAST_KEY % 0)
+    if dtype not in PAD_BIAS:
+        raise _refuse(f"cache type {TensorProto.DataType.Name(dtype)}: GroupQueryAttention here takes float32 or float16")
+
+    new_nodes: list[onnx.NodeProto] = []
+    lengths, bias, row_scale, past_shape = _shared_inputs(g, new_nodes, dtype)
+    shared = len(new_nodes)
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # id(DiffAttention node) -> the nodes replacing it
+    dead: set[int] = set()  # ids of the token-major cache plumbing's nodes
+    kv_heads = head_size = None
+    seen_layers = set()
+    for node in attention:
+        attrs = node_attrs(node)
+        if not attrs.causal:
+            raise _refuse(f"node {node.name} is not causal; GroupQueryAttention decodes causally")
+        if len(node.input) != len(contract.ALL_INPUTS) or node.input[5] != decoder.ATTENTION_MASK:
+            raise _refuse(f"node {node.name} does not take the attention mask as its key_mask")
+        query, key, value, lam, weight = node.input[:5]
+        layer, new_key, key_plumbing = _cache_source(g, key, "key")
+        layer_v, new_value, value_plumbing = _cache_source(g, value, "value")
+        if layer != layer_v or layer in seen_layers:
+            raise _refuse(f"node {node.name} reads the key of layer {layer} and the value of layer {layer_v}")
+        seen_layers.add(layer)
+        dead.update(id(n) for n in key_plumbing + value_plumbing)
+        size = 2 * attrs.head_dim if attrs.variant == VARIANT_V1 else attrs.head_dim
+        if attrs.value_dim != size:
+            raise _refuse(f"node {node.name}: value head {attrs.value_dim} != key head {size}")
+        if kv_heads not in (None, attrs.num_kv_heads) or head_size not in (None, size):
+            raise _refuse("layers with different cache shapes (one genai_config describes all layers)")
+        kv_heads, head_size = attrs.num_kv_heads, size
+        replaced[id(node)] = _attention_nodes(g, node, attrs, dtype, query, new_key, new_value, lam, weight,
+                                               layer, lengths, bias, row_scale)
+
+    for n in model.graph.node:
+        if id(n) in replaced:
+            new_nodes.extend(replaced[id(n)])
+        elif id(n) not in dead:
+            new_nodes.append(n)
+    new_nodes[shared:shared] = _redirect_past_shapes(g, new_nodes, past_shape)
+    del model.graph.node[:]
+    model.graph.node.extend(new_nodes)
+    _set_cache_types(model.graph, kv_heads, head_size)
+    _finish_imports(model)
+    _drop_unused_initializers(model.graph)
+    return GqaResult(model, layers, kv_heads, head_size)
+
+
+def _shared_inputs(g: _Graph, nodes: list, dtype: int):
+    """(seqlens_k [B] int32 = T - 1, total_sequence_length int32 = T, query_seqlens [B] int32 = S),
+    attention_bias [B, 1, S, T], the
+    row scale [B, S, 1, 1, 1] (0 for a query row that sees no key) and the pieces of the token-major
+    past shape [B, 1, T - S, W], all from the attention mask."""
+    mask = decoder.ATTENTION_MASK
+    n, mask_shape = g.node("Shape", [mask]); nodes.append(n)
+    n, batch = g.node("Shape", [mask], start=0, end=1); nodes.append(n)
+    n, total = g.node("Shape", [mask], start=1, end=2); nodes.append(n)
+    n, seq = g.node("Shape", [decoder.INPUT_IDS], start=1, end=2); nodes.append(n)
+    n, last = g.node("Sub", [total, _ints(g, [1])]); nodes.append(n)
+    n, last_b = g.node("Expand", [last, batch]); nodes.append(n)
+    n, seqlens_k = g.node("Cast", [last_b], to=TensorProto.INT32); nodes.append(n)
+    n, total_scalar = g.node("Squeeze", [total, _ints(g, [0])]); nodes.append(n)
+    n, total_length = g.node("Cast", [total_scalar], to=TensorProto.INT32); nodes.append(n)
+    # every row's chunk is S tokens: GQA takes chunks after the prompt (S > 1 with a past) for
+    # batches only when told so (its query_seqlens input)
+    n, seq_b = g.node("Expand", [seq, batch]); nodes.append(n)
+    n, query_seqlens = g.node("Cast", [seq_b], to=TensorProto.INT32); nodes.append(n)
+    # bias: 0 where the mask is 1, PAD_BIAS where it is 0; [B, T] -> [B, 1, S, T]
+    n, padded = g.node("Equal", [mask, g.const(np.zeros((), np.int64), "zero")]); nodes.append(n)
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    n, flat = g.node("Where", [padded, g.const(np.asarray(PAD_BIAS[dtype], np_type), "pad_bias"),
+                              g.const(np.zeros((), np_type), "no_bias")]); nodes.append(n)
+    n, bias4 = g.node("Unsqueeze", [flat, _ints(g, [1, 2])]); nodes.append(n)
+    n, bias_shape = g.node("Concat", [batch, _ints(g, [1]), seq, total], axis=0); nodes.append(n)
+    n, bias = g.node("Expand", [bias4, bias_shape]); nodes.append(n)
+    n, past_len = g.node("Sub", [total, seq]); nodes.append(n)
+    # the contract's rule for a query row that sees no key (a left-padding row): output zeros, as
+    # the function body and the kernel give (GQA would average the masked keys)
+    n, count = g.node("CumSum", [mask, g.const(np.asarray(1, np.int64), "axis")]); nodes.append(n)
+    n, row_count = g.node("Slice", [count, past_len, total, _ints(g, [1])]); nodes.append(n)
+    n, sees = g.node("Greater", [row_count, g.const(np.zeros((), np.int64), "zero")]); nodes.append(n)
+    n, sees_t = g.node("Cast", [sees], to=dtype); nodes.append(n)
+    n, row_scale = g.node("Unsqueeze", [sees_t, _ints(g, [2, 3, 4])]); nodes.append(n)  # [B, S, 1, 1, 1]
+    del mask_shape
+    return (seqlens_k, total_length, query_seqlens), bias, row_scale, (batch, past_len)
+
+
+def _cache_source(g: _Graph, name: str, kind: str):
+    """The exporter's cache plumbing behind a DiffAttention key/value input:
+    Squeeze(present, [1]) <- Concat(past, Unsqueeze(new, 1), axis=2) -> (layer, new [B, S, W], nodes)."""
+    squeeze = g.only_producer(name, "Squeeze", f"the DiffAttention {kind} input {name}")
+    present = squeeze.input[0]
+    concat = g.only_producer(present, "Concat", f"{present}")
+    past, fresh = (list(concat.input) + ["", ""])[:2]
+    pattern = decoder.PRESENT_KEY if kind == "key" else decoder.PRESENT_VALUE
+    past_pattern = decoder.PAST_KEY if kind == "key" else decoder.PAST_VALUE
+    layer = next((i for i in range(len(g.graph.input)) if pattern % i == present), None)
+    if layer is None or past != past_pattern % layer or len(concat.input) != 2:
+        raise _refuse(f"{present} is not Concat({past_pattern % (layer or 0)}, new {kind}s)")
+    unsqueeze = g.only_producer(fresh, "Unsqueeze", f"the new {kind}s of layer {layer}")
+    others = [c for c in g.consumers.get(present, []) if c is not squeeze]
+    if others or len(g.consumers.get(fresh, [])) != 1 or len(g.consumers.get(name, [])) != 1:
+        raise _refuse(f"layer {layer}'s {kind} cache is read by more than its attention")
+    return layer, unsqueeze.input[0], [squeeze, concat, unsqueeze]
+
+
+def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, lam, weight, layer,
+                     lengths, bias, row_scale) -> list:
+    seqlens_k, total_length, query_seqlens = lengths
+    H, D = attrs.num_heads, attrs.head_dim
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    nodes = []
+    if attrs.variant == VARIANT_V1:  # [B, S, H*2*D] -> [B, S, H, map, slot, D] with slot == map, zeros elsewhere
+        n, q6 = g.node("Reshape", [query, _ints(g, [0, 0, H, 2, 1, D])]); nodes.append(n)
+        eye = g.const(np.eye(2, dtype=np_type).reshape(2, 2, 1), "map_slots")
+        n, spread = g.node("Mul", [q6, eye]); nodes.append(n)
+        n, query = g.node("Reshape", [spread, _ints(g, [0, 0, -1])]); nodes.append(n)
+    size = 2 * D if attrs.variant == VARIANT_V1 else D
+    outputs = [g.fresh("maps"), decoder.PRESENT_KEY % layer, decoder.PRESENT_VALUE % layer]
+    n, (maps, _, _) = g.node(
+        "GroupQueryAttention", [query, new_key, new_value, decoder.PAST_KEY % layer, decoder.PAST_VALUE % layer,
+                                seqlens_k, total_length, "", "", "", bias, "", "", "", "", "", query_seqlens],
+        outputs, domain=GQA_DOMAIN, num_heads=2 * H, kv_num_heads=attrs.num_kv_heads,
+        scale=attrs.effective_scale, do_rotary=0)
+    nodes.append(n)
+    n, per_map = g.node("Reshape", [maps, _ints(g, [0, 0, H, 2, size])]); nodes.append(n)
+    n, (o1, o2) = g.node("Split", [per_map], 2, axis=3, num_outputs=2); nodes.append(n)
+    n, lam4 = g.node("Reshape", [lam, _ints(g, [1, 1, 1, 1, 1] if attrs.variant == VARIANT_V1 else [0, 0, H, 1, 1])])
+    nodes.append(n)
+    n, weighted = g.node("Mul", [lam4, o2]); nodes.append(n)
+    n, diff_all = g.node("Sub", [o1, weighted]); nodes.append(n)
+    n, diff = g.node("Mul", [diff_all, row_scale]); nodes.append(n)
+    folded = numpy_helper.to_array(g.initializers[weight]).astype(np.float32) * np.float32(attrs.output_scale) \
+        if weight in g.initializers else None
+    if folded is None:
+        raise _refuse(f"node {node.name}: norm_weight {weight} is not a constant")
+    scale = g.const(folded.astype(np_type), "head_norm_weight")
+    if attrs.norm:
+        n, normed = g.node("RMSNormalization", [diff, scale], axis=-1, epsilon=attrs.norm_eps)
+    else:
+        n, normed = g.node("Mul", [diff, scale])
+    nodes.append(n)
+    n, _ = g.node("Reshape", [normed, _ints(g, [0, 0, -1])], [node.output[0]]); nodes.append(n)
+    return nodes
+
+
+def _redirect_past_shapes(g: _Graph, nodes: list, past_shape) -> list:
+    """Shape(past) nodes read the token-major past shape [B, 1, T - S, W] computed from the mask:
+    with a shared buffer the past's own shape is the buffer's, not the tokens seen so far."""
+    batch, past_len = past_shape
+    pasts = set(decoder.input_names(len([i for i in g.graph.input if i.name.endswith(".key")]))[2:])
+    shape_of: dict[str, str] = {}
+    extra = []
+    for n in nodes:
+        for name in n.input:
+            if name not in pasts or n.op_type == "GroupQueryAttention":
+                continue
+            if n.op_type != "Shape":
+                raise _refuse(f"{name} is read by {n.op_type} {n.name}; only its shape may be read besides the cache")
+            if name not in shape_of:
+                width = next(d.dim_value for i in g.graph.input if i.name == name
+                             for d in list(i.type.tensor_type.shape.dim)[3:4])
+                node, shape_of[name] = g.node("Concat", [batch, _ints(g, [1]), past_len, _ints(g, [width])], axis=0)
+                extra.append(node)
+    for n in nodes:
+        if n.op_type == "Shape" and n.input and n.input[0] in shape_of:
+            fields = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            start, end = fields.get("start", 0), fields.get("end", 4)
+            source = shape_of[n.input[0]]
+            del n.attribute[:]
+            n.op_type = "Slice"
+            del n.input[:]
+            n.input.extend([source, _ints(g, [start]), _ints(g, [end])])
+    return extra  # the nodes computing those shapes
+
+
+def _set_cache_types(graph: onnx.GraphProto, kv_heads: int, head_size: int) -> None:
+    """past [B, Hkv, past_sequence, head size], present [B, Hkv, total_sequence, head size]."""
+    for value in list(graph.input) + list(graph.output):
+        if value.name.startswith(("past_key_values.", "present.")):
+            dims = value.type.tensor_type.shape.dim
+            dims[1].Clear()
+            dims[1].dim_value = kv_heads
+            dims[3].Clear()
+            dims[3].dim_value = head_size
+            if value.name.startswith("present."):
+                dims[2].Clear()
+                dims[2].dim_param = "total_sequence"
+    del graph.value_info[:]  # inferred for the token-major cache; onnxruntime infers again
+
+
+def _finish_imports(model: onnx.ModelProto) -> None:
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, RMS_NORM_OPSET)
+    imports = [o for o in model.opset_import if o.domain != contract.ONNX_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(imports + [helper.make_opsetid(GQA_DOMAIN, 1)])
+    functions = [f for f in model.functions if f.domain != contract.ONNX_DOMAIN]
+    del model.functions[:]
+    model.functions.extend(functions)
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    used = {name for n in graph.node for name in n.input}
+    keep = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)

@@ -1,0 +1,186 @@
+"""`diffexport onnx --kv-cache --attention gqa`: DiffAttention rewritten as onnxruntime's
+GroupQueryAttention (passes/group_query_attention.py). The rewritten folder must compute what the
+DiffAttention folder computes, everywhere (left-padded rows, chunks after the prompt, V1 and V2,
+fp16), decode token for token in onnxruntime-genai's shared buffer, quantise, and refuse what it
+cannot rewrite."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+from diffexport import contract  # noqa: E402
+from diffexport.backends import decoding  # noqa: E402
+from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
+from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.errors import DiffExportError  # noqa: E402
+from diffexport.export import ExportOptions  # noqa: E402
+from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.generation import Sampling, generate  # noqa: E402
+from diffexport.modeling import build_model  # noqa: E402
+from diffexport.passes.group_query_attention import rewrite_decoder  # noqa: E402
+from diffexport.presets import preset_config  # noqa: E402
+from helpers import assert_one_line_error, run_cli  # noqa: E402
+
+pytestmark = pytest.mark.slow  # exports: see README (quick loop)
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+def _quiet(_):
+    pass
+
+
+def _perturbed(model, seed):
+    """Head norms that are not all ones, so a lost norm weight shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+@pytest.fixture(scope="module")
+def v1_pair(tmp_path_factory):
+    """(checkpoint, DiffAttention folder, GQA folder) of a V1 model with 4 diff-heads on 2 kv-groups."""
+    cfg = preset_config("diff-v1-tiny")
+    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
+    root = tmp_path_factory.mktemp("gqa")
+    save_checkpoint(_perturbed(build_model(cfg, seed=31), 31), root / "ckpt.pt")
+    loaded = load_model(root / "ckpt.pt")
+    export_decoder(loaded, root / "diff", log=_quiet)
+    summary = export_decoder(loaded, root / "gqa", attention="gqa", log=_quiet)
+    assert (summary.attention, summary.cache_heads, summary.diff_attention_nodes) == ("gqa", 2, 2)
+    assert "GroupQueryAttention" in summary.report()
+    return root / "ckpt.pt", root / "diff", root / "gqa"
+
+
+def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
+    _, _, folder = v1_pair
+    model = onnx.load(str(folder / "model.onnx"))
+    assert not [n for n in model.graph.node if n.domain == contract.ONNX_DOMAIN] and not model.functions
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all(n.domain == "com.microsoft" for n in gqa)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
+    # 8 query maps over 2 kv-groups, head size 2D = 32, the op's scale 1/sqrt(D) (not GQA's 1/sqrt(2D))
+    assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
+    assert attrs["scale"] == pytest.approx(0.25)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in list(model.graph.input) + list(model.graph.output)}
+    assert dims["past_key_values.0.key"] == ["batch", 2, "past_sequence", 32]
+    assert dims["present.1.value"] == ["batch", 2, "total_sequence", 32]
+    config = json.loads((folder / "genai_config.json").read_text())
+    assert (config["model"]["decoder"]["num_key_value_heads"], config["model"]["decoder"]["head_size"]) == (2, 32)
+    assert config["search"]["past_present_share_buffer"] is True
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["diffexport.attention"] == "gqa" and meta["diffexport.kv_cache"] == "1"
+
+
+def _steps(folder, rows, chunks):
+    """Logits of a left-padded batch: the prompt, then `chunks` (token counts) fed in turn."""
+    runner = decoding.OrtDecoder(folder)
+    width = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    cache = runner.empty_cache(len(rows))
+    out = []
+    rng = np.random.default_rng(3)
+    for size in [None, *chunks]:
+        if size is not None:
+            ids = rng.integers(1, 500, (len(rows), size))
+            mask = np.concatenate([mask, np.ones((len(rows), size), np.int64)], axis=1)
+        logits, cache = runner.step(ids, mask, cache)
+        out.append(logits)
+    return out
+
+
+def test_gqa_folder_equals_the_diffattention_folder_everywhere(v1_pair):
+    """Every logit, padded rows included (the contract gives a row that sees no key zeros; GQA alone
+    would average the masked keys), over decode steps and multi-token chunks after the prompt."""
+    _, diff, gqa = v1_pair
+    rows = [PROMPT, PROMPT[:3], PROMPT[2:], [9]]
+    chunks = [1, 1, 3, 1, 2, 1]
+    for a, b in zip(_steps(diff, rows, chunks), _steps(gqa, rows, chunks)):
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+
+
+def test_gqa_folder_decodes_in_genai_like_eager(v1_pair):
+    pytest.importorskip("onnxruntime_genai")
+    ckpt, _, folder = v1_pair
+    loaded = load_model(ckpt)
+    eos = json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"]
+    expected = generate(loaded.model.eval(), torch.tensor([PROMPT]), max_new_tokens=36, eos_token_id=eos).tokens[0]
+    tokens = decoding.generate_genai(folder, PROMPT, 36, Sampling()).tokens
+    assert len(tokens) >= 32 and tokens == expected.tolist()
+    assert decoding.generate_onnxruntime(folder, PROMPT, 36, Sampling()).tokens == tokens
+    report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu"), log=_quiet)
+    assert report.passed, report.text()
+
+
+@pytest.mark.parametrize("preset,dtype", [("diff-v2-tiny", "float32"), ("diff-v1-tiny", "float16")])
+def test_gqa_v2_and_fp16_folders_pass_their_check(preset, dtype, tmp_path):
+    model = _perturbed(build_model(preset_config(preset), seed=8), 8)
+    save_safetensors(model, tmp_path / "st")
+    loaded = load_model(tmp_path / "st", dtype=torch.float16 if dtype == "float16" else None)
+    export_decoder(loaded, tmp_path / "kv", ExportOptions(dtype=dtype), attention="gqa", log=_quiet)
+    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    assert report.passed, report.text()
+    assert "33/33" in report.text()
+
+
+def test_gqa_check_fails_when_the_norm_weight_is_lost(v1_pair, tmp_path):
+    """A check that cannot fail is no check: all-ones head norm weights in the rewritten graph."""
+    ckpt, _, folder = v1_pair
+    shutil.copytree(folder, tmp_path / "broken")
+    model = onnx.load(str(tmp_path / "broken" / "model.onnx"))
+    for t in model.graph.initializer:
+        if "head_norm_weight" in t.name:
+            t.CopyFrom(onnx.numpy_helper.from_array(np.ones(onnx.numpy_helper.to_array(t).shape, np.float32), t.name))
+    onnx.save(model, str(tmp_path / "broken" / "model.onnx"))
+    report = run_decoder_check(tmp_path / "broken", load_model(ckpt), CheckOptions(provider="cpu"), log=_quiet)
+    assert not report.passed
+
+
+def test_gqa_cli_quantise_check_generate(tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    out = run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "--attention", "gqa", "-o", tmp_path / "kv")
+    assert out.returncode == 0, out.stderr
+    assert "GroupQueryAttention" in out.stdout
+    q = run_cli("quantize", tmp_path / "kv", "-o", tmp_path / "q", "--weights", "int8")
+    assert q.returncode == 0, q.stderr
+    check = run_cli("check", tmp_path / "q", "--preset", "diff-v1-tiny")
+    assert check.returncode == 0, check.stdout + check.stderr
+    text = run_cli("generate", tmp_path / "q", "--ids", "1,2,3", "--max-new-tokens", "4")
+    assert text.returncode == 0 and len(text.stdout.split()) == 4, text.stderr
+
+
+def test_gqa_refusals(v1_pair, tmp_path):
+    _, diff, gqa = v1_pair
+    assert_one_line_error(run_cli("onnx", "--preset", "transformer-tiny", "--kv-cache", "--attention", "gqa",
+                                  "-o", tmp_path / "t"), "baseline Transformer has none")
+    assert not (tmp_path / "t").exists()
+    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "--attention", "gqa", "-o", tmp_path / "m.onnx"),
+                          "belong to --kv-cache exports")
+    assert_one_line_error(run_cli("trt", gqa, "-o", tmp_path / "e.engine"), "TensorRT does not have")
+    model = onnx.load(str(diff / "model.onnx"))
+    with pytest.raises(DiffExportError, match="GroupQueryAttention: the graph's inputs"):
+        rewrite_decoder(onnx.load(str(gqa / "model.onnx")).__class__())  # an empty graph
+    # a cache read by anything besides its attention would see the wrong layout: refused
+    tampered = onnx.ModelProto.FromString(model.SerializeToString())
+    tampered.graph.node.append(onnx.helper.make_node("Identity", ["present.0.key"], ["extra"]))
+    with pytest.raises(DiffExportError, match="read by more than its attention"):
+        rewrite_decoder(tampered)
+    tampered = onnx.ModelProto.FromString(model.SerializeToString())
+    tampered.graph.node.append(onnx.helper.make_node("Identity", ["past_key_values.1.value"], ["extra"]))
+    with pytest.raises(DiffExportError, match="only its shape may be read"):
+        rewrite_decoder(tampered)
+    assert rewrite_decoder(model).layers == 2  # the untouched graph rewrites
