@@ -66,13 +66,14 @@ class _Graph:
     def __init__(self, model: onnx.ModelProto):
         self.model = model
         self.graph = model.graph
-        self.producer = {o: n for n in self.graph.node for o in n.output}
+        self.nodes = list(self.graph.node)  # the objects every map below refers to (ids stay valid)
+        self.producer = {o: n for n in self.nodes for o in n.output}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for n in self.graph.node:
+        for n in self.nodes:
             for name in n.input:
                 self.consumers.setdefault(name, []).append(n)
         self.initializers = {t.name: t for t in self.graph.initializer}
-        taken = {n.name for n in self.graph.node} | set(self.producer) | set(self.initializers) \
+        taken = {n.name for n in self.nodes} | set(self.producer) | set(self.initializers) \
             | {i.name for i in self.graph.input}
         self._taken = taken
         self._count = 0
@@ -123,7 +124,7 @@ def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
     if layers == 0 or inputs != decoder.input_names(layers):
         raise _refuse(f"the graph's inputs {inputs[:4]}... are not a KV-cache decoder's "
                       f"(export it with `diffexport onnx CKPT --kv-cache`)")
-    attention = [n for n in model.graph.node if is_diff_attention(n)]
+    attention = [n for n in g.nodes if is_diff_attention(n)]
     if len(attention) != layers:
         raise _refuse(f"{len(attention)} DiffAttention nodes for {layers} layers (the baseline Transformer has "
                       "none: its folder runs as it is)")
@@ -160,7 +161,7 @@ def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
         replaced[id(node)] = _attention_nodes(g, node, attrs, dtype, query, new_key, new_value, lam, weight,
                                                layer, lengths, bias, row_scale)
 
-    for n in model.graph.node:
+    for n in g.nodes:
         if id(n) in replaced:
             new_nodes.extend(replaced[id(n)])
         elif id(n) not in dead:
