@@ -370,3 +370,18 @@ def test_hf_diffllama_folder_quantised_generates_and_meets_its_budget(hf_dir, tm
     assert f"budget        {weights} weights" in report.stderr and "transformers" in report.stdout
     text = run_cli("generate", tmp_path / "q", "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
+
+
+def test_hf_diffllama_gqa_folder_checks_against_transformers(hf_dir, tmp_path):
+    """`--attention gqa` on an HF DiffLlama (8 maps over 4 kv heads, weightless head norm): its check
+    compares with our port and with transformers' own model, and genai generates text."""
+    pytest.importorskip("onnxruntime_genai")
+    assert run_cli("onnx", hf_dir, "--kv-cache", "--attention", "gqa", "-o", tmp_path / "kv").returncode == 0
+    config = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["decoder"]
+    # HF's 8 maps over 4 kv heads are 4 diff-heads over 2 kv-groups, each [K1, K2] of 2 x 16
+    assert (config["num_key_value_heads"], config["head_size"]) == (2, 32)
+    report = run_cli("check", tmp_path / "kv", "--ckpt", hf_dir)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "transformers" in report.stdout
+    text = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8")
+    assert text.returncode == 0 and text.stdout.strip(), text.stderr
