@@ -55,9 +55,13 @@ def external_file_state(folder: Path, location: str) -> str:
     return "present" if probe.is_file() else "MISSING"
 
 
-def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int) -> dict[str, str]:
+def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int, contrib: list[str]) -> dict[str, str]:
     has_body = (contract.ONNX_DOMAIN, contract.OP_NAME) in functions
     versions = sorted({str(n["attributes"].get("plugin_version", contract.PLUGIN_VERSION)) for n in nodes})
+    if not nodes and contrib:  # e.g. a KV-cache folder exported with --attention gqa
+        return {"onnxruntime": f"yes (its contrib ops: {', '.join(contrib)})",
+                "tensorrt_plugin": "not needed (no DiffAttention)",
+                "tensorrt_native": f"no: onnxruntime's contrib ops {', '.join(contrib)} are not TensorRT's"}
     if not nodes:
         return {"onnxruntime": "yes (standard ops only)", "tensorrt_plugin": "not needed (no DiffAttention)",
                 "tensorrt_native": "yes if TensorRT supports every op"}
@@ -96,6 +100,7 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
             plugin_nodes += "plugin_namespace" in attrs
             diff_nodes.append({"name": node.name, "inputs": list(node.input), "attributes": attrs})
     functions = {(f.domain, f.name) for f in model.functions}
+    contrib = sorted({n.op_type for n in model.graph.node if n.domain == "com.microsoft"})
     return {
         "path": str(path),
         "ir_version": model.ir_version,
@@ -109,7 +114,7 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
         "diff_attention": diff_nodes,
         "weights": _weights(model, path.parent),
         "metadata": {p.key: p.value for p in model.metadata_props if p.key.startswith("diffexport.")},
-        "runtimes": _runtimes(diff_nodes, functions, plugin_nodes),
+        "runtimes": _runtimes(diff_nodes, functions, plugin_nodes, contrib),
     }
 
 

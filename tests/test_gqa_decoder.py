@@ -22,6 +22,7 @@ from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.export.decoder import export_decoder  # noqa: E402
 from diffexport.generation import Sampling, generate  # noqa: E402
+from diffexport.inspect_onnx import inspect_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.passes.group_query_attention import rewrite_decoder  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
@@ -79,6 +80,8 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
     assert config["search"]["past_present_share_buffer"] is True
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["diffexport.attention"] == "gqa" and meta["diffexport.kv_cache"] == "1"
+    runtimes = inspect_onnx(folder / "model.onnx")["runtimes"]  # what `diffexport inspect` prints
+    assert "GroupQueryAttention" in runtimes["onnxruntime"] and runtimes["tensorrt_native"].startswith("no")
 
 
 def _steps(folder, rows, chunks):
