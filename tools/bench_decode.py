@@ -5,7 +5,8 @@ our eager generate and transformers' generate, side by side, with the memory-ban
 
 Models (batch 1, greedy, seeded random weights, every runtime on the same weights):
   diffllama-100m  an HF DiffLlama (hidden 768, 12 layers, 12 maps of 64 = 6 diff-heads, 32k vocab)
-                  saved once, imported by diffexport, exported with --kv-cache
+                  saved once, imported by diffexport, exported with --kv-cache (and again with
+                  --attention gqa: onnxruntime's GroupQueryAttention, timed with the threads written)
   diff-v1-110m    our preset (same shape, tied embeddings); no transformers row (not an HF model)
   llama-100m      with --anchor: a plain Llama of the same size exported by onnxruntime-genai's own
                   model builder (`python -m onnxruntime_genai.models.builder -p fp32 -e cpu`)
@@ -227,7 +228,10 @@ def main() -> None:
                              ("diff-v1-110m", load_model(None, preset="diff-v1-110m", seed=0))):
             folder = root / f"{name}-kv"
             export_decoder(loaded, folder, log=lambda _: None)
-            models.append((name, loaded, folder, with_threads(folder, root, cores), weight_bytes_per_token(folder)))
+            gqa = root / f"{name}-kv-gqa"  # the same model with onnxruntime's GroupQueryAttention (docs/EXPORT.md)
+            export_decoder(loaded, gqa, attention="gqa", log=lambda _: None)
+            models.append((name, loaded, folder, with_threads(folder, root, cores), weight_bytes_per_token(folder),
+                           with_threads(gqa, root, cores)))
         if args.anchor:
             out = root / "llama-genai"
             subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
@@ -236,9 +240,11 @@ def main() -> None:
             anchor = (out, with_threads(out, root, cores), weight_bytes_per_token(out))
         for round_ in range(args.rounds):  # interleaved rounds: drift of a shared machine hits every runtime alike
             print(f"round {round_ + 1}/{args.rounds}", flush=True)
-            for name, loaded, folder, threaded, weights in models:
+            for name, loaded, folder, threaded, weights, gqa_threaded in models:
                 add(name, "onnxruntime-genai (our folder)", time_genai(folder, prompt, args.new), weights)
                 add(name, f"onnxruntime-genai, {cores} threads", time_genai(threaded, prompt, args.new), weights)
+                add(name, f"onnxruntime-genai, {cores} threads, --attention gqa",
+                    time_genai(gqa_threaded, prompt, args.new), weights)
                 add(name, "onnxruntime loop (our folder)", time_ort(folder, prompt, args.new), weights)
                 add(name, "diffexport eager generate", time_eager(loaded.model.eval(), prompt, args.new), weights)
                 if name == "diffllama-100m":
