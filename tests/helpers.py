@@ -140,3 +140,16 @@ def resave_checkpoint(path, tmp_path, edit):
     out = tmp_path / "edited.pt"
     torch.save(obj, out)
     return out
+
+
+def quiet(_line):
+    """A log callback that drops the line (exports and checks under test)."""
+
+
+def perturb_norm_weights(model, seed):
+    """Norm weights that are not all ones (in place), so a graph that loses one shows it."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+    return model

@@ -26,24 +26,11 @@ from diffexport.inspect_onnx import inspect_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.passes.group_query_attention import rewrite_decoder  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, run_cli  # noqa: E402
+from helpers import assert_one_line_error, perturb_norm_weights, quiet, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports: see README (quick loop)
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
-
-
-def _quiet(_):
-    pass
-
-
-def _perturbed(model, seed):
-    """Head norms that are not all ones, so a lost norm weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +39,10 @@ def v1_pair(tmp_path_factory):
     cfg = preset_config("diff-v1-tiny")
     cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
     root = tmp_path_factory.mktemp("gqa")
-    save_checkpoint(_perturbed(build_model(cfg, seed=31), 31), root / "ckpt.pt")
+    save_checkpoint(perturb_norm_weights(build_model(cfg, seed=31), 31), root / "ckpt.pt")
     loaded = load_model(root / "ckpt.pt")
-    export_decoder(loaded, root / "diff", log=_quiet)
-    summary = export_decoder(loaded, root / "gqa", attention="gqa", log=_quiet)
+    export_decoder(loaded, root / "diff", log=quiet)
+    summary = export_decoder(loaded, root / "gqa", attention="gqa", log=quiet)
     assert (summary.attention, summary.cache_heads, summary.diff_attention_nodes) == ("gqa", 2, 2)
     assert "GroupQueryAttention" in summary.report()
     return root / "ckpt.pt", root / "diff", root / "gqa"
@@ -125,17 +112,17 @@ def test_gqa_folder_decodes_in_genai_like_eager(v1_pair):
     tokens = decoding.generate_genai(folder, PROMPT, 36, Sampling()).tokens
     assert len(tokens) >= 32 and tokens == expected.tolist()
     assert decoding.generate_onnxruntime(folder, PROMPT, 36, Sampling()).tokens == tokens
-    report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu"), log=_quiet)
+    report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed, report.text()
 
 
 @pytest.mark.parametrize("preset,dtype", [("diff-v2-tiny", "float32"), ("diff-v1-tiny", "float16")])
 def test_gqa_v2_and_fp16_folders_pass_their_check(preset, dtype, tmp_path):
-    model = _perturbed(build_model(preset_config(preset), seed=8), 8)
+    model = perturb_norm_weights(build_model(preset_config(preset), seed=8), 8)
     save_safetensors(model, tmp_path / "st")
     loaded = load_model(tmp_path / "st", dtype=torch.float16 if dtype == "float16" else None)
-    export_decoder(loaded, tmp_path / "kv", ExportOptions(dtype=dtype), attention="gqa", log=_quiet)
-    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    export_decoder(loaded, tmp_path / "kv", ExportOptions(dtype=dtype), attention="gqa", log=quiet)
+    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed, report.text()
     assert "33/33" in report.text()
 
@@ -149,7 +136,7 @@ def test_gqa_check_fails_when_the_norm_weight_is_lost(v1_pair, tmp_path):
         if "head_norm_weight" in t.name:
             t.CopyFrom(onnx.numpy_helper.from_array(np.ones(onnx.numpy_helper.to_array(t).shape, np.float32), t.name))
     onnx.save(model, str(tmp_path / "broken" / "model.onnx"))
-    report = run_decoder_check(tmp_path / "broken", load_model(ckpt), CheckOptions(provider="cpu"), log=_quiet)
+    report = run_decoder_check(tmp_path / "broken", load_model(ckpt), CheckOptions(provider="cpu"), log=quiet)
     assert not report.passed
 
 

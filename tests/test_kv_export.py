@@ -20,24 +20,12 @@ from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
 from diffexport.generation import Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, run_cli  # noqa: E402
+from helpers import assert_one_line_error, perturb_norm_weights, quiet, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 NEW_TOKENS = 36
-
-
-def _quiet(_):
-    pass
-
-
-def _perturbed(model, seed):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +34,14 @@ def v1_ckpt(tmp_path_factory):
     cfg = preset_config("diff-v1-tiny")
     cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
     path = tmp_path_factory.mktemp("v1") / "ckpt.pt"
-    save_checkpoint(_perturbed(build_model(cfg, seed=21), 21), path)
+    save_checkpoint(perturb_norm_weights(build_model(cfg, seed=21), 21), path)
     return path
 
 
 @pytest.fixture(scope="module")
 def v1_folder(v1_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("v1kv") / "v1-kv"
-    summary = export_decoder(load_model(v1_ckpt), out, log=_quiet)
+    summary = export_decoder(load_model(v1_ckpt), out, log=quiet)
     assert summary.diff_attention_nodes == 2
     return out
 
@@ -107,7 +95,7 @@ def test_v1_genai_and_onnxruntime_loop_equal_eager_tokens(v1_folder, v1_ckpt):
 
 def test_v1_check_passes_and_its_polygraphy_files_exist(v1_folder, v1_ckpt, tmp_path):
     report = run_decoder_check(v1_folder, load_model(v1_ckpt), CheckOptions(provider="cpu", save_dir=tmp_path),
-                               log=_quiet)
+                               log=quiet)
     assert report.passed, report.text()
     assert "33 steps" in report.text() and "33/33 steps  PASS" in report.text()
     feeds = json.loads((tmp_path / "inputs.json").read_text())
@@ -127,30 +115,30 @@ def test_check_fails_on_a_folder_with_corrupted_weights(v1_folder, v1_ckpt, tmp_
     target.CopyFrom(onnx.numpy_helper.from_array(array, target.name))
     onnx.save(model, str(broken / "model.onnx"))
     report = run_decoder_check(broken, load_model(v1_ckpt), CheckOptions(provider="cpu", save_dir=tmp_path / "c"),
-                               log=_quiet)
+                               log=quiet)
     assert not report.passed and "FAIL" in report.text()
 
 
 @pytest.mark.parametrize("preset", ["diff-v2-tiny", "transformer-tiny"])
 def test_v2_and_transformer_folders_generate_and_check(preset, tmp_path):
-    model = _perturbed(build_model(preset_config(preset), seed=4), 4)
+    model = perturb_norm_weights(build_model(preset_config(preset), seed=4), 4)
     save_safetensors(model, tmp_path / "st")
     loaded = load_model(tmp_path / "st")
-    summary = export_decoder(loaded, tmp_path / "kv", log=_quiet)
+    summary = export_decoder(loaded, tmp_path / "kv", log=quiet)
     assert summary.diff_attention_nodes == (0 if preset.startswith("transformer") else 2)
     eos = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["eos_token_id"]
     assert _genai_tokens(tmp_path / "kv") == _eager_tokens(loaded, eos=eos)
-    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed, report.text()
 
 
 def test_fp16_folder_passes_its_rule(tmp_path):
     loaded = load_model(None, preset="diff-v1-tiny", seed=6, dtype=torch.float16)
-    export_decoder(loaded, tmp_path / "kv16", ExportOptions(dtype="float16"), log=_quiet)
+    export_decoder(loaded, tmp_path / "kv16", ExportOptions(dtype="float16"), log=quiet)
     model = onnx.load(str(tmp_path / "kv16" / "model.onnx"))
     assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["past_key_values.0.key"] == \
         onnx.TensorProto.FLOAT16
-    report = run_decoder_check(tmp_path / "kv16", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    report = run_decoder_check(tmp_path / "kv16", loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed, report.text()
     assert "torch low-precision baseline" in report.text()
 
@@ -204,7 +192,7 @@ def test_hf_diffllama_folder_with_tokenizer(hf_dir, tmp_path):
     ours = _eager_tokens(loaded, prompt, eos=2)
     assert ours == hf_tokens
     assert _genai_tokens(tmp_path / "kv", prompt) == ours
-    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=_quiet)
+    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed and "transformers generate() == eager" in report.text(), report.text()
     text = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0, text.stderr
@@ -220,7 +208,7 @@ def test_hf_folder_without_tokenizer_exports_ids_only(tmp_path):
     cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=5)
     transformers.DiffLlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
-    summary = export_decoder(load_model(tmp_path / "hf"), tmp_path / "kv", log=_quiet)
+    summary = export_decoder(load_model(tmp_path / "hf"), tmp_path / "kv", log=quiet)
     assert not summary.tokenizer and not (tmp_path / "kv" / "tokenizer.json").exists()
     assert json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["eos_token_id"] == 5
 
