@@ -261,6 +261,17 @@ def test_hostile_decoder_folders(v1_folder, tmp_path):
                           "symbolic link")
     (tmp_path / "plain").mkdir()
     assert_one_line_error(run_cli("check", tmp_path / "plain", "--preset", "diff-v1-tiny"), "no genai_config.json")
+    # cache fields a runner allocates from: wrong types or sizes, or a cache the graph does not take
+    config = json.loads((v1_folder / "genai_config.json").read_text())
+    for name, value in (("words", "abc"), ("huge", 1 << 40), ("zero", 0)):
+        bad = json.loads(json.dumps(config))
+        bad["model"]["decoder"]["num_key_value_heads"] = value
+        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
+                                      "onnxruntime"), "num_key_value_heads must be an integer")
+    other = json.loads(json.dumps(config))
+    other["model"]["decoder"]["num_key_value_heads"] = 2  # a gqa folder's config beside a DiffAttention graph
+    assert_one_line_error(run_cli("check", folder_with("mismatch", json.dumps(other)), "--preset", "diff-v1-tiny"),
+                          "do not belong together")
 
 
 def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):

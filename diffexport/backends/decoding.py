@@ -62,6 +62,11 @@ class OrtDecoder:
         if self.outputs != expected:
             raise DiffExportError(f"{self.model_path.name} outputs {self.outputs[:3]}... are not a KV-cache "
                                   f"decoder's {expected[:3]}...: re-export it")
+        past = next((i.shape for i in self.session.get_inputs() if i.name == decoder.PAST_KEY % 0), None)
+        if past is None or len(past) != 4 or past[1] != self.heads or past[3] != self.width:
+            raise DiffExportError(f"{decoder.GENAI_CONFIG} says the cache is [batch, {self.heads}, past, {self.width}] "
+                                  f"but {self.model_path.name} takes {decoder.PAST_KEY % 0} {past}: the files do not "
+                                  "belong together (re-export the folder)")
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
         empty = np.zeros((batch, self.heads, 0, self.width), self.dtype)

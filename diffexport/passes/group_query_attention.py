@@ -19,9 +19,9 @@ The mapping is exact (no approximation):
 Cache: [B, Hkv, T, head size] per layer, the same bytes per token as the token-major cache. GQA has
 no key mask, so left padding becomes its attention_bias (a large negative number on padded keys,
 finite so that a padded query row stays finite), a query row that sees no key gets zeros as the
-contract says, and every row's seqlens_k is T - 1 (padded slots hold cache positions like real tokens). Positions in the rest of
-the graph were taken from the past's shape; with a shared buffer that shape is the buffer's, so
-those Shape nodes read [B, 1, T - S, W] from the attention mask instead.
+contract says, and every row's seqlens_k is T - 1 (padded slots hold cache positions like real
+tokens). Positions in the rest of the graph were taken from the past's shape; with a shared buffer
+that shape is the buffer's, so those Shape nodes read [B, 1, T - S, W] from the attention mask.
 
 Only graphs written by `diffexport onnx --kv-cache` are rewritten; anything else is refused with
 the reason. The result has no DiffAttention node: it is for onnxruntime (CPU, CUDA), not TensorRT.
@@ -64,7 +64,6 @@ class _Graph:
     """Producers/consumers of a graph and a builder of uniquely named nodes and constants."""
 
     def __init__(self, model: onnx.ModelProto):
-        self.model = model
         self.graph = model.graph
         self.nodes = list(self.graph.node)  # the objects every map below refers to (ids stay valid)
         self.producer = {o: n for n in self.nodes for o in n.output}
@@ -177,11 +176,9 @@ def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
 
 def _shared_inputs(g: _Graph, nodes: list, dtype: int):
     """(seqlens_k [B] int32 = T - 1, total_sequence_length int32 = T, query_seqlens [B] int32 = S),
-    attention_bias [B, 1, S, T], the
-    row scale [B, S, 1, 1, 1] (0 for a query row that sees no key) and the pieces of the token-major
-    past shape [B, 1, T - S, W], all from the attention mask."""
+    attention_bias [B, 1, S, T], the row scale [B, S, 1, 1, 1] (0 for a query row that sees no key)
+    and the pieces of the token-major past shape [B, 1, T - S, W], all from the attention mask."""
     mask = decoder.ATTENTION_MASK
-    n, mask_shape = g.node("Shape", [mask]); nodes.append(n)
     n, batch = g.node("Shape", [mask], start=0, end=1); nodes.append(n)
     n, total = g.node("Shape", [mask], start=1, end=2); nodes.append(n)
     n, seq = g.node("Shape", [decoder.INPUT_IDS], start=1, end=2); nodes.append(n)
@@ -210,7 +207,6 @@ def _shared_inputs(g: _Graph, nodes: list, dtype: int):
     n, sees = g.node("Greater", [row_count, g.const(np.zeros((), np.int64), "zero")]); nodes.append(n)
     n, sees_t = g.node("Cast", [sees], to=dtype); nodes.append(n)
     n, row_scale = g.node("Unsqueeze", [sees_t, _ints(g, [2, 3, 4])]); nodes.append(n)  # [B, S, 1, 1, 1]
-    del mask_shape
     return (seqlens_k, total_length, query_seqlens), bias, row_scale, (batch, past_len)
 
 
@@ -277,7 +273,7 @@ def _redirect_past_shapes(g: _Graph, nodes: list, past_shape) -> list:
     """Shape(past) nodes read the token-major past shape [B, 1, T - S, W] computed from the mask:
     with a shared buffer the past's own shape is the buffer's, not the tokens seen so far."""
     batch, past_len = past_shape
-    pasts = set(decoder.input_names(len([i for i in g.graph.input if i.name.endswith(".key")]))[2:])
+    pasts = {i.name for i in g.graph.input if i.name.startswith("past_key_values.")}
     shape_of: dict[str, str] = {}
     extra = []
     for n in nodes:
