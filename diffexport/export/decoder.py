@@ -390,12 +390,12 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
         raise DiffExportError(f"{config_path}: decoder filename must name a file inside the folder")
     if model_path.is_symlink():
         raise DiffExportError(f"{model_path} is a symbolic link: a decoder folder holds its model file itself")
-    for key in ("num_hidden_layers", "num_key_value_heads", "head_size"):  # the cache shape runners allocate
-        value = decoder.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
-            raise DiffExportError(f"{config_path}: decoder.{key} must be an integer in 1..{1 << 20}, got {value!r}")
     meta = read_export_metadata(model_path)
     if meta.get("kv_cache") != "1":
         raise DiffExportError(f"{model_path} is a prefill-only export, not a KV-cache decoder: "
                               "re-export with `diffexport onnx CKPT --kv-cache -o FOLDER`")
+    for key in ("num_hidden_layers", "num_key_value_heads", "head_size"):  # the cache shape runners allocate
+        value = decoder.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
+            raise DiffExportError(f"{config_path}: decoder.{key} must be an integer in 1..{1 << 20}, got {value!r}")
     return model_path, config, meta
