@@ -67,6 +67,13 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
     assert config["search"]["past_present_share_buffer"] is True
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["diffexport.attention"] == "gqa" and meta["diffexport.kv_cache"] == "1"
+    # rotary inside GQA: the rotate-half nodes and the positions' Cos/Sin are gone, the caches hold
+    # the context's positions, D/2 = 8 frequencies twice (the V1 layout's two maps)
+    assert attrs["do_rotary"] == 1 and attrs["rotary_interleaved"] == 0
+    assert not [n for n in model.graph.node if n.op_type in ("Cos", "Sin", "CumSum") and not n.name.startswith("gqa/")]
+    assert all(n.name.startswith("gqa/") for n in model.graph.node if n.op_type == "Split")  # O1, O2 only
+    inits = {t.name: t for t in model.graph.initializer}
+    assert [list(inits[gqa[0].input[i]].dims) for i in (7, 8)] == [[2048, 16], [2048, 16]]
     runtimes = inspect_onnx(folder / "model.onnx")["runtimes"]  # what `diffexport inspect` prints
     assert "GroupQueryAttention" in runtimes["onnxruntime"] and runtimes["tensorrt_native"].startswith("no")
 
@@ -101,6 +108,44 @@ def test_gqa_folder_equals_the_diffattention_folder_everywhere(v1_pair):
     for a, b in zip(_steps(diff, rows, chunks), _steps(gqa, rows, chunks)):
         assert np.isfinite(b).all()
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+
+
+def test_gqa_rotary_left_in_the_graph_computes_the_same(v1_pair, tmp_path):
+    """The rewrite without a context length (or with rotary nodes it does not recognise) keeps the
+    graph's own rotary nodes; that graph too equals the DiffAttention folder everywhere."""
+    _, diff, gqa = v1_pair
+    model = onnx.load(str(diff / "model.onnx"))
+    result = rewrite_decoder(model)
+    assert result.rotary.startswith("kept in the graph (no context length")
+    tampered = onnx.ModelProto.FromString(model.SerializeToString())
+    sub = next(n for n in tampered.graph.node if n.op_type == "Sub" and n.input[0].startswith("mul"))
+    sub.input[0], sub.input[1] = sub.input[1], sub.input[0]  # b*sin - a*cos: not the rotation GQA does
+    assert rewrite_decoder(tampered, rotary_positions=64).rotary.startswith("kept in the graph (")
+    shutil.copytree(gqa, tmp_path / "kept")
+    onnx.save(result.model, str(tmp_path / "kept" / "model.onnx"))
+    assert [a.i for a in next(n for n in result.model.graph.node if n.op_type == "GroupQueryAttention").attribute
+            if a.name == "do_rotary"] == [0]
+    rows, chunks = [PROMPT, PROMPT[:3], [9]], [1, 2, 1]
+    for a, b in zip(_steps(diff, rows, chunks), _steps(tmp_path / "kept", rows, chunks)):
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+
+
+def test_generation_stops_at_the_context_length(tmp_path):
+    """The rotary caches hold the context's positions: both runners stop where genai's max_length does,
+    and a step past the context is refused in one line, not by onnxruntime."""
+    pytest.importorskip("onnxruntime_genai")
+    loaded = load_model(None, preset="diff-v1-tiny", seed=2)
+    export_decoder(loaded, tmp_path / "kv", attention="gqa", context_length=16, log=quiet)
+    prompt = list(range(1, 10))
+    ort = decoding.generate_onnxruntime(tmp_path / "kv", prompt, 20, Sampling(), ignore_eos=True)
+    assert len(ort.tokens) == 16 - len(prompt) and ort.stop == "length"
+    genai = decoding.generate_genai(tmp_path / "kv", prompt, 20, Sampling(), min_new_tokens=20)
+    assert genai.tokens == ort.tokens and genai.stop == "length"
+    runner = decoding.OrtDecoder(tmp_path / "kv")
+    with pytest.raises(DiffExportError, match="exceed the folder's context length 16"):
+        runner.step(np.ones((1, 17), np.int64), np.ones((1, 17), np.int64), runner.empty_cache(1))
+    with pytest.raises(DiffExportError, match="prompt's 17 tokens exceed"):
+        decoding.generate_genai(tmp_path / "kv", list(range(1, 18)), 4, Sampling())
 
 
 def test_gqa_folder_decodes_in_genai_like_eager(v1_pair):

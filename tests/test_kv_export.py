@@ -268,6 +268,11 @@ def test_hostile_decoder_folders(v1_folder, tmp_path):
         bad["model"]["decoder"]["num_key_value_heads"] = value
         assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
                                       "onnxruntime"), "num_key_value_heads must be an integer")
+    for name, value in (("context-words", "abc"), ("context-huge", 1 << 40), ("context-one", 1)):
+        bad = json.loads(json.dumps(config))
+        bad["model"]["context_length"] = value
+        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
+                                      "onnxruntime"), "context_length must be an integer")
     other = json.loads(json.dumps(config))
     other["model"]["decoder"]["num_key_value_heads"] = 2  # a gqa folder's config beside a DiffAttention graph
     assert_one_line_error(run_cli("check", folder_with("mismatch", json.dumps(other)), "--preset", "diff-v1-tiny"),

@@ -56,6 +56,7 @@ class OrtDecoder:
         self.layers = int(self.config["model"]["decoder"]["num_hidden_layers"])
         self.heads = int(self.config["model"]["decoder"]["num_key_value_heads"])  # 1: token-major cache
         self.width = int(self.config["model"]["decoder"]["head_size"])
+        self.context = int(self.config["model"]["context_length"])
         self.dtype = np.float16 if self.meta["dtype"] == "float16" else np.float32
         self.outputs = [o.name for o in self.session.get_outputs()]
         expected = decoder.output_names(self.layers)
@@ -74,6 +75,9 @@ class OrtDecoder:
 
     def step(self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]):
         """-> (logits [B, S, V], the new cache keyed by present names)."""
+        if mask.shape[1] > self.context:
+            raise DiffExportError(f"{mask.shape[1]} tokens exceed the folder's context length {self.context} "
+                                  "(re-export with a larger --context-length, or ask for fewer tokens)")
         feeds = {decoder.INPUT_IDS: ids.astype(np.int64), decoder.ATTENTION_MASK: mask.astype(np.int64)}
         for i in range(self.layers):
             feeds[decoder.PAST_KEY % i] = cache[decoder.PRESENT_KEY % i]
@@ -98,6 +102,8 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
     runner = runner or OrtDecoder(folder, threads=threads)
     eos = runner.config["model"].get("eos_token_id")
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
+    if len(prompt) > runner.context:
+        raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {runner.context}")
     ids = np.asarray([prompt], np.int64)
     mask = np.ones_like(ids)
     cache = runner.empty_cache(1)
@@ -115,6 +121,8 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
         if token == eos and not ignore_eos:
             stop = "eos"
             break
+        if mask.shape[1] + 1 >= runner.context:  # genai's max_length: prompt + new tokens fill the context
+            break
         ids = np.asarray([[token]], np.int64)
         mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
     end = time.perf_counter()
@@ -124,13 +132,18 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
 def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
                    on_token: Callable[[int], None] | None = None, model=None, min_new_tokens: int = 0) -> DecodeRun:
     og = import_genai()
+    context = None
     if model is None:
-        decoder.read_decoder_folder(folder)
+        context = decoder.read_decoder_folder(folder)[1]["model"]["context_length"]
         model = og.Model(str(folder))
+    if context is not None and len(prompt) > context:
+        raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {context}")
     params = og.GeneratorParams(model)
-    search = {"max_length": len(prompt) + max_new_tokens, "do_sample": not sampling.greedy}
+    # genai refuses a max_length past the context; the ORT loop stops at the same place
+    total = len(prompt) + max_new_tokens if context is None else min(len(prompt) + max_new_tokens, context)
+    search = {"max_length": total, "do_sample": not sampling.greedy}
     if min_new_tokens:
-        search["min_length"] = len(prompt) + min_new_tokens
+        search["min_length"] = min(len(prompt) + min_new_tokens, total)
     if not sampling.greedy:
         search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
         if sampling.top_k:
@@ -150,5 +163,5 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
         if on_token is not None:
             on_token(token)
     end = time.perf_counter()
-    stop = "length" if len(tokens) >= max_new_tokens else "eos"
+    stop = "length" if len(prompt) + len(tokens) >= total else "eos"
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)

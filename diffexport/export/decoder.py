@@ -323,7 +323,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
         if attention == "gqa":
-            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, log)
+            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, context_length, log)
         config = genai_config(cfg, options.dtype, context_length, special, threads, attention)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
@@ -340,17 +340,17 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
                                 attention=attention, cache_heads=cache_heads(cfg, attention))
 
 
-def _rewrite_for_gqa(model_path: Path, external: bool, log: Callable[[str], None]) -> None:
+def _rewrite_for_gqa(model_path: Path, external: bool, context_length: int, log: Callable[[str], None]) -> None:
     """The checked DiffAttention graph at model_path, rewritten in place (inside the temporary folder)."""
     import onnx
 
     from diffexport.passes.group_query_attention import rewrite_decoder
 
     model = onnx.load(str(model_path))  # weights too: they are written again below
-    result = rewrite_decoder(model)
+    result = rewrite_decoder(model, rotary_positions=context_length)
     del model
     log(f"rewriting     {result.layers} DiffAttention -> GroupQueryAttention (cache [batch, {result.num_kv_heads}, "
-        f"past, {result.head_size}], shared buffer)")
+        f"past, {result.head_size}], shared buffer; rotary {result.rotary})")
     data = model_path.with_name(model_path.name + ".data")
     if data.exists():
         data.unlink()  # onnx appends to an existing data file; its weights are in memory now
@@ -398,4 +398,7 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
         value = decoder.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
             raise DiffExportError(f"{config_path}: decoder.{key} must be an integer in 1..{1 << 20}, got {value!r}")
+    context = config["model"].get("context_length")  # how far the ORT loop may go (gqa: the rotary caches' rows)
+    if not isinstance(context, int) or isinstance(context, bool) or not 2 <= context <= 1 << 30:
+        raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{1 << 30}, got {context!r}")
     return model_path, config, meta
