@@ -71,7 +71,12 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
     # the context's positions, D/2 = 8 frequencies twice (the V1 layout's two maps)
     assert attrs["do_rotary"] == 1 and attrs["rotary_interleaved"] == 0
     assert not [n for n in model.graph.node if n.op_type in ("Cos", "Sin", "CumSum") and not n.name.startswith("gqa/")]
-    assert all(n.name.startswith("gqa/") for n in model.graph.node if n.op_type == "Split")  # O1, O2 only
+    assert all(n.name.startswith(("gqa/", "packed/")) for n in model.graph.node if n.op_type == "Split")
+    # onnxruntime's fused norms (residual adds inside) and packed q/k/v and gate/up projections
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("SkipSimplifiedLayerNormalization") == 4 and ops.count("RMSNormalization") == 3  # 2 heads + final
+    assert not {"Pow", "ReduceMean", "Reciprocal"} & set(ops)
+    assert ops.count("MatMul") == 9  # per layer: q|k|v, out, gate|up, down; and the head
     inits = {t.name: t for t in model.graph.initializer}
     assert [list(inits[gqa[0].input[i]].dims) for i in (7, 8)] == [[2048, 16], [2048, 16]]
     runtimes = inspect_onnx(folder / "model.onnx")["runtimes"]  # what `diffexport inspect` prints

@@ -15,7 +15,8 @@ round after a warm-up generation of 8 tokens, rounds interleaved, medians report
 writer put in genai_config.json (neither ours nor the builder's sets threads) and with
 intra_op_num_threads = the machine's cores written into both (`diffexport onnx --kv-cache --threads`).
 Bound: weight bytes each decode step reads (every initializer except an embedding table that only a
-Gather reads) / read bandwidth, measured here by torch summing 1 GiB on all cores (median of 5).
+Gather reads) / read bandwidth, measured here as onnxruntime's own GEMV over a 512 MiB float32 weight
+on all cores (median of 5).
 --write replaces the section in docs/BENCHMARKS.md.
 """
 
@@ -45,19 +46,33 @@ from diffexport.generation import Sampling, generate  # noqa: E402
 HIDDEN, LAYERS, VOCAB, FFN = 768, 12, 32000, 2048
 
 
-def read_bandwidth() -> float:
-    """Bytes/s of a streaming read on all cores (torch sum of 1 GiB of float32), median of 5 after a warm-up."""
-    torch.set_num_threads(os.cpu_count() or 1)
-    a = torch.ones(256 * 1024**2, dtype=torch.float32)
-    a.sum()
+def read_bandwidth(threads: int | None = None) -> float:
+    """Bytes/s that onnxruntime's own CPU MatMul streams from a weight: a GEMV [1, 8192] x [8192, 16384]
+    float32 (512 MiB, far past any cache), median of 5 after a warm-up. A decode step is such GEMVs,
+    so this is the bound a step can reach on this machine (a torch sum of the same bytes reads slower
+    than onnxruntime's kernels here, which made decode exceed its 'bound')."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    k, n = 8192, 16384
+    weight = numpy_helper.from_array(np.full((k, n), 1e-3, np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or os.cpu_count() or 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    del model, graph, weight
+    x = {"x": np.ones((1, k), np.float32)}
+    session.run(None, x)
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        a.sum()
+        session.run(None, x)
         times.append(time.perf_counter() - start)
-    nbytes = a.numel() * 4
-    del a
-    return nbytes / statistics.median(times)
+    return k * n * 4 / statistics.median(times)
 
 
 def weight_bytes_per_token(folder: Path) -> int:

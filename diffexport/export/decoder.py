@@ -345,16 +345,20 @@ def _rewrite_for_gqa(model_path: Path, external: bool, context_length: int, log:
     import onnx
 
     from diffexport.passes.group_query_attention import rewrite_decoder
+    from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
     model = onnx.load(str(model_path))  # weights too: they are written again below
     result = rewrite_decoder(model, rotary_positions=context_length)
     del model
     log(f"rewriting     {result.layers} DiffAttention -> GroupQueryAttention (cache [batch, {result.num_kv_heads}, "
         f"past, {result.head_size}], shared buffer; rotary {result.rotary})")
+    fused, counts = fuse_for_onnxruntime(result.model)
+    del result
+    log(f"fusing        {counts.describe()}")
     data = model_path.with_name(model_path.name + ".data")
     if data.exists():
         data.unlink()  # onnx appends to an existing data file; its weights are in memory now
-    onnx.save(result.model, str(model_path), save_as_external_data=external, location=data.name)
+    onnx.save(fused, str(model_path), save_as_external_data=external, location=data.name)
     try:
         onnx.checker.check_model(str(model_path), full_check=True)
     except onnx.checker.ValidationError as exc:

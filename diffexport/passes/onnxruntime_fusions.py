@@ -1,0 +1,128 @@
+"""Fusions for onnxruntime-only decoder graphs (`--attention gqa` folders), after the
+GroupQueryAttention rewrite. Each is exact and each was measured on int4 decode (docs/BENCHMARKS.md):
+
+  norms    every RMSNorm written out in standard ops (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul)
+           becomes onnxruntime's SimplifiedLayerNormalization, and the residual Add before it joins
+           it as SkipSimplifiedLayerNormalization: onnxscript's own ort_fusions rules, with
+           onnxruntime's symbolic shape inference giving them the shapes they check. A norm left
+           standing alone is written as ONNX RMSNormalization (opset 23, the same computation):
+           onnxruntime registers SimplifiedLayerNormalization in the ONNX domain, which onnx.checker
+           does not know.
+  matmuls  MatMuls that read one input with constant weights of one type (q/k/v projections, gate
+           and up) become one MatMul over the weights side by side and a Split: one weight stream
+           and one kernel call instead of three or two, what onnxruntime-genai's model builder
+           writes for Llama. Weight-only quantisation quantises each column on its own, so the
+           packed weight quantises to the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+# Initializers with more elements than this stand in as typed graph inputs while shapes are
+# inferred: symbolic shape inference copies the model, and it needs only their shapes.
+_SHAPE_ONLY_ELEMENTS = 1 << 16
+
+
+@dataclasses.dataclass
+class FusionCounts:
+    skip_norms: int  # residual Add + RMSNorm -> SkipSimplifiedLayerNormalization
+    norms: int  # RMSNorm alone -> SimplifiedLayerNormalization or RMSNormalization
+    packed: int  # groups of MatMuls packed into one
+
+    def describe(self) -> str:
+        return (f"{self.skip_norms} residual+RMSNorm -> SkipSimplifiedLayerNormalization, {self.norms} more "
+                f"RMSNorm fused, {self.packed} MatMul groups packed")
+
+
+def fuse_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionCounts]:
+    """A fused copy of a decoder graph that only onnxruntime runs (it holds contrib ops)."""
+    import onnx_ir as ir
+    from onnxscript.rewriter.ort_fusions import rms_normalization, skip_normalization
+
+    shaped = _with_inferred_shapes(model)
+    graph = ir.from_proto(shaped)
+    norms = rms_normalization.fuse_rms_normalization(graph)
+    skip_norms = skip_normalization.fuse_skip_rms_normalization(graph)
+    fused = ir.to_proto(graph)
+    del graph, shaped
+    for node in fused.graph.node:
+        if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
+            node.op_type = "RMSNormalization"  # same attributes (axis, epsilon, stash_type); one output
+            del node.output[1:]
+    packed = pack_shared_input_matmuls(fused)
+    del fused.graph.value_info[:]  # onnxruntime infers again
+    return fused, FusionCounts(skip_norms=skip_norms, norms=norms - skip_norms, packed=packed)
+
+
+def _with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with onnxruntime's symbolic shape inference recorded in its value_info, inferred on
+    a skeleton whose large weights are typed graph inputs (no copy of the weights)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    skeleton = onnx.ModelProto(ir_version=model.ir_version)
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    graph = skeleton.graph
+    graph.name = model.graph.name
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    graph.output.extend(model.graph.output)
+    for tensor in model.graph.initializer:
+        if int(np.prod(tensor.dims)) > _SHAPE_ONLY_ELEMENTS:
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        else:
+            graph.initializer.append(tensor)
+    inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=True)
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.value_info[:]
+    result.graph.value_info.extend(inferred.graph.value_info)
+    return result
+
+
+def pack_shared_input_matmuls(model: onnx.ModelProto) -> int:
+    """In place: MatMuls reading one input with 2-D constant weights of one type, each read by that
+    MatMul alone, as one MatMul over the concatenated weights and a Split. Returns the groups packed."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    groups: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        weight = inits.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
+        if weight is not None and len(weight.dims) == 2 and readers[weight.name] == 1:
+            groups.setdefault(node.input[0], []).append(node)
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    packed = 0
+    for source, nodes in groups.items():
+        weights = [inits[n.input[1]] for n in nodes]
+        if len(nodes) < 2 or len({(w.data_type, w.dims[0]) for w in weights}) != 1:
+            continue
+        name = f"packed/{nodes[0].name or nodes[0].output[0]}"
+        arrays = [numpy_helper.to_array(w) for w in weights]
+        graph.initializer.append(numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{name}/weight"))
+        sizes = numpy_helper.from_array(np.asarray([a.shape[1] for a in arrays], np.int64), f"{name}/sizes")
+        graph.initializer.append(sizes)
+        matmul = helper.make_node("MatMul", [source, f"{name}/weight"], [f"{name}/out"], name=name)
+        split = helper.make_node("Split", [f"{name}/out", sizes.name], [n.output[0] for n in nodes],
+                                 name=f"{name}/split", axis=-1)
+        replaced[id(nodes[0])] = [matmul, split]
+        for n in nodes[1:]:
+            replaced[id(n)] = []
+        packed += 1
+    if packed:
+        order = [new for n in graph.node for new in replaced.get(id(n), [n])]
+        del graph.node[:]
+        graph.node.extend(order)
+        used = {name for n in graph.node for name in n.input}
+        keep = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+    return packed
