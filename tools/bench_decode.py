@@ -51,7 +51,6 @@ def read_bandwidth(threads: int | None = None) -> float:
     float32 (512 MiB, far past any cache), median of 5 after a warm-up. A decode step is such GEMVs,
     so this is the bound a step can reach on this machine (a torch sum of the same bytes reads slower
     than onnxruntime's kernels here, which made decode exceed its 'bound')."""
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

@@ -18,6 +18,7 @@ GroupQueryAttention rewrite. Each is exact and each was measured on int4 decode 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import onnx
@@ -77,7 +78,13 @@ def _with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
             graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
         else:
             graph.initializer.append(tensor)
-    inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=True)
+    logger = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its notes on symbolic dims it cannot order are not the user's business
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=True)
+    finally:
+        logger.setLevel(level)
     result = onnx.ModelProto()
     result.CopyFrom(model)
     del result.graph.value_info[:]
