@@ -9,6 +9,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from diffexport.passes import onnxruntime_fusions  # noqa: E402
 from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime, pack_shared_input_matmuls  # noqa: E402
 
 
@@ -47,8 +48,10 @@ def test_packing_keeps_every_output_and_leaves_shared_weights():
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
 
 
-def test_rms_norms_fuse_with_their_residual_add():
+@pytest.mark.parametrize("large", [1 << 16, 16])  # 16: gamma is a "large" weight, moved aside and back
+def test_rms_norms_fuse_with_their_residual_add(large, monkeypatch):
     """x + y, then RMSNorm written as torch's exporter writes it: one SkipSimplifiedLayerNormalization."""
+    monkeypatch.setattr(onnxruntime_fusions, "_SHAPE_ONLY_ELEMENTS", large)
     rng = np.random.default_rng(1)
     inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", 32]) for n in ("x", "y")]
     consts = [numpy_helper.from_array(np.asarray(v, np.float32), n) for n, v in
@@ -62,11 +65,27 @@ def test_rms_norms_fuse_with_their_residual_add():
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", 32]) for n in ("out", "sum")]
     model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, consts),
                               opset_imports=[helper.make_opsetid("", 18)])
-    fused, counts = fuse_for_onnxruntime(model)
-    assert (counts.skip_norms, counts.norms) == (1, 0)
-    assert [n.op_type for n in fused.graph.node] == ["SkipSimplifiedLayerNormalization"]
     feeds = {n: rng.standard_normal((2, 3, 32)).astype(np.float32) for n in ("x", "y")}
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    fused, counts = fuse_for_onnxruntime(model)  # consumes the model's weights
+    assert (counts.skip_norms, counts.norms) == (1, 0)
+    assert [n.op_type for n in fused.graph.node] == ["SkipSimplifiedLayerNormalization"]
     got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_fusing_moves_every_weight_back(monkeypatch):
+    """Large weights sit out the rewrite rules as data-less stubs: the fused graph has each one back,
+    bytes and all, and the input model gave them up (never two copies)."""
+    monkeypatch.setattr(onnxruntime_fusions, "_SHAPE_ONLY_ELEMENTS", 16)
+    rng = np.random.default_rng(2)
+    model = _graph(rng)
+    x = rng.standard_normal((2, 3, 16)).astype(np.float32)
+    before = _run(model, x)
+    fused, counts = fuse_for_onnxruntime(model)
+    assert counts.packed == 1 and len(model.graph.initializer) == 0
+    assert all(t.data_location == onnx.TensorProto.DEFAULT for t in fused.graph.initializer)
+    onnx.checker.check_model(fused, full_check=True)
+    for a, b in zip(before, _run(fused, x)):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)

@@ -41,16 +41,20 @@ class FusionCounts:
 
 
 def fuse_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionCounts]:
-    """A fused copy of a decoder graph that only onnxruntime runs (it holds contrib ops)."""
+    """The fused decoder graph (it holds contrib ops: onnxruntime only). Consumes `model`: its large
+    weights move into the result one at a time, so the weights are never held twice."""
     import onnx_ir as ir
     from onnxscript.rewriter.ort_fusions import rms_normalization, skip_normalization
 
-    shaped = _with_inferred_shapes(model)
-    graph = ir.from_proto(shaped)
+    light = _without_large_weights(model)
+    _record_inferred_shapes(light)
+    graph = ir.from_proto(light)
+    del light
     norms = rms_normalization.fuse_rms_normalization(graph)
     skip_norms = skip_normalization.fuse_skip_rms_normalization(graph)
     fused = ir.to_proto(graph)
-    del graph, shaped
+    del graph
+    _move_large_weights(model, fused)
     for node in fused.graph.node:
         if node.op_type == "SimplifiedLayerNormalization" and node.domain in ("", "ai.onnx"):
             node.op_type = "RMSNormalization"  # same attributes (axis, epsilon, stash_type); one output
@@ -60,9 +64,55 @@ def fuse_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Fusio
     return fused, FusionCounts(skip_norms=skip_norms, norms=norms - skip_norms, packed=packed)
 
 
-def _with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with onnxruntime's symbolic shape inference recorded in its value_info, inferred on
-    a skeleton whose large weights are typed graph inputs (no copy of the weights)."""
+_PLACEHOLDER = "diffexport-weight-placeholder"  # never a file: the data is moved back before any read
+
+
+def _is_large(tensor: onnx.TensorProto) -> bool:
+    return int(np.prod(tensor.dims)) > _SHAPE_ONLY_ELEMENTS
+
+
+def _without_large_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the model whose large initializers are data-less external references (name, type
+    and shape kept): the rewrite rules read only small constants."""
+    light = onnx.ModelProto()
+    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(light, field, getattr(model, field))
+    light.opset_import.extend(model.opset_import)
+    light.metadata_props.extend(model.metadata_props)
+    light.functions.extend(model.functions)
+    graph = light.graph
+    graph.name = model.graph.name
+    for field in ("node", "input", "output", "value_info"):
+        getattr(graph, field).extend(getattr(model.graph, field))
+    for tensor in model.graph.initializer:
+        if _is_large(tensor):
+            stub = graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+            stub.data_location = onnx.TensorProto.EXTERNAL
+            stub.external_data.add(key="location", value=_PLACEHOLDER)
+        else:
+            graph.initializer.append(tensor)
+    return light
+
+
+def _move_large_weights(source: onnx.ModelProto, fused: onnx.ModelProto) -> None:
+    """Each placeholder in `fused` gets its weight from `source`, which lets go of it at once."""
+    slots = {t.name: t for t in fused.graph.initializer
+             if t.data_location == onnx.TensorProto.EXTERNAL and any(e.value == _PLACEHOLDER for e in t.external_data)}
+    weights = source.graph.initializer
+    for index in range(len(weights) - 1, -1, -1):
+        slot = slots.pop(weights[index].name, None)
+        if slot is not None:
+            slot.CopyFrom(weights[index])
+        del weights[index]
+    if slots:  # a rule dropped a node that read it: the weight is no longer used
+        keep = [t for t in fused.graph.initializer if t.name not in slots]
+        del fused.graph.initializer[:]
+        fused.graph.initializer.extend(keep)
+
+
+def _record_inferred_shapes(model: onnx.ModelProto) -> None:
+    """onnxruntime's symbolic shape inference into the model's value_info (the onnxscript rules check
+    shapes), inferred on a skeleton whose large weights are typed graph inputs."""
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     skeleton = onnx.ModelProto(ir_version=model.ir_version)
@@ -74,7 +124,7 @@ def _with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.input.extend(model.graph.input)
     graph.output.extend(model.graph.output)
     for tensor in model.graph.initializer:
-        if int(np.prod(tensor.dims)) > _SHAPE_ONLY_ELEMENTS:
+        if _is_large(tensor):
             graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
         else:
             graph.initializer.append(tensor)
@@ -85,11 +135,8 @@ def _with_inferred_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=True)
     finally:
         logger.setLevel(level)
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    del result.graph.value_info[:]
-    result.graph.value_info.extend(inferred.graph.value_info)
-    return result
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(inferred.graph.value_info)
 
 
 def pack_shared_input_matmuls(model: onnx.ModelProto) -> int:
@@ -114,8 +161,12 @@ def pack_shared_input_matmuls(model: onnx.ModelProto) -> int:
             continue
         name = f"packed/{nodes[0].name or nodes[0].output[0]}"
         arrays = [numpy_helper.to_array(w) for w in weights]
+        gone = {w.name for w in weights}
+        for index in [i for i, t in enumerate(graph.initializer) if t.name in gone][::-1]:
+            del graph.initializer[index]  # freed now, not after every group is packed
         graph.initializer.append(numpy_helper.from_array(np.concatenate(arrays, axis=1), f"{name}/weight"))
         sizes = numpy_helper.from_array(np.asarray([a.shape[1] for a in arrays], np.int64), f"{name}/sizes")
+        del arrays
         graph.initializer.append(sizes)
         matmul = helper.make_node("MatMul", [source, f"{name}/weight"], [f"{name}/out"], name=name)
         split = helper.make_node("Split", [f"{name}/out", sizes.name], [n.output[0] for n in nodes],
@@ -128,8 +179,4 @@ def pack_shared_input_matmuls(model: onnx.ModelProto) -> int:
         order = [new for n in graph.node for new in replaced.get(id(n), [n])]
         del graph.node[:]
         graph.node.extend(order)
-        used = {name for n in graph.node for name in n.input}
-        keep = [t for t in graph.initializer if t.name in used]
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
     return packed
