@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime.quantization")
 pytestmark = pytest.mark.slow  # exports and onnxruntime sessions: see README (quick loop)
 
 LAYERS = 2  # diff-v1-tiny
-WEIGHT_MATMULS = LAYERS * 7 + 1  # q, k, v, o, gate, up, down per layer, and the LM head
+WEIGHT_MATMULS = LAYERS * 4 + 1  # q|k|v and gate|up packed, o, down per layer, and the LM head
 
 
 @pytest.fixture(scope="module")
