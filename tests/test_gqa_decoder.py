@@ -151,6 +151,9 @@ def test_generation_stops_at_the_context_length(tmp_path):
         runner.step(np.ones((1, 17), np.int64), np.ones((1, 17), np.int64), runner.empty_cache(1))
     with pytest.raises(DiffExportError, match="prompt's 17 tokens exceed"):
         decoding.generate_genai(tmp_path / "kv", list(range(1, 18)), 4, Sampling())
+    for backend in ("genai", "onnxruntime"):  # the CLI: one line, exit 2
+        assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", ",".join(map(str, range(1, 18))),
+                                      "--backend", backend), "exceeds the context length 16")
 
 
 def test_gqa_folder_decodes_in_genai_like_eager(v1_pair):

@@ -318,15 +318,14 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
     before = initializer_bytes(model)
     if materialise_transposed_weights(model):
         log("transposed    a tied LM head's weight into its own constant, so that it is quantised too")
-    names, skipped = check_input(model, model_path)  # refuses a quantised graph before anything changes
     # one weight stream and one MatMulNBits call per shared input (q/k/v, gate/up): MatMulNBits graphs
     # are onnxruntime-only anyway, and each column quantises on its own, so the values are the same
     from diffexport.passes.onnxruntime_fusions import pack_shared_input_matmuls
 
     packed = pack_shared_input_matmuls(model)
+    names, skipped = check_input(model, model_path)
     if packed:
         log(f"packed        {packed} groups of MatMuls that read one input into one MatMul each")
-        names, skipped = check_input(model, model_path)
     data, source = None, None
     if options.method == "gptq":
         data, source = calibration.batches(options, calibration.vocab_size(model, model_path))
