@@ -28,6 +28,8 @@ from diffexport.modeling import config_from_dict
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
 MAX_CHECK_SHAPE = (64, 16384)  # batch, sequence: beyond, the references' N x N maps outgrow a workstation  # batch x sequence: 1, odd lengths, batch > 1
 EAGER_RUNNER = "eager-pytorch"
+DECODE_STEPS = 32  # KV-cache decoders (folders and their engines): decode steps after the prefill
+DECODE_PROMPTS = (9, 16)  # a batch of 2, the first left-padded by 7
 
 
 @dataclasses.dataclass
@@ -407,26 +409,37 @@ def _finish(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines,
 
 
 def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
-                     log: Callable[[str], None] = print) -> CheckReport:
+                     log: Callable[[str], None] = print, steps: int = DECODE_STEPS) -> CheckReport:
     """A TensorRT engine built by `diffexport trt` against the eager model, on the GPU.
 
     With INT8 logits the reference applies the same quantisation (diffexport/quantization.py)
     to the eager model's attention, and the unquantised agreement is reported beside it.
+    An engine of a KV-cache folder is stepped as the folder's check steps it (`steps` decode steps).
     """
+    from diffexport.analysis import plots
     from diffexport.analysis.probe import AttentionProbe
     from diffexport.backends.tensorrt import open_engine, read_engine_record, sidecar_path
-    from diffexport.quantization import LogitQuant
 
     options = options or CheckOptions()
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)
+    _check_steps(steps)
     save_dir = save_dir_for(options, engine_path.with_suffix(".check"))
-    if isinstance(record["onnx_metadata"], dict) and record["onnx_metadata"].get("kv_cache") == "1":
-        raise DiffExportError(f"{engine_path.name} is a KV-cache decoder engine: its step-by-step check is not "
-                              "written yet; check the folder in onnxruntime (`diffexport check FOLDER`)")
     meta = check_export_metadata(record["onnx_metadata"], sidecar_path(engine_path))
     dtype = meta["dtype"]
+    decoder = meta.get("kv_cache") == "1"
+    if options.plot is not None and not decoder:
+        raise DiffExportError("--plot draws a KV-cache check step by step: this engine is a prefill graph")
+    plots.check_plot_path(options.plot)
     check_same_model(meta, loaded, engine_path)
+    if decoder:  # the calls the check will make, held against the profile before anything runs
+        from diffexport.backends.tensorrt import decoder_profile_problem
+
+        batch, longest = len(DECODE_PROMPTS), max(DECODE_PROMPTS)
+        for sequence, past in ((longest, 0), (1, longest + steps - 1)):
+            problem = decoder_profile_problem(record, engine_path, batch, sequence, past)
+            if problem:
+                raise DiffExportError(f"the check's {problem}")
     # The sidecar says which library the build used, but a library is code: it is loaded only from
     # where the user says (--plugin-lib, $DIFFEXPORT_PLUGIN_LIB) or from this install's own build.
     plugin_lib = None
@@ -436,6 +449,16 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         plugin_lib = str(find_plugin_library(options.plugin_lib))
     if not torch.cuda.is_available():
         raise DiffExportError("checking a TensorRT engine needs an NVIDIA GPU (torch sees none)")
+    quant = _engine_logit_quant(record, loaded)
+    plugin = ["--plugins", shlex.quote(plugin_lib)] if plugin_lib else []
+    runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
+    if decoder:
+        from diffexport.backends.tensorrt import EngineDecoder
+
+        stepper = EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"],
+                                                                       plugin_lib))
+        return _decode_check(stepper, engine_path.name, f"{record['module']} (attention {record['attention']})",
+                             "engine", runner, loaded, options, save_dir, log, steps, device="cuda", quant=quant)
     low_max, seq_max = record["profile"]["max"]
     low_min, seq_min = record["profile"]["min"]
     shapes = [s for s in options.shapes if low_min <= s[0] <= low_max and seq_min <= s[1] <= seq_max]
@@ -444,8 +467,6 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
                               f"sequence {seq_min}..{seq_max})")
     outputs = meta.get("outputs", "logits").split(",")
     low, ref32 = _eager_models(loaded, dtype, "cuda")
-    bits = int(record.get("logit_bits", 16))
-    quant = LogitQuant(bits, "qk", bool(record.get("smooth_k", True))) if bits < 16 else None
     log(f"checking      {engine_path.name} ({dtype}, attention {record['attention']}"
         f"{'' if quant is None else ', ' + quant.describe() + ' logits'}) against eager PyTorch"
         f"{'' if quant is None else ' with the same logit quantisation'} (cuda)")
@@ -470,16 +491,23 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         lambda ids: eager(low, ids), None if ref32 is None else (lambda ids: eager(ref32, ids)),
         note=None if quant is None else unquantised, budget=budget,
         text=None if options.text is None else TextIds(options, loaded.config.vocab_size, shapes))
-    plugin = ["--plugins", shlex.quote(plugin_lib)] if plugin_lib else []
-    runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
     return _finish(runner, save_dir, feeds, saved, comparisons, lines,
                    outputs, dtype, user_bounds=options.user_bounds)
 
 
+def _engine_logit_quant(record: dict, loaded: LoadedModel):
+    """The attention-logit quantisation an engine was built with (None: 16 bits, or a model without
+    DiffAttention, where the bits change nothing)."""
+    from diffexport.quantization import LogitQuant
+
+    bits = int(record.get("logit_bits", 16))
+    if bits >= 16 or loaded.config.family == "transformer":
+        return None
+    return LogitQuant(bits, "qk", bool(record.get("smooth_k", True)))
+
+
 # ---------------------------------------------------------------- KV-cache decoder folders
 
-DECODE_STEPS = 32
-DECODE_PROMPTS = (9, 16)  # a batch of 2, the first left-padded by 7
 
 
 def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray | None:
@@ -506,7 +534,6 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     pick the eager token at every step, and for HF checkpoints transformers' generate() must too."""
     from diffexport.backends.decoding import OrtDecoder
     from diffexport.backends.onnxruntime import resolve_provider
-    from diffexport.generation import left_pad
 
     from diffexport.analysis import plots
 
@@ -515,17 +542,47 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     folder = Path(folder)
     save_dir = save_dir_for(options, folder.with_name(folder.name + ".check"))
     provider = resolve_provider(options.provider)
+    _check_steps(steps)
     runner = OrtDecoder(folder, provider)
+    if max(DECODE_PROMPTS) + steps > runner.context:
+        raise DiffExportError(f"--steps {steps} after a {max(DECODE_PROMPTS)}-token prompt passes the folder's context "
+                              f"length {runner.context}: ask for at most {runner.context - max(DECODE_PROMPTS)} steps")
+    command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
+    return _decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
+                         save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu")
+
+
+def _check_steps(steps: int) -> None:
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 1 << 20:
+        raise DiffExportError(f"--steps must be a whole number of decode steps, 0 or more; got {steps}")
+
+
+def _decode_check(runner, subject: str, where: str, short: str, command: list[str], loaded: LoadedModel,
+                  options: CheckOptions, save_dir: Path, log: Callable[[str], None], steps: int, device: str,
+                  quant=None) -> CheckReport:
+    """The step-by-step comparison for any decoder runner (OrtDecoder, EngineDecoder): what
+    run_decoder_check says. quant: INT8/6/4 attention logits, applied to the eager model too."""
+    from diffexport.analysis import plots
+    from diffexport.analysis.probe import AttentionProbe
+    from diffexport.generation import left_pad
+
     meta, dtype = runner.meta, runner.meta["dtype"]
     check_same_model(meta, loaded, runner.model_path)
-    device = "cuda" if provider == "cuda" else "cpu"
     budget = tolerances.quant_budget(meta)
     low, ref32 = _eager_models(loaded, dtype, device)
     if budget is not None:
         log(f"budget        {budget.what}: {budget.describe()} per step, not the {dtype} rule; greedy "
             "tokens reported, not judged")
-    log(f"checking      {folder}/ ({dtype}) in onnxruntime {provider} against eager PyTorch with its KV cache: "
+    log(f"checking      {subject} ({dtype}) in {where} against eager PyTorch"
+        f"{'' if quant is None else ' with the same ' + quant.describe() + ' logits'} with its KV cache: "
         f"batch {len(DECODE_PROMPTS)} left-padded, prefill + {steps} decode steps")
+
+    def eager(model, ids, mask, past):
+        if quant is None:
+            return model(ids.to(device), attention_mask=mask.to(device), past_key_values=past, use_cache=True)
+        with AttentionProbe(model, quant=quant):
+            return model(ids.to(device), attention_mask=mask.to(device), past_key_values=past, use_cache=True)
+
     rng = np.random.default_rng(options.seed)
     vocab = loaded.config.vocab_size
     prompts = [rng.integers(0, vocab, size=n).tolist() for n in DECODE_PROMPTS]
@@ -534,18 +591,16 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     eager_past = {"low": None, "ref": None}
     step_ids, step_mask = ids, mask
     feeds, saved, comparisons, lines = [], [], [], []
-    eager_tokens, ort_tokens, worst = [], [], None
+    eager_tokens, runner_tokens, worst = [], [], None
     for step in range(steps + 1):
         feed = {"input_ids": step_ids.numpy(), "attention_mask": step_mask.numpy()}
         past_feed = {name.replace("present", "past_key_values"): value for name, value in cache.items()}
         logits, cache = runner.step(feed["input_ids"], feed["attention_mask"], cache)
         with torch.no_grad():
-            base, eager_past["low"] = low(step_ids.to(device), attention_mask=step_mask.to(device),
-                                          past_key_values=eager_past["low"], use_cache=True)
+            base, eager_past["low"] = eager(low, step_ids, step_mask, eager_past["low"])
             ref = base
             if ref32 is not None:
-                ref, eager_past["ref"] = ref32(step_ids.to(device), attention_mask=step_mask.to(device),
-                                               past_key_values=eager_past["ref"], use_cache=True)
+                ref, eager_past["ref"] = eager(ref32, step_ids, step_mask, eager_past["ref"])
         base_np, ref_np = base.float().cpu().numpy(), ref.float().cpu().numpy()
         # rows of padding (prefill of the padded sequence) carry no meaning: compare present tokens only
         present = step_mask[:, -step_ids.shape[1]:].numpy().astype(bool)
@@ -560,34 +615,34 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
             saved.append({"logits": ref_np})
         chosen = ref[:, -1].float().argmax(-1)
         eager_tokens.append(chosen.cpu().numpy())
-        ort_tokens.append(logits[:, -1].argmax(-1))
+        runner_tokens.append(logits[:, -1].argmax(-1))
         if step == steps:
             break
         step_ids = chosen.cpu()[:, None]
         step_mask = torch.cat([step_mask, torch.ones_like(step_ids)], dim=1)
-    eager_tokens, ort_tokens = np.stack(eager_tokens, 1), np.stack(ort_tokens, 1)
+    eager_tokens, runner_tokens = np.stack(eager_tokens, 1), np.stack(runner_tokens, 1)
     lines += [c.line() for _, c in comparisons if not c.passed][:5]
     lines.append(f"logits        {len(comparisons)} steps (prefill + {steps} decode), batch {len(prompts)} "
                  f"left-padded; worst:")
     lines.append(worst.line())
-    agree = int((eager_tokens == ort_tokens).all(axis=0).sum())
+    agree = int((eager_tokens == runner_tokens).all(axis=0).sum())
     # quantised weights change the function: their tokens may part ways, the budget judges them
     tokens_ok = agree == eager_tokens.shape[1] or budget is not None
     verdict = "(reported: quantised weights)" if budget is not None else ("PASS" if tokens_ok else "FAIL")
-    lines.append(f"greedy tokens onnxruntime == eager at {agree}/{eager_tokens.shape[1]} steps  {verdict}")
+    lines.append(f"greedy tokens {short} == eager at {agree}/{eager_tokens.shape[1]} steps  {verdict}")
     if options.plot:
-        what = budget.what if budget is not None else f"{dtype} rule"
-        lines.append(f"plot          {plots.plot_decode_steps([c for _, c in comparisons], options.plot, f'{folder.name}: onnxruntime vs eager per step ({what})')}")
+        rule = budget.what if budget is not None else f"{dtype} rule"
+        title = f"{Path(subject.rstrip('/')).name}: {short} vs eager per step ({rule})"
+        lines.append(f"plot          {plots.plot_decode_steps([c for _, c in comparisons], options.plot, title)}")
     hf_tokens = _hf_greedy(loaded, ids, mask, steps + 1) if dtype == "float32" else None
     hf_ok = True
     if hf_tokens is not None:
         hf_ok = bool(np.array_equal(hf_tokens, eager_tokens))
         lines.append(f"greedy tokens transformers generate() == eager for {hf_tokens.shape[1]} tokens  "
                      f"{'PASS' if hf_ok else 'FAIL'}")
-    runner_cmd = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok)
-    return _finish(runner_cmd, save_dir, feeds, saved,
+    return _finish(command, save_dir, feeds, saved,
                    comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)
 
 

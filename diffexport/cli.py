@@ -129,8 +129,9 @@ def cmd_check(args) -> int:
 
     from diffexport.check import read_export_metadata, run_against, run_check, run_decoder_check, run_engine_check
 
-    if args.plot is not None and not Path(args.model).is_dir():
-        raise DiffExportError("--plot draws a KV-cache folder's check step by step: give a --kv-cache folder")
+    engine = Path(args.model).suffix in (".engine", ".plan", ".trt")
+    if args.plot is not None and not (Path(args.model).is_dir() or engine):
+        raise DiffExportError("--plot draws a KV-cache check step by step: give a --kv-cache folder (or its engine)")
     if args.against:  # one graph against another (e.g. optimize's output against its input), then the model
         options = _check_options(args)
         report = run_against(args.model, args.against, options, log=_log)
@@ -153,11 +154,12 @@ def cmd_check(args) -> int:
                                    steps=args.steps)
         print(report.text())
         return 0 if report.passed else 1
-    if Path(args.model).suffix in (".engine", ".plan", ".trt"):
+    if engine:
         from diffexport.backends.tensorrt import read_engine_record
 
         read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
-        report = run_engine_check(args.model, _load(args, default_model=False), _check_options(args), log=_log)
+        report = run_engine_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
+                                  steps=args.steps)
         print(report.text())
         return 0 if report.passed else 1
     read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
@@ -869,8 +871,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
                            help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
             p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
-            p.add_argument("--steps", type=int, default=32, help="decode steps checked for a --kv-cache folder "
-                                                                 "(default 32)")
+            p.add_argument("--steps", type=int, default=32, help="decode steps checked for a --kv-cache folder or "
+                                                                 "its engine (default 32)")
             p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
                            help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
                                 "own DiffLlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
@@ -888,7 +890,8 @@ def build_parser() -> argparse.ArgumentParser:
                                           "--against); the perplexity of both sides is reported")
             p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it the "
                                                "text's bytes are the token ids")
-            p.add_argument("--plot", help="KV-cache folders: a PNG of KL (or error) and cosine per decode step")
+            p.add_argument("--plot", help="KV-cache folders and their engines: a PNG of KL (or error) and cosine per "
+                                          "decode step")
         if name in ("stats", "quant-sweep", "linear-sweep", "retrieval"):
             _add_models(p)
         if name in ("stats", "quant-sweep", "linear-sweep"):

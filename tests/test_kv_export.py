@@ -389,3 +389,112 @@ def test_hf_diffllama_gqa_folder_checks_against_transformers(hf_dir, tmp_path):
     assert "transformers" in report.stdout
     text = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
+
+
+# ---------------------------------------------------------------- `check` on a KV-cache engine
+
+class _OrtAsEngine:
+    """The folder's own graph in onnxruntime behind EngineRunner's interface (call, input_shapes,
+    input_dtypes): running the engine itself needs TensorRT and a GPU, neither of which is here, so
+    these tests prove the stepping and the comparison around it, not an engine."""
+
+    def __init__(self, model_path, corrupt_cache=False):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+        types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+        inputs = self.session.get_inputs()
+        self.input_shapes = {i.name: tuple(d if isinstance(d, int) else -1 for d in i.shape) for i in inputs}
+        self.input_dtypes = {i.name: types[i.type] for i in inputs}
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.corrupt_cache, self.calls = corrupt_cache, []
+
+    def __call__(self, feeds):
+        self.calls.append({name: (value.shape, value.dtype) for name, value in feeds.items()})
+        got = self.session.run(self.outputs, {n: np.asarray(feeds[n]).astype(t) for n, t in self.input_dtypes.items()})
+        out = {name: value.astype(np.float32) for name, value in zip(self.outputs, got)}
+        if self.corrupt_cache:  # an engine that loses the oldest cached token at every step
+            for name in self.outputs[1:]:
+                out[name][:, :, 0] = 0
+        return out
+
+
+@pytest.fixture(scope="module")
+def kv_engine(v1_folder, tmp_path_factory):
+    pytest.importorskip("tensorrt_rtx")
+    engine = tmp_path_factory.mktemp("kvengine") / "kv.engine"
+    result = run_cli("trt", v1_folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+                     "--max", "2x64", "--max-past", "64")
+    assert result.returncode == 0, result.stderr
+    return engine
+
+
+def _engine_check(engine, folder, loaded, tmp_path, runner, steps=12):
+    from diffexport.backends.tensorrt import EngineDecoder, read_engine_record
+    from diffexport.check import _decode_check, check_export_metadata
+
+    record = read_engine_record(engine)
+    stepper = EngineDecoder(engine, record, check_export_metadata(record["onnx_metadata"], engine), runner)
+    return _decode_check(stepper, engine.name, "onnxruntime standing in for the engine", "engine", ["polygraphy run"],
+                         loaded, CheckOptions(save_dir=tmp_path / "c"), tmp_path / "c", quiet, steps, device="cpu")
+
+
+def test_engine_decoder_steps_an_engine_as_the_folder_check_does(kv_engine, v1_folder, v1_ckpt, tmp_path):
+    loaded = load_model(v1_ckpt)
+    runner = _OrtAsEngine(v1_folder / "model.onnx")
+    report = _engine_check(kv_engine, v1_folder, loaded, tmp_path, runner)
+    assert report.passed, report.text()
+    assert "greedy tokens engine == eager at 13/13 steps  PASS" in report.text()
+    prefill, first, last = runner.calls[0], runner.calls[1], runner.calls[-1]
+    assert prefill["past_key_values.0.key"][0] == (2, 1, 0, cache_width(loaded.config))  # the empty past
+    assert first["input_ids"][0] == (2, 1) and first["past_key_values.1.value"][0][2] == 16
+    assert last["attention_mask"][0] == (2, 16 + 12) and first["past_key_values.0.key"][1] == np.float32
+    inputs = json.loads((tmp_path / "c" / "inputs.json").read_text())
+    assert len(inputs) == 2  # polygraphy gets the prefill and the first decode step
+
+    broken = _engine_check(kv_engine, v1_folder, loaded, tmp_path, _OrtAsEngine(v1_folder / "model.onnx", True))
+    assert not broken.passed and "FAIL" in broken.text()
+
+
+def test_engine_check_of_a_decoder_refuses_before_the_gpu(kv_engine, v1_ckpt, tmp_path):
+    # the profile is held against the calls the check will make before anything runs
+    assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "60"),
+                          "past 75 is outside kv.engine's profile (batch 1..2, sequence 1..64, past 0..64)")
+    assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "-1"), "--steps must be")
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "8"), "needs an NVIDIA GPU")
+    record = kv_engine.with_name("kv.engine.json")
+    saved = record.read_text()
+    try:
+        edited = json.loads(saved)
+        del edited["profile"]["max_past"]
+        record.write_text(json.dumps(edited))
+        assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt), "has no valid KV-cache profile")
+    finally:
+        record.write_text(saved)
+
+
+def test_probe_quantises_cached_calls_with_a_key_mask(v1_ckpt):
+    """The eager reference of an INT8-logits decoder engine: AttentionProbe on cached, padded calls."""
+    from diffexport.analysis.probe import AttentionProbe
+    from diffexport.generation import left_pad
+    from diffexport.quantization import LogitQuant
+
+    model = load_model(v1_ckpt).model.eval()
+    ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12]], pad_token_id=0)
+
+    def two_steps(quant):
+        with torch.no_grad(), AttentionProbe(model, quant=quant):
+            _, past = model(ids, attention_mask=mask, past_key_values=None, use_cache=True)
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            return model(torch.tensor([[3], [4]]), attention_mask=step_mask, past_key_values=past, use_cache=True)[0]
+
+    with torch.no_grad():
+        _, past = model(ids, attention_mask=mask, past_key_values=None, use_cache=True)
+        step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        plain = model(torch.tensor([[3], [4]]), attention_mask=step_mask, past_key_values=past, use_cache=True)[0]
+    explicit, int8 = two_steps(LogitQuant(16)), two_steps(LogitQuant(8))
+    assert torch.isfinite(int8).all()
+    torch.testing.assert_close(explicit, plain, rtol=1e-5, atol=1e-5)
+    cosine = torch.nn.functional.cosine_similarity(int8.flatten(), plain.flatten(), dim=0)
+    assert 0.99 < cosine < 1.0 and not torch.equal(int8, plain)  # quantised, and close

@@ -56,3 +56,18 @@ def test_engine_builds_runs_and_matches_eager(model_dir, dtype, extra):
     checked = run_cli("check", engine, "--ckpt", model_dir / "ckpt.pt", "--shapes", "1x1,1x17,2x65,3x256")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "PASS" in checked.stdout and "polygraphy run" in checked.stdout
+
+
+@pytest.mark.parametrize("extra", [(), ("--int8",), ("--attention", "native")])
+def test_decoder_engine_steps_like_its_folder(model_dir, extra):
+    """A KV-cache folder's engine (plugin version 2, key_mask) stepped 32 times against eager."""
+    folder = model_dir / "kv-fp16"
+    if not folder.exists():
+        exported = run_cli("onnx", model_dir / "ckpt.pt", "--kv-cache", "--fp16", "--context-length", "512", "-o", folder)
+        assert exported.returncode == 0, exported.stderr
+    engine = model_dir / f"kv{'_'.join(extra).replace('--', '_')}.engine"
+    built = run_cli("trt", folder, "-o", engine, "--max", "2x64", "--max-past", "128", *extra)
+    assert built.returncode == 0, built.stderr
+    checked = run_cli("check", engine, "--ckpt", model_dir / "ckpt.pt")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "greedy tokens engine == eager at 33/33 steps  PASS" in checked.stdout

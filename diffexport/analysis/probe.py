@@ -8,6 +8,7 @@ inputs) and the baseline Transformer (q, k, v heads).
 Observers:
   on_logits(layer, [S, ...], visible)  pre-softmax logits [B, heads, Sq, Skv] (softmax scale
                                        included; DIFF gives both maps), visible [Sq, Skv] or None
+                                       ([B, 1, Sq, Skv] in a cached call with a key mask)
   on_map(layer, A)                     the effective attention map [B, heads, Sq, Skv]:
                                        softmax for a Transformer, A1 - lambda*A2 for DIFF
 """
@@ -55,8 +56,9 @@ class AttentionProbe:
         if self.on_map is not None:
             self.on_map(layer, amap)
 
-    def _diff(self, layer, query, key, value, lambda_full, norm_weight, attrs):
-        s1, s2, visible, diff_map, v = reference.explicit_diff_maps(query, key, value, lambda_full, attrs, self.quant)
+    def _diff(self, layer, query, key, value, lambda_full, norm_weight, attrs, key_mask=None):
+        s1, s2, visible, diff_map, v = reference.explicit_diff_maps(query, key, value, lambda_full, attrs, self.quant,
+                                                                    key_mask)
         self._observe(layer, [s1, s2], visible, diff_map)
         return reference.finish_heads(diff_map @ v, norm_weight, attrs, query.dtype)
 

@@ -438,49 +438,134 @@ def read_engine_record(engine_path: Path) -> dict:
     return record
 
 
-def open_engine(engine: bytes, module: str, plugin_lib: str | None = None):
-    """Deserialize an engine on the current CUDA device; returns run(feeds) -> fp32 numpy outputs."""
-    import numpy as np
-    import torch
+class EngineRunner:
+    """A deserialized engine on the current CUDA device: `runner(feeds)` -> fp32 numpy outputs.
+    `input_shapes` (-1 where the profile decides) and `input_dtypes` (torch) describe what it takes;
+    each feed is cast to its input's type (a KV cache kept in fp32 goes in as the engine's fp16)."""
 
-    if not torch.cuda.is_available():
-        raise DiffExportError("running a TensorRT engine needs an NVIDIA GPU (torch sees none)")
-    name, trt = import_tensorrt(module)
-    if plugin_lib:
-        load_plugin(trt, find_plugin_library(plugin_lib))
-    logger = _collecting_logger(trt)
-    runtime = trt.Runtime(logger)
-    cuda_engine = runtime.deserialize_cuda_engine(engine)
-    if cuda_engine is None:
-        detail = logger.errors[-1].splitlines()[0] if logger.errors else "no detail"
-        raise DiffExportError(f"{name} cannot deserialize the engine (built by another TensorRT version or for "
-                              f"another GPU?): {detail}")
-    context = cuda_engine.create_execution_context()
-    torch_types = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
-                   trt.DataType.BF16: torch.bfloat16, trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
-    tensors = [cuda_engine.get_tensor_name(i) for i in range(cuda_engine.num_io_tensors)]
-    inputs = [t for t in tensors if cuda_engine.get_tensor_mode(t) == trt.TensorIOMode.INPUT]
-    outputs = [t for t in tensors if t not in inputs]
+    def __init__(self, engine: bytes, module: str, plugin_lib: str | None = None):
+        import torch
 
-    def run(feeds: dict) -> dict:
+        if not torch.cuda.is_available():
+            raise DiffExportError("running a TensorRT engine needs an NVIDIA GPU (torch sees none)")
+        self.name, trt = import_tensorrt(module)
+        if plugin_lib:
+            load_plugin(trt, find_plugin_library(plugin_lib))
+        self._logger = _collecting_logger(trt)
+        self._runtime = trt.Runtime(self._logger)
+        self._engine = self._runtime.deserialize_cuda_engine(engine)
+        if self._engine is None:
+            raise DiffExportError(f"{self.name} cannot deserialize the engine (built by another TensorRT version or "
+                                  f"for another GPU?): {self._last_error()}")
+        self._context = self._engine.create_execution_context()
+        self._torch_types = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+                             trt.DataType.BF16: torch.bfloat16, trt.DataType.INT64: torch.int64,
+                             trt.DataType.INT32: torch.int32}
+        tensors = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        self.inputs = [t for t in tensors if self._engine.get_tensor_mode(t) == trt.TensorIOMode.INPUT]
+        self.outputs = [t for t in tensors if t not in self.inputs]
+        self.input_shapes = {t: tuple(self._engine.get_tensor_shape(t)) for t in self.inputs}
+        self.input_dtypes = {t: self._torch_type(t) for t in self.inputs}
+        self._empty = torch.empty(64, dtype=torch.uint8, device="cuda")  # the address of zero-sized tensors
+
+    def _last_error(self) -> str:
+        return self._logger.errors[-1].splitlines()[0] if self._logger.errors else "no detail"
+
+    def _torch_type(self, tensor: str):
+        dtype = self._torch_types.get(self._engine.get_tensor_dtype(tensor))
+        if dtype is None:
+            raise DiffExportError(f"the engine's tensor {tensor} has a type the check cannot feed or read")
+        return dtype
+
+    def __call__(self, feeds: dict) -> dict:
+        import numpy as np
+        import torch
+
         buffers = {}
-        for tensor in inputs:
+        for tensor in self.inputs:
             if tensor not in feeds:
                 raise DiffExportError(f"the engine wants an input {tensor!r} that the check does not provide")
-            buffers[tensor] = torch.from_numpy(np.ascontiguousarray(feeds[tensor])).cuda()
-            context.set_input_shape(tensor, tuple(buffers[tensor].shape))
-        for tensor in outputs:
-            dtype = torch_types.get(cuda_engine.get_tensor_dtype(tensor))
-            if dtype is None:
-                raise DiffExportError(f"output {tensor} has a type the check cannot read")
-            buffers[tensor] = torch.empty(tuple(context.get_tensor_shape(tensor)), dtype=dtype, device="cuda")
-        for tensor, buffer in buffers.items():
-            context.set_tensor_address(tensor, buffer.data_ptr())
+            host = torch.from_numpy(np.ascontiguousarray(feeds[tensor]))
+            buffers[tensor] = host.to(device="cuda", dtype=self.input_dtypes[tensor])
+            self._context.set_input_shape(tensor, tuple(buffers[tensor].shape))
+        for tensor in self.outputs:
+            buffers[tensor] = torch.empty(tuple(self._context.get_tensor_shape(tensor)), dtype=self._torch_type(tensor),
+                                          device="cuda")
+        for tensor, buffer in buffers.items():  # the prefill's empty past has no storage of its own
+            self._context.set_tensor_address(tensor, buffer.data_ptr() if buffer.numel() else self._empty.data_ptr())
         stream = torch.cuda.current_stream()
-        if not context.execute_async_v3(stream.cuda_stream):
-            detail = logger.errors[-1].splitlines()[0] if logger.errors else "no detail"
-            raise DiffExportError(f"the engine failed to run: {detail}")
+        if not self._context.execute_async_v3(stream.cuda_stream):
+            raise DiffExportError(f"the engine failed to run: {self._last_error()}")
         stream.synchronize()
-        return {tensor: buffers[tensor].float().cpu().numpy() for tensor in outputs}
+        return {tensor: buffers[tensor].float().cpu().numpy() for tensor in self.outputs}
 
-    return run
+
+def open_engine(engine: bytes, module: str, plugin_lib: str | None = None) -> EngineRunner:
+    """Deserialize an engine on the current CUDA device; call the result with feeds."""
+    return EngineRunner(engine, module, plugin_lib)
+
+
+def decoder_profile_problem(record: dict, engine_path: Path, batch: int, sequence: int, past: int) -> str | None:
+    """None when a KV-cache engine's profile (its record) takes such a call, else what to rebuild with."""
+    try:
+        (min_batch, min_seq), (max_batch, max_seq) = record["profile"]["min"], record["profile"]["max"]
+        max_past = record["profile"]["max_past"]
+        if not isinstance(max_past, int) or isinstance(max_past, bool) or max_past < 0:
+            raise ValueError(max_past)
+    except (KeyError, TypeError, ValueError):
+        raise DiffExportError(f"{sidecar_path(Path(engine_path))} has no valid KV-cache profile (max_past): rebuild "
+                              "the engine with `diffexport trt FOLDER`") from None
+    if min_batch <= batch <= max_batch and min_seq <= sequence <= max_seq and past <= max_past:
+        return None
+    return (f"batch {batch}, sequence {sequence}, past {past} is outside {Path(engine_path).name}'s profile (batch "
+            f"{min_batch}..{max_batch}, sequence {min_seq}..{max_seq}, past 0..{max_past}): rebuild it with "
+            f"`diffexport trt FOLDER --min 1x1 --max {max(batch, max_batch)}x{max(sequence, max_seq)} "
+            f"--max-past {max(past, max_past)}`")
+
+
+class EngineDecoder:
+    """A KV-cache decoder engine (`diffexport trt FOLDER`) stepped the way decoding.OrtDecoder steps
+    the folder, so `check` runs one loop for both: the cache stays on the host between steps in the
+    model dtype, and each call is held against the engine's profile before it runs.
+    `run`: an EngineRunner (anything with its call, input_shapes and input_dtypes)."""
+
+    def __init__(self, engine_path: Path, record: dict, meta: dict[str, str], run):
+        import numpy as np
+
+        from diffexport.export import decoder
+
+        self.model_path, self.meta, self._run = Path(engine_path), meta, run
+        self.layers = sum(1 for name in run.input_shapes if name.startswith("past_key_values.") and name.endswith(".key"))
+        shape = run.input_shapes.get(decoder.PAST_KEY % 0)
+        if not self.layers or shape is None or len(shape) != 4 or min(shape[1], shape[3]) < 1:
+            raise DiffExportError(f"{self.model_path.name} takes no KV cache like a decoder folder's "
+                                  f"({decoder.PAST_KEY % 0}: {shape}): rebuild it from the folder with `diffexport trt`")
+        self.heads, self.width = int(shape[1]), int(shape[3])
+        self.dtype = np.float16 if meta["dtype"] == "float16" else np.float32
+        self._record = record
+        decoder_profile_problem(record, self.model_path, 1, 1, 0)  # a record without past lengths fails here
+
+    def empty_cache(self, batch: int) -> dict:
+        import numpy as np
+
+        from diffexport.export import decoder
+
+        empty = np.zeros((batch, self.heads, 0, self.width), self.dtype)
+        return {name % i: empty for i in range(self.layers) for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
+
+    def step(self, ids, mask, cache):
+        """-> (logits [B, S, V] fp32, the new cache keyed by present names)."""
+        from diffexport.export import decoder
+
+        problem = decoder_profile_problem(self._record, self.model_path, ids.shape[0], ids.shape[1],
+                                          mask.shape[1] - ids.shape[1])
+        if problem:
+            raise DiffExportError(problem)
+        feeds = {decoder.INPUT_IDS: ids, decoder.ATTENTION_MASK: mask}
+        for i in range(self.layers):
+            feeds[decoder.PAST_KEY % i] = cache[decoder.PRESENT_KEY % i]
+            feeds[decoder.PAST_VALUE % i] = cache[decoder.PRESENT_VALUE % i]
+        out = self._run(feeds)
+        present = {name % i: out[name % i].astype(self.dtype) for i in range(self.layers)
+                   for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
+        return out[decoder.LOGITS], present
