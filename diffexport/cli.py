@@ -90,14 +90,15 @@ def cmd_onnx(args) -> int:
 
         output = "model-kv" if args.output is None else args.output
         attention = args.attention or "diffattention"
-        check_folder(Path(output), options, args.context_length, args.threads, attention)  # before loading
+        check_folder(Path(output), options, args.context_length, args.threads, attention, args.provider)  # before loading
         loaded = _load(args, dtype=options.dtype, default_model=False)
         summary = export_decoder(loaded, output, options, tokenizer=args.tokenizer, context_length=args.context_length,
-                                 threads=args.threads, attention=attention, log=_log)
+                                 threads=args.threads, attention=attention, provider=args.provider, log=_log)
         print(summary.report())
         return 0
-    if args.tokenizer or args.context_length or args.threads or args.attention:
-        raise DiffExportError("--tokenizer, --context-length, --threads and --attention belong to --kv-cache exports")
+    if args.tokenizer or args.context_length or args.threads or args.attention or args.provider:
+        raise DiffExportError("--tokenizer, --context-length, --threads, --attention and --provider belong to --kv-cache "
+                              "exports")
     output = "model.onnx" if args.output is None else args.output
     check_target(Path(output), options)  # before loading a possibly big checkpoint
     loaded = _load(args, dtype=options.dtype, default_model=False)
@@ -354,10 +355,14 @@ def cmd_generate(args) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    if args.backend == "genai":
-        run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, on_token=show)
+    if args.backend == "genai":  # auto: the provider the folder's genai_config names
+        provider = None if args.provider == "auto" else args.provider
+        run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, on_token=show, provider=provider)
     else:
-        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, on_token=show)
+        from diffexport.backends.onnxruntime import resolve_provider
+
+        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, on_token=show,
+                                            provider=resolve_provider(args.provider))
     sys.stdout.write("\n")
     _log(f"{args.backend}: prompt {run.prompt_tokens} tokens at {run.prompt_tokens_per_s:.1f} tokens/s, "
          f"{len(run.tokens)} new tokens, decode {run.decode_tokens_per_s:.1f} tokens/s (stopped: {run.stop})")
@@ -831,6 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
             p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime")),
                            help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop")
+            p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                           help="execution provider (auto: genai, the one the folder's genai_config.json names; the "
+                                "onnxruntime loop, CUDA when onnxruntime-gpu and a GPU are present)")
         if name == "check":
             p.add_argument("model", help="the exported .onnx file, a --kv-cache folder, or an .engine built by "
                                          "`diffexport trt` (GPU)")
@@ -854,6 +862,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="with --kv-cache: diffattention (default: one DiffAttention node per layer, runs in "
                                 "onnxruntime and TensorRT) or gqa (onnxruntime's GroupQueryAttention with a shared "
                                 "cache buffer: faster decode in onnxruntime, no TensorRT)")
+            p.add_argument("--provider", choices=["cpu", "cuda"],
+                           help="with --kv-cache: the execution provider genai_config.json names for onnxruntime-genai "
+                                "(default: cpu; cuda for --bf16, which the CPU provider cannot run)")
             precision = p.add_mutually_exclusive_group()
             precision.add_argument("--fp16", action="store_true", help="float16 weights and activations")
             precision.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations")

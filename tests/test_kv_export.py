@@ -309,7 +309,12 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     (existing / "keep.txt").write_text("mine")
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "-o", existing), "already exists")
     assert (existing / "keep.txt").read_text() == "mine"
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "-o", tmp_path / "a"), "float32 or float16")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "--provider", "cpu", "-o", tmp_path / "a"),
+                          "CPU provider has no bfloat16 kernels")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "--attention", "gqa", "-o", tmp_path / "a"),
+                          "gqa folders are float32 or float16")
+    assert_one_line_error(run_cli("onnx", v1_ckpt, "--provider", "cuda", "-o", tmp_path / "a.onnx"),
+                          "belong to --kv-cache")
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "-o", tmp_path / "a.onnx"), "writes a folder")
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--tokenizer", tmp_path, "-o", tmp_path / "b.onnx"),
                           "belong to --kv-cache")
@@ -325,6 +330,51 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--tokenizer", tmp_path / "nope", "-o",
                                   tmp_path / "d"), "is not a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "tok", "v128.pt"]  # nothing half-written
+
+
+def test_provider_in_the_folder_and_at_generate(v1_folder, v1_ckpt, tmp_path):
+    """--provider names genai's execution provider in the folder; `generate --provider` overrides it."""
+    pytest.importorskip("onnxruntime_genai")
+    cuda = tmp_path / "cuda"
+    assert run_cli("onnx", v1_ckpt, "--kv-cache", "--provider", "cuda", "-o", cuda).returncode == 0
+    options = json.loads((cuda / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert options["provider_options"] == [{"cuda": {}}]
+    assert json.loads((v1_folder / "genai_config.json").read_text())["model"]["decoder"]["session_options"][
+        "provider_options"] == []  # the default: genai's CPU provider
+    on_cpu = run_cli("generate", cuda, "--ids", "5,17,42", "--max-new-tokens", "6", "--provider", "cpu")
+    as_exported = run_cli("generate", v1_folder, "--ids", "5,17,42", "--max-new-tokens", "6")
+    assert on_cpu.returncode == 0 and on_cpu.stdout == as_exported.stdout != ""
+    import onnxruntime_genai as og
+
+    if not og.is_cuda_available():  # this onnxruntime-genai has no CUDA: one line that says what is missing
+        assert_one_line_error(run_cli("generate", cuda, "--ids", "5,17", "--max-new-tokens", "2"), "needs the "
+                              "onnxruntime-genai-cuda package")
+    if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
+        assert_one_line_error(run_cli("generate", v1_folder, "--ids", "5", "--backend", "onnxruntime", "--provider",
+                                      "cuda"), "install onnxruntime-gpu")
+
+
+def test_bf16_folder_is_for_cuda_and_tensorrt(v1_ckpt, tmp_path):
+    """A bf16 folder names genai's CUDA provider, holds a bf16 cache, builds in TensorRT(-RTX) and is
+    refused in one line where this machine's runtimes cannot run it (no bf16 CPU kernels)."""
+    folder = tmp_path / "bf16"
+    result = run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "-o", folder)
+    assert result.returncode == 0, result.stderr
+    assert "cuda provider" in result.stdout
+    config = json.loads((folder / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {}}]
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    types = {i.name: i.type.tensor_type.elem_type for i in [*model.graph.input, *model.graph.output]}
+    assert types["past_key_values.0.key"] == types["present.1.value"] == types["logits"] == onnx.TensorProto.BFLOAT16
+    assert_one_line_error(run_cli("check", folder, "--ckpt", v1_ckpt), "bfloat16 folder")
+    assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--backend", "onnxruntime"), "bfloat16 folder")
+    pytest.importorskip("tensorrt_rtx")
+    engine = tmp_path / "bf16.engine"
+    built = run_cli("trt", folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx", "--bf16",
+                    "--max", "2x64", "--max-past", "64")
+    assert built.returncode == 0, built.stderr
+    assert "bf16" in built.stdout and json.loads(engine.with_name("bf16.engine.json").read_text())[
+        "onnx_metadata"]["dtype"] == "bfloat16"
 
 
 # ---------------------------------------------------------------- TensorRT: profiles over past length

@@ -52,6 +52,10 @@ class OrtDecoder:
         from diffexport.backends.onnxruntime import open_session
 
         self.model_path, self.config, self.meta = decoder.read_decoder_folder(folder)
+        if self.meta["dtype"] == "bfloat16":  # numpy, which this loop feeds the cache as, has no bfloat16
+            raise DiffExportError(f"{Path(folder).name} is a bfloat16 folder, which the onnxruntime loop cannot feed "
+                                  "(numpy has no bfloat16): run it with onnxruntime-genai on CUDA (`generate --backend "
+                                  "genai`), or build it with `diffexport trt` and check the engine")
         self.session = open_session(self.model_path, provider, threads)
         self.layers = int(self.config["model"]["decoder"]["num_hidden_layers"])
         self.heads = int(self.config["model"]["decoder"]["num_key_value_heads"])  # 1: token-major cache
@@ -96,10 +100,10 @@ def _choose(logits: np.ndarray, sampling: Sampling, generator) -> int:
 
 def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
                          on_token: Callable[[int], None] | None = None, threads: int | None = None,
-                         runner: OrtDecoder | None = None, ignore_eos: bool = False) -> DecodeRun:
+                         runner: OrtDecoder | None = None, ignore_eos: bool = False, provider: str = "cpu") -> DecodeRun:
     import torch
 
-    runner = runner or OrtDecoder(folder, threads=threads)
+    runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
     eos = runner.config["model"].get("eos_token_id")
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     if len(prompt) > runner.context:
@@ -129,13 +133,35 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
     return DecodeRun(tokens, len(prompt), first - start, end - first, stop)
 
 
+def open_genai_model(folder, provider: str | None = None):
+    """onnxruntime-genai's Model over the folder, on the provider its genai_config names, or on
+    `provider` ("cpu", "cuda") instead; what genai refuses (no CUDA build, no GPU) is one line."""
+    og = import_genai()
+    try:
+        if provider is None:
+            return og.Model(str(folder))
+        config = og.Config(str(folder))
+        config.clear_providers()
+        if provider != "cpu":
+            config.append_provider(provider)
+        return og.Model(config)
+    except RuntimeError as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        hint = (" (the CUDA provider needs the onnxruntime-genai-cuda package and a GPU)"
+                if "cuda" in detail.lower() else "")
+        raise DiffExportError(f"onnxruntime-genai cannot open {Path(folder).name}"
+                              f"{'' if provider is None else ' on ' + provider}: {detail}{hint}") from None
+
+
 def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
-                   on_token: Callable[[int], None] | None = None, model=None, min_new_tokens: int = 0) -> DecodeRun:
+                   on_token: Callable[[int], None] | None = None, model=None, min_new_tokens: int = 0,
+                   provider: str | None = None) -> DecodeRun:
+    """provider: None runs on what the folder's genai_config names; "cpu"/"cuda" override it."""
     og = import_genai()
     context = None
     if model is None:
         context = decoder.read_decoder_folder(folder)[1]["model"]["context_length"]
-        model = og.Model(str(folder))
+        model = open_genai_model(folder, provider)
     if context is not None and len(prompt) > context:
         raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {context}")
     params = og.GeneratorParams(model)

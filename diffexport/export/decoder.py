@@ -46,6 +46,7 @@ KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
 # body, TensorRT through our plugin; token-major cache), or onnxruntime's GroupQueryAttention
 # contrib op (onnxruntime only; head-major cache in genai's shared buffer; passes/group_query_attention.py).
 ATTENTION_OPS = ("diffattention", "gqa")
+GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)
 DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
 # Files a tokenizer folder may hold that onnxruntime-genai / transformers read (never code files).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -66,6 +67,7 @@ class DecoderExportSummary:
     seconds: float
     attention: str = "diffattention"
     cache_heads: int = 1
+    provider: str = "cpu"
 
     def report(self) -> str:
         tok = "tokenizer files copied" if self.tokenizer else "no tokenizer: token ids only"
@@ -81,7 +83,7 @@ class DecoderExportSummary:
             f"exported      {self.folder}/ ({self.file_bytes / 1e6:.1f} MB, {self.dtype}, KV-cache decoder, "
             f"{self.seconds:.1f}s)",
             graph,
-            f"genai         {GENAI_CONFIG} (context {self.context_length}), {tok}",
+            f"genai         {GENAI_CONFIG} (context {self.context_length}, {self.provider} provider), {tok}",
         ])
 
 
@@ -146,13 +148,14 @@ def cache_heads(cfg, attention: str) -> int:
 
 
 def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: int | None = None,
-                 attention: str = "diffattention") -> dict:
+                 attention: str = "diffattention", provider: str = "cpu") -> dict:
     """What onnxruntime-genai reads: the decoder's I/O names, cache shape, search defaults.
     threads: intra-op threads of genai's session (unset: genai's own default, which may be 1).
-    attention "gqa": the cache is [B, Hkv, T, W / Hkv] in one shared past/present buffer."""
+    attention "gqa": the cache is [B, Hkv, T, W / Hkv] in one shared past/present buffer.
+    provider: the execution provider genai's session uses (cpu: none named, genai's default)."""
     heads = cache_heads(cfg, attention)
     width = cache_width(cfg) // heads
-    session = {"log_id": "onnxruntime-genai", "provider_options": []}
+    session = {"log_id": "onnxruntime-genai", "provider_options": [] if provider == "cpu" else [{provider: {}}]}
     if threads:
         session["intra_op_num_threads"] = threads
     maps = 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads
@@ -249,11 +252,25 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
     return files
 
 
+def default_provider(dtype: str) -> str:
+    """The provider a folder's genai_config names unless told: bf16 folders run on CUDA only
+    (onnxruntime's CPU provider has no bfloat16 kernels)."""
+    return "cuda" if dtype == "bfloat16" else "cpu"
+
+
 def check_target(out_dir: Path, options: ExportOptions, context_length: int | None,
-                 threads: int | None = None, attention: str = "diffattention") -> None:
-    if options.dtype not in ("float32", "float16"):
-        raise DiffExportError(f"--kv-cache exports float32 or float16 (onnxruntime-genai's CPU and CUDA caches), "
-                              f"not {options.dtype}")
+                 threads: int | None = None, attention: str = "diffattention", provider: str | None = None) -> None:
+    if options.dtype not in ("float32", "float16", "bfloat16"):
+        raise DiffExportError(f"--kv-cache exports float32, float16 or bfloat16, not {options.dtype}")
+    if provider not in (None, *GENAI_PROVIDERS):
+        raise DiffExportError(f"unknown provider {provider!r} for genai_config.json; choose one of {list(GENAI_PROVIDERS)}")
+    if options.dtype == "bfloat16" and provider == "cpu":
+        raise DiffExportError("a bfloat16 folder cannot name the CPU provider: onnxruntime's CPU provider has no "
+                              "bfloat16 kernels (export --fp16 or fp32 for the CPU; bf16 is for CUDA and TensorRT)")
+    if options.dtype == "bfloat16" and attention == "gqa":
+        raise DiffExportError("--attention gqa folders are float32 or float16: the rewrite is verified in onnxruntime "
+                              "on the CPU, which has no bfloat16 kernels (use --fp16, or a bf16 DiffAttention folder "
+                              "for TensorRT)")
     if options.hidden:
         raise DiffExportError("--kv-cache graphs output logits and the cache; drop --hidden")
     if options.legacy:
@@ -274,14 +291,15 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
 
 def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
                    tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
-                   threads: int | None = None, attention: str = "diffattention",
+                   threads: int | None = None, attention: str = "diffattention", provider: str | None = None,
                    log: Callable[[str], None] = print) -> DecoderExportSummary:
     """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime).
     attention "gqa": every DiffAttention node rewritten as onnxruntime's GroupQueryAttention (a
     folder for onnxruntime only, faster there; passes/group_query_attention.py)."""
     options = options or ExportOptions()
     out_dir = Path(out_dir)
-    check_target(out_dir, options, context_length, threads, attention)
+    check_target(out_dir, options, context_length, threads, attention, provider)
+    provider = provider or default_provider(options.dtype)
     cfg = loaded.config
     if cfg.family not in KV_FAMILIES:
         raise DiffExportError(f"--kv-cache exports {list(KV_FAMILIES)} models, not {cfg.family!r}")
@@ -324,7 +342,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         del model_ir
         if attention == "gqa":
             _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, context_length, log)
-        config = genai_config(cfg, options.dtype, context_length, special, threads, attention)
+        config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
             shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
@@ -337,7 +355,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     return DecoderExportSummary(folder=out_dir, layers=cfg.n_layers, diff_attention_nodes=count,
                                 cache_width=cache_width(cfg), context_length=context_length, tokenizer=bool(tok_files),
                                 file_bytes=size, dtype=options.dtype, seconds=time.monotonic() - start,
-                                attention=attention, cache_heads=cache_heads(cfg, attention))
+                                attention=attention, cache_heads=cache_heads(cfg, attention), provider=provider)
 
 
 def _rewrite_for_gqa(model_path: Path, external: bool, context_length: int, log: Callable[[str], None]) -> None:
