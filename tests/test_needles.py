@@ -53,6 +53,12 @@ def test_bad_task_settings_refused():
         needles.make_sample(random.Random(0), 64, 2, 3)
     with pytest.raises(DiffExportError, match="at least 512"):
         needles.check_vocab(100)
+    for counts in ((0,), (-1,), (33,)):  # --needles 0 used to end in a division by zero
+        with pytest.raises(DiffExportError, match="counts must be in 1..32"):
+            needles.grid(counts, (1,), (50,))
+    with pytest.raises(DiffExportError, match="no cell to evaluate"):
+        needles.grid((1, 2), (3,), (50,))
+    assert needles.grid((1, 2), (2,), (0, 100)) == [(2, 2, 0), (2, 2, 100)]
 
 
 def test_training_batch_supervises_only_answers():

@@ -110,8 +110,16 @@ DEFAULT_NEEDLES, DEFAULT_QUERIES, DEFAULT_DEPTHS = (1, 2, 4, 6), (1, 2), (0, 25,
 
 
 def grid(needles, queries, depths) -> list[tuple[int, int, float]]:
-    """The evaluated (N, R, depth) cells: every R <= N."""
-    return [(n, r, d) for n in needles for r in queries if r <= n for d in depths]
+    """The evaluated (N, R, depth) cells: every R <= N. Counts outside 1..32 and a grid with no cell
+    (every R above every N, or no depth) are refused."""
+    bad = [v for v in (*needles, *queries) if not 1 <= v <= N_CITIES]
+    if bad:
+        raise DiffExportError(f"needle and question counts must be in 1..{N_CITIES}, got {bad[0]}")
+    cells = [(n, r, d) for n in needles for r in queries if r <= n for d in depths]
+    if not cells:
+        raise DiffExportError(f"no cell to evaluate: every question count ({', '.join(map(str, queries))}) exceeds every "
+                              f"needle count ({', '.join(map(str, needles))}), or no depth was given")
+    return cells
 
 
 def collate(samples: list[Sample]):
