@@ -101,6 +101,9 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
             diff_nodes.append({"name": node.name, "inputs": list(node.input), "attributes": attrs})
     functions = {(f.domain, f.name) for f in model.functions}
     contrib = sorted({n.op_type for n in model.graph.node if n.domain == "com.microsoft"})
+    runtimes = _runtimes(diff_nodes, functions, plugin_nodes, contrib)
+    if any(v["dtype"] == "bfloat16" for v in _io(model.graph.input) + _io(model.graph.output)):
+        runtimes["onnxruntime"] += "; bfloat16: CUDA provider only (the CPU provider has no bfloat16 kernels)"
     return {
         "path": str(path),
         "ir_version": model.ir_version,
@@ -114,7 +117,7 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
         "diff_attention": diff_nodes,
         "weights": _weights(model, path.parent),
         "metadata": {p.key: p.value for p in model.metadata_props if p.key.startswith("diffexport.")},
-        "runtimes": _runtimes(diff_nodes, functions, plugin_nodes, contrib),
+        "runtimes": runtimes,
     }
 
 

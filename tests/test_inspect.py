@@ -37,8 +37,17 @@ def test_json_describes_the_export(external_export):
     assert 499_000 < info["weights"]["parameters"] < 501_000
     assert 4 * info["weights"]["parameters"] <= info["weights"]["bytes"] < 4.01 * info["weights"]["parameters"]
     assert info["metadata"]["diffexport.family"] == "diff_v1"
-    assert info["runtimes"]["onnxruntime"].startswith("yes")
+    assert info["runtimes"]["onnxruntime"].startswith("yes") and "bfloat16" not in info["runtimes"]["onnxruntime"]
     assert "TensorRT >= 10.7 picks it" in info["runtimes"]["tensorrt_plugin"]
+
+
+def test_bf16_graph_is_flagged_for_cuda_only(tmp_path):
+    path = tmp_path / "bf16.onnx"
+    export_onnx(load_model(None, preset="diff-v2-tiny"), path, ExportOptions(dtype="bfloat16"), log=lambda _: None)
+    info = json.loads(run_cli("inspect", path, "--json").stdout)
+    assert info["outputs"][0]["dtype"] == "bfloat16"
+    assert info["runtimes"]["onnxruntime"].endswith("bfloat16: CUDA provider only (the CPU provider has no bfloat16 "
+                                                    "kernels)")
 
 
 def test_text_report_and_missing_external_data(external_export, tmp_path):
