@@ -347,6 +347,11 @@ def cmd_generate(args) -> int:
                         seed=args.seed)
     if args.backend == "genai":
         decoding.import_genai()
+    if (args.backend == "tensorrt") != (args.engine is not None):
+        raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
+                              "--backend tensorrt and --engine ENGINE")
+    if args.backend == "tensorrt" and args.provider != "auto":
+        raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
     ids, tokenizer = _prompt_ids(args, folder, config)
     stream = tokenizer.create_stream() if tokenizer is not None else None
 
@@ -358,6 +363,11 @@ def cmd_generate(args) -> int:
     if args.backend == "genai":  # auto: the provider the folder's genai_config names
         provider = None if args.provider == "auto" else args.provider
         run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, on_token=show, provider=provider)
+    elif args.backend == "tensorrt":  # the engine on the GPU, stepped by the onnxruntime loop's code
+        from diffexport.backends.tensorrt import open_decoder_engine
+
+        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
+        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, on_token=show, runner=runner)
     else:
         from diffexport.backends.onnxruntime import resolve_provider
 
@@ -834,8 +844,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
             p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: all)")
             p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-            p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime")),
-                           help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop")
+            p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime", "tensorrt")),
+                           help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop; tensorrt: "
+                                "the --engine built from this folder, on the GPU")
+            p.add_argument("--engine", help="--backend tensorrt: the engine `diffexport trt FOLDER` built")
+            p.add_argument("--plugin-lib", help="--backend tensorrt: libdiffexport_plugins.so for plugin engines "
+                                                "(default: $DIFFEXPORT_PLUGIN_LIB or this install's build)")
             p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
                            help="execution provider (auto: genai, the one the folder's genai_config.json names; the "
                                 "onnxruntime loop, CUDA when onnxruntime-gpu and a GPU are present)")

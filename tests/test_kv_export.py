@@ -548,3 +548,26 @@ def test_probe_quantises_cached_calls_with_a_key_mask(v1_ckpt):
     torch.testing.assert_close(explicit, plain, rtol=1e-5, atol=1e-5)
     cosine = torch.nn.functional.cosine_similarity(int8.flatten(), plain.flatten(), dim=0)
     assert 0.99 < cosine < 1.0 and not torch.equal(int8, plain)  # quantised, and close
+
+
+def test_generate_through_a_decoder_engine(kv_engine, v1_folder, monkeypatch, tmp_path):
+    """`generate --backend tensorrt`: the engine's runner in the onnxruntime loop, its context bounded by the
+    profile's past length (the engine stood in for by onnxruntime, as above)."""
+    from diffexport.backends import tensorrt
+
+    monkeypatch.setattr(tensorrt, "open_engine", lambda data, module, lib=None: _OrtAsEngine(v1_folder / "model.onnx"))
+    runner = tensorrt.open_decoder_engine(kv_engine, v1_folder)
+    assert runner.context == 65 and runner.config["model"]["eos_token_id"] == 511  # --max-past 64
+    run = decoding.generate_onnxruntime(v1_folder, PROMPT, 100, Sampling(), runner=runner, ignore_eos=True)
+    plain = decoding.generate_onnxruntime(v1_folder, PROMPT, 100, Sampling(), ignore_eos=True)
+    assert len(run.tokens) == 65 - len(PROMPT) and run.tokens == plain.tokens[:len(run.tokens)]
+    monkeypatch.undo()
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt"),
+                          "give both --backend tensorrt and --engine")
+    other = tmp_path / "v2"
+    assert run_cli("onnx", "--preset", "diff-v2-tiny", "--kv-cache", "-o", other).returncode == 0
+    assert_one_line_error(run_cli("generate", other, "--ids", "1,2", "--backend", "tensorrt", "--engine", kv_engine),
+                          "was built from another model than v2")
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
+                                      kv_engine), "needs an NVIDIA GPU")

@@ -71,3 +71,6 @@ def test_decoder_engine_steps_like_its_folder(model_dir, extra):
     checked = run_cli("check", engine, "--ckpt", model_dir / "ckpt.pt")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "greedy tokens engine == eager at 33/33 steps  PASS" in checked.stdout
+    generated = run_cli("generate", folder, "--ids", "5,17,42", "--max-new-tokens", "8", "--backend", "tensorrt",
+                        "--engine", engine)
+    assert generated.returncode == 0 and len(generated.stdout.split()) == 8, generated.stdout + generated.stderr

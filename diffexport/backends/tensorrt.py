@@ -569,3 +569,27 @@ class EngineDecoder:
         present = {name % i: out[name % i].astype(self.dtype) for i in range(self.layers)
                    for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
         return out[decoder.LOGITS], present
+
+
+def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLike, plugin_lib: str | None = None):
+    """The engine `diffexport trt FOLDER` built, ready to step on the GPU with the folder's genai
+    config (end-of-text id, tokenizer) and the context its profile allows: a runner for
+    decoding.generate_onnxruntime's loop. The engine's record must name the folder's model."""
+    from diffexport.export.decoder import read_decoder_folder
+
+    engine_path = Path(engine_path)
+    record = read_engine_record(engine_path)
+    _, config, meta = read_decoder_folder(folder)
+    built_from = record["onnx_metadata"] if isinstance(record["onnx_metadata"], dict) else {}
+    if built_from.get("kv_cache") != "1":
+        raise DiffExportError(f"{engine_path.name} is a prefill engine: generation needs an engine built from a "
+                              "KV-cache folder (`diffexport trt FOLDER`)")
+    differing = [key for key in ("family", "config", "weights", "dtype") if built_from.get(key) != meta.get(key)]
+    if differing:
+        raise DiffExportError(f"{engine_path.name} was built from another model than {Path(folder).name} (its "
+                              f"{', '.join(differing)} differ): give the folder the engine was built from")
+    lib = str(find_plugin_library(plugin_lib)) if record.get("attention") == "plugin" else None
+    runner = EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"], lib))
+    runner.config = config
+    runner.context = min(int(config["model"]["context_length"]), record["profile"]["max_past"] + 1)
+    return runner
