@@ -509,7 +509,6 @@ def _engine_logit_quant(record: dict, loaded: LoadedModel):
 # ---------------------------------------------------------------- KV-cache decoder folders
 
 
-
 def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray | None:
     """transformers' own greedy tokens for an HF DiffLlama folder (None when transformers is absent)."""
     if loaded.source != "hf-diffllama" or not loaded.path:

@@ -561,6 +561,11 @@ def test_generate_through_a_decoder_engine(kv_engine, v1_folder, monkeypatch, tm
     run = decoding.generate_onnxruntime(v1_folder, PROMPT, 100, Sampling(), runner=runner, ignore_eos=True)
     plain = decoding.generate_onnxruntime(v1_folder, PROMPT, 100, Sampling(), ignore_eos=True)
     assert len(run.tokens) == 65 - len(PROMPT) and run.tokens == plain.tokens[:len(run.tokens)]
+    runner.max_sequence = 3  # a prompt longer than the profile's sequence goes in chunks of 3, 3 and 1
+    runner._run.calls.clear()
+    chunked = decoding.generate_onnxruntime(v1_folder, PROMPT, 20, Sampling(), runner=runner, ignore_eos=True)
+    assert [c["input_ids"][0] for c in runner._run.calls[:4]] == [(1, 3), (1, 3), (1, 1), (1, 1)]
+    assert runner._run.calls[2]["attention_mask"][0] == (1, 7) and chunked.tokens == plain.tokens[:20]
     monkeypatch.undo()
     assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt"),
                           "give both --backend tensorrt and --engine")

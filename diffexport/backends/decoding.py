@@ -109,11 +109,17 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
     if len(prompt) > runner.context:
         raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {runner.context}")
     ids = np.asarray([prompt], np.int64)
-    mask = np.ones_like(ids)
     cache = runner.empty_cache(1)
     tokens, stop = [], "length"
     start = time.perf_counter()
     first = None
+    # a runner with a longest call (an engine's profile) takes a longer prompt in chunks: the graph's
+    # causal mask is bottom-right, so each chunk sees the cache and itself as one long call would
+    chunk, done = getattr(runner, "max_sequence", None) or len(prompt), 0
+    while len(prompt) - done > chunk:
+        _, cache = runner.step(ids[:, done:done + chunk], np.ones((1, done + chunk), np.int64), cache)
+        done += chunk
+    ids, mask = ids[:, done:], np.ones((1, len(prompt)), np.int64)
     for _ in range(max_new_tokens):
         logits, cache = runner.step(ids, mask, cache)
         token = _choose(logits[0, -1], sampling, generator)

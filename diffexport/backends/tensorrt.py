@@ -544,6 +544,7 @@ class EngineDecoder:
         self.dtype = np.float16 if meta["dtype"] == "float16" else np.float32
         self._record = record
         decoder_profile_problem(record, self.model_path, 1, 1, 0)  # a record without past lengths fails here
+        self.max_sequence = int(record["profile"]["max"][1])  # the longest call: generate feeds prompts in such chunks
 
     def empty_cache(self, batch: int) -> dict:
         import numpy as np

@@ -1,0 +1,134 @@
+"""Decode speed against context length on CPU: how the cost of a decode step grows with the cached
+tokens for our two KV-cache folder kinds, beside onnxruntime-genai's builder Llama of the same size.
+
+    python tools/bench_context.py [--prompts 128 512 1024 1792] [--new 64] [--rounds 3] [--anchor] [--write]
+
+Models (batch 1, greedy, seeded random weights): diff-v1-110m exported with --kv-cache (DiffAttention:
+the op's function body in onnxruntime, the token-major cache concatenated every step) and with
+--attention gqa (GroupQueryAttention on genai's shared cache buffer); with --anchor, llama-100m written
+by onnxruntime-genai's model builder (the same shape). Every genai_config gets intra_op_num_threads =
+the machine's cores. For each prompt length, decode tokens/s counts the tokens after the first, after
+a warm-up generation; rounds are interleaved and medians reported.
+Bound: read bandwidth (onnxruntime's own GEMV, as tools/bench_decode.py measures it) / (the weight
+bytes a step reads + the cache bytes it reads at the run's mean past length: layers x 2 x W x 4 bytes
+per cached token). --write replaces the section in docs/BENCHMARKS.md and draws docs/img/decode-context.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode  # noqa: E402
+import benchdoc  # noqa: E402
+
+from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
+
+PRESET = "diff-v1-110m"
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "decode-context.png"
+
+
+def cache_bytes_per_token(layers: int, width: int) -> int:
+    """What one decode step reads of the cache per cached token: keys and values of every layer, fp32."""
+    return layers * 2 * width * 4
+
+
+def plot(results: dict[str, dict[int, float]], bounds: dict[int, float], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, by_prompt in results.items():
+        xs = sorted(by_prompt)
+        ax.plot(xs, [by_prompt[x] for x in xs], marker="o", label=name)
+    xs = sorted(bounds)
+    ax.plot(xs, [bounds[x] for x in xs], linestyle="--", color="grey", label="bound (weights + cache read)")
+    ax.set_xlabel("prompt tokens (context at the first decode step)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{PRESET} decode on CPU against context length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512, 1024, 1792])
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--anchor", action="store_true", help="also the builder's Llama of the same size")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args()
+    if min(args.prompts) < 16 or max(args.prompts) + args.new > 2048 or args.new < 2:
+        parser.error("prompts from 16 tokens, prompt + --new within the 2048-token context, --new >= 2")
+    cores = os.cpu_count() or 1
+    bandwidth = bench_decode.read_bandwidth()
+    prompt_all = np.random.default_rng(0).integers(3, bench_decode.VOCAB, size=max(args.prompts)).tolist()
+    loaded = load_model(None, preset=PRESET, seed=0)
+    per_token_cache = cache_bytes_per_token(loaded.config.n_layers, cache_width(loaded.config))
+    speeds: dict[str, dict[int, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; exporting in {root}", flush=True)
+        folders = {}
+        for label, attention in (("DiffAttention folder", "diffattention"), ("--attention gqa folder", "gqa")):
+            out = root / attention
+            export_decoder(loaded, out, attention=attention, log=lambda _: None)
+            folders[label] = bench_decode.with_threads(out, root, cores)
+        weights = bench_decode.weight_bytes_per_token(root / "diffattention")
+        if args.anchor:
+            bench_decode.hf_models(root)
+            out = root / "llama-genai"
+            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
+                            "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")], check=True,
+                           capture_output=True)
+            folders["builder's llama-100m"] = bench_decode.with_threads(out, root, cores)
+        for round_ in range(args.rounds):  # interleaved: drift of a shared machine hits every runtime alike
+            for length in args.prompts:
+                for label, folder in folders.items():
+                    run = bench_decode.time_genai(folder, prompt_all[:length], args.new)
+                    tps = (len(run.tokens) - 1) / run.decode_seconds
+                    speeds.setdefault(label, {}).setdefault(length, []).append(tps)
+                    print(f"round {round_ + 1}/{args.rounds}  prompt {length:5d}  {label:24s} decode {tps:6.1f} tok/s",
+                          flush=True)
+    medians = {label: {n: statistics.median(v) for n, v in by.items()} for label, by in speeds.items()}
+    bounds = {n: bandwidth / (weights + per_token_cache * (n + args.new / 2)) for n in args.prompts}
+    labels = list(medians)
+    table = ["| prompt tokens | " + " | ".join(f"{label} tok/s" for label in labels) +
+             " | bound tok/s | gqa / DiffAttention |",
+             "|---:|" + "---:|" * (len(labels) + 2)]
+    for n in args.prompts:
+        cells = " | ".join(f"{medians[label][n]:.1f}" for label in labels)
+        ratio = medians["--attention gqa folder"][n] / medians["DiffAttention folder"][n]
+        table.append(f"| {n} | {cells} | {bounds[n]:.1f} | {ratio:.2f}x |")
+    body = "\n".join([
+        "## Decode on CPU against context length (KV cache, batch 1, greedy)", "",
+        f"`python tools/bench_context.py --prompts {' '.join(map(str, args.prompts))} --new {args.new} "
+        f"--rounds {args.rounds}{' --anchor' if args.anchor else ''} --write`", "", benchdoc.stamp(), "",
+        f"{PRESET}, fp32, onnxruntime-genai with intra_op_num_threads = {cores}; {args.new} new tokens after each "
+        f"prompt; medians of {args.rounds} interleaved rounds. Read bandwidth measured by the tool: "
+        f"{bandwidth / 1e9:.1f} GB/s; bound = that / (weight bytes a step reads, {weights / 1e6:.0f} MB, + "
+        f"{per_token_cache / 1e3:.1f} kB of cache per cached token at the run's mean past length).", "",
+        *table, "", "![decode against context length](img/decode-context.png)"])
+    print(body)
+    if args.write:
+        print(f"wrote {benchdoc.write_section('decode-context', body)} and {plot(medians, bounds, PLOT)}")
+
+
+if __name__ == "__main__":
+    main()
