@@ -258,6 +258,8 @@ def test_check_scores_a_text_and_reports_both_perplexities(exported, tmp_path):
                           "the --shapes need 256")
     assert_one_line_error(run_cli("check", out, "--against", exported, "--text", tmp_path / "none.txt"),
                           "text file not found")
+    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", tmp_path),  # a folder, not text
+                          "is not a regular file")
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\xff\xfe" * 200)
     assert_one_line_error(run_cli("check", out, "--against", exported, "--text", binary), "is not UTF-8 text")

@@ -26,7 +26,8 @@ MAX_TEXT_BYTES = 64 * 2**20
 def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
     file = Path(path)
     if not file.is_file():
-        raise DiffExportError(f"text file not found: {path}")
+        raise DiffExportError(f"text file not found: {path}" if not file.exists() else
+                              f"{path} is not a regular file: give a text file")
     size = file.stat().st_size
     if size > MAX_TEXT_BYTES:
         raise DiffExportError(f"{path} is {size / 2**20:.0f} MiB; text inputs are read whole and limited to "
