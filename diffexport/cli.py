@@ -128,11 +128,15 @@ def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
     from pathlib import Path
 
-    from diffexport.check import read_export_metadata, run_against, run_check, run_decoder_check, run_engine_check
+    from diffexport.check import (DECODE_STEPS, read_export_metadata, run_against, run_check, run_decoder_check,
+                                  run_engine_check)
 
     engine = Path(args.model).suffix in (".engine", ".plan", ".trt")
     if args.plot is not None and not (Path(args.model).is_dir() or engine):
         raise DiffExportError("--plot draws a KV-cache check step by step: give a --kv-cache folder (or its engine)")
+    if args.steps is not None and not (Path(args.model).is_dir() or engine):
+        raise DiffExportError("--steps counts the decode steps of a --kv-cache folder (or its engine); "
+                              f"{Path(args.model).name} is a single graph: use --shapes")
     if args.against:  # one graph against another (e.g. optimize's output against its input), then the model
         options = _check_options(args)
         report = run_against(args.model, args.against, options, log=_log)
@@ -152,7 +156,7 @@ def cmd_check(args) -> int:
             raise DiffExportError("--text scores prefill graphs: check a prefill export of the model (quantised "
                                   "the same way) with --text")
         report = run_decoder_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
-                                   steps=args.steps)
+                                   steps=DECODE_STEPS if args.steps is None else args.steps)
         print(report.text())
         return 0 if report.passed else 1
     if engine:
@@ -160,7 +164,7 @@ def cmd_check(args) -> int:
 
         read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
         report = run_engine_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
-                                  steps=args.steps)
+                                  steps=DECODE_STEPS if args.steps is None else args.steps)
         print(report.text())
         return 0 if report.passed else 1
     read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
@@ -896,8 +900,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
                            help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
             p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
-            p.add_argument("--steps", type=int, default=32, help="decode steps checked for a --kv-cache folder or "
-                                                                 "its engine (default 32)")
+            p.add_argument("--steps", type=int, help="decode steps checked for a --kv-cache folder or its engine "
+                                                     "(default 32)")
             p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
                            help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
                                 "own DiffLlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "

@@ -506,11 +506,18 @@ def test_engine_decoder_steps_an_engine_as_the_folder_check_does(kv_engine, v1_f
     assert not broken.passed and "FAIL" in broken.text()
 
 
+def v1_folder_model(engine):
+    """The graph the engine was built from (its record names it)."""
+    return json.loads(engine.with_name(engine.name + ".json").read_text())["onnx"]
+
+
 def test_engine_check_of_a_decoder_refuses_before_the_gpu(kv_engine, v1_ckpt, tmp_path):
     # the profile is held against the calls the check will make before anything runs
     assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "60"),
                           "past 75 is outside kv.engine's profile (batch 1..2, sequence 1..64, past 0..64)")
     assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "-1"), "--steps must be")
+    assert_one_line_error(run_cli("check", v1_folder_model(kv_engine), "--ckpt", v1_ckpt, "--steps", "4"),
+                          "is a single graph: use --shapes")  # --steps is not silently ignored on one graph
     if not torch.cuda.is_available():
         assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "8"), "needs an NVIDIA GPU")
     record = kv_engine.with_name("kv.engine.json")
