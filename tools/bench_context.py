@@ -1,17 +1,21 @@
 """Decode speed against context length on CPU: how the cost of a decode step grows with the cached
 tokens for our two KV-cache folder kinds, beside onnxruntime-genai's builder Llama of the same size.
 
-    python tools/bench_context.py [--prompts 128 512 1024 1792] [--new 64] [--rounds 3] [--anchor] [--write]
+    python tools/bench_context.py [--prompts 128 512 1024 1792] [--new 64] [--rounds 3] [--anchor]
+                                  [--weights fp32|int4] [--write]
 
 Models (batch 1, greedy, seeded random weights): diff-v1-110m exported with --kv-cache (DiffAttention:
 the op's function body in onnxruntime, the token-major cache concatenated every step) and with
 --attention gqa (GroupQueryAttention on genai's shared cache buffer); with --anchor, llama-100m written
-by onnxruntime-genai's model builder (the same shape). Every genai_config gets intra_op_num_threads =
+by onnxruntime-genai's model builder (the same shape). --weights int4: our folders through `diffexport
+quantize` (block 32, RTN, accuracy level 4) and the builder's `-p int4`; each weight setting has its
+own section (and plot). Every genai_config gets intra_op_num_threads =
 the machine's cores. For each prompt length, decode tokens/s counts the tokens after the first, after
 a warm-up generation; rounds are interleaved and medians reported.
 Bound: read bandwidth (onnxruntime's own GEMV, as tools/bench_decode.py measures it) / (the weight
 bytes a step reads + the cache bytes it reads at the run's mean past length: layers x 2 x W x 4 bytes
-per cached token). --write replaces the section in docs/BENCHMARKS.md and draws docs/img/decode-context.png.
+per cached token; the cache stays fp32). --write replaces the section in docs/BENCHMARKS.md and draws
+docs/img/decode-context.png (decode-context-int4.png for int4).
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ import benchdoc  # noqa: E402
 
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
+from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
 
 PRESET = "diff-v1-110m"
-PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "decode-context.png"
+IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 
 def cache_bytes_per_token(layers: int, width: int) -> int:
@@ -42,7 +47,7 @@ def cache_bytes_per_token(layers: int, width: int) -> int:
     return layers * 2 * width * 4
 
 
-def plot(results: dict[str, dict[int, float]], bounds: dict[int, float], path: Path) -> Path:
+def plot(results: dict[str, dict[int, float]], bounds: dict[int, float], path: Path, weights: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +64,7 @@ def plot(results: dict[str, dict[int, float]], bounds: dict[int, float], path: P
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"{PRESET} decode on CPU against context length")
+    ax.set_title(f"{PRESET} ({weights} weights) decode on CPU against context length")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -72,6 +77,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--anchor", action="store_true", help="also the builder's Llama of the same size")
+    parser.add_argument("--weights", default="fp32", choices=["fp32", "int4"])
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     if min(args.prompts) < 16 or max(args.prompts) + args.new > 2048 or args.new < 2:
@@ -89,13 +95,17 @@ def main() -> None:
         for label, attention in (("DiffAttention folder", "diffattention"), ("--attention gqa folder", "gqa")):
             out = root / attention
             export_decoder(loaded, out, attention=attention, log=lambda _: None)
+            if args.weights == "int4":
+                quantize_weights(out, root / f"{attention}-int4", WeightQuantOptions(bits=4, block_size=32),
+                                 log=lambda _: None)
+                out = root / f"{attention}-int4"
             folders[label] = bench_decode.with_threads(out, root, cores)
-        weights = bench_decode.weight_bytes_per_token(root / "diffattention")
+        weights = bench_decode.weight_bytes_per_token(folders["DiffAttention folder"])
         if args.anchor:
             bench_decode.hf_models(root)
             out = root / "llama-genai"
             subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
-                            "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")], check=True,
+                            "-o", str(out), "-p", args.weights, "-e", "cpu", "-c", str(root / "cache")], check=True,
                            capture_output=True)
             folders["builder's llama-100m"] = bench_decode.with_threads(out, root, cores)
         for round_ in range(args.rounds):  # interleaved: drift of a shared machine hits every runtime alike
@@ -116,18 +126,24 @@ def main() -> None:
         cells = " | ".join(f"{medians[label][n]:.1f}" for label in labels)
         ratio = medians["--attention gqa folder"][n] / medians["DiffAttention folder"][n]
         table.append(f"| {n} | {cells} | {bounds[n]:.1f} | {ratio:.2f}x |")
+    suffix = "" if args.weights == "fp32" else f"-{args.weights}"
     body = "\n".join([
-        "## Decode on CPU against context length (KV cache, batch 1, greedy)", "",
+        "## Decode on CPU against context length ("
+        f"{'' if args.weights == 'fp32' else args.weights + ' weights; '}KV cache, batch 1, greedy)", "",
         f"`python tools/bench_context.py --prompts {' '.join(map(str, args.prompts))} --new {args.new} "
-        f"--rounds {args.rounds}{' --anchor' if args.anchor else ''} --write`", "", benchdoc.stamp(), "",
-        f"{PRESET}, fp32, onnxruntime-genai with intra_op_num_threads = {cores}; {args.new} new tokens after each "
+        f"--rounds {args.rounds}{' --anchor' if args.anchor else ''}"
+        f"{'' if args.weights == 'fp32' else ' --weights ' + args.weights} --write`", "", benchdoc.stamp(), "",
+        f"{PRESET}, " + ("fp32" if args.weights == "fp32" else
+                         f"{args.weights} weights (ours: diffexport quantize, block 32, RTN; the builder: -p int4)")
+        + f", onnxruntime-genai with intra_op_num_threads = {cores}; {args.new} new tokens after each "
         f"prompt; medians of {args.rounds} interleaved rounds. Read bandwidth measured by the tool: "
         f"{bandwidth / 1e9:.1f} GB/s; bound = that / (weight bytes a step reads, {weights / 1e6:.0f} MB, + "
         f"{per_token_cache / 1e3:.1f} kB of cache per cached token at the run's mean past length).", "",
-        *table, "", "![decode against context length](img/decode-context.png)"])
+        *table, "", f"![decode against context length](img/decode-context{suffix}.png)"])
     print(body)
     if args.write:
-        print(f"wrote {benchdoc.write_section('decode-context', body)} and {plot(medians, bounds, PLOT)}")
+        picture = plot(medians, bounds, IMG / f"decode-context{suffix}.png", args.weights)
+        print(f"wrote {benchdoc.write_section('decode-context' + suffix, body)} and {picture}")
 
 
 if __name__ == "__main__":
