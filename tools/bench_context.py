@@ -12,7 +12,8 @@ quantize` (block 32, RTN, accuracy level 4) and the builder's `-p int4`; each we
 own section (and plot). Every genai_config gets intra_op_num_threads =
 the machine's cores. For each prompt length, decode tokens/s counts the tokens after the first, after
 a warm-up generation; rounds are interleaved and medians reported.
-Bound: read bandwidth (onnxruntime's own GEMV, as tools/bench_decode.py measures it) / (the weight
+Bound: read bandwidth (onnxruntime's own GEMV, as tools/bench_decode.py measures it, probed before
+the first round and after each, median) / (the weight
 bytes a step reads + the cache bytes it reads at the run's mean past length: layers x 2 x W x 4 bytes
 per cached token; the cache stays fp32). --write replaces the section in docs/BENCHMARKS.md and draws
 docs/img/decode-context.png (decode-context-int4.png for int4).
@@ -83,14 +84,14 @@ def main() -> None:
     if min(args.prompts) < 16 or max(args.prompts) + args.new > 2048 or args.new < 2:
         parser.error("prompts from 16 tokens, prompt + --new within the 2048-token context, --new >= 2")
     cores = os.cpu_count() or 1
-    bandwidth = bench_decode.read_bandwidth()
+    probes = [bench_decode.read_bandwidth()]  # again after every round: the median resists a noisy neighbour
     prompt_all = np.random.default_rng(0).integers(3, bench_decode.VOCAB, size=max(args.prompts)).tolist()
     loaded = load_model(None, preset=PRESET, seed=0)
     per_token_cache = cache_bytes_per_token(loaded.config.n_layers, cache_width(loaded.config))
     speeds: dict[str, dict[int, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; exporting in {root}", flush=True)
+        print(f"read bandwidth {probes[0] / 1e9:.1f} GB/s; exporting in {root}", flush=True)
         folders = {}
         for label, attention in (("DiffAttention folder", "diffattention"), ("--attention gqa folder", "gqa")):
             out = root / attention
@@ -116,6 +117,9 @@ def main() -> None:
                     speeds.setdefault(label, {}).setdefault(length, []).append(tps)
                     print(f"round {round_ + 1}/{args.rounds}  prompt {length:5d}  {label:24s} decode {tps:6.1f} tok/s",
                           flush=True)
+            probes.append(bench_decode.read_bandwidth())
+            print(f"read bandwidth {probes[-1] / 1e9:.1f} GB/s", flush=True)
+    bandwidth = statistics.median(probes)
     medians = {label: {n: statistics.median(v) for n, v in by.items()} for label, by in speeds.items()}
     bounds = {n: bandwidth / (weights + per_token_cache * (n + args.new / 2)) for n in args.prompts}
     labels = list(medians)
@@ -136,8 +140,8 @@ def main() -> None:
         f"{PRESET}, " + ("fp32" if args.weights == "fp32" else
                          f"{args.weights} weights (ours: diffexport quantize, block 32, RTN; the builder: -p int4)")
         + f", onnxruntime-genai with intra_op_num_threads = {cores}; {args.new} new tokens after each "
-        f"prompt; medians of {args.rounds} interleaved rounds. Read bandwidth measured by the tool: "
-        f"{bandwidth / 1e9:.1f} GB/s; bound = that / (weight bytes a step reads, {weights / 1e6:.0f} MB, + "
+        f"prompt; medians of {args.rounds} interleaved rounds. Read bandwidth measured by the tool (the median of "
+        f"{len(probes)} probes, before the first round and after each): {bandwidth / 1e9:.1f} GB/s; bound = that / (weight bytes a step reads, {weights / 1e6:.0f} MB, + "
         f"{per_token_cache / 1e3:.1f} kB of cache per cached token at the run's mean past length).", "",
         *table, "", f"![decode against context length](img/decode-context{suffix}.png)"])
     print(body)
