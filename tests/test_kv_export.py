@@ -576,6 +576,11 @@ def test_generate_through_a_decoder_engine(kv_engine, v1_folder, monkeypatch, tm
     monkeypatch.undo()
     assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt"),
                           "give both --backend tensorrt and --engine")
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
+                                  tmp_path / "missing.engine"), "missing.engine does not exist")
+    (tmp_path / "bad.engine").write_bytes(b"not an engine")  # an engine without its record is refused unread
+    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
+                                  tmp_path / "bad.engine"), "no bad.engine.json beside")
     other = tmp_path / "v2"
     assert run_cli("onnx", "--preset", "diff-v2-tiny", "--kv-cache", "-o", other).returncode == 0
     assert_one_line_error(run_cli("generate", other, "--ids", "1,2", "--backend", "tensorrt", "--engine", kv_engine),

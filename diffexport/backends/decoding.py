@@ -45,6 +45,21 @@ def import_genai():
     return onnxruntime_genai
 
 
+def empty_cache(batch: int, layers: int, heads: int, width: int, dtype) -> dict[str, np.ndarray]:
+    """The cache before the prefill, keyed by present names: [batch, heads, 0, width] per layer."""
+    empty = np.zeros((batch, heads, 0, width), dtype)
+    return {name % i: empty for i in range(layers) for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
+
+
+def step_feeds(ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], layers: int) -> dict[str, np.ndarray]:
+    """One step's inputs: the tokens, the mask and last step's presents as this step's pasts."""
+    feeds = {decoder.INPUT_IDS: ids, decoder.ATTENTION_MASK: mask}
+    for i in range(layers):
+        feeds[decoder.PAST_KEY % i] = cache[decoder.PRESENT_KEY % i]
+        feeds[decoder.PAST_VALUE % i] = cache[decoder.PRESENT_VALUE % i]
+    return feeds
+
+
 class OrtDecoder:
     """One onnxruntime session over the folder's model.onnx; `step` runs one forward with the cache."""
 
@@ -74,18 +89,14 @@ class OrtDecoder:
                                   "belong together (re-export the folder)")
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
-        empty = np.zeros((batch, self.heads, 0, self.width), self.dtype)
-        return {name % i: empty for i in range(self.layers) for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
+        return empty_cache(batch, self.layers, self.heads, self.width, self.dtype)
 
     def step(self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]):
         """-> (logits [B, S, V], the new cache keyed by present names)."""
         if mask.shape[1] > self.context:
             raise DiffExportError(f"{mask.shape[1]} tokens exceed the folder's context length {self.context} "
                                   "(re-export with a larger --context-length, or ask for fewer tokens)")
-        feeds = {decoder.INPUT_IDS: ids.astype(np.int64), decoder.ATTENTION_MASK: mask.astype(np.int64)}
-        for i in range(self.layers):
-            feeds[decoder.PAST_KEY % i] = cache[decoder.PRESENT_KEY % i]
-            feeds[decoder.PAST_VALUE % i] = cache[decoder.PRESENT_VALUE % i]
+        feeds = step_feeds(ids.astype(np.int64), mask.astype(np.int64), cache, self.layers)
         out = self.session.run(self.outputs, feeds)
         return out[0], dict(zip(self.outputs[1:], out[1:]))
 

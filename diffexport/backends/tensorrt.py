@@ -527,9 +527,10 @@ class EngineDecoder:
     """A KV-cache decoder engine (`diffexport trt FOLDER`) stepped the way decoding.OrtDecoder steps
     the folder, so `check` runs one loop for both: the cache stays on the host between steps in the
     model dtype, and each call is held against the engine's profile before it runs.
-    `run`: an EngineRunner (anything with its call, input_shapes and input_dtypes)."""
+    `run`: an EngineRunner (anything with its call, input_shapes and input_dtypes). For generation:
+    `config`, the folder's genai config, and `context`, the longest sequence the profile allows."""
 
-    def __init__(self, engine_path: Path, record: dict, meta: dict[str, str], run):
+    def __init__(self, engine_path: Path, record: dict, meta: dict[str, str], run, config: dict | None = None):
         import numpy as np
 
         from diffexport.export import decoder
@@ -545,28 +546,26 @@ class EngineDecoder:
         self._record = record
         decoder_profile_problem(record, self.model_path, 1, 1, 0)  # a record without past lengths fails here
         self.max_sequence = int(record["profile"]["max"][1])  # the longest call: generate feeds prompts in such chunks
+        self.config = config
+        self.context = record["profile"]["max_past"] + 1
+        if config is not None:
+            self.context = min(self.context, int(config["model"]["context_length"]))
 
     def empty_cache(self, batch: int) -> dict:
-        import numpy as np
+        from diffexport.backends.decoding import empty_cache
 
-        from diffexport.export import decoder
-
-        empty = np.zeros((batch, self.heads, 0, self.width), self.dtype)
-        return {name % i: empty for i in range(self.layers) for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
+        return empty_cache(batch, self.layers, self.heads, self.width, self.dtype)
 
     def step(self, ids, mask, cache):
         """-> (logits [B, S, V] fp32, the new cache keyed by present names)."""
+        from diffexport.backends.decoding import step_feeds
         from diffexport.export import decoder
 
         problem = decoder_profile_problem(self._record, self.model_path, ids.shape[0], ids.shape[1],
                                           mask.shape[1] - ids.shape[1])
         if problem:
             raise DiffExportError(problem)
-        feeds = {decoder.INPUT_IDS: ids, decoder.ATTENTION_MASK: mask}
-        for i in range(self.layers):
-            feeds[decoder.PAST_KEY % i] = cache[decoder.PRESENT_KEY % i]
-            feeds[decoder.PAST_VALUE % i] = cache[decoder.PRESENT_VALUE % i]
-        out = self._run(feeds)
+        out = self._run(step_feeds(ids, mask, cache, self.layers))
         present = {name % i: out[name % i].astype(self.dtype) for i in range(self.layers)
                    for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
         return out[decoder.LOGITS], present
@@ -590,7 +589,4 @@ def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLik
         raise DiffExportError(f"{engine_path.name} was built from another model than {Path(folder).name} (its "
                               f"{', '.join(differing)} differ): give the folder the engine was built from")
     lib = str(find_plugin_library(plugin_lib)) if record.get("attention") == "plugin" else None
-    runner = EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"], lib))
-    runner.config = config
-    runner.context = min(int(config["model"]["context_length"]), record["profile"]["max_past"] + 1)
-    return runner
+    return EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"], lib), config)
