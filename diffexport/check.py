@@ -409,12 +409,13 @@ def _finish(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines,
 
 
 def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
-                     log: Callable[[str], None] = print, steps: int = DECODE_STEPS) -> CheckReport:
+                     log: Callable[[str], None] = print, steps: int | None = None) -> CheckReport:
     """A TensorRT engine built by `diffexport trt` against the eager model, on the GPU.
 
     With INT8 logits the reference applies the same quantisation (diffexport/quantization.py)
     to the eager model's attention, and the unquantised agreement is reported beside it.
-    An engine of a KV-cache folder is stepped as the folder's check steps it (`steps` decode steps).
+    An engine of a KV-cache folder is stepped as the folder's check steps it (`steps` decode steps,
+    DECODE_STEPS when None); a prefill engine takes no `steps` (its calls are `options.shapes`).
     """
     from diffexport.analysis import plots
     from diffexport.analysis.probe import AttentionProbe
@@ -423,13 +424,17 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     options = options or CheckOptions()
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)
-    _check_steps(steps)
     save_dir = save_dir_for(options, engine_path.with_suffix(".check"))
     meta = check_export_metadata(record["onnx_metadata"], sidecar_path(engine_path))
     dtype = meta["dtype"]
     decoder = meta.get("kv_cache") == "1"
     if options.plot is not None and not decoder:
         raise DiffExportError("--plot draws a KV-cache check step by step: this engine is a prefill graph")
+    if steps is not None and not decoder:
+        raise DiffExportError("--steps counts the decode steps of a KV-cache folder's engine: this engine is a "
+                              "prefill graph; use --shapes")
+    steps = DECODE_STEPS if steps is None else steps
+    _check_steps(steps)
     plots.check_plot_path(options.plot)
     check_same_model(meta, loaded, engine_path)
     if decoder:  # the calls the check will make, held against the profile before anything runs

@@ -164,7 +164,7 @@ def cmd_check(args) -> int:
 
         read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
         report = run_engine_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
-                                  steps=DECODE_STEPS if args.steps is None else args.steps)
+                                  steps=args.steps)
         print(report.text())
         return 0 if report.passed else 1
     read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads

@@ -123,6 +123,12 @@ def test_check_engine_needs_its_record_and_a_gpu(exported, tmp_path):
     if not torch.cuda.is_available():
         assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "needs an NVIDIA GPU")
     assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-110m"), "different configuration")
+    # decode-step options name what a prefill engine lacks, before any GPU is looked for
+    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.png"),
+                          "this engine is a prefill graph")
+    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny", "--steps", "3"),
+                          "this engine is a prefill graph; use --shapes")
+    assert not (tmp_path / "p.png").exists()
     (tmp_path / "m.engine.json").write_text("{not json")
     assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "is corrupt")
     (tmp_path / "m.engine.json").unlink()
