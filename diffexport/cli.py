@@ -799,7 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--calib-seq-len", type=int, default=128, help="--calib: tokens per sequence (default 128)")
             p.add_argument("--seed", type=int, default=0, help="--calib synthetic: seed of the token ids")
         if name == "inspect":
-            p.add_argument("model", help="an .onnx file (weights are not loaded)")
+            p.add_argument("model", help="an .onnx file or a --kv-cache folder (weights are not loaded)")
             p.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "trt":
             p.add_argument("model", help="an .onnx file written by `diffexport onnx` (fp16/bf16 for the plugin), "

@@ -84,14 +84,24 @@ def make_output_folder(folder: Path) -> None:
         raise DiffExportError(f"cannot create output folder {folder}: {exc.strerror}") from None
 
 
+def require_file(path: Path, hint: str) -> None:
+    """A one-line refusal unless `path` is a regular file (after links): a missing path and a
+    folder, device or FIFO are told apart, and `hint` says what to give instead."""
+    if path.is_file():
+        return
+    if not path.exists():
+        raise DiffExportError(f"{path} does not exist: {hint}")
+    kind = "a folder" if path.is_dir() else "not a regular file (a device, FIFO or socket)"
+    raise DiffExportError(f"{path} is {kind}: {hint}")
+
+
 def load_onnx(path: str | os.PathLike, *, weights: bool = True):
     """An ONNX ModelProto from `path` (without external weights when weights=False); a missing,
     corrupt or truncated file gives one line naming it."""
     import onnx
 
     path = Path(path)
-    if not path.is_file():
-        raise DiffExportError(f"{path} does not exist or is not a file")
+    require_file(path, "give an .onnx file")
     try:
         return onnx.load(str(path), load_external_data=weights)
     except Exception as exc:  # protobuf DecodeError, missing external data and friends

@@ -83,10 +83,18 @@ def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int, contrib: lis
 
 
 def inspect_onnx(path: str | os.PathLike) -> dict:
-    """A JSON-able description of the model at `path`."""
+    """A JSON-able description of the model at `path`, or of the decoder in a KV-cache folder
+    (with what its genai_config.json says: context length, execution provider)."""
     import onnx
 
-    path = Path(path)
+    path, folder = Path(path), None
+    if path.is_dir():
+        from diffexport.export.decoder import read_decoder_folder
+
+        path, config, _ = read_decoder_folder(path)
+        options = config["model"]["decoder"].get("session_options", {}).get("provider_options") or []
+        providers = [name for entry in options if isinstance(entry, dict) for name in entry] or ["cpu"]
+        folder = {"context_length": config["model"]["context_length"], "providers": providers}
     model = load_onnx(path, weights=False)
     histogram = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     diff_nodes = []
@@ -118,6 +126,7 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
         "weights": _weights(model, path.parent),
         "metadata": {p.key: p.value for p in model.metadata_props if p.key.startswith("diffexport.")},
         "runtimes": runtimes,
+        "decoder_folder": folder,
     }
 
 
@@ -143,6 +152,10 @@ def render(info: dict) -> str:
         lines.append(f"  {node['name']}: {attrs}")
     for runtime, verdict in info["runtimes"].items():
         lines.append(f"{runtime:<16s} {verdict}")
+    if info["decoder_folder"]:
+        folder = info["decoder_folder"]
+        lines.append(f"genai         KV-cache folder: context {folder['context_length']:,} tokens, "
+                     f"provider {', '.join(folder['providers'])} (genai_config.json)")
     return "\n".join(lines)
 
 

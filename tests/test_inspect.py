@@ -8,7 +8,7 @@ onnx = pytest.importorskip("onnx")
 
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
-from helpers import run_cli  # noqa: E402
+from helpers import assert_one_line_error, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -56,6 +56,39 @@ def test_text_report_and_missing_external_data(external_export, tmp_path):
     lonely = tmp_path / "m.onnx"
     lonely.write_bytes(external_export.read_bytes())  # the .data file stays behind
     assert "m.onnx.data (MISSING)" in run_cli("inspect", lonely).stdout
+
+
+def test_a_kv_cache_folder_is_inspected_through_its_decoder(tmp_path):
+    from diffexport.export.decoder import export_decoder
+
+    folder = tmp_path / "kv"
+    export_decoder(load_model(None, preset="diff-v2-tiny"), folder, context_length=64, log=lambda _: None)
+    info = json.loads(run_cli("inspect", folder, "--json").stdout)
+    assert info["path"] == str(folder / "model.onnx") and info["metadata"]["diffexport.kv_cache"] == "1"
+    assert info["decoder_folder"] == {"context_length": 64, "providers": ["cpu"]}
+    assert [i["name"] for i in info["inputs"]][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
+    assert "genai         KV-cache folder: context 64 tokens, provider cpu" in run_cli("inspect", folder).stdout
+    (tmp_path / "plain").mkdir()
+    assert_one_line_error(run_cli("inspect", tmp_path / "plain"), "has no genai_config.json")
+
+
+def test_folders_and_devices_are_told_apart_from_missing_files(tmp_path):
+    """Where a file is wanted, a folder or a device is named as such, not reported missing."""
+    (tmp_path / "dir.onnx").mkdir()
+    for argv, message in [
+        (("inspect", tmp_path / "nope.onnx"), "nope.onnx does not exist: give an .onnx file"),
+        (("check", "/dev/null", "--preset", "diff-v1-tiny"), "/dev/null is not a regular file (a device"),
+        (("quantize", "/dev/null", "-o", tmp_path / "q.onnx"), "/dev/null is not a regular file (a device"),
+        (("check", tmp_path / "dir.onnx", "--against", tmp_path / "dir.onnx"), "dir.onnx is a folder: give an .onnx"),
+        (("check", tmp_path / "dir.engine", "--preset", "diff-v1-tiny"), "dir.engine does not exist: give an engine"),
+    ]:
+        assert_one_line_error(run_cli(*argv), message)
+    from diffexport.backends.tensorrt import read_engine_record
+    from diffexport.errors import DiffExportError
+
+    (tmp_path / "dir.engine").mkdir()
+    with pytest.raises(DiffExportError, match="dir.engine is a folder: give an engine built by `diffexport trt`"):
+        read_engine_record(tmp_path / "dir.engine")  # what generate --engine and check model.engine read first
 
 
 def test_foreign_and_bad_files(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
+from diffexport.files import require_file
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -42,8 +43,7 @@ def open_session(source, provider: str = "cpu", threads: int | None = None):
         model, path = source.SerializeToString(), Path("the in-memory model")
     else:
         path = Path(source)
-        if not path.is_file():
-            raise DiffExportError(f"{path} does not exist or is not a file")
+        require_file(path, "give an .onnx file")
         model = str(path)
     options = ort.SessionOptions()
     options.log_severity_level = 4  # failures reach the user through our message, not ORT's log

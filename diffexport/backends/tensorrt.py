@@ -25,6 +25,7 @@ import onnx
 
 from diffexport import contract
 from diffexport.errors import DiffExportError
+from diffexport.files import require_file
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
@@ -420,8 +421,7 @@ def write_engine(engine_path: Path, result: BuildResult, onnx_path: Path, onnx_m
 def read_engine_record(engine_path: Path) -> dict:
     import json
 
-    if not engine_path.is_file():
-        raise DiffExportError(f"{engine_path} does not exist")
+    require_file(engine_path, "give an engine built by `diffexport trt`")
     side = sidecar_path(engine_path)
     if not side.is_file():
         raise DiffExportError(f"no {side.name} beside {engine_path.name}: build engines with `diffexport trt`, which "

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from diffexport.errors import DiffExportError
-from diffexport.files import _umask, check_output_path, load_onnx, make_output_folder, temp_prefix
+from diffexport.files import _umask, check_output_path, load_onnx, make_output_folder, require_file, temp_prefix
 from diffexport.passes import calibration
 from diffexport.progress import Progress
 
@@ -261,8 +261,7 @@ def resolve_paths(src: Path, dst: Path) -> tuple[bool, Path]:
             raise DiffExportError(f"{dst} already exists: give a new folder (nothing is overwritten)")
         check_output_path(dst)
         return True, model_path
-    if not src.is_file():
-        raise DiffExportError(f"{src} does not exist: give an exported .onnx file or a --kv-cache folder")
+    require_file(src, "give an exported .onnx file or a --kv-cache folder")
     if dst.suffix != ".onnx":
         raise DiffExportError(f"-o {dst}: name the quantised model *.onnx")
     if dst.resolve() == src.resolve() or dst.with_name(dst.name + ".data").resolve() == src.resolve():
