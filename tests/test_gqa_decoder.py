@@ -214,6 +214,9 @@ def test_gqa_refusals(v1_pair, tmp_path):
     assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "--attention", "gqa", "-o", tmp_path / "m.onnx"),
                           "belong to --kv-cache exports")
     assert_one_line_error(run_cli("trt", gqa, "-o", tmp_path / "e.engine"), "TensorRT does not have")
+    assert_one_line_error(run_cli("optimize", gqa / "model.onnx", "-o", tmp_path / "o.onnx"),
+                          "runs its attention as onnxruntime's GroupQueryAttention")
+    assert not (tmp_path / "o.onnx").exists()
     model = onnx.load(str(diff / "model.onnx"))
     with pytest.raises(DiffExportError, match="GroupQueryAttention: the graph's inputs"):
         rewrite_decoder(onnx.load(str(gqa / "model.onnx")).__class__())  # an empty graph

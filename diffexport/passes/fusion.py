@@ -673,6 +673,9 @@ def fuse_diff_attention(model: onnx.ModelProto, rules=tuple(RULES)) -> tuple[onn
 def check_fusable_model(model: onnx.ModelProto) -> None:
     if any(n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN for n in model.graph.node):
         raise DiffExportError("the graph already has DiffAttention nodes: nothing to fuse (use `inspect`)")
+    if any(n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft" for n in model.graph.node):
+        raise DiffExportError("the graph runs its attention as onnxruntime's GroupQueryAttention (a `--attention gqa` "
+                              "export, or an onnxruntime-genai build): nothing to fuse (use `inspect`)")
 
 
 # ---------------------------------------------------------------- epilogue: the per-head norm after the attention
