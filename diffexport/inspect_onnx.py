@@ -89,12 +89,10 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
 
     path, folder = Path(path), None
     if path.is_dir():
-        from diffexport.export.decoder import read_decoder_folder
+        from diffexport.export.decoder import configured_providers, read_decoder_folder
 
         path, config, _ = read_decoder_folder(path)
-        options = config["model"]["decoder"].get("session_options", {}).get("provider_options") or []
-        providers = [name for entry in options if isinstance(entry, dict) for name in entry] or ["cpu"]
-        folder = {"context_length": config["model"]["context_length"], "providers": providers}
+        folder = {"context_length": config["model"]["context_length"], "providers": configured_providers(config)}
     model = load_onnx(path, weights=False)
     histogram = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     diff_nodes = []

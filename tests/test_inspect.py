@@ -68,6 +68,10 @@ def test_a_kv_cache_folder_is_inspected_through_its_decoder(tmp_path):
     assert info["decoder_folder"] == {"context_length": 64, "providers": ["cpu"]}
     assert [i["name"] for i in info["inputs"]][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
     assert "genai         KV-cache folder: context 64 tokens, provider cpu" in run_cli("inspect", folder).stdout
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"] = ["cuda"]  # a hand-edited config: refused, not a traceback
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_one_line_error(run_cli("inspect", folder), "provider_options must be a list")
     (tmp_path / "plain").mkdir()
     assert_one_line_error(run_cli("inspect", tmp_path / "plain"), "has no genai_config.json")
 

@@ -252,6 +252,18 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
     return files
 
 
+def configured_providers(config: dict) -> list[str]:
+    """The execution providers a folder's genai config names (what genai_config() wrote:
+    no provider options means onnxruntime-genai's CPU provider)."""
+    session = config["model"]["decoder"].get("session_options")
+    options = session.get("provider_options") if isinstance(session, dict) else None
+    if not isinstance(options, list) or not all(isinstance(e, dict) and all(isinstance(k, str) for k in e)
+                                                for e in options):
+        raise DiffExportError("genai_config.json: decoder.session_options.provider_options must be a list of "
+                              "{provider: options} objects")
+    return [name for entry in options for name in entry] or ["cpu"]
+
+
 def default_provider(dtype: str) -> str:
     """The provider a folder's genai_config names unless told: bf16 folders run on CUDA only
     (onnxruntime's CPU provider has no bfloat16 kernels)."""
