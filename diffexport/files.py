@@ -105,4 +105,41 @@ def load_onnx(path: str | os.PathLike, *, weights: bool = True):
     try:
         return onnx.load(str(path), load_external_data=weights)
     except Exception as exc:  # protobuf DecodeError, missing external data and friends
+        if weights:
+            _refuse_external_data(path, onnx)
         raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__})") from None
+
+
+def external_file_state(folder: Path, location: str) -> str:
+    """'present', 'MISSING', or 'REFUSED' for a location outside the model's folder (absolute,
+    '..', or a link leading out): such a path is never looked at, so nothing is revealed about
+    files elsewhere on the machine (onnx and onnxruntime refuse to load them too)."""
+    relative = Path(location)
+    if not location or relative.is_absolute() or ".." in relative.parts:
+        return "REFUSED"
+    probe = folder
+    for part in relative.parts:  # no link on the way may lead out of the folder
+        probe = probe / part
+        if probe.is_symlink():
+            return "REFUSED"
+    return "present" if probe.is_file() else "MISSING"
+
+
+def _refuse_external_data(path: Path, onnx) -> None:
+    """When loading the weights failed, say which external-data file is at fault (if one is)."""
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception:
+        return  # the graph itself is unreadable: the caller's message stands
+    for init in graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((e.value for e in init.external_data if e.key == "location"), "")
+        state = external_file_state(path.parent, location)
+        if state == "REFUSED":
+            raise DiffExportError(f"{path}: weight {init.name!r} names external data {location!r} outside the "
+                                  "model's folder (absolute, '..' or a link): refused; keep the data file beside "
+                                  "the model")
+        if state == "MISSING":
+            raise DiffExportError(f"{path}: weight {init.name!r} names external data {location!r}, which is not "
+                                  "beside the model: copy it there with the .onnx file")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from diffexport import contract
-from diffexport.files import load_onnx
+from diffexport.files import external_file_state, load_onnx
 
 
 def _dims(value) -> list[Any]:
@@ -38,21 +38,6 @@ def _weights(model, folder: Path) -> dict:
             location = next((e.value for e in init.external_data if e.key == "location"), "")
             files[location] = external_file_state(folder, location)
     return {"parameters": count, "bytes": nbytes, "external_data": files}
-
-
-def external_file_state(folder: Path, location: str) -> str:
-    """'present', 'MISSING', or 'REFUSED' for a location outside the model's folder (absolute,
-    '..', or a link leading out): such a path is never looked at, so inspect reveals nothing
-    about files elsewhere on the machine (onnx refuses to load them too)."""
-    relative = Path(location)
-    if not location or relative.is_absolute() or ".." in relative.parts:
-        return "REFUSED"
-    probe = folder
-    for part in relative.parts:  # no link on the way may lead out of the folder
-        probe = probe / part
-        if probe.is_symlink():
-            return "REFUSED"
-    return "present" if probe.is_file() else "MISSING"
 
 
 def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int, contrib: list[str]) -> dict[str, str]:

@@ -93,6 +93,31 @@ def test_inspect_does_not_probe_files_outside_the_model_folder(exported, tmp_pat
         assert f"{location} (REFUSED)" in out.stdout
 
 
+def test_loading_weights_names_the_external_data_at_fault(exported, tmp_path):
+    """A loader that needs the weights (quantize) refuses in one line naming the weight and its
+    file: outside the folder (never read), or missing beside the model."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(exported))
+    weight = max(model.graph.initializer, key=lambda t: len(t.raw_data) or 0)
+    values = numpy_helper.to_array(weight)
+    (tmp_path.parent / "secret.bin").write_bytes(values.tobytes())  # readable, were it followed
+    (tmp_path / "link.bin").symlink_to(tmp_path.parent / "secret.bin")
+    for location, says in (("../secret.bin", "outside the model's folder"), ("link.bin", "outside the model's folder"),
+                           ("no-such-file.bin", "which is not beside the model")):
+        tensor = numpy_helper.from_array(values, weight.name)
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        tensor.external_data.add(key="location", value=location)
+        weight.CopyFrom(tensor)
+        path = tmp_path / "hostile.onnx"
+        path.write_bytes(model.SerializeToString())
+        out = run_cli("quantize", path, "--weights", "int8", "-o", tmp_path / "q.onnx")
+        assert_one_line_error(out, says)
+        assert f"{weight.name!r}" in out.stderr and repr(location) in out.stderr
+        assert not (tmp_path / "q.onnx").exists()
+
+
 def test_check_refuses_a_diff_attention_node_outside_the_contract(exported, tmp_path):
     model = onnx.load(str(exported))
     node = next(n for n in model.graph.node if n.op_type == "DiffAttention")
