@@ -28,9 +28,9 @@ KEY_MASK_VERSION = 2  # version 1 plus the optional key_mask input (KV-cache dec
 TORCH_OP = "diffexport::diff_attention"
 PLUGIN_NAME = OP_NAME
 PLUGIN_NAMESPACE = "diffexport"
-PLUGIN_VERSION = "1"  # the plugin implements op version 1
-# Stamped on version-2 nodes. No plugin registers it yet, so TensorRT 10.7+ runs their function body
-# (and `diffexport trt --attention native` inlines it); the plugin learns key_mask under this version.
+PLUGIN_VERSION = "1"  # the plugin creator of op version 1 (five inputs)
+# Stamped on version-2 nodes: the plugin library registers a second creator under this version, whose
+# sixth input is key_mask (plugins/tensorrt/plugin_library.cpp).
 KEY_MASK_PLUGIN_VERSION = "2"
 
 VARIANT_V1 = 1  # two maps with their own K, V of width 2D, scalar lambda per layer
