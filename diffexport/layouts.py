@@ -21,6 +21,7 @@ from typing import Mapping
 import torch
 
 from diffexport.errors import DiffExportError
+from diffexport.modeling.common import ROPE_SCALING_KEYS
 
 
 def interleaved_to_halves(head_dim: int) -> torch.Tensor:
@@ -81,6 +82,30 @@ def _hf_bool(hf: Mapping, key: str) -> bool:
     return value
 
 
+def _hf_rope_scaling(hf: Mapping, rope: Mapping) -> dict | None:
+    """The rope_scaling of a diffexport config for a DiffLlama config.json's rope object: the keys
+    of the schemes modeling.common computes, read as transformers reads them (`type` is the old
+    name of rope_type; llama3 without original_max_position_embeddings takes max_position_embeddings)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise DiffExportError(f"DiffLlama partial_rotary_factor={partial!r} is not supported (RoPE over the whole head)")
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise DiffExportError(f"DiffLlama rope_type={rope_type!r} is not supported "
+                              f"(default, {', '.join(ROPE_SCALING_KEYS)})")
+    values = {"rope_type": rope_type}
+    for key in ROPE_SCALING_KEYS[rope_type]:
+        value = rope.get(key)
+        if value is None and key == "original_max_position_embeddings":
+            value = hf.get("max_position_embeddings")
+        if value is None:
+            raise DiffExportError(f"DiffLlama config.json: rope_type {rope_type!r} needs {key!r}")
+        values[key] = value
+    return values
+
+
 def hf_diffllama_config(hf: Mapping) -> dict:
     """DiffLlama config.json -> diff_v1 config values, read as transformers reads it (its defaults
     for missing keys, rope_scaling before rope_parameters); one-line errors for what we cannot
@@ -93,9 +118,7 @@ def hf_diffllama_config(hf: Mapping) -> dict:
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers: rope_scaling wins
     if not isinstance(rope, Mapping):
         raise DiffExportError(f"DiffLlama config.json: rope_scaling/rope_parameters must be an object, got {rope!r}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise DiffExportError(f"DiffLlama rope_type={rope_type!r} is not supported (only default RoPE)")
+    scaling = _hf_rope_scaling(hf, rope)
     theta = _hf_float(hf, "rope_theta", rope.get("rope_theta", hf.get("rope_theta", HF_DIFFLLAMA_DEFAULTS["rope_theta"])))
     heads = _hf_int(hf, "num_attention_heads")
     kv_heads = _hf_int(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else heads
@@ -109,6 +132,7 @@ def hf_diffllama_config(hf: Mapping) -> dict:
         "ffn_hidden": _hf_int(hf, "intermediate_size"),
         "rope_theta": theta,
         "rope_interleaved": False,
+        "rope_scaling": scaling,
         "norm_eps": eps,
         "tie_embeddings": _hf_bool(hf, "tie_word_embeddings"),
         "n_heads": heads // 2,

@@ -20,6 +20,7 @@ def describe(loaded: LoadedModel) -> str:
         f"preset        {preset or '(no exact match)'}",
         f"parameters    {model.num_parameters():,}",
         f"layers        {cfg.n_layers}   d_model {cfg.d_model}   ffn {cfg.ffn_hidden}   vocab {cfg.vocab_size}",
+        f"rope          {describe_rope(cfg)}",
     ]
     if isinstance(model, DiffV1LM):
         lines.append(f"heads         {cfg.n_heads} diff-heads x 2 maps, {cfg.n_kv_heads} kv-groups, "
@@ -38,6 +39,17 @@ def describe(loaded: LoadedModel) -> str:
         lines.append(f"heads         {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim} "
                      f"(baseline Transformer)")
     return "\n".join(lines)
+
+
+def describe_rope(cfg) -> str:
+    """theta, layout and frequency scaling of a config's RoPE, in one line."""
+    layout = "adjacent pairs" if cfg.rope_interleaved else "rotate-half"
+    text = f"theta {cfg.rope_theta:g}, {layout}"
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return text
+    params = ", ".join(f"{key} {value:g}" for key, value in scaling.items() if key != "rope_type")
+    return f"{text}, {scaling['rope_type']} scaling ({params})"
 
 
 @torch.no_grad()

@@ -75,6 +75,57 @@ def test_hf_diffllama_logits_match(heads, kv_heads, tie, tmp_path, rng):
     assert (ours - ref).abs().max().item() <= 1e-4
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}  # head_dim 16: its 8 wavelengths fall on all three branches
+
+
+@pytest.mark.parametrize("scaling,older_json", [({"rope_type": "linear", "factor": 4.0}, False), (LLAMA3_SCALING, False),
+                                                ({"rope_type": "linear", "factor": 2.0}, True)])
+def test_hf_diffllama_rope_scaling_matches_transformers(scaling, older_json, tmp_path, rng):
+    """Linear and Llama-3.1 frequency scaling (DiffLlama initialised from a Llama 3.x checkpoint):
+    the frequencies are transformers' own, and the logits over 200 positions agree. older_json: the
+    config.json of transformers 4.x (`rope_scaling` with `type`, `rope_theta` beside it)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from diffexport.modeling.common import rope_inv_freq
+
+    hf, path = _hf_model(tmp_path, 4, 2, False, rope_scaling=dict(scaling), max_position_embeddings=512)
+    if older_json:
+        _edit_config(path, rope_parameters=None, rope_theta=10000.0,
+                     rope_scaling={"type": scaling["rope_type"], "factor": scaling["factor"]})
+    loaded = load_model(path)
+    kind = scaling["rope_type"]
+    assert loaded.config.rope_scaling["rope_type"] == kind
+    expected, _ = ROPE_INIT_FUNCTIONS[kind](hf.config, "cpu")
+    ours = rope_inv_freq(16, loaded.config.rope_theta, loaded.config.rope_scaling)
+    assert torch.equal(ours, expected)
+    assert not torch.equal(ours, rope_inv_freq(16, loaded.config.rope_theta))  # the scaling did something
+    ids = torch.randint(0, 96, (2, 200), generator=rng)
+    with torch.no_grad():
+        assert (loaded.model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    reloaded = load_model(save_checkpoint(loaded.model, tmp_path / "native.pt"))  # the field round-trips
+    assert reloaded.config.rope_scaling == loaded.config.rope_scaling
+
+
+@pytest.mark.parametrize("scaling,message", [
+    ("linear", "rope_scaling must be an object or null"),
+    ({"rope_type": "yarn", "factor": 2.0}, "rope_type 'yarn' is not one diffexport computes"),
+    ({"rope_type": "linear"}, "takes exactly the keys ['factor', 'rope_type']"),
+    ({"rope_type": "linear", "factor": 2.0, "beta": 1.0}, "takes exactly the keys"),
+    ({"rope_type": "linear", "factor": float("inf")}, "factor must be a finite number > 0"),
+    ({**LLAMA3_SCALING, "original_max_position_embeddings": 64.5}, "original_max_position_embeddings must be an int"),
+    ({**LLAMA3_SCALING, "high_freq_factor": 1.0}, "needs high_freq_factor > low_freq_factor"),
+])
+def test_rope_scaling_values_are_validated(scaling, message):
+    with pytest.raises(DiffExportError, match=re.escape(message)):
+        DiffV1Config(n_heads=2, rope_scaling=scaling)
+
+
+def test_rope_scaling_default_is_plain_rope():
+    assert DiffV1Config(n_heads=2, rope_scaling={"rope_type": "default"}).rope_scaling is None
+
+
 def test_hf_diffllama_bin_weights(tmp_path, rng):
     """Older HF directories hold pytorch_model.bin (read with weights_only=True)."""
     hf, path = _hf_model(tmp_path, 4, 2, False)
@@ -317,7 +368,12 @@ def test_hf_config_is_read_as_transformers_reads_it(changes, tmp_path, rng):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type='linear' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}, "needs 'low_freq_factor'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, "factor must be a finite number > 0"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
     ({"rope_theta": float("nan"), "rope_parameters": None}, "rope_theta must be a finite number"),
     ({"num_attention_heads": "four"}, "num_attention_heads must be a positive integer"),

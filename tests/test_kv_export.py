@@ -441,6 +441,25 @@ def test_hf_diffllama_gqa_folder_checks_against_transformers(hf_dir, tmp_path):
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
 
 
+@pytest.mark.parametrize("attention", ["diffattention", "gqa"])
+def test_llama3_rope_scaling_folders_check_against_transformers(attention, tmp_path):
+    """A DiffLlama with Llama 3.1 RoPE scaling (what a DiffLlama made from a Llama 3.x checkpoint
+    carries): both folder kinds check against our port and transformers; the gqa rewrite reads the
+    scaled frequencies from the graph into GroupQueryAttention's rotary caches."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(3)
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=512,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "hf")
+    assert run_cli("onnx", tmp_path / "hf", "--kv-cache", "--attention", attention, "-o", tmp_path / "kv").returncode == 0
+    report = run_cli("check", tmp_path / "kv", "--ckpt", tmp_path / "hf")
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "transformers generate() == eager" in report.stdout
+
+
 # ---------------------------------------------------------------- `check` on a KV-cache engine
 
 class _OrtAsEngine:

@@ -34,6 +34,7 @@ class ModelConfig:
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
     rope_interleaved: bool = False  # False: rotate-half (Llama/NeoX), True: adjacent pairs (GPT-J)
+    rope_scaling: dict | None = None  # None: plain RoPE; else {"rope_type": "linear" | "llama3", ...} (ROPE_SCALING_KEYS)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -59,6 +60,7 @@ class ModelConfig:
         value = self.init_std
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise DiffExportError(f"{self.family} config: init_std must be a finite number >= 0, got {value!r}")
+        self.rope_scaling = check_rope_scaling(self.family, self.rope_scaling)
         for name in ("rope_interleaved", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise DiffExportError(f"{self.family} config: {name} must be true or false, "
@@ -151,11 +153,77 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+# Context-extension schemes that only rescale RoPE's frequencies (position-independent, so one
+# graph serves every length), with the keys each takes besides rope_type; the names are
+# transformers' (config.json "rope_scaling" / "rope_parameters"), the arithmetic follows
+# rope_inv_freq. Schemes that depend on the sequence length (dynamic NTK) or also scale the
+# rotated values (YaRN, LongRoPE) are not among them.
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),  # position interpolation: every frequency divided by factor
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def check_rope_scaling(family: str, value: Any) -> dict | None:
+    """A config's rope_scaling, validated: None (or rope_type "default") for plain RoPE, else a dict of
+    exactly the scheme's keys with finite positive numbers (an int context for llama3)."""
+    if value is None:
+        return None
+    where = f"{family} config: rope_scaling"
+    if not isinstance(value, Mapping):
+        raise DiffExportError(f"{where} must be an object or null, got {value!r}")
+    kind = value.get("rope_type")
+    if kind == "default" and set(value) == {"rope_type"}:
+        return None
+    if kind not in ROPE_SCALING_KEYS:
+        raise DiffExportError(f"{where}: rope_type {kind!r} is not one diffexport computes; "
+                              f"supported: default, {', '.join(ROPE_SCALING_KEYS)}")
+    wanted = {"rope_type", *ROPE_SCALING_KEYS[kind]}
+    if set(value) != wanted:
+        raise DiffExportError(f"{where}: rope_type {kind!r} takes exactly the keys {sorted(wanted)}, "
+                              f"got {sorted(value)}")
+    out: dict[str, Any] = {"rope_type": kind}
+    for key in ROPE_SCALING_KEYS[kind]:
+        number = value[key]
+        if key == "original_max_position_embeddings":
+            if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 1 << 30:
+                raise DiffExportError(f"{where}: {key} must be an int in 1..{1 << 30}, got {number!r}")
+        elif isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+            raise DiffExportError(f"{where}: {key} must be a finite number > 0, got {number!r}")
+        out[key] = number if key == "original_max_position_embeddings" else float(number)
+    if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
+        raise DiffExportError(f"{where}: llama3 needs high_freq_factor > low_freq_factor, got "
+                              f"{out['high_freq_factor']:g} and {out['low_freq_factor']:g}")
+    return out
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim/2] in fp32: theta^(-2i/head_dim), then the scaling's rescale.
+
+    linear: all divided by factor. llama3 (Llama 3.1): with L = original_max_position_embeddings,
+    wavelengths 2*pi/f longer than L/low_freq_factor are divided by factor, those shorter than
+    L/high_freq_factor kept, and the band between blended: s*f + (1 - s)*f/factor with
+    s = (L/wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    context, low, high = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"))
+    wavelength = 2 * math.pi / inv_freq
+    long_waves = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    s = (context / wavelength - low) / (high - low)
+    blended = (1 - s) * long_waves / factor + s * long_waves
+    in_band = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(in_band, blended, long_waves)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: Mapping | None = None):
     """cos, sin of shape [B, T, head_dim/2] for integer positions [B, T] (computed in fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
-                                / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
+    freqs = positions.float()[..., None] * rope_inv_freq(head_dim, theta, scaling, positions.device)
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
@@ -250,7 +318,8 @@ class DecoderLM(nn.Module):
             else:
                 positions = torch.arange(P, P + S, device=input_ids.device).expand(B, S)
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype,
+                                self.config.rope_scaling)
         presents = []
         for index, layer in enumerate(self.layers):
             x, present = layer(x, cos, sin, None if past_key_values is None else past_key_values[index], key_mask)
