@@ -85,7 +85,7 @@ def test_hf_diffllama_rope_scaling_matches_transformers(scaling, older_json, tmp
     """Linear and Llama-3.1 frequency scaling (DiffLlama initialised from a Llama 3.x checkpoint):
     the frequencies are transformers' own, and the logits over 200 positions agree. older_json: the
     config.json of transformers 4.x (`rope_scaling` with `type`, `rope_theta` beside it)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from diffexport.modeling.common import rope_inv_freq
