@@ -77,7 +77,8 @@ def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Ten
 
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             max_new_tokens: int = 32, sampling: Sampling | None = None, eos_token_id: int | None = None,
+             max_new_tokens: int = 32, sampling: Sampling | None = None,
+             eos_token_id: int | list[int] | tuple[int, ...] | None = None,
              pad_token_id: int = 0, on_token: Callable[[torch.Tensor], None] | None = None) -> Generated:
     """Prefill input_ids [B, T] (left-padded when attention_mask says so), then decode with the cache."""
     if max_new_tokens < 1:
@@ -98,8 +99,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         tokens.append(token)
         if on_token is not None:
             on_token(token)
-        if eos_token_id is not None:
-            finished |= token == eos_token_id
+        if eos_token_id is not None:  # one id, or several (any of them ends a sequence)
+            ends = torch.as_tensor(eos_token_id, device=token.device).reshape(-1)
+            finished |= torch.isin(token, ends)
             if bool(finished.all()):
                 break
         ids = token[:, None]

@@ -273,6 +273,11 @@ def test_hostile_decoder_folders(v1_folder, tmp_path):
         bad["model"]["context_length"] = value
         assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
                                       "onnxruntime"), "context_length must be an integer")
+    for name, value in (("eos-words", "abc"), ("eos-empty", []), ("eos-mixed", [2, "x"]), ("eos-negative", -1)):
+        bad = json.loads(json.dumps(config))
+        bad["model"]["eos_token_id"] = value
+        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
+                                      "onnxruntime"), "eos_token_id must be a token id or a list of them")
     other = json.loads(json.dumps(config))
     other["model"]["decoder"]["num_key_value_heads"] = 2  # a gqa folder's config beside a DiffAttention graph
     assert_one_line_error(run_cli("check", folder_with("mismatch", json.dumps(other)), "--preset", "diff-v1-tiny"),
@@ -439,6 +444,34 @@ def test_hf_diffllama_gqa_folder_checks_against_transformers(hf_dir, tmp_path):
     assert "transformers" in report.stdout
     text = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
+
+
+def test_several_end_ids_all_stop_generation(tmp_path):
+    """generation_config.json's eos_token_id as a list (Llama 3 chat models end a turn with
+    <|eot_id|>, not the list's first id): the folder keeps the whole list, and genai, the
+    onnxruntime loop and eager generate all stop at the first id of it that is generated."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime_genai")
+    torch.manual_seed(5)
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    transformers.DiffLlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    loaded = load_model(tmp_path / "hf")
+    prompt = [3, 4, 5, 6]
+    free = _eager_tokens(loaded, prompt, n=12)
+    stop_at = next(i for i in range(1, 12) if free[i] not in free[:i])  # a token generated for the first time
+    unused = next(t for t in range(96) if t not in free)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    generation["eos_token_id"] = [unused, free[stop_at]]  # the first id is never generated
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(generation))
+    export_decoder(loaded, tmp_path / "kv", log=quiet)
+    config = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]
+    assert config["eos_token_id"] == [unused, free[stop_at]]
+    expected = free[:stop_at + 1]
+    assert _eager_tokens(loaded, prompt, n=12, eos=config["eos_token_id"]) == expected
+    assert decoding.generate_genai(tmp_path / "kv", prompt, 12, Sampling()).tokens == expected
+    looped = decoding.generate_onnxruntime(tmp_path / "kv", prompt, 12, Sampling())
+    assert looped.tokens == expected and looped.stop == "eos"
 
 
 @pytest.mark.parametrize("attention", ["diffattention", "gqa"])

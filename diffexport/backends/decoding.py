@@ -115,7 +115,7 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
     import torch
 
     runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
-    eos = runner.config["model"].get("eos_token_id")
+    eos = set(decoder.eos_token_ids(runner.config))
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     if len(prompt) > runner.context:
         raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {runner.context}")
@@ -139,7 +139,7 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
             first = time.perf_counter()
         if on_token is not None:
             on_token(token)
-        if token == eos and not ignore_eos:
+        if token in eos and not ignore_eos:
             stop = "eos"
             break
         if mask.shape[1] + 1 >= runner.context:  # genai's max_length: prompt + new tokens fill the context

@@ -208,11 +208,23 @@ def _hf_values(folder: Path | None) -> dict:
             continue
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
             value = values.get(key)
-            if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
-                value = value[0]
-            if isinstance(value, int) and not isinstance(value, bool) and key not in found:
-                found[key] = value
+            ids = value if isinstance(value, list) else [value]
+            if key in found or not ids or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+                continue
+            ids = list(dict.fromkeys(ids))
+            # several end ids (Llama 3 chat models end a turn with <|eot_id|>, not the first one):
+            # genai stops at any id of a list, so eos keeps them all; the others take the first
+            found[key] = ids if key == "eos_token_id" and len(ids) > 1 else ids[0]
     return found
+
+
+def eos_token_ids(config: dict) -> tuple[int, ...]:
+    """The end-of-sequence ids a genai config names (an int or a list of ints, as genai reads it)."""
+    value = config["model"].get("eos_token_id")
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise DiffExportError(f"{GENAI_CONFIG}: model.eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(values)
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
@@ -432,6 +444,7 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
         value = decoder.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
             raise DiffExportError(f"{config_path}: decoder.{key} must be an integer in 1..{1 << 20}, got {value!r}")
+    eos_token_ids(config)
     context = config["model"].get("context_length")  # how far the ORT loop may go (gqa: the rotary caches' rows)
     if not isinstance(context, int) or isinstance(context, bool) or not 2 <= context <= 1 << 30:
         raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{1 << 30}, got {context!r}")
