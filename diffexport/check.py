@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from diffexport import contract, fingerprint, reference, tolerances
+from diffexport import contract, fingerprint, layouts, reference, tolerances
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
@@ -200,24 +200,26 @@ def resolve_reference(choice: str, loaded: LoadedModel) -> tuple[bool, bool, str
     """(use diffexport's port, use transformers, the report's line saying which and why)."""
     if choice not in REFERENCES:
         raise DiffExportError(f"--reference {choice!r} is not one of {', '.join(REFERENCES)}")
-    is_hf = loaded.source == "hf-diffllama" and loaded.path is not None
+    imported = layouts.hf_import_of(loaded.source)
+    is_hf = imported is not None and loaded.path is not None
+    library_model = f"transformers' {imported.transformers_class if imported else 'DiffLlamaForCausalLM'}"
     import importlib.util
 
     have = importlib.util.find_spec("transformers") is not None
     if choice in ("transformers", "both"):
         if not is_hf:
             raise DiffExportError(f"--reference {choice}: the checkpoint is {loaded.source}, not a Hugging Face "
-                                  "DiffLlama folder; no library model exists for it, diffexport's port is its reference "
-                                  "(--reference diffexport)")
+                                  "DiffLlama (or Llama) folder; no library model exists for it, diffexport's port is its "
+                                  "reference (--reference diffexport)")
         if not have:
             raise DiffExportError(f"--reference {choice} needs transformers: pip install 'diffexport[hf]'")
     if choice == "auto":
         choice = "both" if is_hf and have else "diffexport"
     port, library = choice in ("diffexport", "both"), choice in ("transformers", "both")
     if library and port:
-        why = "diffexport's port (eager PyTorch) and transformers' DiffLlamaForCausalLM (lines marked 'vs transformers')"
+        why = f"diffexport's port (eager PyTorch) and {library_model} (lines marked 'vs transformers')"
     elif library:
-        why = "transformers' DiffLlamaForCausalLM (lines marked 'vs transformers')"
+        why = f"{library_model} (lines marked 'vs transformers')"
     elif is_hf:
         why = "diffexport's port only (--reference diffexport" + ("" if have else "; transformers not installed") + ")"
     else:
@@ -225,12 +227,19 @@ def resolve_reference(choice: str, loaded: LoadedModel) -> tuple[bool, bool, str
     return port, library, f"reference     {why}"
 
 
+def _transformers_class(loaded: LoadedModel):
+    """transformers' class of an HF import (DiffLlamaForCausalLM, LlamaForCausalLM)."""
+    import transformers
+
+    return getattr(transformers, layouts.hf_import_of(loaded.source).transformers_class)
+
+
 def _transformers_models(loaded: LoadedModel, dtype: str):
     """transformers' own model of an HF folder: (in the export dtype, fp32 on the same rounded weights or None)."""
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # its loading bars would land in our report
-    hf = transformers.DiffLlamaForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+    hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
     if dtype == "float32":
         return hf, None
     import copy
@@ -515,15 +524,15 @@ def _engine_logit_quant(record: dict, loaded: LoadedModel):
 
 
 def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray | None:
-    """transformers' own greedy tokens for an HF DiffLlama folder (None when transformers is absent)."""
-    if loaded.source != "hf-diffllama" or not loaded.path:
+    """transformers' own greedy tokens for an HF folder (None when transformers is absent)."""
+    if layouts.hf_import_of(loaded.source) is None or not loaded.path:
         return None
     try:
         import transformers
     except ImportError:
         return None
     transformers.utils.logging.disable_progress_bar()
-    hf = transformers.DiffLlamaForCausalLM.from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+    hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                           pad_token_id=0)

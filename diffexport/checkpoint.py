@@ -38,7 +38,7 @@ LAYOUTS = ("auto", "native", "unilm")
 class LoadedModel:
     model: DecoderLM
     config: ModelConfig
-    source: str  # "native", "safetensors", "hf-diffllama", "state-dict:native", "state-dict:unilm", "preset"
+    source: str  # "native", "safetensors", "hf-diffllama", "hf-llama", "state-dict:native", "state-dict:unilm", "preset"
     path: str | None = None
     task: dict | None = None  # what the weights were trained on, when the checkpoint says (tools/train_tiny.py)
 
@@ -432,19 +432,20 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
 
 def from_module(model: torch.nn.Module, dtype: torch.dtype | None = None) -> LoadedModel:
     """An in-memory model as a LoadedModel: one of ours (diffexport.modeling), or transformers'
-    DiffLlamaForCausalLM converted exactly as an HF folder is (its weights copied, the module left
-    as it was). Without a folder on disk, `check` compares with diffexport's port only."""
+    DiffLlamaForCausalLM (or LlamaForCausalLM, the baseline) converted exactly as an HF folder is
+    (its weights copied, the module left as it was). Without a folder on disk, `check` compares with diffexport's port only."""
     if isinstance(model, DecoderLM):
         return LoadedModel(model, model.config, "in-memory")
     hf_config = getattr(model, "config", None)
-    if getattr(hf_config, "model_type", None) == "diffllama" and hasattr(model, "state_dict"):
-        cfg = config_from_dict("diff_v1", layouts.hf_diffllama_config(hf_config.to_dict()))
-        where = "the in-memory DiffLlama"
+    imported = layouts.HF_IMPORTS.get(getattr(hf_config, "model_type", None))
+    if imported is not None and hasattr(model, "state_dict"):
+        cfg = config_from_dict(imported.family, imported.config(hf_config.to_dict()))
+        where = f"the in-memory {layouts.HF_NAMES[imported.model_type]}"
         state = read_tensors({k: v.detach().cpu() for k, v in model.state_dict().items()}, where)
-        return LoadedModel(model_from_state(cfg, layouts.hf_diffllama_state(state, cfg), where, dtype), cfg,
-                           "hf-diffllama (in memory)")
+        return LoadedModel(model_from_state(cfg, imported.state(state, cfg), where, dtype), cfg,
+                           f"{imported.source} (in memory)")
     raise DiffExportError(f"{type(model).__name__} is not a model diffexport knows: pass a diffexport model "
-                          "(diffexport.modeling) or a transformers DiffLlamaForCausalLM")
+                          "(diffexport.modeling), a transformers DiffLlamaForCausalLM or (the baseline) LlamaForCausalLM")
 
 
 def _load_bare_state(state: dict, cfg: ModelConfig | None, layout: str, where: str, dtype) -> LoadedModel:
@@ -482,10 +483,12 @@ def _load_directory(path: Path, dtype) -> LoadedModel:
     if header.get("format") == FORMAT:
         return _load_safetensors(path / "model.safetensors", config_path, dtype)
     model_type = header.get("model_type")
-    if model_type != "diffllama":
+    imported = layouts.HF_IMPORTS.get(model_type) if isinstance(model_type, str) else None
+    if imported is None:
         raise DiffExportError(f"{path}: not a DIFF model: config.json has model_type {model_type!r}; "
-                              f"diffexport imports Hugging Face DiffLlama (model_type 'diffllama')")
-    cfg = config_from_dict("diff_v1", layouts.hf_diffllama_config(header))
+                              f"diffexport imports Hugging Face DiffLlama (model_type 'diffllama') and, as the "
+                              f"baseline to compare with, Llama ('llama')")
+    cfg = config_from_dict(imported.family, imported.config(header))
     state: dict[str, torch.Tensor] = {}
     shards = sorted(path.glob("*.safetensors"))
     for shard in shards:
@@ -500,8 +503,8 @@ def _load_directory(path: Path, dtype) -> LoadedModel:
                 raise DiffExportError(f"{shard} does not hold a state dict")
             state.update(part)
     state = read_tensors(state, str(path))
-    model = model_from_state(cfg, layouts.hf_diffllama_state(state, cfg), str(path), dtype)
-    return LoadedModel(model, cfg, "hf-diffllama", str(path))
+    model = model_from_state(cfg, imported.state(state, cfg), str(path), dtype)
+    return LoadedModel(model, cfg, imported.source, str(path))
 
 
 def load_config_file(path: str | os.PathLike) -> ModelConfig:

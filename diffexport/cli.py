@@ -904,7 +904,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default 32)")
             p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
                            help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
-                                "own DiffLlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
+                                "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
                                 "when transformers is installed, else diffexport)")
             p.add_argument("--against", metavar="OTHER.onnx",
                            help="compare with another ONNX file on the same inputs (e.g. optimize's input); with "

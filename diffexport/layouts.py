@@ -14,9 +14,10 @@ converted model computes exactly what the original computed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -53,105 +54,130 @@ def _take(state: dict, key: str) -> torch.Tensor:
     return state.pop(key)
 
 
-# transformers' DiffLlamaConfig defaults (5.x) for keys a config.json may leave out: a missing key
-# must mean what it means to transformers (rms_norm_eps 1e-6 here once gave logits 3.6e-3 apart).
-HF_DIFFLLAMA_DEFAULTS = {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "lambda_std_dev": 0.1,
-                         "rope_theta": 10000.0, "hidden_act": "silu", "attention_bias": False}
+# transformers' config defaults (5.x) for keys a config.json may leave out: a missing key must mean
+# what it means to transformers (DiffLlama's rms_norm_eps is 1e-5, Llama's 1e-6: the wrong one once
+# gave logits 3.6e-3 apart).
+HF_DEFAULTS = {
+    "diffllama": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False, "lambda_std_dev": 0.1, "rope_theta": 10000.0,
+                  "hidden_act": "silu", "attention_bias": False},
+    "llama": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0, "hidden_act": "silu",
+              "attention_bias": False, "mlp_bias": False},
+}
+HF_NAMES = {"diffllama": "DiffLlama", "llama": "Llama"}
 
 
-def _hf_int(hf: Mapping, key: str) -> int:
-    if key not in hf:
-        raise DiffExportError(f"DiffLlama config.json lacks {key!r}")
-    value = hf[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DiffExportError(f"DiffLlama config.json: {key} must be a positive integer, got {value!r}")
-    return value
+class _HFConfig:
+    """A config.json of one model type, read as transformers reads it: its defaults for missing
+    keys, one-line errors for values of the wrong type."""
 
+    def __init__(self, hf: Mapping, model_type: str):
+        self.hf, self.defaults, self.name = hf, HF_DEFAULTS[model_type], HF_NAMES[model_type]
 
-def _hf_float(hf: Mapping, key: str, value=None) -> float:
-    value = hf.get(key, HF_DIFFLLAMA_DEFAULTS.get(key)) if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise DiffExportError(f"DiffLlama config.json: {key} must be a finite number > 0, got {value!r}")
-    return float(value)
+    def int(self, key: str) -> int:
+        if key not in self.hf:
+            raise DiffExportError(f"{self.name} config.json lacks {key!r}")
+        value = self.hf[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DiffExportError(f"{self.name} config.json: {key} must be a positive integer, got {value!r}")
+        return value
 
+    def float(self, key: str, value=None) -> float:
+        value = self.hf.get(key, self.defaults.get(key)) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise DiffExportError(f"{self.name} config.json: {key} must be a finite number > 0, got {value!r}")
+        return float(value)
 
-def _hf_bool(hf: Mapping, key: str) -> bool:
-    value = hf.get(key, HF_DIFFLLAMA_DEFAULTS[key])
-    if not isinstance(value, bool):
-        raise DiffExportError(f"DiffLlama config.json: {key} must be true or false, got {value!r}")
-    return value
+    def bool(self, key: str) -> bool:
+        value = self.hf.get(key, self.defaults[key])
+        if not isinstance(value, bool):
+            raise DiffExportError(f"{self.name} config.json: {key} must be true or false, got {value!r}")
+        return value
 
+    def rope_scaling(self, rope: Mapping) -> dict | None:
+        """The rope_scaling of a diffexport config for the rope object: the keys of the schemes
+        modeling.common computes (`type` is the old name of rope_type; llama3 without
+        original_max_position_embeddings takes max_position_embeddings, as transformers does)."""
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        partial = rope.get("partial_rotary_factor", self.hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise DiffExportError(f"{self.name} partial_rotary_factor={partial!r} is not supported "
+                                  "(RoPE over the whole head)")
+        if rope_type == "default":
+            return None
+        if rope_type not in ROPE_SCALING_KEYS:
+            raise DiffExportError(f"{self.name} rope_type={rope_type!r} is not supported "
+                                  f"(default, {', '.join(ROPE_SCALING_KEYS)})")
+        values = {"rope_type": rope_type}
+        for key in ROPE_SCALING_KEYS[rope_type]:
+            value = rope.get(key)
+            if value is None and key == "original_max_position_embeddings":
+                value = self.hf.get("max_position_embeddings")
+            if value is None:
+                raise DiffExportError(f"{self.name} config.json: rope_type {rope_type!r} needs {key!r}")
+            values[key] = value
+        return values
 
-def _hf_rope_scaling(hf: Mapping, rope: Mapping) -> dict | None:
-    """The rope_scaling of a diffexport config for a DiffLlama config.json's rope object: the keys
-    of the schemes modeling.common computes, read as transformers reads them (`type` is the old
-    name of rope_type; llama3 without original_max_position_embeddings takes max_position_embeddings)."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise DiffExportError(f"DiffLlama partial_rotary_factor={partial!r} is not supported (RoPE over the whole head)")
-    if rope_type == "default":
-        return None
-    if rope_type not in ROPE_SCALING_KEYS:
-        raise DiffExportError(f"DiffLlama rope_type={rope_type!r} is not supported "
-                              f"(default, {', '.join(ROPE_SCALING_KEYS)})")
-    values = {"rope_type": rope_type}
-    for key in ROPE_SCALING_KEYS[rope_type]:
-        value = rope.get(key)
-        if value is None and key == "original_max_position_embeddings":
-            value = hf.get("max_position_embeddings")
-        if value is None:
-            raise DiffExportError(f"DiffLlama config.json: rope_type {rope_type!r} needs {key!r}")
-        values[key] = value
-    return values
+    def shared(self) -> dict:
+        """What a Llama-style decoder's config.json says, as diffexport config values, plus 'heads'
+        and 'kv_heads' (attention heads as the model type counts them)."""
+        if self.bool("attention_bias"):
+            raise DiffExportError(f"{self.name} with attention_bias=true is not supported "
+                                  "(diffexport models have no biases)")
+        if self.hf.get("hidden_act", self.defaults["hidden_act"]) != "silu":
+            raise DiffExportError(f"{self.name} hidden_act={self.hf['hidden_act']!r} is not supported (only silu)")
+        rope = self.hf.get("rope_scaling") or self.hf.get("rope_parameters") or {}  # transformers: rope_scaling wins
+        if not isinstance(rope, Mapping):
+            raise DiffExportError(f"{self.name} config.json: rope_scaling/rope_parameters must be an object, "
+                                  f"got {rope!r}")
+        theta = self.float("rope_theta", rope.get("rope_theta", self.hf.get("rope_theta", self.defaults["rope_theta"])))
+        heads = self.int("num_attention_heads")
+        kv_heads = self.int("num_key_value_heads") if self.hf.get("num_key_value_heads") is not None else heads
+        hidden = self.int("hidden_size")
+        return {
+            "vocab_size": self.int("vocab_size"),
+            "d_model": hidden,
+            "n_layers": self.int("num_hidden_layers"),
+            "ffn_hidden": self.int("intermediate_size"),
+            "rope_theta": theta,
+            "rope_interleaved": False,
+            "rope_scaling": self.rope_scaling(rope),
+            "norm_eps": self.float("rms_norm_eps"),
+            "tie_embeddings": self.bool("tie_word_embeddings"),
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "head_dim": self.int("head_dim") if self.hf.get("head_dim") is not None else hidden // heads,
+        }
 
 
 def hf_diffllama_config(hf: Mapping) -> dict:
     """DiffLlama config.json -> diff_v1 config values, read as transformers reads it (its defaults
     for missing keys, rope_scaling before rope_parameters); one-line errors for what we cannot
     represent or what is not a valid value."""
-    if _hf_bool(hf, "attention_bias"):
-        raise DiffExportError("DiffLlama with attention_bias=true is not supported (diffexport models have no biases)")
+    reader = _HFConfig(hf, "diffllama")
     # mlp_bias is ignored, as transformers' DiffLlamaMLP ignores it: its projections never have biases.
-    if hf.get("hidden_act", HF_DIFFLLAMA_DEFAULTS["hidden_act"]) != "silu":
-        raise DiffExportError(f"DiffLlama hidden_act={hf['hidden_act']!r} is not supported (only silu)")
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers: rope_scaling wins
-    if not isinstance(rope, Mapping):
-        raise DiffExportError(f"DiffLlama config.json: rope_scaling/rope_parameters must be an object, got {rope!r}")
-    scaling = _hf_rope_scaling(hf, rope)
-    theta = _hf_float(hf, "rope_theta", rope.get("rope_theta", hf.get("rope_theta", HF_DIFFLLAMA_DEFAULTS["rope_theta"])))
-    heads = _hf_int(hf, "num_attention_heads")
-    kv_heads = _hf_int(hf, "num_key_value_heads") if hf.get("num_key_value_heads") is not None else heads
-    hidden = _hf_int(hf, "hidden_size")
-    head_dim = _hf_int(hf, "head_dim") if hf.get("head_dim") is not None else hidden // heads
-    eps = _hf_float(hf, "rms_norm_eps")
-    cfg = {
-        "vocab_size": _hf_int(hf, "vocab_size"),
-        "d_model": hidden,
-        "n_layers": _hf_int(hf, "num_hidden_layers"),
-        "ffn_hidden": _hf_int(hf, "intermediate_size"),
-        "rope_theta": theta,
-        "rope_interleaved": False,
-        "rope_scaling": scaling,
-        "norm_eps": eps,
-        "tie_embeddings": _hf_bool(hf, "tie_word_embeddings"),
-        "n_heads": heads // 2,
-        "n_kv_heads": kv_heads // 2,
-        "head_dim": head_dim,
-        "head_norm_affine": False,
-        "head_norm_eps": eps,
-        "lambda_init": None,
-        "lambda_std": _hf_float(hf, "lambda_std_dev"),
-    }
+    cfg = reader.shared()
+    heads, kv_heads = cfg.pop("heads"), cfg.pop("kv_heads")
     if heads % 2 or kv_heads % 2:
         raise DiffExportError(f"DiffLlama needs even num_attention_heads and num_key_value_heads, "
                               f"got {heads} and {kv_heads}")
+    cfg.update(n_heads=heads // 2, n_kv_heads=kv_heads // 2, head_norm_affine=False, head_norm_eps=cfg["norm_eps"],
+               lambda_init=None, lambda_std=reader.float("lambda_std_dev"))
     return cfg
 
 
-def hf_diffllama_state(state: dict, cfg) -> dict:
-    """HF DiffLlamaForCausalLM state dict -> canonical diff_v1 state dict (consumes `state`)."""
-    D, H2, Hkv2 = cfg.head_dim, 2 * cfg.n_heads, 2 * cfg.n_kv_heads
+def hf_llama_config(hf: Mapping) -> dict:
+    """Llama config.json -> baseline Transformer config values (the model a DiffLlama is commonly
+    initialised from, to compare against with the analysis tools), read as transformers reads it."""
+    reader = _HFConfig(hf, "llama")
+    if reader.bool("mlp_bias"):
+        raise DiffExportError("Llama with mlp_bias=true is not supported (diffexport models have no biases)")
+    cfg = reader.shared()
+    cfg["n_heads"], cfg["n_kv_heads"] = cfg.pop("heads"), cfg.pop("kv_heads")
+    return cfg
+
+
+def _hf_common_state(state: dict, cfg) -> dict:
+    """Embedding, final norm and LM head of a Llama-style HF state dict (consumes them from `state`)."""
     out = {"embed.weight": _take(state, "model.embed_tokens.weight"),
            "norm.weight": _take(state, "model.norm.weight")}
     if "lm_head.weight" in state:
@@ -160,13 +186,38 @@ def hf_diffllama_state(state: dict, cfg) -> dict:
             out["lm_head.weight"] = lm_head
     elif not cfg.tie_embeddings:
         raise DiffExportError("missing key 'lm_head.weight' (and tie_word_embeddings is false)")
+    return out
+
+
+def _hf_block(state: dict, out: dict, i: int) -> str:
+    """Layer i's norms and MLP (the same names in Llama and DiffLlama); returns its attention prefix."""
+    src, dst = f"model.layers.{i}.", f"layers.{i}."
+    out[dst + "attn_norm.weight"] = _take(state, src + "input_layernorm.weight")
+    out[dst + "mlp_norm.weight"] = _take(state, src + "post_attention_layernorm.weight")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        out[dst + f"mlp.{name}.weight"] = _take(state, src + f"mlp.{name}.weight")
+    return src + "self_attn."
+
+
+def hf_llama_state(state: dict, cfg) -> dict:
+    """HF LlamaForCausalLM state dict -> canonical transformer state dict (consumes `state`): the
+    same tensors under our names (rotate-half RoPE and head order are Llama's already)."""
+    out = _hf_common_state(state, cfg)
     for i in range(cfg.n_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        out[dst + "attn_norm.weight"] = _take(state, src + "input_layernorm.weight")
-        out[dst + "mlp_norm.weight"] = _take(state, src + "post_attention_layernorm.weight")
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[dst + f"mlp.{name}.weight"] = _take(state, src + f"mlp.{name}.weight")
-        a = src + "self_attn."
+        a = _hf_block(state, out, i)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"layers.{i}.attn.{name}.weight"] = _take(state, a + f"{name}.weight")
+    _reject_leftovers(state)
+    return out
+
+
+def hf_diffllama_state(state: dict, cfg) -> dict:
+    """HF DiffLlamaForCausalLM state dict -> canonical diff_v1 state dict (consumes `state`)."""
+    D, H2, Hkv2 = cfg.head_dim, 2 * cfg.n_heads, 2 * cfg.n_kv_heads
+    out = _hf_common_state(state, cfg)
+    for i in range(cfg.n_layers):
+        dst = f"layers.{i}."
+        a = _hf_block(state, out, i)
         out[dst + "attn.q_proj.weight"] = reorder_head_blocks(_take(state, a + "q_proj.weight"), D,
                                                               halves_to_pairs_order(H2))
         out[dst + "attn.k_proj.weight"] = reorder_head_blocks(_take(state, a + "k_proj.weight"), D,
@@ -179,6 +230,33 @@ def hf_diffllama_state(state: dict, cfg) -> dict:
             out[dst + f"attn.{name}"] = _take(state, a + name)
     _reject_leftovers(state)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HFImport:
+    """A Hugging Face model type diffexport imports: which family it becomes, the LoadedModel
+    source it is reported as, transformers' class for it (the independent reference of `check`)
+    and the two converters."""
+
+    model_type: str
+    family: str
+    source: str
+    transformers_class: str
+    config: Callable[[Mapping], dict]
+    state: Callable[[dict, object], dict]
+
+
+HF_IMPORTS = {
+    "diffllama": HFImport("diffllama", "diff_v1", "hf-diffllama", "DiffLlamaForCausalLM", hf_diffllama_config,
+                          hf_diffllama_state),
+    # the baseline: the Llama a DiffLlama is commonly initialised from, for the analysis tools' comparisons
+    "llama": HFImport("llama", "transformer", "hf-llama", "LlamaForCausalLM", hf_llama_config, hf_llama_state),
+}
+
+
+def hf_import_of(source: str) -> HFImport | None:
+    """The HF import a LoadedModel.source names ("hf-llama", "hf-diffllama (in memory)", ...), if any."""
+    return next((imp for imp in HF_IMPORTS.values() if source.split(" ")[0] == imp.source), None)
 
 
 # unilm's official code defines the attention module (q_proj, k_proj, v_proj, out_proj, lambda_*,

@@ -243,10 +243,10 @@ def test_analysis_cli_refuses_empty_text_and_foreign_checkpoints(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert_one_line_error(run_cli("stats", "--text", str(empty)), "is empty")
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert_one_line_error(run_cli("stats", str(llama)), "not a DIFF model")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert_one_line_error(run_cli("stats", str(gpt2)), "not a DIFF model")
     other = tmp_path / "other.pt"
     torch.save({"format": "diffexport.checkpoint", "format_version": 1, "family": "mamba", "config": {},
                 "state_dict": {}}, other)

@@ -266,10 +266,52 @@ def test_bad_config_values(good_ckpt, tmp_path):
 
 
 def test_non_diff_hf_directory(tmp_path):
-    d = tmp_path / "llama"
+    d = tmp_path / "mistral"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (d / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 64}))
     assert_one_line_error(run_cli("info", d), "not a DIFF model")
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))  # the baseline, incomplete
+    assert_one_line_error(run_cli("info", d), "Llama config.json lacks 'num_attention_heads'")
+
+
+def _hf_llama(tmp_path, **extra):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(11)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF's init leaves norms at 1: perturb so the test sees the weights move
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "llama")
+    return hf, tmp_path / "llama"
+
+
+@pytest.mark.parametrize("extra", [{}, {"tie_word_embeddings": True, "max_position_embeddings": 512,
+                                        "rope_scaling": dict(LLAMA3_SCALING)}])
+def test_hf_llama_imports_as_the_baseline_transformer(extra, tmp_path, rng):
+    """The Llama a DiffLlama is commonly initialised from loads as the baseline family, so the
+    analysis tools compare the two; its logits are transformers' own, and so is its default eps."""
+    from diffexport.checkpoint import from_module
+
+    hf, path = _hf_llama(tmp_path, **extra)
+    _edit_config(path, rms_norm_eps=None)  # missing: Llama's default is 1e-6, DiffLlama's 1e-5
+    loaded = load_model(path)
+    assert (loaded.source, loaded.config.family, loaded.config.norm_eps) == ("hf-llama", "transformer", 1e-6)
+    assert (loaded.config.n_heads, loaded.config.n_kv_heads, loaded.config.head_dim) == (4, 2, 16)
+    ids = torch.randint(0, 96, (2, 150), generator=rng)
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (loaded.model(ids) - expected).abs().max().item() <= 1e-5
+        assert (from_module(hf).model(ids) - expected).abs().max().item() <= 1e-5
+
+
+def test_hf_llama_with_biases_is_refused(tmp_path):
+    _, path = _hf_llama(tmp_path)
+    _edit_config(path, mlp_bias=True)
+    with pytest.raises(DiffExportError, match="Llama with mlp_bias=true is not supported"):
+        load_model(path)
 
 
 def test_non_diff_state_dict(tmp_path):

@@ -493,6 +493,21 @@ def test_llama3_rope_scaling_folders_check_against_transformers(attention, tmp_p
     assert "transformers generate() == eager" in report.stdout
 
 
+def test_hf_llama_baseline_folder_checks_against_transformers(tmp_path):
+    """A Hugging Face Llama (the baseline a DiffLlama is compared with) exports as a KV-cache folder
+    of the baseline family; its check steps it against our port and transformers' LlamaForCausalLM."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(4)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "llama")
+    assert run_cli("onnx", tmp_path / "llama", "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    assert json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["context_length"] == 256
+    report = run_cli("check", tmp_path / "kv", "--ckpt", tmp_path / "llama")
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "transformers generate() == eager" in report.stdout
+
+
 # ---------------------------------------------------------------- `check` on a KV-cache engine
 
 class _OrtAsEngine:

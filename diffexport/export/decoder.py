@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from diffexport import contract
+from diffexport import contract, layouts
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
@@ -330,7 +330,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     if attention == "gqa" and cfg.family == "transformer":
         raise DiffExportError("--attention gqa rewrites DiffAttention nodes; the baseline Transformer has none "
                               "(export it without --attention)")
-    source_dir = Path(loaded.path) if loaded.source == "hf-diffllama" and loaded.path else None
+    source_dir = Path(loaded.path) if layouts.hf_import_of(loaded.source) and loaded.path else None
     if tokenizer is not None:  # named by the user: it must be a tokenizer of this vocabulary
         tok_files = check_tokenizer(Path(tokenizer), cfg.vocab_size)
     elif source_dir is not None and any((source_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
