@@ -71,24 +71,30 @@ def test_check_files_never_go_through_links(exported, tmp_path):
     assert not any(elsewhere.iterdir())
 
 
-def test_inspect_does_not_probe_files_outside_the_model_folder(exported, tmp_path):
-    """External-data locations outside the folder are reported REFUSED whether or not they exist."""
+def _with_external_weight(exported, path, location):
+    """The export with its largest weight's bytes moved to external data at `location` (written
+    as is: onnx.save itself refuses such locations); returns the weight's name and values."""
     from onnx import numpy_helper
 
     model = onnx.load(str(exported))
     weight = max(model.graph.initializer, key=lambda t: len(t.raw_data) or 0)
+    values = numpy_helper.to_array(weight)
+    tensor = numpy_helper.from_array(values, weight.name)
+    tensor.ClearField("raw_data")
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=location)
+    weight.CopyFrom(tensor)
+    path.write_bytes(model.SerializeToString())
+    return weight.name, values
+
+
+def test_inspect_does_not_probe_files_outside_the_model_folder(exported, tmp_path):
+    """External-data locations outside the folder are reported REFUSED whether or not they exist."""
     secret = tmp_path.parent / "secret.bin"
     secret.write_bytes(b"exists")
-    values = numpy_helper.to_array(weight)
     for location in ("../secret.bin", str(secret), "../no-such-file.bin"):
-        tensor = numpy_helper.from_array(values, weight.name)
-        tensor.ClearField("raw_data")
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        tensor.external_data.add(key="location", value=location)
-        weight.CopyFrom(tensor)
-        path = tmp_path / "hostile.onnx"
-        path.write_bytes(model.SerializeToString())  # onnx.save itself refuses such a location
-        out = run_cli("inspect", path)
+        _with_external_weight(exported, tmp_path / "hostile.onnx", location)
+        out = run_cli("inspect", tmp_path / "hostile.onnx")
         assert out.returncode == 0, out.stderr
         assert f"{location} (REFUSED)" in out.stdout
 
@@ -96,25 +102,15 @@ def test_inspect_does_not_probe_files_outside_the_model_folder(exported, tmp_pat
 def test_loading_weights_names_the_external_data_at_fault(exported, tmp_path):
     """A loader that needs the weights (quantize) refuses in one line naming the weight and its
     file: outside the folder (never read), or missing beside the model."""
-    from onnx import numpy_helper
-
-    model = onnx.load(str(exported))
-    weight = max(model.graph.initializer, key=lambda t: len(t.raw_data) or 0)
-    values = numpy_helper.to_array(weight)
+    name, values = _with_external_weight(exported, tmp_path / "hostile.onnx", "no-such-file.bin")
     (tmp_path.parent / "secret.bin").write_bytes(values.tobytes())  # readable, were it followed
     (tmp_path / "link.bin").symlink_to(tmp_path.parent / "secret.bin")
     for location, says in (("../secret.bin", "outside the model's folder"), ("link.bin", "outside the model's folder"),
                            ("no-such-file.bin", "which is not beside the model")):
-        tensor = numpy_helper.from_array(values, weight.name)
-        tensor.ClearField("raw_data")
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        tensor.external_data.add(key="location", value=location)
-        weight.CopyFrom(tensor)
-        path = tmp_path / "hostile.onnx"
-        path.write_bytes(model.SerializeToString())
-        out = run_cli("quantize", path, "--weights", "int8", "-o", tmp_path / "q.onnx")
+        _with_external_weight(exported, tmp_path / "hostile.onnx", location)
+        out = run_cli("quantize", tmp_path / "hostile.onnx", "--weights", "int8", "-o", tmp_path / "q.onnx")
         assert_one_line_error(out, says)
-        assert f"{weight.name!r}" in out.stderr and repr(location) in out.stderr
+        assert repr(name) in out.stderr and repr(location) in out.stderr
         assert not (tmp_path / "q.onnx").exists()
 
 
