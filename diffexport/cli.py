@@ -303,6 +303,25 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     return same and report.passed
 
 
+def _chat_text(tokenizer, folder, prompt: str, system: str | None) -> str:
+    """The prompt as one user turn (after an optional system turn) in the tokenizer's chat template,
+    ready for the assistant's answer: tokenizer_config.json's chat_template, or the folder's
+    chat_template.jinja (where newer transformers save it)."""
+    import json
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    template = folder / "chat_template.jinja"
+    template_str = template.read_text() if template.is_file() and not template.is_symlink() else None
+    try:
+        return tokenizer.apply_chat_template(json.dumps(messages), template_str=template_str, add_generation_prompt=True)
+    except RuntimeError as exc:
+        if "empty chat template" in str(exc).lower():
+            raise DiffExportError(f"the tokenizer in {folder} has no chat template (tokenizer_config.json's "
+                                  "chat_template or chat_template.jinja): drop --chat and give the prompt as it is "
+                                  "to be read") from None
+        raise
+
+
 def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
     vocab = int(config["model"]["vocab_size"])
@@ -323,7 +342,10 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
         og = import_genai()
         try:
             tokenizer = og.Tokenizer(og.Model(str(folder)))
-            ids = [int(t) for t in tokenizer.encode(args.prompt)]
+            text = _chat_text(tokenizer, folder, args.prompt, args.system) if args.chat else args.prompt
+            ids = [int(t) for t in tokenizer.encode(text)]
+        except DiffExportError:
+            raise
         except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
             raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
         if not ids:
@@ -356,6 +378,10 @@ def cmd_generate(args) -> int:
                               "--backend tensorrt and --engine ENGINE")
     if args.backend == "tensorrt" and args.provider != "auto":
         raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
+    if (args.chat or args.system is not None) and args.prompt is None:
+        raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
+    if args.system is not None and not args.chat:
+        raise DiffExportError("--system is a turn of the chat template: add --chat")
     ids, tokenizer = _prompt_ids(args, folder, config)
     stream = tokenizer.create_stream() if tokenizer is not None else None
 
@@ -840,6 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
             prompt = p.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
             prompt.add_argument("--ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+            p.add_argument("--chat", action="store_true",
+                           help="put --prompt into the tokenizer's chat template as a user turn (chat models)")
+            p.add_argument("--system", help="with --chat: a system turn before the prompt")
             p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
             mode = p.add_mutually_exclusive_group()
             mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")

@@ -3,6 +3,8 @@ V1 (affine head norm, GQA), V2, the baseline Transformer and an HF DiffLlama wit
 onnxruntime-genai and a plain onnxruntime loop, token for token against eager (and transformers)."""
 
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -200,6 +202,34 @@ def test_hf_diffllama_folder_with_tokenizer(hf_dir, tmp_path):
     looped = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8",
                      "--backend", "onnxruntime")
     assert looped.returncode == 0 and looped.stdout == text.stdout, looped.stderr
+
+
+def _prompt_tokens(result) -> int:
+    return int(re.search(r"prompt (\d+) tokens", result.stderr).group(1))
+
+
+def test_generate_chat_puts_the_prompt_in_the_chat_template(hf_dir, tmp_path):
+    """`generate --chat`: the prompt becomes a user turn (after --system) in the tokenizer's chat
+    template, from tokenizer_config.json or the chat_template.jinja the export copies; a tokenizer
+    without one is refused in one line."""
+    og = pytest.importorskip("onnxruntime_genai")
+    source = tmp_path / "hf"
+    shutil.copytree(hf_dir, source)
+    (source / "chat_template.jinja").write_text(
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    assert (tmp_path / "kv" / "chat_template.jinja").is_file()
+    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
+    for extra, text in (([], "<s>user: the cat sat\n<s>assistant: "),
+                        (["--system", "be brief"], "<s>system: be brief\n<s>user: the cat sat\n<s>assistant: ")):
+        result = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--chat", *extra,
+                         "--max-new-tokens", "2")
+        assert result.returncode == 0, result.stderr
+        assert _prompt_tokens(result) == len(tokenizer.encode(text)) > len(tokenizer.encode("the cat sat"))
+    (tmp_path / "kv" / "chat_template.jinja").unlink()
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "has no chat template")
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", "1,2", "--chat"), "give --prompt")
 
 
 def test_hf_folder_without_tokenizer_exports_ids_only(tmp_path):

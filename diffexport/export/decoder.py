@@ -49,8 +49,10 @@ ATTENTION_OPS = ("diffattention", "gqa")
 GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)
 DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
 # Files a tokenizer folder may hold that onnxruntime-genai / transformers read (never code files).
+# chat_template.jinja: where newer transformers save a chat template (a sandboxed template, read by
+# `generate --chat`, not code).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 MAX_TOKENIZER_BYTES = 256 * 1024**2
 
 
