@@ -113,6 +113,28 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
     }
 
 
+def _describe_exported_model(metadata: dict) -> str | None:
+    """What diffexport's export metadata says the model is (family, dtype, sizes, RoPE), in one line;
+    None without it. The metadata comes from the file: shown, not trusted (anything odd is shown as is)."""
+    family = metadata.get("diffexport.family")
+    if family is None:
+        return None
+    try:
+        config = json.loads(metadata.get("diffexport.config", "{}"))
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        return f"{family} {metadata.get('diffexport.dtype', '?')} (its config metadata is not readable)"
+    text = (f"{family} {metadata.get('diffexport.dtype', '?')}, {config.get('n_layers', '?')} layers, "
+            f"d_model {config.get('d_model', '?')}, vocab {config.get('vocab_size', '?')}; "
+            f"rope theta {config.get('rope_theta', '?')}")
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        params = ", ".join(f"{k} {v}" for k, v in scaling.items() if k != "rope_type")
+        text += f", {scaling.get('rope_type', '?')} scaling ({params})"
+    return text
+
+
 def render(info: dict) -> str:
     """Plain text of inspect_onnx's result."""
     lines = [f"file          {info['path']} (IR {info['ir_version']}, producer {info['producer'] or '?'})",
@@ -129,6 +151,9 @@ def render(info: dict) -> str:
     more = len(info["histogram"]) - 12
     lines.append(f"nodes         {info['nodes']}: {top}" + (f", ... {more} more op types" if more > 0 else ""))
     lines.append(f"functions     {', '.join(info['functions']) or 'none'}")
+    model_line = _describe_exported_model(info["metadata"])
+    if model_line:
+        lines.append(f"model         {model_line}")
     lines.append(f"DiffAttention {len(info['diff_attention'])} node(s)")
     for node in info["diff_attention"]:
         attrs = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in node["attributes"].items())

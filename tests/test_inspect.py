@@ -53,6 +53,12 @@ def test_bf16_graph_is_flagged_for_cuda_only(tmp_path):
 def test_text_report_and_missing_external_data(external_export, tmp_path):
     text = run_cli("inspect", external_export).stdout
     assert "input         input_ids int64 [batch, sequence]" in text and "DiffAttention 2 node(s)" in text
+    assert "model         diff_v1 float32, 2 layers, d_model 128, vocab 512; rope theta 10000.0\n" in text
+    edited = onnx.load(str(external_export), load_external_data=False)  # metadata is shown, never trusted
+    next(p for p in edited.metadata_props if p.key == "diffexport.config").value = "{not json"
+    onnx.save(edited, str(tmp_path / "edited.onnx"))
+    assert "model         diff_v1 float32 (its config metadata is not readable)" in run_cli(
+        "inspect", tmp_path / "edited.onnx").stdout
     lonely = tmp_path / "m.onnx"
     lonely.write_bytes(external_export.read_bytes())  # the .data file stays behind
     assert "m.onnx.data (MISSING)" in run_cli("inspect", lonely).stdout
