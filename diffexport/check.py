@@ -202,7 +202,7 @@ def resolve_reference(choice: str, loaded: LoadedModel) -> tuple[bool, bool, str
         raise DiffExportError(f"--reference {choice!r} is not one of {', '.join(REFERENCES)}")
     imported = layouts.hf_import_of(loaded.source)
     is_hf = imported is not None and loaded.path is not None
-    library_model = f"transformers' {imported.transformers_class if imported else 'DiffLlamaForCausalLM'}"
+    library_model = f"transformers' {imported.transformers_class}" if imported else ""  # named only when used
     import importlib.util
 
     have = importlib.util.find_spec("transformers") is not None
