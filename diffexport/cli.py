@@ -310,8 +310,11 @@ def _chat_text(tokenizer, folder, prompt: str, system: str | None) -> str:
     import json
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    template = folder / "chat_template.jinja"
-    template_str = template.read_text() if template.is_file() and not template.is_symlink() else None
+    template, template_str = folder / "chat_template.jinja", None
+    if template.is_file() and not template.is_symlink():
+        if template.stat().st_size > 1024**2:  # chat templates are a few kB
+            raise DiffExportError(f"{template} is larger than 1 MiB: not a chat template")
+        template_str = template.read_text(errors="replace")
     try:
         return tokenizer.apply_chat_template(json.dumps(messages), template_str=template_str, add_generation_prompt=True)
     except RuntimeError as exc:
