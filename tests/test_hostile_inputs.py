@@ -235,7 +235,7 @@ def _set_tensor(make):
     (lambda o: o["config"].update(n_heads="four"), "n_heads must be an int, got 'four'"),
     (lambda o: o["config"].update(lambda_std=[0.1]), "lambda_std must be a finite number"),
     (lambda o: o["config"].update(head_norm_affine=1), "head_norm_affine must be true or false"),
-    (lambda o: o["config"].update(rope_scaling="linear"), "unknown key(s) ['rope_scaling']"),
+    (lambda o: o["config"].update(rope_scaling="linear"), "rope_scaling must be an object or null, got 'linear'"),
     (_set_tensor(lambda t: t.to(__import__("torch").float8_e4m3fn)), "has dtype float8_e4m3fn"),
     (_set_tensor(lambda t: t.to_sparse()), "embed.weight is a sparse_coo tensor"),
     (_set_tensor(lambda t: __import__("torch").empty_like(t, device="meta")), "embed.weight is a meta tensor"),
