@@ -311,7 +311,9 @@ def _chat_text(tokenizer, folder, prompt: str, system: str | None) -> str:
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     template, template_str = folder / "chat_template.jinja", None
-    if template.is_file() and not template.is_symlink():
+    if template.is_symlink():  # onnxruntime-genai would read it through the link itself
+        raise DiffExportError(f"{template} is a symbolic link: a decoder folder holds its chat template itself")
+    if template.is_file():
         if template.stat().st_size > 1024**2:  # chat templates are a few kB
             raise DiffExportError(f"{template} is larger than 1 MiB: not a chat template")
         template_str = template.read_text(errors="replace")

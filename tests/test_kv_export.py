@@ -227,9 +227,15 @@ def test_generate_chat_puts_the_prompt_in_the_chat_template(hf_dir, tmp_path):
                          "--max-new-tokens", "2")
         assert result.returncode == 0, result.stderr
         assert _prompt_tokens(result) == len(tokenizer.encode(text)) > len(tokenizer.encode("the cat sat"))
+    (tmp_path / "kv" / "chat_template.jinja").write_bytes(b"a" * (1024**2 + 1))
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "larger than 1 MiB")
     (tmp_path / "kv" / "chat_template.jinja").unlink()
     assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "has no chat template")
+    (tmp_path / "elsewhere.jinja").write_text("{{ messages[0]['content'] }}")
+    (tmp_path / "kv" / "chat_template.jinja").symlink_to(tmp_path / "elsewhere.jinja")  # a link is never followed
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "is a symbolic link")
     assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", "1,2", "--chat"), "give --prompt")
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--system", "x"), "add --chat")
 
 
 def test_hf_folder_without_tokenizer_exports_ids_only(tmp_path):

@@ -211,7 +211,7 @@ def _hf_values(folder: Path | None) -> dict:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
             value = values.get(key)
             ids = value if isinstance(value, list) else [value]
-            if key in found or not ids or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+            if key in found or not _are_token_ids(ids):
                 continue
             ids = list(dict.fromkeys(ids))
             # several end ids (Llama 3 chat models end a turn with <|eot_id|>, not the first one):
@@ -220,11 +220,15 @@ def _hf_values(folder: Path | None) -> dict:
     return found
 
 
+def _are_token_ids(values: list) -> bool:
+    return bool(values) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+
+
 def eos_token_ids(config: dict) -> tuple[int, ...]:
     """The end-of-sequence ids a genai config names (an int or a list of ints, as genai reads it)."""
     value = config["model"].get("eos_token_id")
     values = value if isinstance(value, list) else [value]
-    if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+    if not _are_token_ids(values):
         raise DiffExportError(f"{GENAI_CONFIG}: model.eos_token_id must be a token id or a list of them, got {value!r}")
     return tuple(values)
 
