@@ -29,7 +29,10 @@ DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
 MAX_CHECK_SHAPE = (64, 16384)  # batch, sequence: beyond, the references' N x N maps outgrow a workstation  # batch x sequence: 1, odd lengths, batch > 1
 EAGER_RUNNER = "eager-pytorch"
 DECODE_STEPS = 32  # KV-cache decoders (folders and their engines): decode steps after the prefill
-DECODE_PROMPTS = (9, 16)  # a batch of 2, the first left-padded by 7
+# A batch of 3: the first left-padded by 7 (as transformers and our loops pad), the third
+# right-padded by 5 (as onnxruntime-genai pads a batch: the new tokens follow the padding).
+DECODE_PROMPTS = (9, 16, 11)
+DECODE_RIGHT_PADDED = frozenset({2})
 
 
 @dataclasses.dataclass
@@ -541,8 +544,8 @@ def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps
 
 def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
                       log: Callable[[str], None] = print, steps: int = DECODE_STEPS) -> CheckReport:
-    """A KV-cache folder in onnxruntime vs the eager model with its own cache: a left-padded batch of 2,
-    prefill then `steps` greedy decode steps. Both are fed the eager greedy tokens (so every step's
+    """A KV-cache folder in onnxruntime vs the eager model with its own cache: a padded batch of 3
+    (DECODE_PROMPTS), prefill then `steps` greedy decode steps. Both are fed the eager greedy tokens (so every step's
     logits are comparable) and each step's logits meet the dtype rule; onnxruntime's own argmax must
     pick the eager token at every step, and for HF checkpoints transformers' generate() must too."""
     from diffexport.backends.decoding import OrtDecoder
@@ -577,7 +580,7 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
     run_decoder_check says. quant: INT8/6/4 attention logits, applied to the eager model too."""
     from diffexport.analysis import plots
     from diffexport.analysis.probe import AttentionProbe
-    from diffexport.generation import left_pad
+    from diffexport.generation import last_real, pad_batch
 
     meta, dtype = runner.meta, runner.meta["dtype"]
     check_same_model(meta, loaded, runner.model_path)
@@ -588,7 +591,7 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
             "tokens reported, not judged")
     log(f"checking      {subject} ({dtype}) in {where} against eager PyTorch"
         f"{'' if quant is None else ' with the same ' + quant.describe() + ' logits'} with its KV cache: "
-        f"batch {len(DECODE_PROMPTS)} left-padded, prefill + {steps} decode steps")
+        f"batch {len(DECODE_PROMPTS)} left- and right-padded, prefill + {steps} decode steps")
 
     def eager(model, ids, mask, past):
         if quant is None:
@@ -599,7 +602,7 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
     rng = np.random.default_rng(options.seed)
     vocab = loaded.config.vocab_size
     prompts = [rng.integers(0, vocab, size=n).tolist() for n in DECODE_PROMPTS]
-    ids, mask = left_pad(prompts, pad_token_id=0)
+    ids, mask = pad_batch(prompts, pad_token_id=0, right_padded=DECODE_RIGHT_PADDED)
     cache = runner.empty_cache(len(prompts))
     eager_past = {"low": None, "ref": None}
     step_ids, step_mask = ids, mask
@@ -626,9 +629,11 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
         if step in (0, 1):  # polygraphy: one prefill and one decode step, every input the graph takes
             feeds.append({**feed, **past_feed})
             saved.append({"logits": ref_np})
-        chosen = ref[:, -1].float().argmax(-1)
+        last = last_real(step_mask[:, -step_ids.shape[1]:])  # a right-padded prompt ends before its padding
+        rows = torch.arange(len(prompts))
+        chosen = ref[rows, last.to(ref.device)].float().argmax(-1)
         eager_tokens.append(chosen.cpu().numpy())
-        runner_tokens.append(logits[:, -1].argmax(-1))
+        runner_tokens.append(logits[rows.numpy(), last.numpy()].argmax(-1))
         if step == steps:
             break
         step_ids = chosen.cpu()[:, None]
@@ -636,7 +641,7 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
     eager_tokens, runner_tokens = np.stack(eager_tokens, 1), np.stack(runner_tokens, 1)
     lines += [c.line() for _, c in comparisons if not c.passed][:5]
     lines.append(f"logits        {len(comparisons)} steps (prefill + {steps} decode), batch {len(prompts)} "
-                 f"left-padded; worst:")
+                 f"left- and right-padded; worst:")
     lines.append(worst.line())
     agree = int((eager_tokens == runner_tokens).all(axis=0).sum())
     # quantised weights change the function: their tokens may part ways, the budget judges them
@@ -647,10 +652,12 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
         rule = budget.what if budget is not None else f"{dtype} rule"
         title = f"{Path(subject.rstrip('/')).name}: {short} vs eager per step ({rule})"
         lines.append(f"plot          {plots.plot_decode_steps([c for _, c in comparisons], options.plot, title)}")
-    hf_tokens = _hf_greedy(loaded, ids, mask, steps + 1) if dtype == "float32" else None
+    # transformers' generate() continues from the last column: the rows it can pad (not the right-padded)
+    left = [i for i in range(len(prompts)) if i not in DECODE_RIGHT_PADDED]
+    hf_tokens = _hf_greedy(loaded, ids[left], mask[left], steps + 1) if dtype == "float32" else None
     hf_ok = True
     if hf_tokens is not None:
-        hf_ok = bool(np.array_equal(hf_tokens, eager_tokens))
+        hf_ok = bool(np.array_equal(hf_tokens, eager_tokens[left]))
         lines.append(f"greedy tokens transformers generate() == eager for {hf_tokens.shape[1]} tokens  "
                      f"{'PASS' if hf_ok else 'FAIL'}")
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),

@@ -327,6 +327,39 @@ def _chat_text(tokenizer, folder, prompt: str, system: str | None) -> str:
         raise
 
 
+def _folder_tokenizer(folder):
+    """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
+    from diffexport.backends.decoding import import_genai
+
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
+    og = import_genai()
+    try:
+        return og.Tokenizer(og.Model(str(folder)))
+    except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
+        raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
+
+
+def _encode(tokenizer, folder, text: str, args) -> list[int]:
+    """Text -> token ids (with --chat: as a user turn of the chat template)."""
+    try:
+        text = _chat_text(tokenizer, folder, text, args.system) if args.chat else text
+        ids = [int(t) for t in tokenizer.encode(text)]
+    except DiffExportError:
+        raise
+    except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
+        raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
+    if not ids:
+        raise DiffExportError("the prompt encodes to no tokens")
+    return ids
+
+
+def _check_room(ids: list[int], args, context: int, where: str = "prompt") -> None:
+    if len(ids) + args.max_new_tokens > context:
+        raise DiffExportError(f"{where} ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
+                              f"context length {context}")
+
+
 def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
     vocab = int(config["model"]["vocab_size"])
@@ -340,26 +373,66 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
             raise DiffExportError(f"--ids needs token ids in [0, {vocab}), got {bad[:3] or 'none'}")
         tokenizer = None
     else:
-        from diffexport.backends.decoding import import_genai
-
-        if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
-            raise DiffExportError(f"{folder} has no tokenizer: pass --ids, or re-export with --tokenizer DIR")
-        og = import_genai()
-        try:
-            tokenizer = og.Tokenizer(og.Model(str(folder)))
-            text = _chat_text(tokenizer, folder, args.prompt, args.system) if args.chat else args.prompt
-            ids = [int(t) for t in tokenizer.encode(text)]
-        except DiffExportError:
-            raise
-        except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
-            raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
-        if not ids:
-            raise DiffExportError("the prompt encodes to no tokens")
-    context = int(config["model"]["context_length"])
-    if len(ids) + args.max_new_tokens > context:
-        raise DiffExportError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
-                              f"context length {context}")
+        tokenizer = _folder_tokenizer(folder)
+        ids = _encode(tokenizer, folder, args.prompt, args)
+    _check_room(ids, args, int(config["model"]["context_length"]))
     return ids, tokenizer
+
+
+def _generate_file(args, folder, config: dict, sampling) -> int:
+    """--prompts-file: every prompt of the file, --batch-size at a time; one JSON line per prompt on
+    stdout, in the file's order, as each batch finishes."""
+    import json
+    import time
+
+    from diffexport import prompts as prompts_file
+    from diffexport.backends import decoding
+    from diffexport.export.decoder import eos_token_ids
+
+    lines = prompts_file.read_prompts(args.prompts_file, int(config["model"]["vocab_size"]))
+    texts = any(p.text is not None for p in lines)
+    if args.chat and not texts:
+        raise DiffExportError("--chat templates text prompts: the prompts file gives token ids only")
+    tokenizer = _folder_tokenizer(folder) if texts else None
+    context = int(config["model"]["context_length"])
+    ids = []
+    for p in lines:
+        row = _encode(tokenizer, folder, p.text, args) if p.text is not None else p.ids
+        _check_room(row, args, context, f"{args.prompts_file} line {p.line}")
+        ids.append(row)
+    eos = set(eos_token_ids(config))
+    if args.backend == "tensorrt":
+        from diffexport.backends.tensorrt import open_decoder_engine
+
+        batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
+                                               "onnxruntime", runner=open_decoder_engine(args.engine, folder,
+                                                                                         args.plugin_lib))
+    elif args.backend == "onnxruntime":
+        from diffexport.backends.onnxruntime import resolve_provider
+
+        batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
+                                               "onnxruntime", provider=resolve_provider(args.provider))
+    else:
+        batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size, "genai",
+                                               provider=None if args.provider == "auto" else args.provider)
+    count = -(-len(ids) // args.batch_size)
+    new = seconds = 0
+    start = time.perf_counter()
+    for number, (first, run) in enumerate(batches, 1):
+        for k, (tokens, stop) in enumerate(zip(run.tokens, run.stops)):
+            p = lines[first + k]
+            answer = {"line": p.line, **({} if p.id is None else {"id": p.id})}
+            if tokenizer is not None:  # the text without the end-of-sequence token that stopped it
+                answer["completion"] = tokenizer.decode(tokens[:-1] if stop == "eos" and tokens[-1] in eos else tokens)
+            answer.update(tokens=tokens, stop=stop)
+            sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+        new, seconds = new + run.new_tokens, seconds + run.seconds
+        _log(f"batch {number}/{count}: {len(run.tokens)} prompt{'' if len(run.tokens) == 1 else 's'}, {run.new_tokens} new tokens in {run.seconds:.1f} s")
+    _log(f"{args.backend}: {len(ids)} prompts ({sum(map(len, ids))} tokens) in {count} batches of up to "
+         f"{args.batch_size}, {new} new tokens in {time.perf_counter() - start:.1f} s "
+         f"({new / seconds if seconds > 0 else float('nan'):.1f} new tokens/s)")
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -383,10 +456,17 @@ def cmd_generate(args) -> int:
                               "--backend tensorrt and --engine ENGINE")
     if args.backend == "tensorrt" and args.provider != "auto":
         raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
-    if (args.chat or args.system is not None) and args.prompt is None:
+    if (args.chat or args.system is not None) and args.ids is not None:
         raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
     if args.system is not None and not args.chat:
         raise DiffExportError("--system is a turn of the chat template: add --chat")
+    if args.batch_size is not None and args.prompts_file is None:
+        raise DiffExportError("--batch-size groups the prompts of --prompts-file")
+    if args.prompts_file is not None:
+        args.batch_size = 8 if args.batch_size is None else args.batch_size
+        if args.batch_size < 1:
+            raise DiffExportError(f"the batch size must be >= 1, got {args.batch_size}")
+        return _generate_file(args, folder, config, sampling)
     ids, tokenizer = _prompt_ids(args, folder, config)
     stream = tokenizer.create_stream() if tokenizer is not None else None
 
@@ -871,6 +951,10 @@ def build_parser() -> argparse.ArgumentParser:
             prompt = p.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
             prompt.add_argument("--ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+            prompt.add_argument("--prompts-file", help='JSON Lines, one prompt per line: {"prompt": "text"} or '
+                                                       '{"ids": [1, 2, 3]}, optionally with "id"; answers go to '
+                                                       "stdout as JSON Lines, in order")
+            p.add_argument("--batch-size", type=int, help="--prompts-file: prompts run together (default 8)")
             p.add_argument("--chat", action="store_true",
                            help="put --prompt into the tokenizer's chat template as a user turn (chat models)")
             p.add_argument("--system", help="with --chat: a system turn before the prompt")

@@ -64,15 +64,29 @@ class Generated:
 
 def left_pad(prompts: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts of different lengths -> (input_ids, attention_mask) [B, T], padded on the left."""
+    return pad_batch(prompts, pad_token_id)
+
+
+def pad_batch(prompts: list[list[int]], pad_token_id: int = 0,
+              right_padded: frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths -> (input_ids, attention_mask) [B, T]: padded on the left, or on
+    the right for the rows in right_padded (how onnxruntime-genai pads a batch: the new tokens then
+    follow the padding, and the mask has a hole between prompt and answer)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise DiffExportError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.int64)
     mask = torch.zeros((len(prompts), width), dtype=torch.int64)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-        mask[row, width - len(prompt):] = 1
+        span = slice(0, len(prompt)) if row in right_padded else slice(width - len(prompt), width)
+        ids[row, span] = torch.tensor(prompt, dtype=torch.int64)
+        mask[row, span] = 1
     return ids, mask
+
+
+def last_real(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] attention mask -> [B] index of each row's last real token (where its next token is chosen)."""
+    return mask.shape[1] - 1 - mask.flip(1).argmax(1)
 
 
 @torch.no_grad()
@@ -80,7 +94,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              max_new_tokens: int = 32, sampling: Sampling | None = None,
              eos_token_id: int | list[int] | tuple[int, ...] | None = None,
              pad_token_id: int = 0, on_token: Callable[[torch.Tensor], None] | None = None) -> Generated:
-    """Prefill input_ids [B, T] (left-padded when attention_mask says so), then decode with the cache."""
+    """Prefill input_ids [B, T] (padded when attention_mask says so), then decode with the cache."""
     if max_new_tokens < 1:
         raise DiffExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = sampling or Sampling()
@@ -92,7 +106,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
         logits, past = model(ids, attention_mask=attention_mask, past_key_values=past, use_cache=True)
-        last = logits[:, -1].float()
+        # each row's last real token (a right-padded prompt ends before its padding)
+        last = logits[torch.arange(B, device=logits.device), last_real(attention_mask[:, -ids.shape[1]:])].float()
         step_logits.append(last)
         token = choose_next(last, sampling, generator)
         token = token.masked_fill(finished, pad_token_id)

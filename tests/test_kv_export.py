@@ -513,8 +513,8 @@ def test_several_end_ids_all_stop_generation(tmp_path):
 @pytest.mark.parametrize("attention", ["diffattention", "gqa"])
 def test_llama3_rope_scaling_folders_check_against_transformers(attention, tmp_path):
     """A DiffLlama with Llama 3.1 RoPE scaling (what a DiffLlama made from a Llama 3.x checkpoint
-    carries): both folder kinds check against our port and transformers; the gqa rewrite reads the
-    scaled frequencies from the graph into GroupQueryAttention's rotary caches."""
+    carries): both folder kinds check against our port and transformers, the gqa folder with the
+    graph's own scaled rotary embedding."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
     cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,

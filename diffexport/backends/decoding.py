@@ -8,9 +8,10 @@ Both stream token ids through `on_token` and return what they generated with tim
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -101,66 +102,115 @@ class OrtDecoder:
         return out[0], dict(zip(self.outputs[1:], out[1:]))
 
 
-def _choose(logits: np.ndarray, sampling: Sampling, generator) -> int:
-    import torch
-
-    from diffexport.generation import choose_next
-
-    return int(choose_next(torch.from_numpy(logits.astype(np.float32))[None], sampling, generator)[0])
-
-
 def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
                          on_token: Callable[[int], None] | None = None, threads: int | None = None,
                          runner: OrtDecoder | None = None, ignore_eos: bool = False, provider: str = "cpu") -> DecodeRun:
+    runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
+    timing = {}
+    tokens, stops = _step_loop(runner, [prompt], max_new_tokens, sampling, timing, ignore_eos,
+                               on_step=None if on_token is None else lambda chosen: on_token(chosen[0]))
+    return DecodeRun(tokens[0], len(prompt), timing["first"] - timing["start"], timing["end"] - timing["first"],
+                     stops[0])
+
+
+def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, timing: dict,
+               ignore_eos: bool = False, on_step: Callable[[list[int]], None] | None = None):
+    """Left-padded prompts through runner.step with its cache, one token per row and step, until every
+    row has stopped -> (new tokens per row, stop per row); timing gets start, first and end."""
     import torch
 
-    runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
+    from diffexport.generation import choose_next, left_pad
+
     eos = set(decoder.eos_token_ids(runner.config))
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
-    if len(prompt) > runner.context:
-        raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {runner.context}")
-    ids = np.asarray([prompt], np.int64)
-    cache = runner.empty_cache(1)
-    tokens, stop = [], "length"
-    start = time.perf_counter()
-    first = None
+    longest = max(len(p) for p in prompts)
+    if longest > runner.context:
+        raise DiffExportError(f"the prompt's {longest} tokens exceed the folder's context length {runner.context}")
+    pad = int(runner.config["model"].get("pad_token_id", 0))
+    padded_ids, padded_mask = left_pad(prompts, pad_token_id=pad)
+    ids, mask = padded_ids.numpy(), padded_mask.numpy()
+    cache = runner.empty_cache(len(prompts))
+    tokens = [[] for _ in prompts]
+    stops, live = ["length"] * len(prompts), [True] * len(prompts)
+    timing["start"] = time.perf_counter()
     # a runner with a longest call (an engine's profile) takes a longer prompt in chunks: the graph's
     # causal mask is bottom-right, so each chunk sees the cache and itself as one long call would
-    chunk, done = getattr(runner, "max_sequence", None) or len(prompt), 0
-    while len(prompt) - done > chunk:
-        _, cache = runner.step(ids[:, done:done + chunk], np.ones((1, done + chunk), np.int64), cache)
+    chunk, done = getattr(runner, "max_sequence", None) or longest, 0
+    while longest - done > chunk:
+        _, cache = runner.step(ids[:, done:done + chunk], mask[:, :done + chunk], cache)
         done += chunk
-    ids, mask = ids[:, done:], np.ones((1, len(prompt)), np.int64)
+    ids = ids[:, done:]
     for _ in range(max_new_tokens):
         logits, cache = runner.step(ids, mask, cache)
-        token = _choose(logits[0, -1], sampling, generator)
-        tokens.append(token)
-        if first is None:
-            first = time.perf_counter()
-        if on_token is not None:
-            on_token(token)
-        if token in eos and not ignore_eos:
-            stop = "eos"
+        chosen = choose_next(torch.from_numpy(logits[:, -1].astype(np.float32)), sampling, generator).tolist()
+        for row, token in enumerate(chosen):
+            if live[row]:
+                tokens[row].append(token)
+                if token in eos and not ignore_eos:
+                    live[row], stops[row] = False, "eos"
+        timing.setdefault("first", time.perf_counter())
+        if on_step is not None:
+            on_step(chosen)
+        if not any(live) or mask.shape[1] + 1 >= runner.context:  # genai's max_length: the context is full
             break
-        if mask.shape[1] + 1 >= runner.context:  # genai's max_length: prompt + new tokens fill the context
-            break
-        ids = np.asarray([[token]], np.int64)
-        mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
-    end = time.perf_counter()
-    return DecodeRun(tokens, len(prompt), first - start, end - first, stop)
+        ids = np.asarray([[t if live[row] else pad] for row, t in enumerate(chosen)], np.int64)
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+    timing["end"] = time.perf_counter()
+    return tokens, stops
 
 
-def open_genai_model(folder, provider: str | None = None):
+@dataclasses.dataclass
+class BatchRun:
+    tokens: list[list[int]]  # per prompt, its new tokens (the end-of-sequence token that stopped it included)
+    stops: list[str]  # per prompt, "eos" or "length"
+    prompt_tokens: int  # all prompts' tokens, padding left out
+    seconds: float  # the whole batch, prompts and decode
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                               runner: OrtDecoder | None = None, provider: str = "cpu",
+                               threads: int | None = None) -> BatchRun:
+    """Several prompts as one left-padded batch through the onnxruntime loop (or an engine's runner).
+    Greedy rows give what each prompt gives alone; sampled rows draw from one generator, so a batch
+    is reproducible, not equal to its prompts sampled one at a time."""
+    runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
+    timing = {}
+    tokens, stops = _step_loop(runner, prompts, max_new_tokens, sampling, timing)
+    return BatchRun(tokens, stops, sum(map(len, prompts)), timing["end"] - timing["start"])
+
+
+def genai_pad_for(config: dict, prompts: list[list[int]]) -> int | None:
+    """A pad id for genai to use instead of the folder's, or None when the folder's will do.
+    onnxruntime-genai takes a prompt's trailing pad ids for padding, even in a batch of one: it
+    chooses the next token from the logits before them, so a prompt that ends with the pad id
+    would be answered as if that token were not there. The substitute ends no prompt."""
+    pad = int(config["model"].get("pad_token_id", 0))
+    last = {p[-1] for p in prompts}
+    if pad not in last:
+        return None
+    candidates = [*decoder.eos_token_ids(config), *range(int(config["model"]["vocab_size"]))]
+    return next(t for t in candidates if t not in last)
+
+
+def open_genai_model(folder, provider: str | None = None, pad_token_id: int | None = None):
     """onnxruntime-genai's Model over the folder, on the provider its genai_config names, or on
-    `provider` ("cpu", "cuda") instead; what genai refuses (no CUDA build, no GPU) is one line."""
+    `provider` ("cpu", "cuda") instead, with pad_token_id in place of the folder's when given (the
+    folder is not edited); what genai refuses (no CUDA build, no GPU) is one line."""
     og = import_genai()
     try:
-        if provider is None:
+        if provider is None and pad_token_id is None:
             return og.Model(str(folder))
         config = og.Config(str(folder))
-        config.clear_providers()
-        if provider != "cpu":
-            config.append_provider(provider)
+        if provider is not None:
+            config.clear_providers()
+            if provider != "cpu":
+                config.append_provider(provider)
+        if pad_token_id is not None:
+            config.overlay(json.dumps({"model": {"pad_token_id": pad_token_id}}))
         return og.Model(config)
     except RuntimeError as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -176,9 +226,10 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     """provider: None runs on what the folder's genai_config names; "cpu"/"cuda" override it."""
     og = import_genai()
     context = None
-    if model is None:
-        context = decoder.read_decoder_folder(folder)[1]["model"]["context_length"]
-        model = open_genai_model(folder, provider)
+    if model is None:  # a model given is the caller's, pad id included
+        config = decoder.read_decoder_folder(folder)[1]
+        context = config["model"]["context_length"]
+        model = open_genai_model(folder, provider, genai_pad_for(config, [prompt]))
     if context is not None and len(prompt) > context:
         raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {context}")
     params = og.GeneratorParams(model)
@@ -208,3 +259,71 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     end = time.perf_counter()
     stop = "length" if len(prompt) + len(tokens) >= total else "eos"
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
+
+
+def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                         model=None, provider: str | None = None, pad_token_id: int | None = None) -> BatchRun:
+    """Several prompts as one batch through onnxruntime-genai, right-padded as genai pads (its
+    trailing pad ids are the padding; genai_pad_for says when the folder's pad id cannot be that).
+    model: one opened by open_genai_model, with pad_token_id if it was given one.
+    Greedy rows give what each prompt gives alone; sampled rows draw from genai's one generator."""
+    og = import_genai()
+    config = decoder.read_decoder_folder(folder)[1]
+    context = int(config["model"]["context_length"])
+    eos = set(decoder.eos_token_ids(config))
+    width = max(len(p) for p in prompts)
+    if width > context:
+        raise DiffExportError(f"the prompt's {width} tokens exceed the folder's context length {context}")
+    if model is None:
+        pad_token_id = genai_pad_for(config, prompts)
+        model = open_genai_model(folder, provider, pad_token_id)
+    pad = int(config["model"].get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
+    if any(p[-1] == pad for p in prompts):
+        raise DiffExportError(f"a prompt ends with the model's pad id {pad}, which genai would take for padding: "
+                              "open the model with open_genai_model(folder, pad_token_id=genai_pad_for(...))")
+    ids = np.full((len(prompts), width), pad, np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)] = prompt
+    params = og.GeneratorParams(model)
+    search = {"max_length": min(width + max_new_tokens, context), "do_sample": not sampling.greedy,
+              "batch_size": len(prompts)}
+    if not sampling.greedy:
+        search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
+        if sampling.top_k:
+            search["top_k"] = sampling.top_k
+    params.set_search_options(**search)
+    start = time.perf_counter()
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    while not generator.is_done():
+        generator.generate_next_token()
+    tokens, stops = [], []
+    for row in range(len(prompts)):
+        # every row's new tokens start after the padded width; a finished row goes on with padding
+        new = [int(t) for t in generator.get_sequence(row)[width:]]
+        end = next((k for k, t in enumerate(new) if t in eos), None)
+        tokens.append(new if end is None else new[:end + 1])
+        stops.append("length" if end is None else "eos")
+    return BatchRun(tokens, stops, sum(map(len, prompts)), time.perf_counter() - start)
+
+
+def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                        batch_size: int = 8, backend: str = "genai", provider: str | None = None,
+                        runner: OrtDecoder | None = None) -> Iterator[tuple[int, BatchRun]]:
+    """Prompts in order, batch_size at a time: yields (index of the batch's first prompt, its run).
+    backend "genai" (provider None: the folder's) or "onnxruntime" (runner: an OrtDecoder, or an
+    engine's runner; else one on provider)."""
+    if batch_size < 1:
+        raise DiffExportError(f"the batch size must be >= 1, got {batch_size}")
+    if backend == "genai":
+        config = decoder.read_decoder_folder(folder)[1]
+        pad = genai_pad_for(config, prompts)  # one model for every batch: a pad id that ends no prompt
+        model = open_genai_model(folder, provider, pad)
+        for first in range(0, len(prompts), batch_size):
+            yield first, generate_batch_genai(folder, prompts[first:first + batch_size], max_new_tokens, sampling,
+                                              model=model, pad_token_id=pad)
+    else:
+        runner = runner or OrtDecoder(folder, provider=provider or "cpu")
+        for first in range(0, len(prompts), batch_size):
+            yield first, generate_batch_onnxruntime(folder, prompts[first:first + batch_size], max_new_tokens,
+                                                    sampling, runner=runner)

@@ -161,6 +161,7 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
     if threads:
         session["intra_op_num_threads"] = threads
     maps = 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads
+    eos = special.get("eos_token_id", cfg.vocab_size - 1)
     return {
         "model": {
             "bos_token_id": special.get("bos_token_id", 1),
@@ -178,8 +179,11 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
                 "num_key_value_heads": heads,  # 1: the token-major cache, one "head" of width W (docs/EXPORT.md)
             },
             # without a tokenizer: the last id, where GPT-2-style vocabularies keep end-of-text
-            "eos_token_id": special.get("eos_token_id", cfg.vocab_size - 1),
-            "pad_token_id": special.get("pad_token_id", 0),
+            "eos_token_id": eos,
+            # genai reads a prompt's trailing pad ids as padding (and takes the logits before them), so
+            # a checkpoint without a pad id pads with end-of-sequence, as transformers does, not with
+            # id 0, which ends real prompts (Llama 3's "!")
+            "pad_token_id": special.get("pad_token_id", eos[0] if isinstance(eos, list) else eos),
             "type": "llama",  # genai's decoder-only model class; the graph is ours
             "vocab_size": cfg.vocab_size,
         },
@@ -371,7 +375,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
         if attention == "gqa":
-            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, context_length, log)
+            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, log)
         config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
@@ -388,7 +392,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
                                 attention=attention, cache_heads=cache_heads(cfg, attention), provider=provider)
 
 
-def _rewrite_for_gqa(model_path: Path, external: bool, context_length: int, log: Callable[[str], None]) -> None:
+def _rewrite_for_gqa(model_path: Path, external: bool, log: Callable[[str], None]) -> None:
     """The checked DiffAttention graph at model_path, rewritten in place (inside the temporary folder)."""
     import onnx
 
@@ -396,10 +400,10 @@ def _rewrite_for_gqa(model_path: Path, external: bool, context_length: int, log:
     from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
     model = onnx.load(str(model_path))  # weights too: they are written again below
-    result = rewrite_decoder(model, rotary_positions=context_length)
+    result = rewrite_decoder(model)
     del model
     log(f"rewriting     {result.layers} DiffAttention -> GroupQueryAttention (cache [batch, {result.num_kv_heads}, "
-        f"past, {result.head_size}], shared buffer; rotary {result.rotary})")
+        f"past, {result.head_size}], shared buffer)")
     fused, counts = fuse_for_onnxruntime(result.model)
     del result
     log(f"fusing        {counts.describe()}")

@@ -256,7 +256,8 @@ def extend_cache(past, key: torch.Tensor, value: torch.Tensor):
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Token positions [B, P+S] of a left-padded batch: present tokens count 0, 1, 2, ...; padding gets 0."""
+    """Token positions [B, P+S] of a padded batch: present tokens count 0, 1, 2, ... (a right-padded row's
+    answer goes on from its prompt's count, past the padding); left padding gets 0."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 

@@ -1,0 +1,76 @@
+"""Prompts files for `diffexport generate --prompts-file F`: JSON Lines, one prompt per line.
+
+  {"prompt": "text"}             text, encoded by the folder's tokenizer (--chat: as a user turn)
+  {"ids": [1, 2, 3]}             token ids as they are
+  either may carry "id": a string or integer of the caller's, given back with the answer
+
+Blank lines are skipped. Anything else (another key, both prompt and ids, an empty prompt, ids
+outside the vocabulary, a line that is not a JSON object) is refused with its line number before
+any prompt runs. The file is read whole, so it is limited in size like the other text inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from diffexport.analysis.streams import MAX_TEXT_BYTES
+from diffexport.errors import DiffExportError
+
+KEYS = frozenset({"prompt", "ids", "id"})
+
+
+@dataclasses.dataclass
+class PromptLine:
+    line: int  # 1-based line number in the file
+    text: str | None  # exactly one of text and ids
+    ids: list[int] | None
+    id: str | int | None = None  # the caller's own id, given back
+
+
+def read_prompts(path: str | Path, vocab_size: int) -> list[PromptLine]:
+    file = Path(path)
+    if not file.is_file():
+        raise DiffExportError(f"prompts file not found: {path}" if not file.exists() else
+                              f"{path} is not a regular file: give a JSON Lines file of prompts")
+    size = file.stat().st_size
+    if size > MAX_TEXT_BYTES:
+        raise DiffExportError(f"{path} is {size / 2**20:.0f} MiB; a prompts file is read whole and limited to "
+                              f"{MAX_TEXT_BYTES >> 20} MiB: split it")
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise DiffExportError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    prompts = [_parse(number, text, vocab_size, path) for number, text in enumerate(lines, 1) if text.strip()]
+    if not prompts:
+        raise DiffExportError(f"{path} holds no prompt: one JSON object per line, "
+                              '{"prompt": "text"} or {"ids": [1, 2, 3]}')
+    return prompts
+
+
+def _parse(number: int, text: str, vocab_size: int, path) -> PromptLine:
+    where = f"{path} line {number}"
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise DiffExportError(f"{where}: not JSON ({str(exc).splitlines()[0][:80]})") from None
+    if not isinstance(value, dict):
+        raise DiffExportError(f'{where}: give an object, {{"prompt": "text"}} or {{"ids": [1, 2, 3]}}')
+    unknown = sorted(set(value) - KEYS)
+    if unknown:
+        raise DiffExportError(f"{where}: unknown key {unknown[0]!r} (a prompt line takes prompt or ids, and id)")
+    if ("prompt" in value) == ("ids" in value):
+        raise DiffExportError(f"{where}: give exactly one of prompt (text) and ids (token ids)")
+    caller_id = value.get("id")
+    if caller_id is not None and (isinstance(caller_id, bool) or not isinstance(caller_id, (str, int))):
+        raise DiffExportError(f"{where}: id must be a string or an integer")
+    if "prompt" in value:
+        if not isinstance(value["prompt"], str) or not value["prompt"]:
+            raise DiffExportError(f"{where}: prompt must be non-empty text")
+        return PromptLine(number, value["prompt"], None, caller_id)
+    ids = value["ids"]
+    if not isinstance(ids, list) or not ids or \
+            not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise DiffExportError(f"{where}: ids must be a non-empty list of token ids in [0, {vocab_size})")
+    return PromptLine(number, None, ids, caller_id)

@@ -1,0 +1,189 @@
+"""Batched generation from KV-cache folders: `diffexport generate --prompts-file` and
+decoding.generate_in_batches. onnxruntime-genai pads a batch on the right (the new tokens follow the
+padding), the onnxruntime loop on the left; greedy rows must give, token for token, what eager
+generate gives each prompt alone, for both attention kinds, a prompt that ends with the pad id and
+rows that stop at an end id included. The prompts file is an input from strangers: every refusal
+is one line."""
+
+import json
+
+import pytest
+import torch
+
+from diffexport import prompts as prompts_file
+from diffexport.errors import DiffExportError
+from helpers import assert_one_line_error, perturb_norm_weights, quiet, run_cli
+
+# ---------------------------------------------------------------- the prompts file (no model needed)
+
+
+def _write(tmp_path, text, name="p.jsonl"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_prompts_file_reads_text_ids_and_caller_ids(tmp_path):
+    path = _write(tmp_path, '{"prompt": "hello", "id": "q1"}\n\n  \n{"ids": [1, 2, 3], "id": 7}\n{"ids": [0]}\n')
+    lines = prompts_file.read_prompts(path, vocab_size=10)
+    assert [(p.line, p.text, p.ids, p.id) for p in lines] == [
+        (1, "hello", None, "q1"), (4, None, [1, 2, 3], 7), (5, None, [0], None)]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("not json\n", "line 1: not JSON"),
+    ('["hello"]\n', "line 1: give an object"),
+    ('{"ids": [1]}\n{"text": "hi"}\n', "line 2: unknown key 'text'"),
+    ('{"prompt": "a", "ids": [1]}\n', "exactly one of prompt"),
+    ('{"id": 3}\n', "exactly one of prompt"),
+    ('{"prompt": ""}\n', "prompt must be non-empty text"),
+    ('{"prompt": 5}\n', "prompt must be non-empty text"),
+    ('{"ids": []}\n', "ids must be a non-empty list"),
+    ('{"ids": [1, 10]}\n', "token ids in [0, 10)"),
+    ('{"ids": [-1]}\n', "token ids in [0, 10)"),
+    ('{"ids": [true]}\n', "token ids in [0, 10)"),
+    ('{"ids": [1.0]}\n', "token ids in [0, 10)"),
+    ('{"ids": [1], "id": [2]}\n', "id must be a string or an integer"),
+    ('{"ids": [1], "id": false}\n', "id must be a string or an integer"),
+    ("\n \n", "holds no prompt"),
+], ids=["json", "array", "key", "both", "neither", "empty", "number", "no-ids", "vocab", "negative", "bool",
+        "float", "id-list", "id-bool", "blank"])
+def test_prompts_file_refusals(tmp_path, text, message):
+    with pytest.raises(DiffExportError, match=None) as err:
+        prompts_file.read_prompts(_write(tmp_path, text), vocab_size=10)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_prompts_file_refuses_what_is_not_a_small_utf8_file(tmp_path):
+    with pytest.raises(DiffExportError, match="prompts file not found"):
+        prompts_file.read_prompts(tmp_path / "missing.jsonl", 10)
+    with pytest.raises(DiffExportError, match="not a regular file"):
+        prompts_file.read_prompts(tmp_path, 10)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DiffExportError, match="not UTF-8"):
+        prompts_file.read_prompts(tmp_path / "latin1.jsonl", 10)
+    with open(tmp_path / "huge.jsonl", "wb") as f:  # sparse: refused from its size, never read
+        f.truncate(prompts_file.MAX_TEXT_BYTES + 1)
+    with pytest.raises(DiffExportError, match="limited to 64 MiB"):
+        prompts_file.read_prompts(tmp_path / "huge.jsonl", 10)
+
+
+# ---------------------------------------------------------------- batches of a folder
+
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def model_and_folders(tmp_path_factory):
+    """A V1 model (4 diff-heads on 2 kv-groups) and its DiffAttention and gqa folders."""
+    from diffexport.checkpoint import load_model, save_checkpoint
+    from diffexport.export.decoder import export_decoder
+    from diffexport.modeling import build_model
+    from diffexport.presets import preset_config
+
+    cfg = preset_config("diff-v1-tiny")
+    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
+    root = tmp_path_factory.mktemp("batch")
+    save_checkpoint(perturb_norm_weights(build_model(cfg, seed=41), 41), root / "ckpt.pt")
+    loaded = load_model(root / "ckpt.pt")
+    folders = {attention: root / attention for attention in ("diffattention", "gqa")}
+    for attention, folder in folders.items():
+        export_decoder(loaded, folder, attention=attention, log=quiet)
+    return loaded, folders
+
+
+def _alone(model, prompt, n, eos):
+    from diffexport.generation import generate
+
+    return generate(model.eval(), torch.tensor([prompt]), max_new_tokens=n, eos_token_id=eos).tokens[0].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["diffattention", "gqa"])
+def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    import shutil
+
+    from diffexport.backends import decoding
+    from diffexport.generation import Sampling
+
+    loaded, folders = model_and_folders
+    folder = tmp_path / attention
+    shutil.copytree(folders[attention], folder)
+    config = json.loads((folder / "genai_config.json").read_text())
+    pad = config["model"]["pad_token_id"]
+    assert pad == config["model"]["eos_token_id"] == loaded.config.vocab_size - 1  # no pad id: eos pads
+    # lengths 1..13, one prompt ending with the pad id (genai would read it as padding)
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [9], [300, 12, 77, pad], list(range(100, 113)), [64, 2]]
+    free = _alone(loaded.model, prompts[0], 12, None)
+    stop = next(i for i in range(2, 12) if free[i] not in free[:i])  # first seen late: an end id to stop at
+    config["model"]["eos_token_id"] = [free[stop]]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    expected = [_alone(loaded.model, p, 12, [free[stop]]) for p in prompts]
+    assert len(expected[0]) == stop + 1 and any(len(e) == 12 for e in expected)
+
+    for backend in ("genai", "onnxruntime"):
+        for size in (5, 2):
+            runs = list(decoding.generate_in_batches(folder, prompts, 12, Sampling(), size, backend))
+            assert [first for first, _ in runs] == list(range(0, 5, size))
+            tokens = [t for _, run in runs for t in run.tokens]
+            stops = [s for _, run in runs for s in run.stops]
+            assert tokens == expected, (backend, size)
+            assert stops == ["eos" if e[-1] == free[stop] else "length" for e in expected]
+    # one prompt through genai alone: a trailing pad id is a token, not padding
+    assert decoding.generate_genai(folder, prompts[2], 12, Sampling()).tokens == expected[2]
+
+
+@pytest.mark.slow
+def test_sampled_batches_are_reproducible(model_and_folders):
+    pytest.importorskip("onnxruntime_genai")
+    from diffexport.backends import decoding
+    from diffexport.generation import Sampling
+
+    _, folders = model_and_folders
+    prompts = [[5, 17, 42], [9, 8, 7, 6, 5]]
+    sampling = Sampling(greedy=False, temperature=1.5, top_k=50, seed=3)
+    for backend in ("genai", "onnxruntime"):
+        first = list(decoding.generate_in_batches(folders["gqa"], prompts, 10, sampling, 2, backend))[0][1]
+        again = list(decoding.generate_in_batches(folders["gqa"], prompts, 10, sampling, 2, backend))[0][1]
+        assert first.tokens == again.tokens and all(len(t) == 10 for t in first.tokens)
+
+
+@pytest.mark.slow
+def test_generate_prompts_file_cli(model_and_folders, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    loaded, folders = model_and_folders
+    folder = folders["diffattention"]
+    prompts = [[5, 17, 42, 99], [9], [300, 12, 77, 1, 2, 3]]
+    path = _write(tmp_path, "".join(json.dumps({"ids": p, "id": f"q{i}"}) + "\n" for i, p in enumerate(prompts)))
+    for backend in ("genai", "onnxruntime"):
+        out = run_cli("generate", folder, "--prompts-file", path, "--batch-size", "2", "--max-new-tokens", "6",
+                      "--backend", backend)
+        assert out.returncode == 0, out.stderr
+        answers = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [a["id"] for a in answers] == ["q0", "q1", "q2"] and [a["line"] for a in answers] == [1, 2, 3]
+        assert [a["tokens"] for a in answers] == [_alone(loaded.model, p, 6, None) for p in prompts]
+        assert "in 2 batches of up to 2" in out.stderr and "batch 2/2: 1 prompt," in out.stderr
+
+
+@pytest.mark.slow
+def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
+    _, folders = model_and_folders
+    folder = folders["diffattention"]
+    ok = _write(tmp_path, '{"ids": [1, 2]}\n')
+    assert_one_line_error(run_cli("generate", folder, "--prompts-file", _write(tmp_path, '{"ids": [1]}\n{"ids": [1, 99999]}\n',
+                                                                                "bad.jsonl")),
+                          "bad.jsonl line 2: ids must be")
+    assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--batch-size", "2"),
+                          "--batch-size groups the prompts of --prompts-file")
+    assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--batch-size", "0"),
+                          "the batch size must be >= 1")
+    assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--chat"),
+                          "gives token ids only")
+    assert_one_line_error(run_cli("generate", folder, "--prompts-file", _write(tmp_path, '{"prompt": "hi"}\n', "t.jsonl")),
+                          "has no tokenizer")
+    long = _write(tmp_path, '{"ids": [1]}\n' + json.dumps({"ids": [1] * 2040}) + "\n", "long.jsonl")
+    assert_one_line_error(run_cli("generate", folder, "--prompts-file", long, "--max-new-tokens", "16"),
+                          "long.jsonl line 2 (2040 tokens) + --max-new-tokens 16 exceeds the context length 2048")
