@@ -24,7 +24,7 @@ from diffexport.errors import DiffExportError
 OP_NAME = "DiffAttention"
 ONNX_DOMAIN = "diffexport"
 OP_VERSION = 1  # the five inputs below; what prefill exports and the TensorRT plugin use
-KEY_MASK_VERSION = 2  # version 1 plus the optional key_mask input (KV-cache decoders, left padding)
+KEY_MASK_VERSION = 2  # version 1 plus the optional key_mask input (KV-cache decoders, padded batches)
 TORCH_OP = "diffexport::diff_attention"
 PLUGIN_NAME = OP_NAME
 PLUGIN_NAMESPACE = "diffexport"
@@ -86,7 +86,7 @@ INPUTS: tuple[TensorSpec, ...] = (
                dtype="float32"),
 )
 # Version 2 extends version 1 by one optional input; a node without it is a version-1 node.
-KEY_MASK = TensorSpec("key_mask", ("B", "Skv"), "1: key token present, 0: padding (left-padded batches); "
+KEY_MASK = TensorSpec("key_mask", ("B", "Skv"), "1: key token present, 0: padding (padded batches, any pattern); "
                       "absent: every key present. A query row that sees no key at all gets zeros",
                       optional=True, dtype="int64")
 OPTIONAL_INPUTS: tuple[TensorSpec, ...] = (KEY_MASK,)

@@ -577,7 +577,7 @@ def kv_engine(v1_folder, tmp_path_factory):
     pytest.importorskip("tensorrt_rtx")
     engine = tmp_path_factory.mktemp("kvengine") / "kv.engine"
     result = run_cli("trt", v1_folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
-                     "--max", "2x64", "--max-past", "64")
+                     "--max", "3x64", "--max-past", "64")
     assert result.returncode == 0, result.stderr
     return engine
 
@@ -599,9 +599,9 @@ def test_engine_decoder_steps_an_engine_as_the_folder_check_does(kv_engine, v1_f
     assert report.passed, report.text()
     assert "greedy tokens engine == eager at 13/13 steps  PASS" in report.text()
     prefill, first, last = runner.calls[0], runner.calls[1], runner.calls[-1]
-    assert prefill["past_key_values.0.key"][0] == (2, 1, 0, cache_width(loaded.config))  # the empty past
-    assert first["input_ids"][0] == (2, 1) and first["past_key_values.1.value"][0][2] == 16
-    assert last["attention_mask"][0] == (2, 16 + 12) and first["past_key_values.0.key"][1] == np.float32
+    assert prefill["past_key_values.0.key"][0] == (3, 1, 0, cache_width(loaded.config))  # the empty past
+    assert first["input_ids"][0] == (3, 1) and first["past_key_values.1.value"][0][2] == 16
+    assert last["attention_mask"][0] == (3, 16 + 12) and first["past_key_values.0.key"][1] == np.float32
     inputs = json.loads((tmp_path / "c" / "inputs.json").read_text())
     assert len(inputs) == 2  # polygraphy gets the prefill and the first decode step
 
@@ -617,7 +617,7 @@ def v1_folder_model(engine):
 def test_engine_check_of_a_decoder_refuses_before_the_gpu(kv_engine, v1_ckpt, tmp_path):
     # the profile is held against the calls the check will make before anything runs
     assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "60"),
-                          "past 75 is outside kv.engine's profile (batch 1..2, sequence 1..64, past 0..64)")
+                          "past 75 is outside kv.engine's profile (batch 1..3, sequence 1..64, past 0..64)")
     assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "-1"), "--steps must be")
     assert_one_line_error(run_cli("check", v1_folder_model(kv_engine), "--ckpt", v1_ckpt, "--steps", "4"),
                           "is a single graph: use --shapes")  # --steps is not silently ignored on one graph
