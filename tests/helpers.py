@@ -153,3 +153,14 @@ def perturb_norm_weights(model, seed):
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
     return model
+
+
+def padding_mask(batch: int, kv_len: int, pads: list) -> torch.Tensor:
+    """[B, Skv] int64 key mask. Per row: an int n, the first n keys are padding (a left-padded
+    batch); a pair (a, b), keys a..b-1 are (a right-padded prompt's padding before its answer,
+    as onnxruntime-genai pads a batch)."""
+    mask = torch.ones(batch, kv_len, dtype=torch.int64)
+    for row, pad in enumerate(pads):
+        start, stop = (0, pad) if isinstance(pad, int) else pad
+        mask[row, start:stop] = 0
+    return mask

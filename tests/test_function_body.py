@@ -15,7 +15,7 @@ from onnx import TensorProto, helper  # noqa: E402
 from diffexport import contract  # noqa: E402
 from diffexport.contract import DiffAttentionAttrs  # noqa: E402
 from diffexport.export import function_body, op_schema  # noqa: E402
-from helpers import make_inputs  # noqa: E402
+from helpers import make_inputs, padding_mask  # noqa: E402
 from oracle import diff_attention_oracle  # noqa: E402
 
 ELEM = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
@@ -52,14 +52,6 @@ def oracle(attrs, tensors):
                                  **attrs.as_dict())
 
 
-def left_padding_mask(batch: int, kv_len: int, pads: list[int]) -> torch.Tensor:
-    """[B, Skv] int64: row b starts with pads[b] padding keys (what a left-padded batch's attention_mask holds)."""
-    mask = torch.ones(batch, kv_len, dtype=torch.int64)
-    for b, pad in enumerate(pads):
-        mask[b, :pad] = 0
-    return mask
-
-
 CASES = [  # variant, kv-groups, causal, (q_len, kv_len), norm (with its weight; V2 has none)
     (variant, hkv, causal, lengths, norm)
     for variant, hkv, causal, lengths, norm in itertools.product(
@@ -88,19 +80,21 @@ def test_body_matches_oracle_fp32(style, variant, hkv, causal, lengths, norm, rn
     (2, 2, 4, 19, [18, 2]),    # a row with one present key; multi-token step
     (1, 4, 17, 17, [17, 0]),   # a sequence of padding only: its output is all zeros
     (2, 1, 33, 33, [0, 0]),    # all present: same as version 1
+    (1, 2, 7, 7, [(4, 7), 0]),     # prefill of a right-padded prompt: padding rows last (genai's batches)
+    (2, 2, 3, 15, [(5, 9), 2]),    # steps after it: a hole of padding keys between prompt and answer
 ])
 def test_body_with_key_mask_matches_oracle(style, variant, hkv, q_len, kv_len, pads, rng):
     attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=hkv, head_dim=8, causal=1,
                                norm=int(variant == 1), output_scale=0.7 if variant == 1 else 1.0)
     tensors = dict(zip(contract.INPUT_NAMES, make_inputs(attrs, 2, q_len, kv_len, rng=rng)))
-    tensors["key_mask"] = left_padding_mask(2, kv_len, pads)
+    tensors["key_mask"] = padding_mask(2, kv_len, pads)
     model, _ = one_node_model(attrs, style, tensors)
     assert len(model.graph.node[0].input) == 6 and model.functions[0].input[-1] == "key_mask"
     out = run_one_node(attrs, style, tensors)
     ref = oracle(attrs, tensors)
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
-    if pads[0] == kv_len:
+    if pads[0] == kv_len:  # a sequence of padding only
         assert not out[0].any()
     # the eager references and the op agree with the oracle too
     from diffexport import op, reference
