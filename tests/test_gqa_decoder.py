@@ -67,15 +67,18 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
     assert config["search"]["past_present_share_buffer"] is True
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["diffexport.attention"] == "gqa" and meta["diffexport.kv_cache"] == "1"
-    # rotary stays in the graph, at the mask's positions (GQA's would count padding slots): one
-    # Cos/Sin pair for every layer, no cos/sin cache given to GQA
-    assert attrs.get("do_rotary", 0) == 0 and not gqa[0].input[7] and not gqa[0].input[8]
-    assert [n.op_type for n in model.graph.node if n.op_type in ("Cos", "Sin")] == ["Cos", "Sin"]
+    # rotary inside GQA: the rotate-half nodes and the positions' Cos/Sin are gone, the caches hold
+    # the context's positions, D/2 = 8 frequencies twice (the V1 layout's two maps)
+    assert attrs["do_rotary"] == 1 and attrs["rotary_interleaved"] == 0
+    assert not [n for n in model.graph.node if n.op_type in ("Cos", "Sin", "CumSum") and not n.name.startswith("gqa/")]
+    assert all(n.name.startswith(("gqa/", "packed/")) for n in model.graph.node if n.op_type == "Split")
     # onnxruntime's fused norms (residual adds inside) and packed q/k/v and gate/up projections
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("SkipSimplifiedLayerNormalization") == 4 and ops.count("RMSNormalization") == 3  # 2 heads + final
     assert not {"Pow", "ReduceMean", "Reciprocal"} & set(ops)
     assert ops.count("MatMul") == 9  # per layer: q|k|v, out, gate|up, down; and the head
+    inits = {t.name: t for t in model.graph.initializer}
+    assert [list(inits[gqa[0].input[i]].dims) for i in (7, 8)] == [[2048, 16], [2048, 16]]
     runtimes = inspect_onnx(folder / "model.onnx")["runtimes"]  # what `diffexport inspect` prints
     assert "GroupQueryAttention" in runtimes["onnxruntime"] and runtimes["tensorrt_native"].startswith("no")
 
@@ -101,7 +104,7 @@ def test_gqa_folder_equals_the_diffattention_folder_everywhere(v1_pair):
     """Every logit, padded rows included (the contract gives a row that sees no key zeros; GQA alone
     would average the masked keys), over decode steps and multi-token chunks after the prompt, with
     left- and right-padded rows (right: padding between prompt and answer, as genai pads a batch;
-    a rotation by cache slot, as GQA's own, fails there)."""
+    GQA's own rotary positions, the cache slots, would put the padding between them)."""
     _, diff, gqa = v1_pair
     rows = [PROMPT, PROMPT[:3], PROMPT[2:], [9], PROMPT[:2], PROMPT[1:5]]
     chunks = [1, 1, 3, 1, 2, 1]
@@ -110,9 +113,29 @@ def test_gqa_folder_equals_the_diffattention_folder_everywhere(v1_pair):
         np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
 
 
+def test_gqa_rotary_left_in_the_graph_computes_the_same(v1_pair, tmp_path):
+    """The rewrite without a context length (or with rotary nodes it does not recognise) keeps the
+    graph's own rotary nodes; that graph too equals the DiffAttention folder everywhere."""
+    _, diff, gqa = v1_pair
+    model = onnx.load(str(diff / "model.onnx"))
+    result = rewrite_decoder(model)
+    assert result.rotary.startswith("kept in the graph (no context length")
+    tampered = onnx.ModelProto.FromString(model.SerializeToString())
+    sub = next(n for n in tampered.graph.node if n.op_type == "Sub" and n.input[0].startswith("mul"))
+    sub.input[0], sub.input[1] = sub.input[1], sub.input[0]  # b*sin - a*cos: not the rotation GQA does
+    assert rewrite_decoder(tampered, rotary_positions=64).rotary.startswith("kept in the graph (")
+    shutil.copytree(gqa, tmp_path / "kept")
+    onnx.save(result.model, str(tmp_path / "kept" / "model.onnx"))
+    assert [a.i for a in next(n for n in result.model.graph.node if n.op_type == "GroupQueryAttention").attribute
+            if a.name == "do_rotary"] == [0]
+    rows, chunks = [PROMPT, PROMPT[:3], [9], PROMPT[1:4]], [1, 2, 1]
+    for a, b in zip(_steps(diff, rows, chunks, {3}), _steps(tmp_path / "kept", rows, chunks, {3})):
+        np.testing.assert_allclose(b, a, atol=2e-5, rtol=0)
+
+
 def test_generation_stops_at_the_context_length(tmp_path):
-    """Both runners stop where genai's max_length (the context length) does, and a step past the
-    context is refused in one line, not by onnxruntime."""
+    """The rotary caches hold the context's positions: both runners stop where genai's max_length does,
+    and a step past the context is refused in one line, not by onnxruntime."""
     pytest.importorskip("onnxruntime_genai")
     loaded = load_model(None, preset="diff-v1-tiny", seed=2)
     export_decoder(loaded, tmp_path / "kv", attention="gqa", context_length=16, log=quiet)

@@ -2,7 +2,9 @@
 onnxruntime session loop (for users without onnxruntime-genai, and the reference when debugging).
 
 Both stream token ids through `on_token` and return what they generated with timings, so
-`diffexport generate`, `diffexport check` and tools/bench_decode.py share them.
+`diffexport generate`, `diffexport check` and tools/bench_decode.py share them. Several prompts go
+as batches (generate_in_batches): genai pads them on the right, the onnxruntime loop on the left,
+and greedy rows give what each prompt gives alone.
 """
 
 from __future__ import annotations

@@ -375,7 +375,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
         if attention == "gqa":
-            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, log)
+            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, context_length, log)
         config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
@@ -392,7 +392,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
                                 attention=attention, cache_heads=cache_heads(cfg, attention), provider=provider)
 
 
-def _rewrite_for_gqa(model_path: Path, external: bool, log: Callable[[str], None]) -> None:
+def _rewrite_for_gqa(model_path: Path, external: bool, context_length: int, log: Callable[[str], None]) -> None:
     """The checked DiffAttention graph at model_path, rewritten in place (inside the temporary folder)."""
     import onnx
 
@@ -400,10 +400,10 @@ def _rewrite_for_gqa(model_path: Path, external: bool, log: Callable[[str], None
     from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
     model = onnx.load(str(model_path))  # weights too: they are written again below
-    result = rewrite_decoder(model)
+    result = rewrite_decoder(model, rotary_positions=context_length)
     del model
     log(f"rewriting     {result.layers} DiffAttention -> GroupQueryAttention (cache [batch, {result.num_kv_heads}, "
-        f"past, {result.head_size}], shared buffer)")
+        f"past, {result.head_size}], shared buffer; rotary {result.rotary})")
     fused, counts = fuse_for_onnxruntime(result.model)
     del result
     log(f"fusing        {counts.describe()}")

@@ -16,12 +16,20 @@ The mapping is exact (no approximation):
   The logit scale is the op's (1/sqrt(D) by default), not GQA's 1/sqrt(head size). Then
   O1 - lambda*O2, the per-head RMSNorm (RMSNormalization, opset 23) with norm_weight*output_scale
   folded into one weight (norm=0: one Mul), and the [B, S, H*Dv] output the rest of the graph reads.
-Rotary embedding stays in the graph, at the positions the graph computes from the attention mask
-(cumsum - 1, as the model does), and GQA's do_rotary is off. Why not rotate inside GQA: it rotates
-by cache slot, and onnxruntime-genai right-pads a batch, so a short row's new tokens sit after its
-padding slots; the slot distance between a new token and the prompt is then not the token distance,
-and the logits part from the model's (tokens differed within 3 steps). Moving the rotation into
-GQA bought +0.4% decode speed on a 2-core CPU (docs/BENCHMARKS.md), not worth a wrong batch.
+Rotary embedding inside GroupQueryAttention (do_rotary, when the rest of the graph rotates q and k
+as the exporter writes it, and the rewrite is told the context length): the rotate-half subgraphs
+go, GQA rotates the projections itself from cos/sin caches of the graph's own frequencies. V2's
+heads are rotated as they are. V1's 2D-wide heads pair dimension i with i + D, so each map's halves
+are laid out [x1_a | x2_a | x1_b | x2_b] (a/b: the halves the model rotates together; queries with
+the zero map in the other slot) and both caches repeat the D/2 frequencies: every pair meets its
+own frequency, and the dot products are those of the model. Positions: GQA's position_ids input,
+each token's cache slot less the padding slots after its row's first real token. Rotary logits
+depend only on the distance between query and key, so left padding (slots counted from the first
+slot, as GQA counts a prompt) and a right-padded prompt (onnxruntime-genai's batches: padding
+between prompt and answer, which GQA's own slot count would put between them) both give the
+model's distances for every real token; the results agree to rounding (padded rows are masked or
+zeroed either way). A prompt with padding inside it is not such a batch: its prompt step is
+rotated by slot.
 Cache: [B, Hkv, T, head size] per layer, the same bytes per token as the token-major cache. GQA has
 no key mask, so left padding becomes its attention_bias (a large negative number on padded keys,
 finite so that a padded query row stays finite), a query row that sees no key gets zeros as the
@@ -60,6 +68,15 @@ class GqaResult:
     layers: int
     num_kv_heads: int
     head_size: int
+    rotary: str  # "inside GroupQueryAttention" or why the graph's own rotary nodes stayed
+
+
+@dataclasses.dataclass
+class _Rope:
+    """The graph's rotary frequencies (shared by every layer): Cos/Sin of positions * inv_freq."""
+    cos: str  # [B, S, 1, D/2] as the rotate-half Muls read them
+    sin: str
+    inv_freq: np.ndarray  # [D/2] float32
 
 
 def _refuse(why: str) -> DiffExportError:
@@ -119,9 +136,11 @@ def _ints(g: _Graph, values: list[int]) -> str:
     return g.const(np.asarray(values, np.int64), "shape")
 
 
-def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
+def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None) -> GqaResult:
     """A copy of a KV-cache decoder graph with every DiffAttention node as GroupQueryAttention and a
-    head-major cache interface (past/present [B, Hkv, T, head size]) for a shared buffer."""
+    head-major cache interface (past/present [B, Hkv, T, head size]) for a shared buffer.
+    rotary_positions: the context length (the rows of the cos/sin caches) to move the rotary
+    embedding into GroupQueryAttention; None keeps the graph's own rotary nodes."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     g = _Graph(model)
     inputs = [i.name for i in model.graph.input]
@@ -144,6 +163,8 @@ def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
     dead: set[int] = set()  # ids of the token-major cache plumbing's nodes
     kv_heads = head_size = None
     seen_layers = set()
+    rope, rotary = _rope_plan(g, attention, rotary_positions)
+    caches = _rope_caches(g, rope, attention, dtype, rotary_positions) if rope else None
     for node in attention:
         attrs = node_attrs(node)
         if not attrs.causal:
@@ -164,7 +185,7 @@ def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
             raise _refuse("layers with different cache shapes (one genai_config describes all layers)")
         kv_heads, head_size = attrs.num_kv_heads, size
         replaced[id(node)] = _attention_nodes(g, node, attrs, dtype, query, new_key, new_value, lam, weight,
-                                               layer, lengths, bias, row_scale)
+                                               layer, lengths, bias, row_scale, rope, caches)
 
     for n in g.nodes:
         if id(n) in replaced:
@@ -177,13 +198,14 @@ def rewrite_decoder(model: onnx.ModelProto) -> GqaResult:
     _set_cache_types(model.graph, kv_heads, head_size)
     _finish_imports(model)
     _drop_unused_initializers(model.graph)
-    return GqaResult(model, layers, kv_heads, head_size)
+    return GqaResult(model, layers, kv_heads, head_size, rotary)
 
 
 def _shared_inputs(g: _Graph, nodes: list, dtype: int):
-    """(seqlens_k [B] int32 = T - 1, total_sequence_length int32 = T, query_seqlens [B] int32 = S),
-    attention_bias [B, 1, S, T], the row scale [B, S, 1, 1, 1] (0 for a query row that sees no key)
-    and the pieces of the token-major past shape [B, 1, T - S, W], all from the attention mask."""
+    """(seqlens_k [B] int32 = T - 1, total_sequence_length int32 = T, query_seqlens [B] int32 = S,
+    position_ids [B, S] int64 for GQA's rotary), attention_bias [B, 1, S, T], the row scale
+    [B, S, 1, 1, 1] (0 for a query row that sees no key) and the pieces of the token-major past
+    shape [B, 1, T - S, W], all from the attention mask."""
     mask = decoder.ATTENTION_MASK
     n, batch = g.node("Shape", [mask], start=0, end=1); nodes.append(n)
     n, total = g.node("Shape", [mask], start=1, end=2); nodes.append(n)
@@ -213,7 +235,22 @@ def _shared_inputs(g: _Graph, nodes: list, dtype: int):
     n, sees = g.node("Greater", [row_count, g.const(np.zeros((), np.int64), "zero")]); nodes.append(n)
     n, sees_t = g.node("Cast", [sees], to=dtype); nodes.append(n)
     n, row_scale = g.node("Unsqueeze", [sees_t, _ints(g, [2, 3, 4])]); nodes.append(n)  # [B, S, 1, 1, 1]
-    return (seqlens_k, total_length, query_seqlens), bias, row_scale, (batch, past_len)
+    # rotary positions: the slot up to a row's first real token (a prompt is rotated by slot, from
+    # position 0), then the leading padding plus the real count - 1: the slot less the padding
+    # slots after the first real token (a right-padded prompt's answer goes on from the prompt)
+    n, before_first = g.node("Equal", [count, g.const(np.zeros((), np.int64), "zero")]); nodes.append(n)
+    n, before_count = g.node("Cast", [before_first], to=TensorProto.INT64); nodes.append(n)
+    n, leading = g.node("ReduceSum", [before_count, _ints(g, [1])], keepdims=1); nodes.append(n)
+    n, shifted = g.node("Add", [count, leading]); nodes.append(n)
+    n, real_positions = g.node("Sub", [shifted, g.const(np.asarray(1, np.int64), "one")]); nodes.append(n)
+    n, mask_shape = g.node("Shape", [mask]); nodes.append(n)
+    n, ones = g.node("ConstantOfShape", [mask_shape], value=numpy_helper.from_array(np.ones(1, np.int64)))
+    nodes.append(n)
+    n, slot_count = g.node("CumSum", [ones, g.const(np.asarray(1, np.int64), "axis")]); nodes.append(n)
+    n, slots = g.node("Sub", [slot_count, g.const(np.asarray(1, np.int64), "one")]); nodes.append(n)
+    n, positions = g.node("Where", [before_first, slots, real_positions]); nodes.append(n)
+    n, position_ids = g.node("Slice", [positions, past_len, total, _ints(g, [1])]); nodes.append(n)
+    return (seqlens_k, total_length, query_seqlens, position_ids), bias, row_scale, (batch, past_len)
 
 
 def _cache_source(g: _Graph, name: str, kind: str):
@@ -236,24 +273,39 @@ def _cache_source(g: _Graph, name: str, kind: str):
 
 
 def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, lam, weight, layer,
-                     lengths, bias, row_scale) -> list:
-    seqlens_k, total_length, query_seqlens = lengths
+                     lengths, bias, row_scale, rope: _Rope | None, caches) -> list:
+    seqlens_k, total_length, query_seqlens, position_ids = lengths
     H, D = attrs.num_heads, attrs.head_dim
     np_type = helper.tensor_dtype_to_np_dtype(dtype)
     nodes = []
-    if attrs.variant == VARIANT_V1:  # [B, S, H*2*D] -> [B, S, H, map, slot, D], slot == map
+    if rope is not None:  # the heads [B, S, n, D] before the rotate-half nodes: GQA rotates them
+        query, new_key = _unrotated(g, query, rope), _unrotated(g, new_key, rope)
+        if attrs.variant != VARIANT_V1:
+            n, query = g.node("Reshape", [query, _ints(g, [0, 0, -1])]); nodes.append(n)
+            n, new_key = g.node("Reshape", [new_key, _ints(g, [0, 0, -1])]); nodes.append(n)
+    if attrs.variant == VARIANT_V1 and rope is None:  # [B, S, H*2*D] -> [B, S, H, map, slot, D], slot == map
         n, q6 = g.node("Reshape", [query, _ints(g, [0, 0, H, 2, 1, D])]); nodes.append(n)
         eye = g.const(np.eye(2, dtype=np_type).reshape(2, 2, 1), "map_slots")
         n, spread = g.node("Mul", [q6, eye]); nodes.append(n)
         n, query = g.node("Reshape", [spread, _ints(g, [0, 0, -1])]); nodes.append(n)
+    elif attrs.variant == VARIANT_V1:  # halves first: [B, S, H, map, half, slot, D/2], slot == map
+        n, q7 = g.node("Reshape", [query, _ints(g, [0, 0, H, 2, 2, 1, D // 2])]); nodes.append(n)
+        eye = g.const(np.eye(2, dtype=np_type).reshape(2, 1, 2, 1), "map_slots")
+        n, spread = g.node("Mul", [q7, eye]); nodes.append(n)
+        n, query = g.node("Reshape", [spread, _ints(g, [0, 0, -1])]); nodes.append(n)
+        # keys [B, S, Hkv, map, half, D/2] -> [B, S, Hkv, half, map, D/2]: [k1_a | k2_a | k1_b | k2_b]
+        n, k6 = g.node("Reshape", [new_key, _ints(g, [0, 0, attrs.num_kv_heads, 2, 2, D // 2])]); nodes.append(n)
+        n, halves = g.node("Transpose", [k6], perm=[0, 1, 2, 4, 3, 5]); nodes.append(n)
+        n, new_key = g.node("Reshape", [halves, _ints(g, [0, 0, -1])]); nodes.append(n)
     size = 2 * D if attrs.variant == VARIANT_V1 else D
+    cos_cache, sin_cache = caches or ("", "")
     outputs = [g.fresh("maps"), decoder.PRESENT_KEY % layer, decoder.PRESENT_VALUE % layer]
     n, (maps, _, _) = g.node(
         "GroupQueryAttention", [query, new_key, new_value, decoder.PAST_KEY % layer, decoder.PAST_VALUE % layer,
-                                seqlens_k, total_length, "", "", "", bias, "", "", "", "", "",
+                                seqlens_k, total_length, cos_cache, sin_cache, position_ids if rope else "", bias, "", "", "", "", "",
                                 query_seqlens],
         outputs, domain=GQA_DOMAIN, num_heads=2 * H, kv_num_heads=attrs.num_kv_heads,
-        scale=attrs.effective_scale, do_rotary=0)
+        scale=attrs.effective_scale, do_rotary=int(rope is not None), rotary_interleaved=0)
     nodes.append(n)
     n, per_map = g.node("Reshape", [maps, _ints(g, [0, 0, H, 2, size])]); nodes.append(n)
     n, (o1, o2) = g.node("Split", [per_map], 2, axis=3, num_outputs=2); nodes.append(n)
@@ -276,8 +328,93 @@ def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, l
     return nodes
 
 
+def _rope_plan(g: _Graph, attention: list, rotary_positions: int | None) -> tuple[_Rope | None, str]:
+    """The graph's rotary frequencies when every layer's q and k are rotated by the exporter's
+    rotate-half subgraph (so GQA can rotate them instead); else None and why they stay."""
+    if rotary_positions is None:
+        return None, "kept in the graph (no context length given)"
+    cos_nodes = [n for n in g.nodes if n.op_type == "Cos"]
+    sin_nodes = [n for n in g.nodes if n.op_type == "Sin"]
+    if len(cos_nodes) != 1 or len(sin_nodes) != 1 or cos_nodes[0].input[0] != sin_nodes[0].input[0]:
+        return None, "kept in the graph (not one Cos/Sin pair of shared frequencies)"
+    freqs = g.producer.get(cos_nodes[0].input[0])
+    inv_freq = None
+    if freqs is not None and freqs.op_type == "Mul":
+        inv_freq = next((numpy_helper.to_array(g.initializers[i]) for i in freqs.input if i in g.initializers), None)
+    if inv_freq is None or inv_freq.dtype != np.float32:
+        return None, "kept in the graph (the frequencies are not positions * a float32 constant)"
+    rope = _Rope(_widened(g, cos_nodes[0].output[0]), _widened(g, sin_nodes[0].output[0]), inv_freq.reshape(-1))
+    for node in attention:
+        attrs = node_attrs(node)
+        key = _cache_source(g, node.input[1], "key")[1]
+        for name in (node.input[0], key):
+            source = _unrotated(g, name, rope)
+            if source is None or inv_freq.size * 2 != attrs.head_dim:
+                return None, f"kept in the graph ({name} of {node.name} is not rotated as the exporter writes it)"
+    return rope, f"inside GroupQueryAttention (cos/sin caches of {rotary_positions} positions)"
+
+
+def _widened(g: _Graph, name: str) -> str | None:
+    """cos/sin [B, S, D/2] -> the [B, S, 1, D/2] the rotate-half Muls read (through a Cast for fp16)."""
+    for consumer in g.consumers.get(name, []):
+        if consumer.op_type == "Cast" and len(g.consumers.get(consumer.output[0], [])) == 1:
+            consumer = g.consumers[consumer.output[0]][0]
+        if consumer.op_type == "Unsqueeze" and consumer.input[1] in g.initializers and \
+                numpy_helper.to_array(g.initializers[consumer.input[1]]).tolist() in ([2], [-2]):
+            return consumer.output[0]
+    return None
+
+
+def _unrotated(g: _Graph, name: str, rope: _Rope) -> str | None:
+    """The heads [B, S, n, D] that the exporter's rotate-half subgraph turns into `name` [B, S, n*D]:
+    Reshape(Concat(a*cos - b*sin, b*cos + a*sin)) with (a, b) = Split(x [B, S, n, D]); None if not so.
+    (The rotate-half nodes are left for the final dead-node sweep.)"""
+    def made(tensor, op):
+        node = g.producer.get(tensor)
+        return node if node is not None and node.op_type == op and node.domain in ("", "ai.onnx") else None
+
+    def product(tensor, x, factor):  # Mul(x, factor) in either order, read only by its Sub/Add
+        node = made(tensor, "Mul")
+        return node is not None and sorted(node.input) == sorted([x, factor]) and len(g.consumers[tensor]) == 1
+
+    flat = made(name, "Reshape")
+    concat = made(flat.input[0], "Concat") if flat is not None else None
+    if concat is None or len(concat.input) != 2 or _axis(concat) not in (-1, 3):
+        return None
+    sub, add = made(concat.input[0], "Sub"), made(concat.input[1], "Add")
+    if sub is None or add is None or rope.cos is None or rope.sin is None:
+        return None
+    first = g.producer.get(sub.input[0])
+    a = next((i for i in (first.input if first is not None else []) if i != rope.cos), None)
+    split = g.producer.get(a) if a is not None else None
+    if split is None or split.op_type != "Split" or len(split.output) != 2 or list(split.output).index(a) != 0 \
+            or _axis(split) not in (-1, 3) or (len(split.input) > 1 and split.input[1]):
+        return None
+    a, b = split.output
+    ok = product(sub.input[0], a, rope.cos) and product(sub.input[1], b, rope.sin) and \
+        any(product(add.input[i], b, rope.cos) and product(add.input[1 - i], a, rope.sin) for i in (0, 1)) and \
+        all(len(g.consumers[t]) == 2 for t in (a, b)) and len(g.consumers[concat.output[0]]) == 1
+    return split.input[0] if ok else None
+
+
+def _axis(node) -> int | None:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"),
+                0 if node.op_type == "Split" else None)
+
+
+def _rope_caches(g: _Graph, rope: _Rope, attention: list, dtype: int, positions: int) -> tuple[str, str]:
+    """cos/sin caches [positions, head size / 2] in the cache's type: the graph's frequencies at every
+    position (V1: twice, once per map's pairs of the [x1_a | x2_a | x1_b | x2_b] layout)."""
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * rope.inv_freq[None, :]
+    if node_attrs(attention[0]).variant == VARIANT_V1:
+        freqs = np.concatenate([freqs, freqs], axis=1)
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    return g.const(np.cos(freqs).astype(np_type), "cos_cache"), g.const(np.sin(freqs).astype(np_type), "sin_cache")
+
+
 def _live(nodes: list, outputs: list[str]) -> list:
-    """The nodes that the graph's outputs depend on, in their order (what the rewrite left unread goes)."""
+    """The nodes that the graph's outputs depend on (the rotate-half and position nodes GQA replaced
+    go), in their order."""
     needed, keep = set(outputs), []
     for n in reversed(nodes):
         if any(o in needed for o in n.output):
