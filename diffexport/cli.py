@@ -428,7 +428,9 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
             sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
         sys.stdout.flush()
         new, seconds = new + run.new_tokens, seconds + run.seconds
-        _log(f"batch {number}/{count}: {len(run.tokens)} prompt{'' if len(run.tokens) == 1 else 's'}, {run.new_tokens} new tokens in {run.seconds:.1f} s")
+        rows = f"{len(run.tokens)} prompt{'' if len(run.tokens) == 1 else 's'}"
+        _log(f"batch {number}/{count}: {rows}, {run.new_tokens} new tokens in {run.seconds:.1f} s "
+             f"(prefill {run.prefill_seconds:.1f} s, then {run.decode_tokens_per_s:.1f} tokens/s)")
     _log(f"{args.backend}: {len(ids)} prompts ({sum(map(len, ids))} tokens) in {count} batches of up to "
          f"{args.batch_size}, {new} new tokens in {time.perf_counter() - start:.1f} s "
          f"({new / seconds if seconds > 0 else float('nan'):.1f} new tokens/s)")

@@ -482,6 +482,41 @@ def test_hf_diffllama_gqa_folder_checks_against_transformers(hf_dir, tmp_path):
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
 
 
+def test_generate_prompts_file_with_text_and_chat(hf_dir, tmp_path):
+    """`generate --prompts-file` with text prompts (the folder's tokenizer, --chat templating each)
+    and ids (one ending with the pad id, 0 here): every answer is what the prompt gives alone, and
+    its completion is the tokenizer's text of its tokens."""
+    og = pytest.importorskip("onnxruntime_genai")
+    source = tmp_path / "hf"
+    shutil.copytree(hf_dir, source)
+    (source / "chat_template.jinja").write_text(
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    lines = [{"prompt": "the cat sat", "id": "a"}, {"prompt": "on a mat, said the dog"}, {"ids": [5, 6, 0]}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
+    for chat in ([], ["--chat"]):
+        out = run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "p.jsonl", *chat, "--batch-size", "2",
+                      "--max-new-tokens", "6")
+        assert out.returncode == 0, out.stderr
+        answers = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [a["line"] for a in answers] == [1, 2, 3] and answers[0]["id"] == "a" and "id" not in answers[1]
+        for line, answer in zip(lines, answers):
+            if "ids" in line:
+                ids = line["ids"]
+            else:
+                template = (tmp_path / "kv" / "chat_template.jinja").read_text()
+                text = tokenizer.apply_chat_template(json.dumps([{"role": "user", "content": line["prompt"]}]),
+                                                     template_str=template, add_generation_prompt=True) \
+                    if chat else line["prompt"]
+                ids = [int(t) for t in tokenizer.encode(text)]
+            alone = decoding.generate_genai(tmp_path / "kv", ids, 6, Sampling())
+            assert answer["tokens"] == alone.tokens and answer["stop"] == alone.stop
+            spoken = alone.tokens[:-1] if alone.stop == "eos" else alone.tokens
+            assert answer["completion"] == tokenizer.decode(spoken)
+
+
 def test_several_end_ids_all_stop_generation(tmp_path):
     """generation_config.json's eos_token_id as a list (Llama 3 chat models end a turn with
     <|eot_id|>, not the list's first id): the folder keeps the whole list, and genai, the

@@ -167,10 +167,19 @@ class BatchRun:
     stops: list[str]  # per prompt, "eos" or "length"
     prompt_tokens: int  # all prompts' tokens, padding left out
     seconds: float  # the whole batch, prompts and decode
+    prefill_seconds: float  # the prompts processed and every row's first token chosen
 
     @property
     def new_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Every row's tokens after its first, over the time after the prefill (rows that stopped early
+        count what they generated)."""
+        later = sum(max(len(t) - 1, 0) for t in self.tokens)
+        decode = self.seconds - self.prefill_seconds
+        return later / decode if later and decode > 0 else float("nan")
 
 
 def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
@@ -182,7 +191,8 @@ def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens:
     runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
     timing = {}
     tokens, stops = _step_loop(runner, prompts, max_new_tokens, sampling, timing)
-    return BatchRun(tokens, stops, sum(map(len, prompts)), timing["end"] - timing["start"])
+    return BatchRun(tokens, stops, sum(map(len, prompts)), timing["end"] - timing["start"],
+                    timing["first"] - timing["start"])
 
 
 def genai_pad_for(config: dict, prompts: list[list[int]]) -> int | None:
@@ -264,13 +274,17 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
 
 
 def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                         model=None, provider: str | None = None, pad_token_id: int | None = None) -> BatchRun:
+                         model=None, provider: str | None = None, pad_token_id: int | None = None,
+                         min_new_tokens: int = 0) -> BatchRun:
     """Several prompts as one batch through onnxruntime-genai, right-padded as genai pads (its
     trailing pad ids are the padding; genai_pad_for says when the folder's pad id cannot be that).
-    model: one opened by open_genai_model, with pad_token_id if it was given one.
+    model: one the caller opened (open_genai_model), with pad_token_id if it was given one.
     Greedy rows give what each prompt gives alone; sampled rows draw from genai's one generator."""
     og = import_genai()
-    config = decoder.read_decoder_folder(folder)[1]
+    if model is None:
+        config = decoder.read_decoder_folder(folder)[1]
+    else:  # the caller opened the folder (a benchmark's builder model has no diffexport metadata)
+        config = json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text())
     context = int(config["model"]["context_length"])
     eos = set(decoder.eos_token_ids(config))
     width = max(len(p) for p in prompts)
@@ -287,8 +301,10 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     for row, prompt in enumerate(prompts):
         ids[row, :len(prompt)] = prompt
     params = og.GeneratorParams(model)
-    search = {"max_length": min(width + max_new_tokens, context), "do_sample": not sampling.greedy,
-              "batch_size": len(prompts)}
+    total = min(width + max_new_tokens, context)
+    search = {"max_length": total, "do_sample": not sampling.greedy, "batch_size": len(prompts)}
+    if min_new_tokens:  # benchmarks: every row generates the same count
+        search["min_length"] = min(width + min_new_tokens, total)
     if not sampling.greedy:
         search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
         if sampling.top_k:
@@ -297,8 +313,11 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     start = time.perf_counter()
     generator = og.Generator(model, params)
     generator.append_tokens(ids)
+    first = None
     while not generator.is_done():
         generator.generate_next_token()
+        first = first or time.perf_counter()
+    finish = time.perf_counter()
     tokens, stops = [], []
     for row in range(len(prompts)):
         # every row's new tokens start after the padded width; a finished row goes on with padding
@@ -306,7 +325,7 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
         end = next((k for k, t in enumerate(new) if t in eos), None)
         tokens.append(new if end is None else new[:end + 1])
         stops.append("length" if end is None else "eos")
-    return BatchRun(tokens, stops, sum(map(len, prompts)), time.perf_counter() - start)
+    return BatchRun(tokens, stops, sum(map(len, prompts)), finish - start, (first or finish) - start)
 
 
 def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
