@@ -401,20 +401,18 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
         _check_room(row, args, context, f"{args.prompts_file} line {p.line}")
         ids.append(row)
     eos = set(eos_token_ids(config))
-    if args.backend == "tensorrt":
+    runner, provider = None, None if args.provider == "auto" else args.provider  # genai: the folder's provider
+    if args.backend == "tensorrt":  # the engine, stepped by the onnxruntime loop's code
         from diffexport.backends.tensorrt import open_decoder_engine
 
-        batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
-                                               "onnxruntime", runner=open_decoder_engine(args.engine, folder,
-                                                                                         args.plugin_lib))
+        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
     elif args.backend == "onnxruntime":
         from diffexport.backends.onnxruntime import resolve_provider
 
-        batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
-                                               "onnxruntime", provider=resolve_provider(args.provider))
-    else:
-        batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size, "genai",
-                                               provider=None if args.provider == "auto" else args.provider)
+        provider = resolve_provider(args.provider)
+    batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
+                                           "genai" if args.backend == "genai" else "onnxruntime",
+                                           provider=provider, runner=runner)
     count = -(-len(ids) // args.batch_size)
     new = seconds = 0
     start = time.perf_counter()
