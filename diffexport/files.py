@@ -9,6 +9,28 @@ from pathlib import Path
 from diffexport.errors import DiffExportError
 
 
+# Text inputs (--text, --calib, --prompts-file) are read whole and tokenised at once; the tools use
+# at most a few million tokens of them, so a bigger file is refused before it is read.
+MAX_TEXT_BYTES = 64 * 2**20
+
+
+def read_text_input(path: str | os.PathLike, kind: str, expected: str, remedy: str) -> str:
+    """The whole of a user's text file, or one line: `kind` not found, not a regular file (give
+    `expected`), over MAX_TEXT_BYTES (`remedy`), not UTF-8."""
+    file = Path(path)
+    if not file.is_file():
+        raise DiffExportError(f"{kind} not found: {path}" if not file.exists() else
+                              f"{path} is not a regular file: give {expected}")
+    size = file.stat().st_size
+    if size > MAX_TEXT_BYTES:
+        raise DiffExportError(f"{path} is {size / 2**20:.0f} MiB; a {kind} is read whole and limited to "
+                              f"{MAX_TEXT_BYTES >> 20} MiB: {remedy}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DiffExportError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -15,8 +15,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from diffexport.analysis.streams import MAX_TEXT_BYTES
 from diffexport.errors import DiffExportError
+from diffexport.files import read_text_input
 
 KEYS = frozenset({"prompt", "ids", "id"})
 
@@ -30,18 +30,7 @@ class PromptLine:
 
 
 def read_prompts(path: str | Path, vocab_size: int) -> list[PromptLine]:
-    file = Path(path)
-    if not file.is_file():
-        raise DiffExportError(f"prompts file not found: {path}" if not file.exists() else
-                              f"{path} is not a regular file: give a JSON Lines file of prompts")
-    size = file.stat().st_size
-    if size > MAX_TEXT_BYTES:
-        raise DiffExportError(f"{path} is {size / 2**20:.0f} MiB; a prompts file is read whole and limited to "
-                              f"{MAX_TEXT_BYTES >> 20} MiB: split it")
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise DiffExportError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    lines = read_text_input(path, "prompts file", "a JSON Lines file of prompts", "split it").splitlines()
     prompts = [_parse(number, text, vocab_size, path) for number, text in enumerate(lines, 1) if text.strip()]
     if not prompts:
         raise DiffExportError(f"{path} holds no prompt: one JSON object per line, "

@@ -10,6 +10,7 @@ from diffexport.analysis import stats, streams, sweep
 from diffexport.analysis.probe import AttentionProbe
 from diffexport.checkpoint import save_checkpoint
 from diffexport.errors import DiffExportError
+from diffexport.files import MAX_TEXT_BYTES
 from diffexport.modeling import DiffV1Config, DiffV2Config, TransformerConfig, build_model
 from diffexport.quantization import LogitQuant
 from helpers import assert_one_line_error, run_cli
@@ -132,7 +133,7 @@ def test_streams_cut_text_and_refuse_empty_files(tmp_path):
         streams.batches([1, 2, 3], 16, 2)
     huge = tmp_path / "huge.txt"  # sparse: over the limit without using the disk
     with open(huge, "wb") as handle:
-        handle.truncate(streams.MAX_TEXT_BYTES + 1)
+        handle.truncate(MAX_TEXT_BYTES + 1)
     with pytest.raises(DiffExportError, match="limited to 64 MiB"):
         streams.text_ids(str(huge), None, 512)
     ids, flags, source = streams.synthetic_ids(97, 500, 50, 0)  # too small a vocabulary for the task

@@ -12,6 +12,7 @@ import torch
 
 from diffexport import prompts as prompts_file
 from diffexport.errors import DiffExportError
+from diffexport.files import MAX_TEXT_BYTES
 from helpers import assert_one_line_error, perturb_norm_weights, quiet, run_cli
 
 # ---------------------------------------------------------------- the prompts file (no model needed)
@@ -63,7 +64,7 @@ def test_prompts_file_refuses_what_is_not_a_small_utf8_file(tmp_path):
     with pytest.raises(DiffExportError, match="not UTF-8"):
         prompts_file.read_prompts(tmp_path / "latin1.jsonl", 10)
     with open(tmp_path / "huge.jsonl", "wb") as f:  # sparse: refused from its size, never read
-        f.truncate(prompts_file.MAX_TEXT_BYTES + 1)
+        f.truncate(MAX_TEXT_BYTES + 1)
     with pytest.raises(DiffExportError, match="limited to 64 MiB"):
         prompts_file.read_prompts(tmp_path / "huge.jsonl", 10)
 

@@ -208,16 +208,21 @@ def _prompt_tokens(result) -> int:
     return int(re.search(r"prompt (\d+) tokens", result.stderr).group(1))
 
 
+def _with_chat_template(hf_dir, source):
+    """A copy of the HF folder with a chat_template.jinja (where newer transformers save it)."""
+    shutil.copytree(hf_dir, source)
+    (source / "chat_template.jinja").write_text(
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    return source
+
+
 def test_generate_chat_puts_the_prompt_in_the_chat_template(hf_dir, tmp_path):
     """`generate --chat`: the prompt becomes a user turn (after --system) in the tokenizer's chat
     template, from tokenizer_config.json or the chat_template.jinja the export copies; a tokenizer
     without one is refused in one line."""
     og = pytest.importorskip("onnxruntime_genai")
-    source = tmp_path / "hf"
-    shutil.copytree(hf_dir, source)
-    (source / "chat_template.jinja").write_text(
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    source = _with_chat_template(hf_dir, tmp_path / "hf")
     assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
     assert (tmp_path / "kv" / "chat_template.jinja").is_file()
     tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
@@ -487,11 +492,7 @@ def test_generate_prompts_file_with_text_and_chat(hf_dir, tmp_path):
     and ids (one ending with the pad id, 0 here): every answer is what the prompt gives alone, and
     its completion is the tokenizer's text of its tokens."""
     og = pytest.importorskip("onnxruntime_genai")
-    source = tmp_path / "hf"
-    shutil.copytree(hf_dir, source)
-    (source / "chat_template.jinja").write_text(
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    source = _with_chat_template(hf_dir, tmp_path / "hf")
     assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
     lines = [{"prompt": "the cat sat", "id": "a"}, {"prompt": "on a mat, said the dog"}, {"ids": [5, 6, 0]}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,38 +38,11 @@ import benchdoc  # noqa: E402
 
 from diffexport.backends import decoding  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
+from diffexport.export.decoder import cache_width  # noqa: E402
 from diffexport.generation import Sampling  # noqa: E402
-from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
 
 PRESET = "diff-v1-110m"
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
-
-
-def plot(results: dict[str, dict[int, float]], bounds: dict[int, float], path: Path, weights: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, by_batch in results.items():
-        xs = sorted(by_batch)
-        ax.plot(xs, [by_batch[x] for x in xs], marker="o", label=name)
-    xs = sorted(bounds)
-    ax.plot(xs, [bounds[x] for x in xs], linestyle="--", color="grey", label="bound (weights + cache read)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("batch (prompts decoded together)")
-    ax.set_ylabel("decode tokens/s, all rows")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"{PRESET} ({weights} weights) batched decode on CPU, onnxruntime-genai")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def main() -> None:
@@ -96,23 +68,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         print(f"read bandwidth {probes[0] / 1e9:.1f} GB/s; exporting in {root}", flush=True)
-        folders = {}
-        for label, attention in (("DiffAttention folder", "diffattention"), ("--attention gqa folder", "gqa")):
-            out = root / attention
-            export_decoder(loaded, out, attention=attention, log=lambda _: None)
-            if args.weights == "int4":
-                quantize_weights(out, root / f"{attention}-int4", WeightQuantOptions(bits=4, block_size=32),
-                                 log=lambda _: None)
-                out = root / f"{attention}-int4"
-            folders[label] = bench_decode.with_threads(out, root, cores)
+        folders = bench_context.genai_folders(loaded, root, args.weights, args.anchor, cores)
         weights = bench_decode.weight_bytes_per_token(folders["DiffAttention folder"])
-        if args.anchor:
-            bench_decode.hf_models(root)
-            out = root / "llama-genai"
-            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
-                            "-o", str(out), "-p", args.weights, "-e", "cpu", "-c", str(root / "cache")], check=True,
-                           capture_output=True)
-            folders["builder's llama-100m"] = bench_decode.with_threads(out, root, cores)
         models = {label: decoding.open_genai_model(folder) for label, folder in folders.items()}
         for label, folder in folders.items():  # warm-up
             decoding.generate_batch_genai(folder, prompts[:2], 4, Sampling(), model=models[label])
@@ -160,7 +117,9 @@ def main() -> None:
         *table, "", f"![batched decode](img/decode-batch{suffix}.png)"])
     print(body)
     if args.write:
-        picture = plot(medians, bounds, IMG / f"decode-batch{suffix}.png", args.weights)
+        picture = bench_context.plot(medians, bounds, IMG / f"decode-batch{suffix}.png",
+                                     f"{PRESET} ({args.weights} weights) batched decode on CPU, onnxruntime-genai",
+                                     "batch (prompts decoded together)", "decode tokens/s, all rows", log2_x=True)
         print(f"wrote {benchdoc.write_section('decode-batch' + suffix, body)} and {picture}")
 
 

@@ -48,24 +48,52 @@ def cache_bytes_per_token(layers: int, width: int) -> int:
     return layers * 2 * width * 4
 
 
-def plot(results: dict[str, dict[int, float]], bounds: dict[int, float], path: Path, weights: str) -> Path:
+def genai_folders(loaded, root: Path, weights: str, anchor: bool, threads: int) -> dict[str, Path]:
+    """Label -> genai folder with intra_op_num_threads set: our DiffAttention and gqa folders of the
+    model (int4: through `diffexport quantize`, block 32) and, with anchor, the builder's Llama of the
+    same size in the same weights."""
+    folders = {}
+    for label, attention in (("DiffAttention folder", "diffattention"), ("--attention gqa folder", "gqa")):
+        out = root / attention
+        export_decoder(loaded, out, attention=attention, log=lambda _: None)
+        if weights == "int4":
+            quantize_weights(out, root / f"{attention}-int4", WeightQuantOptions(bits=4, block_size=32),
+                             log=lambda _: None)
+            out = root / f"{attention}-int4"
+        folders[label] = bench_decode.with_threads(out, root, threads)
+    if anchor:
+        bench_decode.hf_models(root)
+        out = root / "llama-genai"
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
+                        "-o", str(out), "-p", weights, "-e", "cpu", "-c", str(root / "cache")], check=True,
+                       capture_output=True)
+        folders["builder's llama-100m"] = bench_decode.with_threads(out, root, threads)
+    return folders
+
+
+def plot(results: dict[str, dict[int, float]], bounds: dict[int, float], path: Path, title: str, xlabel: str,
+         ylabel: str, log2_x: bool = False) -> Path:
+    """One line per runtime (x -> tokens/s) and the bound dashed; shared by the decode benchmarks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, by_prompt in results.items():
-        xs = sorted(by_prompt)
-        ax.plot(xs, [by_prompt[x] for x in xs], marker="o", label=name)
+    for name, by_x in results.items():
+        xs = sorted(by_x)
+        ax.plot(xs, [by_x[x] for x in xs], marker="o", label=name)
     xs = sorted(bounds)
     ax.plot(xs, [bounds[x] for x in xs], linestyle="--", color="grey", label="bound (weights + cache read)")
-    ax.set_xlabel("prompt tokens (context at the first decode step)")
-    ax.set_ylabel("decode tokens/s (batch 1)")
+    if log2_x:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(f"{PRESET} ({weights} weights) decode on CPU against context length")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -92,23 +120,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         print(f"read bandwidth {probes[0] / 1e9:.1f} GB/s; exporting in {root}", flush=True)
-        folders = {}
-        for label, attention in (("DiffAttention folder", "diffattention"), ("--attention gqa folder", "gqa")):
-            out = root / attention
-            export_decoder(loaded, out, attention=attention, log=lambda _: None)
-            if args.weights == "int4":
-                quantize_weights(out, root / f"{attention}-int4", WeightQuantOptions(bits=4, block_size=32),
-                                 log=lambda _: None)
-                out = root / f"{attention}-int4"
-            folders[label] = bench_decode.with_threads(out, root, cores)
+        folders = genai_folders(loaded, root, args.weights, args.anchor, cores)
         weights = bench_decode.weight_bytes_per_token(folders["DiffAttention folder"])
-        if args.anchor:
-            bench_decode.hf_models(root)
-            out = root / "llama-genai"
-            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(root / "llama"),
-                            "-o", str(out), "-p", args.weights, "-e", "cpu", "-c", str(root / "cache")], check=True,
-                           capture_output=True)
-            folders["builder's llama-100m"] = bench_decode.with_threads(out, root, cores)
         for round_ in range(args.rounds):  # interleaved: drift of a shared machine hits every runtime alike
             for length in args.prompts:
                 for label, folder in folders.items():
@@ -146,7 +159,9 @@ def main() -> None:
         *table, "", f"![decode against context length](img/decode-context{suffix}.png)"])
     print(body)
     if args.write:
-        picture = plot(medians, bounds, IMG / f"decode-context{suffix}.png", args.weights)
+        picture = plot(medians, bounds, IMG / f"decode-context{suffix}.png",
+                       f"{PRESET} ({args.weights} weights) decode on CPU against context length",
+                       "prompt tokens (context at the first decode step)", "decode tokens/s (batch 1)")
         print(f"wrote {benchdoc.write_section('decode-context' + suffix, body)} and {picture}")
 
 

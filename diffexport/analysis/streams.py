@@ -11,31 +11,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from diffexport.errors import DiffExportError
-
-
-# Text inputs (--text, --calib) are read whole and tokenised at once; the tools use at most a few
-# million tokens of them, so a bigger file is refused before it is read.
-MAX_TEXT_BYTES = 64 * 2**20
+from diffexport.files import read_text_input
 
 
 def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
-    file = Path(path)
-    if not file.is_file():
-        raise DiffExportError(f"text file not found: {path}" if not file.exists() else
-                              f"{path} is not a regular file: give a text file")
-    size = file.stat().st_size
-    if size > MAX_TEXT_BYTES:
-        raise DiffExportError(f"{path} is {size / 2**20:.0f} MiB; text inputs are read whole and limited to "
-                              f"{MAX_TEXT_BYTES >> 20} MiB: give an excerpt")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DiffExportError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = read_text_input(path, "text file", "a text file", "give an excerpt")
     if not text.strip():
         raise DiffExportError(f"{path} is empty: give a text file with some content")
     if tokenizer is None:
