@@ -6,6 +6,7 @@ rows that stop at an end id included. The prompts file is an input from stranger
 is one line."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -60,6 +61,9 @@ def test_prompts_file_refuses_what_is_not_a_small_utf8_file(tmp_path):
         prompts_file.read_prompts(tmp_path / "missing.jsonl", 10)
     with pytest.raises(DiffExportError, match="not a regular file"):
         prompts_file.read_prompts(tmp_path, 10)
+    os.mkfifo(tmp_path / "fifo.jsonl")  # never opened: a reader would block on it
+    with pytest.raises(DiffExportError, match="not a regular file"):
+        prompts_file.read_prompts(tmp_path / "fifo.jsonl", 10)
     (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
     with pytest.raises(DiffExportError, match="not UTF-8"):
         prompts_file.read_prompts(tmp_path / "latin1.jsonl", 10)
@@ -177,6 +181,8 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", _write(tmp_path, '{"ids": [1]}\n{"ids": [1, 99999]}\n',
                                                                                 "bad.jsonl")),
                           "bad.jsonl line 2: ids must be")
+    assert_one_line_error(run_cli("generate", folder, "--prompts-file", tmp_path / "missing.jsonl"),
+                          "prompts file not found")
     assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--batch-size", "2"),
                           "--batch-size groups the prompts of --prompts-file")
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--batch-size", "0"),

@@ -208,6 +208,18 @@ def genai_pad_for(config: dict, prompts: list[list[int]]) -> int | None:
     return next(t for t in candidates if t not in last)
 
 
+def _search_options(sampling: Sampling, max_length: int, min_length: int = 0) -> dict:
+    """genai's search options for our Sampling: the length limits (min_length 0: none) and the draw."""
+    search = {"max_length": max_length, "do_sample": not sampling.greedy}
+    if min_length:
+        search["min_length"] = min(min_length, max_length)
+    if not sampling.greedy:
+        search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
+        if sampling.top_k:
+            search["top_k"] = sampling.top_k
+    return search
+
+
 def open_genai_model(folder, provider: str | None = None, pad_token_id: int | None = None):
     """onnxruntime-genai's Model over the folder, on the provider its genai_config names, or on
     `provider` ("cpu", "cuda") instead, with pad_token_id in place of the folder's when given (the
@@ -247,14 +259,7 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     params = og.GeneratorParams(model)
     # genai refuses a max_length past the context; the ORT loop stops at the same place
     total = len(prompt) + max_new_tokens if context is None else min(len(prompt) + max_new_tokens, context)
-    search = {"max_length": total, "do_sample": not sampling.greedy}
-    if min_new_tokens:
-        search["min_length"] = min(len(prompt) + min_new_tokens, total)
-    if not sampling.greedy:
-        search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
-        if sampling.top_k:
-            search["top_k"] = sampling.top_k
-    params.set_search_options(**search)
+    params.set_search_options(**_search_options(sampling, total, len(prompt) + min_new_tokens if min_new_tokens else 0))
     generator = og.Generator(model, params)
     tokens = []
     start = time.perf_counter()
@@ -302,14 +307,9 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
         ids[row, :len(prompt)] = prompt
     params = og.GeneratorParams(model)
     total = min(width + max_new_tokens, context)
-    search = {"max_length": total, "do_sample": not sampling.greedy, "batch_size": len(prompts)}
-    if min_new_tokens:  # benchmarks: every row generates the same count
-        search["min_length"] = min(width + min_new_tokens, total)
-    if not sampling.greedy:
-        search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
-        if sampling.top_k:
-            search["top_k"] = sampling.top_k
-    params.set_search_options(**search)
+    # min_new_tokens (benchmarks): every row generates the same count
+    params.set_search_options(**_search_options(sampling, total, width + min_new_tokens if min_new_tokens else 0),
+                              batch_size=len(prompts))
     start = time.perf_counter()
     generator = og.Generator(model, params)
     generator.append_tokens(ids)
