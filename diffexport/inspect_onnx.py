@@ -130,7 +130,8 @@ def _describe_exported_model(metadata: dict) -> str | None:
             f"rope theta {config.get('rope_theta', '?')}")
     scaling = config.get("rope_scaling")
     if isinstance(scaling, dict):
-        params = ", ".join(f"{k} {v}" for k, v in scaling.items() if k != "rope_type")
+        params = ", ".join(f"{k} {str(v).lower() if isinstance(v, bool) else v}" for k, v in scaling.items()
+                           if k != "rope_type")
         text += f", {scaling.get('rope_type', '?')} scaling ({params})"
     return text
 

@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 import torch
 
 from diffexport.errors import DiffExportError
-from diffexport.modeling.common import ROPE_SCALING_KEYS
+from diffexport.modeling.common import ROPE_SCALING_KEYS, yarn_attention_factor
 
 
 def interleaved_to_halves(head_dim: int) -> torch.Tensor:
@@ -94,9 +94,11 @@ class _HFConfig:
         return value
 
     def rope_scaling(self, rope: Mapping) -> dict | None:
-        """The rope_scaling of a diffexport config for the rope object: the keys of the schemes
-        modeling.common computes (`type` is the old name of rope_type; llama3 without
-        original_max_position_embeddings takes max_position_embeddings, as transformers does)."""
+        """The rope_scaling of a diffexport config for the rope object, read as transformers reads it:
+        `type` is the old name of rope_type; llama3 and yarn take original_max_position_embeddings
+        from the config's top level first, then the rope object, then max_position_embeddings; yarn's
+        optional keys (beta_fast/beta_slow, where 0 or null means the default, truncate, and an
+        attention_factor or the mscale/mscale_all_dim it is inferred from) get transformers' defaults."""
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         partial = rope.get("partial_rotary_factor", self.hf.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
@@ -107,14 +109,35 @@ class _HFConfig:
         if rope_type not in ROPE_SCALING_KEYS:
             raise DiffExportError(f"{self.name} rope_type={rope_type!r} is not supported "
                                   f"(default, {', '.join(ROPE_SCALING_KEYS)})")
-        values = {"rope_type": rope_type}
+        values: dict = {"rope_type": rope_type}
+        context_key = "original_max_position_embeddings"
+        if rope_type in ("llama3", "yarn"):
+            context = self.hf.get(context_key)
+            values[context_key] = context if context is not None else \
+                rope.get(context_key, self.hf.get("max_position_embeddings"))
+        if rope_type == "yarn":
+            factor = rope.get("factor")
+            if factor is None and isinstance(values[context_key], int) and values[context_key] > 0:
+                factor = self.hf.get("max_position_embeddings", 0) / values[context_key]  # as DeepSeek-V3 writes it
+            values["factor"] = factor
+            for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+                values[key] = rope.get(key) or default
+            values["truncate"] = rope.get("truncate", True)
+            attention_factor = rope.get("attention_factor")
+            if attention_factor is None and isinstance(factor, (int, float)) and not isinstance(factor, bool) \
+                    and math.isfinite(factor) and factor > 0:
+                mscales = [rope.get(k) for k in ("mscale", "mscale_all_dim")]
+                if not all(isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m)
+                           for m in mscales if m is not None):
+                    raise DiffExportError(f"{self.name} config.json: yarn mscale and mscale_all_dim must be finite "
+                                          f"numbers, got {mscales}")
+                attention_factor = yarn_attention_factor(float(factor), *mscales)
+            values["attention_factor"] = attention_factor
         for key in ROPE_SCALING_KEYS[rope_type]:
-            value = rope.get(key)
-            if value is None and key == "original_max_position_embeddings":
-                value = self.hf.get("max_position_embeddings")
-            if value is None:
+            if key not in values:
+                values[key] = rope.get(key)
+            if values[key] is None:
                 raise DiffExportError(f"{self.name} config.json: rope_type {rope_type!r} needs {key!r}")
-            values[key] = value
         return values
 
     def shared(self) -> dict:

@@ -48,7 +48,8 @@ def describe_rope(cfg) -> str:
     scaling = cfg.rope_scaling
     if scaling is None:
         return text
-    params = ", ".join(f"{key} {value:g}" for key, value in scaling.items() if key != "rope_type")
+    params = ", ".join(f"{key} {str(value).lower() if isinstance(value, bool) else format(value, 'g')}"
+                       for key, value in scaling.items() if key != "rope_type")
     return f"{text}, {scaling['rope_type']} scaling ({params})"
 
 

@@ -1,6 +1,7 @@
 """Checkpoints: round trips, Hugging Face DiffLlama and unilm imports, and every kind of bad input."""
 
 import json
+import math
 import os
 import pickle
 import re
@@ -79,16 +80,27 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
                   "original_max_position_embeddings": 64}  # head_dim 16: its 8 wavelengths fall on all three branches
 
 
+YARN_SCALINGS = [  # head_dim 16 over a context of 64: the ramp covers pairs 0..7 in part (beta_fast 32, beta_slow 1)
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2,
+     "truncate": False},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "attention_factor": 1.3},
+]
+
+
 @pytest.mark.parametrize("scaling,older_json", [({"rope_type": "linear", "factor": 4.0}, False), (LLAMA3_SCALING, False),
-                                                ({"rope_type": "linear", "factor": 2.0}, True)])
+                                                ({"rope_type": "linear", "factor": 2.0}, True),
+                                                *((yarn, False) for yarn in YARN_SCALINGS)])
 def test_hf_diffllama_rope_scaling_matches_transformers(scaling, older_json, tmp_path, rng):
-    """Linear and Llama-3.1 frequency scaling (DiffLlama initialised from a Llama 3.x checkpoint):
-    the frequencies are transformers' own, and the logits over 200 positions agree. older_json: the
-    config.json of transformers 4.x (`rope_scaling` with `type`, `rope_theta` beside it)."""
+    """Linear, Llama-3.1 and YaRN scaling (DiffLlama initialised from a Llama 3.x checkpoint, or
+    stretched with YaRN): the frequencies and YaRN's cos/sin factor are transformers' own, and the
+    logits over 200 positions agree. older_json: the config.json of transformers 4.x
+    (`rope_scaling` with `type`, `rope_theta` beside it)."""
     pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from diffexport.modeling.common import rope_inv_freq
+    from diffexport.modeling.common import rope_attention_scale, rope_inv_freq
 
     hf, path = _hf_model(tmp_path, 4, 2, False, rope_scaling=dict(scaling), max_position_embeddings=512)
     if older_json:
@@ -97,9 +109,10 @@ def test_hf_diffllama_rope_scaling_matches_transformers(scaling, older_json, tmp
     loaded = load_model(path)
     kind = scaling["rope_type"]
     assert loaded.config.rope_scaling["rope_type"] == kind
-    expected, _ = ROPE_INIT_FUNCTIONS[kind](hf.config, "cpu")
+    expected, attention_factor = ROPE_INIT_FUNCTIONS[kind](hf.config, "cpu")
     ours = rope_inv_freq(16, loaded.config.rope_theta, loaded.config.rope_scaling)
     assert torch.equal(ours, expected)
+    assert rope_attention_scale(loaded.config.rope_scaling) == attention_factor
     assert not torch.equal(ours, rope_inv_freq(16, loaded.config.rope_theta))  # the scaling did something
     ids = torch.randint(0, 96, (2, 200), generator=rng)
     with torch.no_grad():
@@ -110,7 +123,11 @@ def test_hf_diffllama_rope_scaling_matches_transformers(scaling, older_json, tmp
 
 @pytest.mark.parametrize("scaling,message", [
     ("linear", "rope_scaling must be an object or null"),
-    ({"rope_type": "yarn", "factor": 2.0}, "rope_type 'yarn' is not one diffexport computes"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not one diffexport computes"),
+    ({"rope_type": "yarn", "factor": 2.0}, "takes exactly the keys"),  # no original context
+    ({**YARN_SCALINGS[0], "truncate": "yes"}, "truncate must be true or false"),
+    ({**YARN_SCALINGS[0], "attention_factor": 0.0}, "attention_factor must be a finite number > 0"),
+    ({**YARN_SCALINGS[0], "mscale": 1.0}, "takes exactly the keys"),  # transformers' key, resolved when read
     ({"rope_type": "linear"}, "takes exactly the keys ['factor', 'rope_type']"),
     ({"rope_type": "linear", "factor": 2.0, "beta": 1.0}, "takes exactly the keys"),
     ({"rope_type": "linear", "factor": float("inf")}, "factor must be a finite number > 0"),
@@ -120,6 +137,15 @@ def test_hf_diffllama_rope_scaling_matches_transformers(scaling, older_json, tmp
 def test_rope_scaling_values_are_validated(scaling, message):
     with pytest.raises(DiffExportError, match=re.escape(message)):
         DiffV1Config(n_heads=2, rope_scaling=scaling)
+
+
+def test_yarn_in_a_native_config_takes_transformers_defaults():
+    """A hand-written config names factor and the original context; the rest is filled as
+    transformers fills it, and the filled dict is what the checkpoint keeps."""
+    scaling = DiffV1Config(n_heads=2, rope_scaling=dict(YARN_SCALINGS[0])).rope_scaling
+    assert scaling == {**YARN_SCALINGS[0], "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                       "attention_factor": pytest.approx(0.1 * math.log(4.0) + 1)}
+    assert DiffV1Config(n_heads=2, rope_scaling=scaling).rope_scaling == scaling
 
 
 def test_rope_scaling_default_is_plain_rope():
@@ -410,7 +436,10 @@ def test_hf_config_is_read_as_transformers_reads_it(changes, tmp_path, rng):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_type='longrope' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "mscale": "big", "mscale_all_dim": 1.0}},
+     "yarn mscale and mscale_all_dim must be finite numbers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": 1}}, "truncate must be true or false"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}}, "needs 'low_freq_factor'"),

@@ -546,20 +546,28 @@ def test_several_end_ids_all_stop_generation(tmp_path):
     assert looped.tokens == expected and looped.stop == "eos"
 
 
-@pytest.mark.parametrize("attention", ["diffattention", "gqa"])
-def test_llama3_rope_scaling_folders_check_against_transformers(attention, tmp_path):
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 8.0}
+
+
+@pytest.mark.parametrize("attention,rope", [("diffattention", LLAMA3_ROPE), ("gqa", LLAMA3_ROPE), ("gqa", YARN_ROPE)])
+def test_rope_scaling_folders_check_against_transformers(attention, rope, tmp_path):
     """A DiffLlama with Llama 3.1 RoPE scaling (what a DiffLlama made from a Llama 3.x checkpoint
-    carries): both folder kinds check against our port and transformers, the gqa folder with the
-    graph's own scaled rotary embedding."""
+    carries) or YaRN: both folder kinds check against our port and transformers, the gqa folder
+    with the graph's own scaled rotary embedding in its cos/sin caches (YaRN's attention factor
+    included)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(3)
     cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       max_position_embeddings=512,
-                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+                                       max_position_embeddings=128, rope_scaling=dict(rope))
     transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "hf")
-    assert run_cli("onnx", tmp_path / "hf", "--kv-cache", "--attention", attention, "-o", tmp_path / "kv").returncode == 0
+    export = run_cli("onnx", tmp_path / "hf", "--kv-cache", "--attention", attention, "-o", tmp_path / "kv")
+    assert export.returncode == 0, export.stderr
+    if attention == "gqa":
+        scaled = "positions, scaled by YaRN's 1.13863)" if rope["rope_type"] == "yarn" else "positions)"
+        assert f"rotary inside GroupQueryAttention (cos/sin caches of 128 {scaled}" in export.stdout + export.stderr
     report = run_cli("check", tmp_path / "kv", "--ckpt", tmp_path / "hf")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "transformers generate() == eager" in report.stdout

@@ -34,7 +34,7 @@ class ModelConfig:
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
     rope_interleaved: bool = False  # False: rotate-half (Llama/NeoX), True: adjacent pairs (GPT-J)
-    rope_scaling: dict | None = None  # None: plain RoPE; else {"rope_type": "linear" | "llama3", ...} (ROPE_SCALING_KEYS)
+    rope_scaling: dict | None = None  # None: plain RoPE; else {"rope_type": "linear" | "llama3" | "yarn", ...} (ROPE_SCALING_KEYS)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -153,20 +153,47 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-# Context-extension schemes that only rescale RoPE's frequencies (position-independent, so one
-# graph serves every length), with the keys each takes besides rope_type; the names are
-# transformers' (config.json "rope_scaling" / "rope_parameters"), the arithmetic follows
-# rope_inv_freq. Schemes that depend on the sequence length (dynamic NTK) or also scale the
-# rotated values (YaRN, LongRoPE) are not among them.
+# Context-extension schemes whose rotation does not depend on the sequence length (so one graph
+# serves every length), with the keys each takes besides rope_type; the names are transformers'
+# (config.json "rope_scaling" / "rope_parameters"), the arithmetic follows rope_inv_freq and
+# rope_cos_sin. Schemes that change with the sequence length (dynamic NTK, LongRoPE's short/long
+# switch) are not among them.
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),  # position interpolation: every frequency divided by factor
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    # YaRN: frequencies ramped between interpolated and kept, cos/sin scaled by attention_factor
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"),
 }
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's default cos/sin scale, as transformers infers it: 0.1*ln(factor) + 1 (1 for factor <= 1),
+    or the ratio of two such terms weighted by mscale and mscale_all_dim when both are given (DeepSeek)."""
+    def term(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+    if mscale and mscale_all_dim:
+        return term(mscale) / term(mscale_all_dim)
+    return term(1.0)
+
+
+def _yarn_defaults(value: Mapping) -> dict:
+    """A yarn scaling with the optional keys filled as transformers fills them (beta_fast 32,
+    beta_slow 1, truncate true, attention_factor from factor)."""
+    out = dict(value)
+    out.setdefault("beta_fast", 32.0)
+    out.setdefault("beta_slow", 1.0)
+    out.setdefault("truncate", True)
+    factor = out.get("factor")
+    if "attention_factor" not in out and isinstance(factor, (int, float)) and not isinstance(factor, bool) \
+            and math.isfinite(factor) and factor > 0:
+        out["attention_factor"] = yarn_attention_factor(float(factor))
+    return out
 
 
 def check_rope_scaling(family: str, value: Any) -> dict | None:
     """A config's rope_scaling, validated: None (or rope_type "default") for plain RoPE, else a dict of
-    exactly the scheme's keys with finite positive numbers (an int context for llama3)."""
+    exactly the scheme's keys with finite positive numbers (an int context for llama3 and yarn, a
+    bool truncate for yarn, whose other optional keys take transformers' defaults)."""
     if value is None:
         return None
     where = f"{family} config: rope_scaling"
@@ -178,6 +205,8 @@ def check_rope_scaling(family: str, value: Any) -> dict | None:
     if kind not in ROPE_SCALING_KEYS:
         raise DiffExportError(f"{where}: rope_type {kind!r} is not one diffexport computes; "
                               f"supported: default, {', '.join(ROPE_SCALING_KEYS)}")
+    if kind == "yarn":
+        value = _yarn_defaults(value)
     wanted = {"rope_type", *ROPE_SCALING_KEYS[kind]}
     if set(value) != wanted:
         raise DiffExportError(f"{where}: rope_type {kind!r} takes exactly the keys {sorted(wanted)}, "
@@ -188,9 +217,12 @@ def check_rope_scaling(family: str, value: Any) -> dict | None:
         if key == "original_max_position_embeddings":
             if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 1 << 30:
                 raise DiffExportError(f"{where}: {key} must be an int in 1..{1 << 30}, got {number!r}")
+        elif key == "truncate":
+            if not isinstance(number, bool):
+                raise DiffExportError(f"{where}: truncate must be true or false, got {number!r}")
         elif isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
             raise DiffExportError(f"{where}: {key} must be a finite number > 0, got {number!r}")
-        out[key] = number if key == "original_max_position_embeddings" else float(number)
+        out[key] = number if key in ("original_max_position_embeddings", "truncate") else float(number)
     if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
         raise DiffExportError(f"{where}: llama3 needs high_freq_factor > low_freq_factor, got "
                               f"{out['high_freq_factor']:g} and {out['low_freq_factor']:g}")
@@ -204,13 +236,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None,
     linear: all divided by factor. llama3 (Llama 3.1): with L = original_max_position_embeddings,
     wavelengths 2*pi/f longer than L/low_freq_factor are divided by factor, those shorter than
     L/high_freq_factor kept, and the band between blended: s*f + (1 - s)*f/factor with
-    s = (L/wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    s = (L/wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    yarn: pairs that turn fewer than beta_slow times over L are divided by factor, those that turn
+    more than beta_fast times kept, and a linear ramp over the pair index blends the ones between."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, theta ** exponents)
     context, low, high = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"))
     wavelength = 2 * math.pi / inv_freq
     long_waves = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
@@ -220,11 +257,36 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None,
     return torch.where(in_band, blended, long_waves)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: Mapping, wavelengths: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023, as transformers computes them); wavelengths: theta^(2i/D)."""
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times over L
+        return head_dim * math.log(scaling["original_max_position_embeddings"] / (turns * 2 * math.pi)) \
+            / (2 * math.log(theta))
+    low, high = pair_turning(scaling["beta_fast"]), pair_turning(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=wavelengths.device) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the pair keeps its frequency (extrapolation), 0: divided by factor
+    return 1.0 / (scaling["factor"] * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
+
+
+def rope_attention_scale(scaling: Mapping | None) -> float:
+    """The factor on cos and sin a scheme asks for (YaRN's attention_factor; 1 otherwise)."""
+    return 1.0 if scaling is None or scaling["rope_type"] != "yarn" else scaling["attention_factor"]
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: Mapping | None = None):
     """cos, sin of shape [B, T, head_dim/2] for integer positions [B, T] (computed in fp32)."""
     freqs = positions.float()[..., None] * rope_inv_freq(head_dim, theta, scaling, positions.device)
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    scale = rope_attention_scale(scaling)
+    if scale != 1.0:  # YaRN: in fp32 before the cast, as transformers does
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

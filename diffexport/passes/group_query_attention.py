@@ -77,6 +77,7 @@ class _Rope:
     cos: str  # [B, S, 1, D/2] as the rotate-half Muls read them
     sin: str
     inv_freq: np.ndarray  # [D/2] float32
+    scale: float = 1.0  # YaRN's attention factor on cos and sin (1: none)
 
 
 def _refuse(why: str) -> DiffExportError:
@@ -343,7 +344,8 @@ def _rope_plan(g: _Graph, attention: list, rotary_positions: int | None) -> tupl
         inv_freq = next((numpy_helper.to_array(g.initializers[i]) for i in freqs.input if i in g.initializers), None)
     if inv_freq is None or inv_freq.dtype != np.float32:
         return None, "kept in the graph (the frequencies are not positions * a float32 constant)"
-    rope = _Rope(_widened(g, cos_nodes[0].output[0]), _widened(g, sin_nodes[0].output[0]), inv_freq.reshape(-1))
+    (cos, sin), scale = _scaled(g, cos_nodes[0].output[0], sin_nodes[0].output[0])
+    rope = _Rope(_widened(g, cos), _widened(g, sin), inv_freq.reshape(-1), scale)
     for node in attention:
         attrs = node_attrs(node)
         key = _cache_source(g, node.input[1], "key")[1]
@@ -351,7 +353,26 @@ def _rope_plan(g: _Graph, attention: list, rotary_positions: int | None) -> tupl
             source = _unrotated(g, name, rope)
             if source is None or inv_freq.size * 2 != attrs.head_dim:
                 return None, f"kept in the graph ({name} of {node.name} is not rotated as the exporter writes it)"
-    return rope, f"inside GroupQueryAttention (cos/sin caches of {rotary_positions} positions)"
+    scaled = f", scaled by YaRN's {scale:g}" if scale != 1.0 else ""
+    return rope, f"inside GroupQueryAttention (cos/sin caches of {rotary_positions} positions{scaled})"
+
+
+def _scaled(g: _Graph, cos: str, sin: str) -> tuple[tuple[str, str], float]:
+    """cos and sin after a YaRN attention factor (each read only by a Mul with one float32 scalar
+    constant, the same for both) and that factor; else themselves and 1."""
+    def scaled_by(name):
+        readers = g.consumers.get(name, [])
+        if len(readers) != 1 or readers[0].op_type != "Mul" or readers[0].domain not in ("", "ai.onnx"):
+            return None
+        other = [i for i in readers[0].input if i != name]
+        if len(other) != 1 or other[0] not in g.initializers:
+            return None
+        value = numpy_helper.to_array(g.initializers[other[0]])
+        return (readers[0].output[0], float(value)) if value.dtype == np.float32 and value.size == 1 else None
+    cos_scaled, sin_scaled = scaled_by(cos), scaled_by(sin)
+    if cos_scaled is None or sin_scaled is None or cos_scaled[1] != sin_scaled[1]:
+        return (cos, sin), 1.0
+    return (cos_scaled[0], sin_scaled[0]), cos_scaled[1]
 
 
 def _widened(g: _Graph, name: str) -> str | None:
@@ -409,7 +430,9 @@ def _rope_caches(g: _Graph, rope: _Rope, attention: list, dtype: int, positions:
     if node_attrs(attention[0]).variant == VARIANT_V1:
         freqs = np.concatenate([freqs, freqs], axis=1)
     np_type = helper.tensor_dtype_to_np_dtype(dtype)
-    return g.const(np.cos(freqs).astype(np_type), "cos_cache"), g.const(np.sin(freqs).astype(np_type), "sin_cache")
+    scale = np.float32(rope.scale)  # scaled in fp32 before the cast, as the graph does
+    return g.const((np.cos(freqs) * scale).astype(np_type), "cos_cache"), \
+        g.const((np.sin(freqs) * scale).astype(np_type), "sin_cache")
 
 
 def _live(nodes: list, outputs: list[str]) -> list:
