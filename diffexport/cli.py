@@ -380,8 +380,9 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
 
 
 def _generate_file(args, folder, config: dict, sampling) -> int:
-    """--prompts-file: every prompt of the file, --batch-size at a time; one JSON line per prompt on
-    stdout, in the file's order, as each batch finishes."""
+    """--prompts-file: every prompt of the file, --batch-size at a time (--sort-by-length: longest
+    first); one JSON line per prompt on stdout, in the file's order, each as soon as it and every
+    earlier one are done."""
     import json
     import time
 
@@ -412,23 +413,30 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
         provider = resolve_provider(args.provider)
     batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
                                            "genai" if args.backend == "genai" else "onnxruntime",
-                                           provider=provider, runner=runner)
+                                           provider=provider, runner=runner, sort_by_length=args.sort_by_length)
     count = -(-len(ids) // args.batch_size)
     new = seconds = 0
     start = time.perf_counter()
-    for number, (first, run) in enumerate(batches, 1):
-        for k, (tokens, stop) in enumerate(zip(run.tokens, run.stops)):
-            p = lines[first + k]
+    answers: dict[int, str] = {}  # finished, not yet written: stdout keeps the file's order
+    written = 0
+    for number, (indices, run) in enumerate(batches, 1):
+        for index, tokens, stop in zip(indices, run.tokens, run.stops):
+            p = lines[index]
             answer = {"line": p.line, **({} if p.id is None else {"id": p.id})}
             if tokenizer is not None:  # the text without the end-of-sequence token that stopped it
                 answer["completion"] = tokenizer.decode(tokens[:-1] if stop == "eos" and tokens[-1] in eos else tokens)
             answer.update(tokens=tokens, stop=stop)
-            sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
+            answers[index] = json.dumps(answer, ensure_ascii=False) + "\n"
+        while written in answers:
+            sys.stdout.write(answers.pop(written))
+            written += 1
         sys.stdout.flush()
         new, seconds = new + run.new_tokens, seconds + run.seconds
         rows = f"{len(run.tokens)} prompt{'' if len(run.tokens) == 1 else 's'}"
-        _log(f"batch {number}/{count}: {rows}, {run.new_tokens} new tokens in {run.seconds:.1f} s "
-             f"(prefill {run.prefill_seconds:.1f} s, then {run.decode_tokens_per_s:.1f} tokens/s)")
+        longest = max(len(ids[i]) for i in indices)
+        _log(f"batch {number}/{count}: {rows} (longest {longest} token{'' if longest == 1 else 's'}), "
+             f"{run.new_tokens} new tokens in "
+             f"{run.seconds:.1f} s (prefill {run.prefill_seconds:.1f} s, then {run.decode_tokens_per_s:.1f} tokens/s)")
     _log(f"{args.backend}: {len(ids)} prompts ({sum(map(len, ids))} tokens) in {count} batches of up to "
          f"{args.batch_size}, {new} new tokens in {time.perf_counter() - start:.1f} s "
          f"({new / seconds if seconds > 0 else float('nan'):.1f} new tokens/s)")
@@ -460,8 +468,9 @@ def cmd_generate(args) -> int:
         raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
     if args.system is not None and not args.chat:
         raise DiffExportError("--system is a turn of the chat template: add --chat")
-    if args.batch_size is not None and args.prompts_file is None:
-        raise DiffExportError("--batch-size groups the prompts of --prompts-file")
+    if (args.batch_size is not None or args.sort_by_length) and args.prompts_file is None:
+        raise DiffExportError(f"{'--batch-size' if args.batch_size is not None else '--sort-by-length'} "
+                              "groups the prompts of --prompts-file")
     if args.prompts_file is not None:
         args.batch_size = 8 if args.batch_size is None else args.batch_size
         if args.batch_size < 1:
@@ -955,6 +964,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        '{"ids": [1, 2, 3]}, optionally with "id"; answers go to '
                                                        "stdout as JSON Lines, in order")
             p.add_argument("--batch-size", type=int, help="--prompts-file: prompts run together (default 8)")
+            p.add_argument("--sort-by-length", action="store_true",
+                           help="--prompts-file: batch the prompts longest first, so each batch pads little "
+                                "(answers still come in the file's order, each once every earlier one is done)")
             p.add_argument("--chat", action="store_true",
                            help="put --prompt into the tokenizer's chat template as a user turn (chat models)")
             p.add_argument("--system", help="with --chat: a system turn before the prompt")

@@ -130,12 +130,16 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
     assert len(expected[0]) == stop + 1 and any(len(e) == 12 for e in expected)
 
     for backend in ("genai", "onnxruntime"):
-        for size in (5, 2):
-            runs = list(decoding.generate_in_batches(folder, prompts, 12, Sampling(), size, backend))
-            assert [first for first, _ in runs] == list(range(0, 5, size))
-            tokens = [t for _, run in runs for t in run.tokens]
-            stops = [s for _, run in runs for s in run.stops]
-            assert tokens == expected, (backend, size)
+        for size, by_length in ((5, False), (2, False), (2, True)):
+            runs = list(decoding.generate_in_batches(folder, prompts, 12, Sampling(), size, backend,
+                                                     sort_by_length=by_length))
+            plan = [[3, 0], [2, 4], [1]] if by_length else [list(range(i, min(i + size, 5))) for i in range(0, 5, size)]
+            assert [indices for indices, _ in runs] == plan
+            tokens, stops = [None] * 5, [None] * 5
+            for indices, run in runs:
+                for i, t, s in zip(indices, run.tokens, run.stops):
+                    tokens[i], stops[i] = t, s
+            assert tokens == expected, (backend, size, by_length)
             assert stops == ["eos" if e[-1] == free[stop] else "length" for e in expected]
     # one prompt through genai alone: a trailing pad id is a token, not padding
     assert decoding.generate_genai(folder, prompts[2], 12, Sampling()).tokens == expected[2]
@@ -170,7 +174,14 @@ def test_generate_prompts_file_cli(model_and_folders, tmp_path):
         answers = [json.loads(line) for line in out.stdout.splitlines()]
         assert [a["id"] for a in answers] == ["q0", "q1", "q2"] and [a["line"] for a in answers] == [1, 2, 3]
         assert [a["tokens"] for a in answers] == [_alone(loaded.model, p, 6, None) for p in prompts]
-        assert "in 2 batches of up to 2" in out.stderr and "batch 2/2: 1 prompt," in out.stderr
+        assert "in 2 batches of up to 2" in out.stderr and "batch 2/2: 1 prompt (longest 6 tokens)," in out.stderr
+        # longest first: [q2, q0] then [q1]; the answers still come in the file's order
+        by_length = run_cli("generate", folder, "--prompts-file", path, "--batch-size", "2", "--max-new-tokens", "6",
+                            "--backend", backend, "--sort-by-length")
+        assert by_length.returncode == 0, by_length.stderr
+        assert [json.loads(line) for line in by_length.stdout.splitlines()] == answers
+        assert "batch 1/2: 2 prompts (longest 6 tokens)" in by_length.stderr
+        assert "batch 2/2: 1 prompt (longest 1 token)" in by_length.stderr
 
 
 @pytest.mark.slow
@@ -185,6 +196,8 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
                           "prompts file not found")
     assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--batch-size", "2"),
                           "--batch-size groups the prompts of --prompts-file")
+    assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--sort-by-length"),
+                          "--sort-by-length groups the prompts of --prompts-file")
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--batch-size", "0"),
                           "the batch size must be >= 1")
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--chat"),

@@ -18,6 +18,14 @@ bound = B x read bandwidth / (weight bytes + B x cache bytes at the mean past le
 onnxruntime's own GEMV (tools/bench_decode.py), the median of probes before the first round and after
 each. It ignores compute, which a large batch meets first on a CPU. --write replaces the section in
 docs/BENCHMARKS.md and draws docs/img/decode-batch[-int4].png.
+
+    python tools/bench_batch.py --mixed N [--batches 8] [--prompt 384] [--new 32] [--rounds 3] [--write]
+
+--mixed: N prompts of spread lengths (log-uniform in 16..--prompt, seeded) through
+decoding.generate_in_batches at the largest --batches, in the file's order and longest first
+(`generate --prompts-file --sort-by-length`), interleaved rounds; the whole file's seconds and its
+prefill seconds, the padding each order computes (exact, from the batch plan), and a check that
+both orders give every prompt the same tokens. Rows stop at their own end id or after --new.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +62,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--weights", default="fp32", choices=["fp32", "int4"])
     parser.add_argument("--anchor", action="store_true", help="also the builder's Llama of the same size")
+    parser.add_argument("--mixed", type=int, metavar="N", help="N prompts of spread lengths: file order vs "
+                                                                 "longest first")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    if args.mixed is not None:
+        if args.mixed < 2 or not 16 <= args.prompt <= 2048 - args.new or args.new < 1:
+            parser.error("--mixed N >= 2, --prompt in 16..2048 - --new")
+        mixed_lengths(args)
+        return
     if min(args.batches) < 1 or args.prompt < 1 or args.new < 2 or args.prompt + args.new > 2048:
         parser.error("batches >= 1, --prompt >= 1, --new >= 2, prompt + new within the 2048-token context")
     cores = os.cpu_count() or 1
@@ -121,6 +137,77 @@ def main() -> None:
                                      f"{PRESET} ({args.weights} weights) batched decode on CPU, onnxruntime-genai",
                                      "batch (prompts decoded together)", "decode tokens/s, all rows", log2_x=True)
         print(f"wrote {benchdoc.write_section('decode-batch' + suffix, body)} and {picture}")
+
+
+def padding(prompts: list[list[int]], plan: list[list[int]]) -> int:
+    """Pad tokens a plan's batches compute: each batch pads every prompt to its longest."""
+    return sum(len(indices) * max(len(prompts[i]) for i in indices) - sum(len(prompts[i]) for i in indices)
+               for indices in plan)
+
+
+def mixed_lengths(args) -> None:
+    """A file of spread prompt lengths run in its order and longest first (see the module doc)."""
+    cores = os.cpu_count() or 1
+    batch = max(args.batches)
+    rng = np.random.default_rng(0)
+    lengths = np.exp(rng.uniform(np.log(16), np.log(args.prompt), size=args.mixed)).astype(int).tolist()
+    prompts = [rng.integers(3, bench_decode.VOCAB, size=n).tolist() for n in lengths]
+    orders = {"file order": False, "longest first": True}
+    pads = {name: padding(prompts, decoding.batch_plan(prompts, batch, by_length)) for name, by_length in orders.items()}
+    loaded = load_model(None, preset=PRESET, seed=0)
+    totals: dict[tuple[str, str], list[float]] = {}
+    prefills: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        folders = bench_context.genai_folders(loaded, root, args.weights, args.anchor, cores)
+        for folder in folders.values():  # warm-up
+            decoding.generate_batch_genai(folder, prompts[:2], 4, Sampling())
+        answers: dict[tuple[str, str], list] = {}
+        for round_ in range(args.rounds):
+            for label, folder in folders.items():
+                for name, by_length in orders.items():
+                    start = time.perf_counter()
+                    tokens: list = [None] * len(prompts)
+                    prefill = 0.0
+                    for indices, run in decoding.generate_in_batches(folder, prompts, args.new, Sampling(), batch,
+                                                                     sort_by_length=by_length):
+                        prefill += run.prefill_seconds
+                        for i, t in zip(indices, run.tokens):
+                            tokens[i] = t
+                    seconds = time.perf_counter() - start
+                    answers.setdefault((label, name), tokens)
+                    totals.setdefault((label, name), []).append(seconds)
+                    prefills.setdefault((label, name), []).append(prefill)
+                    print(f"round {round_ + 1}/{args.rounds}  {label:24s} {name:14s} {seconds:6.2f} s "
+                          f"(prefill {prefill:5.2f} s)", flush=True)
+        for label in folders:
+            same = answers[(label, "file order")] == answers[(label, "longest first")]
+            print(f"{label}: both orders give every prompt the same tokens: {same}")
+    new_tokens = {label: sum(len(t) for t in answers[(label, "file order")]) for label in folders}
+    real = sum(lengths)
+    table = ["| folder | file order: s (prefill s) | longest first: s (prefill s) | speed-up | prefill speed-up | "
+             "same tokens |", "|---|---:|---:|---:|---:|:---:|"]
+    for label in folders:
+        file_s, sorted_s = (statistics.median(totals[(label, n)]) for n in orders)
+        file_p, sorted_p = (statistics.median(prefills[(label, n)]) for n in orders)
+        same = "yes" if answers[(label, "file order")] == answers[(label, "longest first")] else "no"
+        table.append(f"| {label} ({new_tokens[label]} new tokens) | {file_s:.2f} ({file_p:.2f}) | "
+                     f"{sorted_s:.2f} ({sorted_p:.2f}) | {file_s / sorted_s:.2f}x | {file_p / sorted_p:.2f}x | {same} |")
+    body = "\n".join([
+        f"## Length-sorted batches on CPU ({'' if args.weights == 'fp32' else args.weights + ' weights; '}"
+        "onnxruntime-genai, greedy)", "",
+        f"`python tools/bench_batch.py --mixed {args.mixed} --batches {batch} --prompt {args.prompt} --new {args.new} "
+        f"--rounds {args.rounds}{'' if args.weights == 'fp32' else ' --weights ' + args.weights} --write`", "",
+        benchdoc.stamp(), "",
+        f"{PRESET}, {args.weights}, onnxruntime-genai with intra_op_num_threads = {cores}: {args.mixed} prompts of "
+        f"{min(lengths)}-{max(lengths)} tokens (log-uniform, {real} in all), {batch} at a time, each row "
+        f"generating until its end id or {args.new} tokens; the whole file's seconds, medians of {args.rounds} "
+        f"interleaved rounds. Padding computed (exact, from the batch plan): file order {pads['file order']} "
+        f"tokens ({pads['file order'] / real:.0%} of the prompts'), longest first {pads['longest first']} "
+        f"({pads['longest first'] / real:.0%}).", "", *table])
+    print(body)
+    if args.write:
+        print(f"wrote {benchdoc.write_section('decode-batch-sorted', body)}")
 
 
 if __name__ == "__main__":

@@ -328,23 +328,34 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     return BatchRun(tokens, stops, sum(map(len, prompts)), finish - start, (first or finish) - start)
 
 
-def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                        batch_size: int = 8, backend: str = "genai", provider: str | None = None,
-                        runner: OrtDecoder | None = None) -> Iterator[tuple[int, BatchRun]]:
-    """Prompts in order, batch_size at a time: yields (index of the batch's first prompt, its run).
-    backend "genai" (provider None: the folder's) or "onnxruntime" (runner: an OrtDecoder, or an
-    engine's runner; else one on provider)."""
+def batch_plan(prompts: list[list[int]], batch_size: int, by_length: bool = False) -> list[list[int]]:
+    """The prompts' indices, batch_size at a time: in order, or by_length longest first (ties in
+    order), so that each batch pads its prompts to a length near their own (a batch costs its
+    longest prompt in every row)."""
     if batch_size < 1:
         raise DiffExportError(f"the batch size must be >= 1, got {batch_size}")
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if by_length else list(range(len(prompts)))
+    return [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
+
+
+def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                        batch_size: int = 8, backend: str = "genai", provider: str | None = None,
+                        runner: OrtDecoder | None = None, sort_by_length: bool = False
+                        ) -> Iterator[tuple[list[int], BatchRun]]:
+    """Prompts batch_size at a time (batch_plan: in order, or longest first with sort_by_length):
+    yields (the batch's prompt indices, its run, row k answering prompts[indices[k]]). backend
+    "genai" (provider None: the folder's) or "onnxruntime" (runner: an OrtDecoder, or an engine's
+    runner; else one on provider)."""
+    plan = batch_plan(prompts, batch_size, sort_by_length)
     if backend == "genai":
         config = decoder.read_decoder_folder(folder)[1]
         pad = genai_pad_for(config, prompts)  # one model for every batch: a pad id that ends no prompt
         model = open_genai_model(folder, provider, pad)
-        for first in range(0, len(prompts), batch_size):
-            yield first, generate_batch_genai(folder, prompts[first:first + batch_size], max_new_tokens, sampling,
-                                              model=model, pad_token_id=pad)
+        for indices in plan:
+            yield indices, generate_batch_genai(folder, [prompts[i] for i in indices], max_new_tokens, sampling,
+                                                model=model, pad_token_id=pad)
     else:
         runner = runner or OrtDecoder(folder, provider=provider or "cpu")
-        for first in range(0, len(prompts), batch_size):
-            yield first, generate_batch_onnxruntime(folder, prompts[first:first + batch_size], max_new_tokens,
-                                                    sampling, runner=runner)
+        for indices in plan:
+            yield indices, generate_batch_onnxruntime(folder, [prompts[i] for i in indices], max_new_tokens,
+                                                      sampling, runner=runner)
