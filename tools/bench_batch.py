@@ -21,8 +21,8 @@ docs/BENCHMARKS.md and draws docs/img/decode-batch[-int4].png.
 
     python tools/bench_batch.py --mixed N [--batches 8] [--prompt 384] [--new 32] [--rounds 3] [--write]
 
---mixed: N prompts of spread lengths (log-uniform in 16..--prompt, seeded) through
-decoding.generate_in_batches at the largest --batches, in the file's order and longest first
+--mixed: N prompts of spread lengths (log-uniform in 16..--prompt, seeded) in the batches of
+decoding.batch_plan at the largest --batches, in the file's order and longest first
 (`generate --prompts-file --sort-by-length`), interleaved rounds; the whole file's seconds and its
 prefill seconds, the padding each order computes (exact, from the batch plan), and a check that
 both orders give every prompt the same tokens. Rows stop at their own end id or after --new.
@@ -160,8 +160,9 @@ def mixed_lengths(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         folders = bench_context.genai_folders(loaded, root, args.weights, args.anchor, cores)
-        for folder in folders.values():  # warm-up
-            decoding.generate_batch_genai(folder, prompts[:2], 4, Sampling())
+        models = {label: decoding.open_genai_model(folder) for label, folder in folders.items()}
+        for label, folder in folders.items():  # warm-up
+            decoding.generate_batch_genai(folder, prompts[:2], 4, Sampling(), model=models[label])
         answers: dict[tuple[str, str], list] = {}
         for round_ in range(args.rounds):
             for label, folder in folders.items():
@@ -169,8 +170,10 @@ def mixed_lengths(args) -> None:
                     start = time.perf_counter()
                     tokens: list = [None] * len(prompts)
                     prefill = 0.0
-                    for indices, run in decoding.generate_in_batches(folder, prompts, args.new, Sampling(), batch,
-                                                                     sort_by_length=by_length):
+                    # generate_in_batches' loop, on the model opened once (the threads copies link their weights)
+                    for indices in decoding.batch_plan(prompts, batch, by_length):
+                        run = decoding.generate_batch_genai(folder, [prompts[i] for i in indices], args.new,
+                                                            Sampling(), model=models[label])
                         prefill += run.prefill_seconds
                         for i, t in zip(indices, run.tokens):
                             tokens[i] = t
