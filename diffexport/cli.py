@@ -456,7 +456,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed)
+                        seed=args.seed, repetition_penalty=args.repetition_penalty)
     if args.backend == "genai":
         decoding.import_genai()
     if (args.backend == "tensorrt") != (args.engine is not None):
@@ -978,6 +978,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
             p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: all)")
             p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+            p.add_argument("--repetition-penalty", type=float, default=1.0,
+                           help="greedy or sampled: the logit of every id a row already holds, prompt included, "
+                                "divided by P (times P when negative); 1.0 (default): none, 1.1-1.3: usual")
             p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime", "tensorrt")),
                            help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop; tensorrt: "
                                 "the --engine built from this folder, on the GPU")

@@ -7,12 +7,16 @@ with an attention_mask; greedy decoding reproduces transformers' `generate(do_sa
 for imported DiffLlama checkpoints (tests/test_generation.py).
 
 Sampling follows the usual order: temperature, then top-k, then top-p (nucleus), then a draw
-from a seeded torch.Generator.
+from a seeded torch.Generator. A repetition penalty comes before all of it, greedy included, as
+transformers and onnxruntime-genai apply it: every distinct id a row already holds (its prompt,
+padding left out, and its new tokens) has its logit multiplied by the penalty when negative and
+divided by it otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -22,15 +26,21 @@ from diffexport.errors import DiffExportError
 
 @dataclasses.dataclass
 class Sampling:
-    """How the next token is chosen. greedy=True ignores the rest."""
+    """How the next token is chosen. greedy=True ignores temperature, top-k, top-p and seed; the
+    repetition penalty applies either way."""
 
     greedy: bool = True
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0  # 1.0: no nucleus cut
     seed: int = 0
+    repetition_penalty: float = 1.0  # 1.0: none; > 1 makes tokens already seen less likely
 
     def __post_init__(self) -> None:
+        penalty = self.repetition_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty) \
+                or penalty <= 0:
+            raise DiffExportError(f"repetition penalty must be a finite number > 0, got {penalty!r}")
         if not self.greedy:
             if not self.temperature > 0:
                 raise DiffExportError(f"temperature must be > 0, got {self.temperature}")
@@ -40,8 +50,33 @@ class Sampling:
                 raise DiffExportError(f"top-p must be in (0, 1], got {self.top_p}")
 
 
-def choose_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] (the last position) -> next token ids [B]."""
+def seen_tokens(ids: torch.Tensor, mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[B, T] ids (and their attention mask: padding is not text) -> [B, V] bool, which ids each row
+    holds; a repetition penalty reads it, and the caller marks each new token in it."""
+    ids = ids.to(torch.int64)
+    if mask is not None:
+        ids = torch.where(mask.bool(), ids, vocab_size)  # padding lands in a spare column, dropped below
+    seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, ids.clamp(0, vocab_size), True)[:, :vocab_size]
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits [B, V] with every seen id's logit made less likely: times penalty when negative,
+    divided by it otherwise (the CTRL rule, as transformers and onnxruntime-genai compute it, in fp32)."""
+    if penalty == 1.0:
+        return logits
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def choose_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
+                seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] (the last position) -> next token ids [B]. seen: seen_tokens' [B, V], needed
+    when sampling has a repetition penalty."""
+    if sampling.repetition_penalty != 1.0:
+        if seen is None:
+            raise DiffExportError("a repetition penalty needs the tokens each row has seen")
+        logits = penalize_repeats(logits.float(), seen, sampling.repetition_penalty)
     if sampling.greedy:
         return logits.argmax(-1)
     scores = logits.float() / sampling.temperature
@@ -104,12 +139,18 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         attention_mask = torch.ones_like(input_ids)
     past, ids, tokens, step_logits = None, input_ids, [], []
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    seen = None
+    rows = torch.arange(B, device=input_ids.device)
     for _ in range(max_new_tokens):
         logits, past = model(ids, attention_mask=attention_mask, past_key_values=past, use_cache=True)
         # each row's last real token (a right-padded prompt ends before its padding)
-        last = logits[torch.arange(B, device=logits.device), last_real(attention_mask[:, -ids.shape[1]:])].float()
+        last = logits[rows, last_real(attention_mask[:, -ids.shape[1]:])].float()
         step_logits.append(last)
-        token = choose_next(last, sampling, generator)
+        if sampling.repetition_penalty != 1.0 and seen is None:
+            seen = seen_tokens(input_ids, attention_mask, last.shape[-1])
+        token = choose_next(last, sampling, generator, seen)
+        if seen is not None:
+            seen[rows, token] = True
         token = token.masked_fill(finished, pad_token_id)
         tokens.append(token)
         if on_token is not None:

@@ -99,10 +99,11 @@ def model_and_folders(tmp_path_factory):
     return loaded, folders
 
 
-def _alone(model, prompt, n, eos):
+def _alone(model, prompt, n, eos, sampling=None):
     from diffexport.generation import generate
 
-    return generate(model.eval(), torch.tensor([prompt]), max_new_tokens=n, eos_token_id=eos).tokens[0].tolist()
+    return generate(model.eval(), torch.tensor([prompt]), max_new_tokens=n, eos_token_id=eos,
+                    sampling=sampling).tokens[0].tolist()
 
 
 @pytest.mark.slow
@@ -143,6 +144,44 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
             assert stops == ["eos" if e[-1] == free[stop] else "length" for e in expected]
     # one prompt through genai alone: a trailing pad id is a token, not padding
     assert decoding.generate_genai(folder, prompts[2], 12, Sampling()).tokens == expected[2]
+
+
+@pytest.mark.slow
+def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders, tmp_path):
+    """A repetition penalty counts each row's own tokens only: padded batches through genai (where
+    diffexport applies it, since genai's own would also penalise a padded row's pad id) and the
+    onnxruntime loop, and genai's own penalty on a single prompt, all give eager generate's greedy
+    tokens for each prompt alone. The folders' pad and end id is set to a token a padded row
+    chooses, so a penalised pad would show."""
+    pytest.importorskip("onnxruntime_genai")
+    import shutil
+
+    from diffexport.backends import decoding
+    from diffexport.generation import Sampling
+
+    loaded, originals = model_and_folders
+    penalised = Sampling(repetition_penalty=1.4)
+    prompts = [[5, 17, 42, 99, 3, 250, 7, 5, 17], [9, 9, 9], [300, 12, 77, 12], [64, 2]]
+    free = _alone(loaded.model, prompts[1], 14, None, penalised)
+    end = free[next(i for i in range(3, 14) if free[i] not in free[:i] and free[i] not in prompts[1])]
+    folders = {}
+    for attention, original in originals.items():
+        folders[attention] = shutil.copytree(original, tmp_path / attention)
+        config = json.loads((folders[attention] / "genai_config.json").read_text())
+        config["model"]["eos_token_id"], config["model"]["pad_token_id"] = [end], end
+        (folders[attention] / "genai_config.json").write_text(json.dumps(config))
+    expected = [_alone(loaded.model, p, 14, [end], penalised) for p in prompts]
+    assert expected[1][-1] == end  # the padded row [9, 9, 9] stops at the pad id
+    assert expected != [_alone(loaded.model, p, 14, [end]) for p in prompts]  # the penalty changed something
+    for attention, folder in folders.items():
+        for backend in ("genai", "onnxruntime"):
+            tokens = [None] * len(prompts)
+            for indices, run in decoding.generate_in_batches(folder, prompts, 14, penalised, 4, backend):
+                for i, t in zip(indices, run.tokens):
+                    tokens[i] = t
+            assert tokens == expected, (attention, backend)
+        assert decoding.generate_genai(folder, prompts[1], 14, penalised).tokens == expected[1]
+        assert decoding.generate_onnxruntime(folder, prompts[1], 14, penalised).tokens == expected[1]
 
 
 @pytest.mark.slow
@@ -200,6 +239,8 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
                           "--sort-by-length groups the prompts of --prompts-file")
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--batch-size", "0"),
                           "the batch size must be >= 1")
+    assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--repetition-penalty", "-1"),
+                          "repetition penalty must be a finite number > 0")
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--chat"),
                           "gives token ids only")
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", _write(tmp_path, '{"prompt": "hi"}\n', "t.jsonl")),

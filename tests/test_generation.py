@@ -78,6 +78,46 @@ def test_greedy_tokens_equal_transformers_generate(heads, kv_heads, tmp_path):
     assert torch.equal(got.tokens, expected)
 
 
+def test_repetition_penalty_equals_transformers(tmp_path):
+    """The penalty's rule against transformers' own logits processor (fresh logits of both signs,
+    ids repeated), and greedy generate with it against transformers' generate, prompt by prompt (its
+    batches would also penalise the pad id of padded rows; ours leave padding out)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from diffexport.generation import penalize_repeats, seen_tokens
+
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 50, (3, 9), generator=gen)
+    logits = torch.randn(3, 50, generator=gen) * 4
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    assert torch.equal(penalize_repeats(logits, seen_tokens(ids, None, 50), 1.3), expected)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # padding is not text: those ids stay unpenalised unless they recur after it
+    only_real = seen_tokens(ids, mask, 50)
+    assert torch.equal(only_real[0], seen_tokens(ids[:1, 4:], None, 50)[0])
+    assert torch.equal(only_real[1:], seen_tokens(ids[1:], None, 50))
+
+    torch.manual_seed(4)
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = transformers.DiffLlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf").model.eval()
+    changed = False
+    for n in (5, 11):
+        prompt = torch.randint(3, 96, (1, n), generator=gen)
+        with torch.no_grad():
+            expected = hf.generate(prompt, max_new_tokens=30, do_sample=False, min_new_tokens=30, pad_token_id=0,
+                                   repetition_penalty=1.3)[:, n:]
+            got = generate(ours, prompt, max_new_tokens=30, sampling=Sampling(repetition_penalty=1.3))
+            plain = generate(ours, prompt, max_new_tokens=30)
+        assert torch.equal(got.tokens, expected)
+        changed |= not torch.equal(plain.tokens, got.tokens)
+    assert changed  # the penalty did something
+
+
 def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 2)
     draws = [choose_next(logits, Sampling(greedy=False, top_k=2, seed=0), torch.Generator().manual_seed(s))
@@ -97,6 +137,9 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     (dict(greedy=False, temperature=0.0), "temperature"),
     (dict(greedy=False, top_k=-1), "top-k"),
     (dict(greedy=False, top_p=0.0), "top-p"),
+    (dict(repetition_penalty=0.0), "repetition penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition penalty"),
+    (dict(repetition_penalty=True), "repetition penalty"),
 ])
 def test_bad_sampling_options(kwargs, pattern):
     with pytest.raises(DiffExportError, match=pattern):
@@ -107,6 +150,8 @@ def test_bad_generation_requests():
     model = _model("diff-v1-tiny")
     with pytest.raises(DiffExportError, match="max_new_tokens"):
         generate(model, torch.tensor([[1, 2]]), max_new_tokens=0)
+    with pytest.raises(DiffExportError, match="needs the tokens each row has seen"):
+        choose_next(torch.zeros(1, 4), Sampling(repetition_penalty=1.2), None)
     with pytest.raises(DiffExportError, match="attention_mask shape"):
         model(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3, dtype=torch.int64))
     with pytest.raises(DiffExportError, match="at least one token"):

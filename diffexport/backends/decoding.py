@@ -121,7 +121,7 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
     row has stopped -> (new tokens per row, stop per row); timing gets start, first and end."""
     import torch
 
-    from diffexport.generation import choose_next, left_pad
+    from diffexport.generation import choose_next, left_pad, seen_tokens
 
     eos = set(decoder.eos_token_ids(runner.config))
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
@@ -142,9 +142,15 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
         _, cache = runner.step(ids[:, done:done + chunk], mask[:, :done + chunk], cache)
         done += chunk
     ids = ids[:, done:]
+    seen = None
     for _ in range(max_new_tokens):
         logits, cache = runner.step(ids, mask, cache)
-        chosen = choose_next(torch.from_numpy(logits[:, -1].astype(np.float32)), sampling, generator).tolist()
+        last = torch.from_numpy(logits[:, -1].astype(np.float32))
+        if sampling.repetition_penalty != 1.0 and seen is None:
+            seen = seen_tokens(padded_ids, padded_mask, last.shape[-1])
+        chosen = choose_next(last, sampling, generator, seen).tolist()
+        if seen is not None:
+            seen[torch.arange(len(chosen)), torch.tensor(chosen)] = True
         for row, token in enumerate(chosen):
             if live[row]:
                 tokens[row].append(token)
@@ -211,6 +217,8 @@ def genai_pad_for(config: dict, prompts: list[list[int]]) -> int | None:
 def _search_options(sampling: Sampling, max_length: int, min_length: int = 0) -> dict:
     """genai's search options for our Sampling: the length limits (min_length 0: none) and the draw."""
     search = {"max_length": max_length, "do_sample": not sampling.greedy}
+    if sampling.repetition_penalty != 1.0:
+        search["repetition_penalty"] = sampling.repetition_penalty
     if min_length:
         search["min_length"] = min(min_length, max_length)
     if not sampling.greedy:
@@ -307,15 +315,34 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
         ids[row, :len(prompt)] = prompt
     params = og.GeneratorParams(model)
     total = min(width + max_new_tokens, context)
-    # min_new_tokens (benchmarks): every row generates the same count
-    params.set_search_options(**_search_options(sampling, total, width + min_new_tokens if min_new_tokens else 0),
-                              batch_size=len(prompts))
+    # genai's own repetition penalty reads each row's whole sequence, so it would also penalise the
+    # pad id of a padded row (the pad is often the eos): the penalty is applied here instead, on
+    # each row's real tokens, and genai's is left at 1
+    penalty = sampling.repetition_penalty
+    options = _search_options(dataclasses.replace(sampling, repetition_penalty=1.0), total,
+                              width + min_new_tokens if min_new_tokens else 0)  # min: every row the same count
+    params.set_search_options(**options, batch_size=len(prompts))
+    seen = None
+    if penalty != 1.0:
+        import torch
+
+        from diffexport.generation import penalize_repeats, seen_tokens
+
+        real = torch.arange(width)[None, :] < torch.tensor([len(p) for p in prompts])[:, None]  # right padding
+        seen = seen_tokens(torch.from_numpy(ids), real, int(config["model"]["vocab_size"]))
     start = time.perf_counter()
     generator = og.Generator(model, params)
     generator.append_tokens(ids)
     first = None
     while not generator.is_done():
+        if seen is not None:
+            logits = generator.get_logits()  # [B, 1, V] float32
+            generator.set_logits(penalize_repeats(torch.from_numpy(np.array(logits, np.float32)), seen[:, None],
+                                                  penalty).numpy())
         generator.generate_next_token()
+        if seen is not None:
+            chosen = torch.from_numpy(np.asarray(generator.get_next_tokens(), np.int64))
+            seen[torch.arange(len(prompts)), chosen] = True
         first = first or time.perf_counter()
     finish = time.perf_counter()
     tokens, stops = [], []
