@@ -389,11 +389,14 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
     from diffexport import prompts as prompts_file
     from diffexport.backends import decoding
     from diffexport.export.decoder import eos_token_ids
+    from diffexport.generation import StopText
 
     lines = prompts_file.read_prompts(args.prompts_file, int(config["model"]["vocab_size"]))
     texts = any(p.text is not None for p in lines)
     if args.chat and not texts:
         raise DiffExportError("--chat templates text prompts: the prompts file gives token ids only")
+    if args.stop and not texts:
+        raise DiffExportError("--stop matches generated text: the prompts file gives token ids only")
     tokenizer = _folder_tokenizer(folder) if texts else None
     context = int(config["model"]["context_length"])
     ids = []
@@ -411,9 +414,18 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
         from diffexport.backends.onnxruntime import resolve_provider
 
         provider = resolve_provider(args.provider)
+    texts_by_prompt: dict[int, StopText] = {}  # --stop: each answer's text, ended at a stop string
+
+    def stop_after(index: int, token: int) -> bool:
+        if index not in texts_by_prompt:
+            texts_by_prompt[index] = StopText(args.stop, tokenizer.create_stream().decode)
+        texts_by_prompt[index].push(token)
+        return texts_by_prompt[index].done
+
     batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
                                            "genai" if args.backend == "genai" else "onnxruntime",
-                                           provider=provider, runner=runner, sort_by_length=args.sort_by_length)
+                                           provider=provider, runner=runner, sort_by_length=args.sort_by_length,
+                                           stop_after=stop_after if args.stop else None)
     count = -(-len(ids) // args.batch_size)
     new = seconds = 0
     start = time.perf_counter()
@@ -423,7 +435,10 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
         for index, tokens, stop in zip(indices, run.tokens, run.stops):
             p = lines[index]
             answer = {"line": p.line, **({} if p.id is None else {"id": p.id})}
-            if tokenizer is not None:  # the text without the end-of-sequence token that stopped it
+            text = texts_by_prompt.pop(index, None)
+            if stop == "stop_string":  # the text before the stop string
+                answer["completion"] = text.text
+            elif tokenizer is not None:  # the text without the end-of-sequence token that stopped it
                 answer["completion"] = tokenizer.decode(tokens[:-1] if stop == "eos" and tokens[-1] in eos else tokens)
             answer.update(tokens=tokens, stop=stop)
             answers[index] = json.dumps(answer, ensure_ascii=False) + "\n"
@@ -449,7 +464,7 @@ def cmd_generate(args) -> int:
 
     from diffexport.backends import decoding
     from diffexport.export.decoder import read_decoder_folder
-    from diffexport.generation import Sampling
+    from diffexport.generation import Sampling, StopText
 
     folder = Path(args.folder)
     _, config, _ = read_decoder_folder(folder)
@@ -468,6 +483,8 @@ def cmd_generate(args) -> int:
         raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
     if args.system is not None and not args.chat:
         raise DiffExportError("--system is a turn of the chat template: add --chat")
+    if any(not stop for stop in args.stop):
+        raise DiffExportError("--stop needs non-empty text")
     if (args.batch_size is not None or args.sort_by_length) and args.prompts_file is None:
         raise DiffExportError(f"{'--batch-size' if args.batch_size is not None else '--sort-by-length'} "
                               "groups the prompts of --prompts-file")
@@ -476,27 +493,37 @@ def cmd_generate(args) -> int:
         if args.batch_size < 1:
             raise DiffExportError(f"the batch size must be >= 1, got {args.batch_size}")
         return _generate_file(args, folder, config, sampling)
+    if args.stop and args.ids is not None:
+        raise DiffExportError("--stop matches generated text: give --prompt (the folder's tokenizer), not --ids")
     ids, tokenizer = _prompt_ids(args, folder, config)
     stream = tokenizer.create_stream() if tokenizer is not None else None
+    text = StopText(args.stop, stream.decode) if args.stop else None
 
     def show(token: int) -> None:
-        text = stream.decode(token) if stream is not None else f"{token} "
-        sys.stdout.write(text)
+        sys.stdout.write(stream.decode(token) if stream is not None else f"{token} ")
         sys.stdout.flush()
 
+    def show_until_stop(token: int) -> bool:  # --stop: shows what cannot begin a stop string, ends at one
+        sys.stdout.write(text.push(token))
+        sys.stdout.flush()
+        return text.done
+
+    shown = dict(on_token=show) if text is None else dict(stop_after=show_until_stop)
     if args.backend == "genai":  # auto: the provider the folder's genai_config names
         provider = None if args.provider == "auto" else args.provider
-        run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, on_token=show, provider=provider)
+        run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, provider=provider, **shown)
     elif args.backend == "tensorrt":  # the engine on the GPU, stepped by the onnxruntime loop's code
         from diffexport.backends.tensorrt import open_decoder_engine
 
         runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
-        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, on_token=show, runner=runner)
+        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, runner=runner, **shown)
     else:
         from diffexport.backends.onnxruntime import resolve_provider
 
-        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, on_token=show,
-                                            provider=resolve_provider(args.provider))
+        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling,
+                                            provider=resolve_provider(args.provider), **shown)
+    if text is not None:
+        sys.stdout.write(text.flush())
     sys.stdout.write("\n")
     _log(f"{args.backend}: prompt {run.prompt_tokens} tokens at {run.prompt_tokens_per_s:.1f} tokens/s, "
          f"{len(run.tokens)} new tokens, decode {run.decode_tokens_per_s:.1f} tokens/s (stopped: {run.stop})")
@@ -978,6 +1005,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
             p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: all)")
             p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+            p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                           help="end an answer where its text first holds TEXT (repeatable; the answer stops "
+                                "before it); text prompts only")
             p.add_argument("--repetition-penalty", type=float, default=1.0,
                            help="greedy or sampled: the logit of every id a row already holds, prompt included, "
                                 "divided by P (times P when negative); 1.0 (default): none, 1.1-1.3: usual")

@@ -163,3 +163,42 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         ids = token[:, None]
         attention_mask = torch.cat([attention_mask, torch.ones_like(ids)], dim=1)
     return Generated(torch.stack(tokens, dim=1), step_logits)
+
+
+class StopText:
+    """One row's generated text as its tokens arrive, ended at the first of the stop strings: `push`
+    returns the text that can be shown now (a tail that could still begin a stop string is held
+    back), `done` says a stop string was completed, `text` is everything before it."""
+
+    def __init__(self, stops: list[str], decode: Callable[[int], str]):
+        if not stops or any(not isinstance(s, str) or not s for s in stops):
+            raise DiffExportError("stop strings must be non-empty text")
+        self.stops, self.decode = list(stops), decode
+        self.longest = max(len(s) for s in stops)
+        self.buffer, self.shown, self.done = "", 0, False
+
+    def push(self, token: int) -> str:
+        if self.done:
+            return ""
+        start = max(0, len(self.buffer) - self.longest + 1)  # a new match ends in the new text
+        self.buffer += self.decode(token)
+        hits = [i for i in (self.buffer.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.done = True
+            self.buffer = self.buffer[:min(hits)]
+            return self._release(len(self.buffer))
+        held = next((n for n in range(min(self.longest - 1, len(self.buffer)), 0, -1)
+                     if any(s.startswith(self.buffer[-n:]) for s in self.stops)), 0)
+        return self._release(len(self.buffer) - held)
+
+    def flush(self) -> str:
+        """The held-back tail, once generation has ended without a stop string."""
+        return self._release(len(self.buffer))
+
+    @property
+    def text(self) -> str:
+        return self.buffer
+
+    def _release(self, upto: int) -> str:
+        out, self.shown = self.buffer[self.shown:max(upto, self.shown)], max(upto, self.shown)
+        return out

@@ -133,6 +133,24 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert torch.equal(a, b)
 
 
+def test_stop_text_holds_back_what_could_begin_a_stop_string():
+    from diffexport.generation import StopText
+
+    pieces = ["Hel", "lo", " wor", "ld", "\n", "\n", "Next"]
+    text = StopText(["\n\n", "world!"], pieces.__getitem__)
+    shown = [text.push(i) for i in range(len(pieces))]
+    # " wor" could begin "world!", "\n" could begin "\n\n": held back until they cannot
+    assert shown == ["Hel", "lo", " ", "", "world", "", ""] and text.done and text.text == "Hello world"
+    assert text.push(0) == "" and text.text == "Hello world"  # after the stop nothing more is taken
+    free = StopText(["END"], pieces.__getitem__)
+    shown = [free.push(i) for i in range(len(pieces))] + [free.flush()]
+    assert "".join(shown) == "".join(pieces) and not free.done
+    first = StopText(["a", "xyz"], ["bab"].__getitem__)  # the earliest stop wins, inside one token
+    assert first.push(0) == "b" and first.done and first.text == "b"
+    with pytest.raises(DiffExportError, match="non-empty"):
+        StopText(["ok", ""], str)
+
+
 @pytest.mark.parametrize("kwargs,pattern", [
     (dict(greedy=False, temperature=0.0), "temperature"),
     (dict(greedy=False, top_k=-1), "top-k"),

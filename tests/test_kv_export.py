@@ -518,6 +518,45 @@ def test_generate_prompts_file_with_text_and_chat(hf_dir, tmp_path):
             assert answer["completion"] == tokenizer.decode(spoken)
 
 
+def test_generate_stops_at_stop_strings(hf_dir, tmp_path):
+    """--stop ends an answer where its text first holds the string: the streamed text and a prompts
+    file's completion are the free answer's text before it, the tokens the free answer's up to the
+    one that completed it, on both backends; --stop needs text."""
+    og = pytest.importorskip("onnxruntime_genai")
+    assert run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
+    prompts = ["the cat sat", "on a mat, said the dog"]
+    free = {}
+    for prompt in prompts:
+        run = decoding.generate_genai(tmp_path / "kv", [int(t) for t in tokenizer.encode(prompt)], 24, Sampling(),
+                                      min_new_tokens=24)
+        free[prompt] = (run.tokens, tokenizer.decode(run.tokens))
+    tokens, text = free[prompts[0]]
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle of the free answer
+    assert stop and text.index(stop) > 0
+    for backend in ("genai", "onnxruntime"):
+        out = run_cli("generate", tmp_path / "kv", "--prompt", prompts[0], "--max-new-tokens", "24", "--stop", stop,
+                      "--stop", "\u2603 never", "--backend", backend)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == text[:text.index(stop)] + "\n" and "stopped: stop_string" in out.stderr
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    for backend in ("genai", "onnxruntime"):
+        out = run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "p.jsonl", "--max-new-tokens", "24",
+                      "--stop", stop, "--backend", backend)
+        assert out.returncode == 0, out.stderr
+        for prompt, answer in zip(prompts, map(json.loads, out.stdout.splitlines())):
+            tokens, text = free[prompt]
+            if stop in text:
+                assert answer["stop"] == "stop_string" and answer["completion"] == text[:text.index(stop)]
+                assert tokens[:len(answer["tokens"])] == answer["tokens"]
+                assert stop in tokenizer.decode(answer["tokens"]) and stop not in tokenizer.decode(answer["tokens"][:-1])
+            else:
+                assert answer["stop"] != "stop_string" and answer["tokens"] == tokens[:len(answer["tokens"])]
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", "5,6", "--stop", "x"),
+                          "--stop matches generated text")
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--stop", ""), "--stop needs non-empty text")
+
+
 def test_several_end_ids_all_stop_generation(tmp_path):
     """generation_config.json's eos_token_id as a list (Llama 3 chat models end a turn with
     <|eot_id|>, not the list's first id): the folder keeps the whole list, and genai, the

@@ -27,7 +27,7 @@ class DecodeRun:
     prompt_tokens: int
     prefill_seconds: float  # prompt processed and first token chosen
     decode_seconds: float  # every later token
-    stop: str  # "eos" or "length"
+    stop: str  # "eos", "length" or "stop_string" (stop_after said so)
 
     @property
     def prompt_tokens_per_s(self) -> float:
@@ -106,19 +106,25 @@ class OrtDecoder:
 
 def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
                          on_token: Callable[[int], None] | None = None, threads: int | None = None,
-                         runner: OrtDecoder | None = None, ignore_eos: bool = False, provider: str = "cpu") -> DecodeRun:
+                         runner: OrtDecoder | None = None, ignore_eos: bool = False, provider: str = "cpu",
+                         stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+    """stop_after(token): True ends generation after that token (a stop string completed)."""
     runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
     timing = {}
     tokens, stops = _step_loop(runner, [prompt], max_new_tokens, sampling, timing, ignore_eos,
-                               on_step=None if on_token is None else lambda chosen: on_token(chosen[0]))
+                               on_step=None if on_token is None else lambda chosen: on_token(chosen[0]),
+                               stop_after=None if stop_after is None else lambda _, token: stop_after(token))
     return DecodeRun(tokens[0], len(prompt), timing["first"] - timing["start"], timing["end"] - timing["first"],
                      stops[0])
 
 
 def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, timing: dict,
-               ignore_eos: bool = False, on_step: Callable[[list[int]], None] | None = None):
+               ignore_eos: bool = False, on_step: Callable[[list[int]], None] | None = None,
+               stop_after: Callable[[int, int], bool] | None = None):
     """Left-padded prompts through runner.step with its cache, one token per row and step, until every
-    row has stopped -> (new tokens per row, stop per row); timing gets start, first and end."""
+    row has stopped -> (new tokens per row, stop per row); timing gets start, first and end.
+    stop_after(row, token): called with each live row's new token (not an end id); True ends the row
+    there ("stop_string")."""
     import torch
 
     from diffexport.generation import choose_next, left_pad, seen_tokens
@@ -156,6 +162,8 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
                 tokens[row].append(token)
                 if token in eos and not ignore_eos:
                     live[row], stops[row] = False, "eos"
+                elif stop_after is not None and stop_after(row, token):
+                    live[row], stops[row] = False, "stop_string"
         timing.setdefault("first", time.perf_counter())
         if on_step is not None:
             on_step(chosen)
@@ -170,7 +178,7 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
 @dataclasses.dataclass
 class BatchRun:
     tokens: list[list[int]]  # per prompt, its new tokens (the end-of-sequence token that stopped it included)
-    stops: list[str]  # per prompt, "eos" or "length"
+    stops: list[str]  # per prompt, "eos", "length" or "stop_string"
     prompt_tokens: int  # all prompts' tokens, padding left out
     seconds: float  # the whole batch, prompts and decode
     prefill_seconds: float  # the prompts processed and every row's first token chosen
@@ -190,13 +198,14 @@ class BatchRun:
 
 def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                                runner: OrtDecoder | None = None, provider: str = "cpu",
-                               threads: int | None = None) -> BatchRun:
+                               threads: int | None = None, stop_after: Callable[[int, int], bool] | None = None
+                               ) -> BatchRun:
     """Several prompts as one left-padded batch through the onnxruntime loop (or an engine's runner).
     Greedy rows give what each prompt gives alone; sampled rows draw from one generator, so a batch
     is reproducible, not equal to its prompts sampled one at a time."""
     runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
     timing = {}
-    tokens, stops = _step_loop(runner, prompts, max_new_tokens, sampling, timing)
+    tokens, stops = _step_loop(runner, prompts, max_new_tokens, sampling, timing, stop_after=stop_after)
     return BatchRun(tokens, stops, sum(map(len, prompts)), timing["end"] - timing["start"],
                     timing["first"] - timing["start"])
 
@@ -254,8 +263,9 @@ def open_genai_model(folder, provider: str | None = None, pad_token_id: int | No
 
 def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
                    on_token: Callable[[int], None] | None = None, model=None, min_new_tokens: int = 0,
-                   provider: str | None = None) -> DecodeRun:
-    """provider: None runs on what the folder's genai_config names; "cpu"/"cuda" override it."""
+                   provider: str | None = None, stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+    """provider: None runs on what the folder's genai_config names; "cpu"/"cuda" override it.
+    stop_after(token): True ends generation after that token (a stop string completed)."""
     og = import_genai()
     context = None
     if model is None:  # a model given is the caller's, pad id included
@@ -272,7 +282,9 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     tokens = []
     start = time.perf_counter()
     generator.append_tokens(np.asarray(prompt, np.int32))
-    first = None
+    first, stop = None, None
+    eos = set(decoder.eos_token_ids(json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text()))) \
+        if stop_after is not None else set()
     while not generator.is_done():
         generator.generate_next_token()
         token = int(generator.get_next_tokens()[0])
@@ -281,18 +293,23 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
             first = time.perf_counter()
         if on_token is not None:
             on_token(token)
+        if stop_after is not None and token not in eos and stop_after(token):
+            stop = "stop_string"
+            break
     end = time.perf_counter()
-    stop = "length" if len(prompt) + len(tokens) >= total else "eos"
+    stop = stop or ("length" if len(prompt) + len(tokens) >= total else "eos")
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
 
 
 def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                          model=None, provider: str | None = None, pad_token_id: int | None = None,
-                         min_new_tokens: int = 0) -> BatchRun:
+                         min_new_tokens: int = 0, stop_after: Callable[[int, int], bool] | None = None) -> BatchRun:
     """Several prompts as one batch through onnxruntime-genai, right-padded as genai pads (its
     trailing pad ids are the padding; genai_pad_for says when the folder's pad id cannot be that).
     model: one the caller opened (open_genai_model), with pad_token_id if it was given one.
-    Greedy rows give what each prompt gives alone; sampled rows draw from genai's one generator."""
+    Greedy rows give what each prompt gives alone; sampled rows draw from genai's one generator.
+    stop_after(row, token): called with each running row's new token (not an end id); True ends the
+    row there ("stop_string"; genai steps on until every row has ended, its tokens are cut)."""
     og = import_genai()
     if model is None:
         config = decoder.read_decoder_folder(folder)[1]
@@ -333,23 +350,39 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     start = time.perf_counter()
     generator = og.Generator(model, params)
     generator.append_tokens(ids)
-    first = None
+    first, steps = None, 0
+    running, cut = [True] * len(prompts), [None] * len(prompts)  # cut: a stop string's end, in new tokens
     while not generator.is_done():
         if seen is not None:
             logits = generator.get_logits()  # [B, 1, V] float32
             generator.set_logits(penalize_repeats(torch.from_numpy(np.array(logits, np.float32)), seen[:, None],
                                                   penalty).numpy())
         generator.generate_next_token()
-        if seen is not None:
-            chosen = torch.from_numpy(np.asarray(generator.get_next_tokens(), np.int64))
-            seen[torch.arange(len(prompts)), chosen] = True
+        steps += 1
         first = first or time.perf_counter()
+        if seen is None and stop_after is None:
+            continue
+        chosen = [int(t) for t in generator.get_next_tokens()]
+        if seen is not None:
+            seen[torch.arange(len(prompts)), torch.tensor(chosen)] = True
+        if stop_after is not None:
+            for row, token in enumerate(chosen):
+                if running[row] and token in eos:
+                    running[row] = False
+                elif running[row] and stop_after(row, token):
+                    running[row], cut[row] = False, steps
+            if not any(running):
+                break
     finish = time.perf_counter()
     tokens, stops = [], []
     for row in range(len(prompts)):
         # every row's new tokens start after the padded width; a finished row goes on with padding
         new = [int(t) for t in generator.get_sequence(row)[width:]]
         end = next((k for k, t in enumerate(new) if t in eos), None)
+        if cut[row] is not None:
+            tokens.append(new[:cut[row]])
+            stops.append("stop_string")
+            continue
         tokens.append(new if end is None else new[:end + 1])
         stops.append("length" if end is None else "eos")
     return BatchRun(tokens, stops, sum(map(len, prompts)), finish - start, (first or finish) - start)
@@ -367,12 +400,14 @@ def batch_plan(prompts: list[list[int]], batch_size: int, by_length: bool = Fals
 
 def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                         batch_size: int = 8, backend: str = "genai", provider: str | None = None,
-                        runner: OrtDecoder | None = None, sort_by_length: bool = False
+                        runner: OrtDecoder | None = None, sort_by_length: bool = False,
+                        stop_after: Callable[[int, int], bool] | None = None
                         ) -> Iterator[tuple[list[int], BatchRun]]:
     """Prompts batch_size at a time (batch_plan: in order, or longest first with sort_by_length):
     yields (the batch's prompt indices, its run, row k answering prompts[indices[k]]). backend
     "genai" (provider None: the folder's) or "onnxruntime" (runner: an OrtDecoder, or an engine's
-    runner; else one on provider)."""
+    runner; else one on provider). stop_after(prompt index, token): True ends that prompt's answer
+    after the token (a stop string completed)."""
     plan = batch_plan(prompts, batch_size, sort_by_length)
     if backend == "genai":
         config = decoder.read_decoder_folder(folder)[1]
@@ -380,9 +415,14 @@ def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, s
         model = open_genai_model(folder, provider, pad)
         for indices in plan:
             yield indices, generate_batch_genai(folder, [prompts[i] for i in indices], max_new_tokens, sampling,
-                                                model=model, pad_token_id=pad)
+                                                model=model, pad_token_id=pad, stop_after=_by_prompt(stop_after, indices))
     else:
         runner = runner or OrtDecoder(folder, provider=provider or "cpu")
         for indices in plan:
             yield indices, generate_batch_onnxruntime(folder, [prompts[i] for i in indices], max_new_tokens,
-                                                      sampling, runner=runner)
+                                                      sampling, runner=runner, stop_after=_by_prompt(stop_after, indices))
+
+
+def _by_prompt(stop_after, indices: list[int]):
+    """A batch's stop_after(row, token) over the caller's stop_after(prompt index, token)."""
+    return None if stop_after is None else lambda row, token: stop_after(indices[row], token)
