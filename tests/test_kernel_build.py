@@ -106,3 +106,17 @@ def test_hopper_index_arithmetic_matches_cute_layouts(tmp_path):
     print(run.stdout)
     assert run.returncode == 0 and "all layout facts hold" in run.stdout, run.stdout[-3000:]
     assert run.stdout.count(" facts, shared storage ") == 8
+
+
+def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
+    """tools/prepare_gpu_campaign.sh checks its commit before it touches the carried folders: a name
+    that is no commit here is one line, exit 2, and build-cutlass/build-before stay as they were."""
+    root = KERNELS.parent.parent
+    before = {name: (root / name).exists() and sorted(p.name for p in (root / name).iterdir())
+              for name in ("build-cutlass", "build-before")}
+    out = subprocess.run(["bash", str(root / "tools" / "prepare_gpu_campaign.sh"), "no-such-commit-0123"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "error: no-such-commit-0123 is not a commit here\n"
+    assert before == {name: (root / name).exists() and sorted(p.name for p in (root / name).iterdir())
+                      for name in ("build-cutlass", "build-before")}
