@@ -197,6 +197,12 @@ def test_sampled_batches_are_reproducible(model_and_folders):
         first = list(decoding.generate_in_batches(folders["gqa"], prompts, 10, sampling, 2, backend))[0][1]
         again = list(decoding.generate_in_batches(folders["gqa"], prompts, 10, sampling, 2, backend))[0][1]
         assert first.tokens == again.tokens and all(len(t) == 10 for t in first.tokens)
+        # one prompt in three batches: each batch has its own draws (the first keeps the seed itself)
+        runs = [run.tokens[0] for _, run in decoding.generate_in_batches(folders["gqa"], [prompts[0]] * 3, 10,
+                                                                          sampling, 1, backend)]
+        assert runs[0] == list(decoding.generate_in_batches(folders["gqa"], [prompts[0]], 10, sampling, 1,
+                                                            backend))[0][1].tokens[0]
+        assert len({tuple(r) for r in runs}) == 3, backend
 
 
 @pytest.mark.slow

@@ -413,14 +413,26 @@ def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, s
         config = decoder.read_decoder_folder(folder)[1]
         pad = genai_pad_for(config, prompts)  # one model for every batch: a pad id that ends no prompt
         model = open_genai_model(folder, provider, pad)
-        for indices in plan:
-            yield indices, generate_batch_genai(folder, [prompts[i] for i in indices], max_new_tokens, sampling,
-                                                model=model, pad_token_id=pad, stop_after=_by_prompt(stop_after, indices))
     else:
         runner = runner or OrtDecoder(folder, provider=provider or "cpu")
-        for indices in plan:
-            yield indices, generate_batch_onnxruntime(folder, [prompts[i] for i in indices], max_new_tokens,
-                                                      sampling, runner=runner, stop_after=_by_prompt(stop_after, indices))
+    for number, indices in enumerate(plan):
+        batch, cut = [prompts[i] for i in indices], _by_prompt(stop_after, indices)
+        draws = batch_sampling(sampling, number)
+        if backend == "genai":
+            yield indices, generate_batch_genai(folder, batch, max_new_tokens, draws, model=model, pad_token_id=pad,
+                                                stop_after=cut)
+        else:
+            yield indices, generate_batch_onnxruntime(folder, batch, max_new_tokens, draws, runner=runner,
+                                                      stop_after=cut)
+
+
+def batch_sampling(sampling: Sampling, number: int) -> Sampling:
+    """The sampling of a plan's batch `number`: its own seed after the first (the seed itself), so
+    that row k of every batch does not reuse the same draws; greedy unchanged."""
+    if sampling.greedy or number == 0:
+        return sampling
+    seed = int(np.random.SeedSequence([sampling.seed, number]).generate_state(1)[0]) & 0x7FFFFFFF  # genai: int32
+    return dataclasses.replace(sampling, seed=seed)
 
 
 def _by_prompt(stop_after, indices: list[int]):
