@@ -305,11 +305,17 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
 
 def _chat_text(tokenizer, folder, prompt: str, system: str | None) -> str:
     """The prompt as one user turn (after an optional system turn) in the tokenizer's chat template,
-    ready for the assistant's answer: tokenizer_config.json's chat_template, or the folder's
-    chat_template.jinja (where newer transformers save it)."""
+    ready for the assistant's answer."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return _conversation_text(tokenizer, folder, messages)
+
+
+def _conversation_text(tokenizer, folder, messages: list[dict]) -> str:
+    """A conversation (role/content turns) in the tokenizer's chat template, ready for the
+    assistant's answer: tokenizer_config.json's chat_template, or the folder's chat_template.jinja
+    (where newer transformers save it)."""
     import json
 
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     template, template_str = folder / "chat_template.jinja", None
     if template.is_symlink():  # onnxruntime-genai would read it through the link itself
         raise DiffExportError(f"{template} is a symbolic link: a decoder folder holds its chat template itself")
@@ -458,6 +464,80 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
     return 0
 
 
+def _generate_interactive(args, folder, config: dict, sampling) -> int:
+    """--interactive: a chat session on stdin. Every line is a user turn; the whole conversation goes
+    through the chat template each turn and the answer streams to stdout. When the conversation and
+    --max-new-tokens pass the context, the oldest turns are dropped (the system turn stays)."""
+    import time
+
+    from diffexport.backends import decoding
+    from diffexport.export.decoder import eos_token_ids
+    from diffexport.generation import StopText
+
+    tokenizer = _folder_tokenizer(folder)
+    context, eos = int(config["model"]["context_length"]), set(eos_token_ids(config))
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns: list[dict] = []  # user and assistant turns, oldest first
+    if args.backend == "tensorrt":
+        from diffexport.backends.tensorrt import open_decoder_engine
+
+        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
+    elif args.backend == "onnxruntime":
+        from diffexport.backends.onnxruntime import resolve_provider
+
+        runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
+    models: dict = {}  # genai: one model per pad id a turn needs (a turn ending with the pad id is rare)
+    provider = None if args.provider == "auto" else args.provider
+    interactive, answered = sys.stdin.isatty(), 0
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        turns.append({"role": "user", "content": line.rstrip("\n")})
+        ids = [int(t) for t in tokenizer.encode(_conversation_text(tokenizer, folder, system + turns))]
+        while len(ids) + args.max_new_tokens > context and len(turns) > 1:
+            turns = turns[2:]  # the oldest user turn and its answer
+            _log(f"dropped the oldest turn: the conversation and --max-new-tokens passed the context {context}")
+            ids = [int(t) for t in tokenizer.encode(_conversation_text(tokenizer, folder, system + turns))]
+        if len(ids) + args.max_new_tokens > context:
+            _log(f"error: this turn ({len(ids)} tokens with the template) + --max-new-tokens {args.max_new_tokens} "
+                 f"exceeds the context length {context}: not answered")
+            turns.pop()
+            continue
+        stream = tokenizer.create_stream()
+        text = StopText(args.stop, stream.decode)
+
+        def show(token: int) -> bool:
+            if token in eos:
+                return False
+            sys.stdout.write(text.push(token))
+            sys.stdout.flush()
+            return text.done
+
+        start = time.perf_counter()
+        draws = decoding.batch_sampling(sampling, answered)  # sampled: each turn its own draws
+        if args.backend == "genai":
+            pad = decoding.genai_pad_for(config, [ids])
+            if pad not in models:
+                models[pad] = decoding.open_genai_model(folder, provider, pad)
+            run = decoding.generate_genai(folder, ids, args.max_new_tokens, draws, model=models[pad], stop_after=show)
+        else:
+            run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, draws, runner=runner,
+                                                stop_after=show)
+        answered += 1
+        sys.stdout.write(text.flush() + "\n")
+        sys.stdout.flush()
+        turns.append({"role": "assistant", "content": text.text})
+        _log(f"{len(run.tokens)} new tokens in {time.perf_counter() - start:.1f} s "
+             f"({run.decode_tokens_per_s:.1f} tokens/s decode; prompt {len(ids)} tokens; stopped: {run.stop})")
+    return 0
+
+
 def cmd_generate(args) -> int:
     """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime loop."""
     from pathlib import Path
@@ -481,13 +561,17 @@ def cmd_generate(args) -> int:
         raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
     if (args.chat or args.system is not None) and args.ids is not None:
         raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
-    if args.system is not None and not args.chat:
+    if args.system is not None and not (args.chat or args.interactive):
         raise DiffExportError("--system is a turn of the chat template: add --chat")
     if any(not stop for stop in args.stop):
         raise DiffExportError("--stop needs non-empty text")
     if (args.batch_size is not None or args.sort_by_length) and args.prompts_file is None:
         raise DiffExportError(f"{'--batch-size' if args.batch_size is not None else '--sort-by-length'} "
                               "groups the prompts of --prompts-file")
+    if args.interactive and args.chat:
+        raise DiffExportError("--interactive is a chat already (every line a user turn): drop --chat")
+    if args.interactive:
+        return _generate_interactive(args, folder, config, sampling)
     if args.prompts_file is not None:
         args.batch_size = 8 if args.batch_size is None else args.batch_size
         if args.batch_size < 1:
@@ -987,6 +1071,9 @@ def build_parser() -> argparse.ArgumentParser:
             prompt = p.add_mutually_exclusive_group(required=True)
             prompt.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
             prompt.add_argument("--ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+            prompt.add_argument("--interactive", action="store_true",
+                                help="a chat session: every line of stdin is a user turn, answered in the chat "
+                                     "template with the conversation so far (--system: a system turn first)")
             prompt.add_argument("--prompts-file", help='JSON Lines, one prompt per line: {"prompt": "text"} or '
                                                        '{"ids": [1, 2, 3]}, optionally with "id"; answers go to '
                                                        "stdout as JSON Lines, in order")

@@ -168,13 +168,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 class StopText:
     """One row's generated text as its tokens arrive, ended at the first of the stop strings: `push`
     returns the text that can be shown now (a tail that could still begin a stop string is held
-    back), `done` says a stop string was completed, `text` is everything before it."""
+    back), `done` says a stop string was completed, `text` is everything before it. No stop
+    strings: the text as it comes."""
 
     def __init__(self, stops: list[str], decode: Callable[[int], str]):
-        if not stops or any(not isinstance(s, str) or not s for s in stops):
+        if any(not isinstance(s, str) or not s for s in stops):
             raise DiffExportError("stop strings must be non-empty text")
         self.stops, self.decode = list(stops), decode
-        self.longest = max(len(s) for s in stops)
+        self.longest = max((len(s) for s in stops), default=1)
         self.buffer, self.shown, self.done = "", 0, False
 
     def push(self, token: int) -> str:

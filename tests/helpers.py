@@ -71,14 +71,15 @@ def lowprec_baseline(query, key, value, lam, weight, attrs, key_mask=None):
 
 # ------------------------------------------------------------------ command line and onnxruntime
 
-def run_cli(*args, cwd=None):
-    """`python -m diffexport ARGS` in a subprocess, as a user runs it."""
+def run_cli(*args, cwd=None, stdin: str | None = None):
+    """`python -m diffexport ARGS` in a subprocess, as a user runs it (stdin: text piped in)."""
     import os
     import subprocess
     import sys
 
     return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
-                          env=dict(os.environ), cwd=cwd, timeout=300)
+                          env=dict(os.environ), cwd=cwd, timeout=300, input=stdin,
+                          stdin=None if stdin is not None else subprocess.DEVNULL)
 
 
 def assert_one_line_error(result, pattern):

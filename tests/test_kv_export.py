@@ -518,6 +518,48 @@ def test_generate_prompts_file_with_text_and_chat(hf_dir, tmp_path):
             assert answer["completion"] == tokenizer.decode(spoken)
 
 
+def test_generate_interactive_is_a_chat_over_stdin(hf_dir, tmp_path):
+    """`generate --interactive`: every stdin line is a user turn (blank lines skipped), answered in the
+    chat template with the conversation so far, the answers streamed one per line; on both backends
+    each answer is what a single templated prompt of that conversation gives. When the conversation
+    passes the context the oldest turns go; a turn too long alone is not answered, said on stderr."""
+    og = pytest.importorskip("onnxruntime_genai")
+    source = _with_chat_template(hf_dir, tmp_path / "hf")
+    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
+    template = (tmp_path / "kv" / "chat_template.jinja").read_text()
+
+    def ids_of(messages):
+        text = tokenizer.apply_chat_template(json.dumps(messages), template_str=template, add_generation_prompt=True)
+        return [int(t) for t in tokenizer.encode(text)]
+
+    def answer(messages, new=10):  # as the session streams it (a random model's bytes need not be UTF-8)
+        run = decoding.generate_genai(tmp_path / "kv", ids_of(messages), new, Sampling())
+        stream = tokenizer.create_stream()
+        return "".join(stream.decode(t) for t in (run.tokens[:-1] if run.stop == "eos" else run.tokens))
+
+    system = {"role": "system", "content": "be brief"}
+    first, second = {"role": "user", "content": "the cat sat"}, {"role": "user", "content": "on a mat, said the dog"}
+    one = answer([system, first])
+    two = answer([system, first, {"role": "assistant", "content": one}, second])
+    long_turn = {"role": "user", "content": " ".join(["the dog sat on the mat"] * 26)}
+    after_drop = answer([system, long_turn])
+    assert len(ids_of([system, long_turn])) + 10 <= 512  # one long turn fits the context, two do not
+    assert len(ids_of([system, long_turn, {"role": "assistant", "content": after_drop}, long_turn])) + 10 > 512
+    too_long = " ".join(["the dog sat on the mat"] * 80)
+    for backend in ("genai", "onnxruntime"):
+        out = run_cli("generate", tmp_path / "kv", "--interactive", "--system", "be brief", "--max-new-tokens", "10",
+                      "--backend", backend, stdin=f"{first['content']}\n\n{second['content']}\n")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == f"{one}\n{two}\n" and out.stderr.count("new tokens in") == 2
+        out = run_cli("generate", tmp_path / "kv", "--interactive", "--system", "be brief", "--max-new-tokens", "10",
+                      "--backend", backend, stdin=f"{long_turn['content']}\n{too_long}\n{long_turn['content']}\n")
+        assert out.returncode == 0, out.stderr
+        assert "exceeds the context length 512: not answered" in out.stderr and "dropped the oldest turn" in out.stderr
+        assert out.stdout.splitlines()[-1] == after_drop  # the same long turn again, its first exchange dropped
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--interactive", "--chat"), "drop --chat")
+
+
 def test_generate_stops_at_stop_strings(hf_dir, tmp_path):
     """--stop ends an answer where its text first holds the string: the streamed text and a prompts
     file's completion are the free answer's text before it, the tokens the free answer's up to the

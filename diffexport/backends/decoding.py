@@ -427,8 +427,8 @@ def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, s
 
 
 def batch_sampling(sampling: Sampling, number: int) -> Sampling:
-    """The sampling of a plan's batch `number`: its own seed after the first (the seed itself), so
-    that row k of every batch does not reuse the same draws; greedy unchanged."""
+    """The sampling of a plan's batch (or a chat's turn) `number`: its own seed after the first (the
+    seed itself), so that row k of every batch does not reuse the same draws; greedy unchanged."""
     if sampling.greedy or number == 0:
         return sampling
     seed = int(np.random.SeedSequence([sampling.seed, number]).generate_state(1)[0]) & 0x7FFFFFFF  # genai: int32
