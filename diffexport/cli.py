@@ -466,8 +466,9 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
 
 def _generate_interactive(args, folder, config: dict, sampling) -> int:
     """--interactive: a chat session on stdin. Every line is a user turn; the whole conversation goes
-    through the chat template each turn and the answer streams to stdout. When the conversation and
-    --max-new-tokens pass the context, the oldest turns are dropped (the system turn stays)."""
+    through the chat template each turn and the answer streams to stdout (genai keeps its KV cache
+    and reads only what changed). When the conversation and --max-new-tokens pass the context, the
+    oldest turns are dropped (the system turn stays)."""
     import time
 
     from diffexport.backends import decoding
@@ -486,7 +487,7 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
         from diffexport.backends.onnxruntime import resolve_provider
 
         runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
-    models: dict = {}  # genai: one model per pad id a turn needs (a turn ending with the pad id is rare)
+    session = None  # genai: one generator for the whole chat, its KV cache kept between turns
     provider = None if args.provider == "auto" else args.provider
     interactive, answered = sys.stdin.isatty(), 0
     while True:
@@ -520,21 +521,22 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
             return text.done
 
         start = time.perf_counter()
-        draws = decoding.batch_sampling(sampling, answered)  # sampled: each turn its own draws
         if args.backend == "genai":
-            pad = decoding.genai_pad_for(config, [ids])
-            if pad not in models:
-                models[pad] = decoding.open_genai_model(folder, provider, pad)
-            run = decoding.generate_genai(folder, ids, args.max_new_tokens, draws, model=models[pad], stop_after=show)
-        else:
-            run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, draws, runner=runner,
+            if session is None or ids[-1] == session.pad:  # (a new pad id: only if the template's end changed)
+                session = decoding.GenaiSession(folder, sampling, provider=provider,
+                                                pad_token_id=decoding.genai_pad_for(config, [ids]))
+            run = session.turn(ids, args.max_new_tokens, stop_after=show)
+        else:  # the loop reads the whole conversation each turn; sampled turns draw from their own seeds
+            run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens,
+                                                decoding.batch_sampling(sampling, answered), runner=runner,
                                                 stop_after=show)
         answered += 1
         sys.stdout.write(text.flush() + "\n")
         sys.stdout.flush()
         turns.append({"role": "assistant", "content": text.text})
         _log(f"{len(run.tokens)} new tokens in {time.perf_counter() - start:.1f} s "
-             f"({run.decode_tokens_per_s:.1f} tokens/s decode; prompt {len(ids)} tokens; stopped: {run.stop})")
+             f"({run.decode_tokens_per_s:.1f} tokens/s decode; conversation {len(ids)} tokens, "
+             f"{run.prompt_tokens} read this turn; stopped: {run.stop})")
     return 0
 
 

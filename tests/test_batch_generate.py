@@ -185,6 +185,47 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
 
 
 @pytest.mark.slow
+def test_genai_session_keeps_its_cache_and_answers_as_from_scratch(model_and_folders, tmp_path):
+    """GenaiSession: a conversation of turns that keep part of the last answer (a stop string cut
+    it), drop all of it, or start over shares the generator's sequence where it can, appends only the
+    rest, and answers each turn with the greedy tokens generate_genai gives from scratch, with an end
+    id and a repetition penalty too."""
+    pytest.importorskip("onnxruntime_genai")
+    import shutil
+
+    from diffexport.backends import decoding
+    from diffexport.generation import Sampling
+
+    loaded, folders = model_and_folders
+    folder = shutil.copytree(folders["gqa"], tmp_path / "gqa")
+    first = [5, 17, 42, 99, 3, 250, 7]
+    free = _alone(loaded.model, first, 10, None)
+    end = free[next(i for i in range(2, 10) if free[i] not in free[:i])]
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = [end]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    for sampling in (Sampling(), Sampling(repetition_penalty=1.3)):
+        session = decoding.GenaiSession(folder, sampling)
+        answer = session.turn(first, 10)
+        assert answer.tokens == decoding.generate_genai(folder, first, 10, sampling).tokens and answer.prompt_tokens == 7
+        if sampling.repetition_penalty == 1.0:
+            assert answer.stop == "eos" and answer.tokens[-1] == end
+        # the whole answer kept (genai's sequence leaves out an end id that finished the search: it is
+        # read with the 3 new tokens), a cut answer (rewound after its first token), a new conversation
+        turns = [first + answer.tokens + [300, 301, 302], first + answer.tokens[:1] + [64, 65], [9, 8, 7, 6]]
+        read = [3 + (answer.stop == "eos"), 2, 4]
+        for ids, count in zip(turns, read):
+            answer = session.turn(ids, 10, stop_after=lambda token: token == 111)
+            fresh = decoding.generate_genai(folder, ids, 10, sampling, stop_after=lambda token: token == 111)
+            assert (answer.tokens, answer.stop) == (fresh.tokens, fresh.stop) and answer.prompt_tokens == count
+        assert session.turn(turns[-1], 4).prompt_tokens == 1  # the same conversation again: its last token re-read
+    with pytest.raises(DiffExportError, match="ends with the pad id"):
+        decoding.GenaiSession(folder, Sampling()).turn([5, config["model"]["pad_token_id"]], 4)
+    with pytest.raises(DiffExportError, match="a turn needs 1 to"):
+        decoding.GenaiSession(folder, Sampling()).turn([5] * config["model"]["context_length"], 4)
+
+
+@pytest.mark.slow
 def test_sampled_batches_are_reproducible(model_and_folders):
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import decoding

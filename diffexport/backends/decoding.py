@@ -301,6 +301,65 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
 
 
+class GenaiSession:
+    """One conversation through onnxruntime-genai that keeps its KV cache between turns. Each turn
+    gives the whole conversation's ids; the session rewinds its generator to what they share with
+    the sequence it holds (prompt and answer so far) and appends only the rest, so a chat's turn
+    costs its new tokens, not the conversation. Batch 1; the generator's max_length is the context
+    and its random draws go on from turn to turn (reproducible for the same turns and seed)."""
+
+    def __init__(self, folder, sampling: Sampling, model=None, provider: str | None = None,
+                 pad_token_id: int | None = None):
+        og = import_genai()
+        if model is None:
+            self.config = decoder.read_decoder_folder(folder)[1]
+        else:  # the caller opened the folder (a benchmark's copy links its weights)
+            self.config = json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text())
+        self.context = int(self.config["model"]["context_length"])
+        self.eos = set(decoder.eos_token_ids(self.config))
+        self.pad = int(self.config["model"].get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
+        self.model = model or open_genai_model(folder, provider, pad_token_id)
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(**_search_options(sampling, self.context))
+        self.generator = og.Generator(self.model, params)
+        self.held: list[int] = []  # the generator's sequence
+
+    def turn(self, ids: list[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
+             stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+        """Answer the conversation `ids` (at most max_new_tokens, within the context): greedy tokens
+        are what generate_genai gives the same ids from scratch. prompt_tokens: the tokens appended."""
+        if not ids or len(ids) >= self.context:
+            raise DiffExportError(f"a turn needs 1 to {self.context - 1} tokens (the context), got {len(ids)}")
+        if ids[-1] == self.pad:  # genai would take it for padding (genai_pad_for)
+            raise DiffExportError(f"the conversation ends with the pad id {self.pad}: open the session with "
+                                  "pad_token_id=genai_pad_for(config, [ids])")
+        common = next((k for k, (a, b) in enumerate(zip(self.held, ids)) if a != b), min(len(self.held), len(ids)))
+        common = min(common, len(ids) - 1)  # at least the last token is appended: its logits choose the answer
+        if common < len(self.held):
+            self.generator.rewind_to(common)
+        start = time.perf_counter()
+        self.generator.append_tokens(np.asarray(ids[common:], np.int32))
+        tokens, first, stop = [], None, "length"
+        limit = min(max_new_tokens, self.context - len(ids))
+        while len(tokens) < limit:
+            self.generator.generate_next_token()
+            token = int(self.generator.get_next_tokens()[0])
+            tokens.append(token)
+            first = first or time.perf_counter()
+            if on_token is not None:
+                on_token(token)
+            if token in self.eos:
+                stop = "eos"
+                break
+            if stop_after is not None and stop_after(token):
+                stop = "stop_string"
+                break
+        end = time.perf_counter()
+        # genai's own sequence, not ids + tokens: it leaves out the end id that finished the search
+        self.held = [int(t) for t in self.generator.get_sequence(0)]
+        return DecodeRun(tokens, len(ids) - common, (first or end) - start, end - (first or end), stop)
+
+
 def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                          model=None, provider: str | None = None, pad_token_id: int | None = None,
                          min_new_tokens: int = 0, stop_after: Callable[[int, int], bool] | None = None) -> BatchRun:
