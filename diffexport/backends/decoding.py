@@ -334,9 +334,21 @@ class GenaiSession:
             raise DiffExportError(f"the conversation ends with the pad id {self.pad}: open the session with "
                                   "pad_token_id=genai_pad_for(config, [ids])")
         common = next((k for k, (a, b) in enumerate(zip(self.held, ids)) if a != b), min(len(self.held), len(ids)))
-        common = min(common, len(ids) - 1)  # at least the last token is appended: its logits choose the answer
-        if common < len(self.held):
-            self.generator.rewind_to(common)
+        # at least the last token is appended (its logits choose the answer), and the generator is always
+        # rewound: the last token it generated was never run through the model, and genai 0.18's
+        # append after a generation counts it in the mask without feeding it (seen: a 64-token append
+        # gave a 65-wide mask, an error in the DiffAttention folder and wrong logits in the gqa one)
+        common = min(common, len(ids) - 1, max(len(self.held) - 1, 0))
+        if self.held:
+            try:
+                self.generator.rewind_to(common)
+            except RuntimeError as exc:
+                # genai's plain (not shared-buffer) cache, the DiffAttention folder's, ends one token
+                # earlier after a generation: the past of its last run
+                if "greater than the current length" not in str(exc) or common == 0:
+                    raise
+                common -= 1
+                self.generator.rewind_to(common)
         start = time.perf_counter()
         self.generator.append_tokens(np.asarray(ids[common:], np.int32))
         tokens, first, stop = [], None, "length"
