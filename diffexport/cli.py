@@ -466,8 +466,8 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
 
 def _generate_interactive(args, folder, config: dict, sampling) -> int:
     """--interactive: a chat session on stdin. Every line is a user turn; the whole conversation goes
-    through the chat template each turn and the answer streams to stdout (genai keeps its KV cache
-    and reads only what changed). When the conversation and --max-new-tokens pass the context, the
+    through the chat template each turn and the answer streams to stdout (the KV cache is kept, and
+    only what changed is read). When the conversation and --max-new-tokens pass the context, the
     oldest turns are dropped (the system turn stays)."""
     import time
 
@@ -487,9 +487,9 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
         from diffexport.backends.onnxruntime import resolve_provider
 
         runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
-    session = None  # genai: one generator for the whole chat, its KV cache kept between turns
+    session = None  # one generator (genai) or cache (the loop) for the whole chat, kept between turns
     provider = None if args.provider == "auto" else args.provider
-    interactive, answered = sys.stdin.isatty(), 0
+    interactive = sys.stdin.isatty()
     while True:
         if interactive:
             sys.stderr.write("> ")
@@ -526,11 +526,9 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
                 session = decoding.GenaiSession(folder, sampling, provider=provider,
                                                 pad_token_id=decoding.genai_pad_for(config, [ids]))
             run = session.turn(ids, args.max_new_tokens, stop_after=show)
-        else:  # the loop reads the whole conversation each turn; sampled turns draw from their own seeds
-            run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens,
-                                                decoding.batch_sampling(sampling, answered), runner=runner,
-                                                stop_after=show)
-        answered += 1
+        else:  # the loop (or the engine) keeps its cache too; sampled turns draw from their own seeds
+            session = session or decoding.LoopSession(runner, sampling)
+            run = session.turn(ids, args.max_new_tokens, stop_after=show)
         sys.stdout.write(text.flush() + "\n")
         sys.stdout.flush()
         turns.append({"role": "assistant", "content": text.text})

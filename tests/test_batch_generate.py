@@ -186,12 +186,14 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["diffattention", "gqa"])
-def test_genai_session_keeps_its_cache_and_answers_as_from_scratch(model_and_folders, attention, tmp_path):
-    """GenaiSession: turns that keep the last answer whole (ended by its end id, or by the length:
-    then genai's own append would count the unfed last token), keep part of it (a stop string cut
-    it) or start over read only what they do not share with the generator's sequence (and a token
-    or two of it: the session rewinds before every append) and answer with the greedy tokens
-    generate_genai gives from scratch, with a repetition penalty too, on both cache kinds."""
+@pytest.mark.parametrize("kind", ["genai", "loop"])
+def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders, attention, kind, tmp_path):
+    """GenaiSession and LoopSession (the onnxruntime loop's): turns that keep the last answer whole
+    (ended by its end id, or by the length: then genai's own append would count the unfed last
+    token), keep part of it (a stop string cut it) or start over read only what they do not share
+    with the session's sequence (and a token or two of it: genai is rewound before every append)
+    and answer with the greedy tokens generate_genai / generate_onnxruntime give from scratch, with
+    a repetition penalty too, on both cache kinds."""
     pytest.importorskip("onnxruntime_genai")
     import shutil
 
@@ -207,8 +209,10 @@ def test_genai_session_keeps_its_cache_and_answers_as_from_scratch(model_and_fol
     config["model"]["eos_token_id"] = [end]
     (folder / "genai_config.json").write_text(json.dumps(config))
     stops = []
+    scratch = decoding.generate_genai if kind == "genai" else decoding.generate_onnxruntime
     for sampling in (Sampling(), Sampling(repetition_penalty=1.3)):
-        session = decoding.GenaiSession(folder, sampling)
+        session = decoding.GenaiSession(folder, sampling) if kind == "genai" else \
+            decoding.LoopSession(decoding.OrtDecoder(folder), sampling)
         held: list[int] = []
         turns = [lambda ids, answer: first,
                  lambda ids, answer: ids + answer + [300, 301, 302],  # the whole answer kept
@@ -221,17 +225,18 @@ def test_genai_session_keeps_its_cache_and_answers_as_from_scratch(model_and_fol
             ids = make(ids, answer)
             shared = next((k for k, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
             run = session.turn(ids, 10, stop_after=lambda token: token == 111)
-            fresh = decoding.generate_genai(folder, ids, 10, sampling, stop_after=lambda token: token == 111)
+            fresh = scratch(folder, ids, 10, sampling, stop_after=lambda token: token == 111)
             assert (run.tokens, run.stop) == (fresh.tokens, fresh.stop)
             assert len(ids) - shared <= run.prompt_tokens <= max(len(ids) - shared, 1) + 2
             answer, held = run.tokens, ids + run.tokens
             if number < len(turns) - 1:
                 stops.append(run.stop)
     assert "eos" in stops and "length" in stops  # both ways a turn ends were followed by another turn
-    with pytest.raises(DiffExportError, match="ends with the pad id"):
-        decoding.GenaiSession(folder, Sampling()).turn([5, config["model"]["pad_token_id"]], 4)
+    if kind == "genai":
+        with pytest.raises(DiffExportError, match="ends with the pad id"):
+            decoding.GenaiSession(folder, Sampling()).turn([5, config["model"]["pad_token_id"]], 4)
     with pytest.raises(DiffExportError, match="a turn needs 1 to"):
-        decoding.GenaiSession(folder, Sampling()).turn([5] * config["model"]["context_length"], 4)
+        session.turn([5] * config["model"]["context_length"], 4)
 
 
 @pytest.mark.slow

@@ -120,11 +120,13 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
 
 def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, timing: dict,
                ignore_eos: bool = False, on_step: Callable[[list[int]], None] | None = None,
-               stop_after: Callable[[int, int], bool] | None = None):
+               stop_after: Callable[[int, int], bool] | None = None, state: dict | None = None):
     """Left-padded prompts through runner.step with its cache, one token per row and step, until every
     row has stopped -> (new tokens per row, stop per row); timing gets start, first and end.
     stop_after(row, token): called with each live row's new token (not an end id); True ends the row
-    there ("stop_string")."""
+    there ("stop_string"). state (one prompt, a LoopSession's): its "cache" holds the prompt's first
+    state["cached"] tokens, which are not run again; the final cache (the prompt and every new token
+    but the last) is written back to it."""
     import torch
 
     from diffexport.generation import choose_next, left_pad, seen_tokens
@@ -137,13 +139,14 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
     pad = int(runner.config["model"].get("pad_token_id", 0))
     padded_ids, padded_mask = left_pad(prompts, pad_token_id=pad)
     ids, mask = padded_ids.numpy(), padded_mask.numpy()
-    cache = runner.empty_cache(len(prompts))
+    cache = runner.empty_cache(len(prompts)) if state is None else state["cache"]
     tokens = [[] for _ in prompts]
     stops, live = ["length"] * len(prompts), [True] * len(prompts)
     timing["start"] = time.perf_counter()
     # a runner with a longest call (an engine's profile) takes a longer prompt in chunks: the graph's
     # causal mask is bottom-right, so each chunk sees the cache and itself as one long call would
-    chunk, done = getattr(runner, "max_sequence", None) or longest, 0
+    done = 0 if state is None else state["cached"]
+    chunk = getattr(runner, "max_sequence", None) or longest - done
     while longest - done > chunk:
         _, cache = runner.step(ids[:, done:done + chunk], mask[:, :done + chunk], cache)
         done += chunk
@@ -172,6 +175,8 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
         ids = np.asarray([[t if live[row] else pad] for row, t in enumerate(chosen)], np.int64)
         mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
     timing["end"] = time.perf_counter()
+    if state is not None:
+        state["cache"] = cache
     return tokens, stops
 
 
@@ -301,6 +306,42 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
 
 
+def shared_prefix(held: list[int], ids: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    return next((k for k, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
+
+
+class LoopSession:
+    """GenaiSession's turns on the onnxruntime loop or an engine's runner (`--backend onnxruntime`,
+    `tensorrt`): the cache of the conversation so far is kept, cut back to what the next
+    conversation shares with the tokens it holds, and only the rest is run. Sampled turns draw from
+    their own seeds (batch_sampling); greedy answers are generate_onnxruntime's from scratch."""
+
+    def __init__(self, runner, sampling: Sampling):
+        self.runner, self.sampling = runner, sampling
+        self.fed: list[int] = []  # the tokens whose keys and values the cache holds, in order
+        self.cache = None
+        self.turns = 0
+
+    def turn(self, ids: list[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
+             stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+        if not ids or len(ids) >= self.runner.context:
+            raise DiffExportError(f"a turn needs 1 to {self.runner.context - 1} tokens (the context), got {len(ids)}")
+        common = min(shared_prefix(self.fed, ids), len(ids) - 1)  # the last token's logits choose the answer
+        cache = self.runner.empty_cache(1) if self.cache is None else \
+            {name: past[:, :, :common] for name, past in self.cache.items()}  # [1, heads, tokens, width]
+        cached = common if self.cache is not None else 0
+        state = {"cache": cache, "cached": cached}
+        timing: dict = {}
+        tokens, stops = _step_loop(self.runner, [ids], max_new_tokens, batch_sampling(self.sampling, self.turns),
+                                   timing, on_step=None if on_token is None else lambda chosen: on_token(chosen[0]),
+                                   stop_after=None if stop_after is None else lambda _, token: stop_after(token),
+                                   state=state)
+        self.cache, self.fed, self.turns = state["cache"], list(ids) + tokens[0][:-1], self.turns + 1
+        return DecodeRun(tokens[0], len(ids) - cached, timing["first"] - timing["start"],
+                         timing["end"] - timing["first"], stops[0])
+
+
 class GenaiSession:
     """One conversation through onnxruntime-genai that keeps its KV cache between turns. Each turn
     gives the whole conversation's ids; the session rewinds its generator to what they share with
@@ -333,7 +374,7 @@ class GenaiSession:
         if ids[-1] == self.pad:  # genai would take it for padding (genai_pad_for)
             raise DiffExportError(f"the conversation ends with the pad id {self.pad}: open the session with "
                                   "pad_token_id=genai_pad_for(config, [ids])")
-        common = next((k for k, (a, b) in enumerate(zip(self.held, ids)) if a != b), min(len(self.held), len(ids)))
+        common = shared_prefix(self.held, ids)
         # at least the last token is appended (its logits choose the answer), and the generator is always
         # rewound: the last token it generated was never run through the model, and genai 0.18's
         # append after a generation counts it in the mask without feeding it (seen: a 64-token append
