@@ -464,6 +464,23 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
     return 0
 
 
+MAX_TURN_BYTES = 2**20  # a chat turn is text a person typed or piped: far below this
+
+
+def _stdin_turn(number: int) -> str | None:
+    """Line `number` of stdin without its newline (None at the end), read as bytes so that a line over
+    MAX_TURN_BYTES is refused before more of it is read, and text that is not UTF-8 in one line."""
+    raw = sys.stdin.buffer.readline(MAX_TURN_BYTES + 1)
+    if not raw:
+        return None
+    if len(raw) > MAX_TURN_BYTES:
+        raise DiffExportError(f"stdin line {number} is longer than {MAX_TURN_BYTES // 2**20} MiB: not a chat turn")
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise DiffExportError(f"stdin line {number} is not UTF-8 text") from None
+
+
 def _generate_interactive(args, folder, config: dict, sampling) -> int:
     """--interactive: a chat session on stdin. Every line is a user turn; the whole conversation goes
     through the chat template each turn and the answer streams to stdout (the KV cache is kept, and
@@ -489,17 +506,17 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
         runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
     session = None  # one generator (genai) or cache (the loop) for the whole chat, kept between turns
     provider = None if args.provider == "auto" else args.provider
-    interactive = sys.stdin.isatty()
+    interactive, number = sys.stdin.isatty(), 0
     while True:
         if interactive:
             sys.stderr.write("> ")
             sys.stderr.flush()
-        line = sys.stdin.readline()
-        if not line:
+        line = _stdin_turn(number := number + 1)
+        if line is None:
             break
         if not line.strip():
             continue
-        turns.append({"role": "user", "content": line.rstrip("\n")})
+        turns.append({"role": "user", "content": line})
         ids = [int(t) for t in tokenizer.encode(_conversation_text(tokenizer, folder, system + turns))]
         while len(ids) + args.max_new_tokens > context and len(turns) > 1:
             turns = turns[2:]  # the oldest user turn and its answer

@@ -71,15 +71,19 @@ def lowprec_baseline(query, key, value, lam, weight, attrs, key_mask=None):
 
 # ------------------------------------------------------------------ command line and onnxruntime
 
-def run_cli(*args, cwd=None, stdin: str | None = None):
-    """`python -m diffexport ARGS` in a subprocess, as a user runs it (stdin: text piped in)."""
+def run_cli(*args, cwd=None, stdin: str | bytes | None = None):
+    """`python -m diffexport ARGS` in a subprocess, as a user runs it (stdin: text or bytes piped in)."""
     import os
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True, text=True,
-                          env=dict(os.environ), cwd=cwd, timeout=300, input=stdin,
-                          stdin=None if stdin is not None else subprocess.DEVNULL)
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    out = subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True,
+                         env=dict(os.environ), cwd=cwd, timeout=300, input=stdin,
+                         stdin=None if stdin is not None else subprocess.DEVNULL)
+    return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(errors="replace"),
+                                       out.stderr.decode(errors="replace"))
 
 
 def assert_one_line_error(result, pattern):

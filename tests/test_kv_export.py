@@ -562,6 +562,24 @@ def test_generate_interactive_is_a_chat_over_stdin(hf_dir, tmp_path):
     assert_one_line_error(run_cli("generate", tmp_path / "kv", "--interactive", "--chat"), "drop --chat")
 
 
+def test_generate_interactive_refuses_bad_input(hf_dir, v1_folder, tmp_path):
+    """--interactive's inputs: a folder without a tokenizer or a chat template, and stdin that is not
+    UTF-8 or has a line over 1 MiB (refused before more of it is read): one line, exit 2."""
+    pytest.importorskip("onnxruntime_genai")
+    assert run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "plain").returncode == 0  # no chat template
+    source = _with_chat_template(hf_dir, tmp_path / "hf")
+    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    assert_one_line_error(run_cli("generate", v1_folder, "--interactive", stdin="hi\n"), "has no tokenizer")
+    assert_one_line_error(run_cli("generate", tmp_path / "plain", "--interactive", stdin="hi\n"),
+                          "has no chat template")
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--interactive", stdin=b"\n caf\xe9\n"),
+                          "stdin line 2 is not UTF-8 text")
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--interactive", stdin=b"x" * (2**20 + 5)),
+                          "stdin line 1 is longer than 1 MiB")
+    out = run_cli("generate", tmp_path / "kv", "--interactive", "--max-new-tokens", "2", stdin="")
+    assert out.returncode == 0 and out.stdout == ""  # no turn: nothing to answer
+
+
 def test_generate_stops_at_stop_strings(hf_dir, tmp_path):
     """--stop ends an answer where its text first holds the string: the streamed text and a prompts
     file's completion are the free answer's text before it, the tokens the free answer's up to the
@@ -598,6 +616,9 @@ def test_generate_stops_at_stop_strings(hf_dir, tmp_path):
                 assert answer["stop"] != "stop_string" and answer["tokens"] == tokens[:len(answer["tokens"])]
     assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", "5,6", "--stop", "x"),
                           "--stop matches generated text")
+    (tmp_path / "ids.jsonl").write_text('{"ids": [5, 6]}\n')
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "ids.jsonl", "--stop", "x"),
+                          "--stop matches generated text: the prompts file gives token ids only")
     assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--stop", ""), "--stop needs non-empty text")
 
 
