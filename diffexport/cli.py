@@ -385,7 +385,84 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     return ids, tokenizer
 
 
-def _generate_file(args, folder, config: dict, sampling) -> int:
+def _beam_search_options(args):
+    """--num-beams and its options as a BeamSearch (None: no beam search), refusing what beam search
+    does not combine with here."""
+    from diffexport.generation import BeamSearch
+
+    given = [flag for flag, value in (("--num-return-sequences", args.num_return_sequences),
+                                      ("--length-penalty", args.length_penalty),
+                                      ("--no-early-stopping", args.no_early_stopping or None)) if value is not None]
+    if args.num_beams == 1:
+        if given:
+            raise DiffExportError(f"{given[0]} is a beam search option: add --num-beams N (N >= 2)")
+        return None
+    if args.num_beams < 1:
+        raise DiffExportError(f"--num-beams must be >= 1, got {args.num_beams}")
+    clashes = [(args.backend != "genai", f"--backend {args.backend}: beam search runs through onnxruntime-genai "
+                                         "(--backend genai)"),
+               (args.sample, "--sample: beam search is deterministic; drop --sample or --num-beams"),
+               (args.repetition_penalty != 1.0, "--repetition-penalty is not combined with --num-beams here"),
+               (bool(args.stop), "--stop ends one streamed answer: beam search ranks whole hypotheses, drop --stop"),
+               (args.interactive, "--interactive streams a chat: drop --num-beams"),
+               (args.batch_size is not None or args.sort_by_length,
+                "--batch-size/--sort-by-length: beam search runs one prompt at a time (its beams are the batch)")]
+    for clash, message in clashes:
+        if clash:
+            raise DiffExportError(message)
+    return BeamSearch(args.num_beams, 1 if args.num_return_sequences is None else args.num_return_sequences,
+                      1.0 if args.length_penalty is None else args.length_penalty, not args.no_early_stopping)
+
+
+def _beam_answers(tokenizer, run) -> list[dict]:
+    """A BeamRun's hypotheses as answers: the text (with a tokenizer), the new tokens, why each ended."""
+    return [{**({} if tokenizer is None else {"completion": tokenizer.decode(tokens)}), "tokens": tokens, "stop": stop}
+            for tokens, stop in zip(run.sequences, run.stops)]
+
+
+def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
+    """One prompt's beam search: the hypotheses once it ends, best first."""
+    from diffexport.backends import decoding
+
+    run = decoding.beam_search_genai(folder, ids, args.max_new_tokens, search,
+                                     provider=None if args.provider == "auto" else args.provider)
+    for rank, answer in enumerate(_beam_answers(tokenizer, run), 1):
+        if search.num_return_sequences > 1:
+            sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
+        sys.stdout.write(answer["completion"] if tokenizer is not None else " ".join(map(str, answer["tokens"])))
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    _log(f"genai beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
+         f"in {run.seconds:.2f} s ({run.steps * search.num_beams / run.seconds if run.seconds > 0 else float('nan'):.1f} "
+         f"beam tokens/s; stopped: {run.stops[0]})")
+    return 0
+
+
+def _generate_file_beams(args, folder, lines, ids: list[list[int]], tokenizer, search) -> int:
+    """--prompts-file with --num-beams: one prompt at a time; each JSON line holds the best
+    hypothesis (and all returned ones under "beams" when there are several)."""
+    import json
+    import time
+
+    from diffexport.backends import decoding
+
+    model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider)
+    start = time.perf_counter()
+    for number, (p, row) in enumerate(zip(lines, ids), 1):
+        run = decoding.beam_search_genai(folder, row, args.max_new_tokens, search, model=model)
+        answers = _beam_answers(tokenizer, run)
+        answer = {"line": p.line, **({} if p.id is None else {"id": p.id}), **answers[0]}
+        if len(answers) > 1:
+            answer["beams"] = answers
+        sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+        _log(f"prompt {number}/{len(ids)}: {len(row)} tokens, {run.steps} steps of {search.num_beams} beams "
+             f"in {run.seconds:.1f} s (stopped: {run.stops[0]})")
+    _log(f"genai beam search: {len(ids)} prompts in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
     """--prompts-file: every prompt of the file, --batch-size at a time (--sort-by-length: longest
     first); one JSON line per prompt on stdout, in the file's order, each as soon as it and every
     earlier one are done."""
@@ -410,6 +487,8 @@ def _generate_file(args, folder, config: dict, sampling) -> int:
         row = _encode(tokenizer, folder, p.text, args) if p.text is not None else p.ids
         _check_room(row, args, context, f"{args.prompts_file} line {p.line}")
         ids.append(row)
+    if search is not None:
+        return _generate_file_beams(args, folder, lines, ids, tokenizer, search)
     eos = set(eos_token_ids(config))
     runner, provider = None, None if args.provider == "auto" else args.provider  # genai: the folder's provider
     if args.backend == "tensorrt":  # the engine, stepped by the onnxruntime loop's code
@@ -587,16 +666,19 @@ def cmd_generate(args) -> int:
                               "groups the prompts of --prompts-file")
     if args.interactive and args.chat:
         raise DiffExportError("--interactive is a chat already (every line a user turn): drop --chat")
+    search = _beam_search_options(args)
     if args.interactive:
         return _generate_interactive(args, folder, config, sampling)
     if args.prompts_file is not None:
         args.batch_size = 8 if args.batch_size is None else args.batch_size
         if args.batch_size < 1:
             raise DiffExportError(f"the batch size must be >= 1, got {args.batch_size}")
-        return _generate_file(args, folder, config, sampling)
+        return _generate_file(args, folder, config, sampling, search)
     if args.stop and args.ids is not None:
         raise DiffExportError("--stop matches generated text: give --prompt (the folder's tokenizer), not --ids")
     ids, tokenizer = _prompt_ids(args, folder, config)
+    if search is not None:
+        return _generate_beams(args, folder, ids, tokenizer, search)
     stream = tokenizer.create_stream() if tokenizer is not None else None
     text = StopText(args.stop, stream.decode) if args.stop else None
 
@@ -1115,6 +1197,17 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--repetition-penalty", type=float, default=1.0,
                            help="greedy or sampled: the logit of every id a row already holds, prompt included, "
                                 "divided by P (times P when negative); 1.0 (default): none, 1.1-1.3: usual")
+            p.add_argument("--num-beams", type=int, default=1,
+                           help="beam search with N beams (onnxruntime-genai's; --backend genai): the answer is "
+                                "printed once the search ends (default 1: no beam search)")
+            p.add_argument("--num-return-sequences", type=int,
+                           help="--num-beams: how many of the best hypotheses to print, best first (default 1)")
+            p.add_argument("--length-penalty", type=float,
+                           help="--num-beams: an ended hypothesis scores sum(log p) / length^L, length counting "
+                                "the prompt (genai's rule); > 0 favours longer answers (default 1.0)")
+            p.add_argument("--no-early-stopping", action="store_true",
+                           help="--num-beams: keep searching while a running beam could still beat the ended "
+                                "ones (default: stop once N hypotheses have ended)")
             p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime", "tensorrt")),
                            help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop; tensorrt: "
                                 "the --engine built from this folder, on the GPU")

@@ -203,3 +203,109 @@ class StopText:
     def _release(self, upto: int) -> str:
         out, self.shown = self.buffer[self.shown:max(upto, self.shown)], max(upto, self.shown)
         return out
+
+
+@dataclasses.dataclass
+class BeamSearch:
+    """Beam search as onnxruntime-genai runs it (the folders' runtime), so the eager reference and
+    the deployed folder pick the same beams. A finished hypothesis scores sum(log p) / L^penalty
+    with L its whole length, prompt included, its end token left out (transformers >= 4.4x counts
+    only the new tokens, so the two rank finished beams alike only at length_penalty 0 or when no
+    beam ends early). early_stopping: stop once num_beams hypotheses have ended; otherwise also
+    wait while the best running beam could still beat the worst ended one."""
+
+    num_beams: int
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_beams", "num_return_sequences"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DiffExportError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
+        if self.num_return_sequences > self.num_beams:
+            raise DiffExportError(f"{self.num_return_sequences} sequences to return need at least as many beams, "
+                                  f"got {self.num_beams}")
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+            raise DiffExportError(f"length penalty must be a finite number, got {penalty!r}")
+
+
+@dataclasses.dataclass
+class Hypothesis:
+    tokens: list[int]  # the new tokens, the end token left out
+    score: float  # sum of log-probabilities / (prompt + new tokens) ** length_penalty
+    stop: str  # "eos" or "length"
+
+
+class _Hypotheses:
+    """The best `size` ended hypotheses, best first (a new one enters only if it beats the worst)."""
+
+    def __init__(self, size: int, length_penalty: float):
+        self.size, self.length_penalty, self.items = size, length_penalty, []
+
+    def add(self, tokens: list[int], sum_logprobs: float, length: int, stop: str) -> None:
+        score = sum_logprobs / float(length) ** self.length_penalty
+        if len(self.items) == self.size and score <= self.items[-1].score:
+            return
+        at = next((i for i, h in enumerate(self.items) if score > h.score), len(self.items))
+        self.items.insert(at, Hypothesis(tokens, score, stop))
+        del self.items[self.size:]
+
+    def can_improve(self, best_sum_logprobs: float, length: int) -> bool:
+        return self.items[-1].score < best_sum_logprobs / float(length) ** self.length_penalty
+
+
+@torch.no_grad()
+def beam_search(model, prompt: list[int], search: BeamSearch, max_new_tokens: int,
+                eos_token_id: int | list[int] | tuple[int, ...] | None = None) -> list[Hypothesis]:
+    """One prompt's best `search.num_return_sequences` hypotheses, best first: num_beams rows share a
+    cache that is reordered after each step; each step keeps the 2*num_beams best (beam, token)
+    pairs of sum(log p), ends those of the first num_beams that pick an end token and continues the
+    first num_beams others."""
+    if max_new_tokens < 1:
+        raise DiffExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompt:
+        raise DiffExportError("the prompt needs at least one token")
+    beams = search.num_beams
+    ends = set() if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
+    ended = _Hypotheses(beams, search.length_penalty)
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt] * beams, dtype=torch.int64, device=device)
+    mask = torch.ones_like(ids)
+    sums = torch.full((beams,), -1e9, dtype=torch.float32, device=device)
+    sums[0] = 0.0  # identical rows: only the first may start, or every beam would pick the same tokens
+    new = [[] for _ in range(beams)]
+    past, length, done = None, len(prompt), False
+    while True:
+        logits, past = model(ids, attention_mask=mask, past_key_values=past, use_cache=True)
+        scores = torch.log_softmax(logits[:, -1].float(), dim=-1) + sums[:, None]
+        vocab = scores.shape[-1]
+        top, where = scores.reshape(-1).topk(2 * beams)
+        kept = []  # (sum of log p, token, source beam)
+        for rank, (score, index) in enumerate(zip(top.tolist(), where.tolist())):
+            token, source = index % vocab, index // vocab
+            if token in ends:
+                if rank < beams:
+                    ended.add(list(new[source]), score, length, "eos")
+            else:
+                kept.append((score, token, source))
+            if len(kept) == beams:
+                break
+        if len(ended.items) == beams and (search.early_stopping or not ended.can_improve(max(top.tolist()), length)):
+            done = True
+            break
+        order = torch.tensor([source for _, _, source in kept], device=device)
+        past = [tuple(t.index_select(0, order) for t in layer) for layer in past]
+        new = [new[source] + [token] for _, token, source in kept]
+        sums = torch.tensor([score for score, _, _ in kept], dtype=torch.float32, device=device)
+        ids = torch.tensor([[token] for _, token, _ in kept], dtype=torch.int64, device=device)
+        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+        length += 1
+        if length - len(prompt) >= max_new_tokens:
+            break
+    if not done:  # the length limit: the running beams join the ended ones
+        for row in range(beams):
+            ended.add(new[row], float(sums[row]), length, "length")
+    return ended.items[:search.num_return_sequences]

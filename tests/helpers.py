@@ -169,3 +169,19 @@ def padding_mask(batch: int, kv_len: int, pads: list) -> torch.Tensor:
         start, stop = (0, pad) if isinstance(pad, int) else pad
         mask[row, start:stop] = 0
     return mask
+
+
+def byte_bpe_tokenizer(folder):
+    """A byte-level BPE tokenizer trained here (no download), saved as an HF tokenizer folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat sat on the mat", "differential attention cancels noise"] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    return fast

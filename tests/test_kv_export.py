@@ -22,7 +22,8 @@ from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
 from diffexport.generation import Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, perturb_norm_weights, quiet, run_cli  # noqa: E402
+from helpers import (assert_one_line_error, byte_bpe_tokenizer, perturb_norm_weights, quiet,  # noqa: E402
+                     run_cli)
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -145,22 +146,6 @@ def test_fp16_folder_passes_its_rule(tmp_path):
     assert "torch low-precision baseline" in report.text()
 
 
-def _byte_bpe_tokenizer(folder):
-    """A byte-level BPE tokenizer trained here (no download), saved as an HF tokenizer folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the cat sat on the mat", "differential attention cancels noise"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.save_pretrained(folder)
-    return fast
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """An HF DiffLlama folder with GQA (8 maps over 4 kv heads) and its tokenizer files."""
@@ -171,7 +156,7 @@ def hf_dir(tmp_path_factory):
                                        num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                                        pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
     transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(folder)
-    _byte_bpe_tokenizer(folder)
+    byte_bpe_tokenizer(folder)
     return folder
 
 
@@ -327,7 +312,7 @@ def test_hostile_decoder_folders(v1_folder, tmp_path):
 
 def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):
     real = tmp_path / "real"
-    _byte_bpe_tokenizer(real)
+    byte_bpe_tokenizer(real)
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "tokenizer.json").symlink_to(real / "tokenizer.json")
@@ -367,7 +352,7 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--threads", "0", "-o", tmp_path / "e"),
                           "--threads must be in 1..1024")
     small = tmp_path / "tok"
-    _byte_bpe_tokenizer(small)  # 279 tokens: more than a 128-token vocabulary holds
+    byte_bpe_tokenizer(small)  # 279 tokens: more than a 128-token vocabulary holds
     cfg = preset_config("diff-v1-tiny")
     cfg.vocab_size = 128
     too_small = save_checkpoint(build_model(cfg, seed=1), tmp_path / "v128.pt")

@@ -19,7 +19,7 @@ import numpy as np
 
 from diffexport.errors import DiffExportError
 from diffexport.export import decoder
-from diffexport.generation import Sampling
+from diffexport.generation import BeamSearch, Sampling
 
 @dataclasses.dataclass
 class DecodeRun:
@@ -304,6 +304,45 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     end = time.perf_counter()
     stop = stop or ("length" if len(prompt) + len(tokens) >= total else "eos")
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
+
+
+@dataclasses.dataclass
+class BeamRun:
+    sequences: list[list[int]]  # the new tokens of each returned hypothesis, best first, end token left out
+    stops: list[str]  # "eos" or "length", per sequence
+    prompt_tokens: int
+    seconds: float  # the whole search, prompt included
+    steps: int  # decode steps run (each advances every beam by one token)
+
+
+def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
+                      provider: str | None = None, model=None) -> BeamRun:
+    """onnxruntime-genai's beam search over the folder (generation.beam_search is its eager
+    reference): the prompt runs once per beam, every step reorders the cache. A sequence shorter
+    than the length limit ended with an end token (genai returns it without that token)."""
+    og = import_genai()
+    config = decoder.read_decoder_folder(folder)[1]
+    context = config["model"]["context_length"]
+    if len(prompt) >= context:
+        raise DiffExportError(f"the prompt's {len(prompt)} tokens leave no room in the folder's context length {context}")
+    if model is None:
+        model = open_genai_model(folder, provider)
+    total = min(len(prompt) + max_new_tokens, context)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=total, do_sample=False, num_beams=search.num_beams,
+                              num_return_sequences=search.num_return_sequences,
+                              length_penalty=float(search.length_penalty), early_stopping=search.early_stopping)
+    start = time.perf_counter()
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(prompt, np.int32))
+    steps = 0
+    while not generator.is_done():
+        generator.generate_next_token()
+        steps += 1
+    seconds = time.perf_counter() - start
+    sequences = [[int(t) for t in generator.get_sequence(i)[len(prompt):]] for i in range(search.num_return_sequences)]
+    stops = ["length" if len(prompt) + len(s) >= total else "eos" for s in sequences]
+    return BeamRun(sequences, stops, len(prompt), seconds, steps)
 
 
 def shared_prefix(held: list[int], ids: list[int]) -> int:

@@ -1,0 +1,233 @@
+"""Beam search: `diffexport generate --num-beams` runs onnxruntime-genai's search over a KV-cache
+folder; generation.beam_search is its eager reference. The reference equals transformers'
+generate(num_beams=...) where the two libraries' rules coincide (length_penalty 0: transformers
+normalises by the new tokens, genai by the whole sequence), and genai's hypotheses equal the
+reference's, in rank order, for V1, V2 and the baseline Transformer, both attention kinds, with end
+ids reached early, late and never, several end ids, and length penalties of both signs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from diffexport.errors import DiffExportError
+from diffexport.generation import BeamSearch, beam_search, generate
+from helpers import assert_one_line_error, byte_bpe_tokenizer, perturb_norm_weights, quiet, run_cli
+
+# ---------------------------------------------------------------- the eager reference
+
+
+def _hf_diffllama(seed=4, vocab=96):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.DiffLlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
+    return transformers.DiffLlamaForCausalLM(cfg).eval()
+
+
+def _with_end(hypothesis, end):
+    """transformers keeps the end token in a finished sequence; genai and the reference leave it out."""
+    return hypothesis.tokens + ([end] if hypothesis.stop == "eos" else [])
+
+
+def _cut_at_end(row, end):
+    return row[:row.index(end) + 1] if end in row else row
+
+
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_eager_beam_search_equals_transformers(early_stopping, tmp_path):
+    """length_penalty 0 (sum of log-probabilities): transformers and genai rank alike, so the reference
+    must give transformers' hypotheses, in order, also when some beams end early."""
+    from diffexport.checkpoint import load_model
+
+    hf = _hf_diffllama()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf").model.eval()
+    gen = torch.Generator().manual_seed(5)
+    stops = set()
+    for n in (5, 11):
+        prompt = torch.randint(3, 96, (1, n), generator=gen)
+        greedy = generate(ours, prompt, max_new_tokens=8).tokens[0].tolist()
+        for end in (greedy[1], greedy[5]):  # end ids the search meets early and late
+            with torch.no_grad():
+                out = hf.generate(prompt, max_new_tokens=14, num_beams=4, num_return_sequences=4, do_sample=False,
+                                  length_penalty=0.0, early_stopping=early_stopping, eos_token_id=end, pad_token_id=0)
+            expected = [_cut_at_end(row[n:].tolist(), end) for row in out]
+            got = beam_search(ours, prompt[0].tolist(), BeamSearch(4, 4, 0.0, early_stopping), 14, eos_token_id=end)
+            assert [_with_end(h, end) for h in got] == expected, (n, end)
+            assert [h.score for h in got] == sorted((h.score for h in got), reverse=True)
+            stops |= {h.stop for h in got}
+    assert stops == {"eos", "length"}  # both endings were compared
+
+
+def test_beam_search_of_one_beam_is_greedy():
+    from diffexport.modeling import build_model
+    from diffexport.presets import preset_config
+
+    model = build_model(preset_config("diff-v2-tiny"), seed=2).eval()
+    prompt = [7, 300, 12, 45]
+    greedy = generate(model, torch.tensor([prompt]), max_new_tokens=12).tokens[0].tolist()
+    (only,) = beam_search(model, prompt, BeamSearch(1), 12)
+    assert (only.tokens, only.stop) == (greedy, "length")
+    (ended,) = beam_search(model, prompt, BeamSearch(1), 12, eos_token_id=greedy[4])
+    assert (ended.tokens, ended.stop) == (greedy[:4], "eos")
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(num_beams=0), "num beams must be an integer >= 1"),
+    (dict(num_beams=True), "num beams must be an integer >= 1"),
+    (dict(num_beams=2.0), "num beams must be an integer >= 1"),
+    (dict(num_beams=2, num_return_sequences=3), "3 sequences to return need at least as many beams"),
+    (dict(num_beams=2, num_return_sequences=0), "num return sequences must be an integer >= 1"),
+    (dict(num_beams=2, length_penalty=float("nan")), "length penalty must be a finite number"),
+    (dict(num_beams=2, length_penalty="1"), "length penalty must be a finite number"),
+])
+def test_bad_beam_search_options(kwargs, pattern):
+    with pytest.raises(DiffExportError, match=pattern):
+        BeamSearch(**kwargs)
+
+
+# ---------------------------------------------------------------- onnxruntime-genai's search over folders
+
+pytest.importorskip("onnxruntime")
+
+FAMILIES = ("diff-v1-tiny", "diff-v2-tiny", "transformer-tiny")
+
+
+def _attentions(family):
+    """The folder kinds a family exports to (the baseline has no DiffAttention for gqa to rewrite)."""
+    return ("diffattention",) if family == "transformer-tiny" else ("diffattention", "gqa")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Each family's eager model (V1 with 4 diff-heads on 2 kv-groups and an affine head norm) and
+    its DiffAttention and gqa folders."""
+    from diffexport.checkpoint import load_model, save_checkpoint
+    from diffexport.export.decoder import export_decoder
+    from diffexport.modeling import build_model
+    from diffexport.presets import preset_config
+
+    root = tmp_path_factory.mktemp("beams")
+    made = {}
+    for number, family in enumerate(FAMILIES):
+        cfg = preset_config(family)
+        if family == "diff-v1-tiny":
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
+        save_checkpoint(perturb_norm_weights(build_model(cfg, seed=60 + number), 60 + number), root / f"{family}.pt")
+        loaded = load_model(root / f"{family}.pt")
+        for attention in _attentions(family):
+            export_decoder(loaded, root / family / attention, attention=attention, log=quiet)
+        made[family] = (loaded.model.eval(), root / family)
+    return made
+
+
+def _with_end_ids(folder, tmp_path, ends):
+    copy = tmp_path / folder.name
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = ends
+    (copy / "genai_config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,attention", [(f, a) for f in FAMILIES for a in _attentions(f)])
+def test_genai_beams_equal_the_eager_reference(folders, family, attention, tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    from diffexport.backends import decoding
+
+    model, root = folders[family]
+    prompt = [11, 250, 3, 97, 40, 8]
+    free = beam_search(model, prompt, BeamSearch(4), 16)[0].tokens
+    # end ids: none reachable, one met early, one met late, and two at once (genai reads a list)
+    end_sets = [[model.config.vocab_size - 1], [free[1]], [free[6]], [free[3], free[9]]]
+    # early stopping matters where long answers are favoured (penalty 3): there it ends the search first
+    searches = [BeamSearch(4, 4, 1.0, True), BeamSearch(4, 4, 1.0, False), BeamSearch(4, 4, 3.0, True),
+                BeamSearch(3, 2, 0.0, False), BeamSearch(4, 3, 2.0, False), BeamSearch(5, 5, -1.0, False)]
+    stops = set()
+    for ends in end_sets:
+        folder = _with_end_ids(root / attention, tmp_path, ends)
+        genai_model = decoding.open_genai_model(folder)
+        for search in searches:
+            expected = beam_search(model, prompt, search, 16, eos_token_id=ends)
+            run = decoding.beam_search_genai(folder, prompt, 16, search, model=genai_model)
+            assert run.sequences == [h.tokens for h in expected], (ends, search)
+            assert run.stops == [h.stop for h in expected], (ends, search)
+            stops |= set(run.stops)
+    assert stops == {"eos", "length"}
+
+
+@pytest.mark.slow
+def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
+    """The CLI: a prompts file's JSON lines (best hypothesis, and all under "beams") equal the
+    reference; a text prompt prints every hypothesis, decoded, under its header."""
+    pytest.importorskip("onnxruntime_genai")
+    model, root = folders["diff-v1-tiny"]
+    prompts = [[5, 17, 42, 99], [300, 12], [64, 2, 9, 9, 9]]
+    end = beam_search(model, prompts[0], BeamSearch(3), 10)[0].tokens[2]
+    folder = _with_end_ids(root / "diffattention", tmp_path, end)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"ids": p, "id": f"q{i}"}) + "\n" for i, p in enumerate(prompts)))
+    result = run_cli("generate", folder, "--prompts-file", path, "--num-beams", "3", "--num-return-sequences", "2",
+                     "--max-new-tokens", "10", "--length-penalty", "0.5")
+    assert result.returncode == 0, result.stderr
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        expected = beam_search(model, prompt, BeamSearch(3, 2, 0.5), 10, eos_token_id=end)
+        assert answer["id"] == f"q{i}" and answer["line"] == i + 1
+        assert [(b["tokens"], b["stop"]) for b in answer["beams"]] == [(h.tokens, h.stop) for h in expected]
+        assert (answer["tokens"], answer["stop"]) == (expected[0].tokens, expected[0].stop)
+    assert {a["stop"] for a in answers} == {"eos", "length"}
+
+    # text: an HF DiffLlama with a tokenizer; the hypotheses are the reference's, decoded
+    from diffexport.checkpoint import load_model
+
+    hf = _hf_diffllama(seed=9, vocab=320)
+    hf.save_pretrained(tmp_path / "hf")
+    tokenizer = byte_bpe_tokenizer(tmp_path / "hf")
+    assert run_cli("onnx", tmp_path / "hf", "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    expected = beam_search(load_model(tmp_path / "hf").model.eval(), tokenizer("the cat sat")["input_ids"],
+                           BeamSearch(4, 3), 8, eos_token_id=2)
+    path.write_text('{"prompt": "the cat sat"}\n')
+    answer = json.loads(run_cli("generate", tmp_path / "kv", "--prompts-file", path, "--num-beams", "4",
+                                "--num-return-sequences", "3", "--max-new-tokens", "8").stdout)
+    assert [(b["tokens"], b["stop"]) for b in answer["beams"]] == [(h.tokens, h.stop) for h in expected]
+    result = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--num-beams", "4",
+                     "--num-return-sequences", "3", "--max-new-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    shown = []  # a random model's tokens need not be whole UTF-8 characters: genai's decode is the text
+    for rank, (hypothesis, beam) in enumerate(zip(expected, answer["beams"]), 1):
+        shown += [f"--- hypothesis {rank} of 3 (stopped: {hypothesis.stop})", beam["completion"]]
+    assert result.stdout == "\n".join(shown) + "\n"
+    assert "genai beam search, 4 beams" in result.stderr
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--length-penalty", "2"], "--length-penalty is a beam search option: add --num-beams"),
+    (["--num-return-sequences", "2"], "--num-return-sequences is a beam search option"),
+    (["--no-early-stopping"], "--no-early-stopping is a beam search option"),
+    (["--num-beams", "0"], "--num-beams must be >= 1"),
+    (["--num-beams", "2", "--num-return-sequences", "3"], "3 sequences to return need at least as many beams"),
+    (["--num-beams", "2", "--length-penalty", "inf"], "length penalty must be a finite number"),
+    (["--num-beams", "2", "--backend", "onnxruntime"], "beam search runs through onnxruntime-genai"),
+    (["--num-beams", "2", "--sample"], "beam search is deterministic"),
+    (["--num-beams", "2", "--repetition-penalty", "1.2"], "not combined with --num-beams"),
+    (["--num-beams", "2", "--stop", "x"], "drop --stop"),
+])
+def test_beam_search_refusals(folders, args, pattern):
+    _, root = folders["diff-v2-tiny"]
+    assert_one_line_error(run_cli("generate", root / "diffattention", "--ids", "1,2,3", *args), pattern)
+
+
+def test_beam_search_refuses_batches_and_chat(folders, tmp_path):
+    _, root = folders["diff-v2-tiny"]
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"ids": [1, 2]}\n')
+    assert_one_line_error(run_cli("generate", root / "gqa", "--prompts-file", path, "--num-beams", "2",
+                                  "--batch-size", "4"), "beam search runs one prompt at a time")
+    assert_one_line_error(run_cli("generate", root / "gqa", "--interactive", "--num-beams", "2", stdin="hi\n"),
+                          "--interactive streams a chat: drop --num-beams")
