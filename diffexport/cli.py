@@ -432,9 +432,9 @@ def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
         sys.stdout.write(answer["completion"] if tokenizer is not None else " ".join(map(str, answer["tokens"])))
         sys.stdout.write("\n")
     sys.stdout.flush()
+    rate = run.steps * search.num_beams / run.seconds if run.seconds > 0 else float("nan")
     _log(f"genai beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
-         f"in {run.seconds:.2f} s ({run.steps * search.num_beams / run.seconds if run.seconds > 0 else float('nan'):.1f} "
-         f"beam tokens/s; stopped: {run.stops[0]})")
+         f"in {run.seconds:.2f} s ({rate:.1f} beam tokens/s; best stopped: {run.stops[0]})")
     return 0
 
 

@@ -324,7 +324,8 @@ def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: Be
     config = decoder.read_decoder_folder(folder)[1]
     context = config["model"]["context_length"]
     if len(prompt) >= context:
-        raise DiffExportError(f"the prompt's {len(prompt)} tokens leave no room in the folder's context length {context}")
+        raise DiffExportError(f"the prompt's {len(prompt)} tokens leave no room in the folder's context "
+                              f"length {context}")
     if model is None:
         model = open_genai_model(folder, provider)
     total = min(len(prompt) + max_new_tokens, context)
