@@ -399,9 +399,7 @@ def _beam_search_options(args):
         return None
     if args.num_beams < 1:
         raise DiffExportError(f"--num-beams must be >= 1, got {args.num_beams}")
-    clashes = [(args.backend != "genai", f"--backend {args.backend}: beam search runs through onnxruntime-genai "
-                                         "(--backend genai)"),
-               (args.sample, "--sample: beam search is deterministic; drop --sample or --num-beams"),
+    clashes = [(args.sample, "--sample: beam search is deterministic; drop --sample or --num-beams"),
                (args.repetition_penalty != 1.0, "--repetition-penalty is not combined with --num-beams here"),
                (bool(args.stop), "--stop ends one streamed answer: beam search ranks whole hypotheses, drop --stop"),
                (args.interactive, "--interactive streams a chat: drop --num-beams"),
@@ -420,12 +418,28 @@ def _beam_answers(tokenizer, run) -> list[dict]:
             for tokens, stop in zip(run.sequences, run.stops)]
 
 
-def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
-    """One prompt's beam search: the hypotheses once it ends, best first."""
+def _beam_searcher(args, folder):
+    """(prompt ids -> BeamRun) on --backend: genai's own search, or generation.search_beams over the
+    onnxruntime loop or the engine."""
     from diffexport.backends import decoding
 
-    run = decoding.beam_search_genai(folder, ids, args.max_new_tokens, search,
-                                     provider=None if args.provider == "auto" else args.provider)
+    if args.backend == "genai":
+        model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider)
+        return lambda ids, search: decoding.beam_search_genai(folder, ids, args.max_new_tokens, search, model=model)
+    if args.backend == "tensorrt":
+        from diffexport.backends.tensorrt import open_decoder_engine
+
+        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
+    else:
+        from diffexport.backends.onnxruntime import resolve_provider
+
+        runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
+    return lambda ids, search: decoding.beam_search_onnxruntime(folder, ids, args.max_new_tokens, search, runner)
+
+
+def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
+    """One prompt's beam search: the hypotheses once it ends, best first."""
+    run = _beam_searcher(args, folder)(ids, search)
     for rank, answer in enumerate(_beam_answers(tokenizer, run), 1):
         if search.num_return_sequences > 1:
             sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
@@ -433,7 +447,7 @@ def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
         sys.stdout.write("\n")
     sys.stdout.flush()
     rate = run.steps * search.num_beams / run.seconds if run.seconds > 0 else float("nan")
-    _log(f"genai beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
+    _log(f"{args.backend} beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
          f"in {run.seconds:.2f} s ({rate:.1f} beam tokens/s; best stopped: {run.stops[0]})")
     return 0
 
@@ -444,12 +458,10 @@ def _generate_file_beams(args, folder, lines, ids: list[list[int]], tokenizer, s
     import json
     import time
 
-    from diffexport.backends import decoding
-
-    model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider)
+    searcher = _beam_searcher(args, folder)
     start = time.perf_counter()
     for number, (p, row) in enumerate(zip(lines, ids), 1):
-        run = decoding.beam_search_genai(folder, row, args.max_new_tokens, search, model=model)
+        run = searcher(row, search)
         answers = _beam_answers(tokenizer, run)
         answer = {"line": p.line, **({} if p.id is None else {"id": p.id}), **answers[0]}
         if len(answers) > 1:
@@ -458,7 +470,7 @@ def _generate_file_beams(args, folder, lines, ids: list[list[int]], tokenizer, s
         sys.stdout.flush()
         _log(f"prompt {number}/{len(ids)}: {len(row)} tokens, {run.steps} steps of {search.num_beams} beams "
              f"in {run.seconds:.1f} s (stopped: {run.stops[0]})")
-    _log(f"genai beam search: {len(ids)} prompts in {time.perf_counter() - start:.1f} s")
+    _log(f"{args.backend} beam search: {len(ids)} prompts in {time.perf_counter() - start:.1f} s")
     return 0
 
 
@@ -1198,8 +1210,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="greedy or sampled: the logit of every id a row already holds, prompt included, "
                                 "divided by P (times P when negative); 1.0 (default): none, 1.1-1.3: usual")
             p.add_argument("--num-beams", type=int, default=1,
-                           help="beam search with N beams (onnxruntime-genai's; --backend genai): the answer is "
-                                "printed once the search ends (default 1: no beam search)")
+                           help="beam search with N beams (genai's own, or the same rule on the onnxruntime loop "
+                                "and engines): printed once the search ends (default 1: no beam search)")
             p.add_argument("--num-return-sequences", type=int,
                            help="--num-beams: how many of the best hypotheses to print, best first (default 1)")
             p.add_argument("--length-penalty", type=float,

@@ -257,13 +257,13 @@ class _Hypotheses:
         return self.items[-1].score < best_sum_logprobs / float(length) ** self.length_penalty
 
 
-@torch.no_grad()
-def beam_search(model, prompt: list[int], search: BeamSearch, max_new_tokens: int,
-                eos_token_id: int | list[int] | tuple[int, ...] | None = None) -> list[Hypothesis]:
-    """One prompt's best `search.num_return_sequences` hypotheses, best first: num_beams rows share a
-    cache that is reordered after each step; each step keeps the 2*num_beams best (beam, token)
-    pairs of sum(log p), ends those of the first num_beams that pick an end token and continues the
-    first num_beams others."""
+def search_beams(step: Callable[[list[list[int]], list[int] | None], torch.Tensor], prompt: list[int],
+                 search: BeamSearch, max_new_tokens: int, eos_token_id=None) -> list[Hypothesis]:
+    """The search, for any runtime: step(ids, order) reorders the runtime's cache rows by `order`
+    (the source beam of each row; None on the first call, where ids are num_beams copies of the
+    prompt), runs ids [num_beams, t] and returns each row's last-position logits [num_beams, V].
+    Each step keeps the 2*num_beams best (beam, token) pairs of sum(log p), ends those of the first
+    num_beams that pick an end token and continues the first num_beams others."""
     if max_new_tokens < 1:
         raise DiffExportError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompt:
@@ -271,16 +271,13 @@ def beam_search(model, prompt: list[int], search: BeamSearch, max_new_tokens: in
     beams = search.num_beams
     ends = set() if eos_token_id is None else set(torch.as_tensor(eos_token_id).reshape(-1).tolist())
     ended = _Hypotheses(beams, search.length_penalty)
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt] * beams, dtype=torch.int64, device=device)
-    mask = torch.ones_like(ids)
-    sums = torch.full((beams,), -1e9, dtype=torch.float32, device=device)
+    sums = torch.full((beams,), -1e9, dtype=torch.float32)
     sums[0] = 0.0  # identical rows: only the first may start, or every beam would pick the same tokens
     new = [[] for _ in range(beams)]
-    past, length, done = None, len(prompt), False
+    length, done = len(prompt), False
+    logits = step([list(prompt) for _ in range(beams)], None)
     while True:
-        logits, past = model(ids, attention_mask=mask, past_key_values=past, use_cache=True)
-        scores = torch.log_softmax(logits[:, -1].float(), dim=-1) + sums[:, None]
+        scores = torch.log_softmax(logits.float().cpu(), dim=-1) + sums[:, None]
         vocab = scores.shape[-1]
         top, where = scores.reshape(-1).topk(2 * beams)
         kept = []  # (sum of log p, token, source beam)
@@ -293,19 +290,46 @@ def beam_search(model, prompt: list[int], search: BeamSearch, max_new_tokens: in
                 kept.append((score, token, source))
             if len(kept) == beams:
                 break
+        if len(kept) < beams:  # more end ids than 2*num_beams - num_beams candidates can spare
+            raise DiffExportError(f"{len(ends)} end ids leave fewer than {beams} running beams: use more beams")
         if len(ended.items) == beams and (search.early_stopping or not ended.can_improve(max(top.tolist()), length)):
             done = True
             break
-        order = torch.tensor([source for _, _, source in kept], device=device)
-        past = [tuple(t.index_select(0, order) for t in layer) for layer in past]
         new = [new[source] + [token] for _, token, source in kept]
-        sums = torch.tensor([score for score, _, _ in kept], dtype=torch.float32, device=device)
-        ids = torch.tensor([[token] for _, token, _ in kept], dtype=torch.int64, device=device)
-        mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+        sums = torch.tensor([score for score, _, _ in kept], dtype=torch.float32)
         length += 1
         if length - len(prompt) >= max_new_tokens:
             break
+        logits = step([[token] for _, token, _ in kept], [source for _, _, source in kept])
     if not done:  # the length limit: the running beams join the ended ones
         for row in range(beams):
             ended.add(new[row], float(sums[row]), length, "length")
     return ended.items[:search.num_return_sequences]
+
+
+@torch.no_grad()
+def beam_search(model, prompt: list[int], search: BeamSearch, max_new_tokens: int,
+                eos_token_id: int | list[int] | tuple[int, ...] | None = None) -> list[Hypothesis]:
+    """One prompt's best `search.num_return_sequences` hypotheses, best first, from the eager model:
+    the prompt runs once, its cache is copied to every beam, and each step reorders the rows."""
+    device = next(model.parameters()).device
+    state = {}
+
+    def step(ids: list[list[int]], order: list[int] | None) -> torch.Tensor:
+        rows = ids[:1] if order is None else ids
+        if order is not None:
+            index = torch.tensor(order, device=device)
+            state["past"] = [tuple(t.index_select(0, index) for t in layer) for layer in state["past"]]
+        tokens = torch.tensor(rows, dtype=torch.int64, device=device)
+        state["mask"] = torch.ones_like(tokens) if order is None else \
+            torch.cat([state["mask"], torch.ones_like(tokens)], dim=1)
+        logits, state["past"] = model(tokens, attention_mask=state["mask"], past_key_values=state.get("past"),
+                                      use_cache=True)
+        if order is None:  # one prompt run, its cache copied to every beam
+            copies = torch.zeros(len(ids), dtype=torch.int64, device=device)
+            state["past"] = [tuple(t.index_select(0, copies) for t in layer) for layer in state["past"]]
+            state["mask"] = state["mask"].expand(len(ids), -1)
+            return logits[:, -1].float().expand(len(ids), -1)
+        return logits[:, -1].float()
+
+    return search_beams(step, prompt, search, max_new_tokens, eos_token_id)

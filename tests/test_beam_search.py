@@ -1,9 +1,10 @@
 """Beam search: `diffexport generate --num-beams` runs onnxruntime-genai's search over a KV-cache
-folder; generation.beam_search is its eager reference. The reference equals transformers'
+folder, or generation.search_beams (the same rule) over the onnxruntime loop and engines;
+generation.beam_search is the eager reference. The reference equals transformers'
 generate(num_beams=...) where the two libraries' rules coincide (length_penalty 0: transformers
-normalises by the new tokens, genai by the whole sequence), and genai's hypotheses equal the
-reference's, in rank order, for V1, V2 and the baseline Transformer, both attention kinds, with end
-ids reached early, late and never, several end ids, and length penalties of both signs."""
+normalises by the new tokens, genai by the whole sequence); genai's hypotheses and the loop's equal
+the reference's, in rank order, for V1, V2 and the baseline Transformer, both attention kinds, with
+end ids reached early, late and never, several end ids, and length penalties of both signs."""
 
 import json
 import shutil
@@ -136,7 +137,9 @@ def _with_end_ids(folder, tmp_path, ends):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,attention", [(f, a) for f in FAMILIES for a in _attentions(f)])
-def test_genai_beams_equal_the_eager_reference(folders, family, attention, tmp_path):
+def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attention, tmp_path):
+    """genai's own search and generation.search_beams over the onnxruntime loop give the eager
+    reference's hypotheses, in order."""
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import decoding
 
@@ -151,14 +154,35 @@ def test_genai_beams_equal_the_eager_reference(folders, family, attention, tmp_p
     stops = set()
     for ends in end_sets:
         folder = _with_end_ids(root / attention, tmp_path, ends)
-        genai_model = decoding.open_genai_model(folder)
+        genai_model, runner = decoding.open_genai_model(folder), decoding.OrtDecoder(folder)
         for search in searches:
             expected = beam_search(model, prompt, search, 16, eos_token_id=ends)
-            run = decoding.beam_search_genai(folder, prompt, 16, search, model=genai_model)
-            assert run.sequences == [h.tokens for h in expected], (ends, search)
-            assert run.stops == [h.stop for h in expected], (ends, search)
-            stops |= set(run.stops)
+            for run in (decoding.beam_search_genai(folder, prompt, 16, search, model=genai_model),
+                        decoding.beam_search_onnxruntime(folder, prompt, 16, search, runner)):
+                assert run.sequences == [h.tokens for h in expected], (ends, search)
+                assert run.stops == [h.stop for h in expected], (ends, search)
+                stops |= set(run.stops)
     assert stops == {"eos", "length"}
+
+
+@pytest.mark.slow
+def test_loop_beams_take_a_long_prompt_in_chunks(folders):
+    """An engine's profile caps one call's tokens: the loop's search then reads the prompt in chunks
+    (as `generate --backend tensorrt` does) and finds the same hypotheses."""
+    from diffexport.backends import decoding
+
+    model, root = folders["diff-v1-tiny"]
+    prompt = list(range(40, 51))
+    search = BeamSearch(3, 3, 1.0, False)
+    runner = decoding.OrtDecoder(root / "gqa")
+    runner.max_sequence = 4  # chunks of 4, 4 and 3
+    calls = []
+    step = runner.step
+    runner.step = lambda ids, mask, cache: calls.append(ids.shape) or step(ids, mask, cache)
+    run = decoding.beam_search_onnxruntime(root / "gqa", prompt, 9, search, runner)
+    assert calls[:4] == [(1, 4), (1, 4), (1, 3), (3, 1)]
+    assert run.sequences == [h.tokens for h in beam_search(model, prompt, search, 9)]
+    assert run.steps == 9 and run.stops == ["length"] * 3
 
 
 @pytest.mark.slow
@@ -182,6 +206,10 @@ def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
         assert [(b["tokens"], b["stop"]) for b in answer["beams"]] == [(h.tokens, h.stop) for h in expected]
         assert (answer["tokens"], answer["stop"]) == (expected[0].tokens, expected[0].stop)
     assert {a["stop"] for a in answers} == {"eos", "length"}
+    loop = run_cli("generate", folder, "--prompts-file", path, "--num-beams", "3", "--num-return-sequences", "2",
+                   "--max-new-tokens", "10", "--length-penalty", "0.5", "--backend", "onnxruntime")
+    assert loop.returncode == 0, loop.stderr
+    assert loop.stdout == result.stdout and "onnxruntime beam search" in loop.stderr
 
     # text: an HF DiffLlama with a tokenizer; the hypotheses are the reference's, decoded
     from diffexport.checkpoint import load_model
@@ -213,7 +241,6 @@ def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
     (["--num-beams", "0"], "--num-beams must be >= 1"),
     (["--num-beams", "2", "--num-return-sequences", "3"], "3 sequences to return need at least as many beams"),
     (["--num-beams", "2", "--length-penalty", "inf"], "length penalty must be a finite number"),
-    (["--num-beams", "2", "--backend", "onnxruntime"], "beam search runs through onnxruntime-genai"),
     (["--num-beams", "2", "--sample"], "beam search is deterministic"),
     (["--num-beams", "2", "--repetition-penalty", "1.2"], "not combined with --num-beams"),
     (["--num-beams", "2", "--stop", "x"], "drop --stop"),

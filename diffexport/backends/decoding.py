@@ -19,7 +19,7 @@ import numpy as np
 
 from diffexport.errors import DiffExportError
 from diffexport.export import decoder
-from diffexport.generation import BeamSearch, Sampling
+from diffexport.generation import BeamSearch, Sampling, search_beams
 
 @dataclasses.dataclass
 class DecodeRun:
@@ -118,6 +118,18 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
                      stops[0])
 
 
+def _prefill_chunks(runner, ids: np.ndarray, mask: np.ndarray, cache: dict, done: int) -> tuple[dict, int]:
+    """Run all but the last chunk of the prompt's tokens after the first `done` (a runner with a
+    longest call, an engine's profile, takes a longer prompt in such chunks: the graph's causal mask
+    is bottom-right, so each chunk sees the cache and itself as one long call would) -> (the cache,
+    how many tokens it holds); the caller's next step runs the rest."""
+    chunk = getattr(runner, "max_sequence", None) or ids.shape[1] - done
+    while ids.shape[1] - done > chunk:
+        _, cache = runner.step(ids[:, done:done + chunk], mask[:, :done + chunk], cache)
+        done += chunk
+    return cache, done
+
+
 def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, timing: dict,
                ignore_eos: bool = False, on_step: Callable[[list[int]], None] | None = None,
                stop_after: Callable[[int, int], bool] | None = None, state: dict | None = None):
@@ -143,13 +155,7 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
     tokens = [[] for _ in prompts]
     stops, live = ["length"] * len(prompts), [True] * len(prompts)
     timing["start"] = time.perf_counter()
-    # a runner with a longest call (an engine's profile) takes a longer prompt in chunks: the graph's
-    # causal mask is bottom-right, so each chunk sees the cache and itself as one long call would
-    done = 0 if state is None else state["cached"]
-    chunk = getattr(runner, "max_sequence", None) or longest - done
-    while longest - done > chunk:
-        _, cache = runner.step(ids[:, done:done + chunk], mask[:, :done + chunk], cache)
-        done += chunk
+    cache, done = _prefill_chunks(runner, ids, mask, cache, 0 if state is None else state["cached"])
     ids = ids[:, done:]
     seen = None
     for _ in range(max_new_tokens):
@@ -344,6 +350,44 @@ def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: Be
     sequences = [[int(t) for t in generator.get_sequence(i)[len(prompt):]] for i in range(search.num_return_sequences)]
     stops = ["length" if len(prompt) + len(s) >= total else "eos" for s in sequences]
     return BeamRun(sequences, stops, len(prompt), seconds, steps)
+
+
+def beam_search_onnxruntime(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
+                            runner: OrtDecoder | None = None, provider: str = "cpu") -> BeamRun:
+    """generation.search_beams over the onnxruntime loop (or an engine's runner: `--backend
+    tensorrt`): the prompt runs once and its cache is copied to every beam; each step takes the
+    cache rows in the beams' order. The length limit is genai's: the prompt and the new tokens
+    stop at the context."""
+    runner = runner or OrtDecoder(folder, provider=provider)
+    if len(prompt) >= runner.context:
+        raise DiffExportError(f"the prompt's {len(prompt)} tokens leave no room in the folder's context "
+                              f"length {runner.context}")
+    new_tokens = min(len(prompt) + max_new_tokens, runner.context) - len(prompt)
+    state = {"steps": 0}
+
+    def step(ids: list[list[int]], order: list[int] | None):
+        import torch
+
+        if order is None:
+            first = np.asarray(ids[:1], np.int64)
+            mask = np.ones_like(first)
+            cache, done = _prefill_chunks(runner, first, mask, runner.empty_cache(1), 0)
+            logits, cache = runner.step(first[:, done:], mask, cache)
+            copies = np.zeros(len(ids), np.int64)  # the prompt's cache, once per beam
+            state["cache"] = {name: value[copies] for name, value in cache.items()}
+            state["mask"] = np.ones((len(ids), first.shape[1]), np.int64)
+            logits = np.repeat(logits[:, -1:], len(ids), axis=0)
+        else:
+            cache = {name: value[np.asarray(order)] for name, value in state["cache"].items()}
+            state["mask"] = np.concatenate([state["mask"], np.ones((len(ids), 1), np.int64)], axis=1)
+            logits, state["cache"] = runner.step(np.asarray(ids, np.int64), state["mask"], cache)
+            state["steps"] += 1
+        return torch.from_numpy(logits[:, -1].astype(np.float32))
+
+    start = time.perf_counter()
+    found = search_beams(step, prompt, search, new_tokens, decoder.eos_token_ids(runner.config))
+    return BeamRun([h.tokens for h in found], [h.stop for h in found], len(prompt), time.perf_counter() - start,
+                   state["steps"] + 1)
 
 
 def shared_prefix(held: list[int], ids: list[int]) -> int:
