@@ -360,9 +360,10 @@ def _encode(tokenizer, folder, text: str, args) -> list[int]:
     return ids
 
 
-def _check_room(ids: list[int], args, context: int, where: str = "prompt") -> None:
-    if len(ids) + args.max_new_tokens > context:
-        raise DiffExportError(f"{where} ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the "
+def _check_room(ids: list[int], max_new_tokens: int, context: int, where: str = "prompt",
+                limit: str = "--max-new-tokens") -> None:
+    if len(ids) + max_new_tokens > context:
+        raise DiffExportError(f"{where} ({len(ids)} tokens) + {limit} {max_new_tokens} exceeds the "
                               f"context length {context}")
 
 
@@ -381,7 +382,7 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     else:
         tokenizer = _folder_tokenizer(folder)
         ids = _encode(tokenizer, folder, args.prompt, args)
-    _check_room(ids, args, int(config["model"]["context_length"]))
+    _check_room(ids, args.max_new_tokens, int(config["model"]["context_length"]))
     return ids, tokenizer
 
 
@@ -419,13 +420,13 @@ def _beam_answers(tokenizer, run) -> list[dict]:
 
 
 def _beam_searcher(args, folder):
-    """(prompt ids -> BeamRun) on --backend: genai's own search, or generation.search_beams over the
-    onnxruntime loop or the engine."""
+    """(prompt ids, search, max new tokens -> BeamRun) on --backend: genai's own search, or
+    generation.search_beams over the onnxruntime loop or the engine."""
     from diffexport.backends import decoding
 
     if args.backend == "genai":
         model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider)
-        return lambda ids, search: decoding.beam_search_genai(folder, ids, args.max_new_tokens, search, model=model)
+        return lambda ids, search, new: decoding.beam_search_genai(folder, ids, new, search, model=model)
     if args.backend == "tensorrt":
         from diffexport.backends.tensorrt import open_decoder_engine
 
@@ -434,12 +435,12 @@ def _beam_searcher(args, folder):
         from diffexport.backends.onnxruntime import resolve_provider
 
         runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
-    return lambda ids, search: decoding.beam_search_onnxruntime(folder, ids, args.max_new_tokens, search, runner)
+    return lambda ids, search, new: decoding.beam_search_onnxruntime(folder, ids, new, search, runner)
 
 
 def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
     """One prompt's beam search: the hypotheses once it ends, best first."""
-    run = _beam_searcher(args, folder)(ids, search)
+    run = _beam_searcher(args, folder)(ids, search, args.max_new_tokens)
     for rank, answer in enumerate(_beam_answers(tokenizer, run), 1):
         if search.num_return_sequences > 1:
             sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
@@ -452,7 +453,7 @@ def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
     return 0
 
 
-def _generate_file_beams(args, folder, lines, ids: list[list[int]], tokenizer, search) -> int:
+def _generate_file_beams(args, folder, lines, ids: list[list[int]], limits: list[int], tokenizer, search) -> int:
     """--prompts-file with --num-beams: one prompt at a time; each JSON line holds the best
     hypothesis (and all returned ones under "beams" when there are several)."""
     import json
@@ -460,8 +461,8 @@ def _generate_file_beams(args, folder, lines, ids: list[list[int]], tokenizer, s
 
     searcher = _beam_searcher(args, folder)
     start = time.perf_counter()
-    for number, (p, row) in enumerate(zip(lines, ids), 1):
-        run = searcher(row, search)
+    for number, (p, row, limit) in enumerate(zip(lines, ids, limits), 1):
+        run = searcher(row, search, limit)
         answers = _beam_answers(tokenizer, run)
         answer = {"line": p.line, **({} if p.id is None else {"id": p.id}), **answers[0]}
         if len(answers) > 1:
@@ -494,13 +495,19 @@ def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
         raise DiffExportError("--stop matches generated text: the prompts file gives token ids only")
     tokenizer = _folder_tokenizer(folder) if texts else None
     context = int(config["model"]["context_length"])
-    ids = []
-    for p in lines:
+    ids, limits = [], [args.max_new_tokens if p.max_new_tokens is None else p.max_new_tokens for p in lines]
+    for p, limit in zip(lines, limits):
         row = _encode(tokenizer, folder, p.text, args) if p.text is not None else p.ids
-        _check_room(row, args, context, f"{args.prompts_file} line {p.line}")
+        _check_room(row, limit, context, f"{args.prompts_file} line {p.line}",
+                    "--max-new-tokens" if p.max_new_tokens is None else "its max_new_tokens")
         ids.append(row)
+    stops = [args.stop if p.stop is None else p.stop for p in lines]  # each prompt's stop strings
     if search is not None:
-        return _generate_file_beams(args, folder, lines, ids, tokenizer, search)
+        if any(p.stop for p in lines):
+            line = next(p.line for p in lines if p.stop)
+            raise DiffExportError(f"{args.prompts_file} line {line}: stop ends one streamed answer, beam search "
+                                  "ranks whole hypotheses: drop its stop")
+        return _generate_file_beams(args, folder, lines, ids, limits, tokenizer, search)
     eos = set(eos_token_ids(config))
     runner, provider = None, None if args.provider == "auto" else args.provider  # genai: the folder's provider
     if args.backend == "tensorrt":  # the engine, stepped by the onnxruntime loop's code
@@ -514,15 +521,19 @@ def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
     texts_by_prompt: dict[int, StopText] = {}  # --stop: each answer's text, ended at a stop string
 
     def stop_after(index: int, token: int) -> bool:
+        if not stops[index]:
+            return False
         if index not in texts_by_prompt:
-            texts_by_prompt[index] = StopText(args.stop, tokenizer.create_stream().decode)
+            texts_by_prompt[index] = StopText(stops[index], tokenizer.create_stream().decode)
         texts_by_prompt[index].push(token)
         return texts_by_prompt[index].done
 
-    batches = decoding.generate_in_batches(folder, ids, args.max_new_tokens, sampling, args.batch_size,
+    own_limits = any(p.max_new_tokens is not None for p in lines)
+    batches = decoding.generate_in_batches(folder, ids, max(limits), sampling, args.batch_size,
                                            "genai" if args.backend == "genai" else "onnxruntime",
                                            provider=provider, runner=runner, sort_by_length=args.sort_by_length,
-                                           stop_after=stop_after if args.stop else None)
+                                           stop_after=stop_after if any(stops) else None,
+                                           limits=limits if own_limits else None)
     count = -(-len(ids) // args.batch_size)
     new = seconds = 0
     start = time.perf_counter()

@@ -25,6 +25,13 @@ def _write(tmp_path, text, name="p.jsonl"):
     return path
 
 
+def test_prompts_file_reads_each_lines_own_limits(tmp_path):
+    path = _write(tmp_path, '{"prompt": "a", "max_new_tokens": 5, "stop": "\\n"}\n{"prompt": "b", "stop": []}\n'
+                            '{"ids": [1], "stop": []}\n{"prompt": "c", "stop": ["x", "y"]}\n')
+    lines = prompts_file.read_prompts(path, vocab_size=10)
+    assert [(p.max_new_tokens, p.stop) for p in lines] == [(5, ["\n"]), (None, []), (None, []), (None, ["x", "y"])]
+
+
 def test_prompts_file_reads_text_ids_and_caller_ids(tmp_path):
     path = _write(tmp_path, '{"prompt": "hello", "id": "q1"}\n\n  \n{"ids": [1, 2, 3], "id": 7}\n{"ids": [0]}\n')
     lines = prompts_file.read_prompts(path, vocab_size=10)
@@ -48,8 +55,16 @@ def test_prompts_file_reads_text_ids_and_caller_ids(tmp_path):
     ('{"ids": [1], "id": [2]}\n', "id must be a string or an integer"),
     ('{"ids": [1], "id": false}\n', "id must be a string or an integer"),
     ("\n \n", "holds no prompt"),
+    ('{"ids": [1], "max_new_tokens": 0}\n', "max_new_tokens must be an integer >= 1"),
+    ('{"ids": [1], "max_new_tokens": 2.0}\n', "max_new_tokens must be an integer >= 1"),
+    ('{"ids": [1], "max_new_tokens": true}\n', "max_new_tokens must be an integer >= 1"),
+    ('{"prompt": "a", "stop": ""}\n', "stop must be a non-empty string or a list"),
+    ('{"prompt": "a", "stop": ["x", 3]}\n', "stop must be a non-empty string or a list"),
+    ('{"prompt": "a", "stop": ' + json.dumps(["s"] * 17) + '}\n', "at most 16"),
+    ('{"ids": [1], "stop": "x"}\n', "stop matches generated text: give a text prompt"),
 ], ids=["json", "array", "key", "both", "neither", "empty", "number", "no-ids", "vocab", "negative", "bool",
-        "float", "id-list", "id-bool", "blank"])
+        "float", "id-list", "id-bool", "blank", "limit-0", "limit-float", "limit-bool", "stop-empty", "stop-type",
+        "stop-many", "stop-ids"])
 def test_prompts_file_refusals(tmp_path, text, message):
     with pytest.raises(DiffExportError, match=None) as err:
         prompts_file.read_prompts(_write(tmp_path, text), vocab_size=10)
@@ -144,6 +159,42 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
             assert stops == ["eos" if e[-1] == free[stop] else "length" for e in expected]
     # one prompt through genai alone: a trailing pad id is a token, not padding
     assert decoding.generate_genai(folder, prompts[2], 12, Sampling()).tokens == expected[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["diffattention", "gqa"])
+def test_each_line_its_own_token_limit(model_and_folders, attention, tmp_path):
+    """A prompts file's "max_new_tokens" per line: rows of one batch stop at their own limits
+    ("length"), or earlier at an end id, on both backends; the others take --max-new-tokens."""
+    pytest.importorskip("onnxruntime_genai")
+    import shutil
+
+    loaded, folders = model_and_folders
+    folder = shutil.copytree(folders[attention], tmp_path / attention)
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [9], [300, 12, 77], list(range(100, 113))]
+    free = _alone(loaded.model, prompts[2], 10, None)
+    end = free[next(i for i in range(4, 10) if free[i] not in free[:i])]  # row 2 ends before --max-new-tokens
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = [end]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    limits = [3, None, None, 14]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"ids": p, **({} if n is None else {"max_new_tokens": n})}) + "\n"
+                            for p, n in zip(prompts, limits)))
+    expected = [_alone(loaded.model, p, 10 if n is None else n, [end]) for p, n in zip(prompts, limits)]
+    assert [len(e) for e in expected][:1] == [3] and len(expected[3]) == 14
+    for backend in ("genai", "onnxruntime"):
+        result = run_cli("generate", folder, "--prompts-file", path, "--max-new-tokens", "10", "--batch-size", "4",
+                         "--backend", backend)
+        assert result.returncode == 0, result.stderr
+        answers = [json.loads(line) for line in result.stdout.splitlines()]
+        assert [a["tokens"] for a in answers] == expected, backend
+        assert [a["stop"] for a in answers] == ["eos" if e[-1] == end else "length" for e in expected]
+        assert "eos" in {a["stop"] for a in answers}
+    beams = run_cli("generate", folder, "--prompts-file", path, "--max-new-tokens", "10", "--num-beams", "2")
+    assert beams.returncode == 0, beams.stderr
+    assert [len(json.loads(line)["tokens"]) <= (10 if n is None else n)
+            for line, n in zip(beams.stdout.splitlines(), limits)] == [True] * 4
 
 
 @pytest.mark.slow

@@ -599,6 +599,24 @@ def test_generate_stops_at_stop_strings(hf_dir, tmp_path):
                 assert stop in tokenizer.decode(answer["tokens"]) and stop not in tokenizer.decode(answer["tokens"][:-1])
             else:
                 assert answer["stop"] != "stop_string" and answer["tokens"] == tokens[:len(answer["tokens"])]
+    # each line's own "stop" in place of --stop's ([] for none), on both backends
+    tokens, text = free[prompts[0]]
+    for cli_stop, own in (([], stop), (["--stop", stop], [])):
+        (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": prompts[0], "stop": own}) + "\n" +
+                                            json.dumps({"prompt": prompts[0]}) + "\n")
+        for backend in ("genai", "onnxruntime"):
+            out = run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "own.jsonl", "--max-new-tokens",
+                          "24", *cli_stop, "--backend", backend)
+            assert out.returncode == 0, out.stderr
+            answers = [json.loads(line) for line in out.stdout.splitlines()]
+            cut, whole = (answers[0], answers[1]) if own else (answers[1], answers[0])
+            assert cut["stop"] == "stop_string" and cut["completion"] == text[:text.index(stop)]
+            assert whole["stop"] != "stop_string" and whole["tokens"] == tokens[:len(whole["tokens"])]
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "own.jsonl",
+                                  "--num-beams", "2", "--stop", stop), "drop --stop")
+    (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": prompts[0], "stop": "x"}) + "\n")
+    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "own.jsonl",
+                                  "--num-beams", "2"), "own.jsonl line 1: stop ends one streamed answer")
     assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", "5,6", "--stop", "x"),
                           "--stop matches generated text")
     (tmp_path / "ids.jsonl").write_text('{"ids": [5, 6]}\n')

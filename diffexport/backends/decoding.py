@@ -132,13 +132,15 @@ def _prefill_chunks(runner, ids: np.ndarray, mask: np.ndarray, cache: dict, done
 
 def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, timing: dict,
                ignore_eos: bool = False, on_step: Callable[[list[int]], None] | None = None,
-               stop_after: Callable[[int, int], bool] | None = None, state: dict | None = None):
+               stop_after: Callable[[int, int], bool] | None = None, state: dict | None = None,
+               limits: list[int] | None = None):
     """Left-padded prompts through runner.step with its cache, one token per row and step, until every
     row has stopped -> (new tokens per row, stop per row); timing gets start, first and end.
     stop_after(row, token): called with each live row's new token (not an end id); True ends the row
     there ("stop_string"). state (one prompt, a LoopSession's): its "cache" holds the prompt's first
     state["cached"] tokens, which are not run again; the final cache (the prompt and every new token
-    but the last) is written back to it."""
+    but the last) is written back to it. limits: each row's own token limit (at most max_new_tokens);
+    a row that reaches it stops there ("length")."""
     import torch
 
     from diffexport.generation import choose_next, left_pad, seen_tokens
@@ -173,6 +175,8 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
                     live[row], stops[row] = False, "eos"
                 elif stop_after is not None and stop_after(row, token):
                     live[row], stops[row] = False, "stop_string"
+                elif limits is not None and len(tokens[row]) >= limits[row]:
+                    live[row] = False  # its own limit: stops stays "length"
         timing.setdefault("first", time.perf_counter())
         if on_step is not None:
             on_step(chosen)
@@ -209,14 +213,15 @@ class BatchRun:
 
 def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                                runner: OrtDecoder | None = None, provider: str = "cpu",
-                               threads: int | None = None, stop_after: Callable[[int, int], bool] | None = None
-                               ) -> BatchRun:
+                               threads: int | None = None, stop_after: Callable[[int, int], bool] | None = None,
+                               limits: list[int] | None = None) -> BatchRun:
     """Several prompts as one left-padded batch through the onnxruntime loop (or an engine's runner).
     Greedy rows give what each prompt gives alone; sampled rows draw from one generator, so a batch
     is reproducible, not equal to its prompts sampled one at a time."""
     runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
     timing = {}
-    tokens, stops = _step_loop(runner, prompts, max_new_tokens, sampling, timing, stop_after=stop_after)
+    tokens, stops = _step_loop(runner, prompts, max_new_tokens, sampling, timing, stop_after=stop_after,
+                               limits=limits)
     return BatchRun(tokens, stops, sum(map(len, prompts)), timing["end"] - timing["start"],
                     timing["first"] - timing["start"])
 
@@ -499,13 +504,15 @@ class GenaiSession:
 
 def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                          model=None, provider: str | None = None, pad_token_id: int | None = None,
-                         min_new_tokens: int = 0, stop_after: Callable[[int, int], bool] | None = None) -> BatchRun:
+                         min_new_tokens: int = 0, stop_after: Callable[[int, int], bool] | None = None,
+                         limits: list[int] | None = None) -> BatchRun:
     """Several prompts as one batch through onnxruntime-genai, right-padded as genai pads (its
     trailing pad ids are the padding; genai_pad_for says when the folder's pad id cannot be that).
     model: one the caller opened (open_genai_model), with pad_token_id if it was given one.
     Greedy rows give what each prompt gives alone; sampled rows draw from genai's one generator.
     stop_after(row, token): called with each running row's new token (not an end id); True ends the
-    row there ("stop_string"; genai steps on until every row has ended, its tokens are cut)."""
+    row there ("stop_string"; genai steps on until every row has ended, its tokens are cut).
+    limits: each row's own token limit (at most max_new_tokens), cut the same way ("length")."""
     og = import_genai()
     if model is None:
         config = decoder.read_decoder_folder(folder)[1]
@@ -547,7 +554,7 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     generator = og.Generator(model, params)
     generator.append_tokens(ids)
     first, steps = None, 0
-    running, cut = [True] * len(prompts), [None] * len(prompts)  # cut: a stop string's end, in new tokens
+    running, cut = [True] * len(prompts), [None] * len(prompts)  # cut: (new tokens kept, why), a row ended early
     while not generator.is_done():
         if seen is not None:
             logits = generator.get_logits()  # [B, 1, V] float32
@@ -556,17 +563,19 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
         generator.generate_next_token()
         steps += 1
         first = first or time.perf_counter()
-        if seen is None and stop_after is None:
+        if seen is None and stop_after is None and limits is None:
             continue
         chosen = [int(t) for t in generator.get_next_tokens()]
         if seen is not None:
             seen[torch.arange(len(prompts)), torch.tensor(chosen)] = True
-        if stop_after is not None:
+        if stop_after is not None or limits is not None:
             for row, token in enumerate(chosen):
                 if running[row] and token in eos:
                     running[row] = False
-                elif running[row] and stop_after(row, token):
-                    running[row], cut[row] = False, steps
+                elif running[row] and stop_after is not None and stop_after(row, token):
+                    running[row], cut[row] = False, (steps, "stop_string")
+                elif running[row] and limits is not None and steps >= limits[row]:
+                    running[row], cut[row] = False, (steps, "length")
             if not any(running):
                 break
     finish = time.perf_counter()
@@ -576,8 +585,8 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
         new = [int(t) for t in generator.get_sequence(row)[width:]]
         end = next((k for k, t in enumerate(new) if t in eos), None)
         if cut[row] is not None:
-            tokens.append(new[:cut[row]])
-            stops.append("stop_string")
+            tokens.append(new[:cut[row][0]])
+            stops.append(cut[row][1])
             continue
         tokens.append(new if end is None else new[:end + 1])
         stops.append("length" if end is None else "eos")
@@ -597,13 +606,14 @@ def batch_plan(prompts: list[list[int]], batch_size: int, by_length: bool = Fals
 def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                         batch_size: int = 8, backend: str = "genai", provider: str | None = None,
                         runner: OrtDecoder | None = None, sort_by_length: bool = False,
-                        stop_after: Callable[[int, int], bool] | None = None
-                        ) -> Iterator[tuple[list[int], BatchRun]]:
+                        stop_after: Callable[[int, int], bool] | None = None,
+                        limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
     """Prompts batch_size at a time (batch_plan: in order, or longest first with sort_by_length):
     yields (the batch's prompt indices, its run, row k answering prompts[indices[k]]). backend
     "genai" (provider None: the folder's) or "onnxruntime" (runner: an OrtDecoder, or an engine's
     runner; else one on provider). stop_after(prompt index, token): True ends that prompt's answer
-    after the token (a stop string completed)."""
+    after the token (a stop string completed). limits: each prompt's own max_new_tokens (a batch
+    runs to its rows' longest, each row cut at its own)."""
     plan = batch_plan(prompts, batch_size, sort_by_length)
     if backend == "genai":
         config = decoder.read_decoder_folder(folder)[1]
@@ -614,12 +624,14 @@ def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, s
     for number, indices in enumerate(plan):
         batch, cut = [prompts[i] for i in indices], _by_prompt(stop_after, indices)
         draws = batch_sampling(sampling, number)
+        rows = None if limits is None else [limits[i] for i in indices]
+        longest = max_new_tokens if rows is None else max(rows)
         if backend == "genai":
-            yield indices, generate_batch_genai(folder, batch, max_new_tokens, draws, model=model, pad_token_id=pad,
-                                                stop_after=cut)
+            yield indices, generate_batch_genai(folder, batch, longest, draws, model=model, pad_token_id=pad,
+                                                stop_after=cut, limits=rows)
         else:
-            yield indices, generate_batch_onnxruntime(folder, batch, max_new_tokens, draws, runner=runner,
-                                                      stop_after=cut)
+            yield indices, generate_batch_onnxruntime(folder, batch, longest, draws, runner=runner,
+                                                      stop_after=cut, limits=rows)
 
 
 def batch_sampling(sampling: Sampling, number: int) -> Sampling:
