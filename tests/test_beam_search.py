@@ -244,6 +244,7 @@ def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
     (["--num-beams", "2", "--sample"], "beam search is deterministic"),
     (["--num-beams", "2", "--repetition-penalty", "1.2"], "not combined with --num-beams"),
     (["--num-beams", "2", "--stop", "x"], "drop --stop"),
+    (["--num-beams", "100000000", "--max-new-tokens", "2000"], "GiB of KV cache, more than the"),
 ])
 def test_beam_search_refusals(folders, args, pattern):
     _, root = folders["diff-v2-tiny"]

@@ -326,6 +326,21 @@ class BeamRun:
     steps: int  # decode steps run (each advances every beam by one token)
 
 
+def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None:
+    """Refuse, before the search starts, beams whose KV caches at `length` tokens (prompt and new
+    tokens) would not fit in this machine's memory (a slip such as --num-beams 4000)."""
+    import os
+
+    decoder_config = config["model"]["decoder"]
+    per_token = 2 * int(decoder_config["num_hidden_layers"]) * int(decoder_config["num_key_value_heads"]) * \
+        int(decoder_config["head_size"]) * (4 if dtype == "float32" else 2)
+    need = beams * length * per_token
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise DiffExportError(f"{beams} beams of {length} tokens need {need / 2**30:.1f} GiB of KV cache, more than "
+                              f"the {have / 2**30:.0f} GiB here: lower --num-beams or --max-new-tokens")
+
+
 def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
                       provider: str | None = None, model=None) -> BeamRun:
     """onnxruntime-genai's beam search over the folder (generation.beam_search is its eager
