@@ -198,6 +198,42 @@ def test_each_line_its_own_token_limit(model_and_folders, attention, tmp_path):
 
 
 @pytest.mark.slow
+def test_genai_samples_from_the_eager_distribution(model_and_folders):
+    """Sampled tokens through genai follow the eager model's softmax: without a top-k cut over the
+    whole vocabulary (genai once fell back to the folder's top_k of 1: every draw greedy), with
+    top-k only among the k likeliest, and the likeliest token as often as its probability says."""
+    pytest.importorskip("onnxruntime_genai")
+    from diffexport.backends import decoding
+    from diffexport.generation import Sampling
+
+    loaded, folders = model_and_folders
+    prompt = [5, 17, 42, 99, 3]
+    with torch.no_grad():
+        logits = loaded.model.eval()(torch.tensor([prompt]))[0, -1].float()
+    model = decoding.open_genai_model(folders["gqa"])
+
+    def draws(count, **options):
+        return [decoding.generate_genai(folders["gqa"], prompt, 1, Sampling(greedy=False, seed=seed, **options),
+                                        model=model).tokens[0] for seed in range(count)]
+
+    whole = draws(200)
+    assert len(set(whole)) > 60  # ~512 near-equally likely ids: about 170 distinct in 200 draws
+    top3 = set(logits.topk(3).indices.tolist())
+    assert set(draws(60, top_k=3)) == top3
+    temperature = 0.05  # sharpen until the likeliest id has a probability well inside (0, 1)
+    probs = (logits / temperature).softmax(-1)
+    while probs.max() > 0.8:
+        temperature *= 1.5
+        probs = (logits / temperature).softmax(-1)
+    while probs.max() < 0.3:
+        temperature /= 1.5
+        probs = (logits / temperature).softmax(-1)
+    n, p_max = 400, float(probs.max())
+    hits = sum(t == int(probs.argmax()) for t in draws(n, temperature=temperature))
+    assert abs(hits / n - p_max) < 4 * (p_max * (1 - p_max) / n) ** 0.5, (hits / n, p_max)
+
+
+@pytest.mark.slow
 def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders, tmp_path):
     """A repetition penalty counts each row's own tokens only: padded batches through genai (where
     diffexport applies it, since genai's own would also penalise a padded row's pad id) and the

@@ -239,17 +239,20 @@ def genai_pad_for(config: dict, prompts: list[list[int]]) -> int | None:
     return next(t for t in candidates if t not in last)
 
 
+# what genai would otherwise take from the folder's genai_config "search" (which carries a checkpoint's
+# generation_config.json values for apps that use genai directly): diffexport runs say every knob
+_NO_EXTRAS = {"no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
+
+
 def _search_options(sampling: Sampling, max_length: int, min_length: int = 0) -> dict:
-    """genai's search options for our Sampling: the length limits (min_length 0: none) and the draw."""
-    search = {"max_length": max_length, "do_sample": not sampling.greedy}
-    if sampling.repetition_penalty != 1.0:
-        search["repetition_penalty"] = sampling.repetition_penalty
-    if min_length:
-        search["min_length"] = min(min_length, max_length)
+    """genai's search options for our Sampling: the length limits (min_length 0: none) and the draw,
+    every one set, so the folder's search defaults never change a run (top_k 0: no cut, as in genai)."""
+    search = {"max_length": max_length, "min_length": min(min_length, max_length), "do_sample": not sampling.greedy,
+              "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": float(sampling.repetition_penalty),
+              **_NO_EXTRAS}
     if not sampling.greedy:
-        search.update(temperature=sampling.temperature, top_p=sampling.top_p, random_seed=sampling.seed)
-        if sampling.top_k:
-            search["top_k"] = sampling.top_k
+        search.update(temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p),
+                      random_seed=sampling.seed)
     return search
 
 
@@ -356,9 +359,10 @@ def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: Be
         total = min(total, context)
         model = open_genai_model(folder, provider)
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=total, do_sample=False, num_beams=search.num_beams,
-                              num_return_sequences=search.num_return_sequences,
-                              length_penalty=float(search.length_penalty), early_stopping=search.early_stopping)
+    params.set_search_options(max_length=total, min_length=0, do_sample=False, num_beams=search.num_beams,
+                              num_return_sequences=search.num_return_sequences, repetition_penalty=1.0,
+                              length_penalty=float(search.length_penalty), early_stopping=search.early_stopping,
+                              **_NO_EXTRAS)
     start = time.perf_counter()
     generator = og.Generator(model, params)
     generator.append_tokens(np.asarray(prompt, np.int32))
