@@ -386,6 +386,39 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     return ids, tokenizer
 
 
+def _sampling(args, config: dict):
+    """The draw: the command line's options over the folder's genai_config search values, as
+    transformers' generate() takes a checkpoint's generation_config: a folder whose search samples
+    (do_sample true, from its checkpoint's generation_config.json) samples with its temperature, top-k
+    and top-p unless --greedy; its repetition penalty applies either way. Otherwise greedy, or with
+    --sample temperature 1, no top-k or top-p cut. What came from the folder is said on stderr."""
+    from diffexport.export.decoder import folder_search
+    from diffexport.generation import Sampling
+
+    search = folder_search(config)
+    folder_samples = search["do_sample"] and not args.greedy and args.num_beams == 1
+    greedy = not (args.sample or folder_samples)
+    taken = []
+
+    def pick(given, key: str, own):
+        if given is not None:
+            return given
+        value = search[key] if folder_samples or key == "repetition_penalty" else own
+        if value != own and not (greedy and key != "repetition_penalty") and args.num_beams == 1:
+            taken.append(f"{key.replace('_', ' ')} {value}")
+        return value
+
+    sampling = Sampling(greedy=greedy, temperature=pick(args.temperature, "temperature", 1.0),
+                        top_k=pick(args.top_k, "top_k", 0), top_p=pick(args.top_p, "top_p", 1.0), seed=args.seed,
+                        repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0))
+    if folder_samples and not args.sample:
+        taken.insert(0, "sampling")
+    if taken:
+        _log(f"from the folder's genai_config.json search: {', '.join(taken)} (the options override it"
+             f"{'; --greedy decodes greedily' if folder_samples else ''})")
+    return sampling
+
+
 def _beam_search_options(args):
     """--num-beams and its options as a BeamSearch (None: no beam search), refusing what beam search
     does not combine with here."""
@@ -401,7 +434,8 @@ def _beam_search_options(args):
     if args.num_beams < 1:
         raise DiffExportError(f"--num-beams must be >= 1, got {args.num_beams}")
     clashes = [(args.sample, "--sample: beam search is deterministic; drop --sample or --num-beams"),
-               (args.repetition_penalty != 1.0, "--repetition-penalty is not combined with --num-beams here"),
+               (args.repetition_penalty not in (None, 1.0), "--repetition-penalty is not combined with --num-beams "
+                                                              "here"),
                (bool(args.stop), "--stop ends one streamed answer: beam search ranks whole hypotheses, drop --stop"),
                (args.interactive, "--interactive streams a chat: drop --num-beams"),
                (args.batch_size is not None or args.sort_by_length,
@@ -668,14 +702,13 @@ def cmd_generate(args) -> int:
 
     from diffexport.backends import decoding
     from diffexport.export.decoder import read_decoder_folder
-    from diffexport.generation import Sampling, StopText
+    from diffexport.generation import StopText
 
     folder = Path(args.folder)
     _, config, _ = read_decoder_folder(folder)
     if args.max_new_tokens < 1:
         raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed, repetition_penalty=args.repetition_penalty)
+    sampling = _sampling(args, config)
     if args.backend == "genai":
         decoding.import_genai()
     if (args.backend == "tensorrt") != (args.engine is not None):
@@ -1215,16 +1248,20 @@ def build_parser() -> argparse.ArgumentParser:
             mode = p.add_mutually_exclusive_group()
             mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
             mode.add_argument("--sample", action="store_true", help="sample with --temperature/--top-k/--top-p")
-            p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-            p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
-            p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: all)")
+            p.add_argument("--temperature", type=float,
+                           help="sampling temperature (default 1.0, or the folder's when its search samples)")
+            p.add_argument("--top-k", type=int, help="sample among the k most likely (0: all; default 0, or the "
+                                                     "folder's when its search samples)")
+            p.add_argument("--top-p", type=float,
+                           help="nucleus sampling mass (default 1.0: all, or the folder's when its search samples)")
             p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
             p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                            help="end an answer where its text first holds TEXT (repeatable; the answer stops "
                                 "before it); text prompts only")
-            p.add_argument("--repetition-penalty", type=float, default=1.0,
+            p.add_argument("--repetition-penalty", type=float,
                            help="greedy or sampled: the logit of every id a row already holds, prompt included, "
-                                "divided by P (times P when negative); 1.0 (default): none, 1.1-1.3: usual")
+                                "divided by P (times P when negative); 1.0: none, 1.1-1.3: usual (default: the "
+                                "folder's search value, 1.0 unless its checkpoint named one)")
             p.add_argument("--num-beams", type=int, default=1,
                            help="beam search with N beams (genai's own, or the same rule on the onnxruntime loop "
                                 "and engines): printed once the search ends (default 1: no beam search)")

@@ -304,6 +304,13 @@ def test_hostile_decoder_folders(v1_folder, tmp_path):
         bad["model"]["eos_token_id"] = value
         assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
                                       "onnxruntime"), "eos_token_id must be a token id or a list of them")
+    for name, key, value in (("temp-words", "temperature", "abc"), ("temp-zero", "temperature", 0),
+                             ("topk-float", "top_k", 2.5), ("topp-big", "top_p", 1.5), ("sample-int", "do_sample", 1),
+                             ("penalty-nan", "repetition_penalty", float("nan")), ("beams-0", "num_beams", 0)):
+        bad = json.loads(json.dumps(config))
+        bad["search"][key] = value
+        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1"),
+                              f"genai_config.json: search.{key} must be")
     other = json.loads(json.dumps(config))
     other["model"]["decoder"]["num_key_value_heads"] = 2  # a gqa folder's config beside a DiffAttention graph
     assert_one_line_error(run_cli("check", folder_with("mismatch", json.dumps(other)), "--preset", "diff-v1-tiny"),
@@ -563,6 +570,65 @@ def test_generate_interactive_refuses_bad_input(hf_dir, v1_folder, tmp_path):
                           "stdin line 1 is longer than 1 MiB")
     out = run_cli("generate", tmp_path / "kv", "--interactive", "--max-new-tokens", "2", stdin="")
     assert out.returncode == 0 and out.stdout == ""  # no turn: nothing to answer
+
+
+def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
+    """A checkpoint's generation_config.json (sampling, penalty, beams) lands in the folder's genai
+    search block (values genai cannot take passed over, said in the log); `generate` follows it as
+    transformers' generate() does: greedy with the checkpoint's repetition penalty equals
+    transformers' tokens, the folder's sampling is used unless --greedy, the options override it."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime_genai")
+    from diffexport.cli import _sampling, build_parser
+    from diffexport.export.decoder import SEARCH_DEFAULTS
+
+    torch.manual_seed(12)
+    cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=256)
+    hf = transformers.DiffLlamaForCausalLM(cfg).eval()
+    hf.generation_config.update(do_sample=True, temperature=0.7, top_p=0.9, repetition_penalty=1.3)
+    hf.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "generation_config.json"
+    values = json.loads(path.read_text())
+    values["early_stopping"] = "never"  # transformers' third value: genai takes a bool
+    path.write_text(json.dumps(values))
+    result = run_cli("onnx", tmp_path / "hf", "--kv-cache", "-o", tmp_path / "kv")
+    assert result.returncode == 0, result.stderr
+    assert "passed over early_stopping='never'" in result.stdout + result.stderr
+    search = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["search"]
+    assert {k: search[k] for k in SEARCH_DEFAULTS} == {**SEARCH_DEFAULTS, "do_sample": True, "temperature": 0.7,
+                                                       "top_p": 0.9, "repetition_penalty": 1.3}
+    prompt = [5, 17, 42, 9, 60]
+    with torch.no_grad():  # transformers reads the same generation_config: greedy, penalty 1.3
+        expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        plain = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                            pad_token_id=0, repetition_penalty=1.0)[0, len(prompt):].tolist()
+    assert expected != plain  # the checkpoint's penalty matters here
+    for backend in ("genai", "onnxruntime"):
+        out = run_cli("generate", tmp_path / "kv", "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "12",
+                      "--greedy", "--backend", backend)
+        assert out.returncode == 0, out.stderr
+        assert [int(t) for t in out.stdout.split()] == expected, backend
+        assert "repetition penalty 1.3" in out.stderr
+    config = json.loads((tmp_path / "kv" / "genai_config.json").read_text())
+
+    def sampling(*flags):
+        args = build_parser().parse_args(["generate", str(tmp_path / "kv"), "--ids", "1", *flags])
+        return _sampling(args, config)
+
+    folder = sampling()
+    assert (folder.greedy, folder.temperature, folder.top_k, folder.top_p, folder.repetition_penalty) == \
+        (False, 0.7, 50, 0.9, 1.3)
+    assert sampling("--greedy").greedy and sampling("--greedy").repetition_penalty == 1.3
+    mine = sampling("--temperature", "1.2", "--top-k", "0", "--repetition-penalty", "1.0")
+    assert (mine.greedy, mine.temperature, mine.top_k, mine.top_p, mine.repetition_penalty) == (False, 1.2, 0, 0.9, 1.0)
+    config["search"] = dict(SEARCH_DEFAULTS)  # a folder that does not sample: diffexport's own defaults
+    plain = sampling("--sample")
+    assert (plain.greedy, plain.temperature, plain.top_k, plain.top_p, plain.repetition_penalty) == \
+        (False, 1.0, 0, 1.0, 1.0)
+    assert sampling().greedy
 
 
 def test_generate_stops_at_stop_strings(hf_dir, tmp_path):

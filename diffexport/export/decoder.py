@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -150,8 +151,9 @@ def cache_heads(cfg, attention: str) -> int:
 
 
 def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: int | None = None,
-                 attention: str = "diffattention", provider: str = "cpu") -> dict:
-    """What onnxruntime-genai reads: the decoder's I/O names, cache shape, search defaults.
+                 attention: str = "diffattention", provider: str = "cpu", search: dict | None = None) -> dict:
+    """What onnxruntime-genai reads: the decoder's I/O names, cache shape, search defaults (search:
+    a checkpoint's generation_config.json values, hf_search's, over SEARCH_DEFAULTS).
     threads: intra-op threads of genai's session (unset: genai's own default, which may be 1).
     attention "gqa": the cache is [B, Hkv, T, W / Hkv] in one shared past/present buffer.
     provider: the execution provider genai's session uses (cpu: none named, genai's default)."""
@@ -188,12 +190,81 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
             "vocab_size": cfg.vocab_size,
         },
         "search": {
-            "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-            "max_length": context_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-            "num_return_sequences": 1, "past_present_share_buffer": attention == "gqa", "repetition_penalty": 1.0,
-            "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+            **SEARCH_DEFAULTS, **(search or {}),
+            "max_length": context_length, "min_length": 0, "no_repeat_ngram_size": 0,
+            "past_present_share_buffer": attention == "gqa",
         },
     }  # genai refuses unknown keys: what diffexport knows lives in model.onnx's metadata
+
+
+# genai's search defaults where a checkpoint names none: transformers' GenerationConfig defaults (top_k
+# 50 included, as onnxruntime-genai's model builder writes), so an app that turns on do_sample gets
+# what transformers would sample
+SEARCH_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
+                   "num_beams": 1, "num_return_sequences": 1, "length_penalty": 1.0, "early_stopping": True}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# what each search value must be: generation_config.json is read from the checkpoint, genai_config.json
+# from a folder, both from strangers
+SEARCH_RULES = {
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+    "temperature": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "top_k": (lambda v: _whole(v) and v >= 0, "an integer >= 0"),
+    "top_p": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "repetition_penalty": (lambda v: _finite(v) and v > 0, "a number > 0"),
+    "num_beams": (lambda v: _whole(v) and v >= 1, "an integer >= 1"),
+    "num_return_sequences": (lambda v: _whole(v) and v >= 1, "an integer >= 1"),
+    "length_penalty": (_finite, "a finite number"),
+    "early_stopping": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def hf_search(folder: Path | None) -> tuple[dict, list[str]]:
+    """The search values of an HF folder's generation_config.json (sampling, penalties, beams), as
+    genai's search block takes them, and a note for each value passed over (of another type or
+    range; transformers' early_stopping "never" is one). No file, a link, a huge or broken one: none."""
+    path = None if folder is None else folder / "generation_config.json"
+    if path is None or not path.is_file() or path.is_symlink() or path.stat().st_size > 1024**2:
+        return {}, []
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}, []
+    if not isinstance(values, dict):
+        return {}, []
+    found, skipped = {}, []
+    for key, (valid, what) in SEARCH_RULES.items():
+        if key in values and values[key] is not None:
+            if valid(values[key]):
+                found[key] = values[key]
+            else:
+                skipped.append(f"{key}={values[key]!r} (genai takes {what})")
+    if found.get("num_return_sequences", 1) > found.get("num_beams", 1):
+        skipped.append(f"num_return_sequences={found.pop('num_return_sequences')} (more than num_beams)")
+    return found, skipped
+
+
+def folder_search(config: dict) -> dict:
+    """A folder's genai_config "search" values (SEARCH_DEFAULTS where absent), checked: one-line error
+    naming the value otherwise."""
+    search = config.get("search", {})
+    if not isinstance(search, dict):
+        raise DiffExportError(f"{GENAI_CONFIG}: search must be an object")
+    values = {}
+    for key, (valid, what) in SEARCH_RULES.items():
+        value = search.get(key, SEARCH_DEFAULTS[key])
+        if not valid(value):
+            raise DiffExportError(f"{GENAI_CONFIG}: search.{key} must be {what}, got {value!r}")
+        values[key] = value
+    return values
 
 
 def _hf_values(folder: Path | None) -> dict:
@@ -348,6 +419,11 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     else:
         tok_files = []
     special = {**_hf_values(source_dir), **_hf_values(None if tokenizer is None else Path(tokenizer))}
+    search, skipped = hf_search(source_dir)
+    if search:
+        log("search        from generation_config.json: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in search.items()))
+    for note in skipped:
+        log(f"search        generation_config.json: passed over {note}")
     if context_length is None:
         context = special.get("max_position_embeddings")
         context_length = context if isinstance(context, int) and context >= 2 else DEFAULT_CONTEXT
@@ -376,7 +452,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         del model_ir
         if attention == "gqa":
             _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, context_length, log)
-        config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider)
+        config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider, search)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
             shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
