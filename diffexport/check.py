@@ -536,9 +536,12 @@ def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps
         return None
     transformers.utils.logging.disable_progress_bar()
     hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+    # plain greedy, whatever the checkpoint's generation_config asks (sampling, a repetition penalty,
+    # beams): the eager reference decodes plainly. Each value is passed explicitly, since transformers
+    # fills the ones a call leaves out from the checkpoint's generation_config
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                          pad_token_id=0)
+                          num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, pad_token_id=0)
     return out[:, ids.shape[1]:].numpy()
 
 

@@ -612,6 +612,9 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
         assert out.returncode == 0, out.stderr
         assert [int(t) for t in out.stdout.split()] == expected, backend
         assert "repetition penalty 1.3" in out.stderr
+    # check compares plain greedy decoding: transformers' side must not take the checkpoint's penalty
+    report = run_decoder_check(tmp_path / "kv", load_model(tmp_path / "hf"), CheckOptions(provider="cpu"), log=quiet)
+    assert report.passed and "transformers generate() == eager" in report.text(), report.text()
     config = json.loads((tmp_path / "kv" / "genai_config.json").read_text())
 
     def sampling(*flags):
