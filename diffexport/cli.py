@@ -453,18 +453,19 @@ def _beam_answers(tokenizer, run) -> list[dict]:
             for tokens, stop in zip(run.sequences, run.stops)]
 
 
-def _beam_searcher(args, folder, search, longest: int):
+def _beam_searcher(args, folder, search, prompts: list[list[int]], longest: int):
     """(prompt ids, search, max new tokens -> BeamRun) on --backend: genai's own search, or
-    generation.search_beams over the onnxruntime loop or the engine; longest: the most tokens a
-    search holds (its caches are checked against this machine's memory first)."""
+    generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
+    most tokens a search holds (its caches are checked against this machine's memory first)."""
     from diffexport.backends import decoding
     from diffexport.export.decoder import read_decoder_folder
 
     _, config, meta = read_decoder_folder(folder)
     decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
 
-    if args.backend == "genai":
-        model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider)
+    if args.backend == "genai":  # a pad id that ends no prompt: genai reads trailing pad ids as padding
+        model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider,
+                                          decoding.genai_pad_for(config, prompts))
         return lambda ids, search, new: decoding.beam_search_genai(folder, ids, new, search, model=model)
     if args.backend == "tensorrt":
         from diffexport.backends.tensorrt import open_decoder_engine
@@ -479,7 +480,7 @@ def _beam_searcher(args, folder, search, longest: int):
 
 def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
     """One prompt's beam search: the hypotheses once it ends, best first."""
-    run = _beam_searcher(args, folder, search, len(ids) + args.max_new_tokens)(ids, search, args.max_new_tokens)
+    run = _beam_searcher(args, folder, search, [ids], len(ids) + args.max_new_tokens)(ids, search, args.max_new_tokens)
     for rank, answer in enumerate(_beam_answers(tokenizer, run), 1):
         if search.num_return_sequences > 1:
             sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
@@ -498,7 +499,7 @@ def _generate_file_beams(args, folder, lines, ids: list[list[int]], limits: list
     import json
     import time
 
-    searcher = _beam_searcher(args, folder, search, max(len(row) + limit for row, limit in zip(ids, limits)))
+    searcher = _beam_searcher(args, folder, search, ids, max(len(row) + limit for row, limit in zip(ids, limits)))
     start = time.perf_counter()
     for number, (p, row, limit) in enumerate(zip(lines, ids, limits), 1):
         run = searcher(row, search, limit)

@@ -191,9 +191,11 @@ def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
     reference; a text prompt prints every hypothesis, decoded, under its header."""
     pytest.importorskip("onnxruntime_genai")
     model, root = folders["diff-v1-tiny"]
-    prompts = [[5, 17, 42, 99], [300, 12], [64, 2, 9, 9, 9]]
+    pad = model.config.vocab_size - 1  # the folders' pad id (no pad id: the eos pads), ending a prompt
+    prompts = [[5, 17, 42, 99], [300, 12, pad], [64, 2, 9, 9, 9]]
     end = beam_search(model, prompts[0], BeamSearch(3), 10)[0].tokens[2]
     folder = _with_end_ids(root / "diffattention", tmp_path, end)
+    assert json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"] == pad
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"ids": p, "id": f"q{i}"}) + "\n" for i, p in enumerate(prompts)))
     result = run_cli("generate", folder, "--prompts-file", path, "--num-beams", "3", "--num-return-sequences", "2",

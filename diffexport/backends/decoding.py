@@ -351,13 +351,14 @@ def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: Be
     than the length limit ended with an end token (genai returns it without that token)."""
     og = import_genai()
     total = len(prompt) + max_new_tokens
-    if model is None:  # a model given is the caller's, who keeps the prompt and new tokens in its context
-        context = decoder.read_decoder_folder(folder)[1]["model"]["context_length"]
+    if model is None:  # a model given is the caller's (with genai_pad_for's pad id), who keeps within the context
+        config = decoder.read_decoder_folder(folder)[1]
+        context = config["model"]["context_length"]
         if len(prompt) >= context:
             raise DiffExportError(f"the prompt's {len(prompt)} tokens leave no room in the folder's context "
                                   f"length {context}")
         total = min(total, context)
-        model = open_genai_model(folder, provider)
+        model = open_genai_model(folder, provider, genai_pad_for(config, [prompt]))
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=total, min_length=0, do_sample=False, num_beams=search.num_beams,
                               num_return_sequences=search.num_return_sequences, repetition_penalty=1.0,
