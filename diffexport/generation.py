@@ -317,7 +317,7 @@ def beam_search(model, prompt: list[int], search: BeamSearch, max_new_tokens: in
 
     def step(ids: list[list[int]], order: list[int] | None) -> torch.Tensor:
         rows = ids[:1] if order is None else ids
-        if order is not None:
+        if order is not None and order != list(range(len(order))):  # rows as the beams (unchanged: no copy)
             index = torch.tensor(order, device=device)
             state["past"] = [tuple(t.index_select(0, index) for t in layer) for layer in state["past"]]
         tokens = torch.tensor(rows, dtype=torch.int64, device=device)

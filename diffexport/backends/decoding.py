@@ -403,7 +403,8 @@ def beam_search_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sear
             state["mask"] = np.ones((len(ids), first.shape[1]), np.int64)
             logits = np.repeat(logits[:, -1:], len(ids), axis=0)
         else:
-            cache = {name: value[np.asarray(order)] for name, value in state["cache"].items()}
+            cache = state["cache"] if order == list(range(len(order))) else \
+                {name: value[np.asarray(order)] for name, value in state["cache"].items()}  # rows as the beams
             state["mask"] = np.concatenate([state["mask"], np.ones((len(ids), 1), np.int64)], axis=1)
             logits, state["cache"] = runner.step(np.asarray(ids, np.int64), state["mask"], cache)
             state["steps"] += 1
