@@ -537,11 +537,13 @@ def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps
     transformers.utils.logging.disable_progress_bar()
     hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
     # plain greedy, whatever the checkpoint's generation_config asks (sampling, a repetition penalty,
-    # beams): the eager reference decodes plainly. Each value is passed explicitly, since transformers
-    # fills the ones a call leaves out from the checkpoint's generation_config
+    # beams, banned words): the eager reference decodes plainly. transformers fills what a call leaves
+    # out from the model's generation_config, so that is replaced by one holding only the special ids
+    saved = hf.generation_config
+    hf.generation_config = transformers.GenerationConfig(bos_token_id=saved.bos_token_id,
+                                                         eos_token_id=saved.eos_token_id, pad_token_id=0)
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                          num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, pad_token_id=0)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     return out[:, ids.shape[1]:].numpy()
 
 

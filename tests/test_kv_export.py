@@ -592,6 +592,8 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     path = tmp_path / "hf" / "generation_config.json"
     values = json.loads(path.read_text())
     values["early_stopping"] = "never"  # transformers' third value: genai takes a bool
+    values["no_repeat_ngram_size"] = 2  # processors genai's folder leaves out; `check` must not apply them
+    values["bad_words_ids"] = [[t] for t in range(3, 96, 2)]
     path.write_text(json.dumps(values))
     result = run_cli("onnx", tmp_path / "hf", "--kv-cache", "-o", tmp_path / "kv")
     assert result.returncode == 0, result.stderr
@@ -600,9 +602,10 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     assert {k: search[k] for k in SEARCH_DEFAULTS} == {**SEARCH_DEFAULTS, "do_sample": True, "temperature": 0.7,
                                                        "top_p": 0.9, "repetition_penalty": 1.3}
     prompt = [5, 17, 42, 9, 60]
+    hf = transformers.DiffLlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():  # transformers reads the same generation_config: greedy, penalty 1.3
         expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
-                               pad_token_id=0)[0, len(prompt):].tolist()
+                               pad_token_id=0, no_repeat_ngram_size=0, bad_words_ids=None)[0, len(prompt):].tolist()
         plain = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
                             pad_token_id=0, repetition_penalty=1.0)[0, len(prompt):].tolist()
     assert expected != plain  # the checkpoint's penalty matters here
