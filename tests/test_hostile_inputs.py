@@ -370,3 +370,31 @@ def test_malformed_export_metadata_is_one_line(exported, tmp_path, key, value):
             "onnx_metadata": meta, "module": "tensorrt", "attention": "native",
             "profile": {"min": [1, 1], "opt": [1, 8], "max": [2, 64]}}))
         assert_one_line_error(run_cli("check", tmp_path / "m.engine", "--preset", "diff-v1-tiny"), "m.engine")
+
+
+def test_generation_config_search_values_from_strangers(tmp_path):
+    """A checkpoint's generation_config.json feeds the folder's search block: a link, a huge or a
+    broken file is passed over whole, values of another type or range one by one (said, not used)."""
+    from diffexport.export.decoder import hf_search
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({"do_sample": "yes", "temperature": -1, "top_k": 2.5, "top_p": 0.9,
+                                "num_beams": 2, "num_return_sequences": 3, "repetition_penalty": float("inf")}))
+    found, skipped = hf_search(folder)
+    assert found == {"top_p": 0.9, "num_beams": 2}
+    assert [note.split("=")[0] for note in skipped] == ["do_sample", "temperature", "top_k", "repetition_penalty",
+                                                        "num_return_sequences"]
+    real = tmp_path / "elsewhere.json"
+    real.write_text(json.dumps({"do_sample": True}))
+    path.unlink()
+    path.symlink_to(real)
+    assert hf_search(folder) == ({}, [])  # a link is not followed
+    path.unlink()
+    path.write_text('{"do_sample": true, ' + '"x": 0, ' * 200_000 + '"y": 1}')  # over 1 MiB
+    assert hf_search(folder) == ({}, [])
+    path.write_text("{broken")
+    assert hf_search(folder) == ({}, [])
+    path.write_text("[true]")
+    assert hf_search(folder) == ({}, [])

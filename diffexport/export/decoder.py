@@ -231,14 +231,8 @@ def hf_search(folder: Path | None) -> tuple[dict, list[str]]:
     """The search values of an HF folder's generation_config.json (sampling, penalties, beams), as
     genai's search block takes them, and a note for each value passed over (of another type or
     range; transformers' early_stopping "never" is one). No file, a link, a huge or broken one: none."""
-    path = None if folder is None else folder / "generation_config.json"
-    if path is None or not path.is_file() or path.is_symlink() or path.stat().st_size > 1024**2:
-        return {}, []
-    try:
-        values = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}, []
-    if not isinstance(values, dict):
+    values = None if folder is None else _small_json_object(folder / "generation_config.json")
+    if values is None:
         return {}, []
     found, skipped = {}, []
     for key, (valid, what) in SEARCH_RULES.items():
@@ -267,6 +261,18 @@ def folder_search(config: dict) -> dict:
     return values
 
 
+def _small_json_object(path: Path) -> dict | None:
+    """A checkpoint folder's optional JSON object (generation_config.json, config.json); None for a
+    missing, linked, huge (over 1 MiB) or broken file, which is passed over."""
+    if not path.is_file() or path.is_symlink() or path.stat().st_size > 1024**2:
+        return None
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
 def _hf_values(folder: Path | None) -> dict:
     """bos/eos/pad ids and max_position_embeddings from an HF folder's generation_config.json and
     config.json (first found wins; links, huge or broken files are passed over)."""
@@ -274,14 +280,8 @@ def _hf_values(folder: Path | None) -> dict:
     if folder is None:
         return found
     for name in ("generation_config.json", "config.json"):
-        path = folder / name
-        if not path.is_file() or path.is_symlink() or path.stat().st_size > 1024**2:
-            continue
-        try:
-            values = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(values, dict):
+        values = _small_json_object(folder / name)
+        if values is None:
             continue
         for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings"):
             value = values.get(key)
