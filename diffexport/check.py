@@ -23,6 +23,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
 from diffexport.files import atomic_write, load_onnx
+from diffexport.generation import BeamSearch
 from diffexport.modeling import config_from_dict
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
@@ -48,6 +49,7 @@ class CheckOptions:
     text: str | None = None  # token ids from this UTF-8 text instead of random ids; perplexity reported
     tokenizer: str | None = None  # Hugging Face tokenizer for `text` (else its bytes are the ids)
     plot: str | None = None  # KV-cache folders: a PNG of the comparison step by step
+    beams: BeamSearch | None = None  # KV-cache folders and their engines: also beam search against eager
 
     @property
     def user_bounds(self) -> tuple[float, float] | None:
@@ -446,15 +448,21 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         raise DiffExportError("--steps counts the decode steps of a KV-cache folder's engine: this engine is a "
                               "prefill graph; use --shapes")
     steps = DECODE_STEPS if steps is None else steps
-    _check_steps(steps)
+    if options.beams is not None and not decoder:
+        raise DiffExportError("--num-beams checks beam search on a KV-cache folder's engine: this engine is a "
+                              "prefill graph")
+    check_decode_options(options, steps)
     plots.check_plot_path(options.plot)
     check_same_model(meta, loaded, engine_path)
     if decoder:  # the calls the check will make, held against the profile before anything runs
         from diffexport.backends.tensorrt import decoder_profile_problem
 
         batch, longest = len(DECODE_PROMPTS), max(DECODE_PROMPTS)
-        for sequence, past in ((longest, 0), (1, longest + steps - 1)):
-            problem = decoder_profile_problem(record, engine_path, batch, sequence, past)
+        calls = [(batch, longest, 0), (batch, 1, longest + steps - 1)]
+        if options.beams is not None:  # every beam a row of the batch
+            calls.append((options.beams.num_beams, 1, longest + steps - 1))
+        for rows, sequence, past in calls:
+            problem = decoder_profile_problem(record, engine_path, rows, sequence, past)
             if problem:
                 raise DiffExportError(f"the check's {problem}")
     # The sidecar says which library the build used, but a library is code: it is loaded only from
@@ -563,26 +571,32 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     folder = Path(folder)
     save_dir = save_dir_for(options, folder.with_name(folder.name + ".check"))
     provider = resolve_provider(options.provider)
-    _check_steps(steps)
+    check_decode_options(options, steps)
     runner = OrtDecoder(folder, provider)
     if max(DECODE_PROMPTS) + steps > runner.context:
         raise DiffExportError(f"--steps {steps} after a {max(DECODE_PROMPTS)}-token prompt passes the folder's context "
                               f"length {runner.context}: ask for at most {runner.context - max(DECODE_PROMPTS)} steps")
     command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
     return _decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
-                         save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu")
+                         save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu",
+                         genai=(folder, provider))
 
 
-def _check_steps(steps: int) -> None:
+def check_decode_options(options: CheckOptions, steps: int) -> None:
+    """A decoder check's step count and beam search, before anything loads or runs."""
     if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 1 << 20:
         raise DiffExportError(f"--steps must be a whole number of decode steps, 0 or more; got {steps}")
+    if options.beams is not None and steps < 1:
+        raise DiffExportError("beam search needs at least one decode step: give --steps 1 or more with --num-beams")
 
 
 def _decode_check(runner, subject: str, where: str, short: str, command: list[str], loaded: LoadedModel,
                   options: CheckOptions, save_dir: Path, log: Callable[[str], None], steps: int, device: str,
-                  quant=None) -> CheckReport:
+                  quant=None, genai: tuple[Path, str] | None = None) -> CheckReport:
     """The step-by-step comparison for any decoder runner (OrtDecoder, EngineDecoder): what
-    run_decoder_check says. quant: INT8/6/4 attention logits, applied to the eager model too."""
+    run_decoder_check says. quant: INT8/6/4 attention logits, applied to the eager model too.
+    With options.beams, beam search too (_beam_check); genai: (folder, provider) where
+    onnxruntime-genai's own search is checked beside the runner's."""
     from diffexport.analysis import plots
     from diffexport.analysis.probe import AttentionProbe
     from diffexport.generation import last_real, pad_batch
@@ -665,10 +679,97 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
         hf_ok = bool(np.array_equal(hf_tokens, eager_tokens[left]))
         lines.append(f"greedy tokens transformers generate() == eager for {hf_tokens.shape[1]} tokens  "
                      f"{'PASS' if hf_ok else 'FAIL'}")
+    beam_failures = []
+    if options.beams is not None:
+        model = low if ref32 is None else ref32
+        beam_lines, beam_failures = _beam_check(runner, short, model, quant, options.beams, prompts, steps, dtype,
+                                                budget, genai, log)
+        lines += beam_lines
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
-                                           ("greedy tokens vs transformers", hf_ok)) if not ok)
+                                           ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(beam_failures)
     return _finish(command, save_dir, feeds, saved,
                    comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)
+
+
+def _beam_check(runner, short: str, model, quant, search: BeamSearch, prompts: list[list[int]], steps: int,
+                dtype: str, budget, genai: tuple[Path, str] | None,
+                log: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """Beam search on the runner (the loop `generate --backend onnxruntime|tensorrt` runs) and in
+    onnxruntime-genai's own search (folders) against generation.beam_search on the eager model,
+    each prompt alone, every hypothesis compared in rank order. Where a runtime's hypothesis differs,
+    the eager model rescores it: the gap to the eager hypothesis of that rank says whether the two
+    parted at a near-tie (a gap of ~0) or the runtime found a worse one. Judged for float32 graphs;
+    reduced precision or quantised weights may part beams at near-ties, so there they are reported.
+    -> (report lines, failure names)."""
+    from diffexport.analysis.probe import AttentionProbe
+    from diffexport.backends import decoding
+    from diffexport.export import decoder
+    from diffexport.generation import beam_search, hypothesis_score
+
+    def on_eager(fn):
+        if quant is None:
+            return fn()
+        with AttentionProbe(model, quant=quant):
+            return fn()
+
+    ends = None if runner.config is None else decoder.eos_token_ids(runner.config)
+    new = min(steps, min(runner.context - len(p) for p in prompts))
+    longest = max(len(p) for p in prompts) + new
+    if runner.config is not None:
+        decoding.check_beam_memory(runner.config, dtype, search.num_beams, longest)
+    runtimes = {short: lambda prompt: decoding.beam_search_onnxruntime(None, prompt, new, search, runner=runner)}
+    lines = []
+    if genai is not None:
+        folder, provider = genai
+        try:
+            model_genai = decoding.open_genai_model(folder, provider, decoding.genai_pad_for(runner.config, prompts))
+        except DiffExportError as exc:  # not installed, or no build for this provider: the loop is still checked
+            lines.append(f"beams         onnxruntime-genai's own search not checked: {exc}")
+        else:
+            runtimes["genai"] = lambda prompt: decoding.beam_search_genai(folder, prompt, new, search,
+                                                                          model=model_genai)
+    rule = "early stopping" if search.early_stopping else "no early stopping"
+    log(f"beams         {search.num_beams} beams (length penalty {search.length_penalty:g}, {rule}) on "
+        f"{', '.join(runtimes)} vs eager: {len(prompts)} prompts alone, up to {new} new tokens, "
+        f"{search.num_return_sequences} hypotheses each; end ids "
+        f"{', '.join(map(str, ends)) if ends else 'none (an engine checked without its folder)'}")
+    same = dict.fromkeys(runtimes, 0)
+    gaps = dict.fromkeys(runtimes, 0.0)
+    parted = []
+    total = 0
+    for index, prompt in enumerate(prompts):
+        want = on_eager(lambda: beam_search(model, prompt, search, new, ends))
+        total += len(want)
+        for name, run in runtimes.items():
+            got = run(prompt)
+            for rank, hypothesis in enumerate(want):
+                if rank >= len(got.sequences):
+                    gaps[name] = float("inf")
+                    parted.append(f"{name} prompt {index + 1}: no hypothesis of rank {rank + 1}")
+                    continue
+                tokens, stop = got.sequences[rank], got.stops[rank]
+                if tokens == hypothesis.tokens and stop == hypothesis.stop:
+                    same[name] += 1
+                    continue
+                score = on_eager(lambda: hypothesis_score(model, prompt, tokens, stop, search.length_penalty, ends))
+                gap = hypothesis.score - score
+                gaps[name] = max(gaps[name], gap)
+                at = next((i for i, (a, b) in enumerate(zip(tokens, hypothesis.tokens)) if a != b),
+                          min(len(tokens), len(hypothesis.tokens)))
+                parted.append(f"{name} prompt {index + 1} rank {rank + 1}: parts at new token {at + 1} "
+                              f"({len(tokens)} tokens, {stop}; eager {len(hypothesis.tokens)}, {hypothesis.stop}); "
+                              f"eager scores it {score:.5f}, its own {hypothesis.score:.5f} (gap {gap:.2e})")
+    judged = dtype == "float32" and budget is None
+    failures = []
+    for name in runtimes:
+        ok = same[name] == total
+        if not ok and judged:
+            failures.append(f"beam hypotheses {name} vs eager")
+        verdict = "PASS" if ok else ("FAIL" if judged else "(reported: quantised weights change the model)"
+                                     if budget is not None else f"(reported: {dtype} may part beams at near-ties)")
+        worst = "" if ok else f"; worst score gap under eager {gaps[name]:.2e}"
+        lines.append(f"beam hypotheses {name} == eager: {same[name]}/{total}{worst}  {verdict}")
+    return [*parted[:5], *lines], failures
 
 
 # ---------------------------------------------------------------- one ONNX graph against another

@@ -121,15 +121,28 @@ def _check_options(args):
                         provider=args.provider, seed=args.seed,
                         save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
                         reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer,
-                        plot=args.plot)
+                        plot=args.plot, beams=_check_beams(args))
+
+
+def _check_beams(args):
+    """check's --num-beams: every hypothesis of N beams is compared (as many returned as beams)."""
+    from diffexport.generation import BeamSearch
+
+    if args.num_beams is None:
+        if args.length_penalty is not None or args.no_early_stopping:
+            raise DiffExportError("--length-penalty and --no-early-stopping shape a beam search: add --num-beams N")
+        return None
+    return BeamSearch(num_beams=args.num_beams, num_return_sequences=max(1, args.num_beams),
+                      length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+                      early_stopping=not args.no_early_stopping)
 
 
 def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
     from pathlib import Path
 
-    from diffexport.check import (DECODE_STEPS, read_export_metadata, run_against, run_check, run_decoder_check,
-                                  run_engine_check)
+    from diffexport.check import (DECODE_STEPS, check_decode_options, read_export_metadata, run_against, run_check,
+                                  run_decoder_check, run_engine_check)
 
     engine = Path(args.model).suffix in (".engine", ".plan", ".trt")
     if args.plot is not None and not (Path(args.model).is_dir() or engine):
@@ -137,6 +150,9 @@ def cmd_check(args) -> int:
     if args.steps is not None and not (Path(args.model).is_dir() or engine):
         raise DiffExportError("--steps counts the decode steps of a --kv-cache folder (or its engine); "
                               f"{Path(args.model).name} is a single graph: use --shapes")
+    if args.num_beams is not None and not (Path(args.model).is_dir() or engine):
+        raise DiffExportError("--num-beams checks beam search on a --kv-cache folder (or its engine); "
+                              f"{Path(args.model).name} is a single graph")
     if args.against:  # one graph against another (e.g. optimize's output against its input), then the model
         options = _check_options(args)
         report = run_against(args.model, args.against, options, log=_log)
@@ -155,20 +171,24 @@ def cmd_check(args) -> int:
         if args.text is not None:
             raise DiffExportError("--text scores prefill graphs: check a prefill export of the model (quantised "
                                   "the same way) with --text")
-        report = run_decoder_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
-                                   steps=DECODE_STEPS if args.steps is None else args.steps)
+        options, steps = _check_options(args), DECODE_STEPS if args.steps is None else args.steps
+        check_decode_options(options, steps)  # bad options fail before the checkpoint loads
+        report = run_decoder_check(args.model, _load(args, default_model=False), options, log=_log, steps=steps)
         print(report.text())
         return 0 if report.passed else 1
     if engine:
         from diffexport.backends.tensorrt import read_engine_record
 
         read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
-        report = run_engine_check(args.model, _load(args, default_model=False), _check_options(args), log=_log,
+        options = _check_options(args)
+        check_decode_options(options, DECODE_STEPS if args.steps is None else args.steps)
+        report = run_engine_check(args.model, _load(args, default_model=False), options, log=_log,
                                   steps=args.steps)
         print(report.text())
         return 0 if report.passed else 1
     read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
-    report = run_check(args.model, _load(args, default_model=False), _check_options(args), log=_log)
+    options = _check_options(args)
+    report = run_check(args.model, _load(args, default_model=False), options, log=_log)
     print(report.text())
     return 0 if report.passed else 1
 
@@ -1328,6 +1348,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
             p.add_argument("--steps", type=int, help="decode steps checked for a --kv-cache folder or its engine "
                                                      "(default 32)")
+            p.add_argument("--num-beams", type=int,
+                           help="--kv-cache folders and their engines: also beam search with N beams, on the "
+                                "onnxruntime loop (or the engine) and in onnxruntime-genai, against eager beam "
+                                "search, every hypothesis in rank order")
+            p.add_argument("--length-penalty", type=float, help="--num-beams: as generate's (default 1.0)")
+            p.add_argument("--no-early-stopping", action="store_true", help="--num-beams: as generate's")
             p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
                            help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
                                 "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "

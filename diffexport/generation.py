@@ -308,6 +308,26 @@ def search_beams(step: Callable[[list[list[int]], list[int] | None], torch.Tenso
 
 
 @torch.no_grad()
+def hypothesis_score(model, prompt: list[int], hypothesis: list[int], stop: str, length_penalty: float,
+                     eos_token_id: int | list[int] | tuple[int, ...] | None = None) -> float:
+    """What the model scores a hypothesis as search_beams does, in one pass without a cache:
+    sum(log p) of its tokens (and of its likeliest end id when it ended on one) / length^penalty,
+    the length counting the prompt. `check` rescores a runtime's beams with it where they part
+    from the reference's."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt) + list(hypothesis)], dtype=torch.int64, device=device)
+    logits, _ = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    logp = torch.log_softmax(logits[0].float(), dim=-1)
+    total = float(logp[len(prompt) - 1:-1].gather(1, ids[0, len(prompt):, None]).sum()) if hypothesis else 0.0
+    if stop == "eos":
+        if eos_token_id is None:
+            raise DiffExportError("a hypothesis that ended on an end id needs the end ids to be scored")
+        ends = torch.as_tensor(eos_token_id, device=device).reshape(-1)
+        total += float(logp[-1, ends].max())
+    return total / float(len(prompt) + len(hypothesis)) ** length_penalty
+
+
+@torch.no_grad()
 def beam_search(model, prompt: list[int], search: BeamSearch, max_new_tokens: int,
                 eos_token_id: int | list[int] | tuple[int, ...] | None = None) -> list[Hypothesis]:
     """One prompt's best `search.num_return_sequences` hypotheses, best first, from the eager model:

@@ -261,3 +261,102 @@ def test_beam_search_refuses_batches_and_chat(folders, tmp_path):
                                   "--batch-size", "4"), "beam search runs one prompt at a time")
     assert_one_line_error(run_cli("generate", root / "gqa", "--interactive", "--num-beams", "2", stdin="hi\n"),
                           "--interactive streams a chat: drop --num-beams")
+
+
+# ---------------------------------------------------------------- `diffexport check FOLDER --num-beams`
+
+
+def test_hypothesis_score_rescores_the_search_scores():
+    """The eager rescoring `check` applies to a runtime's differing beams gives each reference
+    hypothesis the score the search gave it, for ended and length-limited ones and any penalty."""
+    from diffexport.generation import hypothesis_score
+    from diffexport.modeling import build_model
+    from diffexport.presets import preset_config
+
+    model = build_model(preset_config("diff-v1-tiny"), seed=9).eval()
+    prompt = [5, 77, 301, 12, 9]
+    free = beam_search(model, prompt, BeamSearch(4), 10)[0].tokens
+    stops = set()
+    for penalty, ends in [(p, e) for p in (0.0, 1.0, -0.5, 2.5) for e in ([free[2], free[6]], None)]:
+        for hypothesis in beam_search(model, prompt, BeamSearch(4, 4, penalty, False), 10, eos_token_id=ends):
+            score = hypothesis_score(model, prompt, hypothesis.tokens, hypothesis.stop, penalty, ends)
+            assert score == pytest.approx(hypothesis.score, rel=1e-5, abs=1e-4)
+            stops.add(hypothesis.stop)
+    assert stops == {"eos", "length"}
+    # a hypothesis the model likes less scores lower
+    (best,) = beam_search(model, prompt, BeamSearch(4), 6)
+    worse = best.tokens[:-1] + [(best.tokens[-1] + 1) % model.config.vocab_size]
+    assert hypothesis_score(model, prompt, worse, "length", 1.0) < best.score
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["diffattention", "gqa"])
+def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, tmp_path, monkeypatch):
+    """`check FOLDER --num-beams 4` compares every hypothesis of the loop and of genai with eager
+    beam search and passes on a correct folder, end ids met included; a loop whose cache rows do
+    not follow their beams fails it, with the gap its worse hypotheses have under eager, while
+    genai's own search still passes."""
+    pytest.importorskip("onnxruntime_genai")
+    from diffexport.backends import decoding
+    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.checkpoint import load_model
+
+    model, root = folders["diff-v1-tiny"]
+    loaded = load_model(root.parent / "diff-v1-tiny.pt")
+    # the check's first prompt, its eager beams: an end id they meet
+    import numpy as np
+
+    first = np.random.default_rng(0).integers(0, model.config.vocab_size, size=9).tolist()
+    end = beam_search(model, first, BeamSearch(4), 8)[0].tokens[4]
+    folder = _with_end_ids(root / attention, tmp_path, [end])
+    options = CheckOptions(provider="cpu", save_dir=tmp_path / "saved", beams=BeamSearch(4, 4))
+    lines = []
+    report = run_decoder_check(folder, loaded, options, log=lines.append, steps=12)
+    assert report.passed, report.text()
+    assert "beam hypotheses onnxruntime == eager: 12/12  PASS" in report.lines
+    assert "beam hypotheses genai == eager: 12/12  PASS" in report.lines
+    assert any(f"end ids {end}" in line for line in lines)
+
+    def reordered_wrongly(step, *args, **kwargs):  # every cache row of the previous step's order, reversed
+        return decoding.search_beams.__wrapped__(
+            lambda ids, order: step(ids, None if order is None else order[::-1]), *args, **kwargs)
+
+    reordered_wrongly.__wrapped__ = decoding.search_beams
+    monkeypatch.setattr(decoding, "search_beams", reordered_wrongly)
+    report = run_decoder_check(folder, loaded, options, log=quiet, steps=12)
+    assert not report.passed
+    text = report.text()
+    assert "beam hypotheses genai == eager: 12/12  PASS" in report.lines
+    (line,) = [line for line in report.lines if line.startswith("beam hypotheses onnxruntime")]
+    assert line.endswith("FAIL") and "/12; worst score gap under eager" in line
+    assert float(line.split("gap under eager ")[1].split()[0]) > 1e-3  # worse beams, not a near-tie
+    assert "onnxruntime prompt " in text and "parts at new token" in text, text
+
+
+@pytest.mark.slow
+def test_check_folder_with_beams_on_the_command_line(folders, tmp_path):
+    _, root = folders["diff-v2-tiny"]
+    result = run_cli("check", root / "gqa", "--ckpt", root.parent / "diff-v2-tiny.pt", "--steps", "6",
+                     "--num-beams", "3", "--length-penalty", "0.5", "--no-early-stopping",
+                     "--save-dir", tmp_path / "saved")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "beam hypotheses onnxruntime == eager: 9/9  PASS" in result.stdout
+    assert "3 beams (length penalty 0.5, no early stopping)" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--length-penalty", "2"], "--length-penalty and --no-early-stopping shape a beam search: add --num-beams"),
+    (["--num-beams", "0"], "num beams must be an integer >= 1"),
+    (["--num-beams", "2", "--steps", "0"], "beam search needs at least one decode step"),
+])
+def test_check_beam_refusals(folders, args, pattern):
+    _, root = folders["diff-v2-tiny"]
+    assert_one_line_error(run_cli("check", root / "diffattention", "--ckpt", root.parent / "diff-v2-tiny.pt",
+                                  *args), pattern)
+
+
+def test_check_beams_need_a_decoder(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"not read")
+    assert_one_line_error(run_cli("check", path, "--preset", "diff-v1-tiny", "--num-beams", "2"),
+                          "--num-beams checks beam search on a --kv-cache folder")

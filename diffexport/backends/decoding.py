@@ -332,13 +332,13 @@ class BeamRun:
 def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None:
     """Refuse, before the search starts, beams whose KV caches at `length` tokens (prompt and new
     tokens) would not fit in this machine's memory (a slip such as --num-beams 4000)."""
-    import os
+    from diffexport.modeling import host_memory_bytes
 
     decoder_config = config["model"]["decoder"]
     per_token = 2 * int(decoder_config["num_hidden_layers"]) * int(decoder_config["num_key_value_heads"]) * \
         int(decoder_config["head_size"]) * (4 if dtype == "float32" else 2)
     need = beams * length * per_token
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    have = host_memory_bytes()
     if need > have:
         raise DiffExportError(f"{beams} beams of {length} tokens need {need / 2**30:.1f} GiB of KV cache, more than "
                               f"the {have / 2**30:.0f} GiB here: lower --num-beams or --max-new-tokens")
@@ -411,7 +411,8 @@ def beam_search_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sear
         return torch.from_numpy(logits[:, -1].astype(np.float32))
 
     start = time.perf_counter()
-    found = search_beams(step, prompt, search, new_tokens, decoder.eos_token_ids(runner.config))
+    ends = None if runner.config is None else decoder.eos_token_ids(runner.config)  # an engine checked alone: none
+    found = search_beams(step, prompt, search, new_tokens, ends)
     return BeamRun([h.tokens for h in found], [h.stop for h in found], len(prompt), time.perf_counter() - start,
                    state["steps"] + 1)
 

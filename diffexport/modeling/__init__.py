@@ -44,10 +44,15 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", seed: i
     return model.to(dtype).eval()
 
 
-def check_fits_in_memory(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
-    """Refuse, before allocating, a model larger than this machine's memory (CPU) or the GPU's."""
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
     import os
 
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_in_memory(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
+    """Refuse, before allocating, a model larger than this machine's memory (CPU) or the GPU's."""
     from diffexport.errors import DiffExportError
 
     params = sum(p.numel() for p in model.parameters())
@@ -55,7 +60,7 @@ def check_fits_in_memory(model: torch.nn.Module, dtype: torch.dtype, device) -> 
     if torch.device(device).type == "cuda":
         have = torch.cuda.get_device_properties(torch.device(device)).total_memory
     else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        have = host_memory_bytes()
     if need > have:
         raise DiffExportError(f"this configuration has {params:,} parameters ({need / 2**30:.1f} GiB to build), "
                               f"more than the {have / 2**30:.0f} GiB here: check the config's sizes")
