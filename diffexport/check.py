@@ -534,8 +534,9 @@ def _engine_logit_quant(record: dict, loaded: LoadedModel):
 # ---------------------------------------------------------------- KV-cache decoder folders
 
 
-def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray | None:
-    """transformers' own greedy tokens for an HF folder (None when transformers is absent)."""
+def _hf_generator(loaded: LoadedModel):
+    """transformers' own model of an HF folder, float32, for generate() (None when the checkpoint
+    is not an HF import or transformers is absent)."""
     if layouts.hf_import_of(loaded.source) is None or not loaded.path:
         return None
     try:
@@ -543,16 +544,44 @@ def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps
     except ImportError:
         return None
     transformers.utils.logging.disable_progress_bar()
-    hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
-    # plain greedy, whatever the checkpoint's generation_config asks (sampling, a repetition penalty,
-    # beams, banned words): the eager reference decodes plainly. transformers fills what a call leaves
-    # out from the model's generation_config, so that is replaced by one holding only the special ids
-    saved = hf.generation_config
-    hf.generation_config = transformers.GenerationConfig(bos_token_id=saved.bos_token_id,
-                                                         eos_token_id=saved.eos_token_id, pad_token_id=0)
+    return _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+
+
+def _plain_generation_config(hf, eos_token_id):
+    """Only the special ids: transformers fills what a generate() call leaves out from the model's
+    generation_config (sampling, a repetition penalty, beams, banned words), and the eager
+    reference searches plainly."""
+    import transformers
+
+    hf.generation_config = transformers.GenerationConfig(bos_token_id=hf.generation_config.bos_token_id,
+                                                         eos_token_id=eos_token_id, pad_token_id=0)
+
+
+def _hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray | None:
+    """transformers' own greedy tokens for an HF folder (None when transformers is absent)."""
+    hf = _hf_generator(loaded)
+    if hf is None:
+        return None
+    _plain_generation_config(hf, hf.generation_config.eos_token_id)
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     return out[:, ids.shape[1]:].numpy()
+
+
+def _hf_beams(hf, prompt: list[int], search: BeamSearch, new: int, ends) -> list[tuple[list[int], str]]:
+    """transformers' own beam search (hf: _hf_generator's model), as (tokens, stop) per hypothesis,
+    best first. Its ranking equals genai's only at length penalty 0."""
+    _plain_generation_config(hf, list(ends) if ends else None)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                          max_new_tokens=new, num_beams=search.num_beams, do_sample=False,
+                          num_return_sequences=search.num_return_sequences, length_penalty=0.0,
+                          early_stopping=search.early_stopping)
+    found = []
+    for row in out[:, len(prompt):].tolist():  # transformers keeps the end token and pads after it
+        at = next((i for i, token in enumerate(row) if ends and token in ends), None)
+        found.append((row, "length") if at is None else (row[:at], "eos"))
+    return found
 
 
 def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
@@ -682,8 +711,8 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
     beam_failures = []
     if options.beams is not None:
         model = low if ref32 is None else ref32
-        beam_lines, beam_failures = _beam_check(runner, short, model, quant, options.beams, prompts, steps, dtype,
-                                                budget, genai, log)
+        beam_lines, beam_failures = _beam_check(runner, short, loaded, model, quant, options.beams, prompts, steps,
+                                                dtype, budget, genai, log)
         lines += beam_lines
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(beam_failures)
@@ -691,12 +720,13 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
                    comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)
 
 
-def _beam_check(runner, short: str, model, quant, search: BeamSearch, prompts: list[list[int]], steps: int,
-                dtype: str, budget, genai: tuple[Path, str] | None,
+def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: BeamSearch,
+                prompts: list[list[int]], steps: int, dtype: str, budget, genai: tuple[Path, str] | None,
                 log: Callable[[str], None]) -> tuple[list[str], list[str]]:
     """Beam search on the runner (the loop `generate --backend onnxruntime|tensorrt` runs) and in
     onnxruntime-genai's own search (folders) against generation.beam_search on the eager model,
-    each prompt alone, every hypothesis compared in rank order. Where a runtime's hypothesis differs,
+    each prompt alone, every hypothesis compared in rank order; for HF checkpoints at length
+    penalty 0, transformers' generate(num_beams=N) too. Where a runtime's hypothesis differs,
     the eager model rescores it: the gap to the eager hypothesis of that rank says whether the two
     parted at a near-tie (a gap of ~0) or the runtime found a worse one. Judged for float32 graphs;
     reduced precision or quantised weights may part beams at near-ties, so there they are reported.
@@ -733,6 +763,14 @@ def _beam_check(runner, short: str, model, quant, search: BeamSearch, prompts: l
         f"{', '.join(runtimes)} vs eager: {len(prompts)} prompts alone, up to {new} new tokens, "
         f"{search.num_return_sequences} hypotheses each; end ids "
         f"{', '.join(map(str, ends)) if ends else 'none (an engine checked without its folder)'}")
+    hf = None
+    if layouts.hf_import_of(loaded.source) is not None and dtype == "float32" and quant is None:
+        if search.length_penalty == 0:
+            hf = _hf_generator(loaded)
+        else:
+            lines.append("beams         transformers' beam search divides by the new tokens, genai's by the whole "
+                         "length: compared with it at --length-penalty 0 only")
+    hf_same = 0
     same = dict.fromkeys(runtimes, 0)
     gaps = dict.fromkeys(runtimes, 0.0)
     parted = []
@@ -740,6 +778,9 @@ def _beam_check(runner, short: str, model, quant, search: BeamSearch, prompts: l
     for index, prompt in enumerate(prompts):
         want = on_eager(lambda: beam_search(model, prompt, search, new, ends))
         total += len(want)
+        if hf is not None:
+            found = _hf_beams(hf, prompt, search, new, ends)
+            hf_same += sum(1 for h, (tokens, stop) in zip(want, found) if (h.tokens, h.stop) == (tokens, stop))
         for name, run in runtimes.items():
             got = run(prompt)
             for rank, hypothesis in enumerate(want):
@@ -769,6 +810,11 @@ def _beam_check(runner, short: str, model, quant, search: BeamSearch, prompts: l
                                      if budget is not None else f"(reported: {dtype} may part beams at near-ties)")
         worst = "" if ok else f"; worst score gap under eager {gaps[name]:.2e}"
         lines.append(f"beam hypotheses {name} == eager: {same[name]}/{total}{worst}  {verdict}")
+    if hf is not None:
+        if hf_same != total:
+            failures.append("beam hypotheses transformers vs eager")
+        lines.append(f"beam hypotheses transformers generate() == eager: {hf_same}/{total}  "
+                     f"{'PASS' if hf_same == total else 'FAIL'}")
     return [*parted[:5], *lines], failures
 
 

@@ -360,3 +360,34 @@ def test_check_beams_need_a_decoder(tmp_path):
     path.write_bytes(b"not read")
     assert_one_line_error(run_cli("check", path, "--preset", "diff-v1-tiny", "--num-beams", "2"),
                           "--num-beams checks beam search on a --kv-cache folder")
+
+
+@pytest.mark.slow
+def test_check_hf_folder_beams_against_transformers(tmp_path):
+    """For an HF DiffLlama folder at length penalty 0, `check --num-beams` also holds transformers'
+    generate(num_beams=4) to the eager hypotheses, with an end id the beams meet; at another
+    penalty it says why transformers is left out."""
+    pytest.importorskip("onnxruntime_genai")
+    import numpy as np
+
+    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.checkpoint import load_model
+    from diffexport.export.decoder import export_decoder
+
+    _hf_diffllama().save_pretrained(tmp_path / "hf")
+    loaded = load_model(tmp_path / "hf")
+    export_decoder(loaded, tmp_path / "folder", log=quiet)
+    first = np.random.default_rng(0).integers(0, 96, size=9).tolist()
+    end = beam_search(loaded.model.eval(), first, BeamSearch(4, 4, 0.0), 8)[1].tokens[3]
+    ended = beam_search(loaded.model.eval(), first, BeamSearch(4, 4, 0.0), 10, eos_token_id=[end])
+    assert "eos" in {h.stop for h in ended}  # the search meets the end id
+    folder = _with_end_ids(tmp_path / "folder", tmp_path / "ends", [end])
+    report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu", save_dir=tmp_path / "saved",
+                                                            beams=BeamSearch(4, 4, 0.0)), log=quiet, steps=10)
+    assert report.passed, report.text()
+    for runtime in ("onnxruntime", "genai", "transformers generate()"):
+        assert f"beam hypotheses {runtime} == eager: 12/12  PASS" in report.lines, report.text()
+    report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu", save_dir=tmp_path / "saved",
+                                                            beams=BeamSearch(2, 2, 1.0)), log=quiet, steps=4)
+    assert report.passed and "compared with it at --length-penalty 0 only" in report.text()
+    assert not any(line.startswith("beam hypotheses transformers") for line in report.lines)
