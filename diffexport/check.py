@@ -23,7 +23,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import DTYPES, INPUT_NAMES, META_PREFIX
 from diffexport.files import atomic_write, load_onnx
-from diffexport.generation import BeamSearch
+from diffexport.generation import BeamSearch, Sampling
 from diffexport.modeling import config_from_dict
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
@@ -50,6 +50,8 @@ class CheckOptions:
     tokenizer: str | None = None  # Hugging Face tokenizer for `text` (else its bytes are the ids)
     plot: str | None = None  # KV-cache folders: a PNG of the comparison step by step
     beams: BeamSearch | None = None  # KV-cache folders and their engines: also beam search against eager
+    sampling: Sampling | None = None  # KV-cache folders: also genai's sampled draws against the eager distribution
+    draws: int = 2000  # per prompt, with `sampling`
 
     @property
     def user_bounds(self) -> tuple[float, float] | None:
@@ -709,6 +711,13 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
         lines.append(f"greedy tokens transformers generate() == eager for {hf_tokens.shape[1]} tokens  "
                      f"{'PASS' if hf_ok else 'FAIL'}")
     beam_failures = []
+    if options.sampling is not None and genai is not None:
+        model = low if ref32 is None else ref32
+        sample_lines, sample_ok = _sampling_check(genai, runner.config, model, options.sampling, options.draws,
+                                                  prompts, budget, log)
+        lines += sample_lines
+        if not sample_ok:
+            beam_failures.append("sampled tokens genai vs eager")
     if options.beams is not None:
         model = low if ref32 is None else ref32
         beam_lines, beam_failures = _beam_check(runner, short, loaded, model, quant, options.beams, prompts, steps,
@@ -816,6 +825,85 @@ def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: B
         lines.append(f"beam hypotheses transformers generate() == eager: {hf_same}/{total}  "
                      f"{'PASS' if hf_same == total else 'FAIL'}")
     return [*parted[:5], *lines], failures
+
+
+SAMPLING_P_VALUE = 1e-4  # below: genai's draws are not from the eager distribution (seeded, so reproducible)
+SAMPLING_MIN_EXPECTED = 5  # draws a chi-square bin needs (Cochran's rule)
+
+
+def _sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampling, draws: int,
+                    prompts: list[list[int]], budget, log: Callable[[str], None]) -> tuple[list[str], bool]:
+    """onnxruntime-genai's sampled first tokens after each prompt against the distribution eager
+    generate draws from (generation.next_token_probs: temperature, top-k, top-p, after the
+    repetition penalty): no draw may fall outside the eager support, except a token at the cut
+    within the logits' tolerance of the last kept one, and a chi-square test over the support (bins of
+    at least SAMPLING_MIN_EXPECTED expected draws, the tail merged) must not reject at
+    SAMPLING_P_VALUE. Draws are seeded, so a verdict repeats. Quantised folders are reported.
+    The onnxruntime loop draws with eager's own code (generation.choose_next), so only genai is tested."""
+    from diffexport.backends import decoding
+    from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
+
+    folder, provider = genai
+    try:
+        genai_model = decoding.open_genai_model(folder, provider, decoding.genai_pad_for(config, prompts))
+    except DiffExportError as exc:
+        return [f"sampling      onnxruntime-genai's sampling not checked: {exc}"], True
+    log(f"sampling      genai: {draws} draws of the first token after each of {len(prompts)} prompts (temperature "
+        f"{sampling.temperature:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, repetition penalty "
+        f"{sampling.repetition_penalty:g}, seed {sampling.seed}) vs the eager distribution")
+    lines, ok = [], True
+    device = next(model.parameters()).device
+    for index, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)[0][:, -1].float()
+        if sampling.repetition_penalty != 1.0:
+            logits = penalize_repeats(logits, seen_tokens(ids, None, logits.shape[-1]), sampling.repetition_penalty)
+        probs = next_token_probs(logits, sampling)[0].double().cpu()
+        scaled = (logits[0] / sampling.temperature).double().cpu()
+        got = decoding.sample_first_tokens_genai(genai_model, config, prompt, sampling, draws)
+        counts = torch.bincount(torch.tensor(got), minlength=probs.numel()).double()
+        # a token just outside the cut may be inside it in the folder's logits: within their tolerance
+        cut = float(scaled[probs > 0].min())
+        slack = 1e-3 * max(1.0, abs(cut)) / min(1.0, sampling.temperature)
+        outside = (probs == 0) & (counts > 0)
+        at_cut = outside & (scaled >= cut - slack)
+        strays = int(counts[outside & ~at_cut].sum())
+        support = probs > 0  # draws at the cut left out of the test, the rest expected in proportion
+        statistic, bins, p_value = _chi_square(counts[support], probs[support] * float(counts[support].sum()))
+        passed = strays == 0 and p_value >= SAMPLING_P_VALUE
+        ok = ok and (passed or budget is not None)
+        lines.append(f"sampled tokens genai prompt {index + 1}: {draws} draws over {int((probs > 0).sum())} eager "
+                     f"candidates, {strays} outside them{f' ({int(counts[at_cut].sum())} at the cut)' if at_cut.any() else ''}; "
+                     f"chi-square {statistic:.1f} over {bins} bins, p {p_value:.2g}  "
+                     f"{('PASS' if passed else 'FAIL') if budget is None else '(reported: quantised weights)'}")
+    return lines, ok
+
+
+def _chi_square(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's chi-square of draws against their expected counts: the likeliest tokens a bin each
+    while a bin expects SAMPLING_MIN_EXPECTED draws, the rest one bin (folded into the last when it
+    expects fewer). -> (statistic, bins, p-value); one bin leaves nothing to test (p 1)."""
+    order = expected.argsort(descending=True)
+    observed, expected = observed[order], expected[order]
+    single = int((expected >= SAMPLING_MIN_EXPECTED).sum())
+    obs, exp = list(observed[:single]), list(expected[:single])
+    rest_obs, rest_exp = float(observed[single:].sum()), float(expected[single:].sum())
+    if rest_exp >= SAMPLING_MIN_EXPECTED or not exp:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    else:
+        obs[-1] += rest_obs
+        exp[-1] += rest_exp
+    obs, exp = torch.tensor([float(o) for o in obs], dtype=torch.float64), \
+        torch.tensor([float(e) for e in exp], dtype=torch.float64)
+    if len(exp) < 2:
+        return 0.0, len(exp), 1.0
+    statistic = float(((obs - exp) ** 2 / exp.clamp_min(1e-300)).sum())
+    dof = len(exp) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(statistic / 2, dtype=torch.float64)))
+    return statistic, len(exp), p_value
 
 
 # ---------------------------------------------------------------- one ONNX graph against another

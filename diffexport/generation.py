@@ -79,6 +79,12 @@ def choose_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         logits = penalize_repeats(logits.float(), seen, sampling.repetition_penalty)
     if sampling.greedy:
         return logits.argmax(-1)
+    return torch.multinomial(next_token_probs(logits, sampling), 1, generator=generator).squeeze(-1)
+
+
+def next_token_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits [B, V] (a repetition penalty already applied) -> the distribution a sampled draw
+    takes, float32: divided by the temperature, cut to the top k, then to the nucleus top p."""
     scores = logits.float() / sampling.temperature
     if sampling.top_k:
         kth = scores.topk(min(sampling.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
@@ -88,7 +94,7 @@ def choose_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_scores.softmax(-1) >= sampling.top_p  # keep the token that crosses top_p
         scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
-    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+    return scores.softmax(-1)
 
 
 @dataclasses.dataclass

@@ -244,16 +244,28 @@ def genai_pad_for(config: dict, prompts: list[list[int]]) -> int | None:
 _NO_EXTRAS = {"no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
 
 
-def _search_options(sampling: Sampling, max_length: int, min_length: int = 0) -> dict:
+def _search_options(sampling: Sampling, max_length: int, config: dict, min_length: int = 0) -> dict:
     """genai's search options for our Sampling: the length limits (min_length 0: none) and the draw,
-    every one set, so the folder's search defaults never change a run (top_k 0: no cut, as in genai)."""
+    every one set, so the folder's search defaults never change a run (top_k 0: no cut, as in genai).
+    config: the folder's genai config (its vocab_size, for top-p without top-k: see below)."""
     search = {"max_length": max_length, "min_length": min(min_length, max_length), "do_sample": not sampling.greedy,
               "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": float(sampling.repetition_penalty),
               **_NO_EXTRAS}
     if not sampling.greedy:
-        search.update(temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p),
+        top_k = int(sampling.top_k)
+        if sampling.top_p < 1 and top_k == 0:
+            # genai 0.18's top-p-only sampler draws from a wider nucleus than transformers' (and eager
+            # generate's) temperature -> top-k -> top-p: `check --sample --top-p 0.3` saw 14% of draws
+            # outside it. Its top-k + top-p sampler follows that order; a k of the whole vocabulary
+            # cuts nothing, so top-p alone goes through it
+            top_k = int(config["model"]["vocab_size"])
+        search.update(temperature=float(sampling.temperature), top_k=top_k, top_p=float(sampling.top_p),
                       random_seed=sampling.seed)
     return search
+
+
+def _genai_config(folder) -> dict:
+    return json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text())
 
 
 def open_genai_model(folder, provider: str | None = None, pad_token_id: int | None = None):
@@ -291,12 +303,15 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
         config = decoder.read_decoder_folder(folder)[1]
         context = config["model"]["context_length"]
         model = open_genai_model(folder, provider, genai_pad_for(config, [prompt]))
+    else:
+        config = _genai_config(folder)
     if context is not None and len(prompt) > context:
         raise DiffExportError(f"the prompt's {len(prompt)} tokens exceed the folder's context length {context}")
     params = og.GeneratorParams(model)
     # genai refuses a max_length past the context; the ORT loop stops at the same place
     total = len(prompt) + max_new_tokens if context is None else min(len(prompt) + max_new_tokens, context)
-    params.set_search_options(**_search_options(sampling, total, len(prompt) + min_new_tokens if min_new_tokens else 0))
+    params.set_search_options(**_search_options(sampling, total, config,
+                                                len(prompt) + min_new_tokens if min_new_tokens else 0))
     generator = og.Generator(model, params)
     tokens = []
     start = time.perf_counter()
@@ -318,6 +333,28 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     end = time.perf_counter()
     stop = stop or ("length" if len(prompt) + len(tokens) >= total else "eos")
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
+
+
+def sample_first_tokens_genai(model, config: dict, prompt: list[int], sampling: Sampling, draws: int,
+                              rows: int = 32) -> list[int]:
+    """onnxruntime-genai's draws of the token after `prompt`: `draws` copies of the prompt, `rows`
+    to a generator (genai 0.18 takes at most 32; each row draws on its own), the generators seeded
+    sampling.seed, +1, ... (a
+    repetition penalty is genai's own, over the prompt). model: open_genai_model's, with a pad id
+    the prompt does not end with (genai_pad_for); config: the folder's genai config."""
+    og = import_genai()
+    tokens, batch = [], 0
+    while len(tokens) < draws:
+        count = min(rows, draws - len(tokens))
+        params = og.GeneratorParams(model)
+        params.set_search_options(**_search_options(dataclasses.replace(sampling, seed=sampling.seed + batch),
+                                                    len(prompt) + 1, config), batch_size=count)
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.tile(np.asarray(prompt, np.int32), (count, 1)))
+        generator.generate_next_token()
+        tokens += [int(t) for t in generator.get_next_tokens()]
+        batch += 1
+    return tokens
 
 
 @dataclasses.dataclass
@@ -472,7 +509,7 @@ class GenaiSession:
         self.pad = int(self.config["model"].get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
         self.model = model or open_genai_model(folder, provider, pad_token_id)
         params = og.GeneratorParams(self.model)
-        params.set_search_options(**_search_options(sampling, self.context))
+        params.set_search_options(**_search_options(sampling, self.context, self.config))
         self.generator = og.Generator(self.model, params)
         self.held: list[int] = []  # the generator's sequence
 
@@ -561,7 +598,7 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     # pad id of a padded row (the pad is often the eos): the penalty is applied here instead, on
     # each row's real tokens, and genai's is left at 1
     penalty = sampling.repetition_penalty
-    options = _search_options(dataclasses.replace(sampling, repetition_penalty=1.0), total,
+    options = _search_options(dataclasses.replace(sampling, repetition_penalty=1.0), total, config,
                               width + min_new_tokens if min_new_tokens else 0)  # min: every row the same count
     params.set_search_options(**options, batch_size=len(prompts))
     seen = None
