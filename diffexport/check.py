@@ -453,6 +453,8 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     if options.beams is not None and not decoder:
         raise DiffExportError("--num-beams checks beam search on a KV-cache folder's engine: this engine is a "
                               "prefill graph")
+    if options.sampling is not None:
+        raise DiffExportError("--sample checks onnxruntime-genai's sampling: check the engine's folder with it")
     check_decode_options(options, steps)
     plots.check_plot_path(options.plot)
     check_same_model(meta, loaded, engine_path)

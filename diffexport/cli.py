@@ -121,7 +121,32 @@ def _check_options(args):
                         provider=args.provider, seed=args.seed,
                         save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
                         reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer,
-                        plot=args.plot, beams=_check_beams(args))
+                        plot=args.plot, beams=_check_beams(args), **_check_sampling(args))
+
+
+CHECK_DRAWS = (100, 1_000_000)
+
+
+def _check_sampling(args) -> dict:
+    """check's --sample: CheckOptions' sampling and draws."""
+    from diffexport.generation import Sampling
+
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                      ("--top-p", args.top_p), ("--repetition-penalty", args.repetition_penalty),
+                                      ("--draws", args.draws)) if value is not None]
+    if not args.sample:
+        if given:
+            raise DiffExportError(f"{given[0]} shapes the sampling check: add --sample")
+        return {}
+    if args.seed < 0:
+        raise DiffExportError(f"--seed must be >= 0 with --sample (the draws are seeded), got {args.seed}")
+    draws = 2000 if args.draws is None else args.draws
+    if not CHECK_DRAWS[0] <= draws <= CHECK_DRAWS[1]:
+        raise DiffExportError(f"--draws must be {CHECK_DRAWS[0]} to {CHECK_DRAWS[1]:,}, got {draws}")
+    sampling = Sampling(greedy=False, temperature=1.0 if args.temperature is None else args.temperature,
+                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
+                        repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty)
+    return {"sampling": sampling, "draws": draws}
 
 
 def _check_beams(args):
@@ -150,6 +175,9 @@ def cmd_check(args) -> int:
     if args.steps is not None and not (Path(args.model).is_dir() or engine):
         raise DiffExportError("--steps counts the decode steps of a --kv-cache folder (or its engine); "
                               f"{Path(args.model).name} is a single graph: use --shapes")
+    if args.sample and not Path(args.model).is_dir():
+        raise DiffExportError("--sample checks onnxruntime-genai's sampling on a --kv-cache folder; "
+                              f"{Path(args.model).name} is not one")
     if args.num_beams is not None and not (Path(args.model).is_dir() or engine):
         raise DiffExportError("--num-beams checks beam search on a --kv-cache folder (or its engine); "
                               f"{Path(args.model).name} is a single graph")
@@ -1354,6 +1382,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 "search, every hypothesis in rank order")
             p.add_argument("--length-penalty", type=float, help="--num-beams: as generate's (default 1.0)")
             p.add_argument("--no-early-stopping", action="store_true", help="--num-beams: as generate's")
+            p.add_argument("--sample", action="store_true",
+                           help="--kv-cache folders: also onnxruntime-genai's sampled tokens against the eager "
+                                "distribution (--temperature, --top-k, --top-p, --repetition-penalty as generate's; "
+                                "draws seeded by --seed)")
+            p.add_argument("--temperature", type=float, help="--sample: default 1.0")
+            p.add_argument("--top-k", type=int, help="--sample: default 0 (no cut)")
+            p.add_argument("--top-p", type=float, help="--sample: default 1.0 (no cut)")
+            p.add_argument("--repetition-penalty", type=float, help="--sample: default 1.0 (none)")
+            p.add_argument("--draws", type=int, help="--sample: draws per prompt (default 2000)")
             p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
                            help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
                                 "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "

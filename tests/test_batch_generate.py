@@ -396,3 +396,99 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
     long = _write(tmp_path, '{"ids": [1]}\n' + json.dumps({"ids": [1] * 2040}) + "\n", "long.jsonl")
     assert_one_line_error(run_cli("generate", folder, "--prompts-file", long, "--max-new-tokens", "16"),
                           "long.jsonl line 2 (2040 tokens) + --max-new-tokens 16 exceeds the context length 2048")
+
+
+# ---------------------------------------------------------------- `diffexport check FOLDER --sample`
+
+
+def test_chi_square_of_draws():
+    from diffexport.check import _chi_square
+
+    expected = torch.full((10,), 100.0, dtype=torch.float64)
+    statistic, bins, p_value = _chi_square(expected.clone(), expected)
+    assert (statistic, bins) == (0.0, 10) and p_value == pytest.approx(1.0)
+    skewed = expected.clone()
+    skewed[0], skewed[1] = 160.0, 40.0
+    statistic, bins, p_value = _chi_square(skewed, expected)
+    assert statistic == pytest.approx(72.0) and p_value < 1e-10  # 36 + 36 on 9 degrees of freedom
+    # bins below 5 expected draws merge into one; a tail too small for a bin folds into the last
+    tail = torch.tensor([500.0, 300.0, 100.0, 50.0, 30.0, 15.0, 3.0, 1.0, 1.0], dtype=torch.float64)
+    assert _chi_square(tail.clone(), tail)[1] == 7
+    assert _chi_square(torch.tensor([10.0, 3.0]), torch.tensor([10.0, 3.0]))[1:] == (1, 1.0)
+
+
+@pytest.mark.slow
+def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_folders, tmp_path, monkeypatch):
+    """`check FOLDER --sample` passes where genai draws as eager generate does, top-p alone
+    included (genai 0.18's own top-p-only sampler, which diffexport passed top_k 0 until
+    2026-11-25, drew 14% outside the nucleus: the check fails on it), and fails a genai given
+    another temperature than eager draws with (the chi-square test, no token outside)."""
+    pytest.importorskip("onnxruntime_genai")
+    from diffexport.backends import decoding
+    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.generation import Sampling
+
+    loaded, folders = model_and_folders
+
+    def check(sampling):
+        options = CheckOptions(provider="cpu", save_dir=tmp_path / "saved", sampling=sampling, draws=2000)
+        report = run_decoder_check(folders["gqa"], loaded, options, log=quiet, steps=1)
+        return report, [line for line in report.lines if line.startswith("sampled tokens")]
+
+    cases = [Sampling(greedy=False), Sampling(greedy=False, temperature=1.0, top_p=0.3),
+             Sampling(greedy=False, temperature=0.05, top_p=0.9), Sampling(greedy=False, temperature=0.05, top_k=3),
+             Sampling(greedy=False, temperature=0.07, top_k=20, top_p=0.8),
+             Sampling(greedy=False, temperature=0.05, repetition_penalty=1.5)]
+    for sampling in cases:
+        report, lines = check(sampling)
+        assert report.passed and len(lines) == 3 and all(line.endswith("PASS") for line in lines), (sampling, lines)
+
+    original = decoding._search_options
+
+    def top_p_alone(sampling, *args, **kwargs):  # what diffexport passed genai before the fix
+        options = original(sampling, *args, **kwargs)
+        if not sampling.greedy:
+            options["top_k"] = sampling.top_k
+        return options
+
+    monkeypatch.setattr(decoding, "_search_options", top_p_alone)
+    report, lines = check(Sampling(greedy=False, temperature=1.0, top_p=0.3))
+    assert not report.passed and all(line.endswith("FAIL") for line in lines), lines
+    assert all(int(line.split("candidates, ")[1].split()[0]) > 100 for line in lines)  # draws outside the nucleus
+
+    def hotter(sampling, *args, **kwargs):
+        options = original(sampling, *args, **kwargs)
+        options["temperature"] *= 1.5
+        return options
+
+    monkeypatch.setattr(decoding, "_search_options", hotter)
+    report, lines = check(Sampling(greedy=False, temperature=0.05))
+    assert not report.passed and any(line.endswith("FAIL") for line in lines), lines
+    assert all(", 0 outside them" in line for line in lines)  # the distribution, not the support, fails
+
+
+@pytest.mark.slow
+def test_check_sample_on_the_command_line(model_and_folders, tmp_path):
+    loaded, folders = model_and_folders
+    result = run_cli("check", folders["diffattention"], "--ckpt", loaded.path, "--steps", "1", "--sample",
+                     "--top-p", "0.5", "--temperature", "0.8", "--draws", "500", "--save-dir", tmp_path / "saved")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("500 draws over") == 3 and "top-p 0.5" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--top-p", "0.5"], "--top-p shapes the sampling check: add --sample"),
+    (["--sample", "--draws", "5"], "--draws must be 100 to 1,000,000"),
+    (["--sample", "--top-p", "0"], "top-p must be in (0, 1]"),
+    (["--sample", "--seed", "-1"], "the draws are seeded"),
+])
+def test_check_sample_refusals(model_and_folders, args, pattern):
+    loaded, folders = model_and_folders
+    assert_one_line_error(run_cli("check", folders["gqa"], "--ckpt", loaded.path, *args), pattern)
+
+
+def test_check_sample_needs_a_folder(tmp_path):
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"not read")
+    assert_one_line_error(run_cli("check", path, "--preset", "diff-v1-tiny", "--sample"),
+                          "--sample checks onnxruntime-genai's sampling on a --kv-cache folder")
