@@ -492,3 +492,21 @@ def test_check_sample_needs_a_folder(tmp_path):
     path.write_bytes(b"not read")
     assert_one_line_error(run_cli("check", path, "--preset", "diff-v1-tiny", "--sample"),
                           "--sample checks onnxruntime-genai's sampling on a --kv-cache folder")
+
+
+def test_folder_search_with_top_p_alone_goes_through_genais_top_k_sampler():
+    """A checkpoint's top_p with top_k 0 (no cut) is written as a top-k of the whole vocabulary, so
+    an app sampling with the folder's defaults in genai avoids genai's top-p-only sampler; other
+    values are written as they are."""
+    from diffexport.export.decoder import SEARCH_DEFAULTS, genai_config
+    from diffexport.presets import preset_config
+
+    cfg = preset_config("diff-v1-tiny")
+
+    def written(search):
+        return genai_config(cfg, "float32", 256, {}, search=search)["search"]
+
+    assert written({"do_sample": True, "top_k": 0, "top_p": 0.9})["top_k"] == cfg.vocab_size
+    assert written({"top_k": 0})["top_k"] == 0  # no nucleus: nothing to route
+    assert written({"top_k": 7, "top_p": 0.9})["top_k"] == 7
+    assert {k: written(None)[k] for k in SEARCH_DEFAULTS} == SEARCH_DEFAULTS

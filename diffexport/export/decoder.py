@@ -164,6 +164,12 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
         session["intra_op_num_threads"] = threads
     maps = 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads
     eos = special.get("eos_token_id", cfg.vocab_size - 1)
+    search = {**SEARCH_DEFAULTS, **(search or {})}
+    if search["top_k"] == 0 and search["top_p"] < 1:
+        # genai 0.18's top-p-only sampler draws from a wider nucleus than transformers'; a top-k of
+        # the whole vocabulary (no cut) sends an app's top-p through its top-k + top-p sampler, which
+        # matches (decoding._search_options does the same for diffexport's own runs)
+        search["top_k"] = cfg.vocab_size
     return {
         "model": {
             "bos_token_id": special.get("bos_token_id", 1),
@@ -190,7 +196,7 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
             "vocab_size": cfg.vocab_size,
         },
         "search": {
-            **SEARCH_DEFAULTS, **(search or {}),
+            **search,
             "max_length": context_length, "min_length": 0, "no_repeat_ngram_size": 0,
             "past_present_share_buffer": attention == "gqa",
         },
