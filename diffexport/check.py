@@ -716,7 +716,7 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
     if options.sampling is not None and genai is not None:
         model = low if ref32 is None else ref32
         sample_lines, sample_ok = _sampling_check(genai, runner.config, model, options.sampling, options.draws,
-                                                  prompts, budget, log)
+                                                  prompts, budget, log, options.plot)
         lines += sample_lines
         if not sample_ok:
             beam_failures.append("sampled tokens genai vs eager")
@@ -746,6 +746,7 @@ def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: B
     from diffexport.backends import decoding
     from diffexport.export import decoder
     from diffexport.generation import beam_search, hypothesis_score
+    from diffexport.progress import Progress
 
     def on_eager(fn):
         if quant is None:
@@ -781,6 +782,7 @@ def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: B
         else:
             lines.append("beams         transformers' beam search divides by the new tokens, genai's by the whole "
                          "length: compared with it at --length-penalty 0 only")
+    progress = Progress("beam search", len(prompts) * (len(runtimes) + 1 + (hf is not None)))
     hf_same = 0
     same = dict.fromkeys(runtimes, 0)
     gaps = dict.fromkeys(runtimes, 0.0)
@@ -788,12 +790,15 @@ def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: B
     total = 0
     for index, prompt in enumerate(prompts):
         want = on_eager(lambda: beam_search(model, prompt, search, new, ends))
+        progress.advance(1)
         total += len(want)
         if hf is not None:
             found = _hf_beams(hf, prompt, search, new, ends)
+            progress.advance(1)
             hf_same += sum(1 for h, (tokens, stop) in zip(want, found) if (h.tokens, h.stop) == (tokens, stop))
         for name, run in runtimes.items():
             got = run(prompt)
+            progress.advance(1)
             for rank, hypothesis in enumerate(want):
                 if rank >= len(got.sequences):
                     gaps[name] = float("inf")
@@ -811,6 +816,7 @@ def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: B
                 parted.append(f"{name} prompt {index + 1} rank {rank + 1}: parts at new token {at + 1} "
                               f"({len(tokens)} tokens, {stop}; eager {len(hypothesis.tokens)}, {hypothesis.stop}); "
                               f"eager scores it {score:.5f}, its own {hypothesis.score:.5f} (gap {gap:.2e})")
+    progress.close()
     judged = dtype == "float32" and budget is None
     failures = []
     for name in runtimes:
@@ -834,16 +840,19 @@ SAMPLING_MIN_EXPECTED = 5  # draws a chi-square bin needs (Cochran's rule)
 
 
 def _sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampling, draws: int,
-                    prompts: list[list[int]], budget, log: Callable[[str], None]) -> tuple[list[str], bool]:
+                    prompts: list[list[int]], budget, log: Callable[[str], None],
+                    plot: str | None = None) -> tuple[list[str], bool]:
     """onnxruntime-genai's sampled first tokens after each prompt against the distribution eager
     generate draws from (generation.next_token_probs: temperature, top-k, top-p, after the
     repetition penalty): no draw may fall outside the eager support, except a token at the cut
     within the logits' tolerance of the last kept one, and a chi-square test over the support (bins of
     at least SAMPLING_MIN_EXPECTED expected draws, the tail merged) must not reject at
     SAMPLING_P_VALUE. Draws are seeded, so a verdict repeats. Quantised folders are reported.
-    The onnxruntime loop draws with eager's own code (generation.choose_next), so only genai is tested."""
+    The onnxruntime loop draws with eager's own code (generation.choose_next), so only genai is tested.
+    plot: check's --plot; the draws then go to plots.sampling_plot_path(plot)."""
     from diffexport.backends import decoding
     from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
+    from diffexport.progress import Progress
 
     folder, provider = genai
     try:
@@ -853,8 +862,9 @@ def _sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Samp
     log(f"sampling      genai: {draws} draws of the first token after each of {len(prompts)} prompts (temperature "
         f"{sampling.temperature:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, repetition penalty "
         f"{sampling.repetition_penalty:g}, seed {sampling.seed}) vs the eager distribution")
-    lines, ok = [], True
+    lines, ok, drawn = [], True, []
     device = next(model.parameters()).device
+    progress = Progress("sampling", len(prompts) * draws, min_total=20_000)
     for index, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], device=device)
         with torch.no_grad():
@@ -863,7 +873,8 @@ def _sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Samp
             logits = penalize_repeats(logits, seen_tokens(ids, None, logits.shape[-1]), sampling.repetition_penalty)
         probs = next_token_probs(logits, sampling)[0].double().cpu()
         scaled = (logits[0] / sampling.temperature).double().cpu()
-        got = decoding.sample_first_tokens_genai(genai_model, config, prompt, sampling, draws)
+        got = decoding.sample_first_tokens_genai(genai_model, config, prompt, sampling, draws,
+                                                 on_draws=progress.advance)
         counts = torch.bincount(torch.tensor(got), minlength=probs.numel()).double()
         # a token just outside the cut may be inside it in the folder's logits: within their tolerance
         cut = float(scaled[probs > 0].min())
@@ -873,12 +884,20 @@ def _sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Samp
         strays = int(counts[outside & ~at_cut].sum())
         support = probs > 0  # draws at the cut left out of the test, the rest expected in proportion
         statistic, bins, p_value = _chi_square(counts[support], probs[support] * float(counts[support].sum()))
+        drawn.append((probs, counts, draws, strays))
         passed = strays == 0 and p_value >= SAMPLING_P_VALUE
         ok = ok and (passed or budget is not None)
         lines.append(f"sampled tokens genai prompt {index + 1}: {draws} draws over {int((probs > 0).sum())} eager "
                      f"candidates, {strays} outside them{f' ({int(counts[at_cut].sum())} at the cut)' if at_cut.any() else ''}; "
                      f"chi-square {statistic:.1f} over {bins} bins, p {p_value:.2g}  "
                      f"{('PASS' if passed else 'FAIL') if budget is None else '(reported: quantised weights)'}")
+    progress.close()
+    if plot is not None:
+        from diffexport.analysis import plots
+
+        title = (f"{Path(folder).name}: genai's draws vs eager (temperature {sampling.temperature:g}, "
+                 f"top-k {sampling.top_k}, top-p {sampling.top_p:g})")
+        lines.append(f"plot          {plots.plot_sampled_draws(drawn, plots.sampling_plot_path(plot), title)}")
     return lines, ok
 
 

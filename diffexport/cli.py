@@ -107,7 +107,7 @@ def cmd_onnx(args) -> int:
     return 0
 
 
-def _check_options(args):
+def _check_options(args, folder_config: dict | None = None):
     from pathlib import Path
 
     from diffexport.check import CheckOptions, DEFAULT_SHAPES, parse_shapes
@@ -121,14 +121,16 @@ def _check_options(args):
                         provider=args.provider, seed=args.seed,
                         save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
                         reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer,
-                        plot=args.plot, beams=_check_beams(args), **_check_sampling(args))
+                        plot=args.plot, beams=_check_beams(args), **_check_sampling(args, folder_config))
 
 
 CHECK_DRAWS = (100, 1_000_000)
 
 
-def _check_sampling(args) -> dict:
-    """check's --sample: CheckOptions' sampling and draws."""
+def _check_sampling(args, folder_config: dict | None) -> dict:
+    """check's --sample: CheckOptions' sampling and draws. A folder whose search samples (its
+    checkpoint's generation_config) gives the defaults, as it does to generate; the options override."""
+    from diffexport.export.decoder import folder_search
     from diffexport.generation import Sampling
 
     given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
@@ -143,9 +145,21 @@ def _check_sampling(args) -> dict:
     draws = 2000 if args.draws is None else args.draws
     if not CHECK_DRAWS[0] <= draws <= CHECK_DRAWS[1]:
         raise DiffExportError(f"--draws must be {CHECK_DRAWS[0]} to {CHECK_DRAWS[1]:,}, got {draws}")
-    sampling = Sampling(greedy=False, temperature=1.0 if args.temperature is None else args.temperature,
-                        top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p, seed=args.seed,
-                        repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty)
+    search = folder_search(folder_config) if folder_config is not None else {"do_sample": False}
+    taken = []
+
+    def pick(given, key: str, own):
+        if given is not None or not search["do_sample"]:
+            return own if given is None else given
+        if search[key] != own:
+            taken.append(f"{key.replace('_', ' ')} {search[key]}")
+        return search[key]
+
+    sampling = Sampling(greedy=False, temperature=pick(args.temperature, "temperature", 1.0),
+                        top_k=pick(args.top_k, "top_k", 0), top_p=pick(args.top_p, "top_p", 1.0), seed=args.seed,
+                        repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0))
+    if taken:
+        _log(f"from the folder's genai_config.json search: {', '.join(taken)} (the options override it)")
     return {"sampling": sampling, "draws": draws}
 
 
@@ -195,11 +209,11 @@ def cmd_check(args) -> int:
     if Path(args.model).is_dir():  # a KV-cache decoder folder
         from diffexport.export.decoder import read_decoder_folder
 
-        read_decoder_folder(args.model)  # not a decoder folder: say so before the checkpoint loads
+        folder_config = read_decoder_folder(args.model)[1]  # not a decoder folder: said before the checkpoint loads
         if args.text is not None:
             raise DiffExportError("--text scores prefill graphs: check a prefill export of the model (quantised "
                                   "the same way) with --text")
-        options, steps = _check_options(args), DECODE_STEPS if args.steps is None else args.steps
+        options, steps = _check_options(args, folder_config), DECODE_STEPS if args.steps is None else args.steps
         check_decode_options(options, steps)  # bad options fail before the checkpoint loads
         report = run_decoder_check(args.model, _load(args, default_model=False), options, log=_log, steps=steps)
         print(report.text())
@@ -1409,7 +1423,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it the "
                                                "text's bytes are the token ids")
             p.add_argument("--plot", help="KV-cache folders and their engines: a PNG of KL (or error) and cosine per "
-                                          "decode step")
+                                          "decode step (with --sample, also P-sampling.png: genai's draws against "
+                                          "the eager probabilities)")
         if name in ("stats", "quant-sweep", "linear-sweep", "retrieval"):
             _add_models(p)
         if name in ("stats", "quant-sweep", "linear-sweep"):

@@ -471,9 +471,24 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
 def test_check_sample_on_the_command_line(model_and_folders, tmp_path):
     loaded, folders = model_and_folders
     result = run_cli("check", folders["diffattention"], "--ckpt", loaded.path, "--steps", "1", "--sample",
-                     "--top-p", "0.5", "--temperature", "0.8", "--draws", "500", "--save-dir", tmp_path / "saved")
+                     "--top-p", "0.5", "--temperature", "0.8", "--draws", "500", "--save-dir", tmp_path / "saved",
+                     "--plot", tmp_path / "steps.png")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("500 draws over") == 3 and "top-p 0.5" in result.stdout + result.stderr
+    for name in ("steps.png", "steps-sampling.png"):  # the decode steps, and the draws beside them
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a folder whose search samples gives the defaults, as it does to generate; an option overrides
+    import shutil
+
+    folder = shutil.copytree(folders["gqa"], tmp_path / "sampling-folder")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"].update(do_sample=True, temperature=0.5, top_p=0.8, top_k=0)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    result = run_cli("check", folder, "--ckpt", loaded.path, "--steps", "1", "--sample", "--top-p", "0.9",
+                     "--draws", "300", "--save-dir", tmp_path / "saved")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "from the folder's genai_config.json search: temperature 0.5 (the options override it)" in result.stderr
+    assert "(temperature 0.5, top-k 0, top-p 0.9," in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("args,pattern", [

@@ -204,3 +204,35 @@ def plot_decode_steps(comparisons, path, title: str) -> Path:
         return _save(fig, path)
     finally:
         plt.close(fig)
+
+
+def sampling_plot_path(path) -> Path:
+    """Where `check --sample --plot P.png` draws the sampled tokens: beside P, as P-sampling.png."""
+    path = _png_path(path)
+    return path.with_name(path.stem + "-sampling.png")
+
+
+def plot_sampled_draws(rows, path, title: str, shown: int = 16) -> Path:
+    """`check --sample`: per prompt, the eager probability of the `shown` likeliest candidates (bars)
+    and the share of genai's draws on each (points, +-2 standard errors), then the draws outside the
+    eager candidates. rows: (probabilities [V] float, draw counts [V] float, draws, outside) per prompt."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.4), layout="constrained", squeeze=False)
+    for index, (ax, (probs, counts, draws, outside)) in enumerate(zip(axes[0], rows)):
+        top = probs.argsort(descending=True)[:min(shown, int((probs > 0).sum()))]
+        p, share = probs[top].tolist(), (counts[top] / draws).tolist()
+        spread = [2 * (q * (1 - q) / draws) ** 0.5 for q in p]
+        x = list(range(len(p)))
+        ax.bar(x, p, color="C0", alpha=0.5, label="eager probability")
+        low = [min(e, s) for e, s in zip(spread, share)]  # a share is never below 0
+        ax.errorbar(x, share, yerr=[low, spread], fmt="o", color="C1", markersize=3, label="genai draws (+-2 s.e.)")
+        ax.set_xticks(x, [str(int(t)) for t in top], rotation=90, fontsize=7)
+        ax.set(title=f"prompt {index + 1}: {draws} draws, {outside} outside", xlabel="token id (likeliest first)",
+               ylabel="probability")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)

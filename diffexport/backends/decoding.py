@@ -336,12 +336,13 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
 
 
 def sample_first_tokens_genai(model, config: dict, prompt: list[int], sampling: Sampling, draws: int,
-                              rows: int = 32) -> list[int]:
+                              rows: int = 32, on_draws: Callable[[int], None] | None = None) -> list[int]:
     """onnxruntime-genai's draws of the token after `prompt`: `draws` copies of the prompt, `rows`
     to a generator (genai 0.18 takes at most 32; each row draws on its own), the generators seeded
     sampling.seed, +1, ... (a
     repetition penalty is genai's own, over the prompt). model: open_genai_model's, with a pad id
-    the prompt does not end with (genai_pad_for); config: the folder's genai config."""
+    the prompt does not end with (genai_pad_for); config: the folder's genai config; on_draws(n):
+    told after each generator's n draws."""
     og = import_genai()
     tokens, batch = [], 0
     while len(tokens) < draws:
@@ -354,6 +355,8 @@ def sample_first_tokens_genai(model, config: dict, prompt: list[int], sampling: 
         generator.generate_next_token()
         tokens += [int(t) for t in generator.get_next_tokens()]
         batch += 1
+        if on_draws is not None:
+            on_draws(count)
     return tokens
 
 
