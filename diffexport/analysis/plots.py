@@ -27,9 +27,13 @@ def _png_path(path) -> Path:
 
 
 def _save(fig, path) -> Path:
-    path = _png_path(path)
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
-    return path
+    """Write the figure (whole or not at all) and close it, whatever happens."""
+    try:
+        path = _png_path(path)
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+        return path
+    finally:
+        _pyplot().close(fig)
 
 
 def check_plot_path(path) -> None:
@@ -60,10 +64,7 @@ def plot_stats(named, path) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 def kl_floor(values) -> float:
@@ -112,10 +113,7 @@ def plot_sweep(named, path, describe: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"low-bit attention logits ({describe})", fontsize=10)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 def plot_linear_sweep(named, path) -> Path:
@@ -147,10 +145,7 @@ def plot_linear_sweep(named, path) -> Path:
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
     fig.suptitle("quantised linear layers: damage against the float model", fontsize=10)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 def plot_retrieval(named, path) -> Path:
@@ -166,10 +161,7 @@ def plot_retrieval(named, path) -> Path:
                ylabel="needle depth")
         fig.colorbar(image, ax=ax, label="attention (mean over heads)")
     fig.suptitle("where the question looks (last layer; the asked needle sits at the depth)", fontsize=10)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 def plot_decode_steps(comparisons, path, title: str) -> Path:
@@ -200,10 +192,7 @@ def plot_decode_steps(comparisons, path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
 
 
 def sampling_plot_path(path) -> Path:
@@ -232,7 +221,4 @@ def plot_sampled_draws(rows, path, title: str, shown: int = 16) -> Path:
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    try:
-        return _save(fig, path)
-    finally:
-        plt.close(fig)
+    return _save(fig, path)
