@@ -615,12 +615,23 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
                          genai=(folder, provider))
 
 
+CHECK_DRAWS = (100, 1_000_000)  # the sampling check's draws per prompt: enough for the test, bounded in time
+
+
 def check_decode_options(options: CheckOptions, steps: int) -> None:
-    """A decoder check's step count and beam search, before anything loads or runs."""
+    """A decoder check's step count, beam search and sampling, before anything loads or runs."""
     if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= 1 << 20:
         raise DiffExportError(f"--steps must be a whole number of decode steps, 0 or more; got {steps}")
     if options.beams is not None and steps < 1:
         raise DiffExportError("beam search needs at least one decode step: give --steps 1 or more with --num-beams")
+    if options.sampling is not None:
+        draws = options.draws
+        if isinstance(draws, bool) or not isinstance(draws, int) or not CHECK_DRAWS[0] <= draws <= CHECK_DRAWS[1]:
+            raise DiffExportError(f"--draws must be {CHECK_DRAWS[0]} to {CHECK_DRAWS[1]:,}, got {draws}")
+        if options.sampling.greedy:
+            raise DiffExportError("the sampling check needs a sampling draw, not greedy decoding")
+        if options.sampling.seed < 0:
+            raise DiffExportError(f"--seed must be >= 0 with --sample (the draws are seeded), got {options.sampling.seed}")
 
 
 def _decode_check(runner, subject: str, where: str, short: str, command: list[str], loaded: LoadedModel,
@@ -712,21 +723,21 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
         hf_ok = bool(np.array_equal(hf_tokens, eager_tokens[left]))
         lines.append(f"greedy tokens transformers generate() == eager for {hf_tokens.shape[1]} tokens  "
                      f"{'PASS' if hf_ok else 'FAIL'}")
-    beam_failures = []
+    search_failures = []  # the sampling and beam checks, when asked for
+    reference = low if ref32 is None else ref32
     if options.sampling is not None and genai is not None:
-        model = low if ref32 is None else ref32
-        sample_lines, sample_ok = _sampling_check(genai, runner.config, model, options.sampling, options.draws,
+        sample_lines, sample_ok = _sampling_check(genai, runner.config, reference, options.sampling, options.draws,
                                                   prompts, budget, log, options.plot)
         lines += sample_lines
         if not sample_ok:
-            beam_failures.append("sampled tokens genai vs eager")
+            search_failures.append("sampled tokens genai vs eager")
     if options.beams is not None:
-        model = low if ref32 is None else ref32
-        beam_lines, beam_failures = _beam_check(runner, short, loaded, model, quant, options.beams, prompts, steps,
-                                                dtype, budget, genai, log)
+        beam_lines, beam_failures = _beam_check(runner, short, loaded, reference, quant, options.beams, prompts,
+                                                steps, dtype, budget, genai, log)
         lines += beam_lines
+        search_failures += beam_failures
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
-                                           ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(beam_failures)
+                                           ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(search_failures)
     return _finish(command, save_dir, feeds, saved,
                    comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)
 

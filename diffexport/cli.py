@@ -124,9 +124,6 @@ def _check_options(args, folder_config: dict | None = None):
                         plot=args.plot, beams=_check_beams(args), **_check_sampling(args, folder_config))
 
 
-CHECK_DRAWS = (100, 1_000_000)
-
-
 def _check_sampling(args, folder_config: dict | None) -> dict:
     """check's --sample: CheckOptions' sampling and draws. A folder whose search samples (its
     checkpoint's generation_config) gives the defaults, as it does to generate; the options override."""
@@ -140,11 +137,7 @@ def _check_sampling(args, folder_config: dict | None) -> dict:
         if given:
             raise DiffExportError(f"{given[0]} shapes the sampling check: add --sample")
         return {}
-    if args.seed < 0:
-        raise DiffExportError(f"--seed must be >= 0 with --sample (the draws are seeded), got {args.seed}")
-    draws = 2000 if args.draws is None else args.draws
-    if not CHECK_DRAWS[0] <= draws <= CHECK_DRAWS[1]:
-        raise DiffExportError(f"--draws must be {CHECK_DRAWS[0]} to {CHECK_DRAWS[1]:,}, got {draws}")
+    draws = 2000 if args.draws is None else args.draws  # checked with the other options (check_decode_options)
     search = folder_search(folder_config) if folder_config is not None else {"do_sample": False}
     taken = []
 
@@ -171,7 +164,7 @@ def _check_beams(args):
         if args.length_penalty is not None or args.no_early_stopping:
             raise DiffExportError("--length-penalty and --no-early-stopping shape a beam search: add --num-beams N")
         return None
-    return BeamSearch(num_beams=args.num_beams, num_return_sequences=max(1, args.num_beams),
+    return BeamSearch(num_beams=args.num_beams, num_return_sequences=args.num_beams,
                       length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
                       early_stopping=not args.no_early_stopping)
 

@@ -247,24 +247,19 @@ _NO_EXTRAS = {"no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
 def _search_options(sampling: Sampling, max_length: int, config: dict, min_length: int = 0) -> dict:
     """genai's search options for our Sampling: the length limits (min_length 0: none) and the draw,
     every one set, so the folder's search defaults never change a run (top_k 0: no cut, as in genai).
-    config: the folder's genai config (its vocab_size, for top-p without top-k: see below)."""
+    config: the folder's genai config (its vocab_size, for top-p without top-k: decoder.genai_top_k)."""
     search = {"max_length": max_length, "min_length": min(min_length, max_length), "do_sample": not sampling.greedy,
               "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": float(sampling.repetition_penalty),
               **_NO_EXTRAS}
     if not sampling.greedy:
-        top_k = int(sampling.top_k)
-        if sampling.top_p < 1 and top_k == 0:
-            # genai 0.18's top-p-only sampler draws from a wider nucleus than transformers' (and eager
-            # generate's) temperature -> top-k -> top-p: `check --sample --top-p 0.3` saw 14% of draws
-            # outside it. Its top-k + top-p sampler follows that order; a k of the whole vocabulary
-            # cuts nothing, so top-p alone goes through it
-            top_k = int(config["model"]["vocab_size"])
+        top_k = decoder.genai_top_k(int(sampling.top_k), sampling.top_p, int(config["model"]["vocab_size"]))
         search.update(temperature=float(sampling.temperature), top_k=top_k, top_p=float(sampling.top_p),
                       random_seed=sampling.seed)
     return search
 
 
 def _genai_config(folder) -> dict:
+    """The folder's genai_config.json as it is (a caller's folder: a benchmark's has no diffexport metadata)."""
     return json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text())
 
 
@@ -317,7 +312,7 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     start = time.perf_counter()
     generator.append_tokens(np.asarray(prompt, np.int32))
     first, stop = None, None
-    eos = set(decoder.eos_token_ids(json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text()))) \
+    eos = set(decoder.eos_token_ids(config)) \
         if stop_after is not None else set()
     while not generator.is_done():
         generator.generate_next_token()
@@ -339,10 +334,9 @@ def sample_first_tokens_genai(model, config: dict, prompt: list[int], sampling: 
                               rows: int = 32, on_draws: Callable[[int], None] | None = None) -> list[int]:
     """onnxruntime-genai's draws of the token after `prompt`: `draws` copies of the prompt, `rows`
     to a generator (genai 0.18 takes at most 32; each row draws on its own), the generators seeded
-    sampling.seed, +1, ... (a
-    repetition penalty is genai's own, over the prompt). model: open_genai_model's, with a pad id
-    the prompt does not end with (genai_pad_for); config: the folder's genai config; on_draws(n):
-    told after each generator's n draws."""
+    sampling.seed, +1, ... (a repetition penalty is genai's own, over the prompt). model:
+    open_genai_model's, with a pad id the prompt does not end with (genai_pad_for); config: the
+    folder's genai config; on_draws(n): told after each generator's n draws."""
     og = import_genai()
     tokens, batch = [], 0
     while len(tokens) < draws:
@@ -506,7 +500,7 @@ class GenaiSession:
         if model is None:
             self.config = decoder.read_decoder_folder(folder)[1]
         else:  # the caller opened the folder (a benchmark's copy links its weights)
-            self.config = json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text())
+            self.config = _genai_config(folder)
         self.context = int(self.config["model"]["context_length"])
         self.eos = set(decoder.eos_token_ids(self.config))
         self.pad = int(self.config["model"].get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
@@ -579,7 +573,7 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     if model is None:
         config = decoder.read_decoder_folder(folder)[1]
     else:  # the caller opened the folder (a benchmark's builder model has no diffexport metadata)
-        config = json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text())
+        config = _genai_config(folder)
     context = int(config["model"]["context_length"])
     eos = set(decoder.eos_token_ids(config))
     width = max(len(p) for p in prompts)

@@ -165,11 +165,7 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
     maps = 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads
     eos = special.get("eos_token_id", cfg.vocab_size - 1)
     search = {**SEARCH_DEFAULTS, **(search or {})}
-    if search["top_k"] == 0 and search["top_p"] < 1:
-        # genai 0.18's top-p-only sampler draws from a wider nucleus than transformers'; a top-k of
-        # the whole vocabulary (no cut) sends an app's top-p through its top-k + top-p sampler, which
-        # matches (decoding._search_options does the same for diffexport's own runs)
-        search["top_k"] = cfg.vocab_size
+    search["top_k"] = genai_top_k(search["top_k"], search["top_p"], cfg.vocab_size)  # for apps' own sampling
     return {
         "model": {
             "bos_token_id": special.get("bos_token_id", 1),
@@ -201,6 +197,15 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
             "past_present_share_buffer": attention == "gqa",
         },
     }  # genai refuses unknown keys: what diffexport knows lives in model.onnx's metadata
+
+
+def genai_top_k(top_k: int, top_p: float, vocab_size: int) -> int:
+    """The top_k to give onnxruntime-genai for a draw with top_k and top_p (0: no top-k cut).
+    genai 0.18's top-p-only sampler (top_k 0) draws from a wider nucleus than transformers' and
+    eager generate's temperature -> top-k -> top-p (`check --sample --top-p 0.3` saw 14% of draws
+    outside it); its top-k + top-p sampler follows that order, and a k of the whole vocabulary cuts
+    nothing, so top-p alone goes through it."""
+    return vocab_size if top_k == 0 and top_p < 1 else top_k
 
 
 # genai's search defaults where a checkpoint names none: transformers' GenerationConfig defaults (top_k
