@@ -609,6 +609,10 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     if max(DECODE_PROMPTS) + steps > runner.context:
         raise DiffExportError(f"--steps {steps} after a {max(DECODE_PROMPTS)}-token prompt passes the folder's context "
                               f"length {runner.context}: ask for at most {runner.context - max(DECODE_PROMPTS)} steps")
+    if options.beams is not None:  # the beams' caches, before the greedy steps run
+        from diffexport.backends.decoding import check_beam_memory
+
+        check_beam_memory(runner.config, runner.meta["dtype"], options.beams.num_beams, max(DECODE_PROMPTS) + steps)
     command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
     return _decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
                          save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu",
@@ -767,9 +771,6 @@ def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: B
 
     ends = None if runner.config is None else decoder.eos_token_ids(runner.config)
     new = min(steps, min(runner.context - len(p) for p in prompts))
-    longest = max(len(p) for p in prompts) + new
-    if runner.config is not None:
-        decoding.check_beam_memory(runner.config, dtype, search.num_beams, longest)
     runtimes = {short: lambda prompt: decoding.beam_search_onnxruntime(None, prompt, new, search, runner=runner)}
     lines = []
     if genai is not None:

@@ -347,6 +347,7 @@ def test_check_folder_with_beams_on_the_command_line(folders, tmp_path):
 @pytest.mark.parametrize("args,pattern", [
     (["--length-penalty", "2"], "--length-penalty and --no-early-stopping shape a beam search: add --num-beams"),
     (["--num-beams", "0"], "num beams must be an integer >= 1"),
+    (["--num-beams", "100000000", "--steps", "8"], "GiB of KV cache, more than the"),
     (["--num-beams", "2", "--steps", "0"], "beam search needs at least one decode step"),
 ])
 def test_check_beam_refusals(folders, args, pattern):
