@@ -284,7 +284,7 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     probe_q = torch.empty(1, 1, 1, head_dim, device=device, dtype=DTYPES[dtype])
     probe_v = torch.empty(1, 1, 1, value_dim, device=device, dtype=DTYPES[dtype])
     eager_name = f"eager PyTorch ({reference.attention_backend(probe_q, probe_v)}, {device})"
-    text = None if options.text is None else TextIds(options, loaded.config.vocab_size, options.shapes)
+    text = None if options.text is None else TextIds(options, loaded.config.vocab_size, _tokens(options.shapes))
     log(f"checking      {onnx_path.name} ({dtype}) in onnxruntime {provider} against {eager_name}")
     if budget is not None:
         log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule (docs/QUANTIZATION.md)")
@@ -305,7 +305,8 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
             options, options.shapes, loaded.config.vocab_size, ["logits"], dtype, run,
             lambda ids: _run_transformers(hf_low, ids),
             None if hf32 is None else (lambda ids: _run_transformers(hf32, ids)), label=" vs transformers",
-            budget=budget, text=None if text is None else TextIds(options, loaded.config.vocab_size, options.shapes))
+            budget=budget,
+            text=None if text is None else TextIds(options, loaded.config.vocab_size, _tokens(options.shapes)))
         comparisons, lines = comparisons + hf_comparisons, lines + hf_lines
     lines.insert(0, reference_line)
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
@@ -330,17 +331,20 @@ def _severity(c) -> float:
 
 class TextIds:
     """--text: consecutive [batch, seq] slices of the text's token ids, and the perplexity each
-    runtime reaches on them (next-token NLL over every position that has a next token)."""
+    runtime reaches on them (next-token NLL over every position that has a next token).
+    need: the tokens the check takes (for: what needs them, in the refusal); tokenizer: the one
+    to read the text with when not options.tokenizer (a decoder folder's own)."""
 
-    def __init__(self, options: CheckOptions, vocab: int, shapes):
+    def __init__(self, options: CheckOptions, vocab: int, need: int, for_what: str = "the --shapes",
+                 tokenizer: str | None = None):
         from diffexport.analysis.streams import text_ids
 
-        self.ids = text_ids(options.text, options.tokenizer, vocab)
-        need = sum(b * s for b, s in shapes)
+        tokenizer = tokenizer if options.tokenizer is None else options.tokenizer
+        self.ids = text_ids(options.text, tokenizer, vocab)
         if len(self.ids) < need:
-            raise DiffExportError(f"{options.text} has {len(self.ids)} tokens; the --shapes need {need}: give more "
-                                  "text or smaller --shapes")
-        self.source = f"{options.text} ({'tokenizer ' + options.tokenizer if options.tokenizer else 'UTF-8 bytes'})"
+            raise DiffExportError(f"{options.text} has {len(self.ids)} tokens; {for_what} need {need}: give more "
+                                  "text" + (" or smaller --shapes" if for_what == "the --shapes" else ""))
+        self.source = f"{options.text} ({'tokenizer ' + tokenizer if tokenizer else 'UTF-8 bytes'})"
         self.used = 0
         self.nll: dict[str, float] = {}
         self.count = 0
@@ -368,6 +372,11 @@ class TextIds:
         change = ppl[model] / ppl[reference] - 1
         return (f"perplexity    {model} {ppl[model]:.4g}, {reference} {ppl[reference]:.4g} ({change:+.2%}) on "
                 f"{self.count} next tokens of {self.source} (reported, not judged)")
+
+
+def _tokens(shapes) -> int:
+    """The token ids a list of (batch, seq) calls takes."""
+    return sum(batch * seq for batch, seq in shapes)
 
 
 def _compare(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None, label="", budget=None,
@@ -465,6 +474,8 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         calls = [(batch, longest, 0), (batch, 1, longest + steps - 1)]
         if options.beams is not None:  # every beam a row of the batch
             calls.append((options.beams.num_beams, 1, longest + steps - 1))
+        if options.text is not None:  # one row; its windows keep within the profile's calls and past
+            calls.append((1, 1, 1))
         for rows, sequence, past in calls:
             problem = decoder_profile_problem(record, engine_path, rows, sequence, past)
             if problem:
@@ -486,8 +497,11 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
 
         stepper = EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"],
                                                                        plugin_lib))
+        text = None if options.text is None else \
+            TextIds(options, loaded.config.vocab_size, 2, "a decoder's perplexity")
         return _decode_check(stepper, engine_path.name, f"{record['module']} (attention {record['attention']})",
-                             "engine", runner, loaded, options, save_dir, log, steps, device="cuda", quant=quant)
+                             "engine", runner, loaded, options, save_dir, log, steps, device="cuda", quant=quant,
+                             text=text)
     low_max, seq_max = record["profile"]["max"]
     low_min, seq_min = record["profile"]["min"]
     shapes = [s for s in options.shapes if low_min <= s[0] <= low_max and seq_min <= s[1] <= seq_max]
@@ -519,7 +533,7 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         options, shapes, loaded.config.vocab_size, outputs, dtype, lambda ids: run({INPUT_NAMES[0]: ids}),
         lambda ids: eager(low, ids), None if ref32 is None else (lambda ids: eager(ref32, ids)),
         note=None if quant is None else unquantised, budget=budget,
-        text=None if options.text is None else TextIds(options, loaded.config.vocab_size, shapes))
+        text=None if options.text is None else TextIds(options, loaded.config.vocab_size, _tokens(shapes)))
     return _finish(runner, save_dir, feeds, saved, comparisons, lines,
                    outputs, dtype, user_bounds=options.user_bounds)
 
@@ -605,6 +619,10 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     save_dir = save_dir_for(options, folder.with_name(folder.name + ".check"))
     provider = resolve_provider(options.provider)
     check_decode_options(options, steps)
+    text = None
+    if options.text is not None:  # read (and refused) before anything runs; the folder's tokenizer by default
+        own = next((str(folder) for name in ("tokenizer.json", "tokenizer.model") if (folder / name).is_file()), None)
+        text = TextIds(options, loaded.config.vocab_size, 2, "a decoder's perplexity", tokenizer=own)
     runner = OrtDecoder(folder, provider)
     if max(DECODE_PROMPTS) + steps > runner.context:
         raise DiffExportError(f"--steps {steps} after a {max(DECODE_PROMPTS)}-token prompt passes the folder's context "
@@ -616,7 +634,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
     return _decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
                          save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu",
-                         genai=(folder, provider))
+                         genai=(folder, provider), text=text)
 
 
 CHECK_DRAWS = (100, 1_000_000)  # the sampling check's draws per prompt: enough for the test, bounded in time
@@ -640,11 +658,12 @@ def check_decode_options(options: CheckOptions, steps: int) -> None:
 
 def _decode_check(runner, subject: str, where: str, short: str, command: list[str], loaded: LoadedModel,
                   options: CheckOptions, save_dir: Path, log: Callable[[str], None], steps: int, device: str,
-                  quant=None, genai: tuple[Path, str] | None = None) -> CheckReport:
+                  quant=None, genai: tuple[Path, str] | None = None, text: TextIds | None = None) -> CheckReport:
     """The step-by-step comparison for any decoder runner (OrtDecoder, EngineDecoder): what
     run_decoder_check says. quant: INT8/6/4 attention logits, applied to the eager model too.
     With options.beams, beam search too (_beam_check); genai: (folder, provider) where
-    onnxruntime-genai's own search is checked beside the runner's."""
+    onnxruntime-genai's own search is checked beside the runner's; text: --text's windows too
+    (_text_check)."""
     from diffexport.analysis import plots
     from diffexport.analysis.probe import AttentionProbe
     from diffexport.generation import last_real, pad_batch
@@ -727,6 +746,12 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
         hf_ok = bool(np.array_equal(hf_tokens, eager_tokens[left]))
         lines.append(f"greedy tokens transformers generate() == eager for {hf_tokens.shape[1]} tokens  "
                      f"{'PASS' if hf_ok else 'FAIL'}")
+    greedy_comparisons = list(comparisons)  # the polygraphy files hold greedy steps: their bounds go with them
+    if text is not None:
+        text_lines, text_comparisons = _text_check(runner, short, text, eager, low, ref32, dtype, options, budget,
+                                                   log)
+        lines += text_lines
+        comparisons += text_comparisons
     search_failures = []  # the sampling and beam checks, when asked for
     reference = low if ref32 is None else ref32
     if options.sampling is not None and genai is not None:
@@ -742,8 +767,58 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
         search_failures += beam_failures
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(search_failures)
-    return _finish(command, save_dir, feeds, saved,
-                   comparisons, lines, ["logits"], dtype, failures, user_bounds=options.user_bounds)
+    return _finish(command, save_dir, feeds, saved, comparisons, lines, ["logits"], dtype, failures,
+                   user_bounds=options.user_bounds, atol_comparisons=greedy_comparisons)
+
+
+TEXT_TOKENS = 4096  # the most of a --text that a decoder check scores (2,048 decode steps)
+TEXT_WINDOW = 1024  # tokens per window (the context, when shorter), each from an empty cache
+
+
+def _text_check(runner, short: str, text: TextIds, eager, low, ref32, dtype: str, options: CheckOptions, budget,
+                log: Callable[[str], None]) -> tuple[list[str], list]:
+    """--text through a decoder as generation feeds it: consecutive windows of the text, each
+    from an empty cache, its first half as a prefill (in the runner's longest calls) and the rest
+    one decode step a token. Every position's logits are held to the eager model's over the whole
+    window in one call without a cache (the dtype rule, or the budget of quantised weights), and
+    the perplexity of both is reported. -> (report lines, comparisons: prefill and decode per window)."""
+    from diffexport.progress import Progress
+
+    ids = text.ids[:TEXT_TOKENS]
+    size = min(TEXT_WINDOW, runner.context)
+    windows = [w for w in (ids[i:i + size] for i in range(0, len(ids), size)) if len(w) >= 2]
+    log(f"text          {sum(map(len, windows))} tokens of {text.source} in {len(windows)} window(s) of up to {size}: "
+        "half prefill, half one-token decode steps, each window from an empty cache")
+    comparisons, lines, worst = [], [], None
+    with Progress("text", sum(map(len, windows)), min_total=256) as progress:
+        for number, window in enumerate(windows, 1):
+            row, half = np.asarray([window], np.int64), len(window) // 2
+            chunk = getattr(runner, "max_sequence", None) or half  # an engine's profile bounds one call
+            starts = [*range(0, half, chunk), *range(half, len(window))]
+            cache, got = runner.empty_cache(1), []
+            for start, end in zip(starts, [*starts[1:], len(window)]):
+                logits, cache = runner.step(row[:, start:end], np.ones((1, end), np.int64), cache)
+                got.append(logits[0])
+                progress.advance(end - start)
+            got = np.concatenate(got)
+            with torch.no_grad():
+                whole, mask = torch.from_numpy(row), torch.ones(1, len(window), dtype=torch.int64)
+                base = eager(low, whole, mask, None)[0][0].float().cpu().numpy()
+                ref = base if ref32 is None else eager(ref32, whole, mask, None)[0][0].float().cpu().numpy()
+            for part, rows in (("prefill", slice(0, half)), ("decode", slice(half, None))):
+                c = _judge("logits", f"logits text window {number} {part}", got[rows], ref[rows],
+                           None if ref32 is None else base[rows], dtype, options, budget)
+                comparisons.append(("logits", c))
+                if worst is None or _severity(c) > _severity(worst):
+                    worst = c
+            text.score(row, {short: got[None], "eager": ref[None]})
+    lines += [c.line() for _, c in comparisons if not c.passed][:5]
+    kept = "" if len(ids) == len(text.ids) else f" (the first {len(ids)} of {len(text.ids)})"
+    lines.append(f"text          {sum(map(len, windows))} tokens{kept} in {len(windows)} window(s) of up to {size}, "
+                 f"{len(comparisons)} comparisons (prefill and decode steps per window); worst:")
+    lines.append(worst.line())
+    lines.append(text.line(short, "eager"))
+    return lines, comparisons
 
 
 def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: BeamSearch,
@@ -977,7 +1052,7 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     if options.text is not None:  # the text is read (and refused) before any work
         if INPUT_NAMES[0] not in {i.name for i in session.get_inputs()}:
             raise DiffExportError(f"--text needs a graph that takes {INPUT_NAMES[0]}")
-        text = TextIds(options, vocab, options.shapes)
+        text = TextIds(options, vocab, _tokens(options.shapes))
     log(f"checking      {model_path.name} against {against_path.name} in onnxruntime {provider}, same inputs, "
         f"outputs {', '.join(outputs)} ({dtype})")
     from diffexport.passes.fusion import probe_feeds

@@ -203,9 +203,6 @@ def cmd_check(args) -> int:
         from diffexport.export.decoder import read_decoder_folder
 
         folder_config = read_decoder_folder(args.model)[1]  # not a decoder folder: said before the checkpoint loads
-        if args.text is not None:
-            raise DiffExportError("--text scores prefill graphs: check a prefill export of the model (quantised "
-                                  "the same way) with --text")
         options, steps = _check_options(args, folder_config), DECODE_STEPS if args.steps is None else args.steps
         check_decode_options(options, steps)  # bad options fail before the checkpoint loads
         report = run_decoder_check(args.model, _load(args, default_model=False), options, log=_log, steps=steps)
@@ -1412,9 +1409,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "(polygraphy's rule) instead of the automatic dtype rule")
             p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")
             p.add_argument("--text", help="a UTF-8 text whose tokens replace the random ids (prefill files, engines, "
-                                          "--against); the perplexity of both sides is reported")
-            p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it the "
-                                               "text's bytes are the token ids")
+                                          "--against); KV-cache folders also run its first 4096 tokens through their "
+                                          "cache (windows of half prefill, half decode steps) against eager; the "
+                                          "perplexity of both sides is reported")
+            p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it a "
+                                               "folder's own tokenizer, else the text's bytes are the token ids")
             p.add_argument("--plot", help="KV-cache folders and their engines: a PNG of KL (or error) and cosine per "
                                           "decode step (with --sample, also P-sampling.png: genai's draws against "
                                           "the eager probabilities)")

@@ -122,6 +122,71 @@ def test_check_fails_on_a_folder_with_corrupted_weights(v1_folder, v1_ckpt, tmp_
     assert not report.passed and "FAIL" in report.text()
 
 
+def _text_perplexity(model, ids, window):
+    """An independent perplexity: each window of the ids in one eager forward, next-token NLL in float64."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids), window):
+        part = torch.tensor([ids[start:start + window]])
+        if part.shape[1] < 2:
+            continue
+        with torch.no_grad():
+            logp = torch.log_softmax(model(part)[0, :-1].double(), -1)
+        nll -= float(logp.gather(-1, part[0, 1:, None]).sum())
+        count += part.shape[1] - 1
+    return float(np.exp(nll / count)), count
+
+
+def test_check_scores_a_text_through_the_folders_cache(v1_folder, v1_ckpt, tmp_path, monkeypatch):
+    """--text on a folder: windows of the text, each half prefill and half one-token decode steps
+    through the folder's cache, against the eager model's forward over the whole window; the
+    perplexity printed is recomputed here. A runner whose cache loses a token only on one-row calls
+    (the text's, not the greedy check's batch of 3) must fail the text and pass the greedy steps."""
+    loaded = load_model(v1_ckpt)
+    text = tmp_path / "t.txt"
+    text.write_text("a folder should predict the next byte of this text as the model does. " * 20)
+    ids = list(text.read_bytes())
+    assert len(ids) == 1400  # two windows: 1,024 tokens and 376
+    options = CheckOptions(provider="cpu", save_dir=tmp_path / "c", text=str(text))
+    report = run_decoder_check(v1_folder, loaded, options, log=quiet, steps=4)
+    assert report.passed, report.text()
+    assert "text          1400 tokens in 2 window(s) of up to 1024, 4 comparisons" in report.text()
+    line = next(x for x in report.text().splitlines() if x.startswith("perplexity"))
+    printed = [float(v) for v in re.findall(r"(?:onnxruntime|eager) ([0-9.e+]+)", line)]
+    expected, count = _text_perplexity(loaded.model.eval(), ids, 1024)
+    assert printed == pytest.approx([expected, expected], rel=1e-4) and f"on {count} next tokens" in line
+    assert "(UTF-8 bytes)" in line  # the folder has no tokenizer
+    assert len(json.loads((tmp_path / "c" / "inputs.json").read_text())) == 2  # polygraphy: greedy steps only
+
+    step = decoding.OrtDecoder.step
+
+    def forgetful(self, ids, mask, cache):  # one-row calls with a past lose their oldest cached token's value
+        if ids.shape[0] == 1 and mask.shape[1] > ids.shape[1]:
+            cache = {name: past.copy() for name, past in cache.items()}
+            for name in cache:
+                if name.endswith(".value"):
+                    cache[name][:, :, 0] = 0
+        return step(self, ids, mask, cache)
+
+    monkeypatch.setattr(decoding.OrtDecoder, "step", forgetful)
+    broken = run_decoder_check(v1_folder, loaded, CheckOptions(provider="cpu", save_dir=tmp_path / "b",
+                                                               text=str(text)), log=quiet, steps=4)
+    assert not broken.passed, broken.text()
+    assert "5/5 steps  PASS" in broken.text()  # the greedy batch never calls with one row
+    assert re.search(r"logits text window 1 decode .*FAIL", broken.text()) and \
+        "logits text window 1 prefill" not in broken.text()  # the prefill has no past to lose
+
+
+def test_check_text_refusals_are_one_line(v1_folder, v1_ckpt, tmp_path):
+    one = tmp_path / "one.txt"
+    one.write_text("a")
+    assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", one),
+                          "has 1 tokens; a decoder's perplexity need 2")
+    assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", tmp_path / "none.txt"),
+                          "text file not found")
+    assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", one, "--tokenizer",
+                                  tmp_path / "no-tokenizer"), "cannot load tokenizer")
+
+
 @pytest.mark.parametrize("preset", ["diff-v2-tiny", "transformer-tiny"])
 def test_v2_and_transformer_folders_generate_and_check(preset, tmp_path):
     model = perturb_norm_weights(build_model(preset_config(preset), seed=4), 4)
@@ -457,9 +522,13 @@ def test_hf_diffllama_folder_quantised_generates_and_meets_its_budget(hf_dir, tm
     result = run_cli("quantize", tmp_path / "kv", "-o", tmp_path / "q", "--weights", weights)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "q" / "tokenizer.json").is_file()
-    report = run_cli("check", tmp_path / "q", "--ckpt", hf_dir)
+    text = tmp_path / "t.txt"  # --text: read with the folder's own tokenizer, judged on the budget
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 12)
+    report = run_cli("check", tmp_path / "q", "--ckpt", hf_dir, "--text", text)
     assert report.returncode == 0, report.stdout + report.stderr
     assert f"budget        {weights} weights" in report.stderr and "transformers" in report.stdout
+    perplexity = next(x for x in report.stdout.splitlines() if x.startswith("perplexity"))
+    assert f"(tokenizer {tmp_path / 'q'})" in perplexity and "KL" in report.stdout.split("text          ")[-1]
     text = run_cli("generate", tmp_path / "q", "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
 
@@ -805,14 +874,17 @@ def kv_engine(v1_folder, tmp_path_factory):
     return engine
 
 
-def _engine_check(engine, folder, loaded, tmp_path, runner, steps=12):
+def _engine_check(engine, folder, loaded, tmp_path, runner, steps=12, text=None, max_sequence=None):
     from diffexport.backends.tensorrt import EngineDecoder, read_engine_record
-    from diffexport.check import _decode_check, check_export_metadata
+    from diffexport.check import TextIds, _decode_check, check_export_metadata
 
     record = read_engine_record(engine)
     stepper = EngineDecoder(engine, record, check_export_metadata(record["onnx_metadata"], engine), runner)
+    stepper.max_sequence = max_sequence or stepper.max_sequence
+    options = CheckOptions(save_dir=tmp_path / "c", text=None if text is None else str(text))
     return _decode_check(stepper, engine.name, "onnxruntime standing in for the engine", "engine", ["polygraphy run"],
-                         loaded, CheckOptions(save_dir=tmp_path / "c"), tmp_path / "c", quiet, steps, device="cpu")
+                         loaded, options, tmp_path / "c", quiet, steps, device="cpu",
+                         text=None if text is None else TextIds(options, loaded.config.vocab_size, 2))
 
 
 def test_engine_decoder_steps_an_engine_as_the_folder_check_does(kv_engine, v1_folder, v1_ckpt, tmp_path):
@@ -830,6 +902,20 @@ def test_engine_decoder_steps_an_engine_as_the_folder_check_does(kv_engine, v1_f
 
     broken = _engine_check(kv_engine, v1_folder, loaded, tmp_path, _OrtAsEngine(v1_folder / "model.onnx", True))
     assert not broken.passed and "FAIL" in broken.text()
+
+    # --text: windows of the engine's context (max past 64 + 1), each prefill in calls of its longest sequence
+    text = tmp_path / "t.txt"
+    text.write_text("an engine should predict this text as its folder does. " * 3)  # 165 bytes: 65, 65 and 35
+    runner = _OrtAsEngine(v1_folder / "model.onnx")
+    report = _engine_check(kv_engine, v1_folder, loaded, tmp_path, runner, steps=2, text=text, max_sequence=8)
+    assert report.passed, report.text()
+    assert "text          165 tokens in 3 window(s) of up to 65, 6 comparisons" in report.text()
+    one_row = [call for call in runner.calls if call["input_ids"][0][0] == 1]
+    assert max(call["input_ids"][0][1] for call in one_row) == 8  # prefill chunks of 8 (32 = 4 x 8)
+    assert max(call["attention_mask"][0][1] for call in one_row) == 65  # within the profile's past
+    expected, _ = _text_perplexity(loaded.model.eval(), list(text.read_bytes()), 65)
+    line = next(x for x in report.text().splitlines() if x.startswith("perplexity"))
+    assert float(re.search(r"engine ([0-9.e+]+)", line).group(1)) == pytest.approx(expected, rel=1e-4)
 
 
 def v1_folder_model(engine):
