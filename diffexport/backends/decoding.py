@@ -308,26 +308,32 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     params.set_search_options(**_search_options(sampling, total, config,
                                                 len(prompt) + min_new_tokens if min_new_tokens else 0))
     generator = og.Generator(model, params)
-    tokens = []
     start = time.perf_counter()
     generator.append_tokens(np.asarray(prompt, np.int32))
-    first, stop = None, None
-    eos = set(decoder.eos_token_ids(config)) \
-        if stop_after is not None else set()
-    while not generator.is_done():
+    tokens, first, stop = _genai_tokens(generator, total - len(prompt), set(decoder.eos_token_ids(config)), on_token,
+                                        stop_after)
+    end = time.perf_counter()
+    return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
+
+
+def _genai_tokens(generator, limit: int, eos: set[int], on_token: Callable[[int], None] | None,
+                  stop_after: Callable[[int], bool] | None) -> tuple[list[int], float | None, str]:
+    """A batch-1 genai generator stepped one token at a time, at most `limit` new tokens (within its
+    max_length) -> (the tokens, when the first was chosen, why it stopped: "eos" with the end id
+    kept, "stop_string" where stop_after(token) said so, else "length"), as the onnxruntime loop says."""
+    tokens, first = [], None
+    while len(tokens) < limit:
         generator.generate_next_token()
         token = int(generator.get_next_tokens()[0])
         tokens.append(token)
-        if first is None:
-            first = time.perf_counter()
+        first = first or time.perf_counter()
         if on_token is not None:
             on_token(token)
-        if stop_after is not None and token not in eos and stop_after(token):
-            stop = "stop_string"
-            break
-    end = time.perf_counter()
-    stop = stop or ("length" if len(prompt) + len(tokens) >= total else "eos")
-    return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
+        if token in eos:
+            return tokens, first, "eos"
+        if stop_after is not None and stop_after(token):
+            return tokens, first, "stop_string"
+    return tokens, first, "length"
 
 
 def sample_first_tokens_genai(model, config: dict, prompt: list[int], sampling: Sampling, draws: int,
@@ -537,21 +543,8 @@ class GenaiSession:
                 self.generator.rewind_to(common)
         start = time.perf_counter()
         self.generator.append_tokens(np.asarray(ids[common:], np.int32))
-        tokens, first, stop = [], None, "length"
-        limit = min(max_new_tokens, self.context - len(ids))
-        while len(tokens) < limit:
-            self.generator.generate_next_token()
-            token = int(self.generator.get_next_tokens()[0])
-            tokens.append(token)
-            first = first or time.perf_counter()
-            if on_token is not None:
-                on_token(token)
-            if token in self.eos:
-                stop = "eos"
-                break
-            if stop_after is not None and stop_after(token):
-                stop = "stop_string"
-                break
+        tokens, first, stop = _genai_tokens(self.generator, min(max_new_tokens, self.context - len(ids)), self.eos,
+                                            on_token, stop_after)
         end = time.perf_counter()
         # genai's own sequence, not ids + tokens: it leaves out the end id that finished the search
         self.held = [int(t) for t in self.generator.get_sequence(0)]
