@@ -335,15 +335,15 @@ class TextIds:
     need: the tokens the check takes (for: what needs them, in the refusal); tokenizer: the one
     to read the text with when not options.tokenizer (a decoder folder's own)."""
 
-    def __init__(self, options: CheckOptions, vocab: int, need: int, for_what: str = "the --shapes",
+    def __init__(self, options: CheckOptions, vocab: int, need: int, for_what: str = "the --shapes need",
                  tokenizer: str | None = None):
         from diffexport.analysis.streams import text_ids
 
         tokenizer = tokenizer if options.tokenizer is None else options.tokenizer
         self.ids = text_ids(options.text, tokenizer, vocab)
         if len(self.ids) < need:
-            raise DiffExportError(f"{options.text} has {len(self.ids)} tokens; {for_what} need {need}: give more "
-                                  "text" + (" or smaller --shapes" if for_what == "the --shapes" else ""))
+            raise DiffExportError(f"{options.text} has {len(self.ids)} tokens; {for_what} {need}: give more "
+                                  "text" + (" or smaller --shapes" if "--shapes" in for_what else ""))
         self.source = f"{options.text} ({'tokenizer ' + tokenizer if tokenizer else 'UTF-8 bytes'})"
         self.used = 0
         self.nll: dict[str, float] = {}
@@ -498,7 +498,7 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         stepper = EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"],
                                                                        plugin_lib))
         text = None if options.text is None else \
-            TextIds(options, loaded.config.vocab_size, 2, "a decoder's perplexity")
+            TextIds(options, loaded.config.vocab_size, 2, "a perplexity needs")
         return _decode_check(stepper, engine_path.name, f"{record['module']} (attention {record['attention']})",
                              "engine", runner, loaded, options, save_dir, log, steps, device="cuda", quant=quant,
                              text=text)
@@ -622,7 +622,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     text = None
     if options.text is not None:  # read (and refused) before anything runs; the folder's tokenizer by default
         own = next((str(folder) for name in ("tokenizer.json", "tokenizer.model") if (folder / name).is_file()), None)
-        text = TextIds(options, loaded.config.vocab_size, 2, "a decoder's perplexity", tokenizer=own)
+        text = TextIds(options, loaded.config.vocab_size, 2, "a perplexity needs", tokenizer=own)
     runner = OrtDecoder(folder, provider)
     if max(DECODE_PROMPTS) + steps > runner.context:
         raise DiffExportError(f"--steps {steps} after a {max(DECODE_PROMPTS)}-token prompt passes the folder's context "

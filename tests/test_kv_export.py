@@ -180,7 +180,7 @@ def test_check_text_refusals_are_one_line(v1_folder, v1_ckpt, tmp_path):
     one = tmp_path / "one.txt"
     one.write_text("a")
     assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", one),
-                          "has 1 tokens; a decoder's perplexity need 2")
+                          "has 1 tokens; a perplexity needs 2: give more text")
     assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", tmp_path / "none.txt"),
                           "text file not found")
     assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", one, "--tokenizer",
