@@ -10,7 +10,12 @@
 namespace diffx {
 
 // K-smoothing sums keys in chunks of this many tokens, one CTA each (then a fixed-order total).
-constexpr int kKeySumChunk = 1024;
+// Only the emulator's sanitizer build defines another value, so that a few hundred emulated keys
+// make several chunks (any positive size is correct: each chunk's lanes stride through it).
+#ifndef DIFFX_KEY_SUM_CHUNK
+#define DIFFX_KEY_SUM_CHUNK 1024
+#endif
+constexpr int kKeySumChunk = DIFFX_KEY_SUM_CHUNK;
 // Warps per softmax map in a decode CTA: each takes 16 keys of every 64-key tile and keeps its own
 // partial state (a part), so a split yields this many parts per map.
 constexpr int kDecodeWarpsPerMap = 4;
