@@ -130,18 +130,24 @@ def check_export_metadata(meta: dict[str, str], path) -> dict[str, str]:
     return meta
 
 
-def check_same_model(meta: dict[str, str], loaded: LoadedModel, onnx_path: Path) -> None:
-    """The checkpoint must be the one the ONNX file was exported from: say which field differs."""
+def check_same_config(meta: dict[str, str], config, onnx_path: Path) -> None:
+    """The model's configuration must be the one the ONNX file was exported from: say which field
+    differs (a preset's shapes are known before any weight is built: cli's check asks this first)."""
     exported = json.loads(meta["config"])
-    if meta.get("family") != loaded.config.family:
+    if meta.get("family") != config.family:
         raise DiffExportError(f"{onnx_path.name} holds a {meta.get('family')} model but the checkpoint is "
-                              f"{loaded.config.family}: pass the checkpoint it was exported from")
-    ours = loaded.config.to_dict()
+                              f"{config.family}: pass the checkpoint it was exported from")
+    ours = config.to_dict()
     differing = [f"{k} {exported.get(k)!r} vs {ours.get(k)!r}" for k in sorted(set(exported) | set(ours))
                  if exported.get(k) != ours.get(k)]
     if differing:
         raise DiffExportError(f"{onnx_path.name} was exported from a different configuration ("
                               f"{'; '.join(differing[:3])}): pass the checkpoint it was exported from")
+
+
+def check_same_model(meta: dict[str, str], loaded: LoadedModel, onnx_path: Path) -> None:
+    """The checkpoint must be the one the ONNX file was exported from: its configuration, then its weights."""
+    check_same_config(meta, loaded.config, onnx_path)
     if fingerprint.weights_fingerprint(loaded.model, meta["dtype"]) != meta.get("weights"):
         raise DiffExportError(f"{onnx_path.name} was exported from other weights than this checkpoint "
                               "(same configuration, different values): pass the checkpoint it was exported from")

@@ -169,12 +169,25 @@ def _check_beams(args):
                       early_stopping=not args.no_early_stopping)
 
 
+def _load_for_check(args, meta: dict, path) -> object:
+    """check's model. A preset or --config without a checkpoint is first held to the export's
+    configuration on shapes alone: a wrong preset is one line before its random weights are built
+    (a 13B preset would not even fit this machine's memory to find that out)."""
+    from pathlib import Path
+
+    from diffexport.check import check_same_config
+
+    if args.ckpt is None and (args.preset is not None or args.config is not None):
+        check_same_config(meta, _load(args, device="meta", default_model=False).config, Path(path))
+    return _load(args, default_model=False)
+
+
 def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
     from pathlib import Path
 
-    from diffexport.check import (DECODE_STEPS, check_decode_options, read_export_metadata, run_against, run_check,
-                                  run_decoder_check, run_engine_check)
+    from diffexport.check import (DECODE_STEPS, check_decode_options, check_export_metadata, read_export_metadata,
+                                  run_against, run_check, run_decoder_check, run_engine_check)
 
     engine = Path(args.model).suffix in (".engine", ".plan", ".trt")
     if args.plot is not None and not (Path(args.model).is_dir() or engine):
@@ -195,32 +208,34 @@ def cmd_check(args) -> int:
         if args.ckpt is None and args.preset is None and args.config is None:
             return 0 if report.passed else 1
         options.save_dir = Path(str(options.save_dir or Path(args.model).with_suffix(".check")) + "-model")
-        read_export_metadata(args.model)  # the model comparison needs diffexport's metadata
-        model_report = run_check(args.model, _load(args, default_model=False), options, log=_log)
+        meta = read_export_metadata(args.model)  # the model comparison needs diffexport's metadata
+        model_report = run_check(args.model, _load_for_check(args, meta, args.model), options, log=_log)
         print(model_report.text())
         return 0 if report.passed and model_report.passed else 1
     if Path(args.model).is_dir():  # a KV-cache decoder folder
         from diffexport.export.decoder import read_decoder_folder
 
-        folder_config = read_decoder_folder(args.model)[1]  # not a decoder folder: said before the checkpoint loads
+        _, folder_config, meta = read_decoder_folder(args.model)  # not a decoder folder: said before the checkpoint loads
         options, steps = _check_options(args, folder_config), DECODE_STEPS if args.steps is None else args.steps
         check_decode_options(options, steps)  # bad options fail before the checkpoint loads
-        report = run_decoder_check(args.model, _load(args, default_model=False), options, log=_log, steps=steps)
+        report = run_decoder_check(args.model, _load_for_check(args, meta, args.model), options, log=_log,
+                                   steps=steps)
         print(report.text())
         return 0 if report.passed else 1
     if engine:
-        from diffexport.backends.tensorrt import read_engine_record
+        from diffexport.backends.tensorrt import read_engine_record, sidecar_path
 
-        read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
+        record = read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
         options = _check_options(args)
         check_decode_options(options, DECODE_STEPS if args.steps is None else args.steps)
-        report = run_engine_check(args.model, _load(args, default_model=False), options, log=_log,
+        meta = check_export_metadata(record["onnx_metadata"], sidecar_path(Path(args.model)))
+        report = run_engine_check(args.model, _load_for_check(args, meta, args.model), options, log=_log,
                                   steps=args.steps)
         print(report.text())
         return 0 if report.passed else 1
-    read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
+    meta = read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
     options = _check_options(args)
-    report = run_check(args.model, _load(args, default_model=False), options, log=_log)
+    report = run_check(args.model, _load_for_check(args, meta, args.model), options, log=_log)
     print(report.text())
     return 0 if report.passed else 1
 

@@ -81,9 +81,12 @@ def test_foreign_onnx_without_metadata(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_of_another_preset(tiny):
+    """A preset is held to the export's configuration on shapes alone, before its weights are built:
+    a 13B preset (49 GiB of float32) is the same one line as a small one, on any machine."""
     _, model = tiny
     assert_one_line_error(run_cli("check", model, "--preset", "diff-v2-tiny"), "holds a diff_v1 model")
     assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-3b"), "different configuration")
+    assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-13.1b"), "different configuration")
 
 
 @pytest.mark.slow
