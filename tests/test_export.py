@@ -214,5 +214,6 @@ def test_check_of_an_hf_checkpoint_compares_with_transformers_itself(tmp_path):
     only = run_cli("check", tmp_path / "hf.onnx", "--ckpt", tmp_path / "hf", "--shapes", "2x9", "--reference",
                    "transformers")
     assert only.returncode == 0 and "PASS: 1/1" in only.stdout, only.stdout + only.stderr
-    native = run_cli("check", tmp_path / "hf.onnx", "--preset", "diff-v1-tiny", "--reference", "transformers")
+    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "tiny.onnx").returncode == 0
+    native = run_cli("check", tmp_path / "tiny.onnx", "--preset", "diff-v1-tiny", "--reference", "transformers")
     assert native.returncode == 2 and "no library model exists for it" in native.stderr
