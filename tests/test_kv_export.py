@@ -328,7 +328,7 @@ def test_generate_refuses_a_prefill_export_and_a_plain_folder(tmp_path):
     assert_one_line_error(run_cli("generate", tmp_path / "fake", "--ids", "1"), "prefill-only export")
 
 
-def test_hostile_decoder_folders(v1_folder, tmp_path):
+def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):
     """Corrupt genai configs, a model file named outside the folder or behind a link, a plain folder to check."""
     import shutil
 
@@ -378,7 +378,7 @@ def test_hostile_decoder_folders(v1_folder, tmp_path):
                               f"genai_config.json: search.{key} must be")
     other = json.loads(json.dumps(config))
     other["model"]["decoder"]["num_key_value_heads"] = 2  # a gqa folder's config beside a DiffAttention graph
-    assert_one_line_error(run_cli("check", folder_with("mismatch", json.dumps(other)), "--preset", "diff-v1-tiny"),
+    assert_one_line_error(run_cli("check", folder_with("mismatch", json.dumps(other)), "--ckpt", v1_ckpt),
                           "do not belong together")
 
 
