@@ -627,7 +627,9 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     check_decode_options(options, steps)
     text = None
     if options.text is not None:  # read (and refused) before anything runs; the folder's tokenizer by default
-        own = next((str(folder) for name in ("tokenizer.json", "tokenizer.model") if (folder / name).is_file()), None)
+        from diffexport.export.decoder import has_tokenizer
+
+        own = str(folder) if has_tokenizer(folder) else None
         text = TextIds(options, loaded.config.vocab_size, 2, "a perplexity needs", tokenizer=own)
     runner = OrtDecoder(folder, provider)
     if max(DECODE_PROMPTS) + steps > runner.context:

@@ -403,8 +403,9 @@ def _conversation_text(tokenizer, folder, messages: list[dict]) -> str:
 def _folder_tokenizer(folder):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
     from diffexport.backends.decoding import import_genai
+    from diffexport.export.decoder import has_tokenizer
 
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+    if not has_tokenizer(folder):
         raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
     og = import_genai()
     try:

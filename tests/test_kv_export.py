@@ -19,7 +19,7 @@ from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
-from diffexport.generation import Sampling, generate  # noqa: E402
+from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
 from helpers import (assert_one_line_error, byte_bpe_tokenizer, perturb_norm_weights, quiet,  # noqa: E402
@@ -874,14 +874,14 @@ def kv_engine(v1_folder, tmp_path_factory):
     return engine
 
 
-def _engine_check(engine, folder, loaded, tmp_path, runner, steps=12, text=None, max_sequence=None):
+def _engine_check(engine, folder, loaded, tmp_path, runner, steps=12, text=None, max_sequence=None, beams=None):
     from diffexport.backends.tensorrt import EngineDecoder, read_engine_record
     from diffexport.check import TextIds, _decode_check, check_export_metadata
 
     record = read_engine_record(engine)
     stepper = EngineDecoder(engine, record, check_export_metadata(record["onnx_metadata"], engine), runner)
     stepper.max_sequence = max_sequence or stepper.max_sequence
-    options = CheckOptions(save_dir=tmp_path / "c", text=None if text is None else str(text))
+    options = CheckOptions(save_dir=tmp_path / "c", text=None if text is None else str(text), beams=beams)
     return _decode_check(stepper, engine.name, "onnxruntime standing in for the engine", "engine", ["polygraphy run"],
                          loaded, options, tmp_path / "c", quiet, steps, device="cpu",
                          text=None if text is None else TextIds(options, loaded.config.vocab_size, 2))
@@ -916,6 +916,18 @@ def test_engine_decoder_steps_an_engine_as_the_folder_check_does(kv_engine, v1_f
     expected, _ = _text_perplexity(loaded.model.eval(), list(text.read_bytes()), 65)
     line = next(x for x in report.text().splitlines() if x.startswith("perplexity"))
     assert float(re.search(r"engine ([0-9.e+]+)", line).group(1)) == pytest.approx(expected, rel=1e-4)
+
+    # --num-beams: the engine loop's beam search (every beam a row, within the profile's batch 3)
+    # against eager's; no genai search here, and no end ids (the engine is checked without its folder)
+    runner = _OrtAsEngine(v1_folder / "model.onnx")
+    report = _engine_check(kv_engine, v1_folder, loaded, tmp_path, runner, steps=6, beams=BeamSearch(3, 2))
+    assert report.passed, report.text()
+    assert "beam hypotheses engine == eager: 6/6  PASS" in report.text()  # 3 prompts x 2 hypotheses
+    assert "genai" not in report.text()
+    assert max(call["input_ids"][0][0] for call in runner.calls) == 3  # the beams, batched
+    broken = _engine_check(kv_engine, v1_folder, loaded, tmp_path, _OrtAsEngine(v1_folder / "model.onnx", True),
+                           steps=6, beams=BeamSearch(3, 2))
+    assert re.search(r"beam hypotheses engine == eager: [0-5]/6; worst score gap under eager .* FAIL", broken.text())
 
 
 def v1_folder_model(engine):

@@ -55,6 +55,12 @@ DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 MAX_TOKENIZER_BYTES = 256 * 1024**2
+TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model")  # one of them makes a folder a tokenizer
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a folder holds a tokenizer onnxruntime-genai / transformers can read."""
+    return any((folder / name).is_file() for name in TOKENIZER_MODELS)
 
 
 @dataclasses.dataclass
@@ -338,7 +344,7 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
     if not folder.is_dir():
         raise DiffExportError(f"tokenizer {folder} is not a folder")
     files = tokenizer_files(folder)
-    if not any(f.name in ("tokenizer.json", "tokenizer.model") for f in files):
+    if not any(f.name in TOKENIZER_MODELS for f in files):
         raise DiffExportError(f"{folder} has no tokenizer.json or tokenizer.model")
     tok_json = folder / "tokenizer.json"
     if tok_json.is_file():
@@ -425,7 +431,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     source_dir = Path(loaded.path) if layouts.hf_import_of(loaded.source) and loaded.path else None
     if tokenizer is not None:  # named by the user: it must be a tokenizer of this vocabulary
         tok_files = check_tokenizer(Path(tokenizer), cfg.vocab_size)
-    elif source_dir is not None and any((source_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+    elif source_dir is not None and has_tokenizer(source_dir):
         tok_files = check_tokenizer(source_dir, cfg.vocab_size)  # an HF folder with its own tokenizer
     else:
         tok_files = []
