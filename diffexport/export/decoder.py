@@ -209,8 +209,9 @@ def genai_top_k(top_k: int, top_p: float, vocab_size: int) -> int:
     """The top_k to give onnxruntime-genai for a draw with top_k and top_p (0: no top-k cut).
     genai 0.18's top-p-only sampler (top_k 0) draws from a wider nucleus than transformers' and
     eager generate's temperature -> top-k -> top-p (`check --sample --top-p 0.3` saw 14% of draws
-    outside it); its top-k + top-p sampler follows that order, and a k of the whole vocabulary cuts
-    nothing, so top-p alone goes through it."""
+    outside it: it cuts at p of an upper bound on the total mass, tools/genai_nucleus.py); its
+    top-k + top-p sampler follows that order, and a k of the whole vocabulary cuts nothing, so top-p
+    alone goes through it."""
     return vocab_size if top_k == 0 and top_p < 1 else top_k
 
 
