@@ -479,6 +479,9 @@ def _load_safetensors(path: Path, config_path: Path, dtype) -> LoadedModel:
 
 def _load_directory(path: Path, dtype) -> LoadedModel:
     config_path = path / "config.json"
+    if not config_path.exists() and (path / "genai_config.json").is_file():  # `info FOLDER`, `stats FOLDER`, ...
+        raise DiffExportError(f"{path} is a KV-cache export folder, not a checkpoint: give the checkpoint it came from "
+                              f"(`diffexport inspect {path}` describes the folder; check takes it first, then --ckpt)")
     header = _read_json(config_path)
     if header.get("format") == FORMAT:
         return _load_safetensors(path / "model.safetensors", config_path, dtype)

@@ -142,6 +142,10 @@ def test_cli_argument_mistakes_are_one_line(exported, tmp_path):
     check shape the eager reference cannot hold."""
     swapped = run_cli("onnx", exported, "-o", tmp_path / "x.onnx")
     assert_one_line_error(swapped, "is an exported model, not a checkpoint")
+    folder = tmp_path / "kv"  # a KV-cache export folder given where a checkpoint goes
+    folder.mkdir()
+    (folder / "genai_config.json").write_text("{}")
+    assert_one_line_error(run_cli("info", folder), "is a KV-cache export folder, not a checkpoint")
     unknown = run_cli("inspect", exported, "--frobnicate")
     assert unknown.returncode == 2
     assert unknown.stderr.startswith("usage: diffexport inspect")
