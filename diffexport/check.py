@@ -859,6 +859,7 @@ def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: B
     if genai is not None:
         folder, provider = genai
         try:
+            decoding.check_genai_beams(search.num_beams)
             model_genai = decoding.open_genai_model(folder, provider, decoding.genai_pad_for(runner.config, prompts))
         except DiffExportError as exc:  # not installed, or no build for this provider: the loop is still checked
             lines.append(f"beams         onnxruntime-genai's own search not checked: {exc}")

@@ -532,6 +532,8 @@ def _beam_searcher(args, folder, search, prompts: list[list[int]], longest: int)
     decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
 
     if args.backend == "genai":  # a pad id that ends no prompt: genai reads trailing pad ids as padding
+        decoding.check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
+                                                     "search over the onnxruntime loop has no such limit)")
         model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider,
                                           decoding.genai_pad_for(config, prompts))
         return lambda ids, search, new: decoding.beam_search_genai(folder, ids, new, search, model=model)

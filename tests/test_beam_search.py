@@ -247,6 +247,8 @@ def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
     (["--num-beams", "2", "--repetition-penalty", "1.2"], "not combined with --num-beams"),
     (["--num-beams", "2", "--stop", "x"], "drop --stop"),
     (["--num-beams", "100000000", "--max-new-tokens", "2000"], "GiB of KV cache, more than the"),
+    (["--num-beams", "33"], "onnxruntime-genai searches at most 32 beams, got 33: lower --num-beams, or use "
+                            "--backend onnxruntime"),
 ])
 def test_beam_search_refusals(folders, args, pattern):
     _, root = folders["diff-v2-tiny"]
@@ -342,6 +344,17 @@ def test_check_folder_with_beams_on_the_command_line(folders, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "beam hypotheses onnxruntime == eager: 9/9  PASS" in result.stdout
     assert "3 beams (length penalty 0.5, no early stopping)" in result.stderr + result.stdout
+
+
+def test_check_beams_past_genais_limit_check_the_loop_alone(folders, tmp_path):
+    """genai takes at most 32 beams: the check says so and still holds the loop's 33 to eager."""
+    _, root = folders["diff-v2-tiny"]
+    result = run_cli("check", root / "diffattention", "--ckpt", root.parent / "diff-v2-tiny.pt", "--steps", "2",
+                     "--num-beams", "33", "--save-dir", tmp_path / "saved")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "onnxruntime-genai's own search not checked: onnxruntime-genai searches at most 32 beams, got 33\n" \
+        in result.stdout
+    assert "beam hypotheses onnxruntime == eager: 99/99  PASS" in result.stdout
 
 
 @pytest.mark.parametrize("args,pattern", [

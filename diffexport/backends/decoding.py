@@ -384,11 +384,22 @@ def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None
                               f"the {have / 2**30:.0f} GiB here: lower --num-beams or --max-new-tokens")
 
 
+GENAI_MAX_BEAMS = 32  # onnxruntime-genai 0.18 refuses num_beams outside [1, 32]
+
+
+def check_genai_beams(num_beams: int, remedy: str = "") -> None:
+    """Refuse, before genai is asked, a beam count genai's search does not take (remedy: what the
+    caller can do instead, appended to the message)."""
+    if num_beams > GENAI_MAX_BEAMS:
+        raise DiffExportError(f"onnxruntime-genai searches at most {GENAI_MAX_BEAMS} beams, got {num_beams}{remedy}")
+
+
 def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
                       provider: str | None = None, model=None) -> BeamRun:
     """onnxruntime-genai's beam search over the folder (generation.beam_search is its eager
     reference): the prompt runs once per beam, every step reorders the cache. A sequence shorter
     than the length limit ended with an end token (genai returns it without that token)."""
+    check_genai_beams(search.num_beams)
     og = import_genai()
     total = len(prompt) + max_new_tokens
     if model is None:  # a model given is the caller's (with genai_pad_for's pad id), who keeps within the context
