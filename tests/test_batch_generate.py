@@ -524,4 +524,11 @@ def test_folder_search_with_top_p_alone_goes_through_genais_top_k_sampler():
     assert written({"do_sample": True, "top_k": 0, "top_p": 0.9})["top_k"] == cfg.vocab_size
     assert written({"top_k": 0})["top_k"] == 0  # no nucleus: nothing to route
     assert written({"top_k": 7, "top_p": 0.9})["top_k"] == 7
+    assert written({"top_k": 100000})["top_k"] == cfg.vocab_size  # past the vocabulary: no cut (genai refuses it)
+    from diffexport.backends.decoding import _search_options
+    from diffexport.generation import Sampling
+
+    folder_config = {"model": {"vocab_size": cfg.vocab_size}}  # generate's and check's draws take the same route
+    assert _search_options(Sampling(greedy=False, top_k=100000), 8, folder_config)["top_k"] == cfg.vocab_size
+    assert _search_options(Sampling(greedy=False, top_k=0, top_p=0.5), 8, folder_config)["top_k"] == cfg.vocab_size
     assert {k: written(None)[k] for k in SEARCH_DEFAULTS} == SEARCH_DEFAULTS

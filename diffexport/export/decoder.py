@@ -211,8 +211,8 @@ def genai_top_k(top_k: int, top_p: float, vocab_size: int) -> int:
     eager generate's temperature -> top-k -> top-p (`check --sample --top-p 0.3` saw 14% of draws
     outside it: it cuts at p of an upper bound on the total mass, tools/genai_nucleus.py); its
     top-k + top-p sampler follows that order, and a k of the whole vocabulary cuts nothing, so top-p
-    alone goes through it."""
-    return vocab_size if top_k == 0 and top_p < 1 else top_k
+    alone goes through it. A k past the vocabulary cuts nothing, as in transformers (genai refuses it)."""
+    return vocab_size if top_k == 0 and top_p < 1 else min(top_k, vocab_size)
 
 
 # genai's search defaults where a checkpoint names none: transformers' GenerationConfig defaults (top_k
