@@ -1139,6 +1139,9 @@ def cmd_trt(args) -> int:
         context = int(config["model"]["context_length"])
         if args.max is None:
             options.max_shape = (4, max(1, min(512, context // 4)))
+        elif options.max_shape[1] > context:
+            raise DiffExportError(f"--max sequence {options.max_shape[1]} exceeds the folder's context length {context}: "
+                                  f"give at most {context}")
         options.max_past = args.max_past if args.max_past is not None else context - options.max_shape[1]
         if options.max_past + options.max_shape[1] > context:
             raise DiffExportError(f"--max-past {options.max_past} + max sequence {options.max_shape[1]} exceeds the "

@@ -494,6 +494,8 @@ def test_trt_rtx_builds_the_kv_cache_folder_natively(v1_folder, tmp_path):
     too_long = run_cli("trt", v1_folder, "-o", tmp_path / "x.engine", "--attention", "native", "--builder",
                        "tensorrt-rtx", "--max", "1x64", "--max-past", "2000")
     assert_one_line_error(too_long, "exceeds the context length 2048")
+    longer_than_context = run_cli("trt", v1_folder, "-o", tmp_path / "x.engine", "--max", "1x100000")
+    assert_one_line_error(longer_than_context, "--max sequence 100000 exceeds the folder's context length 2048")
 
 
 def test_profile_ranges_of_a_kv_graph_and_plugin_refusal(v1_folder):
