@@ -182,6 +182,13 @@ def _load_for_check(args, meta: dict, path) -> object:
     return _load(args, default_model=False)
 
 
+def _refuse_decoder_shapes(args) -> None:
+    """--shapes sizes single-graph calls; a decoder's check would silently not use it."""
+    if args.shapes:
+        raise DiffExportError("--shapes sizes the calls to a single graph; a KV-cache decoder is checked on 3 padded "
+                              "prompts, prefill + --steps N decode steps (--text FILE adds your own text)")
+
+
 def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
     from pathlib import Path
@@ -216,6 +223,7 @@ def cmd_check(args) -> int:
         from diffexport.export.decoder import read_decoder_folder
 
         _, folder_config, meta = read_decoder_folder(args.model)  # not a decoder folder: said before the checkpoint loads
+        _refuse_decoder_shapes(args)
         options, steps = _check_options(args, folder_config), DECODE_STEPS if args.steps is None else args.steps
         check_decode_options(options, steps)  # bad options fail before the checkpoint loads
         report = run_decoder_check(args.model, _load_for_check(args, meta, args.model), options, log=_log,
@@ -226,6 +234,8 @@ def cmd_check(args) -> int:
         from diffexport.backends.tensorrt import read_engine_record, sidecar_path
 
         record = read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
+        if record.get("onnx_metadata", {}).get("kv_cache") == "1":
+            _refuse_decoder_shapes(args)
         options = _check_options(args)
         check_decode_options(options, DECODE_STEPS if args.steps is None else args.steps)
         meta = check_export_metadata(record["onnx_metadata"], sidecar_path(Path(args.model)))

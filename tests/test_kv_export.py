@@ -937,7 +937,11 @@ def v1_folder_model(engine):
     return json.loads(engine.with_name(engine.name + ".json").read_text())["onnx"]
 
 
-def test_engine_check_of_a_decoder_refuses_before_the_gpu(kv_engine, v1_ckpt, tmp_path):
+def test_engine_check_of_a_decoder_refuses_before_the_gpu(kv_engine, v1_folder, v1_ckpt, tmp_path):
+    # --shapes sizes single graphs: a decoder (folder or engine) would not use it, so it is refused
+    for decoder in (kv_engine, v1_folder):
+        assert_one_line_error(run_cli("check", decoder, "--ckpt", v1_ckpt, "--shapes", "2x9"),
+                              "--shapes sizes the calls to a single graph; a KV-cache decoder is checked on 3")
     # the profile is held against the calls the check will make before anything runs
     assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "60"),
                           "past 75 is outside kv.engine's profile (batch 1..3, sequence 1..64, past 0..64)")
