@@ -452,6 +452,8 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         f"opset {options.resolved_opset()}")
     with torch.no_grad():
         model_ir = _trace(model, options, dtype)
+    if attention != "gqa":  # a gqa folder's own fusion writes the fused norms (onnxruntime_fusions)
+        exporter.norms_for_onnxruntime(model_ir, log)
     is_diff = cfg.family != "transformer"
     meta = {exporter.META_PREFIX + "kv_cache": "1", exporter.META_PREFIX + "cache_width": str(cache_width(cfg)),
             exporter.META_PREFIX + "attention": attention}

@@ -198,6 +198,18 @@ def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, key_mask, *
 
 # ---------------------------------------------------------------- finish
 
+def norms_for_onnxruntime(model_ir, log: Callable[[str], None]) -> None:
+    """RMSNorms as Div(x, Sqrt(...)), the form onnxruntime fuses at load (passes/norm_division.py);
+    run before _finish attaches the DiffAttention function, whose body stays as the contract writes it."""
+    from diffexport.passes.norm_division import divide_by_root
+
+    if model_ir.functions:
+        raise DiffExportError("internal: the traced graph already holds functions; norms are rewritten before any")
+    count = divide_by_root(model_ir)
+    if count:
+        log(f"norms         {count} RMSNorm(s) as x / sqrt(mean(x^2) + eps), which onnxruntime fuses at load")
+
+
 def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str, key_mask: bool = False,
             outputs: list[str] | None = None, extra_meta: dict[str, str] | None = None) -> int:
     """Attach the function, plugin fields and metadata in place; return the DiffAttention count.
@@ -332,6 +344,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
         f"with the {exporter} exporter, opset {options.resolved_opset()}")
     with torch.no_grad():
         model_ir = (_trace_legacy if options.legacy else _trace_dynamo)(model, options)
+    norms_for_onnxruntime(model_ir, log)
     count = _finish(model_ir, loaded, options, weights_id)
     nbytes = _weight_bytes(model_ir)
     external = wants_external(model_ir, options)
