@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffexport.backends import decoding  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.generation import Sampling, next_token_probs  # noqa: E402
 
 ROWS = 32  # genai 0.18 takes at most 32 rows to a generator; each row draws on its own
 
@@ -60,10 +61,9 @@ def bound_nucleus(logits: np.ndarray, p: float, temperature: float) -> np.ndarra
 
 
 def exact_nucleus(logits: np.ndarray, p: float, temperature: float) -> np.ndarray:
-    """transformers' nucleus: the likeliest tokens until their probability reaches p."""
-    probs = softmax(logits, temperature)
-    order = np.argsort(-probs, kind="stable")
-    return order[: int(np.searchsorted(np.cumsum(probs[order]), p)) + 1]
+    """transformers' nucleus, the support of eager generate's draw (generation.next_token_probs)."""
+    probs = next_token_probs(torch.from_numpy(logits)[None], Sampling(greedy=False, temperature=temperature, top_p=p))
+    return torch.nonzero(probs[0] > 0).flatten().numpy()
 
 
 def softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
