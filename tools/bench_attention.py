@@ -333,11 +333,12 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
 
 def publish_decode(record: dict, write: bool) -> None:
     text = decode_table(record["rows"], record["copy_gbs"])
+    print(completeness(record) + "\n" if completeness(record) else "", end="", file=sys.stderr)
     print(text)
     if not write:
         return
     body = (f"## Split-KV decode on the GPU (DIFF V1, causal, forward)\n\n`{record['command']}`\n\n"
-            f"{record['stamp']} Device-to-device copy bandwidth measured in this run: {record['copy_gbs']:.0f} GB/s "
+            f"{completeness(record)}{record['stamp']} Device-to-device copy bandwidth measured in this run: {record['copy_gbs']:.0f} GB/s "
             f"(read + write of 2 GiB). Cells: median µs per call (achieved GB/s on the bytes of Q, K, V and the "
             f"output once), each call timed inside a CUDA graph of {DECODE_GRAPH_CALLS} calls, {record['repeats']} "
             f"replays after {record['warmup']} warm-up. One-pass: the same call with DIFFEXPORT_KERNEL_PATH=mma. "
@@ -361,6 +362,7 @@ def publish(record: dict, other_builds, write: bool) -> None:
     """Print the tables of a run and, with write, replace the section of docs/BENCHMARKS.md."""
     rows, peak = record["rows"], record["peak_tflops"]
     text = table(rows, peak) + "\n\nAll compositions, median ms:\n\n" + composition_table(rows)
+    print(completeness(record) + "\n" if completeness(record) else "", end="", file=sys.stderr)
     if other_builds:
         text += ("\n\nThis build vs the others, median ms (ratio = other / this):\n\n"
                  + builds_table(rows, list(other_builds)))
@@ -368,7 +370,7 @@ def publish(record: dict, other_builds, write: bool) -> None:
     if not write:
         return
     body = (f"## Fused differential attention on the GPU (DIFF V1, forward)\n\n`{record['command']}`\n\n"
-            f"{record['stamp']} Measured bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s. "
+            f"{completeness(record)}{record['stamp']} Measured bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s. "
             f"Cells: median ms (TFLOP/s on 12*N^2*d per diff-head, halved for causal), {record['repeats']} runs "
             f"after {record['warmup']} warm-up. Compositions: FlashDiffAttn_1/_2 on the default attention library "
             f"(`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(record['backends'])}), "
@@ -437,40 +439,57 @@ def main() -> int:
         return run_decode(args)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", file=sys.stderr)
-    rows = []
-    for dtype in args.dtypes:
-        for d in args.head_dims:
-            for causal in args.causal:
-                for n in args.seqs:
-                    print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
-                    rows.append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
-                                           args.backends, other_builds))
-    record = {"peak_tflops": peak, "rows": rows, "stamp": benchdoc.stamp(),
+    cases = [(dtype, d, causal, n) for dtype in args.dtypes for d in args.head_dims for causal in args.causal
+             for n in args.seqs]
+    record = {"peak_tflops": peak, "rows": [], "cases": len(cases), "complete": False, "stamp": benchdoc.stamp(),
               "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
               "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends}
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=1))
+    for dtype, d, causal, n in cases:
+        print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
+        record["rows"].append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
+                                         args.backends, other_builds))
+        save_partial(args.json, record)
+    record["complete"] = True
+    save_partial(args.json, record)
     publish(record, other_builds, args.write)
     return 0
+
+
+def save_partial(path: Path | None, record: dict) -> None:
+    """Rewrite the --json file after each case (whole or not at all), so a run stopped at the
+    campaign's time limit still returns the cases it measured, marked incomplete."""
+    if path is None:
+        return
+    scratch = path.with_name(path.name + ".partial")
+    scratch.write_text(json.dumps(record, indent=1))
+    os.replace(scratch, path)
+
+
+def completeness(record: dict) -> str:
+    """The sentence a section carries when its run was stopped before its last case ('' when whole;
+    records written before this field existed were only ever written whole)."""
+    if record.get("complete", True):
+        return ""
+    return (f"**Partial run: stopped at its time limit after {len(record['rows'])} of {record['cases']} cases; "
+            "the cases missing from the table were not measured.** ")
 
 
 def run_decode(args) -> int:
     copy_gbs = copy_bandwidth_gbs()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s", file=sys.stderr)
     kv_heads = args.kv_heads or max(1, args.heads // 4)
-    rows = []
-    for dtype in args.dtypes:
-        for d in args.head_dims:
-            for q_len in args.queries:
-                for kv_len in args.keys:
-                    print(f"{dtype} d={d} Sq={q_len} keys={kv_len} ...", file=sys.stderr, flush=True)
-                    rows.append(decode_case(getattr(torch, dtype), d, q_len, kv_len, args.decode_batch, args.heads,
-                                            kv_heads, args.warmup, args.repeats, args.backends))
-    record = {"mode": "decode", "copy_gbs": copy_gbs, "rows": rows, "stamp": benchdoc.stamp(),
-              "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
+    cases = [(dtype, d, q_len, kv_len) for dtype in args.dtypes for d in args.head_dims for q_len in args.queries
+             for kv_len in args.keys]
+    record = {"mode": "decode", "copy_gbs": copy_gbs, "rows": [], "cases": len(cases), "complete": False,
+              "stamp": benchdoc.stamp(), "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
               "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends}
-    if args.json:
-        args.json.write_text(json.dumps(record, indent=1))
+    for dtype, d, q_len, kv_len in cases:
+        print(f"{dtype} d={d} Sq={q_len} keys={kv_len} ...", file=sys.stderr, flush=True)
+        record["rows"].append(decode_case(getattr(torch, dtype), d, q_len, kv_len, args.decode_batch, args.heads,
+                                          kv_heads, args.warmup, args.repeats, args.backends))
+        save_partial(args.json, record)
+    record["complete"] = True
+    save_partial(args.json, record)
     publish_decode(record, args.write)
     return 0
 

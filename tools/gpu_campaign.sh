@@ -2,13 +2,17 @@
 # The GPU verification campaign (issue 16): build the kernel library for the GPU in hand, record
 # the machine, run the GPU tests, the sanitizers, the benchmark and one Nsight Compute profile.
 #
-#   tools/gpu_campaign.sh [--out DIR] PART...      PART: env build variants test sanitize bench decode profile all
-#                                                   (PART+PART runs two parts at once)
+#   tools/gpu_campaign.sh [--out DIR] [--budget SECONDS] PART...
+#       PART: env build variants test sanitize bench decode profile all (PART+PART runs two parts at once)
 #
 # Before the first part that launches kernels, the opt-in Hopper path is probed in a child process
 # (probe_hopper); a path that hangs or faults is then left out of the tests and the bench, reported.
-# Made for the lent GPU machine: each part has its own time limit so that a call of at most
-# 10 minutes comes back with its logs, and everything lands in at most 8 files under DIR
+# Made for the lent GPU machine (15 minutes of device time a session, start-up included): each
+# step has its own time limit, and --budget SECONDS (or CAMPAIGN_BUDGET) ends the whole call by
+# then: each group of parts must end early enough to leave every later group its reserve
+# (RESERVE below), each step's limit is clipped to that, and a part left with no time is reported
+# SKIPPED and counted as failed, so one hang cannot take the later parts' results with it.
+# Everything lands in at most 8 files under DIR
 # (campaign.log, build.log, pytest.log, sanitizer.log, bench.md, bench.json, decode.json, profile.txt;
 # the Nsight Compute reports stay in /tmp, their details and selected metrics go into profile.txt)
 # (default $OUT when set, else ./campaign-out). tools/README.md says how to split the parts
@@ -18,8 +22,16 @@ set -u
 cd "$(dirname "$0")/.."
 
 OUT_DIR="${OUT:-campaign-out}"
-if [[ "${1:-}" == "--out" ]]; then OUT_DIR="$2"; shift 2; fi
-[[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] env|build|variants|test|sanitize|bench|decode|profile|all ..." >&2; exit 2; }
+BUDGET="${CAMPAIGN_BUDGET:-}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) OUT_DIR="$2"; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    *) break ;;
+  esac
+done
+[[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] [--budget SECONDS] env|build|variants|test|sanitize|bench|decode|profile|all ..." >&2; exit 2; }
+[[ -z "$BUDGET" || "$BUDGET" =~ ^[0-9]+$ ]] || { echo "error: --budget takes whole seconds, not '$BUDGET'" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -29,7 +41,37 @@ export DIFFEXPORT_KERNEL_LIB="${DIFFEXPORT_KERNEL_LIB:-$PWD/$BUILD_DIR/plugins/k
 export DIFFEXPORT_REQUIRE_KERNELS=1   # a missing library fails the GPU tests instead of skipping them
 failed=0
 
+# Seconds a part needs to say something useful; under --budget, the earlier groups leave this much
+# to each later group. CAMPAIGN_RESERVE="part=seconds ..." overrides (tests/test_gpu_campaign_budget.py).
+declare -A RESERVE=([env]=10 [build]=60 [variants]=0 [test]=150 [sanitize]=60 [bench]=90 [decode]=60 [profile]=60)
+for spec in ${CAMPAIGN_RESERVE:-}; do RESERVE[${spec%%=*}]="${spec#*=}"; done
+GROUP_END=""   # SECONDS by which the running group must end (set per group under --budget)
+
 note() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT_DIR/campaign.log"; }
+
+# limit CAP [GRACE]: the time limit of one step: CAP, clipped so that the step and GRACE seconds
+# after it (a killed program's clean-up) end with the group. Fails when under 5 s would be left.
+limit() {
+  local cap=$1 grace=${2:-0}
+  if [[ -n "$GROUP_END" ]]; then
+    local left=$((GROUP_END - SECONDS - grace))
+    (( left < cap )) && cap=$left
+  fi
+  echo "$cap"
+  (( cap >= 5 ))
+}
+
+# timed CAP GRACE LABEL COMMAND...: COMMAND under its limit; SIGINT first, so pytest and the benches
+# still print what they have (pytest its failures so far), then KILL after GRACE seconds.
+timed() {
+  local cap=$1 grace=$2 label=$3 t rc
+  shift 3
+  t=$(limit "$cap" "$grace") || { echo "$label: SKIPPED, no time left in the budget" >&2; return 124; }
+  timeout -s INT -k "$grace" "$t" "$@"
+  rc=$?
+  (( rc == 124 || rc == 137 )) && echo "$label: stopped at its time limit of ${t} s" >&2
+  return $rc
+}
 
 part_env() {
   {
@@ -61,7 +103,8 @@ part_build() {
   [[ -z "$cutlass" && -f build-cutlass/include/cute/tensor.hpp ]] && cutlass="$PWD/build-cutlass/include"
   {
     cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
-      -DDIFFEXPORT_BUILD_EMULATOR=OFF ${cutlass:+-DCUTLASS_INCLUDE_DIR="$cutlass"} && cmake --build "$BUILD_DIR" --parallel
+      -DDIFFEXPORT_BUILD_EMULATOR=OFF ${cutlass:+-DCUTLASS_INCLUDE_DIR="$cutlass"} &&
+      timed 300 10 build cmake --build "$BUILD_DIR" --parallel
   } > "$OUT_DIR/build.log" 2>&1 || { tail -30 "$OUT_DIR/build.log"; return 1; }
   grep "diffexport:" "$OUT_DIR/build.log" | tee -a "$OUT_DIR/campaign.log"
   echo "build: $((SECONDS - start)) s for $ARCH" | tee -a "$OUT_DIR/build.log"
@@ -92,12 +135,13 @@ compare_args() {
 
 part_test() {
   # First what users run on their GPU: every kernel path against the torch reference, each in a child process.
-  timeout 120 "$PY" -m diffexport kernels --check > "$OUT_DIR/pytest.log" 2>&1
+  timed 120 10 "kernels --check" "$PY" -m diffexport kernels --check > "$OUT_DIR/pytest.log" 2>&1
   local check_rc=$?
-  grep -E "^(check|result|error)" "$OUT_DIR/pytest.log"
+  grep -E "^(check|result|error|kernels --check)" "$OUT_DIR/pytest.log"
   # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
   # 206 cases took 82 s on the H100 (2026-11-23); there are about 370 now, with a CUDA training run.
-  timeout "${TEST_TIMEOUT:-420}" "$PY" -m pytest -p no:cacheprovider -q -rfEs -m gpu -n 6 \
+  # -v puts each result in the log as it comes, so a run stopped at its limit still says what passed.
+  timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs -m gpu -n 8 \
     tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py tests/test_kernel_abi.py \
     -k "not compute_sanitizer" >> "$OUT_DIR/pytest.log" 2>&1
   local rc=$?
@@ -109,9 +153,9 @@ part_sanitize() {
   # tests/kernel_cases.py: short, odd, GQA, decode, INT8 and key-mask launches. Only our kernels
   # are instrumented (kns=diffx): torch's own kernels would make the run ten times longer.
   local rc=0
-  for tool in memcheck racecheck synccheck initcheck; do
+  for tool in memcheck initcheck racecheck synccheck; do  # initcheck second: the one that failed on 2026-11-23
     echo "--- $tool" >> "$OUT_DIR/sanitizer.log"
-    timeout 80 compute-sanitizer --tool "$tool" --kernel-name kns=diffx --error-exitcode 99 \
+    timed 80 10 "$tool" compute-sanitizer --tool "$tool" --kernel-name kns=diffx --error-exitcode 99 \
       "$PY" tests/kernel_cases.py >> "$OUT_DIR/sanitizer.log" 2>&1 || { rc=1; echo "$tool FAILED"; }
     grep -E "SUMMARY" "$OUT_DIR/sanitizer.log" | tail -1
   done
@@ -119,18 +163,20 @@ part_sanitize() {
 }
 
 part_bench() {
-  timeout "${BENCH_TIMEOUT:-300}" "$PY" tools/bench_attention.py --json "$OUT_DIR/bench.json" ${BENCH_ARGS:-} $(compare_args) \
+  timed "${BENCH_TIMEOUT:-300}" 15 bench "$PY" tools/bench_attention.py --json "$OUT_DIR/bench.json" ${BENCH_ARGS:-} $(compare_args) \
     > "$OUT_DIR/bench.md" 2>> "$OUT_DIR/campaign.log"
   local rc=$?
+  rm -f "$OUT_DIR"/*.partial   # a rewrite the time limit cut off; bench.json holds the cases before it
   cat "$OUT_DIR/bench.md"
   return $rc
 }
 
 part_decode() {
   # The split-KV decode kernels vs the one-pass kernel and the compositions, in GB/s (table appended to bench.md).
-  timeout "${DECODE_TIMEOUT:-300}" "$PY" tools/bench_attention.py --decode --json "$OUT_DIR/decode.json" \
+  timed "${DECODE_TIMEOUT:-300}" 15 decode "$PY" tools/bench_attention.py --decode --json "$OUT_DIR/decode.json" \
     ${DECODE_ARGS:-} > "$OUT_DIR/decode.md" 2>> "$OUT_DIR/campaign.log"
   local rc=$?
+  rm -f "$OUT_DIR"/*.partial
   { echo; echo "--- decode"; cat "$OUT_DIR/decode.md"; } >> "$OUT_DIR/bench.md"
   cat "$OUT_DIR/decode.md"
   rm -f "$OUT_DIR/decode.md"
@@ -139,7 +185,7 @@ part_decode() {
 
 part_profile() {
   # One fused launch at N=4096 (bf16, d=128, non-causal), the clocks left as they are.
-  timeout 150 ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
+  timed 150 10 "profile (fused)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
     --launch-count 1 -f -o /tmp/profile "$PY" tools/bench_attention.py --profile 4096 \
     > "$OUT_DIR/profile.txt" 2>&1 || { tail -20 "$OUT_DIR/profile.txt"; return 1; }
   ncu --import /tmp/profile.ncu-rep --page details >> "$OUT_DIR/profile.txt" 2>&1
@@ -147,7 +193,7 @@ part_profile() {
   { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
     >> "$OUT_DIR/profile.txt"
   # One split-KV decode launch (bf16, d=128, Sq=1, 32k keys): how close to DRAM bandwidth, and why not.
-  if timeout 120 ncu --clock-control none --set full --kernel-name regex:diff_attention_decode_kernel --launch-skip 3 \
+  if timed 120 10 "profile (decode)" ncu --clock-control none --set full --kernel-name regex:diff_attention_decode_kernel --launch-skip 3 \
       --launch-count 1 -f -o /tmp/profile-decode "$PY" tools/bench_attention.py --profile-decode 32768 > /dev/null 2>&1; then
     { echo "--- split-KV decode kernel, Sq=1, 32768 keys"; ncu --import /tmp/profile-decode.ncu-rep --page details 2>&1 |
         grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size"; } \
@@ -157,7 +203,7 @@ part_profile() {
   fi
   # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
   if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
-    if DIFFEXPORT_KERNEL_PATH=hopper timeout 150 ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
+    if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper)" ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
         --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py --profile 4096 > /dev/null 2>&1; then
       { echo "--- Hopper path (TMA + wgmma), the same launch"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
           grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
@@ -170,7 +216,7 @@ part_profile() {
   local spec name path
   for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
-    timeout 120 ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
+    timed 120 10 "profile ($name)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
       --launch-skip 3 --launch-count 1 -f -o "/tmp/profile-$name" "$PY" tools/bench_attention.py --profile 4096 \
       --profile-lib "$path" > /dev/null 2>&1 || { echo "--- profile of build $name FAILED" >> "$OUT_DIR/profile.txt"; continue; }
     { echo "--- selected raw metrics, build $name"; ncu --import "/tmp/profile-$name.ncu-rep" --page raw 2>&1 |
@@ -186,7 +232,7 @@ probe_hopper() {
   # a hang or fault in their own process would cost every result after it.
   [[ -n "${DIFFEXPORT_PROBE_HOPPER:-}" || ! -f "$DIFFEXPORT_KERNEL_LIB" ]] && return 0
   local out verdict
-  out=$(timeout 150 "$PY" -m diffexport.kernel_probe hopper 2>&1)
+  out=$(timed 90 5 "Hopper probe" "$PY" -m diffexport.kernel_probe hopper 2>&1)
   echo "$out" >> "$OUT_DIR/campaign.log"
   verdict=$(echo "$out" | tail -1)
   export DIFFEXPORT_PROBE_HOPPER="${verdict:-failed: the probe printed nothing}"
@@ -203,15 +249,46 @@ PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_is
 
 parts=("$@")
 [[ " ${parts[*]} " == *" all "* ]] && parts=(env build variants test+sanitize bench decode profile)
-for group in "${parts[@]}"; do
+for group in "${parts[@]}"; do  # every name checked before anything runs
   IFS=+ read -r -a members <<< "$group"
+  for part in "${members[@]}"; do
+    declare -F "part_$part" > /dev/null || { echo "unknown part: $part" >&2; exit 2; }
+  done
+done
+
+# The reserve of a group: the most any of its parts needs (they run at once).
+group_reserve() {
+  local part most=0
+  IFS=+ read -r -a members <<< "$1"
+  for part in "${members[@]}"; do (( ${RESERVE[$part]:-0} > most )) && most=${RESERVE[$part]:-0}; done
+  echo "$most"
+}
+
+[[ -n "$BUDGET" ]] && note "budget: $BUDGET s for ${parts[*]}"
+for i in "${!parts[@]}"; do
+  group="${parts[$i]}"
+  IFS=+ read -r -a members <<< "$group"
+  if [[ -n "$BUDGET" ]]; then
+    # This group ends early enough to leave each later group its reserve, and gets at least its
+    # own reserve when an earlier group ran long, never past the budget.
+    later=0
+    for next in "${parts[@]:i+1}"; do later=$((later + $(group_reserve "$next"))); done
+    GROUP_END=$((BUDGET - later))
+    own=$(group_reserve "$group")
+    (( GROUP_END < SECONDS + own )) && GROUP_END=$((SECONDS + own))
+    (( GROUP_END > BUDGET )) && GROUP_END=$BUDGET
+    if (( BUDGET - SECONDS < 5 )); then
+      for part in "${members[@]}"; do note "part $part SKIPPED: the budget of $BUDGET s is spent"; done
+      failed=$((failed + ${#members[@]}))
+      continue
+    fi
+  fi
   [[ "+$group+" =~ \+(test|sanitize|bench|decode|profile)\+ ]] && probe_hopper
   pids=()
   for part in "${members[@]}"; do
-    declare -F "part_$part" > /dev/null || { echo "unknown part: $part" >&2; exit 2; }
     run_part "$part" & pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || failed=$((failed + 1)); done
 done
-note "done: $failed part(s) failed"
+note "done: $failed part(s) failed${BUDGET:+ in $SECONDS s of a $BUDGET s budget}"
 exit "$failed"

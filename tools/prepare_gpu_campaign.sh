@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepares, on the CPU machine, what the GPU campaign carries to the lent GPU machine (which has
 # no network): the CUTLASS headers of the Hopper path and a build of an earlier commit to time
-# against. Both go into ignored folders of this checkout; then the two `run` calls of
-# tools/README.md take them with carry=["build-cutlass", "build-before"].
+# against. Both go into ignored folders of this checkout; then the one `run` call of
+# tools/README.md takes them with carry=["build-cutlass", "build-before"].
 #
 #   tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]     default b8abdb8 (the build measured on 2026-11-23)
 #
@@ -46,7 +46,6 @@ total_mb=$(du -sm build-cutlass build-before | awk '{s += $1} END {print s}')
 echo "carried                 ${total_mb} MiB of at most ${CARRY_LIMIT_MB}"
 (( total_mb <= CARRY_LIMIT_MB )) || { echo "error: more than the ${CARRY_LIMIT_MB} MiB that run carries" >&2; exit 1; }
 cat <<EOF
-next, two run calls with carry=["build-cutlass", "build-before"] (tools/README.md):
-  CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT env build test+sanitize
-  CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT build bench decode profile
+next, one run call with carry=["build-cutlass", "build-before"] and timeout_s=510, then give_back (tools/README.md):
+  CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 480 all
 EOF

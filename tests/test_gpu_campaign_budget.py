@@ -1,0 +1,172 @@
+"""The GPU campaign's time budget (tools/gpu_campaign.sh --budget), checked on the CPU.
+
+A lent GPU machine gives a session 15 minutes of device time, start-up included, so the campaign
+goes in one call under --budget: each group of parts must end early enough to leave the later
+groups their reserve, a step that hangs is stopped at its clipped limit, and a part left with no
+time is reported and counted, never passed. Here the GPU-side programs are stand-ins on PATH (and
+PYTHON) that record their calls and sleep or hang on request; the script under test is the real one,
+with the real `timeout`. What runs on the GPU itself is tests/test_gpu_campaign_env.py's concern."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+CAMPAIGN = ROOT / "tools" / "gpu_campaign.sh"
+
+# Stand-ins: each records its argv in $STUB_LOG. PYTHON's hangs when its argv holds $STUB_HANG
+# (SIGINT ends it, as it ends pytest); nvidia-smi sleeps $STUB_SMI_SLEEP seconds.
+PYTHON_STUB = """#!/usr/bin/env bash
+echo "python $*" >> "$STUB_LOG"
+if [[ -n "${STUB_HANG:-}" && " $* " == *"$STUB_HANG"* ]]; then sleep 1000; exit 0; fi
+case " $* " in
+  *" -m diffexport.kernel_probe "*) echo "unavailable: stand-in" ;;
+  *" -m diffexport kernels --check "*) echo "result: ok" ;;
+  *" -m pytest "*) echo "1 passed in 0.01s" ;;
+  *) cat > /dev/null 2>&1 < /dev/null; echo "stand-in python" ;;
+esac
+"""
+TOOL_STUB = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$STUB_LOG"
+[[ "$(basename "$0")" == nvidia-smi ]] && sleep "${STUB_SMI_SLEEP:-0}"
+[[ "$(basename "$0")" == compute-sanitizer ]] && echo "========= ERROR SUMMARY: 0 errors"
+exit 0
+"""
+TOOLS = ("nvidia-smi", "nvcc", "cmake", "cuobjdump", "compute-sanitizer", "ncu")
+# Reserves small enough for seconds-long runs; the real ones are minutes (RESERVE in the script).
+RESERVES = "env=1 build=1 variants=0 test=6 sanitize=3 bench=5 decode=5 profile=5"
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in TOOLS:
+        (bin_dir / name).write_text(TOOL_STUB)
+    (bin_dir / "python-stub").write_text(PYTHON_STUB)
+    for path in bin_dir.iterdir():
+        path.chmod(0o755)
+    library = tmp_path / "libdiffexport_kernels.so"
+    library.write_bytes(b"")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python-stub"),
+               STUB_LOG=str(tmp_path / "calls.log"), DIFFEXPORT_KERNEL_LIB=str(library),
+               CAMPAIGN_BUILD_DIR=str(tmp_path / "build"), CAMPAIGN_RESERVE=RESERVES)
+    for name in ("CAMPAIGN_BUDGET", "CAMPAIGN_COMPARE", "CAMPAIGN_VARIANTS", "DIFFEXPORT_PROBE_HOPPER", "OUT"):
+        env.pop(name, None)
+    return env, tmp_path
+
+
+def campaign(env, tmp_path, *argv, timeout=120):
+    out = tmp_path / "out"
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(CAMPAIGN), "--out", str(out), *argv], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    log = (out / "campaign.log").read_text() if (out / "campaign.log").exists() else ""
+    return proc, log, out, time.monotonic() - start
+
+
+def verdicts(log: str) -> dict[str, str]:
+    return dict(re.findall(r"part (\w+) (ok|FAILED|SKIPPED)", log))
+
+
+def test_a_hanging_test_part_is_stopped_in_time_and_the_later_parts_still_run(stubs):
+    env, tmp_path = stubs
+    env["STUB_HANG"] = "-m pytest"
+    proc, log, out, wall = campaign(env, tmp_path, "--budget", "50", "env", "build", "test+sanitize", "bench",
+                                    "decode", "profile")
+    # test+sanitize must end by 50 - (5 + 5 + 5) = 35 s; pytest gets what is left less its 20 s grace.
+    assert verdicts(log) == {"env": "ok", "build": "ok", "test": "FAILED", "sanitize": "ok", "bench": "ok",
+                             "decode": "ok", "profile": "ok"}, log
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert wall < 50, wall
+    assert re.search(r"pytest: stopped at its time limit of \d+ s", (out / "pytest.log").read_text())
+    calls = (tmp_path / "calls.log").read_text()
+    assert "tools/bench_attention.py --json" in calls and "tools/bench_attention.py --decode" in calls
+    assert re.search(r"budget: 50 s .*\n(.*\n)*.*done: 1 part\(s\) failed in \d+ s of a 50 s budget", log), log
+
+
+def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):
+    env, tmp_path = stubs
+    env["STUB_HANG"] = "tools/bench_attention.py --json"
+    proc, log, out, wall = campaign(env, tmp_path, "--budget", "30", "env", "bench", "decode", "profile")
+    assert verdicts(log) == {"env": "ok", "bench": "FAILED", "decode": "ok", "profile": "ok"}, log
+    assert proc.returncode == 1
+    assert wall < 30, wall
+    assert "bench: stopped at its time limit" in log
+
+
+def test_no_time_left_is_a_skip_that_counts_as_a_failure(stubs):
+    env, tmp_path = stubs
+    # The bench's 15 s grace does not fit in an 8 s budget: the step is refused, not run unbounded.
+    proc, log, _, _ = campaign(env, tmp_path, "--budget", "8", "env", "bench")
+    assert verdicts(log) == {"env": "ok", "bench": "FAILED"}, log
+    assert "bench: SKIPPED, no time left in the budget" in log
+    assert proc.returncode == 1
+    assert "bench_attention" not in (tmp_path / "calls.log").read_text()
+
+    # A part whose group starts with the budget spent is skipped whole, and each is counted.
+    env["STUB_SMI_SLEEP"] = "7"
+    proc, log, _, _ = campaign(env, tmp_path, "--budget", "6", "env", "bench+decode")
+    assert verdicts(log) == {"env": "ok", "bench": "SKIPPED", "decode": "SKIPPED"}, log
+    assert "part bench SKIPPED: the budget of 6 s is spent" in log
+    assert proc.returncode == 2
+
+
+def test_without_a_budget_the_parts_keep_their_own_limits(stubs):
+    env, tmp_path = stubs
+    proc, log, _, _ = campaign(env, tmp_path, "env", "build", "bench")
+    assert verdicts(log) == {"env": "ok", "build": "ok", "bench": "ok"}, log
+    assert proc.returncode == 0
+    assert "budget" not in log
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["env", "nosuch"], "unknown part: nosuch"),
+    (["--budget", "ten", "env"], "error: --budget takes whole seconds, not 'ten'"),
+])
+def test_a_bad_command_line_runs_nothing(stubs, argv, message):
+    env, tmp_path = stubs
+    proc, log, _, _ = campaign(env, tmp_path, *argv)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert "part env" not in log and not (tmp_path / "calls.log").exists()
+
+
+def test_the_documented_one_call_command_is_the_script_s():
+    """tools/README.md's one-call command names parts and options the script has."""
+    readme = (ROOT / "tools" / "README.md").read_text()
+    commands = re.findall(r"^\s+(?:\S+=\S+ )*tools/gpu_campaign\.sh (.+)$", readme, re.M)
+    assert commands, "tools/README.md shows no gpu_campaign.sh command"
+    script = CAMPAIGN.read_text()
+    known = set(re.findall(r"^part_(\w+)\(\)", script, re.M)) | {"all"}
+    for command in commands:
+        words = command.split("#")[0].split()
+        budget = words.index("--budget") if "--budget" in words else None
+        if budget is not None:
+            assert words[budget + 1].isdigit(), command
+        parts = [w for w in words if not w.startswith("-") and not w.startswith("$") and not w.isdigit()]
+        assert parts and all(p in known for group in parts for p in group.split("+")), command
+
+
+def test_a_bench_stopped_at_its_limit_renders_as_partial(tmp_path):
+    """bench.json is rewritten after every case; a run stopped before its last case renders what it
+    measured and says it is partial (and a record written whole, or before the field existed, does not)."""
+    saved = json.loads((ROOT / "docs" / "campaign" / "2026-11-23-h100" / "bench.json").read_text())
+    assert "complete" not in saved  # written before the field existed: whole by construction
+    partial = dict(saved, rows=saved["rows"][:5], cases=len(saved["rows"]), complete=False)
+    for name, record in (("partial.json", partial), ("whole.json", saved)):
+        (tmp_path / name).write_text(json.dumps(record))
+        out = subprocess.run([sys.executable, "tools/bench_attention.py", "--render", str(tmp_path / name)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        table = out.stdout.split("\n\n")[0].splitlines()
+        assert len(table) == 2 + len(record["rows"])  # header, rule, one line per measured case
+        says_partial = f"Partial run: stopped at its time limit after 5 of {len(saved['rows'])} cases" in out.stderr
+        assert says_partial == (name == "partial.json"), out.stderr
