@@ -141,7 +141,7 @@ part_test() {
   # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
   # 206 cases took 82 s on the H100 (2026-11-23); there are about 370 now, with a CUDA training run.
   # -v puts each result in the log as it comes, so a run stopped at its limit still says what passed.
-  timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs -m gpu -n 8 \
+  timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m gpu -n 8 \
     tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py tests/test_kernel_abi.py \
     -k "not compute_sanitizer" >> "$OUT_DIR/pytest.log" 2>&1
   local rc=$?
