@@ -18,8 +18,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-import torch
-
 from diffexport import reference
 from diffexport.errors import DiffExportError
 from diffexport.modeling import FAMILIES
