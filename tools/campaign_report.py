@@ -1,0 +1,181 @@
+"""What a GPU campaign's output says against issue 16's targets, read on the CPU machine.
+
+    python tools/campaign_report.py DIR
+
+DIR holds what tools/gpu_campaign.sh wrote (the files a `run` call brings back): campaign.log,
+pytest.log, sanitizer.log, bench.json, decode.json. Prints one verdict per target: the GPU suite
+(pytest's own summary line, and whether it was stopped at its limit), `diffexport kernels --check`,
+each compute-sanitizer tool's summary, the Hopper probe, each part's verdict, then from bench.json
+the fused kernel against the best composition of the same run at N = 4k and 16k (target >= 1.3x),
+the INT8 logits against the fused fp path (target >= 1.2x with cosine >= 0.999), the Hopper path
+and any carried build (`fused@NAME`) beside this one, and from decode.json the split-KV decode
+kernels against the best composition and the copy bandwidth. Missing files are said, not guessed.
+Every ratio is computed from the raw timings, never copied from a table. Not a test: it reads
+what ran; the tables themselves come from `bench_attention.py --render`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+FUSED_TARGET, INT8_TARGET, COSINE_TARGET = 1.3, 1.2, 0.999
+TARGET_SEQS = (4096, 16384)
+SANITIZERS = ("memcheck", "initcheck", "racecheck", "synccheck")
+
+
+def read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def best_composition(timings: dict) -> tuple[str, float] | None:
+    """The fastest composition of one case: FlashDiffAttn_1/_2 on a backend ("flash_diff_1/cudnn"),
+    or the naive form; never one of our kernels (fused*, split_kv*, one_pass, any "@build")."""
+    comps = [(name, t["ms"]) for name, t in timings.items() if ("/" in name or name == "naive") and "@" not in name]
+    return min(comps, key=lambda item: item[1]) if comps else None
+
+
+def case(row: dict) -> str:
+    return f"{row['dtype']} d={row['d']} causal={row['causal']} N={row['n']}"
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}x-{max(values):.2f}x (median {statistics.median(values):.2f}x)"
+
+
+def correctness(folder: Path) -> list[str]:
+    lines = []
+    log = read(folder / "campaign.log")
+    if log is None:
+        lines.append("campaign.log   missing")
+    else:
+        parts = re.findall(r"part (\w+) (ok|FAILED|SKIPPED)", log)
+        lines.append("parts          " + (", ".join(f"{p} {v}" for p, v in parts) or "none finished"))
+        probe = re.findall(r"Hopper path probe: (.*)", log)
+        lines.append("Hopper probe   " + (probe[-1] if probe else "not run"))
+        budget = re.findall(r"done: .*", log)
+        if budget:
+            lines.append("campaign       " + budget[-1])
+    pytest_log = read(folder / "pytest.log")
+    if pytest_log is None:
+        lines.append("GPU suite      pytest.log missing")
+    else:
+        checks = re.findall(r"^check (\S+)\s+(ok|FAILED|skipped)\b(.*)$", pytest_log, re.M)
+        result = re.findall(r"^result\s+(.*)$", pytest_log, re.M)
+        lines.append("kernels check  " + (result[-1] if result else "no result line")
+                     + "".join(f"; {name} {verdict}" for name, verdict, _ in checks if verdict != "ok"))
+        # pytest's last line, "=== 3 passed, 1 skipped in 9.1s ===" (-v) or bare (-q)
+        summary = [line.strip("= ") for line in pytest_log.splitlines()
+                   if re.fullmatch(r"=* ?\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s.*", line)]
+        stopped = re.search(r"pytest: (stopped at its time limit.*|SKIPPED.*)", pytest_log)
+        verdict = summary[-1] if summary else "no summary line"
+        lines.append("GPU suite      " + verdict + (f" ({stopped.group(1)})" if stopped else ""))
+        failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", pytest_log, re.M)
+        lines += [f"  failed       {name}" for name in dict.fromkeys(failed)]
+    sanitizer_log = read(folder / "sanitizer.log")
+    if sanitizer_log is None:
+        lines.append("sanitizers     sanitizer.log missing")
+    else:
+        sections = dict(re.findall(r"^--- (\w+)\n(.*?)(?=^--- |\Z)", sanitizer_log, re.M | re.S))
+        for tool in SANITIZERS:
+            text = sections.get(tool)
+            if text is None:
+                lines.append(f"{tool:<14} not run")
+                continue
+            summary = re.findall(r"========= ((?:ERROR|RACECHECK) SUMMARY: .*)", text)
+            lines.append(f"{tool:<14} " + (summary[-1] if summary else "no summary (stopped or crashed)"))
+    return lines
+
+
+def prefill(folder: Path) -> list[str]:
+    text = read(folder / "bench.json")
+    if text is None:
+        return ["bench          bench.json missing"]
+    record = json.loads(text)
+    rows = record["rows"]
+    lines = [f"bench          {len(rows)} cases"
+             + ("" if record.get("complete", True) else f" of {record['cases']} (stopped at its time limit)")
+             + f"; bf16 matmul peak {record['peak_tflops']:.0f} TFLOP/s"]
+    target_rows = [r for r in rows if r["n"] in TARGET_SEQS and "fused" in r["timings"]]
+    ratios = []
+    for row in target_rows:
+        best = best_composition(row["timings"])
+        if best:
+            ratios.append((best[1] / row["timings"]["fused"]["ms"], row, best[0]))
+    if ratios:
+        met = [r for r in ratios if r[0] >= FUSED_TARGET]
+        worst = min(ratios, key=lambda item: item[0])
+        lines.append(f"fused vs best  N in {TARGET_SEQS}: {spread([r[0] for r in ratios])}; target >= {FUSED_TARGET}x "
+                     f"met in {len(met)} of {len(ratios)} cases; slowest: {case(worst[1])} {worst[0]:.2f}x "
+                     f"against {worst[2]}")
+    else:
+        lines.append(f"fused vs best  no case at N in {TARGET_SEQS} with both timings")
+    int8 = [(r["timings"]["fused"]["ms"] / r["timings"]["fused_int8"]["ms"], r["int8_cosine"], r) for r in rows
+            if "fused" in r["timings"] and "fused_int8" in r["timings"]]
+    if int8:
+        met = [x for x in int8 if x[0] >= INT8_TARGET and x[1] >= COSINE_TARGET]
+        lines.append(f"INT8 vs fused  {spread([x[0] for x in int8])}, cosine {min(x[1] for x in int8):.5f} at worst; "
+                     f"target >= {INT8_TARGET}x with cosine >= {COSINE_TARGET} met in {len(met)} of {len(int8)} cases")
+    hopper = [r["timings"]["fused"]["ms"] / r["timings"]["fused_hopper"]["ms"] for r in rows
+              if "fused" in r["timings"] and "fused_hopper" in r["timings"]]
+    lines.append("Hopper path    " + (f"vs the mma.sync kernel: {spread(hopper)} in {len(hopper)} cases" if hopper
+                                      else "not measured (no sm_90a path in the build, or it failed its probe)"))
+    builds = sorted({name.split("@", 1)[1] for r in rows for name in r["timings"] if "@" in name})
+    for build in builds:
+        for method in ("fused", "fused_int8"):
+            ratio = [r["timings"][f"{method}@{build}"]["ms"] / r["timings"][method]["ms"] for r in rows
+                     if method in r["timings"] and f"{method}@{build}" in r["timings"]]
+            if ratio:
+                lines.append(f"{method}@{build:<6} {build} / this build: {spread(ratio)} in {len(ratio)} cases "
+                             "(above 1x: this build is faster)")
+    return lines
+
+
+def decode(folder: Path) -> list[str]:
+    text = read(folder / "decode.json")
+    if text is None:
+        return ["decode         decode.json missing"]
+    record = json.loads(text)
+    rows = [r for r in record["rows"] if "split_kv" in r["timings"]]
+    lines = [f"decode         {len(record['rows'])} cases"
+             + ("" if record.get("complete", True) else f" of {record['cases']} (stopped at its time limit)")
+             + f"; device-to-device copy {record['copy_gbs']:.0f} GB/s"]
+    if not rows:
+        return lines + ["split-KV       not measured in any case"]
+    vs_best = [best[1] / r["timings"]["split_kv"]["ms"] for r in rows
+               if (best := best_composition(r["timings"])) is not None]
+    of_copy = [r["timings"]["split_kv"]["gbs"] / record["copy_gbs"] for r in rows]
+    long = [r["timings"]["split_kv"]["gbs"] / record["copy_gbs"] for r in rows if r["kv_len"] >= 32768]
+    if vs_best:
+        lines.append(f"split-KV       vs best composition {spread(vs_best)}")
+    lines.append(f"split-KV       {100 * min(of_copy):.0f}%-{100 * max(of_copy):.0f}% of the copy bandwidth"
+                 + (f"; from 32k keys {100 * min(long):.0f}%-{100 * max(long):.0f}%" if long else ""))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="the campaign's output folder (the files a run call returns)")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        print(f"error: {args.folder} is not a folder of campaign output", file=sys.stderr)
+        return 2
+    try:
+        lines = correctness(args.folder) + prefill(args.folder) + decode(args.folder)
+    except (json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as exc:
+        print(f"error: {args.folder}: a result file is not what gpu_campaign.sh writes ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
