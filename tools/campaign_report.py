@@ -35,6 +35,18 @@ def read(path: Path) -> str | None:
         return None
 
 
+def saved_run(folder: Path, name: str) -> dict | None:
+    """A bench_attention.py --json record, or None when the campaign brought none back."""
+    text = read(folder / name)
+    return None if text is None else json.loads(text)
+
+
+def measured(label: str, record: dict) -> str:
+    """How many cases a record holds, and whether its run was stopped before the last."""
+    stopped = "" if record.get("complete", True) else f" of {record['cases']} (stopped at its time limit)"
+    return f"{label:<14} {len(record['rows'])} cases{stopped}"
+
+
 def best_composition(timings: dict) -> tuple[str, float] | None:
     """The fastest composition of one case: FlashDiffAttn_1/_2 on a backend ("flash_diff_1/cudnn"),
     or the naive form; never one of our kernels (fused*, split_kv*, one_pass, any "@build")."""
@@ -95,14 +107,11 @@ def correctness(folder: Path) -> list[str]:
 
 
 def prefill(folder: Path) -> list[str]:
-    text = read(folder / "bench.json")
-    if text is None:
+    record = saved_run(folder, "bench.json")
+    if record is None:
         return ["bench          bench.json missing"]
-    record = json.loads(text)
     rows = record["rows"]
-    lines = [f"bench          {len(rows)} cases"
-             + ("" if record.get("complete", True) else f" of {record['cases']} (stopped at its time limit)")
-             + f"; bf16 matmul peak {record['peak_tflops']:.0f} TFLOP/s"]
+    lines = [measured("bench", record) + f"; bf16 matmul peak {record['peak_tflops']:.0f} TFLOP/s"]
     target_rows = [r for r in rows if r["n"] in TARGET_SEQS and "fused" in r["timings"]]
     ratios = []
     for row in target_rows:
@@ -139,14 +148,11 @@ def prefill(folder: Path) -> list[str]:
 
 
 def decode(folder: Path) -> list[str]:
-    text = read(folder / "decode.json")
-    if text is None:
+    record = saved_run(folder, "decode.json")
+    if record is None:
         return ["decode         decode.json missing"]
-    record = json.loads(text)
     rows = [r for r in record["rows"] if "split_kv" in r["timings"]]
-    lines = [f"decode         {len(record['rows'])} cases"
-             + ("" if record.get("complete", True) else f" of {record['cases']} (stopped at its time limit)")
-             + f"; device-to-device copy {record['copy_gbs']:.0f} GB/s"]
+    lines = [measured("decode", record) + f"; device-to-device copy {record['copy_gbs']:.0f} GB/s"]
     if not rows:
         return lines + ["split-KV       not measured in any case"]
     vs_best = [best[1] / r["timings"]["split_kv"]["ms"] for r in rows
