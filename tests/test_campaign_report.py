@@ -45,6 +45,9 @@ def test_the_first_h100_run_reads_as_it_was():
     assert line(out.stdout, "memcheck").endswith("ERROR SUMMARY: 0 errors")
     assert "sanitize FAILED" in line(out.stdout, "parts")
     assert line(out.stdout, "decode") == "decode         decode.json missing"
+    assert line(out.stdout, "profile") == ("profile        fused kernel, N=4096: time 7.62 ms, SM 46.17%, memory 51.68%, "
+                                           "DRAM 2.12%, issue slots 46.17%, cycles/issue 4.15 cycle, registers 249, "
+                                           "occupancy 12.40%")
 
 
 def timing(ms: float) -> dict:
@@ -75,6 +78,18 @@ def made_up(tmp_path):
                    for keys, gbs in ((1024, 300.0), (32768, 2000.0))]
     (tmp_path / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 2500.0, "rows": decode_rows,
                                                       "cases": 2, "complete": True}))
+    (tmp_path / "profile.txt").write_text(
+        "==PROF== Profiling\n    Duration                         ms          7.50\n"
+        "    Registers Per Thread             register/thread             168\n"
+        "--- selected raw metrics\n"
+        "    sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active   %   41.25\n"
+        "    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio   ratio   0.31\n"
+        "    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio   ratio   1.52\n"
+        "    smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio   ratio   0.80\n"
+        "    l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum                     2,097,152\n"
+        "--- split-KV decode kernel, Sq=1, 32768 keys\n"
+        "    Duration                         us          41.18\n    DRAM Throughput   %   83.10\n"
+        "--- Hopper path profile FAILED\n")
     return tmp_path
 
 
@@ -98,6 +113,14 @@ def test_a_made_up_run_reads_target_by_target(made_up):
     assert "1.50x-1.50x (median 1.50x) in 3 cases" in line(text, "fused@before")
     assert line(text, "split-KV       12%") == "split-KV       12%-80% of the copy bandwidth; from 32k keys 80%-80%"
     assert "vs best composition 3.00x-3.00x" in text
+    assert text.splitlines()[-5:] == [
+        "profile        fused kernel, N=4096: time 7.50 ms, registers 168",
+        "profile        selected raw metrics",
+        "               tensor pipe 41.2%; top stalls (cycles per issue) long_scoreboard 1.52, math_pipe_throttle 0.80, "
+        "barrier 0.31; shared bank conflicts st 2,097,152",
+        "profile        split-KV decode kernel, Sq=1, 32768 keys: time 41.18 us, DRAM 83.10%",
+        "profile        Hopper path profile FAILED: nothing measured",
+    ], text
 
 
 def test_a_broken_or_absent_folder_is_one_error_line(made_up, tmp_path):

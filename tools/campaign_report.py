@@ -9,7 +9,9 @@ each compute-sanitizer tool's summary, the Hopper probe, each part's verdict, th
 the fused kernel against the best composition of the same run at N = 4k and 16k (target >= 1.3x),
 the INT8 logits against the fused fp path (target >= 1.2x with cosine >= 0.999), the Hopper path
 and any carried build (`fused@NAME`) beside this one, and from decode.json the split-KV decode
-kernels against the best composition and the copy bandwidth. Missing files are said, not guessed.
+kernels against the best composition and the copy bandwidth, and from profile.txt what limits each
+profiled launch (throughputs, issue slots, occupancy, the tensor pipe, the top stall reasons,
+shared-memory bank conflicts). Missing files are said, not guessed.
 Every ratio is computed from the raw timings, never copied from a table. Not a test: it reads
 what ran; the tables themselves come from `bench_attention.py --render`.
 """
@@ -166,6 +168,57 @@ def decode(folder: Path) -> list[str]:
     return lines
 
 
+# From ncu's details page: (label, metric name); each printed with the unit ncu gives it.
+DETAILS = (("time", "Duration"), ("SM", "Compute (SM) Throughput"), ("memory", "Memory Throughput"),
+           ("DRAM", "DRAM Throughput"), ("issue slots", "Issue Slots Busy"),
+           ("cycles/issue", "Warp Cycles Per Issued Instruction"), ("registers", "Registers Per Thread"),
+           ("occupancy", "Achieved Occupancy"))
+
+
+def profile_sections(text: str) -> list[tuple[str, str]]:
+    """profile.txt as (title, text): the fused launch's full details first, then each "--- title" part."""
+    chunks = re.split(r"^--- (.*)$", text, flags=re.M)
+    return [("fused kernel, N=4096", chunks[0])] + list(zip(chunks[1::2], chunks[2::2]))
+
+
+def profile_lines(title: str, text: str) -> list[str]:
+    details = []
+    for label, name in DETAILS:
+        found = re.search(rf"^\s+{re.escape(name)}\s+(?:([^\s\d][^\s]*)\s+)?([\d,.]+)\s*$", text, re.M)
+        if found:
+            unit = found.group(1) or ""
+            details.append(f"{label} {found.group(2)}{unit if unit in ('%', '') else ' ' + unit}"
+                           .replace(" register/thread", ""))
+    raw = {name: float(value.replace(",", "")) for name, value in
+           re.findall(r"^\s*([a-z0-9]+__[\w.]+)\s+(?:\S+\s+)?([\d,]+(?:\.\d+)?)\s*$", text, re.M)}
+    tensor = [f"{value:.1f}%" for name, value in raw.items() if "pipe_tensor" in name and "pct" in name]
+    stalls = sorted(((value, re.search(r"issue_stalled_(\w+?)_per_issue_active", name).group(1))
+                     for name, value in raw.items() if "issue_stalled_" in name and "per_issue_active" in name),
+                    reverse=True)[:4]
+    conflicts = {kind: value for name, value in raw.items() for kind in ("ld", "st")
+                 if f"bank_conflicts_pipe_lsu_mem_shared_op_{kind}.sum" in name}
+    if not details and not raw:
+        return [f"profile        {title}: nothing measured"]
+    lines = [f"profile        {title}" + (": " + ", ".join(details) if details else "")]
+    more = []
+    if tensor:
+        more.append("tensor pipe " + "/".join(tensor))
+    if stalls:
+        more.append("top stalls (cycles per issue) " + ", ".join(f"{name} {value:.2f}" for value, name in stalls))
+    if conflicts:
+        more.append("shared bank conflicts " + ", ".join(f"{kind} {value:,.0f}" for kind, value in conflicts.items()))
+    if more:
+        lines.append("               " + "; ".join(more))
+    return lines
+
+
+def profile(folder: Path) -> list[str]:
+    text = read(folder / "profile.txt")
+    if text is None:
+        return ["profile        profile.txt missing"]
+    return [line for title, chunk in profile_sections(text) for line in profile_lines(title, chunk)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the campaign's output folder (the files a run call returns)")
@@ -174,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.folder} is not a folder of campaign output", file=sys.stderr)
         return 2
     try:
-        lines = correctness(args.folder) + prefill(args.folder) + decode(args.folder)
+        lines = correctness(args.folder) + prefill(args.folder) + decode(args.folder) + profile(args.folder)
     except (json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as exc:
         print(f"error: {args.folder}: a result file is not what gpu_campaign.sh writes ({type(exc).__name__}: {exc})",
               file=sys.stderr)
