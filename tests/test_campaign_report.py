@@ -65,7 +65,8 @@ def made_up(tmp_path):
         "FAILED tests/test_kernel_gpu.py::test_b - assert 0\n"
         "========================= 1 failed, 1 passed in 400.10s ==========================\n"
         "pytest: stopped at its time limit of 380 s\n")
-    (tmp_path / "sanitizer.log").write_text("--- memcheck\n========= ERROR SUMMARY: 0 errors\n--- initcheck\n")
+    (tmp_path / "sanitizer.log").write_text("--- memcheck\n========= ERROR SUMMARY: 0 errors\n--- initcheck\n"
+                                            "initcheck: stopped at its time limit of 80 s\n--- racecheck\n")
     rows = [{"dtype": "bfloat16", "d": 128, "causal": 0, "n": n, "int8_cosine": cos,
              "timings": {"fused": timing(fused), "fused_int8": timing(int8), "fused_hopper": timing(fused / 2),
                          "fused@before": timing(fused * 1.5), "flash_diff_1/cudnn": timing(best)}}
@@ -101,8 +102,9 @@ def test_a_made_up_run_reads_target_by_target(made_up):
                                        "(stopped at its time limit of 380 s)")
     assert "  failed       tests/test_kernel_gpu.py::test_b" in text
     assert line(text, "kernels check") == "kernels check  FAIL: 1 kernel path(s); hopper FAILED"
-    assert line(text, "initcheck").endswith("no summary (stopped or crashed)")
-    assert line(text, "racecheck").endswith("not run")
+    assert line(text, "initcheck").endswith("initcheck      stopped at its time limit of 80 s")
+    assert line(text, "racecheck").endswith("no summary (crashed)")
+    assert line(text, "synccheck").endswith("not run")
     assert line(text, "Hopper probe") == "Hopper probe   ok: 2 launches"
     assert line(text, "bench") == "bench          3 cases of 6 (stopped at its time limit); bf16 matmul peak 700 TFLOP/s"
     # N=4096: 3.0/2.0 = 1.5x (met); N=16384: 9/8 = 1.125x (not); N=1024 is not a target case.

@@ -104,7 +104,9 @@ def correctness(folder: Path) -> list[str]:
                 lines.append(f"{tool:<14} not run")
                 continue
             summary = re.findall(r"========= ((?:ERROR|RACECHECK) SUMMARY: .*)", text)
-            lines.append(f"{tool:<14} " + (summary[-1] if summary else "no summary (stopped or crashed)"))
+            cut = re.search(rf"^{tool}: (SKIPPED.*|stopped at its time limit.*)$", text, re.M)
+            lines.append(f"{tool:<14} " + (summary[-1] if summary else cut.group(1) if cut
+                                           else "no summary (crashed)"))
     return lines
 
 

@@ -15,9 +15,10 @@
 # Everything lands in at most 8 files under DIR
 # (campaign.log, build.log, pytest.log, sanitizer.log, bench.md, bench.json, decode.json, profile.txt;
 # the Nsight Compute reports stay in /tmp, their details and selected metrics go into profile.txt)
-# (default $OUT when set, else ./campaign-out). tools/README.md says how to split the parts
-# into calls. Runs from the repository root with the python3 that holds torch (no install:
-# PYTHONPATH=.). Exit status: the number of parts that failed.
+# (default $OUT when set, else ./campaign-out); it ends by printing tools/campaign_report.py's
+# verdicts. tools/README.md gives the one call and its budget. Runs from the repository root with
+# the python3 that holds torch (no install: PYTHONPATH=.). Exit status: the number of parts that
+# failed or were skipped.
 set -u
 cd "$(dirname "$0")/.."
 
