@@ -41,8 +41,10 @@ echo "$(basename "$0") $*" >> "$STUB_LOG"
 exit 0
 """
 TOOLS = ("nvidia-smi", "nvcc", "cmake", "cuobjdump", "compute-sanitizer", "ncu")
-# Reserves small enough for seconds-long runs; the real ones are minutes (RESERVE in the script).
-RESERVES = "env=1 build=1 variants=0 test=6 sanitize=3 bench=5 decode=5 profile=5"
+# Reserves for seconds-long runs (the real ones are minutes, RESERVE in the script), each still
+# above its steps' kill grace + 5 s (pytest 20, bench and decode 15, build, ncu and sanitizers 10), as the
+# script's must be: a reserve below that leaves a step nothing, whatever the budget.
+RESERVES = "env=1 build=15 variants=0 test=27 sanitize=17 bench=22 decode=22 profile=17"
 
 
 @pytest.fixture
@@ -80,26 +82,27 @@ def verdicts(log: str) -> dict[str, str]:
 def test_a_hanging_test_part_is_stopped_in_time_and_the_later_parts_still_run(stubs):
     env, tmp_path = stubs
     env["STUB_HANG"] = "-m pytest"
-    proc, log, out, wall = campaign(env, tmp_path, "--budget", "50", "env", "build", "test+sanitize", "bench",
+    proc, log, out, wall = campaign(env, tmp_path, "--budget", "95", "env", "build", "test+sanitize", "bench",
                                     "decode", "profile")
-    # test+sanitize must end by 50 - (5 + 5 + 5) = 35 s; pytest gets what is left less its 20 s grace.
+    # test+sanitize must end by 95 - (22 + 22 + 17) = 34 s; pytest gets what is left less its 20 s grace.
     assert verdicts(log) == {"env": "ok", "build": "ok", "test": "FAILED", "sanitize": "ok", "bench": "ok",
                              "decode": "ok", "profile": "ok"}, log
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert wall < 50, wall
+    assert wall < 34, wall
     assert re.search(r"pytest: stopped at its time limit of \d+ s", (out / "pytest.log").read_text())
     calls = (tmp_path / "calls.log").read_text()
     assert "tools/bench_attention.py --json" in calls and "tools/bench_attention.py --decode" in calls
-    assert re.search(r"budget: 50 s .*\n(.*\n)*.*done: 1 part\(s\) failed in \d+ s of a 50 s budget", log), log
+    assert re.search(r"budget: 95 s .*\n(.*\n)*.*done: 1 part\(s\) failed in \d+ s of a 95 s budget", log), log
 
 
 def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):
     env, tmp_path = stubs
     env["STUB_HANG"] = "tools/bench_attention.py --json"
-    proc, log, out, wall = campaign(env, tmp_path, "--budget", "30", "env", "bench", "decode", "profile")
+    proc, log, out, wall = campaign(env, tmp_path, "--budget", "64", "env", "bench", "decode", "profile")
+    # The bench must end by 64 - (22 + 17) = 25 s, less its 15 s grace: about 10 s, then SIGINT.
     assert verdicts(log) == {"env": "ok", "bench": "FAILED", "decode": "ok", "profile": "ok"}, log
     assert proc.returncode == 1
-    assert wall < 30, wall
+    assert wall < 25, wall
     assert "bench: stopped at its time limit" in log
 
 

@@ -43,7 +43,9 @@ export DIFFEXPORT_REQUIRE_KERNELS=1   # a missing library fails the GPU tests in
 failed=0
 
 # Seconds a part needs to say something useful; under --budget, the earlier groups leave this much
-# to each later group. CAMPAIGN_RESERVE="part=seconds ..." overrides (tests/test_gpu_campaign_budget.py).
+# to each later group. Each must exceed its steps' kill grace + 5 s (pytest 20, benches 15, build, ncu and
+# sanitizers 10), else its steps are left no time. CAMPAIGN_RESERVE="part=seconds ..." overrides
+# (tests/test_gpu_campaign_budget.py).
 declare -A RESERVE=([env]=10 [build]=60 [variants]=0 [test]=150 [sanitize]=60 [bench]=90 [decode]=60 [profile]=60)
 for spec in ${CAMPAIGN_RESERVE:-}; do RESERVE[${spec%%=*}]="${spec#*=}"; done
 GROUP_END=""   # SECONDS by which the running group must end (set per group under --budget)
