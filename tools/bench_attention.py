@@ -161,11 +161,6 @@ def on_path(path: str, fn):
     return run
 
 
-def best_baseline(row: dict) -> tuple[str, dict] | None:
-    baselines = [(name, r) for name, r in row["timings"].items() if not name.startswith("fused")]
-    return min(baselines, key=lambda item: item[1]["ms"]) if baselines else None
-
-
 def table(rows: list[dict], peak: float) -> str:
     def cell(r):
         return "-" if r is None else f"{r['ms']:.3f} ({r['tflops']:.0f})"
@@ -175,7 +170,8 @@ def table(rows: list[dict], peak: float) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         t = row["timings"]
-        fused, int8, hopper, best = t.get("fused"), t.get("fused_int8"), t.get("fused_hopper"), best_baseline(row)
+        fused, int8, hopper = t.get("fused"), t.get("fused_int8"), t.get("fused_hopper")
+        best = benchdoc.best_composition(t)
         vs_best = f"{best[1]['ms'] / fused['ms']:.2f}x" if fused and best else "-"
         hopper_vs_best = f"{best[1]['ms'] / hopper['ms']:.2f}x" if hopper and best else "-"
         vs_fused = f"{fused['ms'] / int8['ms']:.2f}x" if fused and int8 else "-"
@@ -319,8 +315,7 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
     for row in rows:
         t = row["timings"]
         ours = t.get("split_kv")
-        comps = [(n, r) for n, r in t.items() if "/" in n]
-        best = min(comps, key=lambda item: item[1]["ms"]) if comps else None
+        best = benchdoc.best_composition(t)
         vs_best = f"{best[1]['ms'] / ours['ms']:.2f}x" if ours and best else "-"
         vs_one = f"{t['one_pass']['ms'] / ours['ms']:.2f}x" if ours and "one_pass" in t else "-"
         pct = f"{100 * ours['gbs'] / copy_gbs:.0f}%" if ours else "-"
@@ -333,12 +328,14 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
 
 def publish_decode(record: dict, write: bool) -> None:
     text = decode_table(record["rows"], record["copy_gbs"])
-    print(completeness(record) + "\n" if completeness(record) else "", end="", file=sys.stderr)
+    if completeness(record):
+        print(completeness(record), file=sys.stderr)
     print(text)
     if not write:
         return
     body = (f"## Split-KV decode on the GPU (DIFF V1, causal, forward)\n\n`{record['command']}`\n\n"
-            f"{completeness(record)}{record['stamp']} Device-to-device copy bandwidth measured in this run: {record['copy_gbs']:.0f} GB/s "
+            f"{completeness(record)}{record['stamp']} Device-to-device copy bandwidth measured in this run: "
+            f"{record['copy_gbs']:.0f} GB/s "
             f"(read + write of 2 GiB). Cells: median µs per call (achieved GB/s on the bytes of Q, K, V and the "
             f"output once), each call timed inside a CUDA graph of {DECODE_GRAPH_CALLS} calls, {record['repeats']} "
             f"replays after {record['warmup']} warm-up. One-pass: the same call with DIFFEXPORT_KERNEL_PATH=mma. "
@@ -362,7 +359,8 @@ def publish(record: dict, other_builds, write: bool) -> None:
     """Print the tables of a run and, with write, replace the section of docs/BENCHMARKS.md."""
     rows, peak = record["rows"], record["peak_tflops"]
     text = table(rows, peak) + "\n\nAll compositions, median ms:\n\n" + composition_table(rows)
-    print(completeness(record) + "\n" if completeness(record) else "", end="", file=sys.stderr)
+    if completeness(record):
+        print(completeness(record), file=sys.stderr)
     if other_builds:
         text += ("\n\nThis build vs the others, median ms (ratio = other / this):\n\n"
                  + builds_table(rows, list(other_builds)))
@@ -370,7 +368,8 @@ def publish(record: dict, other_builds, write: bool) -> None:
     if not write:
         return
     body = (f"## Fused differential attention on the GPU (DIFF V1, forward)\n\n`{record['command']}`\n\n"
-            f"{completeness(record)}{record['stamp']} Measured bf16 matmul peak (8192^3) in this run: {peak:.0f} TFLOP/s. "
+            f"{completeness(record)}{record['stamp']} Measured bf16 matmul peak (8192^3) in this run: "
+            f"{peak:.0f} TFLOP/s. "
             f"Cells: median ms (TFLOP/s on 12*N^2*d per diff-head, halved for causal), {record['repeats']} runs "
             f"after {record['warmup']} warm-up. Compositions: FlashDiffAttn_1/_2 on the default attention library "
             f"(`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(record['backends'])}), "

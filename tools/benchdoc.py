@@ -1,4 +1,5 @@
-"""Shared by the benchmark tools: hardware/commit stamp and replacing a tool's section in docs/BENCHMARKS.md."""
+"""Shared by the benchmark tools: hardware/commit stamp, replacing a tool's section in docs/BENCHMARKS.md,
+and which timing of a saved case is the best composition."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ def stamp() -> str:
         gpu = f"GPU {torch.cuda.get_device_name()} (sm_{major}{minor}, CUDA {torch.version.cuda}); "
     return (f"Date {datetime.date.today().isoformat()}; {gpu}{cpu_name()}, {os.cpu_count()} cores, {memory:.0f} GiB; "
             f"torch {torch.__version__}{ort}, Python {platform.python_version()}; commit {commit}.")
+
+
+def best_composition(timings: dict) -> tuple[str, dict] | None:
+    """The fastest composition of one case: FlashDiffAttn_1/_2 on a backend ("flash_diff_1/cudnn") or
+    the naive form; never one of our kernels (fused*, split_kv*, one_pass) nor another build ("@NAME")."""
+    comps = [(name, t) for name, t in timings.items() if ("/" in name or name == "naive") and "@" not in name]
+    return min(comps, key=lambda item: item[1]["ms"]) if comps else None
 
 
 def write_section(key: str, body: str) -> Path:
