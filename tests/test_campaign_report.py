@@ -125,10 +125,28 @@ def test_a_made_up_run_reads_target_by_target(made_up):
     ], text
 
 
-def test_a_broken_or_absent_folder_is_one_error_line(made_up, tmp_path):
-    (made_up / "bench.json").write_text('{"rows": [')
+@pytest.mark.parametrize("name, content", [
+    ("bench.json", '{"rows": ['),                       # cut off
+    ("bench.json", "[1, 2, 3]"),                        # JSON of the wrong shape
+    ("decode.json", '{"rows": [{"timings": 5}], "copy_gbs": 1}'),  # a field of the wrong type
+])
+def test_a_broken_result_file_is_one_error_line(made_up, name, content):
+    (made_up / name).write_text(content)
     out = report(made_up)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1
-    out = report(tmp_path / "nowhere")
-    assert out.returncode == 2 and out.stderr.startswith("error: ")
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_a_huge_result_file_is_refused_unread(made_up):
+    with open(made_up / "pytest.log", "wb") as f:  # sparse: 65 MiB on paper, no disk
+        f.truncate(65 << 20)
+    out = report(made_up)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == f"error: {made_up}: pytest.log is 65 MiB, more than a campaign writes\n"
+
+
+def test_what_is_not_a_folder_is_one_error_line(made_up, tmp_path):
+    for target in (tmp_path / "nowhere", made_up / "campaign.log"):
+        out = report(target)
+        assert out.returncode == 2 and out.stdout == "" and out.stderr.startswith("error: ")
+        assert out.stderr.count("\n") == 1

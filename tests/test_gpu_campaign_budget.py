@@ -134,6 +134,9 @@ def test_without_a_budget_the_parts_keep_their_own_limits(stubs):
 @pytest.mark.parametrize("argv, message", [
     (["env", "nosuch"], "unknown part: nosuch"),
     (["--budget", "ten", "env"], "error: --budget takes whole seconds, not 'ten'"),
+    (["--budget", "-5", "env"], "error: --budget takes whole seconds, not '-5'"),
+    (["env", "--budget"], "unknown part: --budget"),
+    (["--budget"], "error: --budget needs a value"),
 ])
 def test_a_bad_command_line_runs_nothing(stubs, argv, message):
     env, tmp_path = stubs

@@ -33,8 +33,18 @@ TARGET_SEQS = (4096, 16384)
 SANITIZERS = ("memcheck", "initcheck", "racecheck", "synccheck")
 
 
+MAX_FILE_BYTES = 64 << 20  # a run call brings back files of at most 16 MiB
+
+
+class NotCampaignOutput(Exception):
+    pass
+
+
 def read(path: Path) -> str | None:
+    """A result file's text, None when absent; one larger than any campaign writes is refused unread."""
     try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise NotCampaignOutput(f"{path.name} is {path.stat().st_size >> 20} MiB, more than a campaign writes")
         return path.read_text(errors="replace")
     except OSError:
         return None
@@ -226,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         lines = correctness(args.folder) + prefill(args.folder) + decode(args.folder) + profile(args.folder)
-    except (json.JSONDecodeError, KeyError, TypeError, ZeroDivisionError) as exc:
+    except NotCampaignOutput as exc:
+        print(f"error: {args.folder}: {exc}", file=sys.stderr)
+        return 2
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
         print(f"error: {args.folder}: a result file is not what gpu_campaign.sh writes ({type(exc).__name__}: {exc})",
               file=sys.stderr)
         return 2

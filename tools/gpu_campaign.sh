@@ -26,8 +26,10 @@ OUT_DIR="${OUT:-campaign-out}"
 BUDGET="${CAMPAIGN_BUDGET:-}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --out) OUT_DIR="$2"; shift 2 ;;
-    --budget) BUDGET="$2"; shift 2 ;;
+    --out|--budget)
+      [[ $# -ge 2 ]] || { echo "error: $1 needs a value" >&2; exit 2; }
+      if [[ "$1" == --out ]]; then OUT_DIR="$2"; else BUDGET="$2"; fi
+      shift 2 ;;
     *) break ;;
   esac
 done
