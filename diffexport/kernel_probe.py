@@ -1,7 +1,7 @@
 """The fused kernels tried on this GPU, each in a child process, against the torch reference.
 
-A kernel path that has not run on a GPU before (the opt-in Hopper kernel until a campaign has seen
-it pass, any path on a GPU model nobody has tested) can hang on a barrier or fault on an address.
+A kernel path on a GPU model or driver nobody has tested it on (the Hopper kernel, which auto takes
+on sm_90, first ran on an H200 on 2026-11-26) can hang on a barrier or fault on an address.
 In the caller's process either one takes everything after it down: a hung launch stalls the run
 until its time limit, a fault leaves a CUDA context that refuses every later call. `probe(name)`
 runs a few small launches of one path in a child process under a time limit and compares them with
@@ -47,7 +47,7 @@ CHECKS = {
     "one-pass": Check("mma", "one-pass", PREFILL, 0, "the mma.sync prefill kernel"),
     "int8": Check("mma", "one-pass", PREFILL, 8, "INT8 logits, against the mirrored quantisation"),
     "split-kv": Check("auto", "split-kv", DECODE, 0, "the split-KV decode kernels"),
-    "hopper": Check("hopper", "hopper", PREFILL, 0, "the opt-in sm_90a TMA + wgmma kernel"),
+    "hopper": Check("hopper", "hopper", PREFILL, 0, "the sm_90a TMA + wgmma kernel"),
 }
 
 

@@ -36,8 +36,9 @@ MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 
 IMPL_ENV = "DIFFEXPORT_ATTENTION"
 IMPL_CHOICES = ("auto", "fused", "reference")
 # Read by the C library itself on every call: auto (default: the split-KV decode kernels for
-# q_len <= DECODE_MAX_QUERY, the one-pass kernel above), mma (the one-pass kernel for every call) or
-# hopper (opt-in: longer fp-logit calls on the sm_90a TMA + wgmma kernel, where built and on an sm_90 GPU).
+# q_len <= DECODE_MAX_QUERY; above, the sm_90a TMA + wgmma kernel for fp logits on an sm_90 GPU with a
+# library built with it, else the mma.sync one-pass kernel), mma (the one-pass kernel for every call)
+# or hopper (the TMA + wgmma kernel for every longer fp-logit call; an error off sm_90).
 KERNEL_PATH_ENV = "DIFFEXPORT_KERNEL_PATH"
 DECODE_MAX_QUERY = 16  # DIFFX_DECODE_MAX_QUERY in plugins/kernels/diff_attention.h
 PLAN_NAMES = {1: "one-pass", 2: "split-kv", 3: "hopper"}

@@ -25,15 +25,17 @@ CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, l
 
 
 def paths() -> list[str]:
-    """Every kernel path this GPU and library have: auto, and the opt-in Hopper path on sm_90 once it
-    has passed its probe (diffexport/kernel_probe.py: a hang or fault must not hide the other results)."""
+    """Every kernel this GPU and library run: auto (split-KV for decode-sized calls; above, the Hopper
+    path on an sm_90 GPU whose library has it, else the mma.sync kernel) and, where auto takes the
+    Hopper path, mma as well, so the mma.sync code is checked there too. On sm_90 the Hopper path is
+    probed first (diffexport/kernel_probe.py): a hang or fault must not hide the other results."""
     if kernel_probe.applicable("hopper"):  # not an sm_90 GPU, or a library without the path
         return ["auto"]
     reason = kernel_probe.probed("hopper")
     if reason:
-        print(f"kernel cases: Hopper path left out, it failed its probe: {reason}")
-        return ["auto"]
-    return ["auto", "hopper"]
+        print(f"kernel cases: the Hopper path (auto's choice here) failed its probe, only mma is run: {reason}")
+        return ["mma"]
+    return ["auto", "mma"]
 
 
 def main() -> None:

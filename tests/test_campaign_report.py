@@ -112,6 +112,8 @@ def test_a_made_up_run_reads_target_by_target(made_up):
     # INT8: 2x cos .9995 (met), 2x cos .998 (cosine fails), 8/7 = 1.14x (speed fails).
     assert "met in 1 of 3 cases" in line(text, "INT8 vs fused")
     assert "2.00x-2.00x" in line(text, "Hopper path")
+    # the Hopper path (auto's choice on sm_90) against the same target: 3.0/1.0 and 9/4, both met
+    assert "2.25x-3.00x" in line(text, "Hopper vs best") and "met in 2 of 2 cases" in line(text, "Hopper vs best")
     assert "1.50x-1.50x (median 1.50x) in 3 cases" in line(text, "fused@before")
     assert line(text, "split-KV       12%") == "split-KV       12%-80% of the copy bandwidth; from 32k keys 80%-80%"
     assert "vs best composition 3.00x-3.00x" in text

@@ -29,6 +29,14 @@ def lib():
     return kernels.load_library()
 
 
+def auto_prefill_kernel(lib) -> str:
+    """The kernel DIFFEXPORT_KERNEL_PATH=auto gives longer fp-logit calls: the Hopper path where this
+    library has it and the current device is an sm_90 GPU (none on the CPU machine), else one-pass."""
+    hopper = ("sm90=1" in lib.diffx_build_info().decode() and torch.cuda.is_available()
+              and torch.cuda.get_device_capability() == (9, 0))
+    return "hopper" if hopper else "one-pass"
+
+
 def header_enum(name: str) -> dict[str, int]:
     body = re.search(r"typedef enum %s \{(.*?)\}" % name, HEADER.read_text(), re.S).group(1)
     return {k: int(v) for k, v in re.findall(r"(DIFFX_\w+)\s*=\s*(\d+)", body)}
@@ -276,8 +284,8 @@ def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
     def plan(**kw):
         return kernels.kernel_plan(valid_params(**kw), lib)
 
-    assert plan(q_len=100, kv_len=100) == ("one-pass", 1)
-    assert plan(q_len=17, kv_len=4096) == ("one-pass", 1)
+    assert plan(q_len=100, kv_len=100) == (auto_prefill_kernel(lib), 1)
+    assert plan(q_len=17, kv_len=4096) == (auto_prefill_kernel(lib), 1)
     # batch 2 x 4 heads, one CTA per head (q_len 16 leaves no room to pack the GQA pair): 8 CTAs a
     # split, 32 splits reach 256 CTAs; 4096 keys are 64 tiles, 2 a split
     assert plan(q_len=16, kv_len=4096) == ("split-kv", 32)
@@ -327,16 +335,22 @@ def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
     assert "split-KV decode" in lib.diffx_last_error().decode()
 
 
-def test_hopper_path_is_opt_in_and_only_for_what_it_implements(lib, monkeypatch):
-    """DIFFEXPORT_KERNEL_PATH=hopper (opt-in until a GPU run has verified it) takes prefill-sized
-    calls with fp logits; decode-sized calls keep split-KV, INT8 logits and zero batch strides
-    (which TMA descriptors cannot express) keep the mma.sync kernel. Without the variable nothing
-    runs on it."""
+@pytest.mark.parametrize("asked", ["auto", "hopper"])
+def test_hopper_path_where_it_runs_and_only_for_what_it_implements(asked, lib, monkeypatch):
+    """The Hopper path takes prefill-sized calls with fp logits: always when DIFFEXPORT_KERNEL_PATH=hopper
+    asks for it, under auto where it runs (an sm_90 GPU, a library built with it); decode-sized calls
+    keep split-KV, INT8 logits and zero batch strides (which TMA descriptors cannot express) keep the
+    mma.sync kernel, and mma keeps every call off it."""
     def plan(**kw):
         return kernels.kernel_plan(valid_params(**kw), lib)
 
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
     assert plan(q_len=100) == ("one-pass", 1)
-    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "hopper")
+    if asked == "auto" and auto_prefill_kernel(lib) != "hopper":
+        monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "auto")
+        assert plan(q_len=100) == ("one-pass", 1)  # no sm_90 GPU, or a library without the Hopper path
+        return
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, asked)
     assert plan(q_len=100) == ("hopper", 1)
     assert plan(q_len=17, batch=1) == ("hopper", 1)
     assert plan(q_len=16, kv_len=4096) == ("split-kv", 32)

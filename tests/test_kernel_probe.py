@@ -147,7 +147,7 @@ def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):
     assert out[0].startswith("check one-pass  ok       2 launches, worst cosine 0.999990")
     assert out[1].startswith("check int8      ok       2 launches") and "mirrored quantisation" in out[1]
     assert out[2].startswith("check split-kv  FAILED   no answer within 90 s")
-    assert out[3].startswith("check hopper    skipped  the opt-in sm_90a TMA + wgmma kernel: an sm_90 GPU only")
+    assert out[3].startswith("check hopper    skipped  the sm_90a TMA + wgmma kernel: an sm_90 GPU only")
     assert out[4] == "result       FAIL: 1 kernel path(s)"
     answers["split-kv"] = answers["one-pass"]
     assert cli.check_kernels() == 0

@@ -1,8 +1,9 @@
 """Fused differential attention vs its baselines on a CUDA GPU: ms, TFLOP/s, speed-ups, % of matmul peak.
 
-One run measures, side by side for each (dtype, head dim, causal, N): our fused kernel, its INT8
-logits variant (8 bits, K-smoothing; the time includes the K quantisation pre-pass), the opt-in
-Hopper path on sm_90 GPUs whose library has it (DIFFEXPORT_KERNEL_PATH=hopper), the paper's
+One run measures, side by side for each (dtype, head dim, causal, N): our fused mma.sync kernel
+(DIFFEXPORT_KERNEL_PATH=mma), its INT8 logits variant (8 bits, K-smoothing; the time includes the K
+quantisation pre-pass), the Hopper path on sm_90 GPUs whose library has it (DIFFEXPORT_KERNEL_PATH=hopper;
+what auto runs there), the paper's
 FlashDiffAttn_1 and FlashDiffAttn_2 on the eager attention backend (flash_attn when importable,
 else torch SDPA), and the naive eager form where its N x N maps fit in memory. FLOPs are the exact
 12*N^2*d per diff-head (halved for causal); the matmul peak is a bf16 8192^3 matmul measured in
@@ -102,14 +103,17 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
                                output_scale=0.8)
     inputs = q, k, v, lam, w = random_inputs(attrs, batch, n, n, dtype, n + head_dim + causal)
     out = torch.empty(batch, n, heads * attrs.value_dim, device="cuda", dtype=dtype)
+    # "fused" is the mma.sync kernel on every GPU (mma: auto takes the Hopper path on sm_90), so rows
+    # of different GPUs and builds compare the same code; INT8 logits run only on it.
     methods = {
-        "fused": lambda: kernels.diff_attention(*inputs, attrs, out=out),
+        "fused": on_path("mma", lambda: kernels.diff_attention(*inputs, attrs, out=out)),
         "fused_int8": lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out),
     }
-    if hopper_available():  # the opt-in sm_90a TMA + wgmma path beside the mma.sync one
+    if hopper_available():  # the sm_90a TMA + wgmma path beside the mma.sync one
         methods["fused_hopper"] = on_path("hopper", lambda: kernels.diff_attention(*inputs, attrs, out=out))
     for name, lib in other_builds.items():  # other builds of the library, timed in the same loop
-        methods[f"fused@{name}"] = lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out, lib=lib)
+        methods[f"fused@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out,
+                                                                                          lib=lib))
         methods[f"fused_int8@{name}"] = lambda lib=lib: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out,
                                                                                lib=lib)
     for backend in backends:  # each composition on each attention library, the backend forced
@@ -213,8 +217,9 @@ def builds_table(rows: list[dict], names: list[str]) -> str:
 
 
 def profile_launches(n: int, lib_path: Path | None = None) -> None:
-    """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one
-    (bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads); lib_path: another build (before/after)."""
+    """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one (the
+    kernel DIFFEXPORT_KERNEL_PATH picks: the campaign sets mma or hopper)
+    bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads; lib_path: another build (before/after)."""
     lib = kernels.open_library(lib_path, prefill_only=True) if lib_path else kernels.load_library()
     batch, heads = max(1, TOKENS_PER_BATCH // n), 16
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=128, causal=0)
@@ -373,10 +378,11 @@ def publish(record: dict, other_builds, write: bool) -> None:
             f"Cells: median ms (TFLOP/s on 12*N^2*d per diff-head, halved for causal), {record['repeats']} runs "
             f"after {record['warmup']} warm-up. Compositions: FlashDiffAttn_1/_2 on the default attention library "
             f"(`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(record['backends'])}), "
-            "and the naive form where it fits; 'best' is the fastest of them in this run. INT8 = 8-bit logits "
-            "with K-smoothing, including the K quantisation pre-pass; its cosine is against the fused fp output "
-            "on the same inputs. Hopper path: the opt-in sm_90a TMA + wgmma kernel (DIFFEXPORT_KERNEL_PATH=hopper), "
-            "'-' where the GPU or the build has none.\n\n" + text + "\n")
+            "and the naive form where it fits; 'best' is the fastest of them in this run. Fused: the mma.sync "
+            "one-pass kernel (DIFFEXPORT_KERNEL_PATH=mma). INT8 = 8-bit logits with K-smoothing, including the K "
+            "quantisation pre-pass; its cosine is against the fused fp output on the same inputs. Hopper path: "
+            "the sm_90a TMA + wgmma kernel (DIFFEXPORT_KERNEL_PATH=hopper), what the default (auto) runs on sm_90 "
+            "GPUs whose library has it; '-' where the GPU or the build has none.\n\n" + text + "\n")
     print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)
 
 

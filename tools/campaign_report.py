@@ -146,6 +146,16 @@ def prefill(folder: Path) -> list[str]:
               if "fused" in r["timings"] and "fused_hopper" in r["timings"]]
     lines.append("Hopper path    " + (f"vs the mma.sync kernel: {spread(hopper)} in {len(hopper)} cases" if hopper
                                       else "not measured (no sm_90a path in the build, or it failed its probe)"))
+    # On sm_90 the default (auto) runs the Hopper path: the same target, on what users get there.
+    hopper_best = [(best[1]["ms"] / r["timings"]["fused_hopper"]["ms"], r, best[0]) for r in rows
+                   if r["n"] in TARGET_SEQS and "fused_hopper" in r["timings"]
+                   and (best := best_composition(r["timings"])) is not None]
+    if hopper_best:
+        met = [x for x in hopper_best if x[0] >= FUSED_TARGET]
+        worst = min(hopper_best, key=lambda item: item[0])
+        lines.append(f"Hopper vs best N in {TARGET_SEQS}: {spread([x[0] for x in hopper_best])}; target >= "
+                     f"{FUSED_TARGET}x met in {len(met)} of {len(hopper_best)} cases; slowest: {case(worst[1])} "
+                     f"{worst[0]:.2f}x against {worst[2]}")
     builds = sorted({name.split("@", 1)[1] for r in rows for name in r["timings"] if "@" in name})
     for build in builds:
         for method in ("fused", "fused_int8"):

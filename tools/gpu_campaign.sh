@@ -5,7 +5,7 @@
 #   tools/gpu_campaign.sh [--out DIR] [--budget SECONDS] PART...
 #       PART: env build variants test sanitize bench decode profile all (PART+PART runs two parts at once)
 #
-# Before the first part that launches kernels, the opt-in Hopper path is probed in a child process
+# Before the first part that launches kernels, the Hopper path (auto's choice on sm_90) is probed in a child process
 # (probe_hopper); a path that hangs or faults is then left out of the tests and the bench, reported.
 # Made for the lent GPU machine (15 minutes of device time a session, start-up included): each
 # step has its own time limit, and --budget SECONDS (or CAMPAIGN_BUDGET) ends the whole call by
@@ -146,7 +146,8 @@ part_test() {
   # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
   # 206 cases took 82 s on the H100 (2026-11-23); there are about 370 now, with a CUDA training run.
   # -v puts each result in the log as it comes, so a run stopped at its limit still says what passed.
-  timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m gpu -n 8 \
+  timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m gpu \
+    -n "${CAMPAIGN_TEST_WORKERS:-8}" \
     tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py tests/test_kernel_abi.py \
     -k "not compute_sanitizer" >> "$OUT_DIR/pytest.log" 2>&1
   local rc=$?
@@ -189,8 +190,9 @@ part_decode() {
 }
 
 part_profile() {
-  # One fused launch at N=4096 (bf16, d=128, non-causal), the clocks left as they are.
-  timed 150 10 "profile (fused)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
+  # One launch of the mma.sync kernel at N=4096 (bf16, d=128, non-causal), the clocks left as they
+  # are (auto would take the Hopper path on sm_90, profiled below).
+  DIFFEXPORT_KERNEL_PATH=mma timed 150 10 "profile (fused)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
     --launch-count 1 -f -o /tmp/profile "$PY" tools/bench_attention.py --profile 4096 \
     > "$OUT_DIR/profile.txt" 2>&1 || { tail -20 "$OUT_DIR/profile.txt"; return 1; }
   ncu --import /tmp/profile.ncu-rep --page details >> "$OUT_DIR/profile.txt" 2>&1
@@ -221,7 +223,7 @@ part_profile() {
   local spec name path
   for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
-    timed 120 10 "profile ($name)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
+    DIFFEXPORT_KERNEL_PATH=mma timed 120 10 "profile ($name)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
       --launch-skip 3 --launch-count 1 -f -o "/tmp/profile-$name" "$PY" tools/bench_attention.py --profile 4096 \
       --profile-lib "$path" > /dev/null 2>&1 || { echo "--- profile of build $name FAILED" >> "$OUT_DIR/profile.txt"; continue; }
     { echo "--- selected raw metrics, build $name"; ncu --import "/tmp/profile-$name.ncu-rep" --page raw 2>&1 |

@@ -4,6 +4,7 @@
 // diff_attention_decode.cuh and quantize_keys.cuh.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <string>
 
 #include "convert.cuh"
@@ -32,6 +33,31 @@ DIFFX_FOR_EACH_FWD_INSTANCE(DIFFX_DECLARE_EXTERN)
 #ifndef DIFFX_HAVE_SM90
 #define DIFFX_HAVE_SM90 0
 #endif
+
+bool diffx::hopper_path_runs_here() {
+  if (!DIFFX_HAVE_SM90) return false;
+  // Asked on every prefill call: the answer per device is cached (0 unknown, 1 no, 2 yes).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> answer[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  int known = answer[device].load(std::memory_order_relaxed);
+  if (!known) {
+    int major = 0, minor = 0;
+    const bool asked = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+    if (!asked) {
+      cudaGetLastError();
+      return false;
+    }
+    known = major == 9 && minor == 0 ? 2 : 1;
+    answer[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 2;
+}
 
 namespace {
 

@@ -17,15 +17,16 @@
  * Diff-head h reads kv-group h / (H / Hkv). Causal masks align bottom-right: query i sees key j
  * iff j <= i + Skv - Sq; a query row that sees no key at all gets an output of zeros.
  *
- * Two kernels implement it. Calls with q_len <= DIFFX_DECODE_MAX_QUERY (decode steps of a
+ * Three kernels implement it. Calls with q_len <= DIFFX_DECODE_MAX_QUERY (decode steps of a
  * KV-cache decoder) run the split-KV decode kernel: the keys are cut into splits, one CTA per
  * (diff-head, batch element, split), and a second kernel merges the splits' partial softmax
  * states and applies the epilogue. Longer calls run the one-pass kernel (one CTA per 64 query
- * tokens). The environment variable DIFFEXPORT_KERNEL_PATH=mma forces the one-pass kernel for
- * every call (comparisons, fallback); auto (the default) chooses as above; hopper (opt-in until a
- * GPU run has verified it) runs calls longer than DIFFX_DECODE_MAX_QUERY with fp logits on the
- * sm_90a TMA + wgmma kernel, when the library was built with it (diffx_build_info says sm90=1) and
- * the GPU is an sm_90 one (else the call fails with DIFFX_ERR_NO_KERNEL_FOR_GPU).
+ * tokens): on an sm_90 GPU, when the library was built with it (diffx_build_info says sm90=1), calls
+ * with fp logits and no zero batch stride run the sm_90a TMA + wgmma kernel instead, else the
+ * mma.sync one. The environment variable DIFFEXPORT_KERNEL_PATH picks otherwise: auto (the default)
+ * chooses as above; mma forces the mma.sync one-pass kernel for every call (comparisons, fallback);
+ * hopper asks for the TMA + wgmma kernel for every call it implements, and fails with
+ * DIFFX_ERR_NO_KERNEL_FOR_GPU off sm_90 or on a library without it.
  */
 #ifndef DIFFEXPORT_DIFF_ATTENTION_H
 #define DIFFEXPORT_DIFF_ATTENTION_H

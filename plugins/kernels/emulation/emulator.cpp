@@ -108,6 +108,8 @@ void run_float32(const DiffxAttentionParams& p) {
 
 }  // namespace
 
+bool diffx::hopper_path_runs_here() { return false; }  // wgmma and TMA have no CPU emulation
+
 extern "C" DIFFX_EMU_API int diffx_emulated_attention_forward(const DiffxAttentionParams* params) {
   diffx::clear_error();
   const int status = diffx::check_params(params);
