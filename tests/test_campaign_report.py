@@ -152,3 +152,14 @@ def test_what_is_not_a_folder_is_one_error_line(made_up, tmp_path):
         out = report(target)
         assert out.returncode == 2 and out.stdout == "" and out.stderr.startswith("error: ")
         assert out.stderr.count("\n") == 1
+
+
+def test_the_recorded_h200_run_reads_one_tensor_pipe_value_per_launch():
+    """On sm_90 ncu's raw page lists dozens of tensor-pipe variants (per type, min/max, realtime); the
+    report gives the all-types share of active cycles, as read by hand from the 2026-11-26 H200 run."""
+    out = report(ROOT / "docs" / "campaign" / "2026-11-26-h200")
+    assert out.returncode == 0, out.stderr
+    pipes = [x.split(";")[0].strip() for x in out.stdout.splitlines() if x.strip().startswith("tensor pipe")]
+    assert pipes == ["tensor pipe 41.1%", "tensor pipe 58.0%", "tensor pipe 34.1%"], out.stdout
+    assert "target >= 1.3x met in 0 of 16 cases" in line(out.stdout, "fused vs best")
+    assert "target >= 1.3x met in 5 of 16 cases" in line(out.stdout, "Hopper vs best")

@@ -193,6 +193,10 @@ DETAILS = (("time", "Duration"), ("SM", "Compute (SM) Throughput"), ("memory", "
            ("occupancy", "Achieved Occupancy"))
 
 
+TENSOR_PIPE = ("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+               "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
+
+
 def profile_sections(text: str) -> list[tuple[str, str]]:
     """profile.txt as (title, text): the fused launch's full details first, then each "--- title" part."""
     chunks = re.split(r"^--- (.*)$", text, flags=re.M)
@@ -209,7 +213,9 @@ def profile_lines(title: str, text: str) -> list[str]:
                            .replace(" register/thread", ""))
     raw = {name: float(value.replace(",", "")) for name, value in
            re.findall(r"^\s*([a-z0-9]+__[\w.]+)\s+(?:\S+\s+)?([\d,]+(?:\.\d+)?)\s*$", text, re.M)}
-    tensor = [f"{value:.1f}%" for name, value in raw.items() if "pipe_tensor" in name and "pct" in name]
+    # The tensor pipe's busy share of active cycles: the all-types metric where ncu gives it (sm_90's
+    # raw page lists dozens of per-type, min/max and realtime variants beside it), else the HMMA one.
+    tensor = next((raw[name] for name in TENSOR_PIPE if name in raw), None)
     stalls = sorted(((value, re.search(r"issue_stalled_(\w+?)_per_issue_active", name).group(1))
                      for name, value in raw.items() if "issue_stalled_" in name and "per_issue_active" in name),
                     reverse=True)[:4]
@@ -219,8 +225,8 @@ def profile_lines(title: str, text: str) -> list[str]:
         return [f"profile        {title}: nothing measured"]
     lines = [f"profile        {title}" + (": " + ", ".join(details) if details else "")]
     more = []
-    if tensor:
-        more.append("tensor pipe " + "/".join(tensor))
+    if tensor is not None:
+        more.append(f"tensor pipe {tensor:.1f}%")
     if stalls:
         more.append("top stalls (cycles per issue) " + ", ".join(f"{name} {value:.2f}" for value, name in stalls))
     if conflicts:
