@@ -144,7 +144,8 @@ part_test() {
   local check_rc=$?
   grep -E "^(check|result|error|kernels --check)" "$OUT_DIR/pytest.log"
   # The GPU suites, sanitizers excluded (their own part); -n spreads the CPU-side float64 oracles.
-  # 206 cases took 82 s on the H100 (2026-11-23); there are about 370 now, with a CUDA training run.
+  # 369 cases took about 200 s on an H200 (2026-11-26) with 8 or 14 workers: single tests of 35-47 s
+  # (the 70k-key decode oracles, quant-sweep, the CUDA training run) set the floor.
   # -v puts each result in the log as it comes, so a run stopped at its limit still says what passed.
   timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m gpu \
     -n "${CAMPAIGN_TEST_WORKERS:-8}" \

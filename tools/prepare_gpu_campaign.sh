@@ -46,6 +46,6 @@ total_mb=$(du -sm build-cutlass build-before | awk '{s += $1} END {print s}')
 echo "carried                 ${total_mb} MiB of at most ${CARRY_LIMIT_MB}"
 (( total_mb <= CARRY_LIMIT_MB )) || { echo "error: more than the ${CARRY_LIMIT_MB} MiB that run carries" >&2; exit 1; }
 cat <<EOF
-next, one run call with carry=["build-cutlass", "build-before"] and timeout_s=510, then give_back (tools/README.md):
-  CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 480 all
+next, one run call with carry=["build-cutlass", "build-before"] and timeout_s=570, then give_back (tools/README.md):
+  CAMPAIGN_TEST_WORKERS=14 CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 540 all
 EOF
