@@ -116,26 +116,27 @@ def correctness(folder: Path) -> list[str]:
     return lines
 
 
+def against_best(rows: list[dict], method: str, label: str) -> str | None:
+    """`method` against the best composition of each case at TARGET_SEQS, with the target's verdict."""
+    ratios = [(best[1]["ms"] / r["timings"][method]["ms"], r, best[0]) for r in rows
+              if r["n"] in TARGET_SEQS and method in r["timings"]
+              and (best := best_composition(r["timings"])) is not None]
+    if not ratios:
+        return None
+    met = [x for x in ratios if x[0] >= FUSED_TARGET]
+    worst = min(ratios, key=lambda item: item[0])
+    return (f"{label:<14} N in {TARGET_SEQS}: {spread([x[0] for x in ratios])}; target >= {FUSED_TARGET}x "
+            f"met in {len(met)} of {len(ratios)} cases; slowest: {case(worst[1])} {worst[0]:.2f}x against {worst[2]}")
+
+
 def prefill(folder: Path) -> list[str]:
     record = saved_run(folder, "bench.json")
     if record is None:
         return ["bench          bench.json missing"]
     rows = record["rows"]
     lines = [measured("bench", record) + f"; bf16 matmul peak {record['peak_tflops']:.0f} TFLOP/s"]
-    target_rows = [r for r in rows if r["n"] in TARGET_SEQS and "fused" in r["timings"]]
-    ratios = []
-    for row in target_rows:
-        best = best_composition(row["timings"])
-        if best:
-            ratios.append((best[1]["ms"] / row["timings"]["fused"]["ms"], row, best[0]))
-    if ratios:
-        met = [r for r in ratios if r[0] >= FUSED_TARGET]
-        worst = min(ratios, key=lambda item: item[0])
-        lines.append(f"fused vs best  N in {TARGET_SEQS}: {spread([r[0] for r in ratios])}; target >= {FUSED_TARGET}x "
-                     f"met in {len(met)} of {len(ratios)} cases; slowest: {case(worst[1])} {worst[0]:.2f}x "
-                     f"against {worst[2]}")
-    else:
-        lines.append(f"fused vs best  no case at N in {TARGET_SEQS} with both timings")
+    lines.append(against_best(rows, "fused", "fused vs best")
+                 or f"fused vs best  no case at N in {TARGET_SEQS} with both timings")
     int8 = [(r["timings"]["fused"]["ms"] / r["timings"]["fused_int8"]["ms"], r["int8_cosine"], r) for r in rows
             if "fused" in r["timings"] and "fused_int8" in r["timings"]]
     if int8:
@@ -147,15 +148,9 @@ def prefill(folder: Path) -> list[str]:
     lines.append("Hopper path    " + (f"vs the mma.sync kernel: {spread(hopper)} in {len(hopper)} cases" if hopper
                                       else "not measured (no sm_90a path in the build, or it failed its probe)"))
     # On sm_90 the default (auto) runs the Hopper path: the same target, on what users get there.
-    hopper_best = [(best[1]["ms"] / r["timings"]["fused_hopper"]["ms"], r, best[0]) for r in rows
-                   if r["n"] in TARGET_SEQS and "fused_hopper" in r["timings"]
-                   and (best := best_composition(r["timings"])) is not None]
-    if hopper_best:
-        met = [x for x in hopper_best if x[0] >= FUSED_TARGET]
-        worst = min(hopper_best, key=lambda item: item[0])
-        lines.append(f"Hopper vs best N in {TARGET_SEQS}: {spread([x[0] for x in hopper_best])}; target >= "
-                     f"{FUSED_TARGET}x met in {len(met)} of {len(hopper_best)} cases; slowest: {case(worst[1])} "
-                     f"{worst[0]:.2f}x against {worst[2]}")
+    hopper_line = against_best(rows, "fused_hopper", "Hopper vs best")
+    if hopper_line:
+        lines.append(hopper_line)
     builds = sorted({name.split("@", 1)[1] for r in rows for name in r["timings"] if "@" in name})
     for build in builds:
         for method in ("fused", "fused_int8"):
