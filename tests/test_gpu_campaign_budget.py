@@ -145,6 +145,16 @@ def test_a_bad_command_line_runs_nothing(stubs, argv, message):
     assert "part env" not in log and not (tmp_path / "calls.log").exists()
 
 
+@pytest.mark.parametrize("workers", ["0", "auto", "8; rm -rf /", "100"])
+def test_a_bad_worker_count_runs_nothing(stubs, workers):
+    env, tmp_path = stubs
+    env["CAMPAIGN_TEST_WORKERS"] = workers
+    proc, log, _, _ = campaign(env, tmp_path, "env", "test")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: CAMPAIGN_TEST_WORKERS takes a number of pytest workers")
+    assert "part env" not in log and not (tmp_path / "calls.log").exists()
+
+
 def test_the_documented_one_call_command_is_the_script_s():
     """tools/README.md's one-call command names parts and options the script has."""
     readme = (ROOT / "tools" / "README.md").read_text()

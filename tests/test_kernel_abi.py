@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffexport import contract, kernels
+from diffexport import contract, kernel_probe, kernels
 from diffexport.contract import DiffAttentionAttrs
 from diffexport.errors import DiffExportError
 from helpers import run_cli
@@ -29,12 +29,10 @@ def lib():
     return kernels.load_library()
 
 
-def auto_prefill_kernel(lib) -> str:
-    """The kernel DIFFEXPORT_KERNEL_PATH=auto gives longer fp-logit calls: the Hopper path where this
-    library has it and the current device is an sm_90 GPU (none on the CPU machine), else one-pass."""
-    hopper = ("sm90=1" in lib.diffx_build_info().decode() and torch.cuda.is_available()
-              and torch.cuda.get_device_capability() == (9, 0))
-    return "hopper" if hopper else "one-pass"
+def auto_prefill_kernel() -> str:
+    """The kernel DIFFEXPORT_KERNEL_PATH=auto gives longer fp-logit calls: the Hopper path where it can
+    run (kernel_probe.applicable: an sm_90 GPU and a library with it; none on the CPU machine), else one-pass."""
+    return "hopper" if torch.cuda.is_available() and kernel_probe.applicable("hopper") is None else "one-pass"
 
 
 def header_enum(name: str) -> dict[str, int]:
@@ -284,8 +282,8 @@ def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
     def plan(**kw):
         return kernels.kernel_plan(valid_params(**kw), lib)
 
-    assert plan(q_len=100, kv_len=100) == (auto_prefill_kernel(lib), 1)
-    assert plan(q_len=17, kv_len=4096) == (auto_prefill_kernel(lib), 1)
+    assert plan(q_len=100, kv_len=100) == (auto_prefill_kernel(), 1)
+    assert plan(q_len=17, kv_len=4096) == (auto_prefill_kernel(), 1)
     # batch 2 x 4 heads, one CTA per head (q_len 16 leaves no room to pack the GQA pair): 8 CTAs a
     # split, 32 splits reach 256 CTAs; 4096 keys are 64 tiles, 2 a split
     assert plan(q_len=16, kv_len=4096) == ("split-kv", 32)
@@ -346,7 +344,7 @@ def test_hopper_path_where_it_runs_and_only_for_what_it_implements(asked, lib, m
 
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")
     assert plan(q_len=100) == ("one-pass", 1)
-    if asked == "auto" and auto_prefill_kernel(lib) != "hopper":
+    if asked == "auto" and auto_prefill_kernel() != "hopper":
         monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "auto")
         assert plan(q_len=100) == ("one-pass", 1)  # no sm_90 GPU, or a library without the Hopper path
         return

@@ -47,11 +47,6 @@ def require_hopper():
         pytest.fail(f"the Hopper path failed its probe (diffexport/kernel_probe.py), not launched here: {reason}")
 
 
-def hopper_is_auto_here() -> bool:
-    """Whether DIFFEXPORT_KERNEL_PATH=auto (the default) runs longer fp-logit calls on the Hopper path."""
-    return torch.cuda.get_device_capability() == (9, 0) and "sm90=1" in kernels.build_info()
-
-
 def min_cosine(dtype):
     return 0.9999 if dtype == torch.float16 else 0.999
 
@@ -103,7 +98,7 @@ def test_fused_matches_the_oracle(dtype, head_dim, variant, causal, case, path, 
         expected = "one-pass"
     elif q_len <= kernels.DECODE_MAX_QUERY:
         expected = "split-kv"
-    elif hopper_is_auto_here():
+    elif kernel_probe.applicable("hopper") is None:  # auto takes the Hopper path on this GPU and build
         require_hopper()  # probed in a child process first: a hang there must not take this worker
         expected = "hopper"
     else:

@@ -217,9 +217,9 @@ def builds_table(rows: list[dict], names: list[str]) -> str:
 
 
 def profile_launches(n: int, lib_path: Path | None = None) -> None:
-    """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one (the
-    kernel DIFFEXPORT_KERNEL_PATH picks: the campaign sets mma or hopper)
-    bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads; lib_path: another build (before/after)."""
+    """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one, on
+    bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads. The kernel is the one
+    DIFFEXPORT_KERNEL_PATH picks (the campaign sets mma or hopper); lib_path: another build (before/after)."""
     lib = kernels.open_library(lib_path, prefill_only=True) if lib_path else kernels.load_library()
     batch, heads = max(1, TOKENS_PER_BATCH // n), 16
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=128, causal=0)

@@ -35,6 +35,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $# -gt 0 ]] || { echo "usage: $0 [--out DIR] [--budget SECONDS] env|build|variants|test|sanitize|bench|decode|profile|all ..." >&2; exit 2; }
 [[ -z "$BUDGET" || "$BUDGET" =~ ^[0-9]+$ ]] || { echo "error: --budget takes whole seconds, not '$BUDGET'" >&2; exit 2; }
+[[ "${CAMPAIGN_TEST_WORKERS:-8}" =~ ^[1-9][0-9]?$ ]] ||
+  { echo "error: CAMPAIGN_TEST_WORKERS takes a number of pytest workers from 1 to 99, not '$CAMPAIGN_TEST_WORKERS'" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
