@@ -1,6 +1,8 @@
+import hashlib
 import os
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,3 +21,146 @@ def pytest_collection_modifyitems(config, items):
 def rng():
     """A fresh generator per test, seeded from the test's name: different inputs per test, reproducible."""
     return torch.Generator().manual_seed(zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").encode()))
+
+
+# ------------------------------------------------------------------ artifacts shared by the session
+
+# Model recipes the test files share: name -> (preset, config overrides, seed). Each model's norm
+# weights are perturbed (seeded) so that a graph that loses one shows it.
+RECIPES = {
+    # V1 with 4 diff-heads on 2 kv-groups, head dim 16: GQA and a head norm the kernels' layouts see
+    "diff-v1-gqa": ("diff-v1-tiny", dict(n_heads=4, n_kv_heads=2, head_dim=16), 21),
+    "diff-v2": ("diff-v2-tiny", {}, 61),
+    "transformer": ("transformer-tiny", {}, 62),
+}
+
+
+def _digest(path: Path) -> str:
+    """Names and contents of every file under path (links as their targets' names, never followed)."""
+    h = hashlib.sha256()
+    for item in sorted([path] if path.is_file() else path.rglob("*")):
+        h.update(str(item.relative_to(path.parent)).encode() + b"\0")
+        if item.is_symlink():
+            h.update(b"link:" + os.readlink(item).encode())
+        elif item.is_file():
+            h.update(item.read_bytes())
+    return h.hexdigest()
+
+
+class Artifacts:
+    """Checkpoints, exports and decoder folders built once per test session, on first use, and handed
+    out read-only: every distinct artifact (model recipe x format x dtype x attention) is one path.
+    A test that must change one works on copy(path, tmp_path). At the end of the session each
+    artifact is checked to be byte for byte what was built, so a test that wrote into one fails."""
+
+    def __init__(self, factory):
+        self._factory = factory
+        self._built: dict[tuple, object] = {}
+        self._digests: dict[Path, str] = {}
+        self._summaries: dict[tuple, object] = {}
+
+    def _once(self, key: tuple, build):
+        if key not in self._built:
+            folder = self._factory.mktemp("-".join(str(k) for k in key)[:60].replace("/", "_"))
+            path = Path(build(folder))
+            self._digests[path] = _digest(path)
+            self._built[key] = path
+        return self._built[key]
+
+    def checkpoint(self, recipe: str) -> Path:
+        """ckpt.pt of a RECIPES model."""
+        def build(folder):
+            from diffexport.checkpoint import save_checkpoint
+            from diffexport.modeling import build_model
+            from diffexport.presets import preset_config
+            from helpers import perturb_norm_weights
+
+            preset, overrides, seed = RECIPES[recipe]
+            cfg = preset_config(preset)
+            for name, value in overrides.items():
+                setattr(cfg, name, value)
+            return save_checkpoint(perturb_norm_weights(build_model(cfg, seed=seed), seed), folder / "ckpt.pt")
+        return self._once(("ckpt", recipe), build)
+
+    def decoder(self, recipe: str, attention: str = "diffattention") -> Path:
+        """The KV-cache decoder folder of a RECIPES model (export_decoder's defaults otherwise)."""
+        def build(folder):
+            from diffexport.checkpoint import load_model
+            from diffexport.export.decoder import export_decoder
+            from helpers import quiet
+
+            summary = export_decoder(load_model(self.checkpoint(recipe)), folder / attention, attention=attention,
+                                     log=quiet)
+            self._summaries[recipe, attention] = summary
+            return folder / attention
+        return self._once(("decoder", recipe, attention), build)
+
+    def decoder_summary(self, recipe: str, attention: str = "diffattention"):
+        """What export_decoder returned when it wrote decoder(recipe, attention)."""
+        self.decoder(recipe, attention)
+        return self._summaries[recipe, attention]
+
+    def hf_diffllama(self) -> Path:
+        """An HF DiffLlama folder with GQA (8 maps over 4 kv heads) and a byte-level BPE tokenizer."""
+        def build(folder):
+            import transformers
+
+            from helpers import byte_bpe_tokenizer
+
+            torch.manual_seed(8)
+            cfg = transformers.DiffLlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=112,
+                                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                               head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                               max_position_embeddings=512)
+            transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(folder / "diffllama")
+            byte_bpe_tokenizer(folder / "diffllama")
+            return folder / "diffllama"
+        pytest.importorskip("transformers")
+        return self._once(("hf-diffllama",), build)
+
+    def hf_diffllama_with_chat_template(self) -> Path:
+        """hf_diffllama() plus a chat_template.jinja (where newer transformers save it)."""
+        def build(folder):
+            import shutil
+
+            source = shutil.copytree(self.hf_diffllama(), folder / "diffllama")
+            (source / "chat_template.jinja").write_text(
+                "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+            return source
+        return self._once(("hf-diffllama-chat",), build)
+
+    def cli_output(self, *args, output: str = "model.onnx") -> Path:
+        """What `diffexport ARGS -o OUTPUT` writes (a file, or a folder for --kv-cache and quantize of a
+        folder), run once in this process: the same ARGS give the same path, named as the first
+        caller asked."""
+        def build(folder):
+            from helpers import cli_main
+
+            result = cli_main(*args, "-o", folder / output)
+            assert result.returncode == 0, result.stdout + result.stderr
+            return folder / output
+        return self._once(("cli",) + tuple(str(a) for a in args), build)
+
+    @staticmethod
+    def copy(path: Path, folder: Path, name: str | None = None) -> Path:
+        """A private copy of an artifact in folder (as name, else its own), for a test that changes it."""
+        import shutil
+
+        target = folder / (name or path.name)
+        if path.is_dir():
+            shutil.copytree(path, target, symlinks=True)
+        else:
+            shutil.copyfile(path, target)
+        return target
+
+    def changed(self) -> list[Path]:
+        return [path for path, digest in self._digests.items() if _digest(path) != digest]
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    made = Artifacts(tmp_path_factory)
+    yield made
+    changed = made.changed()
+    assert not changed, f"tests wrote into shared artifacts (use artifacts.copy): {changed}"

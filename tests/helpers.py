@@ -86,6 +86,85 @@ def run_cli(*args, cwd=None, stdin: str | bytes | None = None):
                                        out.stderr.decode(errors="replace"))
 
 
+def cli_main(*args, cwd=None, stdin: str | bytes | None = None):
+    """`diffexport ARGS` run in this process through cli.main: what run_cli gives, without starting
+    an interpreter that imports torch again. The exit status is main's return or SystemExit's code
+    (argparse); stdout and stderr are captured at the file descriptors, so what a C library prints
+    counts as it would in a child; stdin is the bytes given, else empty. Warnings show as in a fresh
+    interpreter (its default filters, printed to stderr), and the environment, working directory and
+    SIGTERM handler are restored afterwards. For what needs a process of its own (signals, resource
+    limits, broken pipes, which modules an entry point imports) use run_cli."""
+    import contextlib
+    import io
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import warnings
+
+    from diffexport import cli
+
+    argv = [str(a) for a in args]
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_sigterm = signal.getsignal(signal.SIGTERM)
+    saved_streams = sys.stdin, sys.stdout, sys.stderr
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(3)]
+        files[0].write(stdin or b"")
+        files[0].seek(0)
+        for stream in saved_streams[1:]:
+            stream.flush()
+        saved_fds = [os.dup(fd) for fd in (0, 1, 2)]
+        for fd, file in enumerate(files):
+            os.dup2(file.fileno(), fd)
+        # the child's streams: pipes, so block-buffered stdout, strict text, backslashes for bad bytes on stderr
+        sys.stdin = io.TextIOWrapper(open(os.dup(0), "rb"), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(open(os.dup(1), "wb"), encoding="utf-8")
+        sys.stderr = io.TextIOWrapper(open(os.dup(2), "wb"), encoding="utf-8", errors="backslashreplace",
+                                      line_buffering=True)
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            with warnings.catch_warnings():
+                warnings.resetwarnings()
+                for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                    warnings.simplefilter("ignore", category)
+                warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+                    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+                try:
+                    code = cli.main(argv)
+                except SystemExit as exc:  # argparse, or a command that exits
+                    code = exc.code
+                if code is None:
+                    code = 0
+                elif not isinstance(code, int):  # the interpreter prints a non-integer exit code, status 1
+                    print(code, file=sys.stderr)
+                    code = 1
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            for stream in (sys.stdin, sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.close()
+            for fd, saved in enumerate(saved_fds):
+                os.dup2(saved, fd)
+                os.close(saved)
+            sys.stdin, sys.stdout, sys.stderr = saved_streams
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            signal.signal(signal.SIGTERM, saved_sigterm)
+        out, err = files[1], files[2]
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    return subprocess.CompletedProcess(["diffexport", *argv], code, stdout, stderr)
+
+
 def assert_one_line_error(result, pattern):
     """Exit 2, and stderr is exactly one line `error: ...` containing `pattern`."""
     assert result.returncode == 2, result.stdout + result.stderr

@@ -13,7 +13,7 @@ from diffexport.errors import DiffExportError
 from diffexport.files import MAX_TEXT_BYTES
 from diffexport.modeling import DiffV1Config, DiffV2Config, TransformerConfig, build_model
 from diffexport.quantization import LogitQuant
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_main, run_cli
 
 CONFIGS = {
     "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),
@@ -190,7 +190,7 @@ def test_stats_cli_json_on_a_checkpoint_and_a_preset(tmp_path):
     (["retrieval", "--needles", "2", "--queries", "1", "--context", "5"], "cannot hold"),
 ])
 def test_analysis_cli_bad_values_one_line(argv, message):
-    assert_one_line_error(run_cli(*argv), message)
+    assert_one_line_error(cli_main(*argv), message)
 
 
 def test_kernel_attention_is_chosen_only_where_it_applies():
@@ -224,34 +224,34 @@ def test_kernel_attention_is_chosen_only_where_it_applies():
 
 def test_quant_sweep_cli_refuses_the_kernel_where_it_cannot_run():
     """What needs no model (bits, scheme, device) is refused before any model loads."""
-    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--bits", "12"),
+    assert_one_line_error(cli_main("quant-sweep", "--attention", "kernel", "--bits", "12"),
                           "--attention kernel: the INT8-logits kernel takes 2..8 bits")
-    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--scheme", "logits"),
+    assert_one_line_error(cli_main("quant-sweep", "--attention", "kernel", "--scheme", "logits"),
                           "--attention kernel: the fused kernel quantises Q and K (scheme qk)")
-    assert_one_line_error(run_cli("quant-sweep", "--attention", "kernel", "--device", "cpu"),
+    assert_one_line_error(cli_main("quant-sweep", "--attention", "kernel", "--device", "cpu"),
                           "--attention kernel: the fused kernel runs on CUDA tensors")
     auto = run_cli("quant-sweep", "--bits", "8", "--tokens", "256", "--seq-len", "64", "--json")
     assert auto.returncode == 0, auto.stderr
     assert "attention torch reference (the fused kernel supports head_dim" in auto.stderr
     assert {p["attention"] for p in json.loads(auto.stdout)["models"]["diff-v1-tiny"]} == {"reference"}
     if not torch.cuda.is_available():
-        assert_one_line_error(run_cli("quant-sweep", "--device", "cuda"), "--device cuda: torch sees no CUDA device")
-        assert_one_line_error(run_cli("retrieval", "--device", "cuda"), "--device cuda")
+        assert_one_line_error(cli_main("quant-sweep", "--device", "cuda"), "--device cuda: torch sees no CUDA device")
+        assert_one_line_error(cli_main("retrieval", "--device", "cuda"), "--device cuda")
 
 
 @pytest.mark.slow
 def test_analysis_cli_refuses_empty_text_and_foreign_checkpoints(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert_one_line_error(run_cli("stats", "--text", str(empty)), "is empty")
+    assert_one_line_error(cli_main("stats", "--text", str(empty)), "is empty")
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    assert_one_line_error(run_cli("stats", str(gpt2)), "not a DIFF model")
+    assert_one_line_error(cli_main("stats", str(gpt2)), "not a DIFF model")
     other = tmp_path / "other.pt"
     torch.save({"format": "diffexport.checkpoint", "format_version": 1, "family": "mamba", "config": {},
                 "state_dict": {}}, other)
-    assert_one_line_error(run_cli("quant-sweep", str(other)), "not a supported model family")
+    assert_one_line_error(cli_main("quant-sweep", str(other)), "not a supported model family")
 
 
 def test_checkpoint_carries_its_training_task(tmp_path):
@@ -314,7 +314,7 @@ def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(
     assert [p["bits"] for p in points] == [16, 6] and all(p["task_accuracy"] is not None for p in points)
     text = tmp_path / "t.txt"
     text.write_text("some text " * 100)
-    assert_one_line_error(run_cli("quant-sweep", ckpt, "--text", text, "--positions", "answers"),
+    assert_one_line_error(cli_main("quant-sweep", ckpt, "--text", text, "--positions", "answers"),
                           "needs the built-in needle-task stream")
     auto = run_cli("quant-sweep", ckpt, "--text", text, "--bits", "8", "--samples", "1", "--seq-len", "64")
     assert auto.returncode == 0 and "every position" in auto.stderr, auto.stderr

@@ -14,7 +14,7 @@ import torch
 from diffexport import prompts as prompts_file
 from diffexport.errors import DiffExportError
 from diffexport.files import MAX_TEXT_BYTES
-from helpers import assert_one_line_error, perturb_norm_weights, quiet, run_cli
+from helpers import assert_one_line_error, cli_main, quiet, run_cli
 
 # ---------------------------------------------------------------- the prompts file (no model needed)
 
@@ -96,22 +96,12 @@ pytest.importorskip("onnxruntime")
 
 
 @pytest.fixture(scope="module")
-def model_and_folders(tmp_path_factory):
+def model_and_folders(artifacts):
     """A V1 model (4 diff-heads on 2 kv-groups) and its DiffAttention and gqa folders."""
-    from diffexport.checkpoint import load_model, save_checkpoint
-    from diffexport.export.decoder import export_decoder
-    from diffexport.modeling import build_model
-    from diffexport.presets import preset_config
+    from diffexport.checkpoint import load_model
 
-    cfg = preset_config("diff-v1-tiny")
-    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
-    root = tmp_path_factory.mktemp("batch")
-    save_checkpoint(perturb_norm_weights(build_model(cfg, seed=41), 41), root / "ckpt.pt")
-    loaded = load_model(root / "ckpt.pt")
-    folders = {attention: root / attention for attention in ("diffattention", "gqa")}
-    for attention, folder in folders.items():
-        export_decoder(loaded, folder, attention=attention, log=quiet)
-    return loaded, folders
+    loaded = load_model(artifacts.checkpoint("diff-v1-gqa"))
+    return loaded, {attention: artifacts.decoder("diff-v1-gqa", attention) for attention in ("diffattention", "gqa")}
 
 
 def _alone(model, prompt, n, eos, sampling=None):
@@ -376,25 +366,25 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
     _, folders = model_and_folders
     folder = folders["diffattention"]
     ok = _write(tmp_path, '{"ids": [1, 2]}\n')
-    assert_one_line_error(run_cli("generate", folder, "--prompts-file", _write(tmp_path, '{"ids": [1]}\n{"ids": [1, 99999]}\n',
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", _write(tmp_path, '{"ids": [1]}\n{"ids": [1, 99999]}\n',
                                                                                 "bad.jsonl")),
                           "bad.jsonl line 2: ids must be")
-    assert_one_line_error(run_cli("generate", folder, "--prompts-file", tmp_path / "missing.jsonl"),
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", tmp_path / "missing.jsonl"),
                           "prompts file not found")
-    assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--batch-size", "2"),
+    assert_one_line_error(cli_main("generate", folder, "--ids", "1,2", "--batch-size", "2"),
                           "--batch-size groups the prompts of --prompts-file")
-    assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--sort-by-length"),
+    assert_one_line_error(cli_main("generate", folder, "--ids", "1,2", "--sort-by-length"),
                           "--sort-by-length groups the prompts of --prompts-file")
-    assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--batch-size", "0"),
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", ok, "--batch-size", "0"),
                           "the batch size must be >= 1")
-    assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--repetition-penalty", "-1"),
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", ok, "--repetition-penalty", "-1"),
                           "repetition penalty must be a finite number > 0")
-    assert_one_line_error(run_cli("generate", folder, "--prompts-file", ok, "--chat"),
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", ok, "--chat"),
                           "gives token ids only")
-    assert_one_line_error(run_cli("generate", folder, "--prompts-file", _write(tmp_path, '{"prompt": "hi"}\n', "t.jsonl")),
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", _write(tmp_path, '{"prompt": "hi"}\n', "t.jsonl")),
                           "has no tokenizer")
     long = _write(tmp_path, '{"ids": [1]}\n' + json.dumps({"ids": [1] * 2040}) + "\n", "long.jsonl")
-    assert_one_line_error(run_cli("generate", folder, "--prompts-file", long, "--max-new-tokens", "16"),
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", long, "--max-new-tokens", "16"),
                           "long.jsonl line 2 (2040 tokens) + --max-new-tokens 16 exceeds the context length 2048")
 
 
@@ -499,13 +489,13 @@ def test_check_sample_on_the_command_line(model_and_folders, tmp_path):
 ])
 def test_check_sample_refusals(model_and_folders, args, pattern):
     loaded, folders = model_and_folders
-    assert_one_line_error(run_cli("check", folders["gqa"], "--ckpt", loaded.path, *args), pattern)
+    assert_one_line_error(cli_main("check", folders["gqa"], "--ckpt", loaded.path, *args), pattern)
 
 
 def test_check_sample_needs_a_folder(tmp_path):
     path = tmp_path / "m.onnx"
     path.write_bytes(b"not read")
-    assert_one_line_error(run_cli("check", path, "--preset", "diff-v1-tiny", "--sample"),
+    assert_one_line_error(cli_main("check", path, "--preset", "diff-v1-tiny", "--sample"),
                           "--sample checks onnxruntime-genai's sampling on a --kv-cache folder")
 
 

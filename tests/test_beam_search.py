@@ -14,7 +14,7 @@ import torch
 
 from diffexport.errors import DiffExportError
 from diffexport.generation import BeamSearch, beam_search, generate
-from helpers import assert_one_line_error, byte_bpe_tokenizer, perturb_norm_weights, quiet, run_cli
+from helpers import assert_one_line_error, cli_main, quiet, run_cli
 
 # ---------------------------------------------------------------- the eager reference
 
@@ -102,26 +102,21 @@ def _attentions(family):
     return ("diffattention",) if family == "transformer-tiny" else ("diffattention", "gqa")
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """Each family's eager model (V1 with 4 diff-heads on 2 kv-groups and an affine head norm) and
-    its DiffAttention and gqa folders."""
-    from diffexport.checkpoint import load_model, save_checkpoint
-    from diffexport.export.decoder import export_decoder
-    from diffexport.modeling import build_model
-    from diffexport.presets import preset_config
+RECIPE = {"diff-v1-tiny": "diff-v1-gqa", "diff-v2-tiny": "diff-v2", "transformer-tiny": "transformer"}
 
-    root = tmp_path_factory.mktemp("beams")
+
+@pytest.fixture(scope="module")
+def folders(artifacts):
+    """Each family's eager model (V1 with 4 diff-heads on 2 kv-groups and an affine head norm), its
+    DiffAttention and gqa folders by attention, and its checkpoint."""
+    from diffexport.checkpoint import load_model
+
     made = {}
-    for number, family in enumerate(FAMILIES):
-        cfg = preset_config(family)
-        if family == "diff-v1-tiny":
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
-        save_checkpoint(perturb_norm_weights(build_model(cfg, seed=60 + number), 60 + number), root / f"{family}.pt")
-        loaded = load_model(root / f"{family}.pt")
-        for attention in _attentions(family):
-            export_decoder(loaded, root / family / attention, attention=attention, log=quiet)
-        made[family] = (loaded.model.eval(), root / family)
+    for family in FAMILIES:
+        ckpt = artifacts.checkpoint(RECIPE[family])
+        made[family] = (load_model(ckpt).model.eval(),
+                        {attention: artifacts.decoder(RECIPE[family], attention) for attention in _attentions(family)},
+                        ckpt)
     return made
 
 
@@ -143,7 +138,7 @@ def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attenti
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import decoding
 
-    model, root = folders[family]
+    model, root, _ = folders[family]
     prompt = [11, 250, 3, 97, 40, 8]
     free = beam_search(model, prompt, BeamSearch(4), 16)[0].tokens
     # end ids: none reachable, one met early, one met late, and two at once (genai reads a list)
@@ -153,7 +148,7 @@ def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attenti
                 BeamSearch(3, 2, 0.0, False), BeamSearch(4, 3, 2.0, False), BeamSearch(5, 5, -1.0, False)]
     stops = set()
     for ends in end_sets:
-        folder = _with_end_ids(root / attention, tmp_path, ends)
+        folder = _with_end_ids(root[attention], tmp_path, ends)
         genai_model, runner = decoding.open_genai_model(folder), decoding.OrtDecoder(folder)
         for search in searches:
             expected = beam_search(model, prompt, search, 16, eos_token_id=ends)
@@ -171,30 +166,30 @@ def test_loop_beams_take_a_long_prompt_in_chunks(folders):
     (as `generate --backend tensorrt` does) and finds the same hypotheses."""
     from diffexport.backends import decoding
 
-    model, root = folders["diff-v1-tiny"]
+    model, root, ckpt = folders["diff-v1-tiny"]
     prompt = list(range(40, 51))
     search = BeamSearch(3, 3, 1.0, False)
-    runner = decoding.OrtDecoder(root / "gqa")
+    runner = decoding.OrtDecoder(root["gqa"])
     runner.max_sequence = 4  # chunks of 4, 4 and 3
     calls = []
     step = runner.step
     runner.step = lambda ids, mask, cache: calls.append(ids.shape) or step(ids, mask, cache)
-    run = decoding.beam_search_onnxruntime(root / "gqa", prompt, 9, search, runner)
+    run = decoding.beam_search_onnxruntime(root["gqa"], prompt, 9, search, runner)
     assert calls[:4] == [(1, 4), (1, 4), (1, 3), (3, 1)]
     assert run.sequences == [h.tokens for h in beam_search(model, prompt, search, 9)]
     assert run.steps == 9 and run.stops == ["length"] * 3
 
 
 @pytest.mark.slow
-def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
+def test_generate_num_beams_prompts_file_and_text(folders, artifacts, tmp_path):
     """The CLI: a prompts file's JSON lines (best hypothesis, and all under "beams") equal the
     reference; a text prompt prints every hypothesis, decoded, under its header."""
     pytest.importorskip("onnxruntime_genai")
-    model, root = folders["diff-v1-tiny"]
+    model, root, ckpt = folders["diff-v1-tiny"]
     pad = model.config.vocab_size - 1  # the folders' pad id (no pad id: the eos pads), ending a prompt
     prompts = [[5, 17, 42, 99], [300, 12, pad], [64, 2, 9, 9, 9]]
     end = beam_search(model, prompts[0], BeamSearch(3), 10)[0].tokens[2]
-    folder = _with_end_ids(root / "diffattention", tmp_path, end)
+    folder = _with_end_ids(root["diffattention"], tmp_path, end)
     assert json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"] == pad
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"ids": p, "id": f"q{i}"}) + "\n" for i, p in enumerate(prompts)))
@@ -216,17 +211,18 @@ def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
     # text: an HF DiffLlama with a tokenizer; the hypotheses are the reference's, decoded
     from diffexport.checkpoint import load_model
 
-    hf = _hf_diffllama(seed=9, vocab=320)
-    hf.save_pretrained(tmp_path / "hf")
-    tokenizer = byte_bpe_tokenizer(tmp_path / "hf")
-    assert run_cli("onnx", tmp_path / "hf", "--kv-cache", "-o", tmp_path / "kv").returncode == 0
-    expected = beam_search(load_model(tmp_path / "hf").model.eval(), tokenizer("the cat sat")["input_ids"],
+    from transformers import AutoTokenizer
+
+    hf = artifacts.hf_diffllama()
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    kv = artifacts.cli_output("onnx", hf, "--kv-cache", output="kv")
+    expected = beam_search(load_model(hf).model.eval(), tokenizer("the cat sat")["input_ids"],
                            BeamSearch(4, 3), 8, eos_token_id=2)
     path.write_text('{"prompt": "the cat sat"}\n')
-    answer = json.loads(run_cli("generate", tmp_path / "kv", "--prompts-file", path, "--num-beams", "4",
+    answer = json.loads(run_cli("generate", kv, "--prompts-file", path, "--num-beams", "4",
                                 "--num-return-sequences", "3", "--max-new-tokens", "8").stdout)
     assert [(b["tokens"], b["stop"]) for b in answer["beams"]] == [(h.tokens, h.stop) for h in expected]
-    result = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--num-beams", "4",
+    result = run_cli("generate", kv, "--prompt", "the cat sat", "--num-beams", "4",
                      "--num-return-sequences", "3", "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr
     shown = []  # a random model's tokens need not be whole UTF-8 characters: genai's decode is the text
@@ -251,17 +247,17 @@ def test_generate_num_beams_prompts_file_and_text(folders, tmp_path):
                             "--backend onnxruntime"),
 ])
 def test_beam_search_refusals(folders, args, pattern):
-    _, root = folders["diff-v2-tiny"]
-    assert_one_line_error(run_cli("generate", root / "diffattention", "--ids", "1,2,3", *args), pattern)
+    _, root, ckpt = folders["diff-v2-tiny"]
+    assert_one_line_error(cli_main("generate", root["diffattention"], "--ids", "1,2,3", *args), pattern)
 
 
 def test_beam_search_refuses_batches_and_chat(folders, tmp_path):
-    _, root = folders["diff-v2-tiny"]
+    _, root, ckpt = folders["diff-v2-tiny"]
     path = tmp_path / "p.jsonl"
     path.write_text('{"ids": [1, 2]}\n')
-    assert_one_line_error(run_cli("generate", root / "gqa", "--prompts-file", path, "--num-beams", "2",
+    assert_one_line_error(cli_main("generate", root["gqa"], "--prompts-file", path, "--num-beams", "2",
                                   "--batch-size", "4"), "beam search runs one prompt at a time")
-    assert_one_line_error(run_cli("generate", root / "gqa", "--interactive", "--num-beams", "2", stdin="hi\n"),
+    assert_one_line_error(cli_main("generate", root["gqa"], "--interactive", "--num-beams", "2", stdin="hi\n"),
                           "--interactive streams a chat: drop --num-beams")
 
 
@@ -303,14 +299,14 @@ def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, 
     from diffexport.check import CheckOptions, run_decoder_check
     from diffexport.checkpoint import load_model
 
-    model, root = folders["diff-v1-tiny"]
-    loaded = load_model(root.parent / "diff-v1-tiny.pt")
+    model, root, ckpt = folders["diff-v1-tiny"]
+    loaded = load_model(ckpt)
     # the check's first prompt, its eager beams: an end id they meet
     import numpy as np
 
     first = np.random.default_rng(0).integers(0, model.config.vocab_size, size=9).tolist()
     end = beam_search(model, first, BeamSearch(4), 8)[0].tokens[4]
-    folder = _with_end_ids(root / attention, tmp_path, [end])
+    folder = _with_end_ids(root[attention], tmp_path, [end])
     options = CheckOptions(provider="cpu", save_dir=tmp_path / "saved", beams=BeamSearch(4, 4))
     lines = []
     report = run_decoder_check(folder, loaded, options, log=lines.append, steps=12)
@@ -337,8 +333,8 @@ def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, 
 
 @pytest.mark.slow
 def test_check_folder_with_beams_on_the_command_line(folders, tmp_path):
-    _, root = folders["diff-v2-tiny"]
-    result = run_cli("check", root / "gqa", "--ckpt", root.parent / "diff-v2-tiny.pt", "--steps", "6",
+    _, root, ckpt = folders["diff-v2-tiny"]
+    result = run_cli("check", root["gqa"], "--ckpt", ckpt, "--steps", "6",
                      "--num-beams", "3", "--length-penalty", "0.5", "--no-early-stopping",
                      "--save-dir", tmp_path / "saved")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -348,8 +344,8 @@ def test_check_folder_with_beams_on_the_command_line(folders, tmp_path):
 
 def test_check_beams_past_genais_limit_check_the_loop_alone(folders, tmp_path):
     """genai takes at most 32 beams: the check says so and still holds the loop's 33 to eager."""
-    _, root = folders["diff-v2-tiny"]
-    result = run_cli("check", root / "diffattention", "--ckpt", root.parent / "diff-v2-tiny.pt", "--steps", "2",
+    _, root, ckpt = folders["diff-v2-tiny"]
+    result = run_cli("check", root["diffattention"], "--ckpt", ckpt, "--steps", "2",
                      "--num-beams", "33", "--save-dir", tmp_path / "saved")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "onnxruntime-genai's own search not checked: onnxruntime-genai searches at most 32 beams, got 33\n" \
@@ -364,15 +360,15 @@ def test_check_beams_past_genais_limit_check_the_loop_alone(folders, tmp_path):
     (["--num-beams", "2", "--steps", "0"], "beam search needs at least one decode step"),
 ])
 def test_check_beam_refusals(folders, args, pattern):
-    _, root = folders["diff-v2-tiny"]
-    assert_one_line_error(run_cli("check", root / "diffattention", "--ckpt", root.parent / "diff-v2-tiny.pt",
+    _, root, ckpt = folders["diff-v2-tiny"]
+    assert_one_line_error(cli_main("check", root["diffattention"], "--ckpt", ckpt,
                                   *args), pattern)
 
 
 def test_check_beams_need_a_decoder(tmp_path):
     path = tmp_path / "m.onnx"
     path.write_bytes(b"not read")
-    assert_one_line_error(run_cli("check", path, "--preset", "diff-v1-tiny", "--num-beams", "2"),
+    assert_one_line_error(cli_main("check", path, "--preset", "diff-v1-tiny", "--num-beams", "2"),
                           "--num-beams checks beam search on a --kv-cache folder")
 
 

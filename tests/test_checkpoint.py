@@ -15,7 +15,7 @@ from diffexport.checkpoint import FORMAT, load_model, save_checkpoint, save_safe
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DiffV1Config, build_model
 from diffexport.presets import preset_config
-from helpers import assert_one_line_error, resave_checkpoint, run_cli
+from helpers import assert_one_line_error, cli_main, resave_checkpoint, run_cli
 
 
 def _logits(model, rng, vocab, seq=13):
@@ -206,13 +206,13 @@ def good_ckpt(tmp_path_factory):
 
 
 def test_missing_file(tmp_path):
-    assert_one_line_error(run_cli("info", tmp_path / "nope.pt"), "checkpoint not found")
+    assert_one_line_error(cli_main("info", tmp_path / "nope.pt"), "checkpoint not found")
 
 
 def test_truncated_file(good_ckpt, tmp_path):
     bad = tmp_path / "truncated.pt"
     bad.write_bytes(good_ckpt.read_bytes()[: good_ckpt.stat().st_size // 2])
-    assert_one_line_error(run_cli("info", bad), "corrupt or truncated")
+    assert_one_line_error(cli_main("info", bad), "corrupt or truncated")
 
 
 def test_corrupted_file(good_ckpt, tmp_path):
@@ -225,7 +225,7 @@ def test_corrupted_file(good_ckpt, tmp_path):
     result = run_cli("info", bad)
     assert_one_line_error(result, "")
     bad.write_bytes(os.urandom(4096))
-    assert_one_line_error(run_cli("info", bad), "corrupt or truncated")
+    assert_one_line_error(cli_main("info", bad), "corrupt or truncated")
 
 
 class _Payload:
@@ -261,43 +261,43 @@ def test_pickle_with_code_is_not_executed(writer, tmp_path):
 
 def test_missing_key(good_ckpt, tmp_path):
     path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o["state_dict"].pop("layers.1.attn.lambda_q2"))
-    assert_one_line_error(run_cli("info", path), "missing key(s) layers.1.attn.lambda_q2")
+    assert_one_line_error(cli_main("info", path), "missing key(s) layers.1.attn.lambda_q2")
 
 
 def test_unexpected_key(good_ckpt, tmp_path):
     path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o["state_dict"].update({"layers.9.extra": torch.ones(2)}))
-    assert_one_line_error(run_cli("info", path), "unexpected key(s) layers.9.extra")
+    assert_one_line_error(cli_main("info", path), "unexpected key(s) layers.9.extra")
 
 
 def test_wrong_shape(good_ckpt, tmp_path):
     path = resave_checkpoint(good_ckpt, tmp_path,
                    lambda o: o["state_dict"].update({"layers.0.attn.q_proj.weight": torch.ones(64, 128)}))
-    assert_one_line_error(run_cli("info", path), "wrong shape for layers.0.attn.q_proj.weight")
+    assert_one_line_error(cli_main("info", path), "wrong shape for layers.0.attn.q_proj.weight")
 
 
 def test_nan_weights(good_ckpt, tmp_path):
     def poison(o):
         o["state_dict"]["norm.weight"][3] = float("nan")
-    assert_one_line_error(run_cli("info", resave_checkpoint(good_ckpt, tmp_path, poison)), "NaN")
+    assert_one_line_error(cli_main("info", resave_checkpoint(good_ckpt, tmp_path, poison)), "NaN")
 
 
 def test_unknown_format_version(good_ckpt, tmp_path):
     path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o.update({"format_version": 99}))
-    assert_one_line_error(run_cli("info", path), "unknown format_version 99")
+    assert_one_line_error(cli_main("info", path), "unknown format_version 99")
 
 
 def test_bad_config_values(good_ckpt, tmp_path):
     path = resave_checkpoint(good_ckpt, tmp_path, lambda o: o["config"].update({"n_kv_heads": 3}))
-    assert_one_line_error(run_cli("info", path), "must divide")
+    assert_one_line_error(cli_main("info", path), "must divide")
 
 
 def test_non_diff_hf_directory(tmp_path):
     d = tmp_path / "mistral"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 64}))
-    assert_one_line_error(run_cli("info", d), "not a DIFF model")
+    assert_one_line_error(cli_main("info", d), "not a DIFF model")
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))  # the baseline, incomplete
-    assert_one_line_error(run_cli("info", d), "Llama config.json lacks 'num_attention_heads'")
+    assert_one_line_error(cli_main("info", d), "Llama config.json lacks 'num_attention_heads'")
 
 
 def _hf_llama(tmp_path, **extra):
@@ -343,31 +343,31 @@ def test_hf_llama_with_biases_is_refused(tmp_path):
 def test_non_diff_state_dict(tmp_path):
     path = tmp_path / "gpt2.pt"
     torch.save({"wte.weight": torch.randn(10, 4), "h.0.attn.c_attn.weight": torch.randn(4, 12)}, path)
-    assert_one_line_error(run_cli("info", path, "--preset", "diff-v1-tiny"), "not a DIFF model")
-    assert_one_line_error(run_cli("info", path), "without a config")
+    assert_one_line_error(cli_main("info", path, "--preset", "diff-v1-tiny"), "not a DIFF model")
+    assert_one_line_error(cli_main("info", path), "without a config")
 
 
 def test_truncated_safetensors(tmp_path):
     directory = save_safetensors(build_model(preset_config("diff-v1-tiny"), seed=0), tmp_path / "st")
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    assert_one_line_error(run_cli("info", directory), "corrupt or truncated")
+    assert_one_line_error(cli_main("info", directory), "corrupt or truncated")
 
 
 def test_safetensors_without_config(tmp_path):
     directory = save_safetensors(build_model(preset_config("diff-v1-tiny"), seed=0), tmp_path / "st")
     (directory / "config.json").unlink()
-    assert_one_line_error(run_cli("info", directory / "model.safetensors"), "config.json")
+    assert_one_line_error(cli_main("info", directory / "model.safetensors"), "config.json")
 
 
 def test_not_a_checkpoint_object(tmp_path):
     path = tmp_path / "list.pt"
     torch.save([1, 2, 3], path)
-    assert_one_line_error(run_cli("info", path), "not a diffexport checkpoint")
+    assert_one_line_error(cli_main("info", path), "not a diffexport checkpoint")
 
 
 def test_unknown_preset():
-    assert_one_line_error(run_cli("info", "--preset", "diff-v9"), "unknown preset")
+    assert_one_line_error(cli_main("info", "--preset", "diff-v9"), "unknown preset")
 
 
 def test_failed_save_leaves_nothing(tmp_path):

@@ -11,7 +11,7 @@ from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, run_cli  # noqa: E402
+from helpers import assert_one_line_error, cli_main, run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_truncated_onnx_given_to_check(tiny, tmp_path):
     _, model = tiny
     cut = tmp_path / "cut.onnx"
     cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
-    assert_one_line_error(run_cli("check", cut, "--preset", "diff-v1-tiny"), "cut.onnx")
+    assert_one_line_error(cli_main("check", cut, "--preset", "diff-v1-tiny"), "cut.onnx")
 
 
 def test_foreign_onnx_without_metadata(tmp_path):
@@ -76,7 +76,7 @@ def test_foreign_onnx_without_metadata(tmp_path):
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     onnx.save(helper.make_model(graph), tmp_path / "neg.onnx")
-    assert_one_line_error(run_cli("check", tmp_path / "neg.onnx", "--preset", "diff-v1-tiny"), "no diffexport metadata")
+    assert_one_line_error(cli_main("check", tmp_path / "neg.onnx", "--preset", "diff-v1-tiny"), "no diffexport metadata")
 
 
 @pytest.mark.slow
@@ -84,28 +84,28 @@ def test_checkpoint_of_another_preset(tiny):
     """A preset is held to the export's configuration on shapes alone, before its weights are built:
     a 13B preset (49 GiB of float32) is the same one line as a small one, on any machine."""
     _, model = tiny
-    assert_one_line_error(run_cli("check", model, "--preset", "diff-v2-tiny"), "holds a diff_v1 model")
-    assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-3b"), "different configuration")
-    assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-13.1b"), "different configuration")
+    assert_one_line_error(cli_main("check", model, "--preset", "diff-v2-tiny"), "holds a diff_v1 model")
+    assert_one_line_error(cli_main("check", model, "--preset", "diff-v1-3b"), "different configuration")
+    assert_one_line_error(cli_main("check", model, "--preset", "diff-v1-13.1b"), "different configuration")
 
 
 @pytest.mark.slow
 def test_same_preset_other_weights(tiny):
     _, model = tiny
-    assert_one_line_error(run_cli("check", model, "--preset", "diff-v1-tiny", "--seed", "7"), "other weights")
+    assert_one_line_error(cli_main("check", model, "--preset", "diff-v1-tiny", "--seed", "7"), "other weights")
 
 
 @pytest.mark.slow
 def test_bad_shapes_argument(tiny):
     ckpt, model = tiny
-    assert_one_line_error(run_cli("check", model, "--ckpt", ckpt, "--shapes", "2by3"), "BATCHxSEQ")
+    assert_one_line_error(cli_main("check", model, "--ckpt", ckpt, "--shapes", "2by3"), "BATCHxSEQ")
 
 
 @pytest.mark.slow
 def test_bf16_on_the_cpu_provider_says_what_to_use(tmp_path):
     loaded = load_model(None, preset="diff-v1-tiny", dtype=__import__("torch").bfloat16)
     export_onnx(loaded, tmp_path / "bf16.onnx", ExportOptions(dtype="bfloat16"), log=lambda _: None)
-    assert_one_line_error(run_cli("check", tmp_path / "bf16.onnx", "--preset", "diff-v1-tiny", "--provider", "cpu"),
+    assert_one_line_error(cli_main("check", tmp_path / "bf16.onnx", "--preset", "diff-v1-tiny", "--provider", "cpu"),
                            "CUDA provider or TensorRT")
 
 
@@ -151,7 +151,7 @@ def test_a_model_must_be_named(command, tmp_path, tiny):
     _, model = tiny
     args = [model if a == "x.onnx" and command[0] == "check" else tmp_path / a if a == "x.onnx" else a
             for a in command]
-    assert_one_line_error(run_cli(*args), "name the model")
+    assert_one_line_error(cli_main(*args), "name the model")
 
 
 @pytest.mark.slow

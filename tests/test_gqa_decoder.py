@@ -17,7 +17,7 @@ pytest.importorskip("onnxruntime")
 from diffexport import contract  # noqa: E402
 from diffexport.backends import decoding  # noqa: E402
 from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
-from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.checkpoint import load_model, save_safetensors  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.export.decoder import export_decoder  # noqa: E402
@@ -26,7 +26,7 @@ from diffexport.inspect_onnx import inspect_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.passes.group_query_attention import rewrite_decoder  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, perturb_norm_weights, quiet, run_cli  # noqa: E402
+from helpers import assert_one_line_error, cli_main, perturb_norm_weights, quiet, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports: see README (quick loop)
 
@@ -34,18 +34,13 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 @pytest.fixture(scope="module")
-def v1_pair(tmp_path_factory):
+def v1_pair(artifacts):
     """(checkpoint, DiffAttention folder, GQA folder) of a V1 model with 4 diff-heads on 2 kv-groups."""
-    cfg = preset_config("diff-v1-tiny")
-    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
-    root = tmp_path_factory.mktemp("gqa")
-    save_checkpoint(perturb_norm_weights(build_model(cfg, seed=31), 31), root / "ckpt.pt")
-    loaded = load_model(root / "ckpt.pt")
-    export_decoder(loaded, root / "diff", log=quiet)
-    summary = export_decoder(loaded, root / "gqa", attention="gqa", log=quiet)
+    summary = artifacts.decoder_summary("diff-v1-gqa", "gqa")
     assert (summary.attention, summary.cache_heads, summary.diff_attention_nodes) == ("gqa", 2, 2)
     assert "GroupQueryAttention" in summary.report()
-    return root / "ckpt.pt", root / "diff", root / "gqa"
+    return (artifacts.checkpoint("diff-v1-gqa"), artifacts.decoder("diff-v1-gqa"),
+            artifacts.decoder("diff-v1-gqa", "gqa"))
 
 
 def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
@@ -150,7 +145,7 @@ def test_generation_stops_at_the_context_length(tmp_path):
     with pytest.raises(DiffExportError, match="prompt's 17 tokens exceed"):
         decoding.generate_genai(tmp_path / "kv", list(range(1, 18)), 4, Sampling())
     for backend in ("genai", "onnxruntime"):  # the CLI: one line, exit 2
-        assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", ",".join(map(str, range(1, 18))),
+        assert_one_line_error(cli_main("generate", tmp_path / "kv", "--ids", ",".join(map(str, range(1, 18))),
                                       "--backend", backend), "exceeds the context length 16")
 
 
@@ -206,13 +201,13 @@ def test_gqa_cli_quantise_check_generate(tmp_path):
 
 def test_gqa_refusals(v1_pair, tmp_path):
     _, diff, gqa = v1_pair
-    assert_one_line_error(run_cli("onnx", "--preset", "transformer-tiny", "--kv-cache", "--attention", "gqa",
+    assert_one_line_error(cli_main("onnx", "--preset", "transformer-tiny", "--kv-cache", "--attention", "gqa",
                                   "-o", tmp_path / "t"), "baseline Transformer has none")
     assert not (tmp_path / "t").exists()
-    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "--attention", "gqa", "-o", tmp_path / "m.onnx"),
+    assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "--attention", "gqa", "-o", tmp_path / "m.onnx"),
                           "belong to --kv-cache exports")
-    assert_one_line_error(run_cli("trt", gqa, "-o", tmp_path / "e.engine"), "TensorRT does not have")
-    assert_one_line_error(run_cli("optimize", gqa / "model.onnx", "-o", tmp_path / "o.onnx"),
+    assert_one_line_error(cli_main("trt", gqa, "-o", tmp_path / "e.engine"), "TensorRT does not have")
+    assert_one_line_error(cli_main("optimize", gqa / "model.onnx", "-o", tmp_path / "o.onnx"),
                           "runs its attention as onnxruntime's GroupQueryAttention")
     assert not (tmp_path / "o.onnx").exists()
     model = onnx.load(str(diff / "model.onnx"))

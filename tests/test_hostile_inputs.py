@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from helpers import assert_one_line_error, resave_checkpoint, run_cli
+from helpers import assert_one_line_error, cli_main, resave_checkpoint, run_cli
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -16,10 +16,8 @@ onnx = pytest.importorskip("onnx")
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("exported")
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", folder / "m.onnx").returncode == 0
-    return folder / "m.onnx"
+def exported(artifacts, tmp_path_factory):
+    return artifacts.copy(artifacts.cli_output("onnx", "--preset", "diff-v1-tiny"), tmp_path_factory.mktemp("exported"))
 
 
 def test_engine_sidecar_cannot_make_check_load_a_library(exported, tmp_path, monkeypatch):
@@ -146,7 +144,7 @@ def test_cli_argument_mistakes_are_one_line(exported, tmp_path):
     folder = tmp_path / "kv"  # a KV-cache export folder given where a checkpoint goes
     folder.mkdir()
     (folder / "genai_config.json").write_text("{}")
-    assert_one_line_error(run_cli("info", folder), "is a KV-cache export folder, not a checkpoint")
+    assert_one_line_error(cli_main("info", folder), "is a KV-cache export folder, not a checkpoint")
     unknown = run_cli("inspect", exported, "--frobnicate")
     assert unknown.returncode == 2
     assert unknown.stderr.startswith("usage: diffexport inspect")
@@ -199,16 +197,16 @@ def test_check_against_and_plugin_lib_bad_inputs(exported, tmp_path):
     does not exist. Each one line, exit 2."""
     from onnx import TensorProto, helper
 
-    assert_one_line_error(run_cli("check", exported, "--against", tmp_path / "nope.onnx"), "does not exist")
+    assert_one_line_error(cli_main("check", exported, "--against", tmp_path / "nope.onnx"), "does not exist")
     (tmp_path / "corrupt.onnx").write_bytes(b"\x08\x07not a protobuf" * 20)
-    assert_one_line_error(run_cli("check", exported, "--against", tmp_path / "corrupt.onnx"),
+    assert_one_line_error(cli_main("check", exported, "--against", tmp_path / "corrupt.onnx"),
                           "is not a valid ONNX model")
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["logits"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10),
               tmp_path / "other.onnx")
-    assert_one_line_error(run_cli("check", exported, "--against", tmp_path / "other.onnx"), "take different inputs")
+    assert_one_line_error(cli_main("check", exported, "--against", tmp_path / "other.onnx"), "take different inputs")
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"x")
     from diffexport.check import read_export_metadata
@@ -216,7 +214,7 @@ def test_check_against_and_plugin_lib_bad_inputs(exported, tmp_path):
     (tmp_path / "m.engine.json").write_text(json.dumps({
         "onnx_metadata": read_export_metadata(exported), "module": "tensorrt", "attention": "plugin",
         "profile": {"min": [1, 1], "opt": [1, 8], "max": [2, 64]}, "plugin_lib": None}))
-    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny", "--plugin-lib", tmp_path / "no.so"),
+    assert_one_line_error(cli_main("check", engine, "--preset", "diff-v1-tiny", "--plugin-lib", tmp_path / "no.so"),
                           "plugin library not found")
 
 
@@ -247,7 +245,7 @@ def _set_tensor(make):
     (_set_tensor(lambda t: t.to(__import__("torch").int8)), "has dtype int8"),
 ], ids=["lambda-abc", "heads-four", "list-number", "int-as-bool", "rope-string", "fp8", "sparse", "meta", "int8"])
 def test_wrong_typed_configs_and_tensors_are_one_line(checkpoint, tmp_path, edit, message):
-    assert_one_line_error(run_cli("info", resave_checkpoint(checkpoint, tmp_path, edit)), message)
+    assert_one_line_error(cli_main("info", resave_checkpoint(checkpoint, tmp_path, edit)), message)
 
 
 def test_zip_members_are_checked_against_their_declared_sizes(checkpoint, tmp_path):
@@ -265,8 +263,8 @@ def test_zip_members_are_checked_against_their_declared_sizes(checkpoint, tmp_pa
     with zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as out:
         for name, data in members:
             out.writestr(name, data)
-    assert_one_line_error(run_cli("info", short), "holds 64 bytes but its tensor declares")
-    assert_one_line_error(run_cli("info", deflated), "is compressed")
+    assert_one_line_error(cli_main("info", short), "holds 64 bytes but its tensor declares")
+    assert_one_line_error(cli_main("info", deflated), "is compressed")
 
 
 def test_output_names_the_file_system_or_onnx_cannot_take(tmp_path):
@@ -275,9 +273,9 @@ def test_output_names_the_file_system_or_onnx_cannot_take(tmp_path):
     ok = tmp_path / ("a" * 240 + ".onnx")
     assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", ok).returncode == 0 and ok.is_file()
     too_long = tmp_path / ("b" * 248 + ".onnx")
-    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "-o", too_long), "longer than 255 bytes")
+    assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "-o", too_long), "longer than 255 bytes")
     not_utf8 = tmp_path / "m\udcff.onnx"  # the bytes b"m\xff.onnx", as Python names them
-    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "-o", not_utf8), "is not valid UTF-8")
+    assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "-o", not_utf8), "is not valid UTF-8")
     assert sorted(p.name for p in tmp_path.iterdir()) == [ok.name]
 
 
@@ -345,7 +343,7 @@ def test_an_unwritable_output_folder_is_refused_before_any_work():
 
     if not os.path.isdir("/sys/kernel"):
         pytest.skip("no /sys on this system")
-    assert_one_line_error(run_cli("onnx", "--preset", "diff-v1-tiny", "-o", "/sys/kernel/m.onnx"),
+    assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "-o", "/sys/kernel/m.onnx"),
                           "/sys/kernel is not writable")
 
 
@@ -375,7 +373,7 @@ def test_malformed_export_metadata_is_one_line(exported, tmp_path, key, value):
         (tmp_path / "m.engine.json").write_text(json.dumps({
             "onnx_metadata": meta, "module": "tensorrt", "attention": "native",
             "profile": {"min": [1, 1], "opt": [1, 8], "max": [2, 64]}}))
-        assert_one_line_error(run_cli("check", tmp_path / "m.engine", "--preset", "diff-v1-tiny"), "m.engine")
+        assert_one_line_error(cli_main("check", tmp_path / "m.engine", "--preset", "diff-v1-tiny"), "m.engine")
 
 
 def test_generation_config_search_values_from_strangers(tmp_path):

@@ -8,7 +8,7 @@ onnx = pytest.importorskip("onnx")
 
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
-from helpers import assert_one_line_error, run_cli  # noqa: E402
+from helpers import assert_one_line_error, cli_main, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -77,9 +77,9 @@ def test_a_kv_cache_folder_is_inspected_through_its_decoder(tmp_path):
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"] = ["cuda"]  # a hand-edited config: refused, not a traceback
     (folder / "genai_config.json").write_text(json.dumps(config))
-    assert_one_line_error(run_cli("inspect", folder), "provider_options must be a list")
+    assert_one_line_error(cli_main("inspect", folder), "provider_options must be a list")
     (tmp_path / "plain").mkdir()
-    assert_one_line_error(run_cli("inspect", tmp_path / "plain"), "has no genai_config.json")
+    assert_one_line_error(cli_main("inspect", tmp_path / "plain"), "has no genai_config.json")
 
 
 def test_folders_and_devices_are_told_apart_from_missing_files(tmp_path):
@@ -92,7 +92,7 @@ def test_folders_and_devices_are_told_apart_from_missing_files(tmp_path):
         (("check", tmp_path / "dir.onnx", "--against", tmp_path / "dir.onnx"), "dir.onnx is a folder: give an .onnx"),
         (("check", tmp_path / "dir.engine", "--preset", "diff-v1-tiny"), "dir.engine does not exist: give an engine"),
     ]:
-        assert_one_line_error(run_cli(*argv), message)
+        assert_one_line_error(cli_main(*argv), message)
     from diffexport.backends.tensorrt import read_engine_record
     from diffexport.errors import DiffExportError
 

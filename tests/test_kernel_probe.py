@@ -11,7 +11,7 @@ import torch
 
 from diffexport import kernel_probe, kernels, reference
 from diffexport.quantization import LogitQuant
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_main
 
 
 def unset_for_this_test(monkeypatch, name: str):
@@ -127,9 +127,9 @@ def test_kernels_check_needs_a_gpu_and_the_library(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
     if kernels.library_path() is not None:
-        assert_one_line_error(run_cli("kernels", "--check"), "--check needs a CUDA GPU visible to torch")
+        assert_one_line_error(cli_main("kernels", "--check"), "--check needs a CUDA GPU visible to torch")
     monkeypatch.setenv("DIFFEXPORT_KERNEL_LIB", "/nonexistent/libdiffexport_kernels.so")  # the only place looked at
-    assert_one_line_error(run_cli("kernels", "--check"), "--check needs the kernel library, which is not built")
+    assert_one_line_error(cli_main("kernels", "--check"), "--check needs the kernel library, which is not built")
 
 
 def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):

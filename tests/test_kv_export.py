@@ -22,8 +22,8 @@ from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
 from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import (assert_one_line_error, byte_bpe_tokenizer, perturb_norm_weights, quiet,  # noqa: E402
-                     run_cli)
+from helpers import (assert_one_line_error, byte_bpe_tokenizer, cli_main, perturb_norm_weights,  # noqa: E402
+                     quiet, run_cli)
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -32,21 +32,14 @@ NEW_TOKENS = 36
 
 
 @pytest.fixture(scope="module")
-def v1_ckpt(tmp_path_factory):
+def v1_ckpt(artifacts):
     """A native ckpt.pt of a V1 model with GQA and an affine head norm that is not all ones."""
-    cfg = preset_config("diff-v1-tiny")
-    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim = 4, 2, 16
-    path = tmp_path_factory.mktemp("v1") / "ckpt.pt"
-    save_checkpoint(perturb_norm_weights(build_model(cfg, seed=21), 21), path)
-    return path
+    return artifacts.checkpoint("diff-v1-gqa")
 
 
 @pytest.fixture(scope="module")
-def v1_folder(v1_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("v1kv") / "v1-kv"
-    summary = export_decoder(load_model(v1_ckpt), out, log=quiet)
-    assert summary.diff_attention_nodes == 2
-    return out
+def v1_folder(artifacts):
+    return artifacts.decoder("diff-v1-gqa")
 
 
 def _genai_tokens(folder, prompt=PROMPT, n=NEW_TOKENS):
@@ -107,7 +100,6 @@ def test_v1_check_passes_and_its_polygraphy_files_exist(v1_folder, v1_ckpt, tmp_
 
 def test_check_fails_on_a_folder_with_corrupted_weights(v1_folder, v1_ckpt, tmp_path):
     """A check that cannot fail is no check: perturb one weight of the graph and the check must fail."""
-    import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(v1_folder, broken)
@@ -179,11 +171,11 @@ def test_check_scores_a_text_through_the_folders_cache(v1_folder, v1_ckpt, tmp_p
 def test_check_text_refusals_are_one_line(v1_folder, v1_ckpt, tmp_path):
     one = tmp_path / "one.txt"
     one.write_text("a")
-    assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", one),
+    assert_one_line_error(cli_main("check", v1_folder, "--ckpt", v1_ckpt, "--text", one),
                           "has 1 tokens; a perplexity needs 2: give more text")
-    assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", tmp_path / "none.txt"),
+    assert_one_line_error(cli_main("check", v1_folder, "--ckpt", v1_ckpt, "--text", tmp_path / "none.txt"),
                           "text file not found")
-    assert_one_line_error(run_cli("check", v1_folder, "--ckpt", v1_ckpt, "--text", one, "--tokenizer",
+    assert_one_line_error(cli_main("check", v1_folder, "--ckpt", v1_ckpt, "--text", one, "--tokenizer",
                                   tmp_path / "no-tokenizer"), "cannot load tokenizer")
 
 
@@ -212,25 +204,27 @@ def test_fp16_folder_passes_its_rule(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(artifacts):
     """An HF DiffLlama folder with GQA (8 maps over 4 kv heads) and its tokenizer files."""
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("hf") / "diffllama"
-    torch.manual_seed(8)
-    cfg = transformers.DiffLlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                       num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
-    transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(folder)
-    byte_bpe_tokenizer(folder)
-    return folder
+    return artifacts.hf_diffllama()
 
 
-def test_hf_diffllama_folder_with_tokenizer(hf_dir, tmp_path):
+@pytest.fixture(scope="module")
+def hf_kv(artifacts, hf_dir):
+    """`diffexport onnx HF --kv-cache`: the folder with the HF checkpoint's tokenizer."""
+    return artifacts.cli_output("onnx", hf_dir, "--kv-cache", output="kv")
+
+
+@pytest.fixture(scope="module")
+def hf_chat_kv(artifacts):
+    """The same export of the HF folder with a chat_template.jinja, which the export copies."""
+    return artifacts.cli_output("onnx", artifacts.hf_diffllama_with_chat_template(), "--kv-cache", output="kv")
+
+
+def test_hf_diffllama_folder_with_tokenizer(hf_dir, hf_kv):
     pytest.importorskip("onnxruntime_genai")
-    result = run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "kv")
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "kv" / "tokenizer.json").is_file()
-    config = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]
+    assert (hf_kv / "tokenizer.json").is_file()
+    config = json.loads((hf_kv / "genai_config.json").read_text())["model"]
     assert (config["eos_token_id"], config["pad_token_id"], config["context_length"]) == (2, 0, 512)
     loaded = load_model(hf_dir)
     # genai greedy tokens == eager == transformers' generate (HF stops at eos: compare up to it)
@@ -243,13 +237,13 @@ def test_hf_diffllama_folder_with_tokenizer(hf_dir, tmp_path):
                                 pad_token_id=0)[0, len(prompt):].tolist()
     ours = _eager_tokens(loaded, prompt, eos=2)
     assert ours == hf_tokens
-    assert _genai_tokens(tmp_path / "kv", prompt) == ours
-    report = run_decoder_check(tmp_path / "kv", loaded, CheckOptions(provider="cpu"), log=quiet)
+    assert _genai_tokens(hf_kv, prompt) == ours
+    report = run_decoder_check(hf_kv, loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed and "transformers generate() == eager" in report.text(), report.text()
-    text = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8")
+    text = run_cli("generate", hf_kv, "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0, text.stderr
     assert "decode" in text.stderr and "tokens/s" in text.stderr
-    looped = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8",
+    looped = run_cli("generate", hf_kv, "--prompt", "the cat sat", "--max-new-tokens", "8",
                      "--backend", "onnxruntime")
     assert looped.returncode == 0 and looped.stdout == text.stdout, looped.stderr
 
@@ -258,22 +252,12 @@ def _prompt_tokens(result) -> int:
     return int(re.search(r"prompt (\d+) tokens", result.stderr).group(1))
 
 
-def _with_chat_template(hf_dir, source):
-    """A copy of the HF folder with a chat_template.jinja (where newer transformers save it)."""
-    shutil.copytree(hf_dir, source)
-    (source / "chat_template.jinja").write_text(
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
-    return source
-
-
-def test_generate_chat_puts_the_prompt_in_the_chat_template(hf_dir, tmp_path):
+def test_generate_chat_puts_the_prompt_in_the_chat_template(artifacts, hf_chat_kv, tmp_path):
     """`generate --chat`: the prompt becomes a user turn (after --system) in the tokenizer's chat
     template, from tokenizer_config.json or the chat_template.jinja the export copies; a tokenizer
     without one is refused in one line."""
     og = pytest.importorskip("onnxruntime_genai")
-    source = _with_chat_template(hf_dir, tmp_path / "hf")
-    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    artifacts.copy(hf_chat_kv, tmp_path)  # this test changes its chat template
     assert (tmp_path / "kv" / "chat_template.jinja").is_file()
     tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
     for extra, text in (([], "<s>user: the cat sat\n<s>assistant: "),
@@ -283,14 +267,14 @@ def test_generate_chat_puts_the_prompt_in_the_chat_template(hf_dir, tmp_path):
         assert result.returncode == 0, result.stderr
         assert _prompt_tokens(result) == len(tokenizer.encode(text)) > len(tokenizer.encode("the cat sat"))
     (tmp_path / "kv" / "chat_template.jinja").write_bytes(b"a" * (1024**2 + 1))
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "larger than 1 MiB")
+    assert_one_line_error(cli_main("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "larger than 1 MiB")
     (tmp_path / "kv" / "chat_template.jinja").unlink()
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "has no chat template")
+    assert_one_line_error(cli_main("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "has no chat template")
     (tmp_path / "elsewhere.jinja").write_text("{{ messages[0]['content'] }}")
     (tmp_path / "kv" / "chat_template.jinja").symlink_to(tmp_path / "elsewhere.jinja")  # a link is never followed
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "is a symbolic link")
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", "1,2", "--chat"), "give --prompt")
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--system", "x"), "add --chat")
+    assert_one_line_error(cli_main("generate", tmp_path / "kv", "--prompt", "hi", "--chat"), "is a symbolic link")
+    assert_one_line_error(cli_main("generate", tmp_path / "kv", "--ids", "1,2", "--chat"), "give --prompt")
+    assert_one_line_error(cli_main("generate", tmp_path / "kv", "--prompt", "hi", "--system", "x"), "add --chat")
 
 
 def test_hf_folder_without_tokenizer_exports_ids_only(tmp_path):
@@ -320,17 +304,16 @@ def test_generate_refuses_a_prefill_export_and_a_plain_folder(tmp_path):
     prefill = tmp_path / "m.onnx"
     assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", prefill).returncode == 0
     (tmp_path / "plain").mkdir()
-    assert_one_line_error(run_cli("generate", tmp_path / "plain", "--ids", "1"), "no genai_config.json")
-    assert_one_line_error(run_cli("generate", prefill, "--ids", "1"), "is not a folder")
+    assert_one_line_error(cli_main("generate", tmp_path / "plain", "--ids", "1"), "no genai_config.json")
+    assert_one_line_error(cli_main("generate", prefill, "--ids", "1"), "is not a folder")
     (tmp_path / "fake").mkdir()
     (tmp_path / "fake" / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "m.onnx"}}}))
     (tmp_path / "fake" / "m.onnx").write_bytes(prefill.read_bytes())
-    assert_one_line_error(run_cli("generate", tmp_path / "fake", "--ids", "1"), "prefill-only export")
+    assert_one_line_error(cli_main("generate", tmp_path / "fake", "--ids", "1"), "prefill-only export")
 
 
 def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):
     """Corrupt genai configs, a model file named outside the folder or behind a link, a plain folder to check."""
-    import shutil
 
     def folder_with(name, config_text=None, link_model=False):
         folder = tmp_path / name
@@ -342,43 +325,43 @@ def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):
             (folder / "model.onnx").symlink_to(v1_folder / "model.onnx")
         return folder
 
-    assert_one_line_error(run_cli("generate", folder_with("garbage", "{not json"), "--ids", "1"),
+    assert_one_line_error(cli_main("generate", folder_with("garbage", "{not json"), "--ids", "1"),
                           "not a readable genai config")
-    assert_one_line_error(run_cli("generate", folder_with("list", "[1, 2]"), "--ids", "1"),
+    assert_one_line_error(cli_main("generate", folder_with("list", "[1, 2]"), "--ids", "1"),
                           "not a readable genai config")
     escape = json.dumps({"model": {"decoder": {"filename": "../outside.onnx"}}})
-    assert_one_line_error(run_cli("generate", folder_with("escape", escape), "--ids", "1"), "inside the folder")
-    assert_one_line_error(run_cli("generate", folder_with("linked", link_model=True), "--ids", "1"),
+    assert_one_line_error(cli_main("generate", folder_with("escape", escape), "--ids", "1"), "inside the folder")
+    assert_one_line_error(cli_main("generate", folder_with("linked", link_model=True), "--ids", "1"),
                           "symbolic link")
     (tmp_path / "plain").mkdir()
-    assert_one_line_error(run_cli("check", tmp_path / "plain", "--preset", "diff-v1-tiny"), "no genai_config.json")
+    assert_one_line_error(cli_main("check", tmp_path / "plain", "--preset", "diff-v1-tiny"), "no genai_config.json")
     # cache fields a runner allocates from: wrong types or sizes, or a cache the graph does not take
     config = json.loads((v1_folder / "genai_config.json").read_text())
     for name, value in (("words", "abc"), ("huge", 1 << 40), ("zero", 0)):
         bad = json.loads(json.dumps(config))
         bad["model"]["decoder"]["num_key_value_heads"] = value
-        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
+        assert_one_line_error(cli_main("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
                                       "onnxruntime"), "num_key_value_heads must be an integer")
     for name, value in (("context-words", "abc"), ("context-huge", 1 << 40), ("context-one", 1)):
         bad = json.loads(json.dumps(config))
         bad["model"]["context_length"] = value
-        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
+        assert_one_line_error(cli_main("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
                                       "onnxruntime"), "context_length must be an integer")
     for name, value in (("eos-words", "abc"), ("eos-empty", []), ("eos-mixed", [2, "x"]), ("eos-negative", -1)):
         bad = json.loads(json.dumps(config))
         bad["model"]["eos_token_id"] = value
-        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
+        assert_one_line_error(cli_main("generate", folder_with(name, json.dumps(bad)), "--ids", "1", "--backend",
                                       "onnxruntime"), "eos_token_id must be a token id or a list of them")
     for name, key, value in (("temp-words", "temperature", "abc"), ("temp-zero", "temperature", 0),
                              ("topk-float", "top_k", 2.5), ("topp-big", "top_p", 1.5), ("sample-int", "do_sample", 1),
                              ("penalty-nan", "repetition_penalty", float("nan")), ("beams-0", "num_beams", 0)):
         bad = json.loads(json.dumps(config))
         bad["search"][key] = value
-        assert_one_line_error(run_cli("generate", folder_with(name, json.dumps(bad)), "--ids", "1"),
+        assert_one_line_error(cli_main("generate", folder_with(name, json.dumps(bad)), "--ids", "1"),
                               f"genai_config.json: search.{key} must be")
     other = json.loads(json.dumps(config))
     other["model"]["decoder"]["num_key_value_heads"] = 2  # a gqa folder's config beside a DiffAttention graph
-    assert_one_line_error(run_cli("check", folder_with("mismatch", json.dumps(other)), "--ckpt", v1_ckpt),
+    assert_one_line_error(cli_main("check", folder_with("mismatch", json.dumps(other)), "--ckpt", v1_ckpt),
                           "do not belong together")
 
 
@@ -394,34 +377,34 @@ def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):
 
 
 def test_generate_bad_requests(v1_folder):
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "0"),
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "0"),
                           "--max-new-tokens must be >= 1")
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "-3"),
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "-3"),
                           "--max-new-tokens must be >= 1")
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "2047"),
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--max-new-tokens", "2047"),
                           "exceeds the context length 2048")
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,x"), "comma-separated integers")
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,99999"), "token ids in [0, 512)")
-    assert_one_line_error(run_cli("generate", v1_folder, "--prompt", "hello"), "has no tokenizer")
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1", "--sample", "--top-p", "0"), "top-p")
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,x"), "comma-separated integers")
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,99999"), "token ids in [0, 512)")
+    assert_one_line_error(cli_main("generate", v1_folder, "--prompt", "hello"), "has no tokenizer")
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1", "--sample", "--top-p", "0"), "top-p")
 
 
 def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     existing = tmp_path / "exists"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "-o", existing), "already exists")
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "-o", existing), "already exists")
     assert (existing / "keep.txt").read_text() == "mine"
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "--provider", "cpu", "-o", tmp_path / "a"),
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "--bf16", "--provider", "cpu", "-o", tmp_path / "a"),
                           "CPU provider has no bfloat16 kernels")
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "--attention", "gqa", "-o", tmp_path / "a"),
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "--bf16", "--attention", "gqa", "-o", tmp_path / "a"),
                           "gqa folders are float32 or float16")
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--provider", "cuda", "-o", tmp_path / "a.onnx"),
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--provider", "cuda", "-o", tmp_path / "a.onnx"),
                           "belong to --kv-cache")
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "-o", tmp_path / "a.onnx"), "writes a folder")
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--tokenizer", tmp_path, "-o", tmp_path / "b.onnx"),
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "-o", tmp_path / "a.onnx"), "writes a folder")
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--tokenizer", tmp_path, "-o", tmp_path / "b.onnx"),
                           "belong to --kv-cache")
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--threads", "0", "-o", tmp_path / "e"),
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "--threads", "0", "-o", tmp_path / "e"),
                           "--threads must be in 1..1024")
     small = tmp_path / "tok"
     byte_bpe_tokenizer(small)  # 279 tokens: more than a 128-token vocabulary holds
@@ -430,7 +413,7 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     too_small = save_checkpoint(build_model(cfg, seed=1), tmp_path / "v128.pt")
     result = run_cli("onnx", too_small, "--kv-cache", "--tokenizer", small, "-o", tmp_path / "c")
     assert_one_line_error(result, "not this model's tokenizer")
-    assert_one_line_error(run_cli("onnx", v1_ckpt, "--kv-cache", "--tokenizer", tmp_path / "nope", "-o",
+    assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "--tokenizer", tmp_path / "nope", "-o",
                                   tmp_path / "d"), "is not a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists", "tok", "v128.pt"]  # nothing half-written
 
@@ -450,10 +433,10 @@ def test_provider_in_the_folder_and_at_generate(v1_folder, v1_ckpt, tmp_path):
     import onnxruntime_genai as og
 
     if not og.is_cuda_available():  # this onnxruntime-genai has no CUDA: one line that says what is missing
-        assert_one_line_error(run_cli("generate", cuda, "--ids", "5,17", "--max-new-tokens", "2"), "needs the "
+        assert_one_line_error(cli_main("generate", cuda, "--ids", "5,17", "--max-new-tokens", "2"), "needs the "
                               "onnxruntime-genai-cuda package")
     if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
-        assert_one_line_error(run_cli("generate", v1_folder, "--ids", "5", "--backend", "onnxruntime", "--provider",
+        assert_one_line_error(cli_main("generate", v1_folder, "--ids", "5", "--backend", "onnxruntime", "--provider",
                                       "cuda"), "install onnxruntime-gpu")
 
 
@@ -469,8 +452,8 @@ def test_bf16_folder_is_for_cuda_and_tensorrt(v1_ckpt, tmp_path):
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     types = {i.name: i.type.tensor_type.elem_type for i in [*model.graph.input, *model.graph.output]}
     assert types["past_key_values.0.key"] == types["present.1.value"] == types["logits"] == onnx.TensorProto.BFLOAT16
-    assert_one_line_error(run_cli("check", folder, "--ckpt", v1_ckpt), "bfloat16 folder")
-    assert_one_line_error(run_cli("generate", folder, "--ids", "1,2", "--backend", "onnxruntime"), "bfloat16 folder")
+    assert_one_line_error(cli_main("check", folder, "--ckpt", v1_ckpt), "bfloat16 folder")
+    assert_one_line_error(cli_main("generate", folder, "--ids", "1,2", "--backend", "onnxruntime"), "bfloat16 folder")
     pytest.importorskip("tensorrt_rtx")
     engine = tmp_path / "bf16.engine"
     built = run_cli("trt", folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx", "--bf16",
@@ -516,12 +499,11 @@ def test_profile_ranges_of_a_kv_graph_and_plugin_refusal(v1_folder):
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_hf_diffllama_folder_quantised_generates_and_meets_its_budget(hf_dir, tmp_path, weights):
+def test_hf_diffllama_folder_quantised_generates_and_meets_its_budget(hf_dir, hf_kv, tmp_path, weights):
     """Issue 18's end point for an HF checkpoint: the quantised folder still decodes in
     onnxruntime-genai with its tokenizer and passes its budget against our port and transformers."""
     pytest.importorskip("onnxruntime_genai")
-    assert run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
-    result = run_cli("quantize", tmp_path / "kv", "-o", tmp_path / "q", "--weights", weights)
+    result = run_cli("quantize", hf_kv, "-o", tmp_path / "q", "--weights", weights)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "q" / "tokenizer.json").is_file()
     text = tmp_path / "t.txt"  # --text: read with the folder's own tokenizer, judged on the budget
@@ -535,33 +517,32 @@ def test_hf_diffllama_folder_quantised_generates_and_meets_its_budget(hf_dir, tm
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
 
 
-def test_hf_diffllama_gqa_folder_checks_against_transformers(hf_dir, tmp_path):
+def test_hf_diffllama_gqa_folder_checks_against_transformers(artifacts, hf_dir, tmp_path):
     """`--attention gqa` on an HF DiffLlama (8 maps over 4 kv heads, weightless head norm): its check
     compares with our port and with transformers' own model, and genai generates text."""
     pytest.importorskip("onnxruntime_genai")
-    assert run_cli("onnx", hf_dir, "--kv-cache", "--attention", "gqa", "-o", tmp_path / "kv").returncode == 0
-    config = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["decoder"]
+    kv = artifacts.cli_output("onnx", hf_dir, "--kv-cache", "--attention", "gqa", output="kv")
+    config = json.loads((kv / "genai_config.json").read_text())["model"]["decoder"]
     # HF's 8 maps over 4 kv heads are 4 diff-heads over 2 kv-groups, each [K1, K2] of 2 x 16
     assert (config["num_key_value_heads"], config["head_size"]) == (2, 32)
-    report = run_cli("check", tmp_path / "kv", "--ckpt", hf_dir)
+    report = run_cli("check", kv, "--ckpt", hf_dir, "--save-dir", tmp_path / "saved")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "transformers" in report.stdout
-    text = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--max-new-tokens", "8")
+    text = run_cli("generate", kv, "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
 
 
-def test_generate_prompts_file_with_text_and_chat(hf_dir, tmp_path):
+def test_generate_prompts_file_with_text_and_chat(hf_chat_kv, tmp_path):
     """`generate --prompts-file` with text prompts (the folder's tokenizer, --chat templating each)
     and ids (one ending with the pad id, 0 here): every answer is what the prompt gives alone, and
     its completion is the tokenizer's text of its tokens."""
     og = pytest.importorskip("onnxruntime_genai")
-    source = _with_chat_template(hf_dir, tmp_path / "hf")
-    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    kv = hf_chat_kv
     lines = [{"prompt": "the cat sat", "id": "a"}, {"prompt": "on a mat, said the dog"}, {"ids": [5, 6, 0]}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
+    tokenizer = og.Tokenizer(og.Model(str(kv)))
     for chat in ([], ["--chat"]):
-        out = run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "p.jsonl", *chat, "--batch-size", "2",
+        out = run_cli("generate", kv, "--prompts-file", tmp_path / "p.jsonl", *chat, "--batch-size", "2",
                       "--max-new-tokens", "6")
         assert out.returncode == 0, out.stderr
         answers = [json.loads(line) for line in out.stdout.splitlines()]
@@ -570,34 +551,33 @@ def test_generate_prompts_file_with_text_and_chat(hf_dir, tmp_path):
             if "ids" in line:
                 ids = line["ids"]
             else:
-                template = (tmp_path / "kv" / "chat_template.jinja").read_text()
+                template = (kv / "chat_template.jinja").read_text()
                 text = tokenizer.apply_chat_template(json.dumps([{"role": "user", "content": line["prompt"]}]),
                                                      template_str=template, add_generation_prompt=True) \
                     if chat else line["prompt"]
                 ids = [int(t) for t in tokenizer.encode(text)]
-            alone = decoding.generate_genai(tmp_path / "kv", ids, 6, Sampling())
+            alone = decoding.generate_genai(kv, ids, 6, Sampling())
             assert answer["tokens"] == alone.tokens and answer["stop"] == alone.stop
             spoken = alone.tokens[:-1] if alone.stop == "eos" else alone.tokens
             assert answer["completion"] == tokenizer.decode(spoken)
 
 
-def test_generate_interactive_is_a_chat_over_stdin(hf_dir, tmp_path):
+def test_generate_interactive_is_a_chat_over_stdin(hf_chat_kv):
     """`generate --interactive`: every stdin line is a user turn (blank lines skipped), answered in the
     chat template with the conversation so far, the answers streamed one per line; on both backends
     each answer is what a single templated prompt of that conversation gives. When the conversation
     passes the context the oldest turns go; a turn too long alone is not answered, said on stderr."""
     og = pytest.importorskip("onnxruntime_genai")
-    source = _with_chat_template(hf_dir, tmp_path / "hf")
-    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
-    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
-    template = (tmp_path / "kv" / "chat_template.jinja").read_text()
+    kv = hf_chat_kv
+    tokenizer = og.Tokenizer(og.Model(str(kv)))
+    template = (kv / "chat_template.jinja").read_text()
 
     def ids_of(messages):
         text = tokenizer.apply_chat_template(json.dumps(messages), template_str=template, add_generation_prompt=True)
         return [int(t) for t in tokenizer.encode(text)]
 
     def answer(messages, new=10):  # as the session streams it (a random model's bytes need not be UTF-8)
-        run = decoding.generate_genai(tmp_path / "kv", ids_of(messages), new, Sampling())
+        run = decoding.generate_genai(kv, ids_of(messages), new, Sampling())
         stream = tokenizer.create_stream()
         return "".join(stream.decode(t) for t in (run.tokens[:-1] if run.stop == "eos" else run.tokens))
 
@@ -611,35 +591,33 @@ def test_generate_interactive_is_a_chat_over_stdin(hf_dir, tmp_path):
     assert len(ids_of([system, long_turn, {"role": "assistant", "content": after_drop}, long_turn])) + 10 > 512
     too_long = " ".join(["the dog sat on the mat"] * 80)
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", tmp_path / "kv", "--interactive", "--system", "be brief", "--max-new-tokens", "10",
+        out = run_cli("generate", kv, "--interactive", "--system", "be brief", "--max-new-tokens", "10",
                       "--backend", backend, stdin=f"{first['content']}\n\n{second['content']}\n")
         assert out.returncode == 0, out.stderr
         assert out.stdout == f"{one}\n{two}\n" and out.stderr.count("new tokens in") == 2
         conversation, read = map(int, re.findall(r"conversation (\d+) tokens, (\d+) read", out.stderr)[1])
         assert read < conversation  # the session kept its cache
-        out = run_cli("generate", tmp_path / "kv", "--interactive", "--system", "be brief", "--max-new-tokens", "10",
+        out = run_cli("generate", kv, "--interactive", "--system", "be brief", "--max-new-tokens", "10",
                       "--backend", backend, stdin=f"{long_turn['content']}\n{too_long}\n{long_turn['content']}\n")
         assert out.returncode == 0, out.stderr
         assert "exceeds the context length 512: not answered" in out.stderr and "dropped the oldest turn" in out.stderr
         assert out.stdout.splitlines()[-1] == after_drop  # the same long turn again, its first exchange dropped
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--interactive", "--chat"), "drop --chat")
+    assert_one_line_error(cli_main("generate", kv, "--interactive", "--chat"), "drop --chat")
 
 
-def test_generate_interactive_refuses_bad_input(hf_dir, v1_folder, tmp_path):
+def test_generate_interactive_refuses_bad_input(hf_kv, hf_chat_kv, v1_folder):
     """--interactive's inputs: a folder without a tokenizer or a chat template, and stdin that is not
     UTF-8 or has a line over 1 MiB (refused before more of it is read): one line, exit 2."""
     pytest.importorskip("onnxruntime_genai")
-    assert run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "plain").returncode == 0  # no chat template
-    source = _with_chat_template(hf_dir, tmp_path / "hf")
-    assert run_cli("onnx", source, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
-    assert_one_line_error(run_cli("generate", v1_folder, "--interactive", stdin="hi\n"), "has no tokenizer")
-    assert_one_line_error(run_cli("generate", tmp_path / "plain", "--interactive", stdin="hi\n"),
+    plain, kv = hf_kv, hf_chat_kv  # without and with a chat template
+    assert_one_line_error(cli_main("generate", v1_folder, "--interactive", stdin="hi\n"), "has no tokenizer")
+    assert_one_line_error(cli_main("generate", plain, "--interactive", stdin="hi\n"),
                           "has no chat template")
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--interactive", stdin=b"\n caf\xe9\n"),
+    assert_one_line_error(cli_main("generate", kv, "--interactive", stdin=b"\n caf\xe9\n"),
                           "stdin line 2 is not UTF-8 text")
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--interactive", stdin=b"x" * (2**20 + 5)),
+    assert_one_line_error(cli_main("generate", kv, "--interactive", stdin=b"x" * (2**20 + 5)),
                           "stdin line 1 is longer than 1 MiB")
-    out = run_cli("generate", tmp_path / "kv", "--interactive", "--max-new-tokens", "2", stdin="")
+    out = run_cli("generate", kv, "--interactive", "--max-new-tokens", "2", stdin="")
     assert out.returncode == 0 and out.stdout == ""  # no turn: nothing to answer
 
 
@@ -708,30 +686,30 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     assert sampling().greedy
 
 
-def test_generate_stops_at_stop_strings(hf_dir, tmp_path):
+def test_generate_stops_at_stop_strings(hf_kv, tmp_path):
     """--stop ends an answer where its text first holds the string: the streamed text and a prompts
     file's completion are the free answer's text before it, the tokens the free answer's up to the
     one that completed it, on both backends; --stop needs text."""
     og = pytest.importorskip("onnxruntime_genai")
-    assert run_cli("onnx", hf_dir, "--kv-cache", "-o", tmp_path / "kv").returncode == 0
-    tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
+    kv = hf_kv
+    tokenizer = og.Tokenizer(og.Model(str(kv)))
     prompts = ["the cat sat", "on a mat, said the dog"]
     free = {}
     for prompt in prompts:
-        run = decoding.generate_genai(tmp_path / "kv", [int(t) for t in tokenizer.encode(prompt)], 24, Sampling(),
+        run = decoding.generate_genai(kv, [int(t) for t in tokenizer.encode(prompt)], 24, Sampling(),
                                       min_new_tokens=24)
         free[prompt] = (run.tokens, tokenizer.decode(run.tokens))
     tokens, text = free[prompts[0]]
     stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle of the free answer
     assert stop and text.index(stop) > 0
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", tmp_path / "kv", "--prompt", prompts[0], "--max-new-tokens", "24", "--stop", stop,
+        out = run_cli("generate", kv, "--prompt", prompts[0], "--max-new-tokens", "24", "--stop", stop,
                       "--stop", "\u2603 never", "--backend", backend)
         assert out.returncode == 0, out.stderr
         assert out.stdout == text[:text.index(stop)] + "\n" and "stopped: stop_string" in out.stderr
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "p.jsonl", "--max-new-tokens", "24",
+        out = run_cli("generate", kv, "--prompts-file", tmp_path / "p.jsonl", "--max-new-tokens", "24",
                       "--stop", stop, "--backend", backend)
         assert out.returncode == 0, out.stderr
         for prompt, answer in zip(prompts, map(json.loads, out.stdout.splitlines())):
@@ -748,24 +726,24 @@ def test_generate_stops_at_stop_strings(hf_dir, tmp_path):
         (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": prompts[0], "stop": own}) + "\n" +
                                             json.dumps({"prompt": prompts[0]}) + "\n")
         for backend in ("genai", "onnxruntime"):
-            out = run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "own.jsonl", "--max-new-tokens",
+            out = run_cli("generate", kv, "--prompts-file", tmp_path / "own.jsonl", "--max-new-tokens",
                           "24", *cli_stop, "--backend", backend)
             assert out.returncode == 0, out.stderr
             answers = [json.loads(line) for line in out.stdout.splitlines()]
             cut, whole = (answers[0], answers[1]) if own else (answers[1], answers[0])
             assert cut["stop"] == "stop_string" and cut["completion"] == text[:text.index(stop)]
             assert whole["stop"] != "stop_string" and whole["tokens"] == tokens[:len(whole["tokens"])]
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "own.jsonl",
+    assert_one_line_error(cli_main("generate", kv, "--prompts-file", tmp_path / "own.jsonl",
                                   "--num-beams", "2", "--stop", stop), "drop --stop")
     (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": prompts[0], "stop": "x"}) + "\n")
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "own.jsonl",
+    assert_one_line_error(cli_main("generate", kv, "--prompts-file", tmp_path / "own.jsonl",
                                   "--num-beams", "2"), "own.jsonl line 1: stop ends one streamed answer")
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--ids", "5,6", "--stop", "x"),
+    assert_one_line_error(cli_main("generate", kv, "--ids", "5,6", "--stop", "x"),
                           "--stop matches generated text")
     (tmp_path / "ids.jsonl").write_text('{"ids": [5, 6]}\n')
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompts-file", tmp_path / "ids.jsonl", "--stop", "x"),
+    assert_one_line_error(cli_main("generate", kv, "--prompts-file", tmp_path / "ids.jsonl", "--stop", "x"),
                           "--stop matches generated text: the prompts file gives token ids only")
-    assert_one_line_error(run_cli("generate", tmp_path / "kv", "--prompt", "hi", "--stop", ""), "--stop needs non-empty text")
+    assert_one_line_error(cli_main("generate", kv, "--prompt", "hi", "--stop", ""), "--stop needs non-empty text")
 
 
 def test_several_end_ids_all_stop_generation(tmp_path):
@@ -940,23 +918,23 @@ def v1_folder_model(engine):
 def test_engine_check_of_a_decoder_refuses_before_the_gpu(kv_engine, v1_folder, v1_ckpt, tmp_path):
     # --shapes sizes single graphs: a decoder (folder or engine) would not use it, so it is refused
     for decoder in (kv_engine, v1_folder):
-        assert_one_line_error(run_cli("check", decoder, "--ckpt", v1_ckpt, "--shapes", "2x9"),
+        assert_one_line_error(cli_main("check", decoder, "--ckpt", v1_ckpt, "--shapes", "2x9"),
                               "--shapes sizes the calls to a single graph; a KV-cache decoder is checked on 3")
     # the profile is held against the calls the check will make before anything runs
-    assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "60"),
+    assert_one_line_error(cli_main("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "60"),
                           "past 75 is outside kv.engine's profile (batch 1..3, sequence 1..64, past 0..64)")
-    assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "-1"), "--steps must be")
-    assert_one_line_error(run_cli("check", v1_folder_model(kv_engine), "--ckpt", v1_ckpt, "--steps", "4"),
+    assert_one_line_error(cli_main("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "-1"), "--steps must be")
+    assert_one_line_error(cli_main("check", v1_folder_model(kv_engine), "--ckpt", v1_ckpt, "--steps", "4"),
                           "is a single graph: use --shapes")  # --steps is not silently ignored on one graph
     if not torch.cuda.is_available():
-        assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "8"), "needs an NVIDIA GPU")
+        assert_one_line_error(cli_main("check", kv_engine, "--ckpt", v1_ckpt, "--steps", "8"), "needs an NVIDIA GPU")
     record = kv_engine.with_name("kv.engine.json")
     saved = record.read_text()
     try:
         edited = json.loads(saved)
         del edited["profile"]["max_past"]
         record.write_text(json.dumps(edited))
-        assert_one_line_error(run_cli("check", kv_engine, "--ckpt", v1_ckpt), "has no valid KV-cache profile")
+        assert_one_line_error(cli_main("check", kv_engine, "--ckpt", v1_ckpt), "has no valid KV-cache profile")
     finally:
         record.write_text(saved)
 
@@ -1005,17 +983,17 @@ def test_generate_through_a_decoder_engine(kv_engine, v1_folder, monkeypatch, tm
     assert [c["input_ids"][0] for c in runner._run.calls[:4]] == [(1, 3), (1, 3), (1, 1), (1, 1)]
     assert runner._run.calls[2]["attention_mask"][0] == (1, 7) and chunked.tokens == plain.tokens[:20]
     monkeypatch.undo()
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt"),
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt"),
                           "give both --backend tensorrt and --engine")
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
                                   tmp_path / "missing.engine"), "missing.engine does not exist")
     (tmp_path / "bad.engine").write_bytes(b"not an engine")  # an engine without its record is refused unread
-    assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
+    assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
                                   tmp_path / "bad.engine"), "no bad.engine.json beside")
     other = tmp_path / "v2"
     assert run_cli("onnx", "--preset", "diff-v2-tiny", "--kv-cache", "-o", other).returncode == 0
-    assert_one_line_error(run_cli("generate", other, "--ids", "1,2", "--backend", "tensorrt", "--engine", kv_engine),
+    assert_one_line_error(cli_main("generate", other, "--ids", "1,2", "--backend", "tensorrt", "--engine", kv_engine),
                           "was built from another model than v2")
     if not torch.cuda.is_available():
-        assert_one_line_error(run_cli("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
+        assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
                                       kv_engine), "needs an NVIDIA GPU")

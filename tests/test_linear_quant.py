@@ -11,7 +11,7 @@ from diffexport.analysis import linear_quant
 from diffexport.analysis.linear_quant import ActivationRanges, LinearQuant, QuantisedLinears
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DiffV1Config, TransformerConfig, build_model
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_main, run_cli
 
 CONFIGS = {
     "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),
@@ -121,7 +121,7 @@ def test_cli_compares_the_pair_and_plots(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = run_cli("linear-sweep", "--preset", "diff-v1-tiny", "--schemes", "int3")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
-    assert_one_line_error(run_cli("linear-sweep", "--preset", "diff-v1-tiny", "--block-size", "48"), "--block-size 48")
-    assert_one_line_error(run_cli("linear-sweep", "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.jpg"),
+    assert_one_line_error(cli_main("linear-sweep", "--preset", "diff-v1-tiny", "--block-size", "48"), "--block-size 48")
+    assert_one_line_error(cli_main("linear-sweep", "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.jpg"),
                           "must end in .png")
-    assert_one_line_error(run_cli("linear-sweep", tmp_path / "missing.pt"), "missing.pt")
+    assert_one_line_error(cli_main("linear-sweep", tmp_path / "missing.pt"), "missing.pt")

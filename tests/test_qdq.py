@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_main, run_cli
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -19,12 +19,11 @@ WEIGHT_MATMULS = 2 * 7 + 1  # diff-v1-tiny: q, k, v, o, gate, up, down per layer
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """fp32 at opset 18 (the default) and 19, fp16 at 19."""
+def exports(artifacts, tmp_path_factory):
+    """fp32 at opset 18 (the default) and 19, fp16 at 19 (the session's exports, copied here)."""
     folder = tmp_path_factory.mktemp("qdq")
     for name, flags in (("m18", ()), ("m19", ("--opset", "19")), ("m16", ("--fp16", "--opset", "19"))):
-        result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", folder / f"{name}.onnx", *flags)
-        assert result.returncode == 0, result.stderr
+        artifacts.copy(artifacts.cli_output("onnx", "--preset", "diff-v1-tiny", *flags), folder, f"{name}.onnx")
     return folder
 
 
@@ -176,7 +175,7 @@ def test_bad_qdq_requests_are_one_line_and_write_nothing(exports, tmp_path):
          "--calib-samples 0: use 1..4096"),
     ]
     for args, message in cases:
-        assert_one_line_error(run_cli(*args), message)
+        assert_one_line_error(cli_main(*args), message)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

@@ -12,18 +12,19 @@ from diffexport import contract
 from diffexport.backends.tensorrt import EngineOptions, find_plugin_library, graph_precision, prepare_graph
 from diffexport.errors import DiffExportError
 from diffexport.passes.lowering import node_attrs
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_main, run_cli
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(artifacts, tmp_path_factory):
+    """m.onnx and m_fp16.onnx (the session's exports, copied here: qdq_export writes beside them)."""
     folder = tmp_path_factory.mktemp("trt")
     for dtype in ("", "--fp16"):
-        path = folder / f"m{dtype.replace('--', '_')}.onnx"
-        result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", path, *([dtype] if dtype else []))
-        assert result.returncode == 0, result.stderr
+        name = f"m{dtype.replace('--', '_')}.onnx"
+        artifacts.copy(artifacts.cli_output("onnx", "--preset", "diff-v1-tiny", *([dtype] if dtype else [])),
+                       folder, name)
     return folder
 
 
@@ -109,8 +110,8 @@ def test_trt_refusals_are_one_line(exported, tmp_path, extra, message):
 
 
 def test_trt_file_errors(exported, tmp_path):
-    assert_one_line_error(run_cli("trt", tmp_path / "missing.onnx", "-o", tmp_path / "x.engine"), "missing.onnx")
-    assert_one_line_error(run_cli("trt", exported / "m.onnx", "-o", tmp_path / "x.onnx"), "name the engine")
+    assert_one_line_error(cli_main("trt", tmp_path / "missing.onnx", "-o", tmp_path / "x.engine"), "missing.onnx")
+    assert_one_line_error(cli_main("trt", exported / "m.onnx", "-o", tmp_path / "x.onnx"), "name the engine")
 
 
 def test_check_engine_needs_its_record_and_a_gpu(exported, tmp_path):
@@ -121,18 +122,18 @@ def test_check_engine_needs_its_record_and_a_gpu(exported, tmp_path):
     import torch
 
     if not torch.cuda.is_available():
-        assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "needs an NVIDIA GPU")
-    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-110m"), "different configuration")
+        assert_one_line_error(cli_main("check", engine, "--preset", "diff-v1-tiny"), "needs an NVIDIA GPU")
+    assert_one_line_error(cli_main("check", engine, "--preset", "diff-v1-110m"), "different configuration")
     # decode-step options name what a prefill engine lacks, before any GPU is looked for
-    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.png"),
+    assert_one_line_error(cli_main("check", engine, "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.png"),
                           "this engine is a prefill graph")
-    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny", "--steps", "3"),
+    assert_one_line_error(cli_main("check", engine, "--preset", "diff-v1-tiny", "--steps", "3"),
                           "this engine is a prefill graph; use --shapes")
     assert not (tmp_path / "p.png").exists()
     (tmp_path / "m.engine.json").write_text("{not json")
-    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "is corrupt")
+    assert_one_line_error(cli_main("check", engine, "--preset", "diff-v1-tiny"), "is corrupt")
     (tmp_path / "m.engine.json").unlink()
-    assert_one_line_error(run_cli("check", engine, "--preset", "diff-v1-tiny"), "no m.engine.json beside")
+    assert_one_line_error(cli_main("check", engine, "--preset", "diff-v1-tiny"), "no m.engine.json beside")
 
 
 def test_large_graphs_go_through_a_file_and_save_onnx(exported, tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, cli_main, run_cli
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -19,10 +19,8 @@ WEIGHT_MATMULS = LAYERS * 4 + 1  # q|k|v and gate|up packed, o, down per layer, 
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("wq")
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", folder / "m.onnx").returncode == 0
-    return folder / "m.onnx"
+def exported(artifacts, tmp_path_factory):
+    return artifacts.copy(artifacts.cli_output("onnx", "--preset", "diff-v1-tiny"), tmp_path_factory.mktemp("wq"))
 
 
 def _logits(path, ids):
@@ -130,7 +128,7 @@ def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path
         (("check", exported, "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.png"), "--plot draws a KV-cache"),
     ]
     for args, message in cases:
-        assert_one_line_error(run_cli(*args), message)
+        assert_one_line_error(cli_main(*args), message)
     bad_bits = run_cli("quantize", exported, "-o", tmp_path / "x.onnx", "--weights", "int3")
     assert bad_bits.returncode == 2 and "invalid choice: 'int3'" in bad_bits.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
@@ -254,16 +252,16 @@ def test_check_scores_a_text_and_reports_both_perplexities(exported, tmp_path):
     line = next(x for x in report.stdout.splitlines() if x.startswith("perplexity"))
     printed = [float(v) for v in re.findall(r"onnx ([0-9.e+]+)", line)]
     assert printed == pytest.approx([ours, theirs], rel=1e-3) and f"on {count} next tokens" in line
-    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", text, "--shapes", "4x64"),
+    assert_one_line_error(cli_main("check", out, "--against", exported, "--text", text, "--shapes", "4x64"),
                           "the --shapes need 256")
-    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", tmp_path / "none.txt"),
+    assert_one_line_error(cli_main("check", out, "--against", exported, "--text", tmp_path / "none.txt"),
                           "text file not found")
-    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", tmp_path),  # a folder, not text
+    assert_one_line_error(cli_main("check", out, "--against", exported, "--text", tmp_path),  # a folder, not text
                           "is not a regular file")
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\xff\xfe" * 200)
-    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", binary), "is not UTF-8 text")
+    assert_one_line_error(cli_main("check", out, "--against", exported, "--text", binary), "is not UTF-8 text")
     huge = tmp_path / "huge.txt"  # sparse: over the limit without using the disk, refused before it is read
     with open(huge, "wb") as handle:
         handle.truncate(65 * 2**20)
-    assert_one_line_error(run_cli("check", out, "--against", exported, "--text", huge), "limited to 64 MiB")
+    assert_one_line_error(cli_main("check", out, "--against", exported, "--text", huge), "limited to 64 MiB")
