@@ -13,7 +13,7 @@ from diffexport.errors import DiffExportError
 from diffexport.files import MAX_TEXT_BYTES
 from diffexport.modeling import DiffV1Config, DiffV2Config, TransformerConfig, build_model
 from diffexport.quantization import LogitQuant
-from helpers import assert_one_line_error, cli_main, run_cli
+from helpers import assert_one_line_error, cli_main
 
 CONFIGS = {
     "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),
@@ -172,7 +172,7 @@ def test_sweep_reference_point_is_exact_and_damage_grows():
 
 def test_stats_cli_json_on_a_checkpoint_and_a_preset(tmp_path):
     ckpt = save_checkpoint(build_model(CONFIGS["transformer"], seed=9), tmp_path / "base.pt")
-    out = run_cli("stats", str(ckpt), "--preset", "diff-v1-tiny", "--tokens", "512", "--seq-len", "64", "--json")
+    out = cli_main("stats", str(ckpt), "--preset", "diff-v1-tiny", "--tokens", "512", "--seq-len", "64", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert set(data) == {"base", "diff-v1-tiny"}
@@ -230,7 +230,7 @@ def test_quant_sweep_cli_refuses_the_kernel_where_it_cannot_run():
                           "--attention kernel: the fused kernel quantises Q and K (scheme qk)")
     assert_one_line_error(cli_main("quant-sweep", "--attention", "kernel", "--device", "cpu"),
                           "--attention kernel: the fused kernel runs on CUDA tensors")
-    auto = run_cli("quant-sweep", "--bits", "8", "--tokens", "256", "--seq-len", "64", "--json")
+    auto = cli_main("quant-sweep", "--bits", "8", "--tokens", "256", "--seq-len", "64", "--json")
     assert auto.returncode == 0, auto.stderr
     assert "attention torch reference (the fused kernel supports head_dim" in auto.stderr
     assert {p["attention"] for p in json.loads(auto.stdout)["models"]["diff-v1-tiny"]} == {"reference"}
@@ -274,7 +274,7 @@ def test_cli_writes_each_plot_as_png(tmp_path):
                       "--context", "32"],
     }
     for name, argv in runs.items():
-        out = run_cli(*argv, "--plot", tmp_path / f"{name}.png")
+        out = cli_main(*argv, "--plot", tmp_path / f"{name}.png")
         assert out.returncode == 0, out.stderr
         # no checkpoint: the results describe random weights, and the tool says so first
         assert "note: no checkpoint given: these results are for preset diff-v1-tiny with random weights" in out.stderr
@@ -307,7 +307,7 @@ def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(
 
     ckpt = save_checkpoint(build_model(preset_config("diff-v1-tiny"), seed=11), tmp_path / "task.pt",
                            task={"name": "needles", "context_len": 32})
-    out = run_cli("quant-sweep", ckpt, "--bits", "6", "--tokens", "400", "--samples", "2", "--json")
+    out = cli_main("quant-sweep", ckpt, "--bits", "6", "--tokens", "400", "--samples", "2", "--json")
     assert out.returncode == 0, out.stderr
     assert "answer positions" in out.stderr
     points = json.loads(out.stdout)["models"]["task"]
@@ -316,7 +316,7 @@ def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(
     text.write_text("some text " * 100)
     assert_one_line_error(cli_main("quant-sweep", ckpt, "--text", text, "--positions", "answers"),
                           "needs the built-in needle-task stream")
-    auto = run_cli("quant-sweep", ckpt, "--text", text, "--bits", "8", "--samples", "1", "--seq-len", "64")
+    auto = cli_main("quant-sweep", ckpt, "--text", text, "--bits", "8", "--samples", "1", "--seq-len", "64")
     assert auto.returncode == 0 and "every position" in auto.stderr, auto.stderr
 
 

@@ -14,7 +14,7 @@ import torch
 from diffexport import prompts as prompts_file
 from diffexport.errors import DiffExportError
 from diffexport.files import MAX_TEXT_BYTES
-from helpers import assert_one_line_error, cli_main, quiet, run_cli
+from helpers import assert_one_line_error, cli_main, quiet
 
 # ---------------------------------------------------------------- the prompts file (no model needed)
 
@@ -174,14 +174,14 @@ def test_each_line_its_own_token_limit(model_and_folders, attention, tmp_path):
     expected = [_alone(loaded.model, p, 10 if n is None else n, [end]) for p, n in zip(prompts, limits)]
     assert [len(e) for e in expected][:1] == [3] and len(expected[3]) == 14
     for backend in ("genai", "onnxruntime"):
-        result = run_cli("generate", folder, "--prompts-file", path, "--max-new-tokens", "10", "--batch-size", "4",
+        result = cli_main("generate", folder, "--prompts-file", path, "--max-new-tokens", "10", "--batch-size", "4",
                          "--backend", backend)
         assert result.returncode == 0, result.stderr
         answers = [json.loads(line) for line in result.stdout.splitlines()]
         assert [a["tokens"] for a in answers] == expected, backend
         assert [a["stop"] for a in answers] == ["eos" if e[-1] == end else "length" for e in expected]
         assert "eos" in {a["stop"] for a in answers}
-    beams = run_cli("generate", folder, "--prompts-file", path, "--max-new-tokens", "10", "--num-beams", "2")
+    beams = cli_main("generate", folder, "--prompts-file", path, "--max-new-tokens", "10", "--num-beams", "2")
     assert beams.returncode == 0, beams.stderr
     assert [len(json.loads(line)["tokens"]) <= (10 if n is None else n)
             for line, n in zip(beams.stdout.splitlines(), limits)] == [True] * 4
@@ -345,7 +345,7 @@ def test_generate_prompts_file_cli(model_and_folders, tmp_path):
     prompts = [[5, 17, 42, 99], [9], [300, 12, 77, 1, 2, 3]]
     path = _write(tmp_path, "".join(json.dumps({"ids": p, "id": f"q{i}"}) + "\n" for i, p in enumerate(prompts)))
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", folder, "--prompts-file", path, "--batch-size", "2", "--max-new-tokens", "6",
+        out = cli_main("generate", folder, "--prompts-file", path, "--batch-size", "2", "--max-new-tokens", "6",
                       "--backend", backend)
         assert out.returncode == 0, out.stderr
         answers = [json.loads(line) for line in out.stdout.splitlines()]
@@ -353,7 +353,7 @@ def test_generate_prompts_file_cli(model_and_folders, tmp_path):
         assert [a["tokens"] for a in answers] == [_alone(loaded.model, p, 6, None) for p in prompts]
         assert "in 2 batches of up to 2" in out.stderr and "batch 2/2: 1 prompt (longest 6 tokens)," in out.stderr
         # longest first: [q2, q0] then [q1]; the answers still come in the file's order
-        by_length = run_cli("generate", folder, "--prompts-file", path, "--batch-size", "2", "--max-new-tokens", "6",
+        by_length = cli_main("generate", folder, "--prompts-file", path, "--batch-size", "2", "--max-new-tokens", "6",
                             "--backend", backend, "--sort-by-length")
         assert by_length.returncode == 0, by_length.stderr
         assert [json.loads(line) for line in by_length.stdout.splitlines()] == answers
@@ -460,7 +460,7 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
 @pytest.mark.slow
 def test_check_sample_on_the_command_line(model_and_folders, tmp_path):
     loaded, folders = model_and_folders
-    result = run_cli("check", folders["diffattention"], "--ckpt", loaded.path, "--steps", "1", "--sample",
+    result = cli_main("check", folders["diffattention"], "--ckpt", loaded.path, "--steps", "1", "--sample",
                      "--top-p", "0.5", "--temperature", "0.8", "--draws", "500", "--save-dir", tmp_path / "saved",
                      "--plot", tmp_path / "steps.png")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -474,7 +474,7 @@ def test_check_sample_on_the_command_line(model_and_folders, tmp_path):
     config = json.loads((folder / "genai_config.json").read_text())
     config["search"].update(do_sample=True, temperature=0.5, top_p=0.8, top_k=0)
     (folder / "genai_config.json").write_text(json.dumps(config))
-    result = run_cli("check", folder, "--ckpt", loaded.path, "--steps", "1", "--sample", "--top-p", "0.9",
+    result = cli_main("check", folder, "--ckpt", loaded.path, "--steps", "1", "--sample", "--top-p", "0.9",
                      "--draws", "300", "--save-dir", tmp_path / "saved")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "from the folder's genai_config.json search: temperature 0.5 (the options override it)" in result.stderr

@@ -14,7 +14,7 @@ import torch
 
 from diffexport.errors import DiffExportError
 from diffexport.generation import BeamSearch, beam_search, generate
-from helpers import assert_one_line_error, cli_main, quiet, run_cli
+from helpers import assert_one_line_error, cli_main, quiet
 
 # ---------------------------------------------------------------- the eager reference
 
@@ -193,7 +193,7 @@ def test_generate_num_beams_prompts_file_and_text(folders, artifacts, tmp_path):
     assert json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"] == pad
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"ids": p, "id": f"q{i}"}) + "\n" for i, p in enumerate(prompts)))
-    result = run_cli("generate", folder, "--prompts-file", path, "--num-beams", "3", "--num-return-sequences", "2",
+    result = cli_main("generate", folder, "--prompts-file", path, "--num-beams", "3", "--num-return-sequences", "2",
                      "--max-new-tokens", "10", "--length-penalty", "0.5")
     assert result.returncode == 0, result.stderr
     answers = [json.loads(line) for line in result.stdout.splitlines()]
@@ -203,7 +203,7 @@ def test_generate_num_beams_prompts_file_and_text(folders, artifacts, tmp_path):
         assert [(b["tokens"], b["stop"]) for b in answer["beams"]] == [(h.tokens, h.stop) for h in expected]
         assert (answer["tokens"], answer["stop"]) == (expected[0].tokens, expected[0].stop)
     assert {a["stop"] for a in answers} == {"eos", "length"}
-    loop = run_cli("generate", folder, "--prompts-file", path, "--num-beams", "3", "--num-return-sequences", "2",
+    loop = cli_main("generate", folder, "--prompts-file", path, "--num-beams", "3", "--num-return-sequences", "2",
                    "--max-new-tokens", "10", "--length-penalty", "0.5", "--backend", "onnxruntime")
     assert loop.returncode == 0, loop.stderr
     assert loop.stdout == result.stdout and "onnxruntime beam search" in loop.stderr
@@ -219,10 +219,10 @@ def test_generate_num_beams_prompts_file_and_text(folders, artifacts, tmp_path):
     expected = beam_search(load_model(hf).model.eval(), tokenizer("the cat sat")["input_ids"],
                            BeamSearch(4, 3), 8, eos_token_id=2)
     path.write_text('{"prompt": "the cat sat"}\n')
-    answer = json.loads(run_cli("generate", kv, "--prompts-file", path, "--num-beams", "4",
+    answer = json.loads(cli_main("generate", kv, "--prompts-file", path, "--num-beams", "4",
                                 "--num-return-sequences", "3", "--max-new-tokens", "8").stdout)
     assert [(b["tokens"], b["stop"]) for b in answer["beams"]] == [(h.tokens, h.stop) for h in expected]
-    result = run_cli("generate", kv, "--prompt", "the cat sat", "--num-beams", "4",
+    result = cli_main("generate", kv, "--prompt", "the cat sat", "--num-beams", "4",
                      "--num-return-sequences", "3", "--max-new-tokens", "8")
     assert result.returncode == 0, result.stderr
     shown = []  # a random model's tokens need not be whole UTF-8 characters: genai's decode is the text
@@ -334,7 +334,7 @@ def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, 
 @pytest.mark.slow
 def test_check_folder_with_beams_on_the_command_line(folders, tmp_path):
     _, root, ckpt = folders["diff-v2-tiny"]
-    result = run_cli("check", root["gqa"], "--ckpt", ckpt, "--steps", "6",
+    result = cli_main("check", root["gqa"], "--ckpt", ckpt, "--steps", "6",
                      "--num-beams", "3", "--length-penalty", "0.5", "--no-early-stopping",
                      "--save-dir", tmp_path / "saved")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -345,7 +345,7 @@ def test_check_folder_with_beams_on_the_command_line(folders, tmp_path):
 def test_check_beams_past_genais_limit_check_the_loop_alone(folders, tmp_path):
     """genai takes at most 32 beams: the check says so and still holds the loop's 33 to eager."""
     _, root, ckpt = folders["diff-v2-tiny"]
-    result = run_cli("check", root["diffattention"], "--ckpt", ckpt, "--steps", "2",
+    result = cli_main("check", root["diffattention"], "--ckpt", ckpt, "--steps", "2",
                      "--num-beams", "33", "--save-dir", tmp_path / "saved")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "onnxruntime-genai's own search not checked: onnxruntime-genai searches at most 32 beams, got 33\n" \

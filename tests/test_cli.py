@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_cli
+from helpers import cli_main, run_cli
 
 
 def test_help_does_not_import_heavy_modules():
@@ -128,3 +128,22 @@ def test_running_out_of_memory_is_one_line_not_a_bug_report(monkeypatch, capsys,
     assert cli.main(["stats"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {where}") and "internal error" not in lines[0]
+
+
+def test_in_process_cli_gives_what_the_process_gives(tmp_path):
+    """The suite's error-path tests run cli.main in-process (helpers.cli_main): for a usage error, a
+    one-line refusal and a command's output, exit status, stdout and stderr are the child's, byte
+    for byte; stdin reaches the command; the environment, directory and SIGTERM handler come back."""
+    import os
+    import signal
+
+    handler, cwd, env = signal.getsignal(signal.SIGTERM), os.getcwd(), dict(os.environ)
+    for argv in (["onnx", "--frobnicate"], ["info", tmp_path / "nope.pt"], ["presets"]):
+        child, here = run_cli(*argv), cli_main(*argv)
+        assert (here.returncode, here.stdout, here.stderr) == (child.returncode, child.stdout, child.stderr), argv
+    assert cli_main("info", tmp_path / "nope.pt").returncode == 2
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "genai_config.json").write_text("{}")
+    piped = cli_main("generate", tmp_path / "kv", "--interactive", cwd=tmp_path, stdin=b"\xff\n")
+    assert piped.returncode == 2 and piped.stderr.startswith("error: ")
+    assert (signal.getsignal(signal.SIGTERM), os.getcwd(), dict(os.environ)) == (handler, cwd, env)

@@ -19,7 +19,7 @@ from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors 
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import run_cli  # noqa: E402
+from helpers import cli_main  # noqa: E402
 
 QUICK_SHAPES = ((1, 1), (2, 17), (3, 30))
 
@@ -205,15 +205,15 @@ def test_check_of_an_hf_checkpoint_compares_with_transformers_itself(tmp_path):
     cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                                        num_attention_heads=8, num_key_value_heads=4, head_dim=16)
     transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "hf")
-    assert run_cli("onnx", tmp_path / "hf", "-o", tmp_path / "hf.onnx").returncode == 0
-    both = run_cli("check", tmp_path / "hf.onnx", "--ckpt", tmp_path / "hf", "--shapes", "1x1,2x9")
+    assert cli_main("onnx", tmp_path / "hf", "-o", tmp_path / "hf.onnx").returncode == 0
+    both = cli_main("check", tmp_path / "hf.onnx", "--ckpt", tmp_path / "hf", "--shapes", "1x1,2x9")
     assert both.returncode == 0, both.stdout + both.stderr
     assert "reference     diffexport's port (eager PyTorch) and transformers' DiffLlamaForCausalLM" in both.stdout
     assert both.stdout.count("] vs transformers") == 2 and "PASS: 4/4" in both.stdout
     assert "Loading weights" not in both.stdout
-    only = run_cli("check", tmp_path / "hf.onnx", "--ckpt", tmp_path / "hf", "--shapes", "2x9", "--reference",
+    only = cli_main("check", tmp_path / "hf.onnx", "--ckpt", tmp_path / "hf", "--shapes", "2x9", "--reference",
                    "transformers")
     assert only.returncode == 0 and "PASS: 1/1" in only.stdout, only.stdout + only.stderr
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "tiny.onnx").returncode == 0
-    native = run_cli("check", tmp_path / "tiny.onnx", "--preset", "diff-v1-tiny", "--reference", "transformers")
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "tiny.onnx").returncode == 0
+    native = cli_main("check", tmp_path / "tiny.onnx", "--preset", "diff-v1-tiny", "--reference", "transformers")
     assert native.returncode == 2 and "no library model exists for it" in native.stderr

@@ -11,7 +11,7 @@ from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, cli_main, run_cli  # noqa: E402
+from helpers import assert_one_line_error, cli_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def tiny(tmp_path_factory):
     """A V1 checkpoint and its export, made once through the CLI."""
     folder = tmp_path_factory.mktemp("tiny")
     ckpt = save_checkpoint(build_model(preset_config("diff-v1-tiny"), seed=1), folder / "ckpt.pt")
-    result = run_cli("onnx", ckpt, "-o", folder / "model.onnx")
+    result = cli_main("onnx", ckpt, "-o", folder / "model.onnx")
     assert result.returncode == 0, result.stderr
     assert "2 DiffAttention" in result.stdout
     return ckpt, folder / "model.onnx"
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.slow
 def test_cli_check_passes_on_its_own_export(tiny):
     ckpt, model = tiny
-    result = run_cli("check", model, "--ckpt", ckpt, "--shapes", "1x3,2x5")
+    result = cli_main("check", model, "--ckpt", ckpt, "--shapes", "1x3,2x5")
     assert result.returncode == 0, result.stderr
     assert "result        PASS" in result.stdout and "polygraphy run" in result.stdout
 
@@ -36,7 +36,7 @@ def test_cli_check_passes_on_its_own_export(tiny):
 @pytest.mark.slow
 def test_non_diff_checkpoint_is_refused(tmp_path):
     ckpt = save_checkpoint(build_model(preset_config("transformer-tiny"), seed=0), tmp_path / "base.pt")
-    result = run_cli("onnx", ckpt, "-o", tmp_path / "m.onnx")
+    result = cli_main("onnx", ckpt, "-o", tmp_path / "m.onnx")
     assert_one_line_error(result, "is not a DIFF model")
     assert not (tmp_path / "m.onnx").exists()
 
@@ -44,11 +44,11 @@ def test_non_diff_checkpoint_is_refused(tmp_path):
 @pytest.mark.slow
 def test_output_in_a_missing_folder_creates_it(tmp_path):
     """-o into folders that do not exist yet makes them (as optimum-cli does); under a file it is one line."""
-    result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "new" / "deeper" / "m.onnx")
+    result = cli_main("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "new" / "deeper" / "m.onnx")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "new" / "deeper" / "m.onnx").is_file()
     (tmp_path / "afile").write_text("x")
-    result = run_cli("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "afile" / "sub" / "m.onnx")
+    result = cli_main("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "afile" / "sub" / "m.onnx")
     assert_one_line_error(result, "is not a folder")
     assert (tmp_path / "afile").read_text() == "x"
 
@@ -57,7 +57,7 @@ def test_output_in_a_missing_folder_creates_it(tmp_path):
 def test_corrupt_onnx_given_to_check(tmp_path, content):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(content)
-    result = run_cli("check", bad, "--preset", "diff-v1-tiny")
+    result = cli_main("check", bad, "--preset", "diff-v1-tiny")
     assert_one_line_error(result, "")
     assert "bad.onnx" in result.stderr
 
@@ -161,10 +161,10 @@ def test_fp16_export_of_weights_beyond_its_range_is_refused(tmp_path):
     with torch.no_grad():
         model.layers[0].mlp.up_proj.weight[0, 0] = 1e5
     ckpt = save_checkpoint(model, tmp_path / "big.pt")
-    result = run_cli("onnx", ckpt, "--fp16", "-o", tmp_path / "m.onnx")
+    result = cli_main("onnx", ckpt, "--fp16", "-o", tmp_path / "m.onnx")
     assert_one_line_error(result, "layers.0.mlp.up_proj.weight holds values up to 1e+05, beyond float16's range")
     assert not (tmp_path / "m.onnx").exists()
-    assert run_cli("onnx", ckpt, "--bf16", "-o", tmp_path / "b.onnx").returncode == 0
+    assert cli_main("onnx", ckpt, "--bf16", "-o", tmp_path / "b.onnx").returncode == 0
 
 
 @pytest.mark.slow
@@ -173,10 +173,10 @@ def test_export_removes_only_the_data_file_of_the_export_it_replaces(tmp_path):
     never an unrelated file that merely has the name."""
     out, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
     data.write_text("someone else's file")
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
     assert data.read_text() == "someone else's file"
     data.unlink()
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", out, "--external-data").returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out, "--external-data").returncode == 0
     assert data.stat().st_size > 100_000
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
     assert not data.exists()  # the replaced export's weights: stale, removed

@@ -14,7 +14,7 @@ from diffexport import contract  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.passes.optimize import optimize_model  # noqa: E402
-from helpers import assert_same_logits, ort_logits, run_cli  # noqa: E402
+from helpers import assert_same_logits, cli_main, ort_logits  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -139,10 +139,10 @@ def test_difference_without_lambda_is_refused(naive_v1):
 def test_cli_counts_expect_fused_and_lower(naive_v1, tmp_path):
     src = tmp_path / "in.onnx"
     onnx.save(naive_v1, src)
-    ok = run_cli("optimize", src, "-o", tmp_path / "out.onnx", "--expect-fused", "2")
+    ok = cli_main("optimize", src, "-o", tmp_path / "out.onnx", "--expect-fused", "2")
     assert ok.returncode == 0, ok.stderr
     assert "fused         2 differential attention(s)" in ok.stdout
-    low = run_cli("optimize", tmp_path / "out.onnx", "-o", tmp_path / "low.onnx", "--lower")
+    low = cli_main("optimize", tmp_path / "out.onnx", "-o", tmp_path / "low.onnx", "--lower")
     assert low.returncode == 0 and "lowered       2" in low.stdout, low.stderr
     lowered = onnx.load(str(tmp_path / "low.onnx"))
     assert not any(n.domain.startswith("diffexport") for n in lowered.graph.node) and not lowered.functions
@@ -156,17 +156,17 @@ def test_graph_without_differential_attention(tmp_path):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     onnx.save(model, tmp_path / "plain.onnx")
-    result = run_cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out.onnx")
+    result = cli_main("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out.onnx")
     assert result.returncode == 0 and "fused         0" in result.stdout, result.stderr
     assert onnx.load(str(tmp_path / "out.onnx")).graph == model.graph
-    strict = run_cli("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out2.onnx", "--expect-fused", "1")
+    strict = cli_main("optimize", tmp_path / "plain.onnx", "-o", tmp_path / "out2.onnx", "--expect-fused", "1")
     assert strict.returncode == 2 and "0 differential attention(s) fused, expected 1" in strict.stderr
     assert not (tmp_path / "out2.onnx").exists()
 
 
 def test_bad_input_files(tmp_path):
     (tmp_path / "bad.onnx").write_bytes(b"not an onnx file at all")
-    result = run_cli("optimize", tmp_path / "bad.onnx", "-o", tmp_path / "out.onnx")
+    result = cli_main("optimize", tmp_path / "bad.onnx", "-o", tmp_path / "out.onnx")
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "bad.onnx" in result.stderr
     with pytest.raises(DiffExportError, match="already has DiffAttention"):
         from diffexport.export import export_onnx
@@ -233,13 +233,13 @@ def test_optimize_records_provenance_and_check_against_the_input(naive_v1, tmp_p
 
     src, fused = tmp_path / "plain.onnx", tmp_path / "fused.onnx"
     onnx.save(naive_v1, src)
-    assert run_cli("optimize", src, "-o", fused).returncode == 0
+    assert cli_main("optimize", src, "-o", fused).returncode == 0
     meta = {p.key: p.value for p in onnx.load(str(fused), load_external_data=False).metadata_props}
     assert meta["diffexport.optimized_from"] == "plain.onnx"
     report = json.loads(meta["diffexport.optimize_report"])
     assert report["fused"] == 2 and report["rules"]["eq1"] == 2 and report["verified_max_abs"] < 1e-4
 
-    ok = run_cli("check", fused, "--against", src, "--shapes", "1x1,2x9")
+    ok = cli_main("check", fused, "--against", src, "--shapes", "1x1,2x9")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "against plain.onnx" in ok.stderr and "PASS: 2/2" in ok.stdout and "polygraphy run" in ok.stdout
 
@@ -249,11 +249,11 @@ def test_optimize_records_provenance_and_check_against_the_input(naive_v1, tmp_p
     values *= 1.01  # a 1% change of the largest weight: far outside the fp32 rule, well inside atol 100
     weight.CopyFrom(onnx.numpy_helper.from_array(values, weight.name))
     onnx.save(tampered, tmp_path / "tampered.onnx")
-    bad = run_cli("check", fused, "--against", tmp_path / "tampered.onnx", "--shapes", "2x9")
+    bad = cli_main("check", fused, "--against", tmp_path / "tampered.onnx", "--shapes", "2x9")
     assert bad.returncode == 1 and "FAIL" in bad.stdout
 
-    loose = run_cli("check", fused, "--against", tmp_path / "tampered.onnx", "--shapes", "2x9", "--atol", "100")
+    loose = cli_main("check", fused, "--against", tmp_path / "tampered.onnx", "--shapes", "2x9", "--atol", "100")
     assert loose.returncode == 0 and "(user bounds)" in loose.stdout and "--atol 100 --rtol 0" in loose.stdout
 
-    alone = run_cli("check", fused, "--preset", "diff-v1-tiny")
+    alone = cli_main("check", fused, "--preset", "diff-v1-tiny")
     assert alone.returncode == 2 and "--against THE_ORIGINAL.onnx" in alone.stderr

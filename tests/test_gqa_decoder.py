@@ -26,7 +26,7 @@ from diffexport.inspect_onnx import inspect_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.passes.group_query_attention import rewrite_decoder  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, cli_main, perturb_norm_weights, quiet, run_cli  # noqa: E402
+from helpers import assert_one_line_error, cli_main, perturb_norm_weights, quiet  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports: see README (quick loop)
 
@@ -188,14 +188,14 @@ def test_gqa_check_fails_when_the_norm_weight_is_lost(v1_pair, tmp_path):
 
 def test_gqa_cli_quantise_check_generate(tmp_path):
     pytest.importorskip("onnxruntime_genai")
-    out = run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "--attention", "gqa", "-o", tmp_path / "kv")
+    out = cli_main("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "--attention", "gqa", "-o", tmp_path / "kv")
     assert out.returncode == 0, out.stderr
     assert "GroupQueryAttention" in out.stdout
-    q = run_cli("quantize", tmp_path / "kv", "-o", tmp_path / "q", "--weights", "int8")
+    q = cli_main("quantize", tmp_path / "kv", "-o", tmp_path / "q", "--weights", "int8")
     assert q.returncode == 0, q.stderr
-    check = run_cli("check", tmp_path / "q", "--preset", "diff-v1-tiny")
+    check = cli_main("check", tmp_path / "q", "--preset", "diff-v1-tiny")
     assert check.returncode == 0, check.stdout + check.stderr
-    text = run_cli("generate", tmp_path / "q", "--ids", "1,2,3", "--max-new-tokens", "4")
+    text = cli_main("generate", tmp_path / "q", "--ids", "1,2,3", "--max-new-tokens", "4")
     assert text.returncode == 0 and len(text.stdout.split()) == 4, text.stderr
 
 

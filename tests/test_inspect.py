@@ -8,7 +8,7 @@ onnx = pytest.importorskip("onnx")
 
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
-from helpers import assert_one_line_error, cli_main, run_cli  # noqa: E402
+from helpers import assert_one_line_error, cli_main  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -22,7 +22,7 @@ def external_export(tmp_path_factory):
 
 
 def test_json_describes_the_export(external_export):
-    result = run_cli("inspect", external_export, "--json")
+    result = cli_main("inspect", external_export, "--json")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     assert info["opsets"] == {"ai.onnx": 18, "diffexport": 1}
@@ -44,24 +44,24 @@ def test_json_describes_the_export(external_export):
 def test_bf16_graph_is_flagged_for_cuda_only(tmp_path):
     path = tmp_path / "bf16.onnx"
     export_onnx(load_model(None, preset="diff-v2-tiny"), path, ExportOptions(dtype="bfloat16"), log=lambda _: None)
-    info = json.loads(run_cli("inspect", path, "--json").stdout)
+    info = json.loads(cli_main("inspect", path, "--json").stdout)
     assert info["outputs"][0]["dtype"] == "bfloat16"
     assert info["runtimes"]["onnxruntime"].endswith("bfloat16: CUDA provider only (the CPU provider has no bfloat16 "
                                                     "kernels)")
 
 
 def test_text_report_and_missing_external_data(external_export, tmp_path):
-    text = run_cli("inspect", external_export).stdout
+    text = cli_main("inspect", external_export).stdout
     assert "input         input_ids int64 [batch, sequence]" in text and "DiffAttention 2 node(s)" in text
     assert "model         diff_v1 float32, 2 layers, d_model 128, vocab 512; rope theta 10000.0\n" in text
     edited = onnx.load(str(external_export), load_external_data=False)  # metadata is shown, never trusted
     next(p for p in edited.metadata_props if p.key == "diffexport.config").value = "{not json"
     onnx.save(edited, str(tmp_path / "edited.onnx"))
-    assert "model         diff_v1 float32 (its config metadata is not readable)" in run_cli(
+    assert "model         diff_v1 float32 (its config metadata is not readable)" in cli_main(
         "inspect", tmp_path / "edited.onnx").stdout
     lonely = tmp_path / "m.onnx"
     lonely.write_bytes(external_export.read_bytes())  # the .data file stays behind
-    assert "m.onnx.data (MISSING)" in run_cli("inspect", lonely).stdout
+    assert "m.onnx.data (MISSING)" in cli_main("inspect", lonely).stdout
 
 
 def test_a_kv_cache_folder_is_inspected_through_its_decoder(tmp_path):
@@ -69,11 +69,11 @@ def test_a_kv_cache_folder_is_inspected_through_its_decoder(tmp_path):
 
     folder = tmp_path / "kv"
     export_decoder(load_model(None, preset="diff-v2-tiny"), folder, context_length=64, log=lambda _: None)
-    info = json.loads(run_cli("inspect", folder, "--json").stdout)
+    info = json.loads(cli_main("inspect", folder, "--json").stdout)
     assert info["path"] == str(folder / "model.onnx") and info["metadata"]["diffexport.kv_cache"] == "1"
     assert info["decoder_folder"] == {"context_length": 64, "providers": ["cpu"]}
     assert [i["name"] for i in info["inputs"]][:3] == ["input_ids", "attention_mask", "past_key_values.0.key"]
-    assert "genai         KV-cache folder: context 64 tokens, provider cpu" in run_cli("inspect", folder).stdout
+    assert "genai         KV-cache folder: context 64 tokens, provider cpu" in cli_main("inspect", folder).stdout
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"] = ["cuda"]  # a hand-edited config: refused, not a traceback
     (folder / "genai_config.json").write_text(json.dumps(config))
@@ -108,8 +108,8 @@ def test_foreign_and_bad_files(tmp_path):
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
     onnx.save(helper.make_model(graph), tmp_path / "neg.onnx")
-    info = json.loads(run_cli("inspect", tmp_path / "neg.onnx", "--json").stdout)
+    info = json.loads(cli_main("inspect", tmp_path / "neg.onnx", "--json").stdout)
     assert info["diff_attention"] == [] and info["runtimes"]["onnxruntime"].startswith("yes")
     (tmp_path / "bad.onnx").write_bytes(b"\x01\x02not onnx" * 5)
-    result = run_cli("inspect", tmp_path / "bad.onnx")
+    result = cli_main("inspect", tmp_path / "bad.onnx")
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "bad.onnx" in result.stderr

@@ -22,8 +22,7 @@ from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
 from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import (assert_one_line_error, byte_bpe_tokenizer, cli_main, perturb_norm_weights,  # noqa: E402
-                     quiet, run_cli)
+from helpers import assert_one_line_error, byte_bpe_tokenizer, cli_main, perturb_norm_weights, quiet  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -240,10 +239,10 @@ def test_hf_diffllama_folder_with_tokenizer(hf_dir, hf_kv):
     assert _genai_tokens(hf_kv, prompt) == ours
     report = run_decoder_check(hf_kv, loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed and "transformers generate() == eager" in report.text(), report.text()
-    text = run_cli("generate", hf_kv, "--prompt", "the cat sat", "--max-new-tokens", "8")
+    text = cli_main("generate", hf_kv, "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0, text.stderr
     assert "decode" in text.stderr and "tokens/s" in text.stderr
-    looped = run_cli("generate", hf_kv, "--prompt", "the cat sat", "--max-new-tokens", "8",
+    looped = cli_main("generate", hf_kv, "--prompt", "the cat sat", "--max-new-tokens", "8",
                      "--backend", "onnxruntime")
     assert looped.returncode == 0 and looped.stdout == text.stdout, looped.stderr
 
@@ -262,7 +261,7 @@ def test_generate_chat_puts_the_prompt_in_the_chat_template(artifacts, hf_chat_k
     tokenizer = og.Tokenizer(og.Model(str(tmp_path / "kv")))
     for extra, text in (([], "<s>user: the cat sat\n<s>assistant: "),
                         (["--system", "be brief"], "<s>system: be brief\n<s>user: the cat sat\n<s>assistant: ")):
-        result = run_cli("generate", tmp_path / "kv", "--prompt", "the cat sat", "--chat", *extra,
+        result = cli_main("generate", tmp_path / "kv", "--prompt", "the cat sat", "--chat", *extra,
                          "--max-new-tokens", "2")
         assert result.returncode == 0, result.stderr
         assert _prompt_tokens(result) == len(tokenizer.encode(text)) > len(tokenizer.encode("the cat sat"))
@@ -290,9 +289,9 @@ def test_hf_folder_without_tokenizer_exports_ids_only(tmp_path):
 
 def test_generate_streams_ids_and_samples_reproducibly(v1_folder):
     pytest.importorskip("onnxruntime_genai")
-    first = run_cli("generate", v1_folder, "--ids", "1,2,3", "--max-new-tokens", "6", "--sample", "--top-k", "5",
+    first = cli_main("generate", v1_folder, "--ids", "1,2,3", "--max-new-tokens", "6", "--sample", "--top-k", "5",
                     "--seed", "3")
-    again = run_cli("generate", v1_folder, "--ids", "1,2,3", "--max-new-tokens", "6", "--sample", "--top-k", "5",
+    again = cli_main("generate", v1_folder, "--ids", "1,2,3", "--max-new-tokens", "6", "--sample", "--top-k", "5",
                     "--seed", "3")
     assert first.returncode == 0 and first.stdout == again.stdout, first.stderr
     assert len(first.stdout.split()) <= 6 and all(t.isdigit() for t in first.stdout.split())
@@ -302,7 +301,7 @@ def test_generate_streams_ids_and_samples_reproducibly(v1_folder):
 
 def test_generate_refuses_a_prefill_export_and_a_plain_folder(tmp_path):
     prefill = tmp_path / "m.onnx"
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "-o", prefill).returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", prefill).returncode == 0
     (tmp_path / "plain").mkdir()
     assert_one_line_error(cli_main("generate", tmp_path / "plain", "--ids", "1"), "no genai_config.json")
     assert_one_line_error(cli_main("generate", prefill, "--ids", "1"), "is not a folder")
@@ -371,7 +370,7 @@ def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "tokenizer.json").symlink_to(real / "tokenizer.json")
-    result = run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "--tokenizer", linked, "-o", tmp_path / "kv")
+    result = cli_main("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "--tokenizer", linked, "-o", tmp_path / "kv")
     assert_one_line_error(result, "symbolic link")
     assert not (tmp_path / "kv").exists()
 
@@ -411,7 +410,7 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
     cfg = preset_config("diff-v1-tiny")
     cfg.vocab_size = 128
     too_small = save_checkpoint(build_model(cfg, seed=1), tmp_path / "v128.pt")
-    result = run_cli("onnx", too_small, "--kv-cache", "--tokenizer", small, "-o", tmp_path / "c")
+    result = cli_main("onnx", too_small, "--kv-cache", "--tokenizer", small, "-o", tmp_path / "c")
     assert_one_line_error(result, "not this model's tokenizer")
     assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "--tokenizer", tmp_path / "nope", "-o",
                                   tmp_path / "d"), "is not a folder")
@@ -422,13 +421,13 @@ def test_provider_in_the_folder_and_at_generate(v1_folder, v1_ckpt, tmp_path):
     """--provider names genai's execution provider in the folder; `generate --provider` overrides it."""
     pytest.importorskip("onnxruntime_genai")
     cuda = tmp_path / "cuda"
-    assert run_cli("onnx", v1_ckpt, "--kv-cache", "--provider", "cuda", "-o", cuda).returncode == 0
+    assert cli_main("onnx", v1_ckpt, "--kv-cache", "--provider", "cuda", "-o", cuda).returncode == 0
     options = json.loads((cuda / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
     assert options["provider_options"] == [{"cuda": {}}]
     assert json.loads((v1_folder / "genai_config.json").read_text())["model"]["decoder"]["session_options"][
         "provider_options"] == []  # the default: genai's CPU provider
-    on_cpu = run_cli("generate", cuda, "--ids", "5,17,42", "--max-new-tokens", "6", "--provider", "cpu")
-    as_exported = run_cli("generate", v1_folder, "--ids", "5,17,42", "--max-new-tokens", "6")
+    on_cpu = cli_main("generate", cuda, "--ids", "5,17,42", "--max-new-tokens", "6", "--provider", "cpu")
+    as_exported = cli_main("generate", v1_folder, "--ids", "5,17,42", "--max-new-tokens", "6")
     assert on_cpu.returncode == 0 and on_cpu.stdout == as_exported.stdout != ""
     import onnxruntime_genai as og
 
@@ -444,7 +443,7 @@ def test_bf16_folder_is_for_cuda_and_tensorrt(v1_ckpt, tmp_path):
     """A bf16 folder names genai's CUDA provider, holds a bf16 cache, builds in TensorRT(-RTX) and is
     refused in one line where this machine's runtimes cannot run it (no bf16 CPU kernels)."""
     folder = tmp_path / "bf16"
-    result = run_cli("onnx", v1_ckpt, "--kv-cache", "--bf16", "-o", folder)
+    result = cli_main("onnx", v1_ckpt, "--kv-cache", "--bf16", "-o", folder)
     assert result.returncode == 0, result.stderr
     assert "cuda provider" in result.stdout
     config = json.loads((folder / "genai_config.json").read_text())
@@ -456,7 +455,7 @@ def test_bf16_folder_is_for_cuda_and_tensorrt(v1_ckpt, tmp_path):
     assert_one_line_error(cli_main("generate", folder, "--ids", "1,2", "--backend", "onnxruntime"), "bfloat16 folder")
     pytest.importorskip("tensorrt_rtx")
     engine = tmp_path / "bf16.engine"
-    built = run_cli("trt", folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx", "--bf16",
+    built = cli_main("trt", folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx", "--bf16",
                     "--max", "2x64", "--max-past", "64")
     assert built.returncode == 0, built.stderr
     assert "bf16" in built.stdout and json.loads(engine.with_name("bf16.engine.json").read_text())[
@@ -468,16 +467,16 @@ def test_bf16_folder_is_for_cuda_and_tensorrt(v1_ckpt, tmp_path):
 def test_trt_rtx_builds_the_kv_cache_folder_natively(v1_folder, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     engine = tmp_path / "kv.engine"
-    result = run_cli("trt", v1_folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+    result = cli_main("trt", v1_folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
                      "--max", "2x64", "--max-past", "256")
     assert result.returncode == 0, result.stderr
     assert "2 DiffAttention nodes -> native" in result.stdout
     record = json.loads((tmp_path / "kv.engine.json").read_text())
     assert record["profile"]["max_past"] == 256 and record["onnx_metadata"]["kv_cache"] == "1"
-    too_long = run_cli("trt", v1_folder, "-o", tmp_path / "x.engine", "--attention", "native", "--builder",
+    too_long = cli_main("trt", v1_folder, "-o", tmp_path / "x.engine", "--attention", "native", "--builder",
                        "tensorrt-rtx", "--max", "1x64", "--max-past", "2000")
     assert_one_line_error(too_long, "exceeds the context length 2048")
-    longer_than_context = run_cli("trt", v1_folder, "-o", tmp_path / "x.engine", "--max", "1x100000")
+    longer_than_context = cli_main("trt", v1_folder, "-o", tmp_path / "x.engine", "--max", "1x100000")
     assert_one_line_error(longer_than_context, "--max sequence 100000 exceeds the folder's context length 2048")
 
 
@@ -503,17 +502,17 @@ def test_hf_diffllama_folder_quantised_generates_and_meets_its_budget(hf_dir, hf
     """Issue 18's end point for an HF checkpoint: the quantised folder still decodes in
     onnxruntime-genai with its tokenizer and passes its budget against our port and transformers."""
     pytest.importorskip("onnxruntime_genai")
-    result = run_cli("quantize", hf_kv, "-o", tmp_path / "q", "--weights", weights)
+    result = cli_main("quantize", hf_kv, "-o", tmp_path / "q", "--weights", weights)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "q" / "tokenizer.json").is_file()
     text = tmp_path / "t.txt"  # --text: read with the folder's own tokenizer, judged on the budget
     text.write_text("the cat sat on the mat and the dog sat on the log. " * 12)
-    report = run_cli("check", tmp_path / "q", "--ckpt", hf_dir, "--text", text)
+    report = cli_main("check", tmp_path / "q", "--ckpt", hf_dir, "--text", text)
     assert report.returncode == 0, report.stdout + report.stderr
     assert f"budget        {weights} weights" in report.stderr and "transformers" in report.stdout
     perplexity = next(x for x in report.stdout.splitlines() if x.startswith("perplexity"))
     assert f"(tokenizer {tmp_path / 'q'})" in perplexity and "KL" in report.stdout.split("text          ")[-1]
-    text = run_cli("generate", tmp_path / "q", "--prompt", "the cat sat", "--max-new-tokens", "8")
+    text = cli_main("generate", tmp_path / "q", "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
 
 
@@ -525,10 +524,10 @@ def test_hf_diffllama_gqa_folder_checks_against_transformers(artifacts, hf_dir, 
     config = json.loads((kv / "genai_config.json").read_text())["model"]["decoder"]
     # HF's 8 maps over 4 kv heads are 4 diff-heads over 2 kv-groups, each [K1, K2] of 2 x 16
     assert (config["num_key_value_heads"], config["head_size"]) == (2, 32)
-    report = run_cli("check", kv, "--ckpt", hf_dir, "--save-dir", tmp_path / "saved")
+    report = cli_main("check", kv, "--ckpt", hf_dir, "--save-dir", tmp_path / "saved")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "transformers" in report.stdout
-    text = run_cli("generate", kv, "--prompt", "the cat sat", "--max-new-tokens", "8")
+    text = cli_main("generate", kv, "--prompt", "the cat sat", "--max-new-tokens", "8")
     assert text.returncode == 0 and text.stdout.strip(), text.stderr
 
 
@@ -542,7 +541,7 @@ def test_generate_prompts_file_with_text_and_chat(hf_chat_kv, tmp_path):
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     tokenizer = og.Tokenizer(og.Model(str(kv)))
     for chat in ([], ["--chat"]):
-        out = run_cli("generate", kv, "--prompts-file", tmp_path / "p.jsonl", *chat, "--batch-size", "2",
+        out = cli_main("generate", kv, "--prompts-file", tmp_path / "p.jsonl", *chat, "--batch-size", "2",
                       "--max-new-tokens", "6")
         assert out.returncode == 0, out.stderr
         answers = [json.loads(line) for line in out.stdout.splitlines()]
@@ -591,13 +590,13 @@ def test_generate_interactive_is_a_chat_over_stdin(hf_chat_kv):
     assert len(ids_of([system, long_turn, {"role": "assistant", "content": after_drop}, long_turn])) + 10 > 512
     too_long = " ".join(["the dog sat on the mat"] * 80)
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", kv, "--interactive", "--system", "be brief", "--max-new-tokens", "10",
+        out = cli_main("generate", kv, "--interactive", "--system", "be brief", "--max-new-tokens", "10",
                       "--backend", backend, stdin=f"{first['content']}\n\n{second['content']}\n")
         assert out.returncode == 0, out.stderr
         assert out.stdout == f"{one}\n{two}\n" and out.stderr.count("new tokens in") == 2
         conversation, read = map(int, re.findall(r"conversation (\d+) tokens, (\d+) read", out.stderr)[1])
         assert read < conversation  # the session kept its cache
-        out = run_cli("generate", kv, "--interactive", "--system", "be brief", "--max-new-tokens", "10",
+        out = cli_main("generate", kv, "--interactive", "--system", "be brief", "--max-new-tokens", "10",
                       "--backend", backend, stdin=f"{long_turn['content']}\n{too_long}\n{long_turn['content']}\n")
         assert out.returncode == 0, out.stderr
         assert "exceeds the context length 512: not answered" in out.stderr and "dropped the oldest turn" in out.stderr
@@ -617,7 +616,7 @@ def test_generate_interactive_refuses_bad_input(hf_kv, hf_chat_kv, v1_folder):
                           "stdin line 2 is not UTF-8 text")
     assert_one_line_error(cli_main("generate", kv, "--interactive", stdin=b"x" * (2**20 + 5)),
                           "stdin line 1 is longer than 1 MiB")
-    out = run_cli("generate", kv, "--interactive", "--max-new-tokens", "2", stdin="")
+    out = cli_main("generate", kv, "--interactive", "--max-new-tokens", "2", stdin="")
     assert out.returncode == 0 and out.stdout == ""  # no turn: nothing to answer
 
 
@@ -644,7 +643,7 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     values["no_repeat_ngram_size"] = 2  # processors genai's folder leaves out; `check` must not apply them
     values["bad_words_ids"] = [[t] for t in range(3, 96, 2)]
     path.write_text(json.dumps(values))
-    result = run_cli("onnx", tmp_path / "hf", "--kv-cache", "-o", tmp_path / "kv")
+    result = cli_main("onnx", tmp_path / "hf", "--kv-cache", "-o", tmp_path / "kv")
     assert result.returncode == 0, result.stderr
     assert "passed over early_stopping='never'" in result.stdout + result.stderr
     search = json.loads((tmp_path / "kv" / "genai_config.json").read_text())["search"]
@@ -659,7 +658,7 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
                             pad_token_id=0, repetition_penalty=1.0)[0, len(prompt):].tolist()
     assert expected != plain  # the checkpoint's penalty matters here
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", tmp_path / "kv", "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "12",
+        out = cli_main("generate", tmp_path / "kv", "--ids", ",".join(map(str, prompt)), "--max-new-tokens", "12",
                       "--greedy", "--backend", backend)
         assert out.returncode == 0, out.stderr
         assert [int(t) for t in out.stdout.split()] == expected, backend
@@ -703,13 +702,13 @@ def test_generate_stops_at_stop_strings(hf_kv, tmp_path):
     stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle of the free answer
     assert stop and text.index(stop) > 0
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", kv, "--prompt", prompts[0], "--max-new-tokens", "24", "--stop", stop,
+        out = cli_main("generate", kv, "--prompt", prompts[0], "--max-new-tokens", "24", "--stop", stop,
                       "--stop", "\u2603 never", "--backend", backend)
         assert out.returncode == 0, out.stderr
         assert out.stdout == text[:text.index(stop)] + "\n" and "stopped: stop_string" in out.stderr
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     for backend in ("genai", "onnxruntime"):
-        out = run_cli("generate", kv, "--prompts-file", tmp_path / "p.jsonl", "--max-new-tokens", "24",
+        out = cli_main("generate", kv, "--prompts-file", tmp_path / "p.jsonl", "--max-new-tokens", "24",
                       "--stop", stop, "--backend", backend)
         assert out.returncode == 0, out.stderr
         for prompt, answer in zip(prompts, map(json.loads, out.stdout.splitlines())):
@@ -726,7 +725,7 @@ def test_generate_stops_at_stop_strings(hf_kv, tmp_path):
         (tmp_path / "own.jsonl").write_text(json.dumps({"prompt": prompts[0], "stop": own}) + "\n" +
                                             json.dumps({"prompt": prompts[0]}) + "\n")
         for backend in ("genai", "onnxruntime"):
-            out = run_cli("generate", kv, "--prompts-file", tmp_path / "own.jsonl", "--max-new-tokens",
+            out = cli_main("generate", kv, "--prompts-file", tmp_path / "own.jsonl", "--max-new-tokens",
                           "24", *cli_stop, "--backend", backend)
             assert out.returncode == 0, out.stderr
             answers = [json.loads(line) for line in out.stdout.splitlines()]
@@ -791,12 +790,12 @@ def test_rope_scaling_folders_check_against_transformers(attention, rope, tmp_pa
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                        max_position_embeddings=128, rope_scaling=dict(rope))
     transformers.DiffLlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "hf")
-    export = run_cli("onnx", tmp_path / "hf", "--kv-cache", "--attention", attention, "-o", tmp_path / "kv")
+    export = cli_main("onnx", tmp_path / "hf", "--kv-cache", "--attention", attention, "-o", tmp_path / "kv")
     assert export.returncode == 0, export.stderr
     if attention == "gqa":
         scaled = "positions, scaled by YaRN's 1.13863)" if rope["rope_type"] == "yarn" else "positions)"
         assert f"rotary inside GroupQueryAttention (cos/sin caches of 128 {scaled}" in export.stdout + export.stderr
-    report = run_cli("check", tmp_path / "kv", "--ckpt", tmp_path / "hf")
+    report = cli_main("check", tmp_path / "kv", "--ckpt", tmp_path / "hf")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "transformers generate() == eager" in report.stdout
 
@@ -809,9 +808,9 @@ def test_hf_llama_baseline_folder_checks_against_transformers(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "llama")
-    assert run_cli("onnx", tmp_path / "llama", "--kv-cache", "-o", tmp_path / "kv").returncode == 0
+    assert cli_main("onnx", tmp_path / "llama", "--kv-cache", "-o", tmp_path / "kv").returncode == 0
     assert json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["context_length"] == 256
-    report = run_cli("check", tmp_path / "kv", "--ckpt", tmp_path / "llama")
+    report = cli_main("check", tmp_path / "kv", "--ckpt", tmp_path / "llama")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "transformers generate() == eager" in report.stdout
 
@@ -848,7 +847,7 @@ class _OrtAsEngine:
 def kv_engine(v1_folder, tmp_path_factory):
     pytest.importorskip("tensorrt_rtx")
     engine = tmp_path_factory.mktemp("kvengine") / "kv.engine"
-    result = run_cli("trt", v1_folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+    result = cli_main("trt", v1_folder, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
                      "--max", "3x64", "--max-past", "64")
     assert result.returncode == 0, result.stderr
     return engine
@@ -991,7 +990,7 @@ def test_generate_through_a_decoder_engine(kv_engine, v1_folder, monkeypatch, tm
     assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
                                   tmp_path / "bad.engine"), "no bad.engine.json beside")
     other = tmp_path / "v2"
-    assert run_cli("onnx", "--preset", "diff-v2-tiny", "--kv-cache", "-o", other).returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v2-tiny", "--kv-cache", "-o", other).returncode == 0
     assert_one_line_error(cli_main("generate", other, "--ids", "1,2", "--backend", "tensorrt", "--engine", kv_engine),
                           "was built from another model than v2")
     if not torch.cuda.is_available():

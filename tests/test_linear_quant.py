@@ -11,7 +11,7 @@ from diffexport.analysis import linear_quant
 from diffexport.analysis.linear_quant import ActivationRanges, LinearQuant, QuantisedLinears
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DiffV1Config, TransformerConfig, build_model
-from helpers import assert_one_line_error, cli_main, run_cli
+from helpers import assert_one_line_error, cli_main
 
 CONFIGS = {
     "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),
@@ -109,7 +109,7 @@ def test_activation_ranges_record_the_absolute_maximum():
 def test_cli_compares_the_pair_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "linear.png"
-    result = run_cli("linear-sweep", "--preset", "diff-v1-tiny", "--preset", "transformer-tiny", "--tokens", "512",
+    result = cli_main("linear-sweep", "--preset", "diff-v1-tiny", "--preset", "transformer-tiny", "--tokens", "512",
                      "--seq-len", "64", "--json", "--plot", plot)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -119,7 +119,7 @@ def test_cli_compares_the_pair_and_plots(tmp_path):
         assert 0 < points["int8"]["kl_mean"] < points["int4"]["kl_mean"]
         assert all(np.isfinite(p["kl_mean"]) for p in points.values())
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = run_cli("linear-sweep", "--preset", "diff-v1-tiny", "--schemes", "int3")
+    bad = cli_main("linear-sweep", "--preset", "diff-v1-tiny", "--schemes", "int3")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
     assert_one_line_error(cli_main("linear-sweep", "--preset", "diff-v1-tiny", "--block-size", "48"), "--block-size 48")
     assert_one_line_error(cli_main("linear-sweep", "--preset", "diff-v1-tiny", "--plot", tmp_path / "p.jpg"),

@@ -87,14 +87,16 @@ def test_evaluate_an_untrained_model_is_near_chance_and_reports_every_cell():
 
 @pytest.mark.slow
 def test_short_training_run_learns_and_is_deterministic(tmp_path):
-    """250 steps of tools/train_tiny.py on the DIFF model: held-out accuracy well above chance.
+    """200 steps of tools/train_tiny.py on the DIFF model: held-out accuracy well above chance.
 
     Chance is 1/128 (numbers); copying a random needle's number from the document gives about
-    1/N. The run must beat 0.30 overall (N in 1, 2, 4, 6) and 0.9 with one needle.
+    1/N. The run must beat 0.30 overall (N in 1, 2, 4, 6) and 0.9 with one needle. 200 steps is the
+    fewest that hold both with margin (2026-11-26: 0.44 overall and 1.0 with one needle; at 150
+    steps one needle gave 0.81).
     """
     def train(out):
-        cmd = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--out-dir", str(out), "--steps", "250",
-               "--log-every", "250", "--only", "diff"]
+        cmd = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--out-dir", str(out), "--steps", "200",
+               "--log-every", "200", "--only", "diff"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr
         return load_model(out / "diff.pt")

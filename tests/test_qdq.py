@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import assert_one_line_error, cli_main, run_cli
+from helpers import assert_one_line_error, cli_main
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -81,10 +81,10 @@ def test_qdq_graph_quantises_every_weight_matmul_and_meets_its_budget(exports, t
     log_p = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
     log_q = got - np.logaddexp.reduce(got, axis=-1, keepdims=True)
     assert (np.exp(log_p) * (log_p - log_q)).sum(-1).mean() <= QDQ_BUDGETS[fmt].max_kl  # ... within budget
-    report = run_cli("check", out, "--preset", "diff-v1-tiny", "--shapes", "1x9,2x33")
+    report = cli_main("check", out, "--preset", "diff-v1-tiny", "--shapes", "1x9,2x33")
     assert report.returncode == 0, report.stdout + report.stderr
     assert f"budget        {fmt} Q/DQ" in report.stderr and "KL" in report.stdout
-    against = run_cli("check", out, "--against", src, "--shapes", "2x17")
+    against = cli_main("check", out, "--against", src, "--shapes", "2x17")
     assert against.returncode == 0 and f"{fmt} Q/DQ" in against.stdout + against.stderr, against.stdout + against.stderr
 
 
@@ -92,7 +92,7 @@ def test_text_calibration_reads_the_text_and_records_it(exports, tmp_path):
     text = tmp_path / "calib.txt"
     text.write_text("Differential attention cancels common-mode noise between two softmax maps. " * 40)
     out = tmp_path / "q.onnx"
-    result = run_cli("quantize", exports / "m18.onnx", "-o", out, "--qdq", "int8", "--calib", text,
+    result = cli_main("quantize", exports / "m18.onnx", "-o", out, "--qdq", "int8", "--calib", text,
                      "--calib-samples", "64", "--calib-seq-len", "256")
     assert result.returncode == 0, result.stderr
     record = json.loads(next(p.value for p in onnx.load(str(out), load_external_data=False).metadata_props
@@ -117,7 +117,7 @@ def test_the_budget_fails_a_broken_qdq_graph(exports, tmp_path):
     scales.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(scales), scales.name))
     broken = tmp_path / "broken.onnx"
     onnx.save(model, str(broken))
-    report = run_cli("check", broken, "--preset", "diff-v1-tiny", "--shapes", "2x33")
+    report = cli_main("check", broken, "--preset", "diff-v1-tiny", "--shapes", "2x33")
     assert report.returncode == 1 and "FAIL" in report.stdout, report.stdout + report.stderr
 
 
@@ -145,14 +145,14 @@ def test_qdq_graphs_build_with_tensorrt_rtx(exports, tmp_path):
 def test_bad_qdq_requests_are_one_line_and_write_nothing(exports, tmp_path):
     m18, m19 = exports / "m18.onnx", exports / "m19.onnx"
     done = tmp_path / "done.onnx"
-    assert run_cli("quantize", m18, "-o", done, "--weights", "int8").returncode == 0
+    assert cli_main("quantize", m18, "-o", done, "--weights", "int8").returncode == 0
     qdq = tmp_path / "qdq.onnx"
-    assert run_cli("quantize", m18, "-o", qdq, "--qdq", "int8", "--calib", "synthetic",
+    assert cli_main("quantize", m18, "-o", qdq, "--qdq", "int8", "--calib", "synthetic",
                    "--calib-samples", "2", "--calib-seq-len", "16").returncode == 0
     short = tmp_path / "short.txt"
     short.write_text("too short")
     bf16 = tmp_path / "bf16.onnx"
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--bf16", "--opset", "19", "-o", bf16).returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "--bf16", "--opset", "19", "-o", bf16).returncode == 0
     before = sorted(p.name for p in tmp_path.iterdir())
     x = tmp_path / "x.onnx"
     cases = [
@@ -182,10 +182,10 @@ def test_bad_qdq_requests_are_one_line_and_write_nothing(exports, tmp_path):
 def test_kv_cache_folder_gets_qdq_and_passes_its_step_check(tmp_path):
     """Calibrated on the prefill step (an empty cache); every decode step is judged on the budget."""
     kv, out = tmp_path / "kv", tmp_path / "kv-w8a8"
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", kv).returncode == 0
-    result = run_cli("quantize", kv, "-o", out, "--qdq", "int8", "--calib", "synthetic", "--calib-samples", "8",
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", kv).returncode == 0
+    result = cli_main("quantize", kv, "-o", out, "--qdq", "int8", "--calib", "synthetic", "--calib-samples", "8",
                      "--calib-seq-len", "32")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in kv.iterdir())
-    report = run_cli("check", out, "--preset", "diff-v1-tiny")
+    report = cli_main("check", out, "--preset", "diff-v1-tiny")
     assert report.returncode == 0 and "int8 Q/DQ" in report.stdout + report.stderr, report.stdout + report.stderr

@@ -12,7 +12,7 @@ from diffexport import contract
 from diffexport.backends.tensorrt import EngineOptions, find_plugin_library, graph_precision, prepare_graph
 from diffexport.errors import DiffExportError
 from diffexport.passes.lowering import node_attrs
-from helpers import assert_one_line_error, cli_main, run_cli
+from helpers import assert_one_line_error, cli_main
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -78,7 +78,7 @@ def test_missing_plugin_library_is_one_line(tmp_path):
 def test_native_engine_builds_with_tensorrt_rtx(exported, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     engine, cache = tmp_path / "m.engine", tmp_path / "timing.cache"
-    result = run_cli("trt", exported / "m_fp16.onnx", "-o", engine, "--attention", "native", "--builder",
+    result = cli_main("trt", exported / "m_fp16.onnx", "-o", engine, "--attention", "native", "--builder",
                      "tensorrt-rtx", "--targets", "SM80", "--min", "1x1", "--opt", "2x64", "--max", "4x512",
                      "--timing-cache", cache)
     assert result.returncode == 0, result.stderr
@@ -104,7 +104,7 @@ def test_native_engine_builds_with_tensorrt_rtx(exported, tmp_path):
 ])
 def test_trt_refusals_are_one_line(exported, tmp_path, extra, message):
     pytest.importorskip("tensorrt_rtx")
-    result = run_cli("trt", exported / "m.onnx", "-o", tmp_path / "x.engine", *extra)
+    result = cli_main("trt", exported / "m.onnx", "-o", tmp_path / "x.engine", *extra)
     assert_one_line_error(result, message)
     assert not (tmp_path / "x.engine").exists()
 
@@ -117,7 +117,7 @@ def test_trt_file_errors(exported, tmp_path):
 def test_check_engine_needs_its_record_and_a_gpu(exported, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     engine = tmp_path / "m.engine"
-    assert run_cli("trt", exported / "m.onnx", "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+    assert cli_main("trt", exported / "m.onnx", "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
                    "--opt", "1x32", "--max", "2x64").returncode == 0
     import torch
 
@@ -194,7 +194,7 @@ def test_qdq_graph_keeps_its_quantisation_for_the_plugin(qdq_export):
 def test_qdq_graph_builds_natively_with_tensorrt_rtx(qdq_export, tmp_path):
     pytest.importorskip("tensorrt_rtx")
     engine = tmp_path / "qdq.engine"
-    result = run_cli("trt", qdq_export, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+    result = cli_main("trt", qdq_export, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
                      "--targets", "SM80", "--max", "2x256")
     assert result.returncode == 0, result.stderr
     assert "2 DiffAttention nodes -> native" in result.stdout and engine.stat().st_size > 100_000

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import assert_one_line_error, cli_main, run_cli
+from helpers import assert_one_line_error, cli_main
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -58,7 +58,7 @@ def test_quantised_export_keeps_diff_attention_and_meets_its_budget(exported, tm
     ref, got = _logits(exported, ids), _logits(out, ids)
     assert np.isfinite(got).all()
     assert 0 < _mean_kl(ref, got) <= WEIGHT_QUANT_BUDGETS[bits].max_kl  # changed, within budget
-    report = run_cli("check", out, "--preset", "diff-v1-tiny", "--shapes", "1x9,2x33")
+    report = cli_main("check", out, "--preset", "diff-v1-tiny", "--shapes", "1x9,2x33")
     assert report.returncode == 0, report.stdout + report.stderr
     assert f"budget        int{bits} weights" in report.stderr + report.stdout and "KL" in report.stdout
 
@@ -77,25 +77,25 @@ def test_the_budget_fails_a_broken_quantisation(exported, tmp_path):
     scales.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(scales), scales.name))
     broken = tmp_path / "broken.onnx"
     onnx.save(model, str(broken))
-    report = run_cli("check", broken, "--preset", "diff-v1-tiny", "--shapes", "2x33")
+    report = cli_main("check", broken, "--preset", "diff-v1-tiny", "--shapes", "2x33")
     assert report.returncode == 1 and "FAIL" in report.stdout, report.stdout + report.stderr
 
 
 def test_kv_cache_folder_is_quantised_and_still_decodes(tmp_path):
     folder = tmp_path / "kv"
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder).returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder).returncode == 0
     out = tmp_path / "kv-int4"
-    result = run_cli("quantize", folder, "-o", out, "--weights", "int4")
+    result = cli_main("quantize", folder, "-o", out, "--weights", "int4")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in folder.iterdir())
     assert (out / "genai_config.json").read_text() == (folder / "genai_config.json").read_text()
     plot = tmp_path / "steps.png"
-    report = run_cli("check", out, "--preset", "diff-v1-tiny", "--plot", plot)
+    report = cli_main("check", out, "--preset", "diff-v1-tiny", "--plot", plot)
     assert report.returncode == 0, report.stdout + report.stderr
     assert "greedy tokens onnxruntime == eager" in report.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot          {plot}" in report.stdout
     pytest.importorskip("onnxruntime_genai")
-    generated = run_cli("generate", out, "--ids", "1,2,3", "--max-new-tokens", "6")
+    generated = cli_main("generate", out, "--ids", "1,2,3", "--max-new-tokens", "6")
     assert generated.returncode == 0 and len(generated.stdout.split()) == 6, generated.stdout + generated.stderr
 
 
@@ -108,7 +108,7 @@ def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path
     plain = tmp_path / "plain.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(plain))
     done = tmp_path / "done.onnx"
-    assert run_cli("quantize", exported, "-o", done).returncode == 0
+    assert cli_main("quantize", exported, "-o", done).returncode == 0
     existing = tmp_path / "exists"
     existing.mkdir()
     corrupt = tmp_path / "corrupt.onnx"
@@ -129,7 +129,7 @@ def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path
     ]
     for args, message in cases:
         assert_one_line_error(cli_main(*args), message)
-    bad_bits = run_cli("quantize", exported, "-o", tmp_path / "x.onnx", "--weights", "int3")
+    bad_bits = cli_main("quantize", exported, "-o", tmp_path / "x.onnx", "--weights", "int3")
     assert bad_bits.returncode == 2 and "invalid choice: 'int3'" in bad_bits.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -212,11 +212,11 @@ def test_gptq_calibrates_and_meets_the_int4_budget(exported, tmp_path):
     ref, got = _logits(exported, ids), _logits(out, ids)
     assert np.isfinite(got).all() and 0 < _mean_kl(ref, got) <= WEIGHT_QUANT_BUDGETS[4].max_kl
     folder = tmp_path / "kv"
-    assert run_cli("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder).returncode == 0
-    result = run_cli("quantize", folder, "-o", tmp_path / "kv-gptq", "--method", "gptq", "--calib", "synthetic",
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder).returncode == 0
+    result = cli_main("quantize", folder, "-o", tmp_path / "kv-gptq", "--method", "gptq", "--calib", "synthetic",
                      "--calib-samples", "4", "--calib-seq-len", "32")
     assert result.returncode == 0 and "Progress" not in result.stdout, result.stdout + result.stderr
-    report = run_cli("check", tmp_path / "kv-gptq", "--preset", "diff-v1-tiny")
+    report = cli_main("check", tmp_path / "kv-gptq", "--preset", "diff-v1-tiny")
     assert report.returncode == 0, report.stdout + report.stderr
 
 
@@ -231,7 +231,7 @@ def test_check_scores_a_text_and_reports_both_perplexities(exported, tmp_path):
     quantize_weights(exported, out, log=lambda _: None)
     text = tmp_path / "t.txt"
     text.write_text("a quantised model should predict the next byte of this text nearly as well. " * 3)
-    report = run_cli("check", out, "--against", exported, "--text", text, "--shapes", "1x17,2x33")
+    report = cli_main("check", out, "--against", exported, "--text", text, "--shapes", "1x17,2x33")
     assert report.returncode == 0, report.stdout + report.stderr
     ids = np.frombuffer(text.read_bytes(), np.uint8).astype(np.int64)
     slices, used = [], 0
