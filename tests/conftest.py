@@ -95,6 +95,10 @@ class Artifacts:
             return folder / attention
         return self._once(("decoder", recipe, attention), build)
 
+    def decoders(self, recipe: str) -> "DecoderFolders":
+        """decoder(recipe, attention) by attention, each built when first looked up."""
+        return DecoderFolders(self, recipe)
+
     def decoder_summary(self, recipe: str, attention: str = "diffattention"):
         """What export_decoder returned when it wrote decoder(recipe, attention)."""
         self.decoder(recipe, attention)
@@ -156,6 +160,19 @@ class Artifacts:
 
     def changed(self) -> list[Path]:
         return [path for path, digest in self._digests.items() if _digest(path) != digest]
+
+
+class DecoderFolders(dict):
+    """attention -> Artifacts.decoder(recipe, attention), exported on first lookup: a fixture can hand
+    out both attentions while a test that needs one exports one."""
+
+    def __init__(self, made: Artifacts, recipe: str):
+        super().__init__()
+        self._made, self._recipe = made, recipe
+
+    def __missing__(self, attention):
+        self[attention] = self._made.decoder(self._recipe, attention)
+        return self[attention]
 
 
 @pytest.fixture(scope="session")

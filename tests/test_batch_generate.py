@@ -97,11 +97,11 @@ pytest.importorskip("onnxruntime")
 
 @pytest.fixture(scope="module")
 def model_and_folders(artifacts):
-    """A V1 model (4 diff-heads on 2 kv-groups) and its DiffAttention and gqa folders."""
+    """A V1 model (4 diff-heads on 2 kv-groups) and its DiffAttention and gqa folders (each exported
+    when a test first looks it up)."""
     from diffexport.checkpoint import load_model
 
-    loaded = load_model(artifacts.checkpoint("diff-v1-gqa"))
-    return loaded, {attention: artifacts.decoder("diff-v1-gqa", attention) for attention in ("diffattention", "gqa")}
+    return load_model(artifacts.checkpoint("diff-v1-gqa")), artifacts.decoders("diff-v1-gqa")
 
 
 def _alone(model, prompt, n, eos, sampling=None):
@@ -242,8 +242,8 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
     free = _alone(loaded.model, prompts[1], 14, None, penalised)
     end = free[next(i for i in range(3, 14) if free[i] not in free[:i] and free[i] not in prompts[1])]
     folders = {}
-    for attention, original in originals.items():
-        folders[attention] = shutil.copytree(original, tmp_path / attention)
+    for attention in ("diffattention", "gqa"):
+        folders[attention] = shutil.copytree(originals[attention], tmp_path / attention)
         config = json.loads((folders[attention] / "genai_config.json").read_text())
         config["model"]["eos_token_id"], config["model"]["pad_token_id"] = [end], end
         (folders[attention] / "genai_config.json").write_text(json.dumps(config))

@@ -108,16 +108,17 @@ RECIPE = {"diff-v1-tiny": "diff-v1-gqa", "diff-v2-tiny": "diff-v2", "transformer
 @pytest.fixture(scope="module")
 def folders(artifacts):
     """Each family's eager model (V1 with 4 diff-heads on 2 kv-groups and an affine head norm), its
-    DiffAttention and gqa folders by attention, and its checkpoint."""
+    DiffAttention and gqa folders by attention, and its checkpoint; built when a test first asks
+    for the family (the refusal tests need one folder, not five)."""
     from diffexport.checkpoint import load_model
 
-    made = {}
-    for family in FAMILIES:
-        ckpt = artifacts.checkpoint(RECIPE[family])
-        made[family] = (load_model(ckpt).model.eval(),
-                        {attention: artifacts.decoder(RECIPE[family], attention) for attention in _attentions(family)},
-                        ckpt)
-    return made
+    class Families(dict):
+        def __missing__(self, family):
+            ckpt = artifacts.checkpoint(RECIPE[family])
+            self[family] = (load_model(ckpt).model.eval(), artifacts.decoders(RECIPE[family]), ckpt)
+            return self[family]
+
+    return Families()
 
 
 def _with_end_ids(folder, tmp_path, ends):
