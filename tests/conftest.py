@@ -30,6 +30,7 @@ def rng():
 RECIPES = {
     # V1 with 4 diff-heads on 2 kv-groups, head dim 16: GQA and a head norm the kernels' layouts see
     "diff-v1-gqa": ("diff-v1-tiny", dict(n_heads=4, n_kv_heads=2, head_dim=16), 21),
+    "diff-v1": ("diff-v1-tiny", {}, 1),
     "diff-v2": ("diff-v2-tiny", {}, 61),
     "transformer": ("transformer-tiny", {}, 62),
 }
@@ -58,6 +59,7 @@ class Artifacts:
         self._built: dict[tuple, object] = {}
         self._digests: dict[Path, str] = {}
         self._summaries: dict[tuple, object] = {}
+        self._stdout: dict[tuple, str] = {}
 
     def _once(self, key: tuple, build):
         if key not in self._built:
@@ -143,8 +145,15 @@ class Artifacts:
 
             result = cli_main(*args, "-o", folder / output)
             assert result.returncode == 0, result.stdout + result.stderr
+            self._stdout[key] = result.stdout
             return folder / output
-        return self._once(("cli",) + tuple(str(a) for a in args), build)
+        key = ("cli",) + tuple(str(a) for a in args)
+        return self._once(key, build)
+
+    def cli_stdout(self, *args) -> str:
+        """What the run behind cli_output(*args) printed on stdout."""
+        self.cli_output(*args)
+        return self._stdout[("cli",) + tuple(str(a) for a in args)]
 
     @staticmethod
     def copy(path: Path, folder: Path, name: str | None = None) -> Path:

@@ -15,14 +15,11 @@ from helpers import assert_one_line_error, cli_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(artifacts):
     """A V1 checkpoint and its export, made once through the CLI."""
-    folder = tmp_path_factory.mktemp("tiny")
-    ckpt = save_checkpoint(build_model(preset_config("diff-v1-tiny"), seed=1), folder / "ckpt.pt")
-    result = cli_main("onnx", ckpt, "-o", folder / "model.onnx")
-    assert result.returncode == 0, result.stderr
-    assert "2 DiffAttention" in result.stdout
-    return ckpt, folder / "model.onnx"
+    ckpt = artifacts.checkpoint("diff-v1")
+    assert "2 DiffAttention" in artifacts.cli_stdout("onnx", ckpt)
+    return ckpt, artifacts.cli_output("onnx", ckpt)
 
 
 @pytest.mark.slow

@@ -37,11 +37,25 @@ def plain_export(preset, impl, path, seed=0, opset=18, dtype=torch.float32):
 EXPECTED_RULE = {"naive": "eq1", "flash_diff_1": "flash1", "flash_diff_2": "flash2"}
 
 
+@pytest.fixture(scope="module")
+def plain_exports(tmp_path_factory):
+    """plain_export(preset, impl, opset) made once per module (the fusion cases and the near misses
+    share V1's Eq. 1 graph at opset 18); each call returns a private copy of the graph."""
+    made = {}
+
+    def get(preset, impl, opset=18):
+        if (preset, impl, opset) not in made:
+            made[preset, impl, opset] = plain_export(preset, impl, tmp_path_factory.mktemp("plain") / "plain.onnx",
+                                                     opset=opset)
+        return onnx.ModelProto.FromString(made[preset, impl, opset].SerializeToString())
+    return get
+
+
 @pytest.mark.parametrize("preset,variant", [("diff-v1-tiny", 1), ("diff-v2-tiny", 2)])
 @pytest.mark.parametrize("impl,opset", [("naive", 18), ("flash_diff_1", 18), ("flash_diff_2", 18), ("naive", 23),
                                         ("flash_diff_1", 23), ("flash_diff_2", 23)])
-def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, opset, tmp_path):
-    source = plain_export(preset, impl, tmp_path / "plain.onnx", opset=opset)
+def test_every_layer_fuses_and_numerics_hold(preset, variant, impl, opset, plain_exports):
+    source = plain_exports(preset, impl, opset)
     assert not any(n.op_type == contract.OP_NAME for n in source.graph.node)
     result = optimize_model(source)
     assert result.report.total == 2 and result.report.fired[EXPECTED_RULE[impl]] == 2, result.report
@@ -82,8 +96,8 @@ def test_fp16_source_fuses_with_its_dtype_bound(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def naive_v1(tmp_path_factory):
-    return plain_export("diff-v1-tiny", "naive", tmp_path_factory.mktemp("near") / "plain.onnx")
+def naive_v1(plain_exports):
+    return plain_exports("diff-v1-tiny", "naive")
 
 
 def _producer(model, name):
