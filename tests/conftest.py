@@ -50,9 +50,10 @@ def _digest(path: Path) -> str:
 
 class Artifacts:
     """Checkpoints, exports and decoder folders built once per test session, on first use, and handed
-    out read-only: every distinct artifact (model recipe x format x dtype x attention) is one path.
-    A test that must change one works on copy(path, tmp_path). At the end of the session each
-    artifact is checked to be byte for byte what was built, so a test that wrote into one fails."""
+    out to be read: every distinct artifact (model recipe x format x dtype x attention) is one path.
+    A test that must change one works on copy(path, tmp_path). Nothing is chmod-protected (the tests
+    may run as root): at the end of the session each artifact is checked to be byte for byte what
+    was built, so a test that wrote into one fails the run."""
 
     def __init__(self, factory):
         self._factory = factory
