@@ -254,10 +254,10 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
-def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto"):
-    """Our library called directly on prepared params and a preallocated workspace (capturable),
-    with DIFFEXPORT_KERNEL_PATH set to `path` for the call; returns (fn, plan)."""
-    lib = kernels.load_library()
+def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto", lib=None):
+    """Our library (or `lib`, another build) called directly on prepared params and a preallocated
+    workspace (capturable), with DIFFEXPORT_KERNEL_PATH set to `path` for the call; returns (fn, plan)."""
+    lib = lib or kernels.load_library()
     params = kernels.make_params(*inputs, out, attrs, logit_bits=bits)
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))
     workspace = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
@@ -274,7 +274,7 @@ def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto"):
 
 
 def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads: int, kv_heads: int, warmup: int,
-                repeats: int, backends: list[str]) -> dict:
+                repeats: int, backends: list[str], other_builds: dict | None = None) -> dict:
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=1,
                                output_scale=0.8)
     inputs = q, k, v, lam, w = random_inputs(attrs, batch, q_len, kv_len, dtype, kv_len + head_dim + q_len)
@@ -283,6 +283,8 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
     methods, plans = {}, {}
     for name, bits, path in (("split_kv", 0, "auto"), ("one_pass", 0, "mma"), ("split_kv_int8", 8, "auto")):
         methods[name], plans[name] = prepared_call(inputs, attrs, out, bits=bits, path=path)
+    for build, lib in (other_builds or {}).items():  # the same split-KV call from each other build
+        methods[f"split_kv@{build}"], _ = prepared_call(inputs, attrs, out, path="auto", lib=lib)
     os.environ.pop(kernels.KERNEL_PATH_ENV, None)
     for backend in backends:
         for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
@@ -314,9 +316,12 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
     def cell(t):
         return "-" if t is None else f"{t['ms'] * 1e3:.1f} ({t['gbs']:.0f})"
 
+    builds = sorted({name.split("@", 1)[1] for row in rows for name in row["timings"] if "@" in name})
+
     lines = ["| dtype | d (V) | Sq | keys | B x H (kv) | splits | split-KV | one-pass | split-KV INT8 | best composition "
-             "| which | split-KV vs best | vs one-pass | % of copy GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| which | split-KV vs best | vs one-pass | % of copy GB/s |"
+             + "".join(f" split-KV @{b} | this vs @{b} |" for b in builds),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(builds)]
     for row in rows:
         t = row["timings"]
         ours = t.get("split_kv")
@@ -327,7 +332,10 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
         lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['q_len']} | {row['kv_len']} "
                      f"| {row['batch']} x {row['heads']} ({row['kv_heads']}) | {row['splits']} | {cell(ours)} "
                      f"| {cell(t.get('one_pass'))} | {cell(t.get('split_kv_int8'))} "
-                     f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} |")
+                     f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} |"
+                     + "".join(f" {cell(t.get(f'split_kv@{b}'))} | "
+                               f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
+                               else " - | - |" for b in builds))
     return "\n".join(lines)
 
 
@@ -441,7 +449,7 @@ def main() -> int:
         except DiffExportError as exc:  # the table of this build still comes out
             print(f"--compare {name}: left out: {exc}", file=sys.stderr)
     if args.decode:
-        return run_decode(args)
+        return run_decode(args, other_builds)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", file=sys.stderr)
     cases = [(dtype, d, causal, n) for dtype in args.dtypes for d in args.head_dims for causal in args.causal
@@ -479,7 +487,7 @@ def completeness(record: dict) -> str:
             "the cases missing from the table were not measured.** ")
 
 
-def run_decode(args) -> int:
+def run_decode(args, other_builds: dict) -> int:
     copy_gbs = copy_bandwidth_gbs()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s", file=sys.stderr)
     kv_heads = args.kv_heads or max(1, args.heads // 4)
@@ -491,7 +499,7 @@ def run_decode(args) -> int:
     for dtype, d, q_len, kv_len in cases:
         print(f"{dtype} d={d} Sq={q_len} keys={kv_len} ...", file=sys.stderr, flush=True)
         record["rows"].append(decode_case(getattr(torch, dtype), d, q_len, kv_len, args.decode_batch, args.heads,
-                                          kv_heads, args.warmup, args.repeats, args.backends))
+                                          kv_heads, args.warmup, args.repeats, args.backends, other_builds))
         save_partial(args.json, record)
     record["complete"] = True
     save_partial(args.json, record)

@@ -99,6 +99,13 @@ def correctness(folder: Path) -> list[str]:
         lines.append("GPU suite      " + verdict + (f" ({stopped.group(1)})" if stopped else ""))
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", pytest_log, re.M)
         lines += [f"  failed       {name}" for name in dict.fromkeys(failed)]
+        # The TensorRT plugin's own code under tests/plugin_harness (issue 44, item 4): -v result lines.
+        harness = re.findall(r"test_plugin_harness\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", pytest_log)
+        if harness:
+            counts = {v: sum(1 for _, got in harness if got == v) for v in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+            lines.append("plugin harness " + ", ".join(f"{n} {v.lower()}" for v, n in counts.items() if n))
+        else:
+            lines.append("plugin harness not run (no build-trt/include carried, or pytest stopped first)")
     sanitizer_log = read(folder / "sanitizer.log")
     if sanitizer_log is None:
         lines.append("sanitizers     sanitizer.log missing")
@@ -176,6 +183,11 @@ def decode(folder: Path) -> list[str]:
     long = [r["timings"]["split_kv"]["gbs"] / record["copy_gbs"] for r in rows if r["kv_len"] >= 32768]
     if vs_best:
         lines.append(f"split-KV       vs best composition {spread(vs_best)}")
+    for build in sorted({n.split("@", 1)[1] for r in rows for n in r["timings"] if "@" in n}):
+        ratios = [r["timings"][f"split_kv@{build}"]["ms"] / r["timings"]["split_kv"]["ms"] for r in rows
+                  if f"split_kv@{build}" in r["timings"]]
+        lines.append(f"split-KV@{build:<6} {build} / this build: {spread(ratios)} in {len(ratios)} cases "
+                     "(above 1x: this build is faster)")
     lines.append(f"split-KV       {100 * min(of_copy):.0f}%-{100 * max(of_copy):.0f}% of the copy bandwidth"
                  + (f"; from 32k keys {100 * min(long):.0f}%-{100 * max(long):.0f}%" if long else ""))
     return lines

@@ -108,8 +108,13 @@ part_build() {
   # (tools/README.md): CAMPAIGN_CUTLASS_DIR, default build-cutlass/include when present.
   local cutlass="${CAMPAIGN_CUTLASS_DIR:-}"
   [[ -z "$cutlass" && -f build-cutlass/include/cute/tensor.hpp ]] && cutlass="$PWD/build-cutlass/include"
+  # The TensorRT plugin and its harness (tests/plugin_harness) need TensorRT's public headers, carried
+  # like CUTLASS's (tools/prepare_gpu_campaign.sh): CAMPAIGN_TRT_DIR, default build-trt/include.
+  local trt="${CAMPAIGN_TRT_DIR:-}"
+  [[ -z "$trt" && -f build-trt/include/NvInferRuntime.h ]] && trt="$PWD/build-trt/include"
   {
-    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
+      -DDIFFEXPORT_BUILD_PLUGIN=$([[ -n "$trt" ]] && echo ON || echo OFF) ${trt:+-DTensorRT_INCLUDE_DIR="$trt"} \
       -DDIFFEXPORT_BUILD_EMULATOR=OFF ${cutlass:+-DCUTLASS_INCLUDE_DIR="$cutlass"} &&
       timed 300 10 build cmake --build "$BUILD_DIR" --parallel
   } > "$OUT_DIR/build.log" 2>&1 || { tail -30 "$OUT_DIR/build.log"; return 1; }
@@ -149,10 +154,17 @@ part_test() {
   # 369 cases took about 200 s on an H200 (2026-11-26) with 8 or 14 workers: single tests of 35-47 s
   # (the 70k-key decode oracles, quant-sweep, the CUDA training run) set the floor.
   # -v puts each result in the log as it comes, so a run stopped at its limit still says what passed.
-  timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m gpu \
+  # The plugin harness cases (tests/test_plugin_harness.py) run where build-trt/include was carried
+  # (part build then builds the plugin and the harness); else they are skipped, and reported so.
+  local require_harness=""
+  [[ -f "$BUILD_DIR/tests/plugin_harness/diffexport_plugin_harness" ]] && require_harness=1
+  DIFFEXPORT_PLUGIN_HARNESS="$PWD/$BUILD_DIR/tests/plugin_harness/diffexport_plugin_harness" \
+    DIFFEXPORT_PLUGIN_LIB="$PWD/$BUILD_DIR/plugins/tensorrt/libdiffexport_plugins.so" \
+    DIFFEXPORT_REQUIRE_PLUGIN_HARNESS="$require_harness" \
+    timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m "gpu or plugin_harness" \
     -n "${CAMPAIGN_TEST_WORKERS:-8}" \
-    tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py tests/test_kernel_abi.py \
-    -k "not compute_sanitizer" >> "$OUT_DIR/pytest.log" 2>&1
+    tests/test_plugin_harness.py tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py \
+    tests/test_kernel_abi.py -k "not compute_sanitizer" >> "$OUT_DIR/pytest.log" 2>&1
   local rc=$?
   tail -25 "$OUT_DIR/pytest.log"
   return $((rc != 0 || check_rc != 0))
@@ -182,8 +194,9 @@ part_bench() {
 
 part_decode() {
   # The split-KV decode kernels vs the one-pass kernel and the compositions, in GB/s (table appended to bench.md).
+  # Other builds (CAMPAIGN_COMPARE, CAMPAIGN_VARIANTS) time the same split-KV calls beside this one.
   timed "${DECODE_TIMEOUT:-300}" 15 decode "$PY" tools/bench_attention.py --decode --json "$OUT_DIR/decode.json" \
-    ${DECODE_ARGS:-} > "$OUT_DIR/decode.md" 2>> "$OUT_DIR/campaign.log"
+    ${DECODE_ARGS:-} $(compare_args) > "$OUT_DIR/decode.md" 2>> "$OUT_DIR/campaign.log"
   local rc=$?
   rm -f "$OUT_DIR"/*.partial
   { echo; echo "--- decode"; cat "$OUT_DIR/decode.md"; } >> "$OUT_DIR/bench.md"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Prepares, on the CPU machine, what the GPU campaign carries to the lent GPU machine (which has
-# no network): the CUTLASS headers of the Hopper path and a build of an earlier commit to time
-# against. Both go into ignored folders of this checkout; then the one `run` call of
-# tools/README.md takes them with carry=["build-cutlass", "build-before"].
+# no network): the CUTLASS headers of the Hopper path, a build of an earlier commit to time
+# against and, when TRT_INCLUDE_DIR names a folder of TensorRT's public headers (fetched from the
+# NVIDIA/TensorRT repository, never committed), those headers, for the plugin and its harness
+# (tests/plugin_harness). They go into ignored folders of this checkout; then the one `run` call of
+# tools/README.md takes them with carry=["build-cutlass", "build-before", "build-trt"].
 #
-#   tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]     default b8abdb8 (the build measured on 2026-11-23)
+#   [TRT_INCLUDE_DIR=DIR] tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]     default b8abdb8 (the build measured on 2026-11-23)
 #
 # Builds only the kernel library, for 90a-real (about 2 minutes on 2 cores), in a temporary git
 # worktree that is removed afterwards. Exit status 0 when both folders are ready and together fit
@@ -41,11 +43,22 @@ cp "$worktree/build/plugins/kernels/libdiffexport_kernels.so" build-before/
 echo "$BEFORE $(git rev-parse "$BEFORE") $ARCH" > build-before/COMMIT
 echo "build-before            libdiffexport_kernels.so of $BEFORE for $ARCH ($((SECONDS - start)) s)"
 
-# 3. What `run` will carry.
-total_mb=$(du -sm build-cutlass build-before | awk '{s += $1} END {print s}')
+# 3. TensorRT's headers, when given.
+carry='"build-cutlass", "build-before"'
+rm -rf build-trt
+if [[ -n "${TRT_INCLUDE_DIR:-}" ]]; then
+  [[ -f "$TRT_INCLUDE_DIR/NvInferRuntime.h" && -f "$TRT_INCLUDE_DIR/NvInferVersion.h" ]] ||
+    { echo "error: TRT_INCLUDE_DIR=$TRT_INCLUDE_DIR holds no NvInferRuntime.h and NvInferVersion.h" >&2; exit 2; }
+  mkdir -p build-trt && cp -r "$TRT_INCLUDE_DIR" build-trt/include
+  carry="$carry, \"build-trt\""
+  echo "build-trt/include       TensorRT headers from $TRT_INCLUDE_DIR"
+fi
+
+# 4. What `run` will carry.
+total_mb=$(du -sm build-cutlass build-before build-trt 2>/dev/null | awk '{s += $1} END {print s}')
 echo "carried                 ${total_mb} MiB of at most ${CARRY_LIMIT_MB}"
 (( total_mb <= CARRY_LIMIT_MB )) || { echo "error: more than the ${CARRY_LIMIT_MB} MiB that run carries" >&2; exit 1; }
 cat <<EOF
-next, one run call with carry=["build-cutlass", "build-before"] and timeout_s=570, then give_back (tools/README.md):
+next, one run call with carry=[$carry] and timeout_s=570, then give_back (tools/README.md):
   CAMPAIGN_TEST_WORKERS=14 CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 540 all
 EOF

@@ -59,6 +59,28 @@ bool diffx::hopper_path_runs_here() {
   return known == 2;
 }
 
+int diffx::device_smem_optin() {
+  // Asked on every decode call of a head dim whose two stages do not fit everywhere: cached per device.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> answer[kMaxDevices];  // 0 unknown, else bytes + 1
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return 0;
+  }
+  int known = answer[device].load(std::memory_order_relaxed);
+  if (!known) {
+    int bytes = 0;
+    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    known = bytes + 1;
+    answer[device].store(known, std::memory_order_relaxed);
+  }
+  return known - 1;
+}
+
 namespace {
 
 int cuda_failure(cudaError_t err, const char* what) {

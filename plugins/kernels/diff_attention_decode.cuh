@@ -10,7 +10,11 @@
 // tile once, where one CTA per head would read it once per head. Each warp keeps its own
 // running max, sum and fp32 P.V accumulator for both of its rows-halves, exactly as the one-pass
 // kernel's warps do, and writes them, unnormalised, as one partial state ("part") to the workspace.
-// Every K/V tile is read from global memory once per CTA; V serves both maps.
+// Every K/V tile is read from global memory once per CTA; V serves both maps. With two K/V stages
+// (STAGES = 2: every head dim 64, and head dim 128 where the GPU's shared memory holds 136 KB) tile
+// j+1 is requested before tile j is computed, so one CTA per SM keeps the DRAM busy; with one
+// stage the next tile is requested only once this one's K (then V) has been read, and its latency
+// shows once per tile (the 77% of copy bandwidth measured on an H200 on 2026-11-26 at d=128).
 //
 // Kernel 2, one CTA per (diff-head, batch element, query token): rescales the parts of each map to
 // their common max, sums them, divides by the summed softmax denominators, and applies the epilogue
@@ -31,13 +35,19 @@ constexpr int kDecodeRows = DIFFX_DECODE_MAX_QUERY;  // query rows of the tile (
 static_assert(kDecodeRows == 16, "one m16n8k16 row block");
 static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == kBlockN, "16 keys a warp");
 
-template <typename T, int D, int DV, bool INT8>
+template <typename T, int D, int DV, bool INT8, int STAGES>
 struct DecodeTileConfig {
   using Fwd = TileConfig<T, D, DV, INT8>;
+  static_assert(STAGES == 1 || STAGES == 2, "one or two K/V stages");
   static constexpr int kQTileBytes = kDecodeRows * D * int(sizeof(T));
   static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
-  static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + Fwd::kKeyTiles * Fwd::kKTileBytes + Fwd::kVTileBytes;
-  static_assert(kSmemBytes <= kDynamicSmemLimit, "the decode tiles would not launch on sm_86/sm_89");
+  static constexpr int kStageBytes = Fwd::kKeyTiles * Fwd::kKTileBytes + Fwd::kVTileBytes;  // K tile(s) + V tile
+  static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * kStageBytes;
+  // One stage launches everywhere (sm_86/sm_89 opt in to 99 KB); two need the GPU's opt-in checked
+  // at launch (launch_diff_attention_decode) unless they fit that too. 227 KB: sm_90's opt-in.
+  static_assert(STAGES == 2 || kSmemBytes <= kDynamicSmemLimit, "the decode tiles would not launch on sm_86/sm_89");
+  static_assert(kSmemBytes <= 227 * 1024, "the decode tiles would not launch on any GPU");
+  static constexpr bool kFitsEverywhere = kSmemBytes <= kDynamicSmemLimit;
 };
 
 // Copies `rows` rows of ROW_BYTES (row r from src(r)) into a swizzled 16-row shared tile, the other
@@ -65,9 +75,16 @@ __device__ __forceinline__ int64_t part_index(const KernelArgs& args, int b, int
          int64_t(part) * args.p.q_len;
 }
 
-template <typename T, int D, int DV, bool INT8>
-__global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(const KernelArgs args) {
-  using Cfg = DecodeTileConfig<T, D, DV, INT8>;
+// CTAs per SM the compiler must leave registers for at head dim 64 (2: at most 128 registers a
+// thread, no spills at sm_90). 2 by default; the GPU campaign times 1 as a variant (-DDIFFX_DECODE_D64_MIN_BLOCKS=1).
+#ifndef DIFFX_DECODE_D64_MIN_BLOCKS
+#define DIFFX_DECODE_D64_MIN_BLOCKS 2
+#endif
+
+template <typename T, int D, int DV, bool INT8, int STAGES>
+__global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1)
+    diff_attention_decode_kernel(const KernelArgs args) {
+  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES>;
   using Fwd = typename Cfg::Fwd;
   constexpr int kSTiles = 2;        // a warp's 16 x 16 score tile: two n-tiles of 8 keys
   constexpr int kOTiles = DV / 8;   // n-tiles of the 16 x DV output accumulator of a warp
@@ -85,8 +102,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
 
   char* sQ = smem;                                    // [2][16][D] T
   char* sQ8 = sQ + 2 * Cfg::kQTileBytes;              // [2][16][D] int8 (INT8 only)
-  char* sK = sQ8 + 2 * Cfg::kQ8TileBytes;             // [kKeyTiles][64][D] T or int8
-  char* sV = sK + Fwd::kKeyTiles * Fwd::kKTileBytes;  // [64][DV] T
+  char* sKV = sQ8 + 2 * Cfg::kQ8TileBytes;  // STAGES x ([kKeyTiles][64][D] T or int8, then [64][DV] T)
+  auto sK = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
+  auto sV = [&](int stage) { return sKV + stage * Cfg::kStageBytes + Fwd::kKeyTiles * Fwd::kKTileBytes; };
 
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
   const int nb_begin = split * args.plan.tiles_per_split;
@@ -100,11 +118,11 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
                                            (2 * (h0 + r / p.q_len) + m) * D);
     });
   }
-  auto load_k = [&](int nb) { load_key_tiles<T, D, DV, INT8>(sK, args, b, g, nb, tid); };
-  auto load_v = [&](int nb) { load_value_tile<T, DV>(sV, args, b, g, nb, tid); };
+  auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
+  auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
 
-  load_k(nb_begin);
-  load_v(nb_begin);
+  load_k(nb_begin, 0);
+  load_v(nb_begin, 0);
   cp_async_commit();
 
   float q_scale = 1.f;
@@ -127,8 +145,17 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
   for (int nb = nb_begin; nb < nb_end; ++nb) {
     const int n_start = nb * kBlockN;
     const int k0 = quarter * 16;  // this warp's first key in the tile
-    cp_async_wait_all();          // K(nb) and V(nb) landed
-    __syncthreads();              // ... for every thread
+    const int stage = STAGES == 2 ? (nb - nb_begin) & 1 : 0;
+    if (STAGES == 2 && nb + 1 < nb_end) {
+      // The other stage was last read in the previous tile, which ended with a barrier.
+      load_k(nb + 1, stage ^ 1);
+      load_v(nb + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait_group<1>();  // K(nb) and V(nb) landed; tile nb+1 stays in flight
+    } else {
+      cp_async_wait_all();       // K(nb) and V(nb) landed
+    }
+    __syncthreads();             // ... for every thread
 
     // S = Q K^T for the 16 query rows and this warp's 16 keys.
     float s[kSTiles][4];
@@ -138,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
     if constexpr (INT8) {
       constexpr int kChunks8 = D / 16;
       const char* q_tile = sQ8 + map * Cfg::kQ8TileBytes;
-      const char* k_tile = sK + (Fwd::kV1 ? map : 0) * Fwd::kKTileBytes;
+      const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Fwd::kKTileBytes;
       int si[kSTiles][4];
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i) si[i][0] = si[i][1] = si[i][2] = si[i][3] = 0;
@@ -158,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
     } else {
       constexpr int kChunks = D / 8;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
-      const char* k_tile = sK + (Fwd::kV1 ? map : 0) * Fwd::kKTileBytes;
+      const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Fwd::kKTileBytes;
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
         uint32_t a[4], bf[4];
@@ -185,10 +212,12 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
         }
     }
 
-    __syncthreads();  // every warp has read K(nb): the next K tile may land while P.V runs
-    if (nb + 1 < nb_end) {
-      load_k(nb + 1);
-      cp_async_commit();
+    if (STAGES == 1) {
+      __syncthreads();  // every warp has read K(nb): the next K tile may land while P.V runs
+      if (nb + 1 < nb_end) {
+        load_k(nb + 1, 0);
+        cp_async_commit();
+      }
     }
 
     online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // this warp's partial state
@@ -203,14 +232,14 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_decode_kernel(cons
 #pragma unroll
     for (int np = 0; np < kOTiles / 2; ++np) {
       uint32_t bf[4];
-      ldmatrix_x4_trans(bf, sV + swizzled_chunk<kVChunks>(k0 + (mi & 1) * 8 + (lane & 7), np * 2 + (mi >> 1)) * 16);
+      ldmatrix_x4_trans(bf, sV(stage) + swizzled_chunk<kVChunks>(k0 + (mi & 1) * 8 + (lane & 7), np * 2 + (mi >> 1)) * 16);
       mma_16816(acc_o[2 * np], a, bf[0], bf[1], T());
       mma_16816(acc_o[2 * np + 1], a, bf[2], bf[3], T());
     }
 
-    __syncthreads();  // every warp has read V(nb)
-    if (nb + 1 < nb_end) {
-      load_v(nb + 1);
+    __syncthreads();  // every warp has read this stage's K and V
+    if (STAGES == 1 && nb + 1 < nb_end) {
+      load_v(nb + 1, 0);
       cp_async_commit();
     }
   }
@@ -292,10 +321,10 @@ __global__ void __launch_bounds__(DV / 2) diff_attention_decode_merge_kernel(con
 }
 
 #ifndef DIFFX_EMULATE
-template <typename T, int D, int DV, bool INT8>
-cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t stream) {
-  using Cfg = DecodeTileConfig<T, D, DV, INT8>;
-  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8>;
+template <typename T, int D, int DV, bool INT8, int STAGES>
+cudaError_t launch_diff_attention_decode_stages(const KernelArgs& args, cudaStream_t stream) {
+  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES>;
+  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8, STAGES>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
   unsigned dims[3];
@@ -305,6 +334,18 @@ cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t st
   diff_attention_decode_merge_kernel<T, DV>
       <<<dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len)), DV / 2, 0, stream>>>(args);
   return cudaGetLastError();
+}
+
+// Two K/V stages where they fit the GPU (always for head dim 64), else one.
+template <typename T, int D, int DV, bool INT8>
+cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t stream) {
+  using TwoStages = DecodeTileConfig<T, D, DV, INT8, 2>;
+  if constexpr (TwoStages::kFitsEverywhere) {
+    return launch_diff_attention_decode_stages<T, D, DV, INT8, 2>(args, stream);
+  } else {
+    return device_smem_optin() >= TwoStages::kSmemBytes ? launch_diff_attention_decode_stages<T, D, DV, INT8, 2>(args, stream)
+                                                        : launch_diff_attention_decode_stages<T, D, DV, INT8, 1>(args, stream);
+  }
 }
 
 #endif  // DIFFX_EMULATE

@@ -70,6 +70,9 @@ KernelPath kernel_path(const DiffxAttentionParams& p);
 // Whether this library has the Hopper path and the current device is an sm_90 GPU. Defined by each
 // library that links params.cpp: the CUDA one asks the device (once per device), the CPU emulator says no.
 bool hopper_path_runs_here();
+// Shared memory a block of this GPU may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), 0 if
+// unknown: whether the decode kernel's two K/V stages fit at head dim 128.
+int device_smem_optin();
 // DIFFEXPORT_KERNEL_PATH's value when it is not one this library knows, else null.
 const char* bad_kernel_path_setting();
 WorkspaceLayout workspace_layout(const DiffxAttentionParams& p);

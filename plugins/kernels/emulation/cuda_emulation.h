@@ -172,18 +172,35 @@ struct PendingCopy {
   bool valid;
 };
 inline thread_local std::vector<PendingCopy> t_pending_copies;
+inline thread_local std::vector<size_t> t_group_ends;  // t_pending_copies' size at each commit
 
 inline void cp_async_16(void* smem, const void* gmem, bool valid) { t_pending_copies.push_back({smem, gmem, valid}); }
-inline void cp_async_commit() {}
-inline void cp_async_wait_all() {
-  for (const PendingCopy& c : t_pending_copies) {
+inline void cp_async_commit() { t_group_ends.push_back(t_pending_copies.size()); }
+// Lands the first `count` pending copies (the oldest), in issue order.
+inline void cp_async_land(size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const PendingCopy& c = t_pending_copies[i];
     if (c.valid) {
       std::memcpy(c.smem, c.gmem, 16);
     } else {
       std::memset(c.smem, 0, 16);
     }
   }
-  t_pending_copies.clear();
+  t_pending_copies.erase(t_pending_copies.begin(), t_pending_copies.begin() + long(count));
+}
+inline void cp_async_wait_all() {
+  cp_async_land(t_pending_copies.size());
+  t_group_ends.clear();
+}
+// The latest moment again: the N newest committed groups (and uncommitted copies) stay pending.
+template <int N>
+inline void cp_async_wait_group() {
+  if (t_group_ends.size() <= size_t(N)) return;
+  const size_t done_groups = t_group_ends.size() - size_t(N);
+  const size_t landed = t_group_ends[done_groups - 1];
+  cp_async_land(landed);
+  t_group_ends.erase(t_group_ends.begin(), t_group_ends.begin() + long(done_groups));
+  for (size_t& end : t_group_ends) end -= landed;
 }
 
 inline uint32_t load_u32(const char* p) {

@@ -1,5 +1,7 @@
 // The kernels of ../ run on the CPU through cuda_emulation.h: diffx_emulated_attention_forward
 // takes the same params as diffx_attention_forward, with HOST pointers. For tests only (slow).
+#include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -41,10 +43,17 @@ template <typename T, int D, int DV, bool INT8>
 void run_attention(const diffx::KernelArgs& args) {
   unsigned dims[3];
   if (args.path == diffx::KernelPath::kDecode) {
-    using Cfg = diffx::DecodeTileConfig<T, D, DV, INT8>;
+    // Both pipelines the GPU build picks between: two K/V stages (default), or one
+    // (DIFFX_EMULATOR_DECODE_STAGES=1: what head dim 128 runs on GPUs with under 136 KB of shared memory).
+    const char* stages = std::getenv("DIFFX_EMULATOR_DECODE_STAGES");
     diffx::decode_grid(args, dims);
-    run_grid(dims[0], dims[1], dims[2], diffx::kThreads, Cfg::kSmemBytes,
-             [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8>(args); });
+    if (stages && std::string(stages) == "1") {
+      run_grid(dims[0], dims[1], dims[2], diffx::kThreads, diffx::DecodeTileConfig<T, D, DV, INT8, 1>::kSmemBytes,
+               [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, 1>(args); });
+    } else {
+      run_grid(dims[0], dims[1], dims[2], diffx::kThreads, diffx::DecodeTileConfig<T, D, DV, INT8, 2>::kSmemBytes,
+               [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, 2>(args); });
+    }
     run_grid(args.p.num_heads, args.p.batch, args.p.q_len, DV / 2, 0,
              [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
     return;
