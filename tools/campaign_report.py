@@ -100,9 +100,12 @@ def correctness(folder: Path) -> list[str]:
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", pytest_log, re.M)
         lines += [f"  failed       {name}" for name in dict.fromkeys(failed)]
         # The TensorRT plugin's own code under tests/plugin_harness (issue 44, item 4): -v result lines.
-        harness = re.findall(r"test_plugin_harness\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", pytest_log)
+        # "PASSED tests/...::name" under xdist, "tests/...::name PASSED" without it.
+        harness = re.findall(r"(PASSED|FAILED|SKIPPED|ERROR) tests/test_plugin_harness\.py::(\S+)", pytest_log)
+        harness += [(v, name) for name, v in
+                    re.findall(r"test_plugin_harness\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", pytest_log)]
         if harness:
-            counts = {v: sum(1 for _, got in harness if got == v) for v in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+            counts = {v: sum(1 for got, _ in harness if got == v) for v in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
             lines.append("plugin harness " + ", ".join(f"{n} {v.lower()}" for v, n in counts.items() if n))
         else:
             lines.append("plugin harness not run (no build-trt/include carried, or pytest stopped first)")
