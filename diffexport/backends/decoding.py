@@ -19,6 +19,7 @@ import numpy as np
 
 from diffexport.errors import DiffExportError
 from diffexport.export import decoder
+from diffexport.format import names
 from diffexport.generation import BeamSearch, Sampling, search_beams
 
 @dataclasses.dataclass
@@ -51,15 +52,15 @@ def import_genai():
 def empty_cache(batch: int, layers: int, heads: int, width: int, dtype) -> dict[str, np.ndarray]:
     """The cache before the prefill, keyed by present names: [batch, heads, 0, width] per layer."""
     empty = np.zeros((batch, heads, 0, width), dtype)
-    return {name % i: empty for i in range(layers) for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
+    return {name % i: empty for i in range(layers) for name in (names.PRESENT_KEY, names.PRESENT_VALUE)}
 
 
 def step_feeds(ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], layers: int) -> dict[str, np.ndarray]:
     """One step's inputs: the tokens, the mask and last step's presents as this step's pasts."""
-    feeds = {decoder.INPUT_IDS: ids, decoder.ATTENTION_MASK: mask}
+    feeds = {names.INPUT_IDS: ids, names.ATTENTION_MASK: mask}
     for i in range(layers):
-        feeds[decoder.PAST_KEY % i] = cache[decoder.PRESENT_KEY % i]
-        feeds[decoder.PAST_VALUE % i] = cache[decoder.PRESENT_VALUE % i]
+        feeds[names.PAST_KEY % i] = cache[names.PRESENT_KEY % i]
+        feeds[names.PAST_VALUE % i] = cache[names.PRESENT_VALUE % i]
     return feeds
 
 
@@ -81,14 +82,14 @@ class OrtDecoder:
         self.context = int(self.config["model"]["context_length"])
         self.dtype = np.float16 if self.meta["dtype"] == "float16" else np.float32
         self.outputs = [o.name for o in self.session.get_outputs()]
-        expected = decoder.output_names(self.layers)
+        expected = names.decoder_output_names(self.layers)
         if self.outputs != expected:
             raise DiffExportError(f"{self.model_path.name} outputs {self.outputs[:3]}... are not a KV-cache "
                                   f"decoder's {expected[:3]}...: re-export it")
-        past = next((i.shape for i in self.session.get_inputs() if i.name == decoder.PAST_KEY % 0), None)
+        past = next((i.shape for i in self.session.get_inputs() if i.name == names.PAST_KEY % 0), None)
         if past is None or len(past) != 4 or past[1] != self.heads or past[3] != self.width:
-            raise DiffExportError(f"{decoder.GENAI_CONFIG} says the cache is [batch, {self.heads}, past, {self.width}] "
-                                  f"but {self.model_path.name} takes {decoder.PAST_KEY % 0} {past}: the files do not "
+            raise DiffExportError(f"{names.GENAI_CONFIG} says the cache is [batch, {self.heads}, past, {self.width}] "
+                                  f"but {self.model_path.name} takes {names.PAST_KEY % 0} {past}: the files do not "
                                   "belong together (re-export the folder)")
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
@@ -260,7 +261,7 @@ def _search_options(sampling: Sampling, max_length: int, config: dict, min_lengt
 
 def _genai_config(folder) -> dict:
     """The folder's genai_config.json as it is (a caller's folder: a benchmark's has no diffexport metadata)."""
-    return json.loads((Path(folder) / decoder.GENAI_CONFIG).read_text())
+    return json.loads((Path(folder) / names.GENAI_CONFIG).read_text())
 
 
 def open_genai_model(folder, provider: str | None = None, pad_token_id: int | None = None):

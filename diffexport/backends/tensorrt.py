@@ -26,6 +26,7 @@ import onnx
 from diffexport import contract
 from diffexport.errors import DiffExportError
 from diffexport.files import require_file
+from diffexport.format import names
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
@@ -533,14 +534,12 @@ class EngineDecoder:
     def __init__(self, engine_path: Path, record: dict, meta: dict[str, str], run, config: dict | None = None):
         import numpy as np
 
-        from diffexport.export import decoder
-
         self.model_path, self.meta, self._run = Path(engine_path), meta, run
         self.layers = sum(1 for name in run.input_shapes if name.startswith("past_key_values.") and name.endswith(".key"))
-        shape = run.input_shapes.get(decoder.PAST_KEY % 0)
+        shape = run.input_shapes.get(names.PAST_KEY % 0)
         if not self.layers or shape is None or len(shape) != 4 or min(shape[1], shape[3]) < 1:
             raise DiffExportError(f"{self.model_path.name} takes no KV cache like a decoder folder's "
-                                  f"({decoder.PAST_KEY % 0}: {shape}): rebuild it from the folder with `diffexport trt`")
+                                  f"({names.PAST_KEY % 0}: {shape}): rebuild it from the folder with `diffexport trt`")
         self.heads, self.width = int(shape[1]), int(shape[3])
         self.dtype = np.float16 if meta["dtype"] == "float16" else np.float32
         self._record = record
@@ -559,7 +558,6 @@ class EngineDecoder:
     def step(self, ids, mask, cache):
         """-> (logits [B, S, V] fp32, the new cache keyed by present names)."""
         from diffexport.backends.decoding import step_feeds
-        from diffexport.export import decoder
 
         problem = decoder_profile_problem(self._record, self.model_path, ids.shape[0], ids.shape[1],
                                           mask.shape[1] - ids.shape[1])
@@ -567,8 +565,8 @@ class EngineDecoder:
             raise DiffExportError(problem)
         out = self._run(step_feeds(ids, mask, cache, self.layers))
         present = {name % i: out[name % i].astype(self.dtype) for i in range(self.layers)
-                   for name in (decoder.PRESENT_KEY, decoder.PRESENT_VALUE)}
-        return out[decoder.LOGITS], present
+                   for name in (names.PRESENT_KEY, names.PRESENT_VALUE)}
+        return out[names.LOGITS], present
 
 
 def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLike, plugin_lib: str | None = None):

@@ -36,12 +36,11 @@ from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
 from diffexport.files import check_output_path, make_output_folder, temp_prefix
-
-MODEL_FILE = "model.onnx"
-GENAI_CONFIG = "genai_config.json"
-PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
-PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
-INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
+from diffexport.format.metadata import read_export_metadata
+from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
+                                     PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
+from diffexport.format.names import decoder_input_names as input_names  # noqa: F401 (their old home)
+from diffexport.format.names import decoder_output_names as output_names  # noqa: F401
 KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
 # How a decoder folder's attention runs: the DiffAttention node (onnxruntime through its function
 # body, TensorRT through our plugin; token-major cache), or onnxruntime's GroupQueryAttention
@@ -117,14 +116,6 @@ class _DecoderStep(torch.nn.Module):
         past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]  # [B, 1, P, W]
         logits, presents = self.model(input_ids, attention_mask=attention_mask, past_key_values=past, use_cache=True)
         return (logits, *[t for kv in presents for t in kv])
-
-
-def input_names(layers: int) -> list[str]:
-    return [INPUT_IDS, ATTENTION_MASK] + [name % i for i in range(layers) for name in (PAST_KEY, PAST_VALUE)]
-
-
-def output_names(layers: int) -> list[str]:
-    return [LOGITS] + [name % i for i in range(layers) for name in (PRESENT_KEY, PRESENT_VALUE)]
 
 
 def _trace(model, options: ExportOptions, dtype: torch.dtype):
@@ -521,8 +512,6 @@ def _umask() -> int:
 
 def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
     """(model path, genai config, diffexport metadata) of a KV-cache export; one-line errors otherwise."""
-    from diffexport.check import read_export_metadata
-
     folder = Path(folder)
     if not folder.is_dir():
         raise DiffExportError(f"{folder} is not a folder: give the folder `diffexport onnx --kv-cache -o` wrote")

@@ -31,15 +31,14 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import function_body
 from diffexport.files import check_output_path, make_output_folder, temp_prefix
+from diffexport.format.names import DTYPES, META_PREFIX, LOGITS
+from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.modeling import DIFF_FAMILIES
 from diffexport.progress import Progress
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-INPUT_NAMES = ("input_ids",)
-LOGITS, HIDDEN = "logits", "last_hidden_state"
+HIDDEN = "last_hidden_state"
 PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx protobuf cannot exceed 2 GiB
 IR_VERSION = 10  # onnxruntime 1.20+ reads it; onnx >= 1.16 writes newer ones by default
-META_PREFIX = "diffexport."
 
 
 @dataclasses.dataclass

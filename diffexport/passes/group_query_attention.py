@@ -52,7 +52,7 @@ from onnx import TensorProto, helper, numpy_helper
 from diffexport import contract
 from diffexport.contract import VARIANT_V1
 from diffexport.errors import DiffExportError
-from diffexport.export import decoder
+from diffexport.format import names
 from diffexport.passes.lowering import is_diff_attention, node_attrs
 
 GQA_DOMAIN = "com.microsoft"
@@ -146,14 +146,14 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
     g = _Graph(model)
     inputs = [i.name for i in model.graph.input]
     layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
-    if layers == 0 or inputs != decoder.input_names(layers):
+    if layers == 0 or inputs != names.decoder_input_names(layers):
         raise _refuse(f"the graph's inputs {inputs[:4]}... are not a KV-cache decoder's "
                       f"(export it with `diffexport onnx CKPT --kv-cache`)")
     attention = [n for n in g.nodes if is_diff_attention(n)]
     if len(attention) != layers:
         raise _refuse(f"{len(attention)} DiffAttention nodes for {layers} layers (the baseline Transformer has "
                       "none: its folder runs as it is)")
-    dtype = _value_type(model.graph, decoder.PAST_KEY % 0)
+    dtype = _value_type(model.graph, names.PAST_KEY % 0)
     if dtype not in PAD_BIAS:
         raise _refuse(f"cache type {TensorProto.DataType.Name(dtype)}: GroupQueryAttention here takes float32 or float16")
 
@@ -170,7 +170,7 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
         attrs = node_attrs(node)
         if not attrs.causal:
             raise _refuse(f"node {node.name} is not causal; GroupQueryAttention decodes causally")
-        if len(node.input) != len(contract.ALL_INPUTS) or node.input[5] != decoder.ATTENTION_MASK:
+        if len(node.input) != len(contract.ALL_INPUTS) or node.input[5] != names.ATTENTION_MASK:
             raise _refuse(f"node {node.name} does not take the attention mask as its key_mask")
         query, key, value, lam, weight = node.input[:5]
         layer, new_key, key_plumbing = _cache_source(g, key, "key")
@@ -207,10 +207,10 @@ def _shared_inputs(g: _Graph, nodes: list, dtype: int):
     position_ids [B, S] int64 for GQA's rotary), attention_bias [B, 1, S, T], the row scale
     [B, S, 1, 1, 1] (0 for a query row that sees no key) and the pieces of the token-major past
     shape [B, 1, T - S, W], all from the attention mask."""
-    mask = decoder.ATTENTION_MASK
+    mask = names.ATTENTION_MASK
     n, batch = g.node("Shape", [mask], start=0, end=1); nodes.append(n)
     n, total = g.node("Shape", [mask], start=1, end=2); nodes.append(n)
-    n, seq = g.node("Shape", [decoder.INPUT_IDS], start=1, end=2); nodes.append(n)
+    n, seq = g.node("Shape", [names.INPUT_IDS], start=1, end=2); nodes.append(n)
     n, last = g.node("Sub", [total, _ints(g, [1])]); nodes.append(n)
     n, last_b = g.node("Expand", [last, batch]); nodes.append(n)
     n, seqlens_k = g.node("Cast", [last_b], to=TensorProto.INT32); nodes.append(n)
@@ -261,8 +261,8 @@ def _cache_source(g: _Graph, name: str, kind: str):
     present = squeeze.input[0]
     concat = g.only_producer(present, "Concat", f"{present}")
     past, fresh = (list(concat.input) + ["", ""])[:2]
-    pattern = decoder.PRESENT_KEY if kind == "key" else decoder.PRESENT_VALUE
-    past_pattern = decoder.PAST_KEY if kind == "key" else decoder.PAST_VALUE
+    pattern = names.PRESENT_KEY if kind == "key" else names.PRESENT_VALUE
+    past_pattern = names.PAST_KEY if kind == "key" else names.PAST_VALUE
     layer = next((i for i in range(len(g.graph.input)) if pattern % i == present), None)
     if layer is None or past != past_pattern % layer or len(concat.input) != 2:
         raise _refuse(f"{present} is not Concat({past_pattern % (layer or 0)}, new {kind}s)")
@@ -300,9 +300,9 @@ def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, l
         n, new_key = g.node("Reshape", [halves, _ints(g, [0, 0, -1])]); nodes.append(n)
     size = 2 * D if attrs.variant == VARIANT_V1 else D
     cos_cache, sin_cache = caches or ("", "")
-    outputs = [g.fresh("maps"), decoder.PRESENT_KEY % layer, decoder.PRESENT_VALUE % layer]
+    outputs = [g.fresh("maps"), names.PRESENT_KEY % layer, names.PRESENT_VALUE % layer]
     n, (maps, _, _) = g.node(
-        "GroupQueryAttention", [query, new_key, new_value, decoder.PAST_KEY % layer, decoder.PAST_VALUE % layer,
+        "GroupQueryAttention", [query, new_key, new_value, names.PAST_KEY % layer, names.PAST_VALUE % layer,
                                 seqlens_k, total_length, cos_cache, sin_cache, position_ids if rope else "", bias, "", "", "", "", "",
                                 query_seqlens],
         outputs, domain=GQA_DOMAIN, num_heads=2 * H, kv_num_heads=attrs.num_kv_heads,

@@ -12,32 +12,17 @@ import onnx
 import onnx.inliner
 
 from diffexport import contract
-from diffexport.contract import DiffAttentionAttrs
 from diffexport.errors import DiffExportError
 from diffexport.export.function_body import BODY_STYLES, MIN_OPSET, build_specialised_function
+from diffexport.format.nodes import PLUGIN_FIELDS, is_diff_attention, node_attrs  # noqa: F401 (their old home)
 
 _LOWERED_DOMAIN = "diffexport.lowered"  # private: gone again once inlined
-# Node attributes that are not op attributes: the parser's plugin selectors and the plugin-only fields.
-PLUGIN_FIELDS = contract.PLUGIN_SELECTOR_ATTRIBUTES + tuple(a.name for a in contract.PLUGIN_ONLY_ATTRIBUTES)
 
 
 @dataclasses.dataclass
 class LoweringResult:
     model: onnx.ModelProto
     lowered: int
-
-
-def is_diff_attention(node: onnx.NodeProto) -> bool:
-    return node.op_type == contract.OP_NAME and node.domain == contract.ONNX_DOMAIN
-
-
-def node_attrs(node: onnx.NodeProto) -> DiffAttentionAttrs:
-    """The contract attributes of a DiffAttention node (plugin fields left aside), validated."""
-    values = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name not in PLUGIN_FIELDS}
-    try:
-        return DiffAttentionAttrs.from_mapping(values)
-    except DiffExportError as exc:
-        raise DiffExportError(f"DiffAttention node {node.name or '(unnamed)'}: {exc}") from None
 
 
 def _default_opset(model: onnx.ModelProto) -> int:

@@ -1,0 +1,34 @@
+"""Names every layer agrees on: a KV-cache decoder graph's inputs and outputs, the decoder folder's
+files, the dtypes an export is written in, and the prefix of diffexport's ONNX metadata.
+
+The decoder graph (docs/EXPORT.md):
+  inputs   input_ids [B, S] int64, attention_mask [B, P+S] int64, past_key_values.{i}.key / .value
+  outputs  logits [B, S, V], present.{i}.key / .value
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODEL_FILE = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
+PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+INPUT_IDS, ATTENTION_MASK, LOGITS = "input_ids", "attention_mask", "logits"
+
+# A prefill graph's (diffexport onnx without --kv-cache) only input.
+PREFILL_INPUT_NAMES = (INPUT_IDS,)
+
+# The dtypes an export is written in, by the name its metadata records.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# diffexport's keys in an ONNX file's metadata_props: "diffexport.config", "diffexport.dtype", ...
+META_PREFIX = "diffexport."
+
+
+def decoder_input_names(layers: int) -> list[str]:
+    return [INPUT_IDS, ATTENTION_MASK] + [name % i for i in range(layers) for name in (PAST_KEY, PAST_VALUE)]
+
+
+def decoder_output_names(layers: int) -> list[str]:
+    return [LOGITS] + [name % i for i in range(layers) for name in (PRESENT_KEY, PRESENT_VALUE)]

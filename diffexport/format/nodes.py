@@ -1,0 +1,25 @@
+"""DiffAttention nodes in an ONNX graph: which nodes are ours, and their contract attributes."""
+
+from __future__ import annotations
+
+import onnx
+
+from diffexport import contract
+from diffexport.contract import DiffAttentionAttrs
+from diffexport.errors import DiffExportError
+
+# Node attributes that select or configure the TensorRT plugin, not the contract's math.
+PLUGIN_FIELDS = contract.PLUGIN_SELECTOR_ATTRIBUTES + tuple(a.name for a in contract.PLUGIN_ONLY_ATTRIBUTES)
+
+
+def is_diff_attention(node: onnx.NodeProto) -> bool:
+    return node.op_type == contract.OP_NAME and node.domain == contract.ONNX_DOMAIN
+
+
+def node_attrs(node: onnx.NodeProto) -> DiffAttentionAttrs:
+    """The contract attributes of a DiffAttention node (plugin fields left aside), validated."""
+    values = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute if a.name not in PLUGIN_FIELDS}
+    try:
+        return DiffAttentionAttrs.from_mapping(values)
+    except DiffExportError as exc:
+        raise DiffExportError(f"DiffAttention node {node.name or '(unnamed)'}: {exc}") from None
