@@ -11,6 +11,7 @@ import os
 import sys
 
 from diffexport.errors import DiffExportError  # light: no torch
+from diffexport.format import decoders  # light too: the decoder formats' registry
 
 
 def _add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -89,7 +90,7 @@ def cmd_onnx(args) -> int:
         from diffexport.export.decoder import check_target as check_folder, export_decoder
 
         output = "model-kv" if args.output is None else args.output
-        attention = args.attention or "diffattention"
+        attention = args.attention or decoders.DEFAULT
         check_folder(Path(output), options, args.context_length, args.threads, attention, args.provider)  # before loading
         loaded = _load(args, dtype=options.dtype, default_model=False)
         summary = export_decoder(loaded, output, options, tokenizer=args.tokenizer, context_length=args.context_length,
@@ -1122,7 +1123,7 @@ def cmd_trt(args) -> int:
     """Build a TensorRT engine from an exported ONNX file: DiffAttention plugin (fp16/bf16, --int8 logits) or native layers."""
     from pathlib import Path
 
-    from diffexport.backends.tensorrt import EngineOptions, build_engine, write_engine
+    from diffexport.backends.tensorrt import EngineOptions, build_engine, check_decoder_format, write_engine
     from diffexport.files import check_output_path
     from diffexport.check import read_export_metadata
     from diffexport.errors import DiffExportError
@@ -1162,9 +1163,7 @@ def cmd_trt(args) -> int:
     if args.opt is None:  # the default optimum never exceeds the maximum
         options.opt_shape = tuple(min(o, m) for o, m in zip(options.opt_shape, options.max_shape))
     meta = read_export_metadata(model_path)
-    if meta.get("attention") == "gqa":
-        raise DiffExportError(f"{model_path} runs its attention as onnxruntime's GroupQueryAttention (exported with "
-                              "--attention gqa), which TensorRT does not have: build from a folder exported without it")
+    check_decoder_format(meta.get("attention"), str(model_path))  # before the weights load (build_engine asks too)
     model = load_onnx(model_path)
     result = build_engine(model, options)  # TensorRT's build phases show on stderr while it runs
     write_engine(output, result, model_path, meta, options)
@@ -1385,7 +1384,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--threads", type=int,
                            help="with --kv-cache: intra-op threads in genai_config.json (default: onnxruntime-genai's "
                                 "own, one thread on the machines we measured; set it to the target's cores)")
-            p.add_argument("--attention", choices=["diffattention", "gqa"],
+            p.add_argument("--attention", choices=list(decoders.FORMATS),
                            help="with --kv-cache: diffattention (default: one DiffAttention node per layer, runs in "
                                 "onnxruntime and TensorRT) or gqa (onnxruntime's GroupQueryAttention with a shared "
                                 "cache buffer: faster decode in onnxruntime, no TensorRT)")

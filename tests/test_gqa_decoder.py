@@ -223,3 +223,25 @@ def test_gqa_refusals(v1_pair, tmp_path):
     with pytest.raises(DiffExportError, match="only its shape may be read"):
         rewrite_decoder(tampered)
     assert rewrite_decoder(model).layers == 2  # the untouched graph rewrites
+
+
+def test_decoder_formats_come_from_one_registry():
+    """Everything that differs between decoder formats is an entry of format/decoders.py; the API's
+    TensorRT build refuses a format TensorRT lacks before TensorRT is even imported (the CLI's `trt`
+    asks the same registry)."""
+    import onnx
+
+    from diffexport.backends.tensorrt import EngineOptions, build_engine
+    from diffexport.format import decoders
+
+    gqa = decoders.decoder_format("gqa")
+    assert (gqa.head_major_cache, gqa.shared_buffer, gqa.tensorrt, "bfloat16" in gqa.dtypes) == (True, True, False,
+                                                                                                 False)
+    assert decoders.decoder_format(None) is decoders.FORMATS[decoders.DEFAULT]
+    assert decoders.cache_heads(gqa, 4) == 4 and decoders.cache_heads(decoders.decoder_format(None), 4) == 1
+    with pytest.raises(DiffExportError, match="unknown attention op 'mqa'"):
+        decoders.decoder_format("mqa")
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+    onnx.helper.set_model_props(model, {"diffexport.attention": "gqa"})
+    with pytest.raises(DiffExportError, match="TensorRT does not have"):
+        build_engine(model, EngineOptions(module="no-such-tensorrt"))

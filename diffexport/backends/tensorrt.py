@@ -26,7 +26,8 @@ import onnx
 from diffexport import contract
 from diffexport.errors import DiffExportError
 from diffexport.files import require_file
-from diffexport.format import names
+from diffexport.format import decoders, names
+from diffexport.format.names import META_PREFIX
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
@@ -320,10 +321,19 @@ def _check_fp8_targets(model: onnx.ModelProto, targets) -> None:
                               f"{', '.join(older)}: pass e.g. --targets SM89 SM120")
 
 
+def check_decoder_format(attention: str | None, where: str = "the ONNX file") -> None:
+    """A decoder folder's graph written in a format TensorRT lacks (format/decoders.py) is refused.
+    attention: the graph's `diffexport.attention` metadata (None: not a decoder folder's graph)."""
+    fmt = decoders.decoder_format(attention)
+    if not fmt.tensorrt:
+        raise DiffExportError(f"{where} {fmt.tensorrt_refusal}")
+
+
 def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -> BuildResult:
     """Parse and build; parse errors name the failing node, build errors say what TensorRT said."""
     options = options or EngineOptions()
     _check_profile(options)
+    check_decoder_format(next((p.value for p in model.metadata_props if p.key == META_PREFIX + "attention"), None))
     name, trt = import_tensorrt(options.module)
     if name == "tensorrt_rtx" and options.attention == "plugin":
         raise DiffExportError("TensorRT-RTX cannot build graphs with plugin layers (its ONNX parser aborts): "

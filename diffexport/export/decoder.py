@@ -36,16 +36,15 @@ from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
 from diffexport.files import check_output_path, make_output_folder, temp_prefix
+from diffexport.format import decoders
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
 from diffexport.format.names import decoder_input_names as input_names  # noqa: F401 (their old home)
 from diffexport.format.names import decoder_output_names as output_names  # noqa: F401
 KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
-# How a decoder folder's attention runs: the DiffAttention node (onnxruntime through its function
-# body, TensorRT through our plugin; token-major cache), or onnxruntime's GroupQueryAttention
-# contrib op (onnxruntime only; head-major cache in genai's shared buffer; passes/group_query_attention.py).
-ATTENTION_OPS = ("diffattention", "gqa")
+# How a decoder folder's attention runs: format/decoders.py (its registry; kept here by name for the API).
+ATTENTION_OPS = tuple(decoders.FORMATS)
 GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)
 DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
 # Files a tokenizer folder may hold that onnxruntime-genai / transformers read (never code files).
@@ -73,7 +72,7 @@ class DecoderExportSummary:
     file_bytes: int
     dtype: str
     seconds: float
-    attention: str = "diffattention"
+    attention: str = decoders.DEFAULT
     cache_heads: int = 1
     provider: str = "cpu"
 
@@ -81,9 +80,11 @@ class DecoderExportSummary:
         tok = "tokenizer files copied" if self.tokenizer else "no tokenizer: token ids only"
         cache = (f"cache [batch, {self.cache_heads}, past, {self.cache_width // self.cache_heads}] per layer for keys "
                  "and values")
-        if self.attention == "gqa":
-            graph = (f"graph         {self.diff_attention_nodes} GroupQueryAttention (onnxruntime contrib op) over "
-                     f"{self.layers} layers; {cache}, genai's shared past/present buffer (onnxruntime only)")
+        fmt = decoders.decoder_format(self.attention)
+        if fmt.rewrite:
+            graph = (f"graph         {self.diff_attention_nodes} {fmt.summary} over {self.layers} layers; {cache}"
+                     + (", genai's shared past/present buffer" if fmt.shared_buffer else "")
+                     + ("" if fmt.tensorrt else " (onnxruntime only)"))
         else:
             graph = (f"graph         {self.diff_attention_nodes} {contract.OP_NAME} (op v{contract.KEY_MASK_VERSION}, "
                      f"key_mask) over {self.layers} layers; {cache}")
@@ -144,11 +145,11 @@ def _trace(model, options: ExportOptions, dtype: torch.dtype):
 def cache_heads(cfg, attention: str) -> int:
     """Heads of a layer's cache: 1 (token-major, one "head" of width W) for DiffAttention folders,
     the kv-groups (head-major, W / Hkv each) for GroupQueryAttention folders."""
-    return cfg.n_kv_heads if attention == "gqa" else 1
+    return decoders.cache_heads(decoders.decoder_format(attention), cfg.n_kv_heads)
 
 
 def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: int | None = None,
-                 attention: str = "diffattention", provider: str = "cpu", search: dict | None = None) -> dict:
+                 attention: str = decoders.DEFAULT, provider: str = "cpu", search: dict | None = None) -> dict:
     """What onnxruntime-genai reads: the decoder's I/O names, cache shape, search defaults (search:
     a checkpoint's generation_config.json values, hf_search's, over SEARCH_DEFAULTS).
     threads: intra-op threads of genai's session (unset: genai's own default, which may be 1).
@@ -191,7 +192,7 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
         "search": {
             **search,
             "max_length": context_length, "min_length": 0, "no_repeat_ngram_size": 0,
-            "past_present_share_buffer": attention == "gqa",
+            "past_present_share_buffer": decoders.decoder_format(attention).shared_buffer,
         },
     }  # genai refuses unknown keys: what diffexport knows lives in model.onnx's metadata
 
@@ -373,7 +374,8 @@ def default_provider(dtype: str) -> str:
 
 
 def check_target(out_dir: Path, options: ExportOptions, context_length: int | None,
-                 threads: int | None = None, attention: str = "diffattention", provider: str | None = None) -> None:
+                 threads: int | None = None, attention: str = decoders.DEFAULT, provider: str | None = None) -> None:
+    fmt = decoders.decoder_format(attention)  # an unknown format: one line, before anything else
     if options.dtype not in ("float32", "float16", "bfloat16"):
         raise DiffExportError(f"--kv-cache exports float32, float16 or bfloat16, not {options.dtype}")
     if provider not in (None, *GENAI_PROVIDERS):
@@ -381,10 +383,8 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
     if options.dtype == "bfloat16" and provider == "cpu":
         raise DiffExportError("a bfloat16 folder cannot name the CPU provider: onnxruntime's CPU provider has no "
                               "bfloat16 kernels (export --fp16 or fp32 for the CPU; bf16 is for CUDA and TensorRT)")
-    if options.dtype == "bfloat16" and attention == "gqa":
-        raise DiffExportError("--attention gqa folders are float32 or float16: the rewrite is verified in onnxruntime "
-                              "on the CPU, which has no bfloat16 kernels (use --fp16, or a bf16 DiffAttention folder "
-                              "for TensorRT)")
+    if options.dtype not in fmt.dtypes:
+        raise DiffExportError(fmt.dtype_refusal)
     if options.hidden:
         raise DiffExportError("--kv-cache graphs output logits and the cache; drop --hidden")
     if options.legacy:
@@ -399,13 +399,11 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
         raise DiffExportError(f"context length must be >= 2, got {context_length}")
     if threads is not None and not 1 <= threads <= 1024:
         raise DiffExportError(f"--threads must be in 1..1024, got {threads}")
-    if attention not in ATTENTION_OPS:
-        raise DiffExportError(f"unknown attention op {attention!r}; choose one of {list(ATTENTION_OPS)}")
 
 
 def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
                    tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
-                   threads: int | None = None, attention: str = "diffattention", provider: str | None = None,
+                   threads: int | None = None, attention: str = decoders.DEFAULT, provider: str | None = None,
                    log: Callable[[str], None] = print) -> DecoderExportSummary:
     """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime).
     attention "gqa": every DiffAttention node rewritten as onnxruntime's GroupQueryAttention (a
@@ -417,8 +415,9 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     cfg = loaded.config
     if cfg.family not in KV_FAMILIES:
         raise DiffExportError(f"--kv-cache exports {list(KV_FAMILIES)} models, not {cfg.family!r}")
-    if attention == "gqa" and cfg.family == "transformer":
-        raise DiffExportError("--attention gqa rewrites DiffAttention nodes; the baseline Transformer has none "
+    fmt = decoders.decoder_format(attention)
+    if fmt.rewrite and cfg.family == "transformer":
+        raise DiffExportError(f"--attention {fmt.name} rewrites DiffAttention nodes; the baseline Transformer has none "
                               "(export it without --attention)")
     source_dir = Path(loaded.path) if layouts.hf_import_of(loaded.source) and loaded.path else None
     if tokenizer is not None:  # named by the user: it must be a tokenizer of this vocabulary
@@ -443,7 +442,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         f"opset {options.resolved_opset()}")
     with torch.no_grad():
         model_ir = _trace(model, options, dtype)
-    if attention != "gqa":  # a gqa folder's own fusion writes the fused norms (onnxruntime_fusions)
+    if not fmt.fuses_norms:  # else the format's own fusion writes the fused norms (onnxruntime_fusions)
         exporter.norms_for_onnxruntime(model_ir, log)
     is_diff = cfg.family != "transformer"
     meta = {exporter.META_PREFIX + "kv_cache": "1", exporter.META_PREFIX + "cache_width": str(cache_width(cfg)),
@@ -461,8 +460,8 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
-        if attention == "gqa":
-            _rewrite_for_gqa(tmp_dir / MODEL_FILE, external, context_length, log)
+        if fmt.rewrite:
+            REWRITES[fmt.rewrite](tmp_dir / MODEL_FILE, external, context_length, log)
         config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider, search)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
@@ -544,3 +543,9 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
     if not isinstance(context, int) or isinstance(context, bool) or not 2 <= context <= 1 << 30:
         raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{1 << 30}, got {context!r}")
     return model_path, config, meta
+
+
+# Each decoder format's post-export rewrite (format/decoders.py names it), run in the temporary folder.
+REWRITES: dict[str, Callable[[Path, bool, int, Callable[[str], None]], None]] = {
+    "group_query_attention": _rewrite_for_gqa,
+}

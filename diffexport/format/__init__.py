@@ -7,4 +7,5 @@ here; this layer imports only contract, errors, files and the model configuratio
             the metadata key prefix
   nodes     DiffAttention nodes in an ONNX graph: recognising one, reading its contract attributes
   metadata  the metadata an export stamps into its ONNX file: read and validated in one place
+  decoders  the decoder formats (diffattention, gqa): everything that differs between them
 """
