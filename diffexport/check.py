@@ -22,6 +22,7 @@ from diffexport import fingerprint, layouts, reference, tolerances
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.format.metadata import check_export_metadata, read_export_metadata  # noqa: F401 (API)
+from diffexport.format import names
 from diffexport.format.names import DTYPES, META_PREFIX, PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.files import atomic_write, load_onnx
 from diffexport.generation import BeamSearch, Sampling
@@ -662,9 +663,9 @@ def _decode_check(runner, subject: str, where: str, short: str, command: list[st
     feeds, saved, comparisons, lines = [], [], [], []
     eager_tokens, runner_tokens, worst = [], [], None
     for step in range(steps + 1):
-        feed = {"input_ids": step_ids.numpy(), "attention_mask": step_mask.numpy()}
-        past_feed = {name.replace("present", "past_key_values"): value for name, value in cache.items()}
-        logits, cache = runner.step(feed["input_ids"], feed["attention_mask"], cache)
+        feed = {names.INPUT_IDS: step_ids.numpy(), names.ATTENTION_MASK: step_mask.numpy()}
+        past_feed = {names.past_of(name): value for name, value in cache.items()}
+        logits, cache = runner.step(feed[names.INPUT_IDS], feed[names.ATTENTION_MASK], cache)
         with torch.no_grad():
             base, eager_past["low"] = eager(low, step_ids, step_mask, eager_past["low"])
             ref = base

@@ -353,11 +353,12 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     from diffexport.backends import decoding
     from diffexport.check import CheckOptions, run_decoder_check
     from diffexport.export.decoder import export_decoder
+    from diffexport.format import names
     from diffexport.generation import Sampling, generate
 
     folder = out_dir / "model-kv"
     if folder.exists():  # replaced only when it holds nothing but an earlier demo's files
-        ours = {"model.onnx", "model.onnx.data", "genai_config.json"}
+        ours = {names.MODEL_FILE, names.MODEL_FILE + ".data", names.GENAI_CONFIG}
         if folder.is_symlink() or not folder.is_dir() or not {p.name for p in folder.iterdir()} <= ours:
             raise DiffExportError(f"{folder} exists and is not an earlier demo's output: move it or pick --out-dir")
         shutil.rmtree(folder)

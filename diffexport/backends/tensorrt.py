@@ -545,7 +545,7 @@ class EngineDecoder:
         import numpy as np
 
         self.model_path, self.meta, self._run = Path(engine_path), meta, run
-        self.layers = sum(1 for name in run.input_shapes if name.startswith("past_key_values.") and name.endswith(".key"))
+        self.layers = names.cache_layers(run.input_shapes)
         shape = run.input_shapes.get(names.PAST_KEY % 0)
         if not self.layers or shape is None or len(shape) != 4 or min(shape[1], shape[3]) < 1:
             raise DiffExportError(f"{self.model_path.name} takes no KV cache like a decoder folder's "

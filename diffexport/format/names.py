@@ -26,6 +26,24 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 META_PREFIX = "diffexport."
 
 
+PAST_PREFIX, PRESENT_PREFIX = PAST_KEY.split("%")[0], PRESENT_KEY.split("%")[0]  # "past_key_values.", "present."
+
+
+def is_past(name: str) -> bool:
+    """Whether a graph input is a layer's past key or value."""
+    return name.startswith(PAST_PREFIX)
+
+
+def cache_layers(input_names) -> int:
+    """The layers whose past keys a decoder graph takes (0: not a KV-cache decoder)."""
+    return sum(1 for name in input_names if is_past(name) and name.endswith(".key"))
+
+
+def past_of(present: str) -> str:
+    """The past input a present output is fed back into at the next step."""
+    return PAST_PREFIX + present[len(PRESENT_PREFIX):]
+
+
 def decoder_input_names(layers: int) -> list[str]:
     return [INPUT_IDS, ATTENTION_MASK] + [name % i for i in range(layers) for name in (PAST_KEY, PAST_VALUE)]
 

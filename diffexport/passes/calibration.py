@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from diffexport.errors import DiffExportError
+from diffexport.format import names
 from diffexport.progress import Progress
 
 SYNTHETIC = "synthetic"
@@ -81,7 +82,6 @@ def feeds(model, ids: np.ndarray) -> dict[str, np.ndarray]:
     cache (the prefill step). An input we do not know is refused rather than guessed."""
     from onnx import helper
 
-    from diffexport.export.exporter import INPUT_NAMES
 
     batch, seq = ids.shape
     out = {}
@@ -90,11 +90,11 @@ def feeds(model, ids: np.ndarray) -> dict[str, np.ndarray]:
         if value.name in initializers:
             continue
         t = value.type.tensor_type
-        if value.name == INPUT_NAMES[0]:
+        if value.name == names.INPUT_IDS:
             out[value.name] = ids
-        elif value.name == "attention_mask":
+        elif value.name == names.ATTENTION_MASK:
             out[value.name] = np.ones((batch, seq), helper.tensor_dtype_to_np_dtype(t.elem_type))
-        elif value.name.startswith("past_key_values.") and len(t.shape.dim) == 4:
+        elif names.is_past(value.name) and len(t.shape.dim) == 4:
             dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
             out[value.name] = np.zeros((batch, dims[1] or 1, 0, dims[3] or 1), helper.tensor_dtype_to_np_dtype(t.elem_type))
         else:

@@ -145,7 +145,7 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
     model = onnx.ModelProto.FromString(model.SerializeToString())
     g = _Graph(model)
     inputs = [i.name for i in model.graph.input]
-    layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
+    layers = names.cache_layers(inputs)
     if layers == 0 or inputs != names.decoder_input_names(layers):
         raise _refuse(f"the graph's inputs {inputs[:4]}... are not a KV-cache decoder's "
                       f"(export it with `diffexport onnx CKPT --kv-cache`)")
@@ -450,7 +450,7 @@ def _redirect_past_shapes(g: _Graph, nodes: list, past_shape) -> list:
     """Shape(past) nodes read the token-major past shape [B, 1, T - S, W] computed from the mask:
     with a shared buffer the past's own shape is the buffer's, not the tokens seen so far."""
     batch, past_len = past_shape
-    pasts = {i.name for i in g.graph.input if i.name.startswith("past_key_values.")}
+    pasts = {i.name for i in g.graph.input if names.is_past(i.name)}
     shape_of: dict[str, str] = {}
     extra = []
     for n in nodes:
