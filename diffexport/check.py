@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from diffexport import fingerprint, layouts, reference, tolerances
+from diffexport.backends.base import DecoderRunner
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.format.metadata import check_export_metadata, read_export_metadata  # noqa: F401 (API)
@@ -624,7 +625,7 @@ def check_decode_options(options: CheckOptions, steps: int) -> None:
             raise DiffExportError(f"--seed must be >= 0 with --sample (the draws are seeded), got {options.sampling.seed}")
 
 
-def _decode_check(runner, subject: str, where: str, short: str, command: list[str], loaded: LoadedModel,
+def _decode_check(runner: DecoderRunner, subject: str, where: str, short: str, command: list[str], loaded: LoadedModel,
                   options: CheckOptions, save_dir: Path, log: Callable[[str], None], steps: int, device: str,
                   quant=None, genai: tuple[Path, str] | None = None, text: TextIds | None = None) -> CheckReport:
     """The step-by-step comparison for any decoder runner (OrtDecoder, EngineDecoder): what
@@ -743,7 +744,7 @@ TEXT_TOKENS = 4096  # the most of a --text that a decoder check scores (2,048 de
 TEXT_WINDOW = 1024  # tokens per window (the context, when shorter), each from an empty cache
 
 
-def _text_check(runner, short: str, text: TextIds, eager, low, ref32, dtype: str, options: CheckOptions, budget,
+def _text_check(runner: DecoderRunner, short: str, text: TextIds, eager, low, ref32, dtype: str, options: CheckOptions, budget,
                 log: Callable[[str], None]) -> tuple[list[str], list]:
     """--text through a decoder as generation feeds it: consecutive windows of the text, each
     from an empty cache, its first half as a prefill (in the runner's longest calls) and the rest
@@ -761,7 +762,7 @@ def _text_check(runner, short: str, text: TextIds, eager, low, ref32, dtype: str
     with Progress("text", sum(map(len, windows)), min_total=256) as progress:
         for number, window in enumerate(windows, 1):
             row, half = np.asarray([window], np.int64), len(window) // 2
-            chunk = getattr(runner, "max_sequence", None) or half  # an engine's profile bounds one call
+            chunk = runner.max_sequence or half  # an engine's profile bounds one call
             starts = [*range(0, half, chunk), *range(half, len(window))]
             cache, got = runner.empty_cache(1), []
             for start, end in zip(starts, [*starts[1:], len(window)]):
@@ -789,7 +790,7 @@ def _text_check(runner, short: str, text: TextIds, eager, low, ref32, dtype: str
     return lines, comparisons
 
 
-def _beam_check(runner, short: str, loaded: LoadedModel, model, quant, search: BeamSearch,
+def _beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, quant, search: BeamSearch,
                 prompts: list[list[int]], steps: int, dtype: str, budget, genai: tuple[Path, str] | None,
                 log: Callable[[str], None]) -> tuple[list[str], list[str]]:
     """Beam search on the runner (the loop `generate --backend onnxruntime|tensorrt` runs) and in

@@ -245,3 +245,17 @@ def test_decoder_formats_come_from_one_registry():
     onnx.helper.set_model_props(model, {"diffexport.attention": "gqa"})
     with pytest.raises(DiffExportError, match="TensorRT does not have"):
         build_engine(model, EngineOptions(module="no-such-tensorrt"))
+
+
+def test_the_onnxruntime_loop_is_a_decoder_runner(artifacts):
+    """backends/base.py's protocol, which the step loop, the searches and check rely on: the onnxruntime
+    loop follows it (the TensorRT engine runner follows it too; no engine runs here)."""
+    from diffexport.backends.base import DecoderRunner
+    from diffexport.backends.tensorrt import EngineDecoder
+
+    runner = decoding.OrtDecoder(artifacts.decoder("diff-v1-gqa", "gqa"))
+    assert isinstance(runner, DecoderRunner) and runner.max_sequence is None and runner.layers > 0
+    cache = runner.empty_cache(2)
+    logits, cache = runner.step(np.array([[1, 2], [3, 4]]), np.ones((2, 2), dtype=np.int64), cache)
+    assert logits.shape[:2] == (2, 2) and all(v.shape[2] == 2 for v in cache.values())
+    assert callable(EngineDecoder.step) and callable(EngineDecoder.empty_cache)

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from diffexport.backends.base import DecoderRunner
 from diffexport.errors import DiffExportError
 from diffexport.export import decoder
 from diffexport.format import names
@@ -65,7 +66,10 @@ def step_feeds(ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray], 
 
 
 class OrtDecoder:
-    """One onnxruntime session over the folder's model.onnx; `step` runs one forward with the cache."""
+    """One onnxruntime session over the folder's model.onnx; `step` runs one forward with the cache
+    (a DecoderRunner: backends/base.py)."""
+
+    max_sequence = None  # any call up to the context length
 
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None):
         from diffexport.backends.onnxruntime import open_session
@@ -119,12 +123,12 @@ def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, samplin
                      stops[0])
 
 
-def _prefill_chunks(runner, ids: np.ndarray, mask: np.ndarray, cache: dict, done: int) -> tuple[dict, int]:
+def _prefill_chunks(runner: DecoderRunner, ids: np.ndarray, mask: np.ndarray, cache: dict, done: int) -> tuple[dict, int]:
     """Run all but the last chunk of the prompt's tokens after the first `done` (a runner with a
     longest call, an engine's profile, takes a longer prompt in such chunks: the graph's causal mask
     is bottom-right, so each chunk sees the cache and itself as one long call would) -> (the cache,
     how many tokens it holds); the caller's next step runs the rest."""
-    chunk = getattr(runner, "max_sequence", None) or ids.shape[1] - done
+    chunk = runner.max_sequence or ids.shape[1] - done
     while ids.shape[1] - done > chunk:
         _, cache = runner.step(ids[:, done:done + chunk], mask[:, :done + chunk], cache)
         done += chunk

@@ -536,8 +536,9 @@ def decoder_profile_problem(record: dict, engine_path: Path, batch: int, sequenc
 
 class EngineDecoder:
     """A KV-cache decoder engine (`diffexport trt FOLDER`) stepped the way decoding.OrtDecoder steps
-    the folder, so `check` runs one loop for both: the cache stays on the host between steps in the
-    model dtype, and each call is held against the engine's profile before it runs.
+    the folder (both are DecoderRunners: backends/base.py), so `check` runs one loop for both: the
+    cache stays on the host between steps in the model dtype, and each call is held against the
+    engine's profile before it runs.
     `run`: an EngineRunner (anything with its call, input_shapes and input_dtypes). For generation:
     `config`, the folder's genai config, and `context`, the longest sequence the profile allows."""
 
