@@ -382,121 +382,22 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     return same and report.passed
 
 
-def _chat_text(tokenizer, folder, prompt: str, system: str | None) -> str:
-    """The prompt as one user turn (after an optional system turn) in the tokenizer's chat template,
-    ready for the assistant's answer."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return _conversation_text(tokenizer, folder, messages)
-
-
-def _conversation_text(tokenizer, folder, messages: list[dict]) -> str:
-    """A conversation (role/content turns) in the tokenizer's chat template, ready for the
-    assistant's answer: tokenizer_config.json's chat_template, or the folder's chat_template.jinja
-    (where newer transformers save it)."""
-    import json
-
-    template, template_str = folder / "chat_template.jinja", None
-    if template.is_symlink():  # onnxruntime-genai would read it through the link itself
-        raise DiffExportError(f"{template} is a symbolic link: a decoder folder holds its chat template itself")
-    if template.is_file():
-        if template.stat().st_size > 1024**2:  # chat templates are a few kB
-            raise DiffExportError(f"{template} is larger than 1 MiB: not a chat template")
-        template_str = template.read_text(errors="replace")
-    try:
-        return tokenizer.apply_chat_template(json.dumps(messages), template_str=template_str, add_generation_prompt=True)
-    except RuntimeError as exc:
-        if "empty chat template" in str(exc).lower():
-            raise DiffExportError(f"the tokenizer in {folder} has no chat template (tokenizer_config.json's "
-                                  "chat_template or chat_template.jinja): drop --chat and give the prompt as it is "
-                                  "to be read") from None
-        raise
-
-
-def _folder_tokenizer(folder):
-    """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
-    from diffexport.backends.decoding import import_genai
-    from diffexport.export.decoder import has_tokenizer
-
-    if not has_tokenizer(folder):
-        raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
-    og = import_genai()
-    try:
-        return og.Tokenizer(og.Model(str(folder)))
-    except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
-        raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
-
-
-def _encode(tokenizer, folder, text: str, args) -> list[int]:
-    """Text -> token ids (with --chat: as a user turn of the chat template)."""
-    try:
-        text = _chat_text(tokenizer, folder, text, args.system) if args.chat else text
-        ids = [int(t) for t in tokenizer.encode(text)]
-    except DiffExportError:
-        raise
-    except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
-        raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
-    if not ids:
-        raise DiffExportError("the prompt encodes to no tokens")
-    return ids
-
-
-def _check_room(ids: list[int], max_new_tokens: int, context: int, where: str = "prompt",
-                limit: str = "--max-new-tokens") -> None:
-    if len(ids) + max_new_tokens > context:
-        raise DiffExportError(f"{where} ({len(ids)} tokens) + {limit} {max_new_tokens} exceeds the "
-                              f"context length {context}")
-
-
 def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
-    vocab = int(config["model"]["vocab_size"])
-    if args.ids is not None:
-        try:
-            ids = [int(t) for t in args.ids.split(",") if t.strip()]
-        except ValueError:
-            raise DiffExportError(f"--ids must be comma-separated integers, got {args.ids!r}") from None
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if not ids or bad:
-            raise DiffExportError(f"--ids needs token ids in [0, {vocab}), got {bad[:3] or 'none'}")
-        tokenizer = None
-    else:
-        tokenizer = _folder_tokenizer(folder)
-        ids = _encode(tokenizer, folder, args.prompt, args)
-    _check_room(ids, args.max_new_tokens, int(config["model"]["context_length"]))
-    return ids, tokenizer
+    from diffexport.text_generation import prompt_ids
+
+    return prompt_ids(folder, config, args.max_new_tokens, ids=args.ids, prompt=args.prompt, chat=args.chat,
+                      system=args.system)
 
 
 def _sampling(args, config: dict):
-    """The draw: the command line's options over the folder's genai_config search values, as
-    transformers' generate() takes a checkpoint's generation_config: a folder whose search samples
-    (do_sample true, from its checkpoint's generation_config.json) samples with its temperature, top-k
-    and top-p unless --greedy; its repetition penalty applies either way. Otherwise greedy, or with
-    --sample temperature 1, no top-k or top-p cut. What came from the folder is said on stderr."""
-    from diffexport.export.decoder import folder_search
-    from diffexport.generation import Sampling
+    """The draw: the command line's options over the folder's genai_config search values
+    (text_generation.folder_sampling); what came from the folder is said on stderr."""
+    from diffexport.text_generation import folder_sampling
 
-    search = folder_search(config)
-    folder_samples = search["do_sample"] and not args.greedy and args.num_beams == 1
-    greedy = not (args.sample or folder_samples)
-    taken = []
-
-    def pick(given, key: str, own):
-        if given is not None:
-            return given
-        value = search[key] if folder_samples or key == "repetition_penalty" else own
-        if value != own and not (greedy and key != "repetition_penalty") and args.num_beams == 1:
-            taken.append(f"{key.replace('_', ' ')} {value}")
-        return value
-
-    sampling = Sampling(greedy=greedy, temperature=pick(args.temperature, "temperature", 1.0),
-                        top_k=pick(args.top_k, "top_k", 0), top_p=pick(args.top_p, "top_p", 1.0), seed=args.seed,
-                        repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0))
-    if folder_samples and not args.sample:
-        taken.insert(0, "sampling")
-    if taken:
-        _log(f"from the folder's genai_config.json search: {', '.join(taken)} (the options override it"
-             f"{'; --greedy decodes greedily' if folder_samples else ''})")
-    return sampling
+    return folder_sampling(config, greedy=args.greedy, sample=args.sample, num_beams=args.num_beams,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           repetition_penalty=args.repetition_penalty, seed=args.seed, log=_log)
 
 
 def _beam_search_options(args):
@@ -608,6 +509,7 @@ def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
     from diffexport.backends import decoding
     from diffexport.export.decoder import eos_token_ids
     from diffexport.generation import StopText
+    from diffexport.text_generation import check_room, encode, folder_tokenizer
 
     lines = prompts_file.read_prompts(args.prompts_file, int(config["model"]["vocab_size"]))
     texts = any(p.text is not None for p in lines)
@@ -615,12 +517,12 @@ def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
         raise DiffExportError("--chat templates text prompts: the prompts file gives token ids only")
     if args.stop and not texts:
         raise DiffExportError("--stop matches generated text: the prompts file gives token ids only")
-    tokenizer = _folder_tokenizer(folder) if texts else None
+    tokenizer = folder_tokenizer(folder) if texts else None
     context = int(config["model"]["context_length"])
     ids, limits = [], [args.max_new_tokens if p.max_new_tokens is None else p.max_new_tokens for p in lines]
     for p, limit in zip(lines, limits):
-        row = _encode(tokenizer, folder, p.text, args) if p.text is not None else p.ids
-        _check_room(row, limit, context, f"{args.prompts_file} line {p.line}",
+        row = encode(tokenizer, folder, p.text, args.chat, args.system) if p.text is not None else p.ids
+        check_room(row, limit, context, f"{args.prompts_file} line {p.line}",
                     "--max-new-tokens" if p.max_new_tokens is None else "its max_new_tokens")
         ids.append(row)
     stops = [args.stop if p.stop is None else p.stop for p in lines]  # each prompt's stop strings
@@ -715,8 +617,9 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
     from diffexport.backends import decoding
     from diffexport.export.decoder import eos_token_ids
     from diffexport.generation import StopText
+    from diffexport.text_generation import conversation_text, folder_tokenizer
 
-    tokenizer = _folder_tokenizer(folder)
+    tokenizer = folder_tokenizer(folder)
     context, eos = int(config["model"]["context_length"]), set(eos_token_ids(config))
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []  # user and assistant turns, oldest first
@@ -741,11 +644,11 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
         if not line.strip():
             continue
         turns.append({"role": "user", "content": line})
-        ids = [int(t) for t in tokenizer.encode(_conversation_text(tokenizer, folder, system + turns))]
+        ids = [int(t) for t in tokenizer.encode(conversation_text(tokenizer, folder, system + turns))]
         while len(ids) + args.max_new_tokens > context and len(turns) > 1:
             turns = turns[2:]  # the oldest user turn and its answer
             _log(f"dropped the oldest turn: the conversation and --max-new-tokens passed the context {context}")
-            ids = [int(t) for t in tokenizer.encode(_conversation_text(tokenizer, folder, system + turns))]
+            ids = [int(t) for t in tokenizer.encode(conversation_text(tokenizer, folder, system + turns))]
         if len(ids) + args.max_new_tokens > context:
             _log(f"error: this turn ({len(ids)} tokens with the template) + --max-new-tokens {args.max_new_tokens} "
                  f"exceeds the context length {context}: not answered")
