@@ -450,14 +450,9 @@ def _beam_searcher(args, folder, search, prompts: list[list[int]], longest: int)
         model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider,
                                           decoding.genai_pad_for(config, prompts))
         return lambda ids, search, new: decoding.beam_search_genai(folder, ids, new, search, model=model)
-    if args.backend == "tensorrt":
-        from diffexport.backends.tensorrt import open_decoder_engine
+    from diffexport.text_generation import open_backend
 
-        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
-    else:
-        from diffexport.backends.onnxruntime import resolve_provider
-
-        runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
+    runner, _ = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib)
     return lambda ids, search, new: decoding.beam_search_onnxruntime(folder, ids, new, search, runner)
 
 
@@ -509,7 +504,7 @@ def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
     from diffexport.backends import decoding
     from diffexport.export.decoder import eos_token_ids
     from diffexport.generation import StopText
-    from diffexport.text_generation import check_room, encode, folder_tokenizer
+    from diffexport.text_generation import check_room, encode, folder_tokenizer, open_backend
 
     lines = prompts_file.read_prompts(args.prompts_file, int(config["model"]["vocab_size"]))
     texts = any(p.text is not None for p in lines)
@@ -533,15 +528,9 @@ def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
                                   "ranks whole hypotheses: drop its stop")
         return _generate_file_beams(args, folder, lines, ids, limits, tokenizer, search)
     eos = set(eos_token_ids(config))
-    runner, provider = None, None if args.provider == "auto" else args.provider  # genai: the folder's provider
-    if args.backend == "tensorrt":  # the engine, stepped by the onnxruntime loop's code
-        from diffexport.backends.tensorrt import open_decoder_engine
-
-        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
-    elif args.backend == "onnxruntime":
-        from diffexport.backends.onnxruntime import resolve_provider
-
-        provider = resolve_provider(args.provider)
+    # tensorrt: the engine, stepped by the onnxruntime loop's code; the batch loop opens onnxruntime's itself
+    runner, provider = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib,
+                                    step_runner=False)
     texts_by_prompt: dict[int, StopText] = {}  # --stop: each answer's text, ended at a stop string
 
     def stop_after(index: int, token: int) -> bool:
@@ -617,22 +606,14 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
     from diffexport.backends import decoding
     from diffexport.export.decoder import eos_token_ids
     from diffexport.generation import StopText
-    from diffexport.text_generation import conversation_text, folder_tokenizer
+    from diffexport.text_generation import ChatHistory, folder_tokenizer, open_backend
 
     tokenizer = folder_tokenizer(folder)
-    context, eos = int(config["model"]["context_length"]), set(eos_token_ids(config))
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    turns: list[dict] = []  # user and assistant turns, oldest first
-    if args.backend == "tensorrt":
-        from diffexport.backends.tensorrt import open_decoder_engine
-
-        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
-    elif args.backend == "onnxruntime":
-        from diffexport.backends.onnxruntime import resolve_provider
-
-        runner = decoding.OrtDecoder(folder, provider=resolve_provider(args.provider))
+    eos = set(eos_token_ids(config))
+    chat = ChatHistory(tokenizer, folder, int(config["model"]["context_length"]), args.max_new_tokens, args.system,
+                       log=_log)
+    runner, provider = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib)
     session = None  # one generator (genai) or cache (the loop) for the whole chat, kept between turns
-    provider = None if args.provider == "auto" else args.provider
     interactive, number = sys.stdin.isatty(), 0
     while True:
         if interactive:
@@ -643,16 +624,8 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
             break
         if not line.strip():
             continue
-        turns.append({"role": "user", "content": line})
-        ids = [int(t) for t in tokenizer.encode(conversation_text(tokenizer, folder, system + turns))]
-        while len(ids) + args.max_new_tokens > context and len(turns) > 1:
-            turns = turns[2:]  # the oldest user turn and its answer
-            _log(f"dropped the oldest turn: the conversation and --max-new-tokens passed the context {context}")
-            ids = [int(t) for t in tokenizer.encode(conversation_text(tokenizer, folder, system + turns))]
-        if len(ids) + args.max_new_tokens > context:
-            _log(f"error: this turn ({len(ids)} tokens with the template) + --max-new-tokens {args.max_new_tokens} "
-                 f"exceeds the context length {context}: not answered")
-            turns.pop()
+        ids = chat.ask(line)
+        if ids is None:
             continue
         stream = tokenizer.create_stream()
         text = StopText(args.stop, stream.decode)
@@ -675,7 +648,7 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
             run = session.turn(ids, args.max_new_tokens, stop_after=show)
         sys.stdout.write(text.flush() + "\n")
         sys.stdout.flush()
-        turns.append({"role": "assistant", "content": text.text})
+        chat.answered(text.text)
         _log(f"{len(run.tokens)} new tokens in {time.perf_counter() - start:.1f} s "
              f"({run.decode_tokens_per_s:.1f} tokens/s decode; conversation {len(ids)} tokens, "
              f"{run.prompt_tokens} read this turn; stopped: {run.stop})")
@@ -739,19 +712,15 @@ def cmd_generate(args) -> int:
         return text.done
 
     shown = dict(on_token=show) if text is None else dict(stop_after=show_until_stop)
-    if args.backend == "genai":  # auto: the provider the folder's genai_config names
-        provider = None if args.provider == "auto" else args.provider
+    from diffexport.text_generation import open_backend
+
+    runner, provider = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib,
+                                    step_runner=False)
+    if args.backend == "genai":  # provider None: the one the folder's genai_config names
         run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, provider=provider, **shown)
-    elif args.backend == "tensorrt":  # the engine on the GPU, stepped by the onnxruntime loop's code
-        from diffexport.backends.tensorrt import open_decoder_engine
-
-        runner = open_decoder_engine(args.engine, folder, args.plugin_lib)
-        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, runner=runner, **shown)
-    else:
-        from diffexport.backends.onnxruntime import resolve_provider
-
-        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling,
-                                            provider=resolve_provider(args.provider), **shown)
+    else:  # the onnxruntime loop, or the engine on the GPU stepped by the loop's code
+        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, runner=runner,
+                                            provider=provider or "cpu", **shown)
     if text is not None:
         sys.stdout.write(text.flush())
     sys.stdout.write("\n")

@@ -137,3 +137,65 @@ def folder_sampling(config: dict, *, greedy: bool = False, sample: bool = False,
         log(f"from the folder's genai_config.json search: {', '.join(taken)} (the options override it"
             f"{'; --greedy decodes greedily' if folder_samples else ''})")
     return sampling
+
+
+BACKENDS = ("genai", "onnxruntime", "tensorrt")
+
+
+def open_backend(folder: Path, backend: str, provider: str = "auto", engine: str | None = None,
+                 plugin_lib: str | None = None, *, step_runner: bool = True) -> tuple[object | None, str | None]:
+    """What runs the folder for `backend` -> (runner, provider):
+      tensorrt     the engine `diffexport trt FOLDER` built (a DecoderRunner: backends/base.py), no provider;
+      onnxruntime  an OrtDecoder on the resolved provider (step_runner=False: no runner, the caller's
+                   batch loop opens its own), and that provider;
+      genai        no runner (genai keeps its own loop), and the provider to name (None: the folder's own)."""
+    from diffexport.backends import decoding
+
+    if backend not in BACKENDS:
+        raise DiffExportError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend == "tensorrt":
+        from diffexport.backends.tensorrt import open_decoder_engine
+
+        return open_decoder_engine(engine, folder, plugin_lib), None
+    if backend == "onnxruntime":
+        from diffexport.backends.onnxruntime import resolve_provider
+
+        resolved = resolve_provider(provider)
+        return (decoding.OrtDecoder(folder, provider=resolved) if step_runner else None), resolved
+    return None, None if provider == "auto" else provider
+
+
+class ChatHistory:
+    """A conversation's turns, put through the chat template as a whole each turn. When the
+    conversation and the answer's room pass the context, the oldest turns are dropped (the system
+    turn stays); a turn too long on its own is refused and forgotten."""
+
+    def __init__(self, tokenizer, folder: Path, context: int, max_new_tokens: int, system: str | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.tokenizer, self.folder, self.context, self.max_new_tokens = tokenizer, folder, context, max_new_tokens
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.turns: list[dict] = []  # user and assistant turns, oldest first
+        self.log = log or (lambda _: None)
+
+    def _ids(self) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(conversation_text(self.tokenizer, self.folder,
+                                                                        self.system + self.turns))]
+
+    def ask(self, text: str) -> list[int] | None:
+        """The conversation with this user turn, as the prompt's token ids (None: the turn alone does not
+        fit the context with the answer's room; it is not kept)."""
+        self.turns.append({"role": "user", "content": text})
+        ids = self._ids()
+        while len(ids) + self.max_new_tokens > self.context and len(self.turns) > 1:
+            self.turns = self.turns[2:]  # the oldest user turn and its answer
+            self.log(f"dropped the oldest turn: the conversation and --max-new-tokens passed the context {self.context}")
+            ids = self._ids()
+        if len(ids) + self.max_new_tokens > self.context:
+            self.log(f"error: this turn ({len(ids)} tokens with the template) + --max-new-tokens {self.max_new_tokens} "
+                     f"exceeds the context length {self.context}: not answered")
+            self.turns.pop()
+            return None
+        return ids
+
+    def answered(self, text: str) -> None:
+        self.turns.append({"role": "assistant", "content": text})
