@@ -795,24 +795,11 @@ def _random_weights_note(args) -> None:
              f"(seed {args.seed}); pass a trained CKPT for meaningful numbers")
 
 
-def _progress(label: str, total: int):
-    from diffexport.progress import Progress
+def _stream_options(args):
+    from diffexport.analysis.runs import StreamOptions
 
-    progress = Progress(label, total)
-    return progress, (lambda done: progress.advance(done - progress.done))
-
-
-def _stream(args, loaded):
-    from diffexport.analysis import needles
-    from diffexport.analysis.streams import stream_batches
-
-    seq_len = args.seq_len
-    if seq_len is None:
-        task = loaded.task or {}
-        trained = task.get("name") == needles.TASK_NAME and int(task.get("context_len", 0)) > 0
-        seq_len = needles.stream_sequence_len(int(task["context_len"])) if trained else 256
-    return stream_batches(loaded.config.vocab_size, text=args.text, tokenizer=args.tokenizer,
-                          tokens=args.tokens, seq_len=seq_len, batch=args.batch, seed=args.seed)
+    return StreamOptions(text=args.text, tokenizer=args.tokenizer, tokens=args.tokens, seq_len=args.seq_len,
+                         batch=args.batch, seed=args.seed)
 
 
 def cmd_stats(args) -> int:
@@ -820,14 +807,15 @@ def cmd_stats(args) -> int:
     import json
 
     from diffexport.analysis import plots, stats
+    from diffexport.analysis.runs import model_stream, progress_bar
 
     plots.check_plot_path(args.plot)
     results, sources, families = {}, {}, {}
     for name, loaded in _load_models(args).items():
         families[name] = loaded.config.family
-        stream = _stream(args, loaded)
+        stream = model_stream(loaded, _stream_options(args))
         sources[name] = stream.source
-        progress, advance = _progress(f"{name}: statistics", len(stream.batches))
+        progress, advance = progress_bar(f"{name}: statistics", len(stream.batches))
         with progress:
             results[name] = stats.collect(loaded.model, stream.batches, advance)
     _random_weights_note(args)
@@ -842,49 +830,12 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def _task_eval(name: str, loaded, args):
-    """(quant, attention=None) -> needle retrieval accuracy, when the checkpoint was trained on that
-    task (or --task needles); each evaluation shows its own progress."""
-    from diffexport.analysis import needles
-
-    task = loaded.task or {}
-    wanted = args.task if args.task != "auto" else task.get("name")
-    if wanted != needles.TASK_NAME:
-        return None
-    context = int(task.get("context_len", 128))
-
-    def evaluate(quant, attention=None):
-        setting = f" ({quant.describe()} logits)" if quant is not None and quant.active else ""
-        cells = needles.grid(needles.DEFAULT_NEEDLES, needles.DEFAULT_QUERIES, needles.DEFAULT_DEPTHS)
-        progress, advance = _progress(f"{name}: task accuracy{setting}", len(cells))
-        with progress:
-            return needles.accuracy(loaded.model, context_len=context, samples=args.samples, seed=args.seed + 1,
-                                    quant=quant, attention=attention, progress=lambda done, total: advance(done))
-    return evaluate
-
-
 def _sweep_models(args, label: str, run, note: str = "") -> dict:
-    """Every model's stream, task metric and compared positions, then run(name, loaded, stream,
-    task_eval, masks, advance) -> its points; task_eval(quant, attention=None) -> accuracy, or None
-    without a task."""
-    from diffexport.errors import DiffExportError
+    """Every model of the command line through analysis.runs.sweep_models."""
+    from diffexport.analysis.runs import sweep_models
 
-    results = {}
-    for name, loaded in _load_models(args).items():
-        stream = _stream(args, loaded)
-        task_eval = _task_eval(name, loaded, args)
-        if args.positions == "answers" and stream.answer_masks is None:
-            raise DiffExportError(f"{name}: --positions answers needs the built-in needle-task stream "
-                                  f"(no --text, a vocabulary of at least 512)")
-        answers_only = args.positions == "answers" or (args.positions == "auto" and task_eval is not None)
-        masks = stream.answer_masks if answers_only else None  # auto without task answers: every position
-        progress, advance = _progress(f"{name}: {label}", len(stream.batches))
-        with progress:
-            results[name] = run(name, loaded, stream, task_eval, masks, advance)
-        compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
-        _log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
-             f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}"
-             f"{note}")
+    results = sweep_models(_load_models(args), label, run, _stream_options(args), positions=args.positions,
+                           task=args.task, samples=args.samples, log=_log, note=note)
     _random_weights_note(args)
     return results
 
@@ -957,6 +908,7 @@ def cmd_retrieval(args) -> int:
     import json
 
     from diffexport.analysis import needles, plots
+    from diffexport.analysis.runs import progress_bar
     from diffexport.quantization import LogitQuant
 
     quant = LogitQuant(args.logit_bits, args.scheme)
@@ -965,7 +917,7 @@ def cmd_retrieval(args) -> int:
     for name, loaded in _load_models(args).items():
         context = args.context or int((loaded.task or {}).get("context_len", 128))
         cells = needles.grid(args.needles, args.queries, args.depths)
-        progress, advance = _progress(f"{name}: retrieval", len(cells))
+        progress, advance = progress_bar(f"{name}: retrieval", len(cells))
         with progress:
             results[name] = needles.evaluate(
                 loaded.model, needles=tuple(args.needles), queries=tuple(args.queries), depths=tuple(args.depths),

@@ -1,0 +1,86 @@
+"""The loops the analysis commands (stats, quant-sweep, linear-sweep) share: each model's token
+stream, its task metric when it was trained on the needle task, and the positions a sweep compares,
+each model with its own progress."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from diffexport.analysis import needles
+from diffexport.errors import DiffExportError
+
+
+@dataclasses.dataclass
+class StreamOptions:
+    text: str | None = None        # a text file to tokenise (else the built-in needle-task stream)
+    tokenizer: str | None = None   # its tokenizer folder
+    tokens: int = 8192             # tokens to stream
+    seq_len: int | None = None     # sequence length (None: the checkpoint's task length, else 256)
+    batch: int = 4
+    seed: int = 0
+
+
+def progress_bar(label: str, total: int):
+    """(a Progress to enter, advance(done) that moves it to `done`)."""
+    from diffexport.progress import Progress
+
+    progress = Progress(label, total)
+    return progress, (lambda done: progress.advance(done - progress.done))
+
+
+def model_stream(loaded, options: StreamOptions):
+    """The token batches a model is measured on: its own task's sequence length when it was trained
+    on the needle task and none is given."""
+    from diffexport.analysis.streams import stream_batches
+
+    seq_len = options.seq_len
+    if seq_len is None:
+        task = loaded.task or {}
+        trained = task.get("name") == needles.TASK_NAME and int(task.get("context_len", 0)) > 0
+        seq_len = needles.stream_sequence_len(int(task["context_len"])) if trained else 256
+    return stream_batches(loaded.config.vocab_size, text=options.text, tokenizer=options.tokenizer,
+                          tokens=options.tokens, seq_len=seq_len, batch=options.batch, seed=options.seed)
+
+
+def task_evaluator(name: str, loaded, task: str = "auto", samples: int = 32, seed: int = 0):
+    """(quant, attention=None) -> needle retrieval accuracy, when the checkpoint was trained on that
+    task (or task is "needles"); None otherwise. Each evaluation shows its own progress."""
+    trained = loaded.task or {}
+    wanted = task if task != "auto" else trained.get("name")
+    if wanted != needles.TASK_NAME:
+        return None
+    context = int(trained.get("context_len", 128))
+
+    def evaluate(quant, attention=None):
+        setting = f" ({quant.describe()} logits)" if quant is not None and quant.active else ""
+        cells = needles.grid(needles.DEFAULT_NEEDLES, needles.DEFAULT_QUERIES, needles.DEFAULT_DEPTHS)
+        progress, advance = progress_bar(f"{name}: task accuracy{setting}", len(cells))
+        with progress:
+            return needles.accuracy(loaded.model, context_len=context, samples=samples, seed=seed + 1,
+                                    quant=quant, attention=attention, progress=lambda done, total: advance(done))
+    return evaluate
+
+
+def sweep_models(models: dict, label: str, run, stream_options: StreamOptions, *, positions: str = "auto",
+                 task: str = "auto", samples: int = 32, log: Callable[[str], None] = print, note: str = "") -> dict:
+    """For every model (label -> LoadedModel): its stream, task metric and compared positions, then
+    run(name, loaded, stream, task_eval, masks, advance) -> its points. positions: "answers" (the
+    needle task's answer tokens), "all", or "auto" (answers when the model has the task)."""
+    results = {}
+    for name, loaded in models.items():
+        stream = model_stream(loaded, stream_options)
+        task_eval = task_evaluator(name, loaded, task, samples, stream_options.seed)
+        if positions == "answers" and stream.answer_masks is None:
+            raise DiffExportError(f"{name}: --positions answers needs the built-in needle-task stream "
+                                  f"(no --text, a vocabulary of at least 512)")
+        answers_only = positions == "answers" or (positions == "auto" and task_eval is not None)
+        masks = stream.answer_masks if answers_only else None  # auto without task answers: every position
+        progress, advance = progress_bar(f"{name}: {label}", len(stream.batches))
+        with progress:
+            results[name] = run(name, loaded, stream, task_eval, masks, advance)
+        compared = stream.tokens if masks is None else int(sum(m.sum() for m in masks))
+        log(f"{name}: {stream.source}, {stream.tokens:,} tokens; cosine/KL over "
+            f"{'the ' + format(compared, ',') + ' answer positions' if masks is not None else 'every position'}"
+            f"{note}")
+    return results
