@@ -27,7 +27,6 @@ from diffexport import contract
 from diffexport.errors import DiffExportError
 from diffexport.files import require_file
 from diffexport.format import decoders, names
-from diffexport.format.names import META_PREFIX
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
@@ -333,7 +332,7 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     """Parse and build; parse errors name the failing node, build errors say what TensorRT said."""
     options = options or EngineOptions()
     _check_profile(options)
-    check_decoder_format(next((p.value for p in model.metadata_props if p.key == META_PREFIX + "attention"), None))
+    check_decoder_format(next((p.value for p in model.metadata_props if p.key == names.META_PREFIX + "attention"), None))
     name, trt = import_tensorrt(options.module)
     if name == "tensorrt_rtx" and options.attention == "plugin":
         raise DiffExportError("TensorRT-RTX cannot build graphs with plugin layers (its ONNX parser aborts): "

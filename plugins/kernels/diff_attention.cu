@@ -4,6 +4,7 @@
 // diff_attention_decode.cuh and quantize_keys.cuh.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
@@ -34,51 +35,42 @@ DIFFX_FOR_EACH_FWD_INSTANCE(DIFFX_DECLARE_EXTERN)
 #define DIFFX_HAVE_SM90 0
 #endif
 
-bool diffx::hopper_path_runs_here() {
-  if (!DIFFX_HAVE_SM90) return false;
-  // Asked on every prefill call: the answer per device is cached (0 unknown, 1 no, 2 yes).
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> answer[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return false;
-  }
-  int known = answer[device].load(std::memory_order_relaxed);
-  if (!known) {
-    int major = 0, minor = 0;
-    const bool asked = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
-    if (!asked) {
-      cudaGetLastError();
-      return false;
-    }
-    known = major == 9 && minor == 0 ? 2 : 1;
-    answer[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 2;
-}
+namespace {
 
-int diffx::device_smem_optin() {
-  // Asked on every decode call of a head dim whose two stages do not fit everywhere: cached per device.
+// An attribute of the current device, asked once per device and cached (-1 when it cannot be
+// asked): the kernel choice reads these on every call.
+template <cudaDeviceAttr kAttribute>
+int current_device_attribute() {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> answer[kMaxDevices];  // 0 unknown, else bytes + 1
+  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, else the value + 1
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
     cudaGetLastError();
-    return 0;
+    return -1;
   }
-  int known = answer[device].load(std::memory_order_relaxed);
+  int known = cache[device].load(std::memory_order_relaxed);
   if (!known) {
-    int bytes = 0;
-    if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, kAttribute, device) != cudaSuccess) {
       cudaGetLastError();
-      return 0;
+      return -1;
     }
-    known = bytes + 1;
-    answer[device].store(known, std::memory_order_relaxed);
+    known = value + 1;
+    cache[device].store(known, std::memory_order_relaxed);
   }
   return known - 1;
+}
+
+}  // namespace
+
+bool diffx::hopper_path_runs_here() {
+  return DIFFX_HAVE_SM90 && current_device_attribute<cudaDevAttrComputeCapabilityMajor>() == 9 &&
+         current_device_attribute<cudaDevAttrComputeCapabilityMinor>() == 0;
+}
+
+// Whether the decode kernel's two K/V stages fit at head dim 128 (0 when unknown).
+int diffx::device_smem_optin() {
+  return std::max(0, current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>());
 }
 
 namespace {
