@@ -17,8 +17,9 @@
 // shows once per tile (the 77% of copy bandwidth measured on an H200 on 2026-11-26 at d=128).
 //
 // Kernel 2, one CTA per (diff-head, batch element, query token): rescales the parts of each map to
-// their common max, sums them, divides by the summed softmax denominators, and applies the epilogue
-// of the one-pass kernel: norm(O1/l1 - lambda * O2/l2) * weight * output_scale.
+// their common max, sums them side by side (the CTA's threads share the parts), divides by the
+// summed softmax denominators, and applies the epilogue of the one-pass kernel:
+// norm(O1/l1 - lambda * O2/l2) * weight * output_scale.
 //
 // The key/value layout is the op contract's (the KV-cache export feeds the whole cache, past and
 // new tokens, as `key`/`value`; batch and row strides let a preallocated cache be read in place).
@@ -264,60 +265,114 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   }
 }
 
-// Kernel 2: DV/2 threads, two adjacent output channels each; grid x = diff-head, y = batch, z = query token.
-template <typename T, int DV>
-__global__ void __launch_bounds__(DV / 2) diff_attention_decode_merge_kernel(const KernelArgs args) {
-  constexpr int kWarps = DV / 64;
-  DIFFX_SHARED_ARRAY(float, reduce, kWarps);
-  const DiffxAttentionParams& p = args.p;
-  const int h = blockIdx.x, b = blockIdx.y, qi = blockIdx.z, c = 2 * threadIdx.x;
-  const float scale_log2 = args.scale * kLog2e;
-
-  float o[2][2];
+// The sum (kMax false) or the max (kMax true) over the CTA's threads of each of two values, in
+// every thread. scratch: 2 floats per warp.
+template <int kWarps, bool kMax>
+__device__ __forceinline__ void block_all_reduce2(float (&v)[2], float* scratch, int tid) {
 #pragma unroll
-  for (int map = 0; map < 2; ++map) {
-    const int64_t first = part_index(args, b, h, map, 0) + qi;  // part k's row qi: first + k * q_len
-    float mx = -INFINITY;
-    for (int k = 0; k < args.decode_parts; ++k) mx = fmaxf(mx, args.part_ml[(first + int64_t(k) * p.q_len) * 2]);
-    float l = 0.f, o0 = 0.f, o1 = 0.f;
-    if (mx != -INFINITY) {  // else no key of any part is visible to this row: zeros, never NaN
-      for (int k = 0; k < args.decode_parts; ++k) {
-        const int64_t row = first + int64_t(k) * p.q_len;
-        const float m_k = args.part_ml[row * 2];
-        if (m_k == -INFINITY) continue;  // this part saw no key (its sums are 0)
-        const float w = fast_exp2((m_k - mx) * scale_log2);
-        const float2 part = *reinterpret_cast<const float2*>(args.part_o + row * DV + c);
-        l = fmaf(args.part_ml[row * 2 + 1], w, l);
-        o0 = fmaf(part.x, w, o0);
-        o1 = fmaf(part.y, w, o1);
-      }
+  for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[i], off);
+      v[i] = kMax ? fmaxf(v[i], other) : v[i] + other;
     }
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    o[map][0] = o0 * inv_l;
-    o[map][1] = o1 * inv_l;
+  if ((tid & 31) == 0) {
+    scratch[2 * (tid >> 5)] = v[0];
+    scratch[2 * (tid >> 5) + 1] = v[1];
   }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    v[i] = scratch[i];
+    for (int w = 1; w < kWarps; ++w) v[i] = kMax ? fmaxf(v[i], scratch[2 * w + i]) : v[i] + scratch[2 * w + i];
+  }
+  __syncthreads();  // the scratch may be written again
+}
 
-  const T* lambda = static_cast<const T*>(p.lambda_full);
-  const float lam = p.variant == 1
-                        ? to_float(lambda[0])
-                        : to_float(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride +
-                                          h * p.lambda_head_stride]);
-  const float y0 = o[0][0] - lam * o[1][0], y1 = o[0][1] - lam * o[1][1];
+constexpr int kMergeThreads = 256;
+
+// Kernel 2, one CTA of kMergeThreads per (diff-head, batch element, query token): grid x = diff-head,
+// y = batch, z = query token. The parts are merged side by side, not one after another (a serial
+// loop over 4 * splits parts waits on one L2 round trip per part): the CTA's threads first stride
+// over the parts for each map's max and softmax denominator, then groups of DV/4 threads (4
+// output channels each) sum a share of the parts each, and the groups' sums meet in shared memory.
+template <typename T, int DV>
+__global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_kernel(const KernelArgs args) {
+  constexpr int kQuads = DV / 4;                   // threads of a group: 4 output channels each
+  constexpr int kGroups = kMergeThreads / kQuads;  // groups, each summing every kGroups-th part
+  constexpr int kWarps = kMergeThreads / 32;
+  static_assert(kMergeThreads % kQuads == 0 && kGroups >= 1, "whole groups of DV/4 threads");
+  DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarps);
+  DIFFX_SHARED_ARRAY(float, group_sums, kGroups * 2 * DV);  // [group][map][channel]
+  const DiffxAttentionParams& p = args.p;
+  const int h = blockIdx.x, b = blockIdx.y, qi = blockIdx.z, tid = threadIdx.x;
+  const int parts = args.decode_parts;
+  const float scale_log2 = args.scale * kLog2e;
+  int64_t first[2];  // part k of map m: state first[m] + k * q_len
+  for (int map = 0; map < 2; ++map) first[map] = part_index(args, b, h, map, 0) + qi;
+
+  // Each map's max over its parts, then its softmax denominator (the parts' sums at that max).
+  float mx[2] = {-INFINITY, -INFINITY};
+  for (int k = tid; k < parts; k += kMergeThreads)
+    for (int map = 0; map < 2; ++map) mx[map] = fmaxf(mx[map], args.part_ml[(first[map] + int64_t(k) * p.q_len) * 2]);
+  block_all_reduce2<kWarps, true>(mx, reduce, tid);
+  float l[2] = {0.f, 0.f};
+  for (int k = tid; k < parts; k += kMergeThreads)
+    for (int map = 0; map < 2; ++map) {
+      const int64_t row = first[map] + int64_t(k) * p.q_len;
+      const float m_k = args.part_ml[row * 2];
+      if (m_k != -INFINITY) l[map] = fmaf(args.part_ml[row * 2 + 1], fast_exp2((m_k - mx[map]) * scale_log2), l[map]);
+    }
+  block_all_reduce2<kWarps, false>(l, reduce, tid);  // 0 when no key of any part is visible to this row
+
+  // This group's share of each map's weighted sum of the parts' outputs.
+  const int group = tid / kQuads, c = 4 * (tid % kQuads);
+  for (int map = 0; map < 2; ++map) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int k = group; k < parts; k += kGroups) {
+      const int64_t row = first[map] + int64_t(k) * p.q_len;
+      const float m_k = args.part_ml[row * 2];
+      if (m_k == -INFINITY) continue;  // this part saw no key (its sums are 0)
+      const float w = fast_exp2((m_k - mx[map]) * scale_log2);
+      const float4 part = *reinterpret_cast<const float4*>(args.part_o + row * DV + c);
+      acc.x = fmaf(part.x, w, acc.x);
+      acc.y = fmaf(part.y, w, acc.y);
+      acc.z = fmaf(part.z, w, acc.z);
+      acc.w = fmaf(part.w, w, acc.w);
+    }
+    *reinterpret_cast<float4*>(group_sums + (group * 2 + map) * DV + c) = acc;
+  }
+  __syncthreads();
+
+  // Every group finishes its 4 channels (the same values in each group); group 0 writes them.
+  float y[4];
+  {
+    float o[2][4] = {};
+    for (int g = 0; g < kGroups; ++g)
+      for (int map = 0; map < 2; ++map)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[map][j] += group_sums[(g * 2 + map) * DV + c + j];
+    const T* lambda = static_cast<const T*>(p.lambda_full);
+    const float lam = p.variant == 1
+                          ? to_float(lambda[0])
+                          : to_float(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride +
+                                            h * p.lambda_head_stride]);
+    const float inv_l0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv_l1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) y[j] = o[0][j] * inv_l0 - lam * (o[1][j] * inv_l1);
+  }
   float rms = 1.f;
   if (p.norm) {
-    float sumsq = y0 * y0 + y1 * y1;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sumsq += __shfl_xor_sync(0xffffffffu, sumsq, off);
-    if ((threadIdx.x & 31) == 0) reduce[threadIdx.x >> 5] = sumsq;
-    __syncthreads();
-    sumsq = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sumsq += reduce[w];
-    rms = rsqrtf(sumsq / float(DV) + p.norm_eps);
+    float sumsq[2] = {group == 0 ? y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3] : 0.f, 0.f};
+    block_all_reduce2<kWarps, false>(sumsq, reduce, tid);
+    rms = rsqrtf(sumsq[0] / float(DV) + p.norm_eps);
   }
-  T* out = static_cast<T*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
-  *reinterpret_cast<uint32_t*>(out + c) = pack2(y0 * rms * p.norm_weight[c] * p.output_scale,
-                                                y1 * rms * p.norm_weight[c + 1] * p.output_scale, T());
+  if (group != 0) return;
+  T* out = static_cast<T*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV + c;
+  const float gain = rms * p.output_scale;
+  *reinterpret_cast<uint32_t*>(out) = pack2(y[0] * gain * p.norm_weight[c], y[1] * gain * p.norm_weight[c + 1], T());
+  *reinterpret_cast<uint32_t*>(out + 2) = pack2(y[2] * gain * p.norm_weight[c + 2], y[3] * gain * p.norm_weight[c + 3], T());
 }
 
 #ifndef DIFFX_EMULATE
@@ -332,7 +387,7 @@ cudaError_t launch_diff_attention_decode_stages(const KernelArgs& args, cudaStre
   kernel<<<dim3(dims[0], dims[1], dims[2]), kThreads, Cfg::kSmemBytes, stream>>>(args);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   diff_attention_decode_merge_kernel<T, DV>
-      <<<dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len)), DV / 2, 0, stream>>>(args);
+      <<<dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len)), kMergeThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
