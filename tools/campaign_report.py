@@ -163,7 +163,7 @@ def prefill(folder: Path) -> list[str]:
         lines.append(hopper_line)
     builds = sorted({name.split("@", 1)[1] for r in rows for name in r["timings"] if "@" in name})
     for build in builds:
-        for method in ("fused", "fused_int8"):
+        for method in ("fused", "fused_int8", "fused_hopper"):
             ratio = [r["timings"][f"{method}@{build}"]["ms"] / r["timings"][method]["ms"] for r in rows
                      if method in r["timings"] and f"{method}@{build}" in r["timings"]]
             if ratio:

@@ -216,11 +216,14 @@ part_profile() {
   # What limits it: tensor-pipe activity, issue slots, stall reasons, shared-memory conflicts.
   { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
     >> "$OUT_DIR/profile.txt"
-  # One split-KV decode launch (bf16, d=128, Sq=1, 32k keys): how close to DRAM bandwidth, and why not.
-  if timed 120 10 "profile (decode)" ncu --clock-control none --set full --kernel-name regex:diff_attention_decode_kernel --launch-skip 3 \
-      --launch-count 1 -f -o /tmp/profile-decode "$PY" tools/bench_attention.py --profile-decode 32768 > /dev/null 2>&1; then
-    { echo "--- split-KV decode kernel, Sq=1, 32768 keys"; ncu --import /tmp/profile-decode.ncu-rep --page details 2>&1 |
-        grep -E "Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size"; } \
+  # One split-KV decode call (bf16, d=128, Sq=1, 32k keys), both of its kernels (the split kernel,
+  # then the merge): how close to DRAM bandwidth, and how much of the call each kernel takes.
+  if timed 120 10 "profile (decode)" ncu --clock-control none --set full --kernel-name regex:diff_attention_decode --launch-skip 6 \
+      --launch-count 2 -f -o /tmp/profile-decode "$PY" tools/bench_attention.py --profile-decode 32768 > /dev/null 2>&1; then
+    ncu --import /tmp/profile-decode.ncu-rep --page details 2>&1 |
+      awk '/Context/ && /diff_attention_decode_merge_kernel/ { print "--- split-KV decode merge kernel, Sq=1, 32768 keys" }
+           /Context/ && /diff_attention_decode_kernel/ { print "--- split-KV decode kernel, Sq=1, 32768 keys" } { print }' |
+      grep -E "^---|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size" \
       >> "$OUT_DIR/profile.txt"
   else
     echo "--- split-KV decode profile FAILED" >> "$OUT_DIR/profile.txt"

@@ -141,12 +141,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
-  QBarrier::wait(&storage.q_loaded, 0);
-  typename Pipeline::PipelineState state;  // index 0, phase 0
-  for (int nb = 0; nb < n_end; ++nb) {
-    const int n_start = nb * kBlockN;
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});
-    pipeline.consumer_wait(state);
+  // S = Q K^T of the stage's key tile into acc_s, issued (not waited for).
+  auto issue_qk = [&](auto& acc_s, int stage) {
     warpgroup_fence_operand(acc_s);
     warpgroup_arrive();
     // The first k-block overwrites the accumulator, the others add to it (one gemm call over all
@@ -154,14 +150,25 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     mma_s.accumulate_ = GMMA::ScaleOut::Zero;
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
-      gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, state.index()), acc_s);
+      gemm(mma_s, tSrQ(_, _, kb), tSrK(_, _, kb, stage), acc_s);
       mma_s.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_s);
-
-    // Mask keys past the end, after the bottom-right diagonal, and padding keys (index c + 2r + 4j).
+  };
+  // O += P V of the stage's value tile, issued (not waited for); P stays read until the wait.
+  auto issue_pv = [&](auto& tOrP, int stage) {
+    mma_o.accumulate_ = GMMA::ScaleOut::One;
+    warpgroup_fence_operand(tOrP);
+    warpgroup_fence_operand(acc_o);
+    warpgroup_arrive();
+    gemm(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
+    warpgroup_commit_batch();
+  };
+  // Masks, then the online softmax of tile nb on the accumulator (rows acc_row(tid, 0) and
+  // acc_row(tid, 2), the mma.sync kernel's arithmetic): acc_s becomes P, alpha the rescale of O.
+  auto softmax = [&](auto& acc_s, int nb, float (&alpha)[2]) {
+    const int n_start = nb * kBlockN;
+    // Keys past the end, after the bottom-right diagonal, and padding keys (index c + 2r + 4j).
     const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
                            (p.causal && n_start + kBlockN - 1 > m_start + p.kv_len - p.q_len);
     if (need_mask) {
@@ -174,8 +181,6 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
         if (!visible) acc_s(i) = -INFINITY;
       }
     }
-    // Online softmax, rows acc_row(tid, 0) and acc_row(tid, 2) (same arithmetic as the mma.sync kernel).
-    float alpha[2];
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
       float mx = row_max[r];
@@ -197,24 +202,72 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
         }
       row_sum[r] = row_sum[r] * alpha[r] + sum;
     }
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
     CUTE_UNROLL
     for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= alpha[(i >> 1) & 1];
-
-    // P (the accumulator, converted in place order) as the register A operand of P.V.
-    Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, _64>{}));
-    static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P has the accumulator's values");
+  };
+  // P (the accumulator, converted in place order) as the register A operand of P.V.
+  Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});
+  Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, _64>{}));
+  static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P has the accumulator's values");
+  auto convert_p = [&] {
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
-    mma_o.accumulate_ = GMMA::ScaleOut::One;
+  };
+
+  QBarrier::wait(&storage.q_loaded, 0);
+  typename Pipeline::PipelineState state;  // index 0, phase 0
+  float alpha[2];
+#if DIFFX_SM90_OVERLAP
+  // FA3's intra-warpgroup overlap: S of tile nb is issued, then P.V of tile nb-1, so the softmax of
+  // tile nb runs while P.V of tile nb-1 occupies the tensor cores. Tile nb-1's stage is released
+  // once its P.V is done: the consumer holds two stages, hence kStages >= 3.
+  if (n_end > 0) {
+    pipeline.consumer_wait(state);
+    issue_qk(acc_s, state.index());
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    softmax(acc_s, 0, alpha);  // O is zero: nothing to rescale
+    convert_p();
+    for (int nb = 1; nb < n_end; ++nb) {
+      const auto previous = state;
+      ++state;
+      pipeline.consumer_wait(state);
+      issue_qk(acc_s, state.index());     // S of tile nb (P of tile nb-1 is in tOrP already)
+      issue_pv(tOrP, previous.index());   // O += P V of tile nb-1
+      warpgroup_wait<1>();                // S landed; P.V may still run
+      warpgroup_fence_operand(acc_s);
+      softmax(acc_s, nb, alpha);
+      warpgroup_wait<0>();                // P.V of tile nb-1 done: tOrP and its stage are free
+      warpgroup_fence_operand(acc_o);
+      warpgroup_fence_operand(tOrP);
+      pipeline.consumer_release(previous);
+      rescale_o(alpha);
+      convert_p();
+    }
+    issue_pv(tOrP, state.index());
+    warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
-    warpgroup_arrive();
-    gemm(mma_o, tOrP, tOrV(_, _, _, state.index()), acc_o);
-    warpgroup_commit_batch();
+    pipeline.consumer_release(state);
+  }
+#else
+  // One tile at a time: S, softmax, P.V, each waited for before the next.
+  for (int nb = 0; nb < n_end; ++nb) {
+    pipeline.consumer_wait(state);
+    issue_qk(acc_s, state.index());
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_s);
+    softmax(acc_s, nb, alpha);
+    rescale_o(alpha);
+    convert_p();
+    issue_pv(tOrP, state.index());
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     pipeline.consumer_release(state);
     ++state;
   }
+#endif
 
   // Epilogue: out = norm(O1/l1 - lambda * O2/l2) * weight * output_scale (acc_o index c + 2r + 4j).
   float inv_l[2];

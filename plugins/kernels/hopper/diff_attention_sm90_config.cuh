@@ -21,6 +21,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 
+// 1 (default): each consumer issues S of tile j+1 before P.V of tile j and runs tile j+1's softmax
+// while that P.V is on the tensor cores (FA3's intra-warpgroup overlap). 0: one tile at a time
+// (the GPU campaign times it as a variant: -DDIFFX_SM90_OVERLAP=0).
+#ifndef DIFFX_SM90_OVERLAP
+#define DIFFX_SM90_OVERLAP 1
+#endif
+
 // Row and column of value i of consumer thread tid (0..127) in a 64 x N wgmma accumulator (S, and
 // O of DV columns): the mma.sync m16n8 layout repeated, value index c + 2r + 4j for row +8r and
 // column 8j + 2(tid % 4) + c. The kernel's masks and epilogue index the accumulator with these;
@@ -32,7 +39,12 @@ template <typename Element, int D, int DV>
 struct Config {
   static constexpr bool kV1 = DV == 2 * D;
   static constexpr int kKeyMaps = kV1 ? 2 : 1;
-  static constexpr int kStages = D == 64 ? 3 : 2;
+  // As many K/V stages as sm_90's shared memory holds beside Q (at most 4): 3 for V1 at head dim
+  // 128, 4 otherwise. The overlapped consumer (DIFFX_SM90_OVERLAP) holds two stages at a time, so
+  // with two the producer could refill none while it computes.
+  static constexpr int kRawStageBytes = (kKeyMaps * kBlockN * D + kBlockN * DV) * int(sizeof(Element));
+  static constexpr int kStages = cute::min(4, (kMaxDynamicSmem - 2 * kBlockM * D * int(sizeof(Element)) - 1024) / kRawStageBytes);
+  static_assert(kStages >= 3, "the overlapped consumer needs three K/V stages");
 
   using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, Int<D>>>()));
   using TiledMmaO = decltype(make_tiled_mma(
