@@ -290,6 +290,10 @@ __device__ __forceinline__ void block_all_reduce2(float (&v)[2], float* scratch,
 }
 
 constexpr int kMergeThreads = 256;
+// The merge kernel's dynamic shared memory: each group's sums of both maps, kGroups * 2 * DV
+// floats, which is 8 floats a thread whatever DV (dynamic, so that static shared memory stays
+// within kStaticSmemBudget like every kernel's).
+constexpr int kMergeSmemBytes = kMergeThreads * 8 * int(sizeof(float));
 
 // Kernel 2, one CTA of kMergeThreads per (diff-head, batch element, query token): grid x = diff-head,
 // y = batch, z = query token. The parts are merged side by side, not one after another (a serial
@@ -302,8 +306,10 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
   constexpr int kGroups = kMergeThreads / kQuads;  // groups, each summing every kGroups-th part
   constexpr int kWarps = kMergeThreads / 32;
   static_assert(kMergeThreads % kQuads == 0 && kGroups >= 1, "whole groups of DV/4 threads");
+  static_assert(kGroups * 2 * DV * int(sizeof(float)) == kMergeSmemBytes, "the groups' sums fill the dynamic shared memory");
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarps);
-  DIFFX_SHARED_ARRAY(float, group_sums, kGroups * 2 * DV);  // [group][map][channel]
+  DIFFX_DYNAMIC_SHARED(smem);
+  float* group_sums = reinterpret_cast<float*>(smem);  // [group][map][channel]
   const DiffxAttentionParams& p = args.p;
   const int h = blockIdx.x, b = blockIdx.y, qi = blockIdx.z, tid = threadIdx.x;
   const int parts = args.decode_parts;
@@ -387,7 +393,7 @@ cudaError_t launch_diff_attention_decode_stages(const KernelArgs& args, cudaStre
   kernel<<<dim3(dims[0], dims[1], dims[2]), kThreads, Cfg::kSmemBytes, stream>>>(args);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   diff_attention_decode_merge_kernel<T, DV>
-      <<<dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len)), kMergeThreads, 0, stream>>>(args);
+      <<<dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len)), kMergeThreads, kMergeSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -54,7 +54,7 @@ void run_attention(const diffx::KernelArgs& args) {
       run_grid(dims[0], dims[1], dims[2], diffx::kThreads, diffx::DecodeTileConfig<T, D, DV, INT8, 2>::kSmemBytes,
                [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, 2>(args); });
     }
-    run_grid(args.p.num_heads, args.p.batch, args.p.q_len, diffx::kMergeThreads, 0,
+    run_grid(args.p.num_heads, args.p.batch, args.p.q_len, diffx::kMergeThreads, diffx::kMergeSmemBytes,
              [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
     return;
   }

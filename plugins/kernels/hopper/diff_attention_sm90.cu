@@ -30,6 +30,7 @@
 #include <cutlass/cutlass.h>
 
 #include "../kernel_args.h"
+#include "../ptx.cuh"
 #include "diff_attention_sm90.h"
 #include "diff_attention_sm90_config.cuh"
 
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(acc_s(4 * j + 2 * r), acc_s(4 * j + 2 * r + 1)));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      alpha[r] = mx == row_max[r] ? 1.f : exp2f((row_max[r] - mx) * scale_log2);
+      alpha[r] = mx == row_max[r] ? 1.f : diffx::fast_exp2((row_max[r] - mx) * scale_log2);
       const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
       row_max[r] = mx;
       float sum = 0.f;
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
         CUTE_UNROLL
         for (int c = 0; c < 2; ++c) {
           float& s = acc_s(4 * j + 2 * r + c);
-          s = exp2f(fmaf(s, scale_log2, neg_max));
+          s = diffx::fast_exp2(fmaf(s, scale_log2, neg_max));
           sum += s;
         }
       row_sum[r] = row_sum[r] * alpha[r] + sum;
@@ -318,10 +319,11 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     if (qi < p.q_len) {
       Element* out = static_cast<Element*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
       CUTE_UNROLL
-      for (int j = 0; j < DV / 8; ++j) {
+      for (int j = 0; j < DV / 8; ++j) {  // two adjacent channels a store (the contract's strides are multiples of 8)
         const int col = acc_col(tid, 4 * j);
-        out[col] = Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale);
-        out[col + 1] = Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale);
+        alignas(4) Element pair[2] = {Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale),
+                                      Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale)};
+        *reinterpret_cast<uint32_t*>(out + col) = *reinterpret_cast<const uint32_t*>(pair);
       }
     }
   }
