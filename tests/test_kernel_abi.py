@@ -151,7 +151,7 @@ def test_variant_2_with_norm_is_refused_as_the_contract_does(lib):
 
 
 def test_query_blocks_fit_the_grid(lib):
-    """Query blocks of 64 tokens are the grid's z dimension (at most 65535)."""
+    """The contract bounds q_len at 65535 query blocks of 64 tokens."""
     p = valid_params(q_len=65535 * 64 + 1, kv_len=65535 * 64 + 1)
     assert lib.diffx_attention_check(ctypes.byref(p)) == STATUS["DIFFX_ERR_BAD_SIZE"]
     assert f"q_len {65535 * 64 + 1} must be in 1..{65535 * 64}" in lib.diffx_last_error().decode()

@@ -102,12 +102,17 @@ EOF
   } 2>&1 | tee -a "$OUT_DIR/campaign.log"
 }
 
+# The Hopper path needs CUTLASS headers; the GPU machine has no network, so they are carried
+# (tools/README.md): CAMPAIGN_CUTLASS_DIR, default build-cutlass/include when present.
+cutlass_dir() {
+  if [[ -n "${CAMPAIGN_CUTLASS_DIR:-}" ]]; then echo "$CAMPAIGN_CUTLASS_DIR"
+  elif [[ -f build-cutlass/include/cute/tensor.hpp ]]; then echo "$PWD/build-cutlass/include"; fi
+}
+
 part_build() {
   local start=$SECONDS
-  # The Hopper path needs CUTLASS headers; the GPU machine has no network, so they are carried
-  # (tools/README.md): CAMPAIGN_CUTLASS_DIR, default build-cutlass/include when present.
-  local cutlass="${CAMPAIGN_CUTLASS_DIR:-}"
-  [[ -z "$cutlass" && -f build-cutlass/include/cute/tensor.hpp ]] && cutlass="$PWD/build-cutlass/include"
+  local cutlass
+  cutlass=$(cutlass_dir)
   # The TensorRT plugin and its harness (tests/plugin_harness) need TensorRT's public headers, carried
   # like CUTLASS's (tools/prepare_gpu_campaign.sh): CAMPAIGN_TRT_DIR, default build-trt/include.
   local trt="${CAMPAIGN_TRT_DIR:-}"
@@ -129,11 +134,13 @@ part_build() {
 # and the bench times each beside this checkout's build, with any CAMPAIGN_COMPARE="name=path"
 # (e.g. a carried build of the previous commit).
 part_variants() {
-  local spec name flags
+  local spec name flags cutlass
+  cutlass=$(cutlass_dir)
   for spec in ${CAMPAIGN_VARIANTS:-}; do
     name="${spec%%:*}"; flags="${spec#*:}"
+    # With the same CUTLASS headers as the main build, so that a variant has its Hopper path too.
     cmake -S . -B "$BUILD_DIR-$name" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
-      -DDIFFEXPORT_BUILD_EMULATOR=OFF -DCMAKE_CUDA_FLAGS="$flags" >> "$OUT_DIR/build.log" 2>&1 &&
+      -DDIFFEXPORT_BUILD_EMULATOR=OFF ${cutlass:+-DCUTLASS_INCLUDE_DIR="$cutlass"} -DCMAKE_CUDA_FLAGS="$flags" >> "$OUT_DIR/build.log" 2>&1 &&
       cmake --build "$BUILD_DIR-$name" --parallel >> "$OUT_DIR/build.log" 2>&1 || return 1
     echo "variant $name ($flags) built" | tee -a "$OUT_DIR/build.log"
   done

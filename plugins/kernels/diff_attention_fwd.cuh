@@ -199,13 +199,15 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[S_TILES][4], floa
 template <int D>
 constexpr int kMinBlocksPerSM = D == 64 ? DIFFX_D64_MIN_BLOCKS : 1;
 
-// Grid: x = diff-head, y = batch element, z = query block counted from the last one. CTAs start
-// in x, y, z order, so the last query blocks of every head (under a causal mask, the ones that
-// see the most keys) start first and the short ones fill the tail of the launch.
+// Grid: x = query block counted from the last one, y = diff-head, z = batch element. CTAs start
+// in x, y, z order, so the CTAs resident at one time are the query blocks of one or two heads and
+// share their K/V in L2 (with the head first, they were blocks of every head and each read its
+// head's K/V from DRAM again). Within a head the last query blocks (under a causal mask, the ones
+// that see the most keys) start first and the short ones fill the tail.
 inline void attention_grid(const DiffxAttentionParams& p, unsigned (&dims)[3]) {
-  dims[0] = unsigned(p.num_heads);
-  dims[1] = unsigned(p.batch);
-  dims[2] = unsigned((p.q_len + kBlockM - 1) / kBlockM);
+  dims[0] = unsigned((p.q_len + kBlockM - 1) / kBlockM);
+  dims[1] = unsigned(p.num_heads);
+  dims[2] = unsigned(p.batch);
 }
 
 template <typename T, int D, int DV, bool INT8>
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM<D>) diff_attention_f
   const int wrow = (warp % kWarpsPerMap) * 16;     // this warp's first row in the query block
   const int gq = lane >> 2, tq = lane & 3;         // mma fragment coordinates (row group, column pair)
   const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
-  const int m_start = (m_blocks - 1 - int(blockIdx.z)) * kBlockM, h = blockIdx.x, b = blockIdx.y;
+  const int m_start = (m_blocks - 1 - int(blockIdx.x)) * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int g = h / (p.num_heads / p.num_kv_heads);
   const int q_rows = min(kBlockM, p.q_len - m_start);
   const int64_t esz = sizeof(T);

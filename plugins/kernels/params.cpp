@@ -176,7 +176,7 @@ int check_params(const DiffxAttentionParams* pp, bool with_workspace) {
     return record_error(DIFFX_ERR_UNSUPPORTED_HEAD_DIM, "head_dim %d is not supported by the fused kernel: use 64 or 128",
                 p.head_dim);
   if (p.batch < 1 || p.batch > 65535) return record_error(DIFFX_ERR_BAD_SIZE, "batch %d must be in 1..65535", p.batch);
-  if (p.q_len < 1 || p.q_len > 65535 * DIFFX_QUERY_BLOCK)  // query blocks are the grid's z (at most 65535)
+  if (p.q_len < 1 || p.q_len > 65535 * DIFFX_QUERY_BLOCK)  // the contract's bound since query blocks were the grid's z
     return record_error(DIFFX_ERR_BAD_SIZE, "q_len %d must be in 1..%d", p.q_len, 65535 * DIFFX_QUERY_BLOCK);
   if (p.kv_len < 1) return record_error(DIFFX_ERR_BAD_SIZE, "kv_len %d must be >= 1", p.kv_len);
   if (p.num_heads < 1 || p.num_heads > 65535)

@@ -60,9 +60,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   const DiffxAttentionParams& p = prm.args.p;
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  const int h = blockIdx.x, b = blockIdx.y;
+  const int h = blockIdx.y, b = blockIdx.z;  // the grid of the mma.sync kernel (attention_grid): blocks of a head together
   const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
-  const int m_block = m_blocks - 1 - int(blockIdx.z);  // heaviest (causal) blocks first
+  const int m_block = m_blocks - 1 - int(blockIdx.x);  // heaviest (causal) blocks first
   const int m_start = m_block * kBlockM;
   const int q_rows = min(kBlockM, p.q_len - m_start);
   const int g = h / (p.num_heads / p.num_kv_heads);
@@ -356,7 +356,7 @@ cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
   const int smem = int(sizeof(typename Cfg::SharedStorage));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(unsigned(p.num_heads), unsigned(p.batch), unsigned((p.q_len + kBlockM - 1) / kBlockM));
+  const dim3 grid(unsigned((p.q_len + kBlockM - 1) / kBlockM), unsigned(p.num_heads), unsigned(p.batch));
   kernel<<<grid, kThreads, smem, stream>>>(prm);
   return cudaGetLastError();
 }
