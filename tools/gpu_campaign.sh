@@ -161,6 +161,7 @@ part_test() {
   # 369 cases took about 200 s on an H200 (2026-11-26) with 8 or 14 workers: single tests of 35-47 s
   # (the 70k-key decode oracles, quant-sweep, the CUDA training run) set the floor.
   # -v puts each result in the log as it comes, so a run stopped at its limit still says what passed.
+  # CAMPAIGN_TEST_FILTER (a pytest -k expression) narrows them for a short rerun.
   # The plugin harness cases (tests/test_plugin_harness.py) run where build-trt/include was carried
   # (part build then builds the plugin and the harness); else they are skipped, and reported so.
   local require_harness=""
@@ -171,7 +172,7 @@ part_test() {
     timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m "gpu or plugin_harness" \
     -n "${CAMPAIGN_TEST_WORKERS:-8}" \
     tests/test_plugin_harness.py tests/test_kernel_gpu.py tests/test_reference_gpu.py tests/test_export_gpu.py \
-    tests/test_kernel_abi.py -k "not compute_sanitizer" >> "$OUT_DIR/pytest.log" 2>&1
+    tests/test_kernel_abi.py -k "not compute_sanitizer${CAMPAIGN_TEST_FILTER:+ and ($CAMPAIGN_TEST_FILTER)}" >> "$OUT_DIR/pytest.log" 2>&1
   local rc=$?
   tail -25 "$OUT_DIR/pytest.log"
   return $((rc != 0 || check_rc != 0))
