@@ -401,65 +401,27 @@ def _sampling(args, config: dict):
 
 
 def _beam_search_options(args):
-    """--num-beams and its options as a BeamSearch (None: no beam search), refusing what beam search
-    does not combine with here."""
-    from diffexport.generation import BeamSearch
+    """--num-beams and its options as a BeamSearch (None: no beam search)."""
+    from diffexport.text_generation import beam_search_options
 
-    given = [flag for flag, value in (("--num-return-sequences", args.num_return_sequences),
-                                      ("--length-penalty", args.length_penalty),
-                                      ("--no-early-stopping", args.no_early_stopping or None)) if value is not None]
-    if args.num_beams == 1:
-        if given:
-            raise DiffExportError(f"{given[0]} is a beam search option: add --num-beams N (N >= 2)")
-        return None
-    if args.num_beams < 1:
-        raise DiffExportError(f"--num-beams must be >= 1, got {args.num_beams}")
-    clashes = [(args.sample, "--sample: beam search is deterministic; drop --sample or --num-beams"),
-               (args.repetition_penalty not in (None, 1.0), "--repetition-penalty is not combined with --num-beams "
-                                                              "here"),
-               (bool(args.stop), "--stop ends one streamed answer: beam search ranks whole hypotheses, drop --stop"),
-               (args.interactive, "--interactive streams a chat: drop --num-beams"),
-               (args.batch_size is not None or args.sort_by_length,
-                "--batch-size/--sort-by-length: beam search runs one prompt at a time (its beams are the batch)")]
-    for clash, message in clashes:
-        if clash:
-            raise DiffExportError(message)
-    return BeamSearch(args.num_beams, 1 if args.num_return_sequences is None else args.num_return_sequences,
-                      1.0 if args.length_penalty is None else args.length_penalty, not args.no_early_stopping)
+    return beam_search_options(args.num_beams, args.num_return_sequences, args.length_penalty,
+                               not args.no_early_stopping, sample=args.sample,
+                               repetition_penalty=args.repetition_penalty, stop=args.stop,
+                               interactive=args.interactive,
+                               batched=args.batch_size is not None or args.sort_by_length)
 
 
-def _beam_answers(tokenizer, run) -> list[dict]:
-    """A BeamRun's hypotheses as answers: the text (with a tokenizer), the new tokens, why each ended."""
-    return [{**({} if tokenizer is None else {"completion": tokenizer.decode(tokens)}), "tokens": tokens, "stop": stop}
-            for tokens, stop in zip(run.sequences, run.stops)]
-
-
-def _beam_searcher(args, folder, search, prompts: list[list[int]], longest: int):
-    """(prompt ids, search, max new tokens -> BeamRun) on --backend: genai's own search, or
-    generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
-    most tokens a search holds (its caches are checked against this machine's memory first)."""
-    from diffexport.backends import decoding
-    from diffexport.export.decoder import read_decoder_folder
-
-    _, config, meta = read_decoder_folder(folder)
-    decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
-
-    if args.backend == "genai":  # a pad id that ends no prompt: genai reads trailing pad ids as padding
-        decoding.check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
-                                                     "search over the onnxruntime loop has no such limit)")
-        model = decoding.open_genai_model(folder, None if args.provider == "auto" else args.provider,
-                                          decoding.genai_pad_for(config, prompts))
-        return lambda ids, search, new: decoding.beam_search_genai(folder, ids, new, search, model=model)
-    from diffexport.text_generation import open_backend
-
-    runner, _ = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib)
-    return lambda ids, search, new: decoding.beam_search_onnxruntime(folder, ids, new, search, runner)
+def _backend_options(args) -> dict:
+    return dict(backend=args.backend, provider=args.provider, engine=args.engine, plugin_lib=args.plugin_lib)
 
 
 def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
     """One prompt's beam search: the hypotheses once it ends, best first."""
-    run = _beam_searcher(args, folder, search, [ids], len(ids) + args.max_new_tokens)(ids, search, args.max_new_tokens)
-    for rank, answer in enumerate(_beam_answers(tokenizer, run), 1):
+    from diffexport.text_generation import beam_answers, beam_searcher
+
+    searcher = beam_searcher(folder, search, [ids], len(ids) + args.max_new_tokens, **_backend_options(args))
+    run = searcher(ids, search, args.max_new_tokens)
+    for rank, answer in enumerate(beam_answers(tokenizer, run), 1):
         if search.num_return_sequences > 1:
             sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
         sys.stdout.write(answer["completion"] if tokenizer is not None else " ".join(map(str, answer["tokens"])))
@@ -471,111 +433,19 @@ def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
     return 0
 
 
-def _generate_file_beams(args, folder, lines, ids: list[list[int]], limits: list[int], tokenizer, search) -> int:
-    """--prompts-file with --num-beams: one prompt at a time; each JSON line holds the best
-    hypothesis (and all returned ones under "beams" when there are several)."""
+def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
+    """--prompts-file: one JSON line per prompt on stdout, in the file's order, each as soon as it
+    and every earlier one are done (text_generation.answer_prompt_rows)."""
     import json
-    import time
 
-    searcher = _beam_searcher(args, folder, search, ids, max(len(row) + limit for row, limit in zip(ids, limits)))
-    start = time.perf_counter()
-    for number, (p, row, limit) in enumerate(zip(lines, ids, limits), 1):
-        run = searcher(row, search, limit)
-        answers = _beam_answers(tokenizer, run)
-        answer = {"line": p.line, **({} if p.id is None else {"id": p.id}), **answers[0]}
-        if len(answers) > 1:
-            answer["beams"] = answers
+    from diffexport.text_generation import answer_prompt_rows, read_prompt_rows
+
+    rows = read_prompt_rows(folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
+                            system=args.system, stop=args.stop)
+    for answer in answer_prompt_rows(folder, config, rows, sampling, search=search, batch_size=args.batch_size,
+                                     sort_by_length=args.sort_by_length, log=_log, **_backend_options(args)):
         sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
         sys.stdout.flush()
-        _log(f"prompt {number}/{len(ids)}: {len(row)} tokens, {run.steps} steps of {search.num_beams} beams "
-             f"in {run.seconds:.1f} s (stopped: {run.stops[0]})")
-    _log(f"{args.backend} beam search: {len(ids)} prompts in {time.perf_counter() - start:.1f} s")
-    return 0
-
-
-def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
-    """--prompts-file: every prompt of the file, --batch-size at a time (--sort-by-length: longest
-    first); one JSON line per prompt on stdout, in the file's order, each as soon as it and every
-    earlier one are done."""
-    import json
-    import time
-
-    from diffexport import prompts as prompts_file
-    from diffexport.backends import decoding
-    from diffexport.export.decoder import eos_token_ids
-    from diffexport.generation import StopText
-    from diffexport.text_generation import check_room, encode, folder_tokenizer, open_backend
-
-    lines = prompts_file.read_prompts(args.prompts_file, int(config["model"]["vocab_size"]))
-    texts = any(p.text is not None for p in lines)
-    if args.chat and not texts:
-        raise DiffExportError("--chat templates text prompts: the prompts file gives token ids only")
-    if args.stop and not texts:
-        raise DiffExportError("--stop matches generated text: the prompts file gives token ids only")
-    tokenizer = folder_tokenizer(folder) if texts else None
-    context = int(config["model"]["context_length"])
-    ids, limits = [], [args.max_new_tokens if p.max_new_tokens is None else p.max_new_tokens for p in lines]
-    for p, limit in zip(lines, limits):
-        row = encode(tokenizer, folder, p.text, args.chat, args.system) if p.text is not None else p.ids
-        check_room(row, limit, context, f"{args.prompts_file} line {p.line}",
-                    "--max-new-tokens" if p.max_new_tokens is None else "its max_new_tokens")
-        ids.append(row)
-    stops = [args.stop if p.stop is None else p.stop for p in lines]  # each prompt's stop strings
-    if search is not None:
-        if any(p.stop for p in lines):
-            line = next(p.line for p in lines if p.stop)
-            raise DiffExportError(f"{args.prompts_file} line {line}: stop ends one streamed answer, beam search "
-                                  "ranks whole hypotheses: drop its stop")
-        return _generate_file_beams(args, folder, lines, ids, limits, tokenizer, search)
-    eos = set(eos_token_ids(config))
-    # tensorrt: the engine, stepped by the onnxruntime loop's code; the batch loop opens onnxruntime's itself
-    runner, provider = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib,
-                                    step_runner=False)
-    texts_by_prompt: dict[int, StopText] = {}  # --stop: each answer's text, ended at a stop string
-
-    def stop_after(index: int, token: int) -> bool:
-        if not stops[index]:
-            return False
-        if index not in texts_by_prompt:
-            texts_by_prompt[index] = StopText(stops[index], tokenizer.create_stream().decode)
-        texts_by_prompt[index].push(token)
-        return texts_by_prompt[index].done
-
-    own_limits = any(p.max_new_tokens is not None for p in lines)
-    batches = decoding.generate_in_batches(folder, ids, max(limits), sampling, args.batch_size,
-                                           "genai" if args.backend == "genai" else "onnxruntime",
-                                           provider=provider, runner=runner, sort_by_length=args.sort_by_length,
-                                           stop_after=stop_after if any(stops) else None,
-                                           limits=limits if own_limits else None)
-    count = -(-len(ids) // args.batch_size)
-    new = seconds = 0
-    start = time.perf_counter()
-    answers: dict[int, str] = {}  # finished, not yet written: stdout keeps the file's order
-    written = 0
-    for number, (indices, run) in enumerate(batches, 1):
-        for index, tokens, stop in zip(indices, run.tokens, run.stops):
-            p = lines[index]
-            answer = {"line": p.line, **({} if p.id is None else {"id": p.id})}
-            text = texts_by_prompt.pop(index, None)
-            if stop == "stop_string":  # the text before the stop string
-                answer["completion"] = text.text
-            elif tokenizer is not None:  # the text without the end-of-sequence token that stopped it
-                answer["completion"] = tokenizer.decode(tokens[:-1] if stop == "eos" and tokens[-1] in eos else tokens)
-            answer.update(tokens=tokens, stop=stop)
-            answers[index] = json.dumps(answer, ensure_ascii=False) + "\n"
-        while written in answers:
-            sys.stdout.write(answers.pop(written))
-            written += 1
-        sys.stdout.flush()
-        new, seconds = new + run.new_tokens, seconds + run.seconds
-        rows = f"{len(run.tokens)} prompt{'' if len(run.tokens) == 1 else 's'}"
-        longest = max(len(ids[i]) for i in indices)
-        _log(f"batch {number}/{count}: {rows} (longest {longest} token{'' if longest == 1 else 's'}), "
-             f"{run.new_tokens} new tokens in "
-             f"{run.seconds:.1f} s (prefill {run.prefill_seconds:.1f} s, then {run.decode_tokens_per_s:.1f} tokens/s)")
-    _log(f"{args.backend}: {len(ids)} prompts ({sum(map(len, ids))} tokens) in {count} batches of up to "
-         f"{args.batch_size}, {new} new tokens in {time.perf_counter() - start:.1f} s "
-         f"({new / seconds if seconds > 0 else float('nan'):.1f} new tokens/s)")
     return 0
 
 
@@ -597,61 +467,27 @@ def _stdin_turn(number: int) -> str | None:
 
 
 def _generate_interactive(args, folder, config: dict, sampling) -> int:
-    """--interactive: a chat session on stdin. Every line is a user turn; the whole conversation goes
-    through the chat template each turn and the answer streams to stdout (the KV cache is kept, and
-    only what changed is read). When the conversation and --max-new-tokens pass the context, the
-    oldest turns are dropped (the system turn stays)."""
-    import time
+    """--interactive: a chat session on stdin (text_generation.ChatSession). Every line is a user
+    turn, and its answer streams to stdout."""
+    from diffexport.text_generation import ChatSession
 
-    from diffexport.backends import decoding
-    from diffexport.export.decoder import eos_token_ids
-    from diffexport.generation import StopText
-    from diffexport.text_generation import ChatHistory, folder_tokenizer, open_backend
+    session = ChatSession(folder, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
+                          log=_log, **_backend_options(args))
 
-    tokenizer = folder_tokenizer(folder)
-    eos = set(eos_token_ids(config))
-    chat = ChatHistory(tokenizer, folder, int(config["model"]["context_length"]), args.max_new_tokens, args.system,
-                       log=_log)
-    runner, provider = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib)
-    session = None  # one generator (genai) or cache (the loop) for the whole chat, kept between turns
-    interactive, number = sys.stdin.isatty(), 0
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    prompt_shown, number = sys.stdin.isatty(), 0
     while True:
-        if interactive:
+        if prompt_shown:
             sys.stderr.write("> ")
             sys.stderr.flush()
         line = _stdin_turn(number := number + 1)
         if line is None:
             break
-        if not line.strip():
-            continue
-        ids = chat.ask(line)
-        if ids is None:
-            continue
-        stream = tokenizer.create_stream()
-        text = StopText(args.stop, stream.decode)
-
-        def show(token: int) -> bool:
-            if token in eos:
-                return False
-            sys.stdout.write(text.push(token))
-            sys.stdout.flush()
-            return text.done
-
-        start = time.perf_counter()
-        if args.backend == "genai":
-            if session is None or ids[-1] == session.pad:  # (a new pad id: only if the template's end changed)
-                session = decoding.GenaiSession(folder, sampling, provider=provider,
-                                                pad_token_id=decoding.genai_pad_for(config, [ids]))
-            run = session.turn(ids, args.max_new_tokens, stop_after=show)
-        else:  # the loop (or the engine) keeps its cache too; sampled turns draw from their own seeds
-            session = session or decoding.LoopSession(runner, sampling)
-            run = session.turn(ids, args.max_new_tokens, stop_after=show)
-        sys.stdout.write(text.flush() + "\n")
-        sys.stdout.flush()
-        chat.answered(text.text)
-        _log(f"{len(run.tokens)} new tokens in {time.perf_counter() - start:.1f} s "
-             f"({run.decode_tokens_per_s:.1f} tokens/s decode; conversation {len(ids)} tokens, "
-             f"{run.prompt_tokens} read this turn; stopped: {run.stop})")
+        if line.strip() and session.turn(line, show) is not None:
+            show("\n")
     return 0
 
 
@@ -712,15 +548,9 @@ def cmd_generate(args) -> int:
         return text.done
 
     shown = dict(on_token=show) if text is None else dict(stop_after=show_until_stop)
-    from diffexport.text_generation import open_backend
+    from diffexport.text_generation import generate_once
 
-    runner, provider = open_backend(folder, args.backend, args.provider, args.engine, args.plugin_lib,
-                                    step_runner=False)
-    if args.backend == "genai":  # provider None: the one the folder's genai_config names
-        run = decoding.generate_genai(folder, ids, args.max_new_tokens, sampling, provider=provider, **shown)
-    else:  # the onnxruntime loop, or the engine on the GPU stepped by the loop's code
-        run = decoding.generate_onnxruntime(folder, ids, args.max_new_tokens, sampling, runner=runner,
-                                            provider=provider or "cpu", **shown)
+    run = generate_once(folder, ids, args.max_new_tokens, sampling, **_backend_options(args), **shown)
     if text is not None:
         sys.stdout.write(text.flush())
     sys.stdout.write("\n")

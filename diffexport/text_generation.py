@@ -1,11 +1,14 @@
 """Text generation with a KV-cache decoder folder, as an API: the folder's tokenizer and chat
-template, prompts as token ids within the context, and the draw (the caller's options over the
-folder's genai_config search values). `diffexport generate` is a thin layer over these.
+template, prompts as token ids within the context, the draw (the caller's options over the
+folder's genai_config search values), the backend that runs the folder, one prompt's answer, a
+chat session, beam search, and a prompts file answered in batches. `diffexport generate` is a thin
+layer over these: it parses options and prints.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -199,3 +202,259 @@ class ChatHistory:
 
     def answered(self, text: str) -> None:
         self.turns.append({"role": "assistant", "content": text})
+
+
+class ChatSession:
+    """A chat with a decoder folder: every user turn goes through the chat template with the whole
+    conversation (ChatHistory), and is answered on one generator (genai) or KV cache (the
+    onnxruntime loop or the engine) kept between turns, so only what changed is read."""
+
+    def __init__(self, folder: Path, config: dict, sampling: Sampling, max_new_tokens: int, *,
+                 system: str | None = None, stop: list[str] | tuple = (), backend: str = "genai",
+                 provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None,
+                 log: Callable[[str], None] | None = None):
+        from diffexport.export.decoder import eos_token_ids
+
+        self.folder, self.config, self.sampling, self.max_new_tokens = folder, config, sampling, max_new_tokens
+        self.stop, self.backend, self.log = list(stop), backend, log or (lambda _: None)
+        self.tokenizer = folder_tokenizer(folder)
+        self.eos = set(eos_token_ids(config))
+        self.history = ChatHistory(self.tokenizer, folder, int(config["model"]["context_length"]), max_new_tokens,
+                                   system, log=self.log)
+        self.runner, self.provider = open_backend(folder, backend, provider, engine, plugin_lib)
+        self.session = None  # GenaiSession or LoopSession, made at the first turn
+
+    def turn(self, text: str, on_text: Callable[[str], None]):
+        """Answer one user turn, streaming the answer's text to on_text -> the run (None: the turn
+        does not fit the context with the answer's room, and was not answered)."""
+        import time
+
+        from diffexport.backends import decoding
+        from diffexport.generation import StopText
+
+        ids = self.history.ask(text)
+        if ids is None:
+            return None
+        answer = StopText(self.stop, self.tokenizer.create_stream().decode)
+
+        def show(token: int) -> bool:
+            if token in self.eos:
+                return False
+            on_text(answer.push(token))
+            return answer.done
+
+        start = time.perf_counter()
+        if self.backend == "genai":
+            if self.session is None or ids[-1] == self.session.pad:  # (a new pad id: only if the template's end changed)
+                self.session = decoding.GenaiSession(self.folder, self.sampling, provider=self.provider,
+                                                     pad_token_id=decoding.genai_pad_for(self.config, [ids]))
+        else:  # the loop (or the engine) keeps its cache too; sampled turns draw from their own seeds
+            self.session = self.session or decoding.LoopSession(self.runner, self.sampling)
+        run = self.session.turn(ids, self.max_new_tokens, stop_after=show)
+        on_text(answer.flush())
+        self.history.answered(answer.text)
+        self.log(f"{len(run.tokens)} new tokens in {time.perf_counter() - start:.1f} s "
+                 f"({run.decode_tokens_per_s:.1f} tokens/s decode; conversation {len(ids)} tokens, "
+                 f"{run.prompt_tokens} read this turn; stopped: {run.stop})")
+        return run
+
+
+def generate_once(folder: Path, ids: list[int], max_new_tokens: int, sampling: Sampling, *, backend: str = "genai",
+                  provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None, **shown):
+    """One prompt's answer on `backend` -> the run; shown: on_token=(token -> None) or
+    stop_after=(token -> bool, True ends the answer), called as each token comes."""
+    from diffexport.backends import decoding
+
+    runner, resolved = open_backend(folder, backend, provider, engine, plugin_lib, step_runner=False)
+    if backend == "genai":  # provider None: the one the folder's genai_config names
+        return decoding.generate_genai(folder, ids, max_new_tokens, sampling, provider=resolved, **shown)
+    # the onnxruntime loop, or the engine on the GPU stepped by the loop's code
+    return decoding.generate_onnxruntime(folder, ids, max_new_tokens, sampling, runner=runner,
+                                         provider=resolved or "cpu", **shown)
+
+
+def beam_search_options(num_beams: int = 1, num_return_sequences: int | None = None,
+                        length_penalty: float | None = None, early_stopping: bool = True, *, sample: bool = False,
+                        repetition_penalty: float | None = None, stop: list[str] | tuple = (),
+                        interactive: bool = False, batched: bool = False):
+    """The beam search asked for, as a BeamSearch (None: num_beams 1, no beam search), refusing what
+    beam search does not combine with here (batched: a batch size or length sorting was asked)."""
+    from diffexport.generation import BeamSearch
+
+    given = [flag for flag, value in (("--num-return-sequences", num_return_sequences),
+                                      ("--length-penalty", length_penalty),
+                                      ("--no-early-stopping", None if early_stopping else True)) if value is not None]
+    if num_beams == 1:
+        if given:
+            raise DiffExportError(f"{given[0]} is a beam search option: add --num-beams N (N >= 2)")
+        return None
+    if num_beams < 1:
+        raise DiffExportError(f"--num-beams must be >= 1, got {num_beams}")
+    clashes = [(sample, "--sample: beam search is deterministic; drop --sample or --num-beams"),
+               (repetition_penalty not in (None, 1.0), "--repetition-penalty is not combined with --num-beams here"),
+               (bool(stop), "--stop ends one streamed answer: beam search ranks whole hypotheses, drop --stop"),
+               (interactive, "--interactive streams a chat: drop --num-beams"),
+               (batched, "--batch-size/--sort-by-length: beam search runs one prompt at a time (its beams are the batch)")]
+    for clash, message in clashes:
+        if clash:
+            raise DiffExportError(message)
+    return BeamSearch(num_beams, 1 if num_return_sequences is None else num_return_sequences,
+                      1.0 if length_penalty is None else length_penalty, early_stopping)
+
+
+def beam_answers(tokenizer, run) -> list[dict]:
+    """A BeamRun's hypotheses as answers: the text (with a tokenizer), the new tokens, why each ended."""
+    return [{**({} if tokenizer is None else {"completion": tokenizer.decode(tokens)}), "tokens": tokens, "stop": stop}
+            for tokens, stop in zip(run.sequences, run.stops)]
+
+
+def beam_searcher(folder: Path, search, prompts: list[list[int]], longest: int, *, backend: str = "genai",
+                  provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None):
+    """(prompt ids, search, max new tokens -> BeamRun) on `backend`: genai's own search, or
+    generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
+    most tokens a search holds (its caches are checked against this machine's memory first)."""
+    from diffexport.backends import decoding
+    from diffexport.export.decoder import read_decoder_folder
+
+    _, config, meta = read_decoder_folder(folder)
+    decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
+    if backend == "genai":  # a pad id that ends no prompt: genai reads trailing pad ids as padding
+        decoding.check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
+                                                     "search over the onnxruntime loop has no such limit)")
+        model = decoding.open_genai_model(folder, None if provider == "auto" else provider,
+                                          decoding.genai_pad_for(config, prompts))
+        return lambda ids, search, new: decoding.beam_search_genai(folder, ids, new, search, model=model)
+    runner, _ = open_backend(folder, backend, provider, engine, plugin_lib)
+    return lambda ids, search, new: decoding.beam_search_onnxruntime(folder, ids, new, search, runner)
+
+
+@dataclass
+class PromptRows:
+    """A prompts file read against a folder: its lines, each prompt's token ids, new-token limit and
+    stop strings, and the folder's tokenizer (None when every prompt is token ids)."""
+    path: Path
+    lines: list
+    ids: list[list[int]]
+    limits: list[int]
+    stops: list[list[str]]
+    tokenizer: object | None
+
+
+def read_prompt_rows(folder: Path, config: dict, path: Path, max_new_tokens: int, *, chat: bool = False,
+                     system: str | None = None, stop: list[str] | tuple = ()) -> PromptRows:
+    """Every prompt of a prompts file (diffexport/prompts.py) as token ids within the context, with
+    its own max_new_tokens and stop strings where the line gives them, else the caller's."""
+    from diffexport import prompts as prompts_file
+
+    lines = prompts_file.read_prompts(path, int(config["model"]["vocab_size"]))
+    texts = any(p.text is not None for p in lines)
+    if chat and not texts:
+        raise DiffExportError("--chat templates text prompts: the prompts file gives token ids only")
+    if stop and not texts:
+        raise DiffExportError("--stop matches generated text: the prompts file gives token ids only")
+    tokenizer = folder_tokenizer(folder) if texts else None
+    context = int(config["model"]["context_length"])
+    ids, limits = [], [max_new_tokens if p.max_new_tokens is None else p.max_new_tokens for p in lines]
+    for p, limit in zip(lines, limits):
+        row = encode(tokenizer, folder, p.text, chat, system) if p.text is not None else p.ids
+        check_room(row, limit, context, f"{path} line {p.line}",
+                   "--max-new-tokens" if p.max_new_tokens is None else "its max_new_tokens")
+        ids.append(row)
+    stops = [list(stop) if p.stop is None else p.stop for p in lines]
+    return PromptRows(Path(path), lines, ids, limits, stops, tokenizer)
+
+
+def answer_prompt_rows(folder: Path, config: dict, rows: PromptRows, sampling: Sampling, *, search=None,
+                       backend: str = "genai", provider: str = "auto", engine: str | None = None,
+                       plugin_lib: str | None = None, batch_size: int = 8, sort_by_length: bool = False,
+                       log: Callable[[str], None] | None = None):
+    """Answer every prompt -> each answer (line, id, completion with a tokenizer, tokens, stop), in the
+    file's order, each as soon as it and every earlier one are done. Prompts run batch_size at a time
+    (sort_by_length: longest first), or one at a time with a beam search; progress goes to log."""
+    log = log or (lambda _: None)
+    if search is not None:
+        yield from _answer_with_beams(folder, rows, search, backend, provider, engine, plugin_lib, log)
+        return
+    yield from _answer_in_batches(folder, config, rows, sampling, backend, provider, engine, plugin_lib, batch_size,
+                                  sort_by_length, log)
+
+
+def _answer_with_beams(folder, rows: PromptRows, search, backend, provider, engine, plugin_lib, log):
+    import time
+
+    if any(p.stop for p in rows.lines):
+        line = next(p.line for p in rows.lines if p.stop)
+        raise DiffExportError(f"{rows.path} line {line}: stop ends one streamed answer, beam search "
+                              "ranks whole hypotheses: drop its stop")
+    searcher = beam_searcher(folder, search, rows.ids, max(len(r) + limit for r, limit in zip(rows.ids, rows.limits)),
+                             backend=backend, provider=provider, engine=engine, plugin_lib=plugin_lib)
+    start = time.perf_counter()
+    for number, (p, row, limit) in enumerate(zip(rows.lines, rows.ids, rows.limits), 1):
+        run = searcher(row, search, limit)
+        answers = beam_answers(rows.tokenizer, run)
+        answer = {"line": p.line, **({} if p.id is None else {"id": p.id}), **answers[0]}
+        if len(answers) > 1:
+            answer["beams"] = answers
+        yield answer
+        log(f"prompt {number}/{len(rows.ids)}: {len(row)} tokens, {run.steps} steps of {search.num_beams} beams "
+            f"in {run.seconds:.1f} s (stopped: {run.stops[0]})")
+    log(f"{backend} beam search: {len(rows.ids)} prompts in {time.perf_counter() - start:.1f} s")
+
+
+def _answer_in_batches(folder, config, rows: PromptRows, sampling, backend, provider, engine, plugin_lib, batch_size,
+                       sort_by_length, log):
+    import time
+
+    from diffexport.backends import decoding
+    from diffexport.export.decoder import eos_token_ids
+    from diffexport.generation import StopText
+
+    if batch_size < 1:
+        raise DiffExportError(f"the batch size must be >= 1, got {batch_size}")
+    eos, ids, tokenizer, stops = set(eos_token_ids(config)), rows.ids, rows.tokenizer, rows.stops
+    # tensorrt: the engine, stepped by the onnxruntime loop's code; the batch loop opens onnxruntime's itself
+    runner, resolved = open_backend(folder, backend, provider, engine, plugin_lib, step_runner=False)
+    texts_by_prompt: dict[int, StopText] = {}  # stop strings: each answer's text, ended at one
+
+    def stop_after(index: int, token: int) -> bool:
+        if not stops[index]:
+            return False
+        if index not in texts_by_prompt:
+            texts_by_prompt[index] = StopText(stops[index], tokenizer.create_stream().decode)
+        texts_by_prompt[index].push(token)
+        return texts_by_prompt[index].done
+
+    own_limits = any(p.max_new_tokens is not None for p in rows.lines)
+    batches = decoding.generate_in_batches(folder, ids, max(rows.limits), sampling, batch_size,
+                                           "genai" if backend == "genai" else "onnxruntime",
+                                           provider=resolved, runner=runner, sort_by_length=sort_by_length,
+                                           stop_after=stop_after if any(stops) else None,
+                                           limits=rows.limits if own_limits else None)
+    count = -(-len(ids) // batch_size)
+    new = seconds = 0
+    start = time.perf_counter()
+    done: dict[int, dict] = {}  # finished, not yet given: answers keep the file's order
+    given = 0
+    for number, (indices, run) in enumerate(batches, 1):
+        for index, tokens, stop in zip(indices, run.tokens, run.stops):
+            p = rows.lines[index]
+            answer = {"line": p.line, **({} if p.id is None else {"id": p.id})}
+            text = texts_by_prompt.pop(index, None)
+            if stop == "stop_string":  # the text before the stop string
+                answer["completion"] = text.text
+            elif tokenizer is not None:  # the text without the end-of-sequence token that stopped it
+                answer["completion"] = tokenizer.decode(tokens[:-1] if stop == "eos" and tokens[-1] in eos else tokens)
+            answer.update(tokens=tokens, stop=stop)
+            done[index] = answer
+        while given in done:
+            yield done.pop(given)
+            given += 1
+        new, seconds = new + run.new_tokens, seconds + run.seconds
+        prompts = f"{len(run.tokens)} prompt{'' if len(run.tokens) == 1 else 's'}"
+        longest = max(len(ids[i]) for i in indices)
+        log(f"batch {number}/{count}: {prompts} (longest {longest} token{'' if longest == 1 else 's'}), "
+            f"{run.new_tokens} new tokens in "
+            f"{run.seconds:.1f} s (prefill {run.prefill_seconds:.1f} s, then {run.decode_tokens_per_s:.1f} tokens/s)")
+    log(f"{backend}: {len(ids)} prompts ({sum(map(len, ids))} tokens) in {count} batches of up to "
+        f"{batch_size}, {new} new tokens in {time.perf_counter() - start:.1f} s "
+        f"({new / seconds if seconds > 0 else float('nan'):.1f} new tokens/s)")
