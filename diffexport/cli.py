@@ -111,7 +111,7 @@ def cmd_onnx(args) -> int:
 def _check_options(args, folder_config: dict | None = None):
     from pathlib import Path
 
-    from diffexport.check import CheckOptions, DEFAULT_SHAPES, parse_shapes
+    from diffexport.validation import DEFAULT_SHAPES, CheckOptions, parse_shapes
 
     from diffexport.errors import DiffExportError
 
@@ -176,79 +176,25 @@ def _load_for_check(args, meta: dict, path) -> object:
     (a 13B preset would not even fit this machine's memory to find that out)."""
     from pathlib import Path
 
-    from diffexport.check import check_same_config
+    from diffexport.validation import check_same_config
 
     if args.ckpt is None and (args.preset is not None or args.config is not None):
         check_same_config(meta, _load(args, device="meta", default_model=False).config, Path(path))
     return _load(args, default_model=False)
 
 
-def _refuse_decoder_shapes(args) -> None:
-    """--shapes sizes single-graph calls; a decoder's check would silently not use it."""
-    if args.shapes:
-        raise DiffExportError("--shapes sizes the calls to a single graph; a KV-cache decoder is checked on 3 padded "
-                              "prompts, prefill + --steps N decode steps (--text FILE adds your own text)")
-
-
 def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
-    from pathlib import Path
+    from diffexport.validation.artifact import check_artifact
 
-    from diffexport.check import (DECODE_STEPS, check_decode_options, check_export_metadata, read_export_metadata,
-                                  run_against, run_check, run_decoder_check, run_engine_check)
-
-    engine = Path(args.model).suffix in (".engine", ".plan", ".trt")
-    if args.plot is not None and not (Path(args.model).is_dir() or engine):
-        raise DiffExportError("--plot draws a KV-cache check step by step: give a --kv-cache folder (or its engine)")
-    if args.steps is not None and not (Path(args.model).is_dir() or engine):
-        raise DiffExportError("--steps counts the decode steps of a --kv-cache folder (or its engine); "
-                              f"{Path(args.model).name} is a single graph: use --shapes")
-    if args.sample and not Path(args.model).is_dir():
-        raise DiffExportError("--sample checks onnxruntime-genai's sampling on a --kv-cache folder; "
-                              f"{Path(args.model).name} is not one")
-    if args.num_beams is not None and not (Path(args.model).is_dir() or engine):
-        raise DiffExportError("--num-beams checks beam search on a --kv-cache folder (or its engine); "
-                              f"{Path(args.model).name} is a single graph")
-    if args.against:  # one graph against another (e.g. optimize's output against its input), then the model
-        options = _check_options(args)
-        report = run_against(args.model, args.against, options, log=_log)
+    with_model = not (args.against and args.ckpt is None and args.preset is None and args.config is None)
+    reports = check_artifact(args.model, lambda folder_config: _check_options(args, folder_config),
+                             (lambda meta: _load_for_check(args, meta, args.model)) if with_model else None,
+                             against=args.against, steps=args.steps, shapes_given=bool(args.shapes), plot=args.plot is not None,
+                             sample=args.sample, num_beams=args.num_beams, log=_log)
+    for report in reports:
         print(report.text())
-        if args.ckpt is None and args.preset is None and args.config is None:
-            return 0 if report.passed else 1
-        options.save_dir = Path(str(options.save_dir or Path(args.model).with_suffix(".check")) + "-model")
-        meta = read_export_metadata(args.model)  # the model comparison needs diffexport's metadata
-        model_report = run_check(args.model, _load_for_check(args, meta, args.model), options, log=_log)
-        print(model_report.text())
-        return 0 if report.passed and model_report.passed else 1
-    if Path(args.model).is_dir():  # a KV-cache decoder folder
-        from diffexport.export.decoder import read_decoder_folder
-
-        _, folder_config, meta = read_decoder_folder(args.model)  # not a decoder folder: said before the checkpoint loads
-        _refuse_decoder_shapes(args)
-        options, steps = _check_options(args, folder_config), DECODE_STEPS if args.steps is None else args.steps
-        check_decode_options(options, steps)  # bad options fail before the checkpoint loads
-        report = run_decoder_check(args.model, _load_for_check(args, meta, args.model), options, log=_log,
-                                   steps=steps)
-        print(report.text())
-        return 0 if report.passed else 1
-    if engine:
-        from diffexport.backends.tensorrt import read_engine_record, sidecar_path
-
-        record = read_engine_record(Path(args.model))  # a missing record fails before the checkpoint loads
-        if record.get("onnx_metadata", {}).get("kv_cache") == "1":
-            _refuse_decoder_shapes(args)
-        options = _check_options(args)
-        check_decode_options(options, DECODE_STEPS if args.steps is None else args.steps)
-        meta = check_export_metadata(record["onnx_metadata"], sidecar_path(Path(args.model)))
-        report = run_engine_check(args.model, _load_for_check(args, meta, args.model), options, log=_log,
-                                  steps=args.steps)
-        print(report.text())
-        return 0 if report.passed else 1
-    meta = read_export_metadata(args.model)  # a corrupt or foreign file fails before the checkpoint loads
-    options = _check_options(args)
-    report = run_check(args.model, _load_for_check(args, meta, args.model), options, log=_log)
-    print(report.text())
-    return 0 if report.passed else 1
+    return 0 if all(report.passed for report in reports) else 1
 
 
 def cmd_optimize(args) -> int:
@@ -318,7 +264,7 @@ def cmd_demo(args) -> int:
     import tempfile
     from pathlib import Path
 
-    from diffexport.check import CheckOptions, run_check
+    from diffexport.validation import CheckOptions, run_check
     from diffexport.export import ExportOptions, export_onnx
     from diffexport.summary import describe, self_check
 
@@ -351,7 +297,7 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     import shutil
 
     from diffexport.backends import decoding
-    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.validation import CheckOptions, run_decoder_check
     from diffexport.export.decoder import export_decoder
     from diffexport.format import names
     from diffexport.generation import Sampling, generate
@@ -780,7 +726,7 @@ def cmd_trt(args) -> int:
 
     from diffexport.backends.tensorrt import EngineOptions, build_engine, check_decoder_format, write_engine
     from diffexport.files import check_output_path
-    from diffexport.check import read_export_metadata
+    from diffexport.format.metadata import read_export_metadata
     from diffexport.errors import DiffExportError
     from diffexport.files import load_onnx
 

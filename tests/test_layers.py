@@ -134,3 +134,26 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     assert rank_of("diffexport.cli", table) > rank_of("diffexport.check", table) > rank_of("diffexport.format.names",
                                                                                               table)
     assert rank_of("diffexport.format.names", table) > rank_of("diffexport.contract", table)
+    assert rank_of("diffexport.validation.decoder", table) == rank_of("diffexport.check", table)
+
+
+MODULE_LINES = 800  # docs/ARCHITECTURE.md, "Module sizes"
+CLI_LINES = 600
+
+
+def line_limit(name: str) -> int:
+    return CLI_LINES if name == "diffexport.cli" else MODULE_LINES
+
+
+def known_oversize() -> set[str]:
+    block = re.search(r"<!-- oversize -->(.*?)<!-- /oversize -->", ARCHITECTURE.read_text(), re.S).group(1)
+    return set(re.findall(r"^- `([\w.]+)`", block, re.M))
+
+
+def test_no_module_outgrows_its_limit():
+    over = {name for name, path in modules().items() if len(path.read_text().splitlines()) > line_limit(name)}
+    listed = known_oversize()
+    assert not over - listed, ("modules over their line limit (docs/ARCHITECTURE.md, Module sizes): "
+                               + ", ".join(sorted(over - listed)))
+    assert not listed - over, ("docs/ARCHITECTURE.md lists modules within their limit (remove the lines): "
+                               + ", ".join(sorted(listed - over)))

@@ -1,0 +1,213 @@
+"""Search checks of a decoder: every hypothesis of a beam search against transformers' or the eager model's, and
+onnxruntime-genai's sampling against the eager distribution (chi-square).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from diffexport import layouts
+from diffexport.backends.base import DecoderRunner
+from diffexport.checkpoint import LoadedModel
+from diffexport.errors import DiffExportError
+from diffexport.generation import BeamSearch, Sampling
+from diffexport.validation.references import hf_beams, hf_generator
+
+
+def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, quant, search: BeamSearch,
+                prompts: list[list[int]], steps: int, dtype: str, budget, genai: tuple[Path, str] | None,
+                log: Callable[[str], None]) -> tuple[list[str], list[str]]:
+    """Beam search on the runner (the loop `generate --backend onnxruntime|tensorrt` runs) and in
+    onnxruntime-genai's own search (folders) against generation.beam_search on the eager model,
+    each prompt alone, every hypothesis compared in rank order; for HF checkpoints at length
+    penalty 0, transformers' generate(num_beams=N) too. Where a runtime's hypothesis differs,
+    the eager model rescores it: the gap to the eager hypothesis of that rank says whether the two
+    parted at a near-tie (a gap of ~0) or the runtime found a worse one. Judged for float32 graphs;
+    reduced precision or quantised weights may part beams at near-ties, so there they are reported.
+    -> (report lines, failure names)."""
+    from diffexport.analysis.probe import AttentionProbe
+    from diffexport.backends import decoding
+    from diffexport.export import decoder
+    from diffexport.generation import beam_search, hypothesis_score
+    from diffexport.progress import Progress
+
+    def on_eager(fn):
+        if quant is None:
+            return fn()
+        with AttentionProbe(model, quant=quant):
+            return fn()
+
+    ends = None if runner.config is None else decoder.eos_token_ids(runner.config)
+    new = min(steps, min(runner.context - len(p) for p in prompts))
+    runtimes = {short: lambda prompt: decoding.beam_search_onnxruntime(None, prompt, new, search, runner=runner)}
+    lines = []
+    if genai is not None:
+        folder, provider = genai
+        try:
+            decoding.check_genai_beams(search.num_beams)
+            model_genai = decoding.open_genai_model(folder, provider, decoding.genai_pad_for(runner.config, prompts))
+        except DiffExportError as exc:  # not installed, or no build for this provider: the loop is still checked
+            lines.append(f"beams         onnxruntime-genai's own search not checked: {exc}")
+        else:
+            runtimes["genai"] = lambda prompt: decoding.beam_search_genai(folder, prompt, new, search,
+                                                                          model=model_genai)
+    rule = "early stopping" if search.early_stopping else "no early stopping"
+    log(f"beams         {search.num_beams} beams (length penalty {search.length_penalty:g}, {rule}) on "
+        f"{', '.join(runtimes)} vs eager: {len(prompts)} prompts alone, up to {new} new tokens, "
+        f"{search.num_return_sequences} hypotheses each; end ids "
+        f"{', '.join(map(str, ends)) if ends else 'none (an engine checked without its folder)'}")
+    hf = None
+    if layouts.hf_import_of(loaded.source) is not None and dtype == "float32" and quant is None:
+        if search.length_penalty == 0:
+            hf = hf_generator(loaded)
+        else:
+            lines.append("beams         transformers' beam search divides by the new tokens, genai's by the whole "
+                         "length: compared with it at --length-penalty 0 only")
+    progress = Progress("beam search", len(prompts) * (len(runtimes) + 1 + (hf is not None)))
+    hf_same = 0
+    same = dict.fromkeys(runtimes, 0)
+    gaps = dict.fromkeys(runtimes, 0.0)
+    parted = []
+    total = 0
+    for index, prompt in enumerate(prompts):
+        want = on_eager(lambda: beam_search(model, prompt, search, new, ends))
+        progress.advance(1)
+        total += len(want)
+        if hf is not None:
+            found = hf_beams(hf, prompt, search, new, ends)
+            progress.advance(1)
+            hf_same += sum(1 for h, (tokens, stop) in zip(want, found) if (h.tokens, h.stop) == (tokens, stop))
+        for name, run in runtimes.items():
+            got = run(prompt)
+            progress.advance(1)
+            for rank, hypothesis in enumerate(want):
+                if rank >= len(got.sequences):
+                    gaps[name] = float("inf")
+                    parted.append(f"{name} prompt {index + 1}: no hypothesis of rank {rank + 1}")
+                    continue
+                tokens, stop = got.sequences[rank], got.stops[rank]
+                if tokens == hypothesis.tokens and stop == hypothesis.stop:
+                    same[name] += 1
+                    continue
+                score = on_eager(lambda: hypothesis_score(model, prompt, tokens, stop, search.length_penalty, ends))
+                gap = hypothesis.score - score
+                gaps[name] = max(gaps[name], gap)
+                at = next((i for i, (a, b) in enumerate(zip(tokens, hypothesis.tokens)) if a != b),
+                          min(len(tokens), len(hypothesis.tokens)))
+                parted.append(f"{name} prompt {index + 1} rank {rank + 1}: parts at new token {at + 1} "
+                              f"({len(tokens)} tokens, {stop}; eager {len(hypothesis.tokens)}, {hypothesis.stop}); "
+                              f"eager scores it {score:.5f}, its own {hypothesis.score:.5f} (gap {gap:.2e})")
+    progress.close()
+    judged = dtype == "float32" and budget is None
+    failures = []
+    for name in runtimes:
+        ok = same[name] == total
+        if not ok and judged:
+            failures.append(f"beam hypotheses {name} vs eager")
+        verdict = "PASS" if ok else ("FAIL" if judged else "(reported: quantised weights change the model)"
+                                     if budget is not None else f"(reported: {dtype} may part beams at near-ties)")
+        worst = "" if ok else f"; worst score gap under eager {gaps[name]:.2e}"
+        lines.append(f"beam hypotheses {name} == eager: {same[name]}/{total}{worst}  {verdict}")
+    if hf is not None:
+        if hf_same != total:
+            failures.append("beam hypotheses transformers vs eager")
+        lines.append(f"beam hypotheses transformers generate() == eager: {hf_same}/{total}  "
+                     f"{'PASS' if hf_same == total else 'FAIL'}")
+    return [*parted[:5], *lines], failures
+
+
+SAMPLING_P_VALUE = 1e-4  # below: genai's draws are not from the eager distribution (seeded, so reproducible)
+
+
+SAMPLING_MIN_EXPECTED = 5  # draws a chi-square bin needs (Cochran's rule)
+
+
+def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampling, draws: int,
+                    prompts: list[list[int]], budget, log: Callable[[str], None],
+                    plot: str | None = None) -> tuple[list[str], bool]:
+    """onnxruntime-genai's sampled first tokens after each prompt against the distribution eager
+    generate draws from (generation.next_token_probs: temperature, top-k, top-p, after the
+    repetition penalty): no draw may fall outside the eager support, except a token at the cut
+    within the logits' tolerance of the last kept one, and a chi-square test over the support (bins of
+    at least SAMPLING_MIN_EXPECTED expected draws, the tail merged) must not reject at
+    SAMPLING_P_VALUE. Draws are seeded, so a verdict repeats. Quantised folders are reported.
+    The onnxruntime loop draws with eager's own code (generation.choose_next), so only genai is tested.
+    plot: check's --plot; the draws then go to plots.sampling_plot_path(plot)."""
+    from diffexport.backends import decoding
+    from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
+    from diffexport.progress import Progress
+
+    folder, provider = genai
+    try:
+        genai_model = decoding.open_genai_model(folder, provider, decoding.genai_pad_for(config, prompts))
+    except DiffExportError as exc:
+        return [f"sampling      onnxruntime-genai's sampling not checked: {exc}"], True
+    log(f"sampling      genai: {draws} draws of the first token after each of {len(prompts)} prompts (temperature "
+        f"{sampling.temperature:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, repetition penalty "
+        f"{sampling.repetition_penalty:g}, seed {sampling.seed}) vs the eager distribution")
+    lines, ok, drawn = [], True, []
+    device = next(model.parameters()).device
+    progress = Progress("sampling", len(prompts) * draws, min_total=20_000)
+    for index, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=torch.ones_like(ids), use_cache=True)[0][:, -1].float()
+        if sampling.repetition_penalty != 1.0:
+            logits = penalize_repeats(logits, seen_tokens(ids, None, logits.shape[-1]), sampling.repetition_penalty)
+        probs = next_token_probs(logits, sampling)[0].double().cpu()
+        scaled = (logits[0] / sampling.temperature).double().cpu()
+        got = decoding.sample_first_tokens_genai(genai_model, config, prompt, sampling, draws,
+                                                 on_draws=progress.advance)
+        counts = torch.bincount(torch.tensor(got), minlength=probs.numel()).double()
+        # a token just outside the cut may be inside it in the folder's logits: within their tolerance
+        cut = float(scaled[probs > 0].min())
+        slack = 1e-3 * max(1.0, abs(cut)) / min(1.0, sampling.temperature)
+        outside = (probs == 0) & (counts > 0)
+        at_cut = outside & (scaled >= cut - slack)
+        strays = int(counts[outside & ~at_cut].sum())
+        support = probs > 0  # draws at the cut left out of the test, the rest expected in proportion
+        statistic, bins, p_value = _chi_square(counts[support], probs[support] * float(counts[support].sum()))
+        drawn.append((probs, counts, draws, strays))
+        passed = strays == 0 and p_value >= SAMPLING_P_VALUE
+        ok = ok and (passed or budget is not None)
+        lines.append(f"sampled tokens genai prompt {index + 1}: {draws} draws over {int((probs > 0).sum())} eager "
+                     f"candidates, {strays} outside them{f' ({int(counts[at_cut].sum())} at the cut)' if at_cut.any() else ''}; "
+                     f"chi-square {statistic:.1f} over {bins} bins, p {p_value:.2g}  "
+                     f"{('PASS' if passed else 'FAIL') if budget is None else '(reported: quantised weights)'}")
+    progress.close()
+    if plot is not None:
+        from diffexport.analysis import plots
+
+        title = (f"{Path(folder).name}: genai's draws vs eager (temperature {sampling.temperature:g}, "
+                 f"top-k {sampling.top_k}, top-p {sampling.top_p:g})")
+        lines.append(f"plot          {plots.plot_sampled_draws(drawn, plots.sampling_plot_path(plot), title)}")
+    return lines, ok
+
+
+def _chi_square(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's chi-square of draws against their expected counts: the likeliest tokens a bin each
+    while a bin expects SAMPLING_MIN_EXPECTED draws, the rest one bin (folded into the last when it
+    expects fewer). -> (statistic, bins, p-value); one bin leaves nothing to test (p 1)."""
+    order = expected.argsort(descending=True)
+    observed, expected = observed[order], expected[order]
+    single = int((expected >= SAMPLING_MIN_EXPECTED).sum())
+    obs, exp = list(observed[:single]), list(expected[:single])
+    rest_obs, rest_exp = float(observed[single:].sum()), float(expected[single:].sum())
+    if rest_exp >= SAMPLING_MIN_EXPECTED or not exp:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    else:
+        obs[-1] += rest_obs
+        exp[-1] += rest_exp
+    obs, exp = torch.tensor([float(o) for o in obs], dtype=torch.float64), \
+        torch.tensor([float(e) for e in exp], dtype=torch.float64)
+    if len(exp) < 2:
+        return 0.0, len(exp), 1.0
+    statistic = float(((obs - exp) ** 2 / exp.clamp_min(1e-300)).sum())
+    dof = len(exp) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(statistic / 2, dtype=torch.float64)))
+    return statistic, len(exp), p_value
