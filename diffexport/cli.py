@@ -724,16 +724,8 @@ def cmd_trt(args) -> int:
     """Build a TensorRT engine from an exported ONNX file: DiffAttention plugin (fp16/bf16, --int8 logits) or native layers."""
     from pathlib import Path
 
-    from diffexport.backends.tensorrt import EngineOptions, build_engine, check_decoder_format, write_engine
-    from diffexport.files import check_output_path
-    from diffexport.format.metadata import read_export_metadata
-    from diffexport.errors import DiffExportError
-    from diffexport.files import load_onnx
+    from diffexport.backends.tensorrt import EngineOptions, build_engine_file
 
-    output = Path(args.output)
-    if output.suffix not in (".engine", ".plan", ".trt"):
-        raise DiffExportError(f"-o {output}: name the engine *.engine (or .plan/.trt)")
-    check_output_path(output, ("", ".json"))
     if args.int8 and args.logit_bits not in (None, 8):
         raise DiffExportError("--int8 means --logit-bits 8: pass one of them")
     bits = 8 if args.int8 else (args.logit_bits or 16)
@@ -742,33 +734,11 @@ def cmd_trt(args) -> int:
                             module={"auto": "auto", "tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[args.builder],
                             targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
                             opt_shape=_shape_pair(args.opt or "1x128", "--opt"),
-                            max_shape=_shape_pair(args.max or "4x2048", "--max"), timing_cache=args.timing_cache, save_onnx=args.save_onnx)
-    model_path = Path(args.model)
-    if model_path.is_dir():  # a KV-cache decoder folder: its graph, past lengths up to the context length
-        from diffexport.export.decoder import read_decoder_folder
-
-        model_path, config, _ = read_decoder_folder(model_path)
-        context = int(config["model"]["context_length"])
-        if args.max is None:
-            options.max_shape = (4, max(1, min(512, context // 4)))
-        elif options.max_shape[1] > context:
-            raise DiffExportError(f"--max sequence {options.max_shape[1]} exceeds the folder's context length {context}: "
-                                  f"give at most {context}")
-        options.max_past = args.max_past if args.max_past is not None else context - options.max_shape[1]
-        if options.max_past + options.max_shape[1] > context:
-            raise DiffExportError(f"--max-past {options.max_past} + max sequence {options.max_shape[1]} exceeds the "
-                                  f"context length {context}: lower --max-past or --max")
-    elif args.max_past is not None:
-        options.max_past = args.max_past
-    options.opt_past = min(args.opt_past, options.max_past)
-    if args.opt is None:  # the default optimum never exceeds the maximum
-        options.opt_shape = tuple(min(o, m) for o, m in zip(options.opt_shape, options.max_shape))
-    meta = read_export_metadata(model_path)
-    check_decoder_format(meta.get("attention"), str(model_path))  # before the weights load (build_engine asks too)
-    model = load_onnx(model_path)
-    result = build_engine(model, options)  # TensorRT's build phases show on stderr while it runs
-    write_engine(output, result, model_path, meta, options)
-    print("\n".join(result.summary() + [f"wrote         {output} (+ {output.name}.json)"]))
+                            max_shape=_shape_pair(args.max or "4x2048", "--max"), timing_cache=args.timing_cache,
+                            save_onnx=args.save_onnx, opt_past=args.opt_past)
+    result = build_engine_file(args.model, args.output, options, max_given=args.max is not None,
+                               opt_given=args.opt is not None, max_past=args.max_past)
+    print("\n".join(result.summary() + [f"wrote         {args.output} (+ {Path(args.output).name}.json)"]))
     return 0
 
 

@@ -402,6 +402,47 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
 
 # ------------------------------------------------------------------ engine files and their record
 
+
+def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, options: EngineOptions, *,
+                      max_given: bool = True, opt_given: bool = True, max_past: int | None = None) -> BuildResult:
+    """Build `output` (and its .json record) from an exported ONNX file or a KV-cache decoder folder.
+    A folder gives its graph, and its context length bounds the profile: without max_given the
+    maximum is 4 x min(512, context/4), and the past goes up to the context less the sequence
+    (max_past: a shorter one). Without opt_given, the optimum is cut to the maximum. The format is
+    checked before the weights load."""
+    from diffexport.files import check_output_path, load_onnx
+    from diffexport.format.metadata import read_export_metadata
+
+    output, model_path = Path(output), Path(model_path)
+    if output.suffix not in names.ENGINE_SUFFIXES:
+        raise DiffExportError(f"-o {output}: name the engine *.engine (or .plan/.trt)")
+    check_output_path(output, ("", ".json"))
+    if model_path.is_dir():  # a KV-cache decoder folder: its graph, past lengths up to the context length
+        from diffexport.export.decoder import read_decoder_folder
+
+        model_path, config, _ = read_decoder_folder(model_path)
+        context = int(config["model"]["context_length"])
+        if not max_given:
+            options.max_shape = (4, max(1, min(512, context // 4)))
+        elif options.max_shape[1] > context:
+            raise DiffExportError(f"--max sequence {options.max_shape[1]} exceeds the folder's context length {context}: "
+                                  f"give at most {context}")
+        options.max_past = max_past if max_past is not None else context - options.max_shape[1]
+        if options.max_past + options.max_shape[1] > context:
+            raise DiffExportError(f"--max-past {options.max_past} + max sequence {options.max_shape[1]} exceeds the "
+                                  f"context length {context}: lower --max-past or --max")
+    elif max_past is not None:
+        options.max_past = max_past
+    options.opt_past = min(options.opt_past, options.max_past)
+    if not opt_given:  # the default optimum never exceeds the maximum
+        options.opt_shape = tuple(min(o, m) for o, m in zip(options.opt_shape, options.max_shape))
+    meta = read_export_metadata(model_path)
+    check_decoder_format(meta.get("attention"), str(model_path))  # before the weights load (build_engine asks too)
+    result = build_engine(load_onnx(model_path), options)  # TensorRT's build phases show on stderr while it runs
+    write_engine(output, result, model_path, meta, options)
+    return result
+
+
 def sidecar_path(engine_path: Path) -> Path:
     return engine_path.with_name(engine_path.name + ".json")
 

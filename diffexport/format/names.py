@@ -50,3 +50,6 @@ def decoder_input_names(layers: int) -> list[str]:
 
 def decoder_output_names(layers: int) -> list[str]:
     return [LOGITS] + [name % i for i in range(layers) for name in (PRESENT_KEY, PRESENT_VALUE)]
+
+# A TensorRT engine file (its build record sits beside it as NAME.json).
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")

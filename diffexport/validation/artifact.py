@@ -11,13 +11,12 @@ from typing import Callable
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.format.metadata import check_export_metadata, read_export_metadata
+from diffexport.format.names import ENGINE_SUFFIXES
 from diffexport.validation.against import run_against
 from diffexport.validation.decoder import run_decoder_check
 from diffexport.validation.engine import run_engine_check
 from diffexport.validation.options import DECODE_STEPS, CheckOptions, CheckReport, check_decode_options
 from diffexport.validation.prefill import run_check
-
-ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
 
 # Options that need a decoder (a folder; all but --sample, its engine too), in the order they are
 # refused: each is said before anything loads.
