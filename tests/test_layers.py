@@ -142,7 +142,7 @@ CLI_LINES = 600
 
 
 def line_limit(name: str) -> int:
-    return CLI_LINES if name == "diffexport.cli" else MODULE_LINES
+    return CLI_LINES if name == "diffexport.cli" or name.startswith("diffexport.cli.") else MODULE_LINES
 
 
 def known_oversize() -> set[str]:

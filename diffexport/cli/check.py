@@ -1,0 +1,150 @@
+"""`diffexport check`: its options, the model it loads, and the reports it prints (validation.check_artifact routes the path).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from diffexport.errors import DiffExportError  # light: no torch
+from diffexport.cli.common import add_model_source, load_named_model, log_line
+
+
+def _check_options(args, folder_config: dict | None = None):
+    from pathlib import Path
+
+    from diffexport.validation import DEFAULT_SHAPES, CheckOptions, parse_shapes
+
+    from diffexport.errors import DiffExportError
+
+    for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
+        if value is not None and not (value >= 0 and value != float("inf")):
+            raise DiffExportError(f"{flag} must be a finite number >= 0, got {value}")
+    return CheckOptions(shapes=parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
+                        provider=args.provider, seed=args.seed,
+                        save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
+                        reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer,
+                        plot=args.plot, beams=_check_beams(args), **_check_sampling(args, folder_config))
+
+
+def _check_sampling(args, folder_config: dict | None) -> dict:
+    """check's --sample: CheckOptions' sampling and draws. A folder whose search samples (its
+    checkpoint's generation_config) gives the defaults, as it does to generate; the options override."""
+    from diffexport.export.decoder import folder_search
+    from diffexport.generation import Sampling
+
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                      ("--top-p", args.top_p), ("--repetition-penalty", args.repetition_penalty),
+                                      ("--draws", args.draws)) if value is not None]
+    if not args.sample:
+        if given:
+            raise DiffExportError(f"{given[0]} shapes the sampling check: add --sample")
+        return {}
+    draws = 2000 if args.draws is None else args.draws  # checked with the other options (check_decode_options)
+    search = folder_search(folder_config) if folder_config is not None else {"do_sample": False}
+    taken = []
+
+    def pick(given, key: str, own):
+        if given is not None or not search["do_sample"]:
+            return own if given is None else given
+        if search[key] != own:
+            taken.append(f"{key.replace('_', ' ')} {search[key]}")
+        return search[key]
+
+    sampling = Sampling(greedy=False, temperature=pick(args.temperature, "temperature", 1.0),
+                        top_k=pick(args.top_k, "top_k", 0), top_p=pick(args.top_p, "top_p", 1.0), seed=args.seed,
+                        repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0))
+    if taken:
+        log_line(f"from the folder's genai_config.json search: {', '.join(taken)} (the options override it)")
+    return {"sampling": sampling, "draws": draws}
+
+
+def _check_beams(args):
+    """check's --num-beams: every hypothesis of N beams is compared (as many returned as beams)."""
+    from diffexport.generation import BeamSearch
+
+    if args.num_beams is None:
+        if args.length_penalty is not None or args.no_early_stopping:
+            raise DiffExportError("--length-penalty and --no-early-stopping shape a beam search: add --num-beams N")
+        return None
+    return BeamSearch(num_beams=args.num_beams, num_return_sequences=args.num_beams,
+                      length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+                      early_stopping=not args.no_early_stopping)
+
+
+def _load_for_check(args, meta: dict, path) -> object:
+    """check's model. A preset or --config without a checkpoint is first held to the export's
+    configuration on shapes alone: a wrong preset is one line before its random weights are built
+    (a 13B preset would not even fit this machine's memory to find that out)."""
+    from pathlib import Path
+
+    from diffexport.validation import check_same_config
+
+    if args.ckpt is None and (args.preset is not None or args.config is not None):
+        check_same_config(meta, load_named_model(args, device="meta", default_model=False).config, Path(path))
+    return load_named_model(args, default_model=False)
+
+
+def cmd_check(args) -> int:
+    """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
+    from diffexport.validation.artifact import check_artifact
+
+    with_model = not (args.against and args.ckpt is None and args.preset is None and args.config is None)
+    reports = check_artifact(args.model, lambda folder_config: _check_options(args, folder_config),
+                             (lambda meta: _load_for_check(args, meta, args.model)) if with_model else None,
+                             against=args.against, steps=args.steps, shapes_given=bool(args.shapes), plot=args.plot is not None,
+                             sample=args.sample, num_beams=args.num_beams, log=log_line)
+    for report in reports:
+        print(report.text())
+    return 0 if all(report.passed for report in reports) else 1
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    """The options of command `name` (one of this module's)."""
+    if name == "check":
+        p.add_argument("model", help="the exported .onnx file, a --kv-cache folder, or an .engine built by "
+                                     "`diffexport trt` (GPU)")
+        p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
+        add_model_source(p, positional=False)
+        p.add_argument("--shapes", help="BATCHxSEQ list (default 1x1,1x17,2x33,3x64)")
+        p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
+        p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
+        p.add_argument("--steps", type=int, help="decode steps checked for a --kv-cache folder or its engine "
+                                                 "(default 32)")
+        p.add_argument("--num-beams", type=int,
+                       help="--kv-cache folders and their engines: also beam search with N beams, on the "
+                            "onnxruntime loop (or the engine) and in onnxruntime-genai, against eager beam "
+                            "search, every hypothesis in rank order")
+        p.add_argument("--length-penalty", type=float, help="--num-beams: as generate's (default 1.0)")
+        p.add_argument("--no-early-stopping", action="store_true", help="--num-beams: as generate's")
+        p.add_argument("--sample", action="store_true",
+                       help="--kv-cache folders: also onnxruntime-genai's sampled tokens against the eager "
+                            "distribution (--temperature, --top-k, --top-p, --repetition-penalty as generate's; "
+                            "draws seeded by --seed)")
+        p.add_argument("--temperature", type=float, help="--sample: default 1.0")
+        p.add_argument("--top-k", type=int, help="--sample: default 0 (no cut)")
+        p.add_argument("--top-p", type=float, help="--sample: default 1.0 (no cut)")
+        p.add_argument("--repetition-penalty", type=float, help="--sample: default 1.0 (none)")
+        p.add_argument("--draws", type=int, help="--sample: draws per prompt (default 2000)")
+        p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
+                       help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
+                            "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
+                            "when transformers is installed, else diffexport)")
+        p.add_argument("--against", metavar="OTHER.onnx",
+                       help="compare with another ONNX file on the same inputs (e.g. optimize's input); with "
+                            "--ckpt also against the model")
+        p.add_argument("--plugin-lib", help="engines: libdiffexport_plugins.so to load (default: "
+                                            "$DIFFEXPORT_PLUGIN_LIB or this install's build; never the path an "
+                                            "engine's .json names)")
+        p.add_argument("--atol", type=float, help="your own bound: |out - ref| <= atol + rtol*|ref| elementwise "
+                                                  "(polygraphy's rule) instead of the automatic dtype rule")
+        p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")
+        p.add_argument("--text", help="a UTF-8 text whose tokens replace the random ids (prefill files, engines, "
+                                      "--against); KV-cache folders also run its first 4096 tokens through their "
+                                      "cache (windows of half prefill, half decode steps) against eager; the "
+                                      "perplexity of both sides is reported")
+        p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it a "
+                                           "folder's own tokenizer, else the text's bytes are the token ids")
+        p.add_argument("--plot", help="KV-cache folders and their engines: a PNG of KL (or error) and cosine per "
+                                      "decode step (with --sample, also P-sampling.png: genai's draws against "
+                                      "the eager probabilities)")

@@ -1,0 +1,45 @@
+"""What several commands share: the model-source options, loading the model they name, progress lines on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+
+def add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        parser.add_argument("ckpt", nargs="?",
+                            help="ckpt.pt, a .safetensors file, a diffexport or Hugging Face DiffLlama directory, "
+                                 "or a bare state dict (with --preset/--config)")
+    parser.add_argument("--preset", help="a model zoo preset (see `diffexport presets`); alone: a seeded random model")
+    parser.add_argument("--config", help="JSON {family, config} for a bare state dict")
+    parser.add_argument("--layout", default="auto", choices=["auto", "native", "unilm"],
+                        help="weight naming/layout of a bare state dict (default: detect)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for random preset weights")
+
+
+def load_named_model(args, device: str = "cpu", dtype: str | None = None, default_model: bool = True):
+    """The model the arguments name; with none named, the default preset (or an error where a
+    silent random model would surprise: export and check)."""
+    import torch
+
+    from diffexport.checkpoint import load_config_file, load_model
+    from diffexport.errors import DiffExportError
+    from diffexport.presets import DEFAULT_PRESET
+
+    config = load_config_file(args.config) if args.config else None
+    preset = args.preset
+    if args.ckpt is None and preset is None and config is None:
+        if not default_model:
+            raise DiffExportError(f"name the model: a checkpoint{' (--ckpt)' if args.command == 'check' else ''} "
+                                  f"or --preset NAME (e.g. --preset {DEFAULT_PRESET} for a seeded random model)")
+        preset = DEFAULT_PRESET
+
+    return load_model(args.ckpt, preset=preset, config=config, layout=args.layout, seed=args.seed,
+                      device=device, dtype=getattr(torch, dtype) if dtype else None)
+
+
+def log_line(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

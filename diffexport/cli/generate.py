@@ -1,0 +1,247 @@
+"""`diffexport generate`: its options, checked together, and the streaming of what text_generation returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from diffexport.errors import DiffExportError  # light: no torch
+from diffexport.cli.common import log_line
+
+
+def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
+    """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
+    from diffexport.text_generation import prompt_ids
+
+    return prompt_ids(folder, config, args.max_new_tokens, ids=args.ids, prompt=args.prompt, chat=args.chat,
+                      system=args.system)
+
+
+def sampling_options(args, config: dict):
+    """The draw: the command line's options over the folder's genai_config search values
+    (text_generation.folder_sampling); what came from the folder is said on stderr."""
+    from diffexport.text_generation import folder_sampling
+
+    return folder_sampling(config, greedy=args.greedy, sample=args.sample, num_beams=args.num_beams,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           repetition_penalty=args.repetition_penalty, seed=args.seed, log=log_line)
+
+
+def _beam_search_options(args):
+    """--num-beams and its options as a BeamSearch (None: no beam search)."""
+    from diffexport.text_generation import beam_search_options
+
+    return beam_search_options(args.num_beams, args.num_return_sequences, args.length_penalty,
+                               not args.no_early_stopping, sample=args.sample,
+                               repetition_penalty=args.repetition_penalty, stop=args.stop,
+                               interactive=args.interactive,
+                               batched=args.batch_size is not None or args.sort_by_length)
+
+
+def _backend_options(args) -> dict:
+    return dict(backend=args.backend, provider=args.provider, engine=args.engine, plugin_lib=args.plugin_lib)
+
+
+def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
+    """One prompt's beam search: the hypotheses once it ends, best first."""
+    from diffexport.text_generation import beam_answers, beam_searcher
+
+    searcher = beam_searcher(folder, search, [ids], len(ids) + args.max_new_tokens, **_backend_options(args))
+    run = searcher(ids, search, args.max_new_tokens)
+    for rank, answer in enumerate(beam_answers(tokenizer, run), 1):
+        if search.num_return_sequences > 1:
+            sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
+        sys.stdout.write(answer["completion"] if tokenizer is not None else " ".join(map(str, answer["tokens"])))
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    rate = run.steps * search.num_beams / run.seconds if run.seconds > 0 else float("nan")
+    log_line(f"{args.backend} beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
+         f"in {run.seconds:.2f} s ({rate:.1f} beam tokens/s; best stopped: {run.stops[0]})")
+    return 0
+
+
+def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
+    """--prompts-file: one JSON line per prompt on stdout, in the file's order, each as soon as it
+    and every earlier one are done (text_generation.answer_prompt_rows)."""
+    import json
+
+    from diffexport.text_generation import answer_prompt_rows, read_prompt_rows
+
+    rows = read_prompt_rows(folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
+                            system=args.system, stop=args.stop)
+    for answer in answer_prompt_rows(folder, config, rows, sampling, search=search, batch_size=args.batch_size,
+                                     sort_by_length=args.sort_by_length, log=log_line, **_backend_options(args)):
+        sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+MAX_TURN_BYTES = 2**20  # a chat turn is text a person typed or piped: far below this
+
+
+def _stdin_turn(number: int) -> str | None:
+    """Line `number` of stdin without its newline (None at the end), read as bytes so that a line over
+    MAX_TURN_BYTES is refused before more of it is read, and text that is not UTF-8 in one line."""
+    raw = sys.stdin.buffer.readline(MAX_TURN_BYTES + 1)
+    if not raw:
+        return None
+    if len(raw) > MAX_TURN_BYTES:
+        raise DiffExportError(f"stdin line {number} is longer than {MAX_TURN_BYTES // 2**20} MiB: not a chat turn")
+    try:
+        return raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise DiffExportError(f"stdin line {number} is not UTF-8 text") from None
+
+
+def _generate_interactive(args, folder, config: dict, sampling) -> int:
+    """--interactive: a chat session on stdin (text_generation.ChatSession). Every line is a user
+    turn, and its answer streams to stdout."""
+    from diffexport.text_generation import ChatSession
+
+    session = ChatSession(folder, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
+                          log=log_line, **_backend_options(args))
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    prompt_shown, number = sys.stdin.isatty(), 0
+    while True:
+        if prompt_shown:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = _stdin_turn(number := number + 1)
+        if line is None:
+            break
+        if line.strip() and session.turn(line, show) is not None:
+            show("\n")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime loop."""
+    from pathlib import Path
+
+    from diffexport.backends import decoding
+    from diffexport.export.decoder import read_decoder_folder
+    from diffexport.generation import StopText
+
+    folder = Path(args.folder)
+    _, config, _ = read_decoder_folder(folder)
+    if args.max_new_tokens < 1:
+        raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = sampling_options(args, config)
+    if args.backend == "genai":
+        decoding.import_genai()
+    if (args.backend == "tensorrt") != (args.engine is not None):
+        raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
+                              "--backend tensorrt and --engine ENGINE")
+    if args.backend == "tensorrt" and args.provider != "auto":
+        raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
+    if (args.chat or args.system is not None) and args.ids is not None:
+        raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
+    if args.system is not None and not (args.chat or args.interactive):
+        raise DiffExportError("--system is a turn of the chat template: add --chat")
+    if any(not stop for stop in args.stop):
+        raise DiffExportError("--stop needs non-empty text")
+    if (args.batch_size is not None or args.sort_by_length) and args.prompts_file is None:
+        raise DiffExportError(f"{'--batch-size' if args.batch_size is not None else '--sort-by-length'} "
+                              "groups the prompts of --prompts-file")
+    if args.interactive and args.chat:
+        raise DiffExportError("--interactive is a chat already (every line a user turn): drop --chat")
+    search = _beam_search_options(args)
+    if args.interactive:
+        return _generate_interactive(args, folder, config, sampling)
+    if args.prompts_file is not None:
+        args.batch_size = 8 if args.batch_size is None else args.batch_size
+        if args.batch_size < 1:
+            raise DiffExportError(f"the batch size must be >= 1, got {args.batch_size}")
+        return _generate_file(args, folder, config, sampling, search)
+    if args.stop and args.ids is not None:
+        raise DiffExportError("--stop matches generated text: give --prompt (the folder's tokenizer), not --ids")
+    ids, tokenizer = _prompt_ids(args, folder, config)
+    if search is not None:
+        return _generate_beams(args, folder, ids, tokenizer, search)
+    stream = tokenizer.create_stream() if tokenizer is not None else None
+    text = StopText(args.stop, stream.decode) if args.stop else None
+
+    def show(token: int) -> None:
+        sys.stdout.write(stream.decode(token) if stream is not None else f"{token} ")
+        sys.stdout.flush()
+
+    def show_until_stop(token: int) -> bool:  # --stop: shows what cannot begin a stop string, ends at one
+        sys.stdout.write(text.push(token))
+        sys.stdout.flush()
+        return text.done
+
+    shown = dict(on_token=show) if text is None else dict(stop_after=show_until_stop)
+    from diffexport.text_generation import generate_once
+
+    run = generate_once(folder, ids, args.max_new_tokens, sampling, **_backend_options(args), **shown)
+    if text is not None:
+        sys.stdout.write(text.flush())
+    sys.stdout.write("\n")
+    log_line(f"{args.backend}: prompt {run.prompt_tokens} tokens at {run.prompt_tokens_per_s:.1f} tokens/s, "
+         f"{len(run.tokens)} new tokens, decode {run.decode_tokens_per_s:.1f} tokens/s (stopped: {run.stop})")
+    return 0
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    """The options of command `name` (one of this module's)."""
+    if name == "generate":
+        p.add_argument("folder", help="a folder written by `diffexport onnx CKPT --kv-cache -o FOLDER`")
+        prompt = p.add_mutually_exclusive_group(required=True)
+        prompt.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
+        prompt.add_argument("--ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+        prompt.add_argument("--interactive", action="store_true",
+                            help="a chat session: every line of stdin is a user turn, answered in the chat "
+                                 "template with the conversation so far (--system: a system turn first)")
+        prompt.add_argument("--prompts-file", help='JSON Lines, one prompt per line: {"prompt": "text"} or '
+                                                   '{"ids": [1, 2, 3]}, optionally with "id"; answers go to '
+                                                   "stdout as JSON Lines, in order")
+        p.add_argument("--batch-size", type=int, help="--prompts-file: prompts run together (default 8)")
+        p.add_argument("--sort-by-length", action="store_true",
+                       help="--prompts-file: batch the prompts longest first, so each batch pads little "
+                            "(answers still come in the file's order, each once every earlier one is done)")
+        p.add_argument("--chat", action="store_true",
+                       help="put --prompt into the tokenizer's chat template as a user turn (chat models)")
+        p.add_argument("--system", help="with --chat: a system turn before the prompt")
+        p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+        mode = p.add_mutually_exclusive_group()
+        mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+        mode.add_argument("--sample", action="store_true", help="sample with --temperature/--top-k/--top-p")
+        p.add_argument("--temperature", type=float,
+                       help="sampling temperature (default 1.0, or the folder's when its search samples)")
+        p.add_argument("--top-k", type=int, help="sample among the k most likely (0: all; default 0, or the "
+                                                 "folder's when its search samples)")
+        p.add_argument("--top-p", type=float,
+                       help="nucleus sampling mass (default 1.0: all, or the folder's when its search samples)")
+        p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+        p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="end an answer where its text first holds TEXT (repeatable; the answer stops "
+                            "before it); text prompts only")
+        p.add_argument("--repetition-penalty", type=float,
+                       help="greedy or sampled: the logit of every id a row already holds, prompt included, "
+                            "divided by P (times P when negative); 1.0: none, 1.1-1.3: usual (default: the "
+                            "folder's search value, 1.0 unless its checkpoint named one)")
+        p.add_argument("--num-beams", type=int, default=1,
+                       help="beam search with N beams (genai's own, or the same rule on the onnxruntime loop "
+                            "and engines): printed once the search ends (default 1: no beam search)")
+        p.add_argument("--num-return-sequences", type=int,
+                       help="--num-beams: how many of the best hypotheses to print, best first (default 1)")
+        p.add_argument("--length-penalty", type=float,
+                       help="--num-beams: an ended hypothesis scores sum(log p) / length^L, length counting "
+                            "the prompt (genai's rule); > 0 favours longer answers (default 1.0)")
+        p.add_argument("--no-early-stopping", action="store_true",
+                       help="--num-beams: keep searching while a running beam could still beat the ended "
+                            "ones (default: stop once N hypotheses have ended)")
+        p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime", "tensorrt")),
+                       help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop; tensorrt: "
+                            "the --engine built from this folder, on the GPU")
+        p.add_argument("--engine", help="--backend tensorrt: the engine `diffexport trt FOLDER` built")
+        p.add_argument("--plugin-lib", help="--backend tensorrt: libdiffexport_plugins.so for plugin engines "
+                                            "(default: $DIFFEXPORT_PLUGIN_LIB or this install's build)")
+        p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="execution provider (auto: genai, the one the folder's genai_config.json names; the "
+                            "onnxruntime loop, CUDA when onnxruntime-gpu and a GPU are present)")
