@@ -135,7 +135,7 @@ def test_kernels_check_needs_a_gpu_and_the_library(monkeypatch):
 def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):
     """The report of `diffexport kernels --check`: one line per path (skipped ones say why), a failed
     path named with its reason, exit 1."""
-    from diffexport import cli
+    from diffexport.cli import gpu as cli  # the kernels command's module
 
     answers = {"one-pass": (None, ["ok: 2 launches, worst cosine 0.999990, max abs 3.91e-03 (bf16 vs float32)"]),
                "int8": (None, ["ok: 2 launches, worst cosine 0.999950, max abs 7.81e-03 (bf16 vs float32)"]),

@@ -15,14 +15,15 @@ import sys
 from diffexport.cli import analysis, check, export, generate, gpu
 from diffexport.cli.generate import sampling_options as _sampling  # noqa: F401 (tests' old name)
 
-# Command -> (function, the module that adds its options); the order is the help's.
-COMMANDS = {"onnx": (export.cmd_onnx, export), "trt": (gpu.cmd_trt, gpu), "check": (check.cmd_check, check),
-            "generate": (generate.cmd_generate, generate), "optimize": (export.cmd_optimize, export),
-            "quantize": (export.cmd_quantize, export), "inspect": (export.cmd_inspect, export),
-            "demo": (export.cmd_demo, export), "info": (export.cmd_info, export),
-            "presets": (export.cmd_presets, export), "stats": (analysis.cmd_stats, analysis),
-            "quant-sweep": (analysis.cmd_quant_sweep, analysis), "linear-sweep": (analysis.cmd_linear_sweep, analysis),
-            "retrieval": (analysis.cmd_retrieval, analysis), "kernels": (gpu.cmd_kernels, gpu)}
+# Command -> its function, in the help's order; and the module that adds its options.
+COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "generate": generate.cmd_generate,
+            "optimize": export.cmd_optimize, "quantize": export.cmd_quantize, "inspect": export.cmd_inspect,
+            "demo": export.cmd_demo, "info": export.cmd_info, "presets": export.cmd_presets,
+            "stats": analysis.cmd_stats, "quant-sweep": analysis.cmd_quant_sweep,
+            "linear-sweep": analysis.cmd_linear_sweep, "retrieval": analysis.cmd_retrieval, "kernels": gpu.cmd_kernels}
+OPTIONS = {"onnx": export, "trt": gpu, "check": check, "generate": generate, "optimize": export, "quantize": export,
+           "inspect": export, "demo": export, "info": export, "presets": export, "stats": analysis,
+           "quant-sweep": analysis, "linear-sweep": analysis, "retrieval": analysis, "kernels": gpu}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser._subcommands = {}
-    for name, (fn, module) in COMMANDS.items():
+    for name, fn in COMMANDS.items():
         p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
         parser._subcommands[name] = p
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(name, p)
+        if hasattr(OPTIONS[name], "add_arguments"):
+            OPTIONS[name].add_arguments(name, p)
         p.set_defaults(func=fn)
     return parser
 
