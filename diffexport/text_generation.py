@@ -23,8 +23,11 @@ def folder_tokenizer(folder: Path):
     from diffexport.backends.decoding import import_genai
     from diffexport.export.decoder import has_tokenizer
 
+    from diffexport.format.genai_config import read_genai_config
+
     if not has_tokenizer(folder):
         raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
+    read_genai_config(folder)  # og.Model below reads it: nothing it would load, write or run
     og = import_genai()
     try:
         return og.Tokenizer(og.Model(str(folder)))

@@ -17,6 +17,7 @@ from diffexport import contract  # noqa: E402
 from diffexport.backends import decoding  # noqa: E402
 from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
 from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
@@ -309,6 +310,66 @@ def test_generate_refuses_a_prefill_export_and_a_plain_folder(tmp_path):
     (tmp_path / "fake" / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"filename": "m.onnx"}}}))
     (tmp_path / "fake" / "m.onnx").write_bytes(prefill.read_bytes())
     assert_one_line_error(cli_main("generate", tmp_path / "fake", "--ids", "1"), "prefill-only export")
+
+
+def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run(v1_folder, tmp_path, monkeypatch):
+    """genai_config.json keys onnxruntime-genai acts on and diffexport never writes (a library to
+    load, a profile to write, another graph to run, thousands of threads, a huge vocabulary), links
+    and nesting bombs: one line, exit 2, before onnxruntime-genai is imported, for every command."""
+    import diffexport.text_generation
+
+    def genai_reached(*_):
+        raise AssertionError("onnxruntime-genai was reached")
+
+    monkeypatch.setattr(decoding, "import_genai", genai_reached)
+    monkeypatch.setattr(diffexport.text_generation, "folder_tokenizer", genai_reached, raising=False)
+    config = json.loads((v1_folder / "genai_config.json").read_text())
+
+    def folder_with(name, edit=None, text=None):
+        folder = tmp_path / name
+        shutil.copytree(v1_folder, folder)
+        bad = json.loads(json.dumps(config))
+        if edit:
+            edit(bad)
+        (folder / "genai_config.json").write_text(text if text is not None else json.dumps(bad))
+        return folder
+
+    session = lambda key, value: lambda c: c["model"]["decoder"]["session_options"].__setitem__(key, value)  # noqa: E731
+    cases = [
+        ("custom-ops", session("custom_ops_library", "libevil.so"), "custom_ops_library is not a key diffexport writes"),
+        ("profiling", session("enable_profiling", str(tmp_path / "outside" / "p")), "enable_profiling is not a key"),
+        ("log-level", session("log_severity_level", 0), "log_severity_level is not a key"),
+        ("threads", session("intra_op_num_threads", 20000), "intra_op_num_threads must be an integer in 1..256"),
+        ("provider-options", session("provider_options", [{"cuda": {"user_compute_stream": "1"}}]),
+         "provider_options must be a list of {provider: options} objects"),
+        ("provider-other", session("provider_options", [{"tensorrt": {}}]), "provider_options must be a list"),
+        ("pipeline", lambda c: c["model"].__setitem__("type", "decoder-pipeline"), "model.type 'decoder-pipeline'"),
+        ("stage", lambda c: c["model"]["decoder"].__setitem__("pipeline", [{"stage": {"filename": "x.onnx"}}]),
+         "model.decoder.pipeline is not a key"),
+        ("top-level", lambda c: c.__setitem__("engine", {}), "the file.engine is not a key"),
+        ("vocab-words", lambda c: c["model"].__setitem__("vocab_size", "abc"), "vocab_size must be an integer"),
+        ("vocab-huge", lambda c: c["model"].__setitem__("vocab_size", 2**31 - 1), "vocab_size must be an integer"),
+        ("pad-words", lambda c: c["model"].__setitem__("pad_token_id", "x"), "pad_token_id must be a token id"),
+    ]
+    for name, edit, message in cases:
+        folder = folder_with(name, edit)
+        (folder / "libevil.so").write_bytes(b"\x7fELF not really")
+        for argv in (("generate", folder, "--ids", "1"), ("generate", folder, "--ids", "1", "--backend", "onnxruntime"),
+                     ("check", folder, "--preset", "diff-v1-tiny")):
+            assert_one_line_error(cli_main(*argv), message)
+        with pytest.raises(DiffExportError, match=re.escape(message)):  # the API's own gate, before genai
+            decoding.open_genai_model(folder)
+    assert not (tmp_path / "outside").exists()
+    quantized = tmp_path / "quantized"
+    assert_one_line_error(cli_main("quantize", folder_with("q", cases[0][1]), "-o", quantized, "--weights", "int8"),
+                          "custom_ops_library is not a key")
+    assert not quantized.exists()
+    deep = folder_with("deep", text='{"model": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    assert_one_line_error(cli_main("generate", deep, "--ids", "1"), "not a readable genai config")
+    linked = folder_with("linked")
+    (linked / "genai_config.json").unlink()
+    (linked / "genai_config.json").symlink_to(v1_folder / "genai_config.json")
+    assert_one_line_error(cli_main("generate", linked, "--ids", "1"), "genai_config.json is a symbolic link")
 
 
 def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):

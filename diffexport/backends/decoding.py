@@ -264,14 +264,18 @@ def _search_options(sampling: Sampling, max_length: int, config: dict, min_lengt
 
 
 def _genai_config(folder) -> dict:
-    """The folder's genai_config.json as it is (a caller's folder: a benchmark's has no diffexport metadata)."""
-    return json.loads((Path(folder) / names.GENAI_CONFIG).read_text())
+    """The folder's genai_config.json, held to what diffexport writes (a caller's folder: a
+    benchmark's has no diffexport metadata, but nothing genai would load, write or run either)."""
+    from diffexport.format.genai_config import read_genai_config
+
+    return read_genai_config(folder)
 
 
 def open_genai_model(folder, provider: str | None = None, pad_token_id: int | None = None):
     """onnxruntime-genai's Model over the folder, on the provider its genai_config names, or on
     `provider` ("cpu", "cuda") instead, with pad_token_id in place of the folder's when given (the
     folder is not edited); what genai refuses (no CUDA build, no GPU) is one line."""
+    _genai_config(folder)  # refused before genai reads it: a library to load, a file to write, another graph
     og = import_genai()
     try:
         if provider is None and pad_token_id is None:

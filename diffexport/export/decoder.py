@@ -37,6 +37,7 @@ from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
 from diffexport.files import check_output_path, make_output_folder, temp_prefix
 from diffexport.format import decoders
+from diffexport.format.genai_config import check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
@@ -515,16 +516,11 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
     if not folder.is_dir():
         raise DiffExportError(f"{folder} is not a folder: give the folder `diffexport onnx --kv-cache -o` wrote")
     config_path = folder / GENAI_CONFIG
-    if not config_path.is_file():
-        raise DiffExportError(f"{folder} has no {GENAI_CONFIG}: not a KV-cache export "
-                              "(export one with `diffexport onnx CKPT --kv-cache -o FOLDER`)")
-    if config_path.stat().st_size > 1024**2:
-        raise DiffExportError(f"{config_path} is larger than 1 MiB: not a genai config")
+    config = load_genai_config(folder)
     try:
-        config = json.loads(config_path.read_text())
         decoder = config["model"]["decoder"]
         model_path = folder / decoder["filename"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         raise DiffExportError(f"{config_path} is not a readable genai config") from None
     if not isinstance(decoder["filename"], str) or Path(decoder["filename"]).name != decoder["filename"]:
         raise DiffExportError(f"{config_path}: decoder filename must name a file inside the folder")
@@ -534,6 +530,7 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
     if meta.get("kv_cache") != "1":
         raise DiffExportError(f"{model_path} is a prefill-only export, not a KV-cache decoder: "
                               "re-export with `diffexport onnx CKPT --kv-cache -o FOLDER`")
+    check_genai_config(config, config_path)  # only what diffexport writes: nothing genai would load, write or run
     for key in ("num_hidden_layers", "num_key_value_heads", "head_size"):  # the cache shape runners allocate
         value = decoder.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
