@@ -301,6 +301,27 @@ def test_text_through_a_local_tokenizer(tmp_path):
         streams.text_ids(str(text), str(tmp_path / "missing"), 512)
 
 
+def test_a_tokenizer_folders_own_code_never_runs(tmp_path, monkeypatch):
+    """A tokenizer folder whose tokenizer_config.json maps AutoTokenizer to a Python file in the
+    folder (auto_map): refused in one line, the file never imported, even where transformers would
+    ask whether to run it and the user would say yes."""
+    pytest.importorskip("transformers")
+    import json
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\nclass EvilTokenizer: pass\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["evil.EvilTokenizer",
+                                                                                           None]}}))
+    monkeypatch.setattr("builtins.input", lambda *_: "y")  # a user at a terminal who answers yes, if asked
+    text = tmp_path / "t.txt"
+    text.write_text("hello world")
+    with pytest.raises(DiffExportError, match="cannot load tokenizer"):
+        streams.text_ids(str(text), str(folder), 512)
+    assert not marker.exists()
+
+
 @pytest.mark.slow
 def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(tmp_path):
     from diffexport.presets import preset_config

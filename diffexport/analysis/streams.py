@@ -32,7 +32,7 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
     except ImportError:
         raise DiffExportError("--tokenizer needs transformers: pip install 'diffexport[hf]'") from None
     try:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+        tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)  # a folder's own code never runs
     except Exception as exc:  # transformers raises many types for missing/bad tokenizers
         raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: {str(exc).splitlines()[0]}") from None
     ids = tok(text, add_special_tokens=False)["input_ids"]

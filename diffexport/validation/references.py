@@ -78,7 +78,7 @@ def transformers_models(loaded: LoadedModel, dtype: str):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # its loading bars would land in our report
-    hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+    hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32, trust_remote_code=False).eval()
     if dtype == "float32":
         return hf, None
     import copy
@@ -105,7 +105,7 @@ def hf_generator(loaded: LoadedModel):
     except ImportError:
         return None
     transformers.utils.logging.disable_progress_bar()
-    return _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32).eval()
+    return _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32, trust_remote_code=False).eval()
 
 
 def _plain_generation_config(hf, eos_token_id):
