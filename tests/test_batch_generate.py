@@ -467,6 +467,11 @@ def test_check_sample_on_the_command_line(model_and_folders, tmp_path):
     assert result.stdout.count("500 draws over") == 3 and "top-p 0.5" in result.stdout + result.stderr
     for name in ("steps.png", "steps-sampling.png"):  # the decode steps, and the draws beside them
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the draws' plot has a name the user did not give: an existing file there is refused, not replaced
+    drawn = (tmp_path / "steps-sampling.png").read_bytes()
+    assert_one_line_error(cli_main("check", folders["diffattention"], "--ckpt", loaded.path, "--steps", "1",
+                                   "--sample", "--plot", tmp_path / "steps.png"), "steps-sampling.png exists")
+    assert (tmp_path / "steps-sampling.png").read_bytes() == drawn
     # a folder whose search samples gives the defaults, as it does to generate; an option overrides
     import shutil
 

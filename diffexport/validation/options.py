@@ -186,3 +186,10 @@ def check_decode_options(options: CheckOptions, steps: int) -> None:
             raise DiffExportError("the sampling check needs a sampling draw, not greedy decoding")
         if options.sampling.seed < 0:
             raise DiffExportError(f"--seed must be >= 0 with --sample (the draws are seeded), got {options.sampling.seed}")
+        if options.plot is not None:  # the draws' plot goes beside --plot under a name the user did not give
+            from diffexport.analysis import plots
+
+            extra = plots.sampling_plot_path(options.plot)
+            if extra.exists() or extra.is_symlink():
+                raise DiffExportError(f"{extra} exists, and --sample --plot {options.plot} would write the draws' plot "
+                                      "there: move it, or choose another --plot name")
