@@ -24,6 +24,9 @@ import torch
 from diffexport.errors import DiffExportError
 
 
+MAX_SEED = 2**31 - 1
+
+
 @dataclasses.dataclass
 class Sampling:
     """How the next token is chosen. greedy=True ignores temperature, top-k, top-p and seed; the
@@ -48,6 +51,12 @@ class Sampling:
                 raise DiffExportError(f"top-k must be >= 0, got {self.top_k}")
             if not 0 < self.top_p <= 1:
                 raise DiffExportError(f"top-p must be in (0, 1], got {self.top_p}")
+            # one rule for every sampled draw (generate and check): onnxruntime-genai reads -1 as "a
+            # random seed each run" and takes 32-bit seeds, so the draws are reproducible only here
+            seed = self.seed
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+                raise DiffExportError(f"--seed must be an integer in 0..{MAX_SEED} when sampling (the draws are "
+                                      f"seeded, reproducibly), got {seed!r}")
 
 
 def seen_tokens(ids: torch.Tensor, mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

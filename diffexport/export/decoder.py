@@ -37,7 +37,7 @@ from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
 from diffexport.files import check_output_path, make_output_folder, temp_prefix
 from diffexport.format import decoders
-from diffexport.format.genai_config import check_genai_config, load_genai_config
+from diffexport.format.genai_config import MAX_THREADS, check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
@@ -398,8 +398,8 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
     check_output_path(out_dir)
     if context_length is not None and context_length < 2:
         raise DiffExportError(f"context length must be >= 2, got {context_length}")
-    if threads is not None and not 1 <= threads <= 1024:
-        raise DiffExportError(f"--threads must be in 1..1024, got {threads}")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise DiffExportError(f"--threads must be in 1..{MAX_THREADS}, got {threads}")
 
 
 def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
