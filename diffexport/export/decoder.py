@@ -531,6 +531,11 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
         raise DiffExportError(f"{model_path} is a prefill-only export, not a KV-cache decoder: "
                               "re-export with `diffexport onnx CKPT --kv-cache -o FOLDER`")
     check_genai_config(config, config_path)  # only what diffexport writes: nothing genai would load, write or run
+    fmt = decoders.decoder_format(meta.get("attention"))
+    shared = config.get("search", {}).get("past_present_share_buffer", False)
+    if shared is not fmt.shared_buffer:  # genai would lay the cache out unlike the graph's
+        raise DiffExportError(f"{config_path}: search.past_present_share_buffer must be "
+                              f"{str(fmt.shared_buffer).lower()} for a {fmt.name} folder, got {shared!r}")
     for key in ("num_hidden_layers", "num_key_value_heads", "head_size"):  # the cache shape runners allocate
         value = decoder.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
