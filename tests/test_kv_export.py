@@ -472,6 +472,10 @@ def test_kv_export_bad_targets_and_tokenizers(tmp_path, v1_ckpt):
                           "belong to --kv-cache")
     assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "--threads", "0", "-o", tmp_path / "e"),
                           "--threads must be in 1..1024")
+    for context in ("67108864", str(10**12)):  # gqa's rotary caches would grow with it: refused before tracing
+        assert_one_line_error(cli_main("onnx", v1_ckpt, "--kv-cache", "--attention", "gqa", "--context-length", context,
+                                       "-o", tmp_path / "long"), "--context-length must be in 2..1,048,576")
+    assert not (tmp_path / "long").exists()
     small = tmp_path / "tok"
     byte_bpe_tokenizer(small)  # 279 tokens: more than a 128-token vocabulary holds
     cfg = preset_config("diff-v1-tiny")

@@ -37,7 +37,7 @@ from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
 from diffexport.files import check_output_path, make_output_folder, temp_prefix
 from diffexport.format import decoders
-from diffexport.format.genai_config import MAX_THREADS, check_genai_config, load_genai_config
+from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS, check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
@@ -396,8 +396,8 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
     if out_dir.exists() or out_dir.is_symlink():
         raise DiffExportError(f"{out_dir} already exists: give a new folder (nothing is overwritten)")
     check_output_path(out_dir)
-    if context_length is not None and context_length < 2:
-        raise DiffExportError(f"context length must be >= 2, got {context_length}")
+    if context_length is not None and not 2 <= context_length <= MAX_CONTEXT:
+        raise DiffExportError(f"--context-length must be in 2..{MAX_CONTEXT:,}, got {context_length:,}")
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise DiffExportError(f"--threads must be in 1..{MAX_THREADS}, got {threads}")
 
@@ -436,6 +436,10 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     if context_length is None:
         context = special.get("max_position_embeddings")
         context_length = context if isinstance(context, int) and context >= 2 else DEFAULT_CONTEXT
+        if context_length > MAX_CONTEXT:  # before tracing: the gqa format's rotary caches grow with it
+            raise DiffExportError(f"the checkpoint's max_position_embeddings {context_length:,} is past the "
+                                  f"{MAX_CONTEXT:,} tokens a folder may hold: give --context-length N (at most "
+                                  f"{MAX_CONTEXT:,})")
     start = time.monotonic()
     model, weights_id = exporter.model_in_dtype(loaded, options.dtype)
     dtype = DTYPES[options.dtype]
@@ -542,8 +546,8 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
             raise DiffExportError(f"{config_path}: decoder.{key} must be an integer in 1..{1 << 20}, got {value!r}")
     eos_token_ids(config)
     context = config["model"].get("context_length")  # how far the ORT loop may go (gqa: the rotary caches' rows)
-    if not isinstance(context, int) or isinstance(context, bool) or not 2 <= context <= 1 << 30:
-        raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{1 << 30}, got {context!r}")
+    if not isinstance(context, int) or isinstance(context, bool) or not 2 <= context <= MAX_CONTEXT:
+        raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{MAX_CONTEXT}, got {context!r}")
     return model_path, config, meta
 
 

@@ -19,6 +19,7 @@ from diffexport.format.names import GENAI_CONFIG
 
 MAX_BYTES = 1024**2  # what diffexport writes is about 1 kB
 MAX_THREADS = 1024  # intra-op threads a folder may ask for (genai starts them all): export's --threads bound
+MAX_CONTEXT = 1 << 20  # tokens a folder may hold (export and read): the gqa format's rotary caches grow with it
 MAX_VOCAB = 1 << 24  # ids a vocabulary may hold (the largest released ones hold about 2^18)
 PROVIDERS = ("cuda",)  # provider_options entries diffexport writes (cpu: none)
 
