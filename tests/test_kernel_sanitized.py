@@ -7,9 +7,11 @@ thread's wait (the latest moment the PTX ISA allows), so a tile read before its 
 AddressSanitizer + UBSan: tensors, workspace, key mask and dynamic shared memory are allocated at
 their exact sizes, so any access past one is reported, as is undefined integer arithmetic.
 
-These builds lower two sizes so that each structure costs a few emulated tiles, not many: the
-split-KV target to 4 CTAs (DIFFX_DECODE_TARGET_CTAS: a cache of two or more tiles splits with a
-handful of CTAs) and the K-smoothing chunk to 128 keys (DIFFX_KEY_SUM_CHUNK). The launches are
+These builds lower three sizes so that each structure costs a few emulated tiles and threads, not
+many: the split-KV target to 4 CTAs (DIFFX_DECODE_TARGET_CTAS: a cache of two or more tiles splits
+with a handful of CTAs), the K-smoothing chunk to 128 keys (DIFFX_KEY_SUM_CHUNK), and the merge
+kernel's CTA to 64 threads (DIFFX_MERGE_THREADS; ThreadSanitizer's cost grows with the threads that
+meet at a barrier, and 64 still makes two or four groups of parts at head dim 64). The launches are
 kernel_cases.CASES (the list compute-sanitizer runs on the GPU), alternating fp16 and bf16,
 key-masked where causal, with each cache cut to at most KEYS_CAP keys plus its ragged remainder
 (emulated_keys): under the lowered sizes every case keeps its query blocks, several splits or
@@ -71,7 +73,7 @@ def builds(tmp_path_factory):
         exe, log = folder / "sanitize_cases", folder / "build.log"
         with open(log, "w") as out:
             started[name] = (subprocess.Popen(
-                [compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_DECODE_TARGET_CTAS=4",
+                [compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_DECODE_TARGET_CTAS=4", "-DDIFFX_MERGE_THREADS=64",
                  f"-DDIFFX_KEY_SUM_CHUNK={KEY_SUM_CHUNK}", f"-I{KERNELS}", *flags, *map(str, SOURCES), "-lpthread",
                  "-o", str(exe)], stdout=out, stderr=subprocess.STDOUT), exe, log)
     yield started

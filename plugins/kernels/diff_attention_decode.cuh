@@ -289,7 +289,12 @@ __device__ __forceinline__ void block_all_reduce2(float (&v)[2], float* scratch,
   __syncthreads();  // the scratch may be written again
 }
 
-constexpr int kMergeThreads = 256;
+// Threads of a merge CTA: 256 (a multiple of every DV / 4). Only the emulator's sanitizer builds
+// lower it (tests/test_kernel_sanitized.py: 64, one to four groups), as they lower the split target.
+#ifndef DIFFX_MERGE_THREADS
+#define DIFFX_MERGE_THREADS 256
+#endif
+constexpr int kMergeThreads = DIFFX_MERGE_THREADS;
 // The merge kernel's dynamic shared memory: each group's sums of both maps, kGroups * 2 * DV
 // floats, which is 8 floats a thread whatever DV (dynamic, so that static shared memory stays
 // within kStaticSmemBudget like every kernel's).
