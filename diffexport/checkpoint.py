@@ -270,6 +270,8 @@ def _read_json(path: Path) -> dict:
         raise DiffExportError(f"{path} not found: a checkpoint directory or .safetensors file needs its config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DiffExportError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise DiffExportError(f"{path} is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise DiffExportError(f"{path} must hold a JSON object")
     return data

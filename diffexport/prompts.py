@@ -50,6 +50,8 @@ def _parse(number: int, text: str, vocab_size: int, path) -> PromptLine:
         value = json.loads(text)
     except ValueError as exc:
         raise DiffExportError(f"{where}: not JSON ({str(exc).splitlines()[0][:80]})") from None
+    except RecursionError:  # nesting deeper than the parser's stack: no prompt is shaped like that
+        raise DiffExportError(f"{where}: not JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise DiffExportError(f'{where}: give an object, {{"prompt": "text"}} or {{"ids": [1, 2, 3]}}')
     unknown = sorted(set(value) - KEYS)

@@ -369,6 +369,10 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
     assert not quantized.exists()
     deep = folder_with("deep", text='{"model": ' + "[" * 200_000 + "]" * 200_000 + "}")
     assert_one_line_error(cli_main("generate", deep, "--ids", "1"), "not a readable genai config")
+    prompts = tmp_path / "deep.jsonl"  # a prompts file line nested as deeply
+    prompts.write_text('{"ids": ' + "[" * 200_000 + "]" * 200_000 + "}\n")
+    assert_one_line_error(cli_main("generate", v1_folder, "--prompts-file", prompts, "--backend", "onnxruntime"),
+                          "line 1: not JSON (nested")
     linked = folder_with("linked")
     (linked / "genai_config.json").unlink()
     (linked / "genai_config.json").symlink_to(v1_folder / "genai_config.json")

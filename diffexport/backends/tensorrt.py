@@ -484,7 +484,7 @@ def read_engine_record(engine_path: Path) -> dict:
             low, seq = record["profile"][end]
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (low, seq)):
                 raise ValueError(end)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise DiffExportError(f"{side} is corrupt: rebuild the engine with `diffexport trt`") from None
     return record
 

@@ -279,7 +279,7 @@ def _small_json_object(path: Path) -> dict | None:
         return None
     try:
         values = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return values if isinstance(values, dict) else None
 
