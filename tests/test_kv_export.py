@@ -377,6 +377,8 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
     (linked / "genai_config.json").unlink()
     (linked / "genai_config.json").symlink_to(v1_folder / "genai_config.json")
     assert_one_line_error(cli_main("generate", linked, "--ids", "1"), "genai_config.json is a symbolic link")
+    assert_one_line_error(cli_main("quantize", linked, "-o", quantized, "--weights", "int8"), "is a symbolic link")
+    assert not quantized.exists()  # (it used to exit 0 with no genai_config.json in the output)
 
 
 def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):
