@@ -353,11 +353,14 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
         ("shared-buffer", lambda c: c["search"].__setitem__("past_present_share_buffer", True),
          "past_present_share_buffer must be false for a diffattention folder"),
     ]
-    for name, edit, message in cases:
+    for number, (name, edit, message) in enumerate(cases):
         folder = folder_with(name, edit)
         (folder / "libevil.so").write_bytes(b"\x7fELF not really")
-        for argv in (("generate", folder, "--ids", "1"), ("generate", folder, "--ids", "1", "--backend", "onnxruntime"),
-                     ("check", folder, "--preset", "diff-v1-tiny")):
+        commands = [("generate", folder, "--ids", "1")]
+        if number < 2:  # every command reads the folder through the same reader: the others on two cases
+            commands += [("generate", folder, "--ids", "1", "--backend", "onnxruntime"),
+                         ("check", folder, "--preset", "diff-v1-tiny")]
+        for argv in commands:
             assert_one_line_error(cli_main(*argv), message)
         if name != "shared-buffer":  # (a folder's format is in its graph's metadata, which genai's own gate does not read)
             with pytest.raises(DiffExportError, match=re.escape(message)):  # the API's own gate, before genai
