@@ -1,6 +1,9 @@
 // The kernels of ../ run on the CPU through cuda_emulation.h: diffx_emulated_attention_forward
 // takes the same params as diffx_attention_forward, with HOST pointers. For tests only (slow).
+#include <barrier>
+#include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,24 +22,38 @@
 
 namespace {
 
+// One std::thread per CUDA thread of a block, kept for the whole launch: the threads run the grid's
+// blocks one after another (x fastest, then y, then z), meeting at `phase` between blocks while
+// this thread sets up the next block's shared state. (A new std::thread per CUDA thread per block
+// spent more time in thread creation than in the kernels.) Each block starts with its thread's
+// cp.async emulation state empty, as a fresh thread's would be.
 template <typename Body>
 void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_bytes, Body body) {
-  for (unsigned z = 0; z < gz; ++z)
-    for (unsigned y = 0; y < gy; ++y)
-      for (unsigned x = 0; x < gx; ++x) {
-        diffx_emu::Block block(threads, smem_bytes);
-        std::vector<std::thread> pool;
-        pool.reserve(threads);
-        for (int t = 0; t < threads; ++t) {
-          pool.emplace_back([&, t] {
-            diffx_emu::t_ctx.thread_idx = {unsigned(t), 0, 0};
-            diffx_emu::t_ctx.block_idx = {x, y, z};
-            diffx_emu::t_ctx.block = &block;
-            body();
-          });
-        }
-        for (auto& th : pool) th.join();
+  const uint64_t blocks = uint64_t(gx) * gy * gz;
+  std::unique_ptr<diffx_emu::Block> block;
+  std::barrier<> phase(threads + 1);  // the CUDA threads and this one
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (uint64_t i = 0; i < blocks; ++i) {
+        phase.arrive_and_wait();  // block i is set up
+        diffx::t_pending_copies.clear();
+        diffx::t_group_ends.clear();
+        diffx_emu::t_ctx.thread_idx = {unsigned(t), 0, 0};
+        diffx_emu::t_ctx.block_idx = {unsigned(i % gx), unsigned(i / gx % gy), unsigned(i / (uint64_t(gx) * gy))};
+        diffx_emu::t_ctx.block = block.get();
+        body();
+        phase.arrive_and_wait();  // every thread is done with block i
       }
+    });
+  }
+  for (uint64_t i = 0; i < blocks; ++i) {
+    block = std::make_unique<diffx_emu::Block>(threads, smem_bytes);
+    phase.arrive_and_wait();
+    phase.arrive_and_wait();
+  }
+  for (auto& th : pool) th.join();
 }
 
 template <typename T, int D, int DV, bool INT8>
