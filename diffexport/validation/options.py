@@ -184,8 +184,6 @@ def check_decode_options(options: CheckOptions, steps: int) -> None:
             raise DiffExportError(f"--draws must be {CHECK_DRAWS[0]} to {CHECK_DRAWS[1]:,}, got {draws}")
         if options.sampling.greedy:
             raise DiffExportError("the sampling check needs a sampling draw, not greedy decoding")
-        if options.sampling.seed < 0:
-            raise DiffExportError(f"--seed must be >= 0 with --sample (the draws are seeded), got {options.sampling.seed}")
         if options.plot is not None:  # the draws' plot goes beside --plot under a name the user did not give
             from diffexport.analysis import plots
 
