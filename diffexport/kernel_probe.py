@@ -48,6 +48,7 @@ CHECKS = {
     "int8": Check("mma", "one-pass", PREFILL, 8, "INT8 logits, against the mirrored quantisation"),
     "split-kv": Check("auto", "split-kv", DECODE, 0, "the split-KV decode kernels"),
     "hopper": Check("hopper", "hopper", PREFILL, 0, "the sm_90a TMA + wgmma kernel"),
+    "hopper-int8": Check("hopper", "hopper", PREFILL, 8, "INT8 logits on the sm_90a kernel's s8 wgmma"),
 }
 
 
@@ -61,7 +62,7 @@ def applicable(name: str) -> str | None:
 
     from diffexport import kernels
 
-    if name == "hopper":
+    if CHECKS[name].kernel_path == "hopper":
         if torch.cuda.get_device_capability() != (9, 0):
             return "an sm_90 GPU only"
         if "sm90=1" not in kernels.build_info():

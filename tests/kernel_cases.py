@@ -1,7 +1,7 @@
 """A few fused-kernel launches for compute-sanitizer (tests/test_kernel_gpu.py runs this under
 memcheck and racecheck, tools/gpu_campaign.sh under all four tools): short and odd lengths, GQA,
 both variants, the INT8 path, the split-KV decode kernels, key masks, and (on sm_90) the Hopper
-path. Outputs are checked after a copy to the host: under initcheck that copy proves every output byte was written by our kernels (a device-side
+path with fp and INT8 logits. Outputs are checked after a copy to the host: under initcheck that copy proves every output byte was written by our kernels (a device-side
 torch reduction would read through kernels the sanitizer was told to leave alone)."""
 
 import os
@@ -31,7 +31,7 @@ def paths() -> list[str]:
     probed first (diffexport/kernel_probe.py): a hang or fault must not hide the other results."""
     if kernel_probe.applicable("hopper"):  # not an sm_90 GPU, or a library without the path
         return ["auto"]
-    reason = kernel_probe.probed("hopper")
+    reason = kernel_probe.probed("hopper") or kernel_probe.probed("hopper-int8")  # the cases hold both
     if reason:
         print(f"kernel cases: the Hopper path (auto's choice here) failed its probe, only mma is run: {reason}")
         return ["mma"]

@@ -335,10 +335,10 @@ def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
 
 @pytest.mark.parametrize("asked", ["auto", "hopper"])
 def test_hopper_path_where_it_runs_and_only_for_what_it_implements(asked, lib, monkeypatch):
-    """The Hopper path takes prefill-sized calls with fp logits: always when DIFFEXPORT_KERNEL_PATH=hopper
+    """The Hopper path takes prefill-sized calls, fp or INT8 logits: always when DIFFEXPORT_KERNEL_PATH=hopper
     asks for it, under auto where it runs (an sm_90 GPU, a library built with it); decode-sized calls
-    keep split-KV, INT8 logits and zero batch strides (which TMA descriptors cannot express) keep the
-    mma.sync kernel, and mma keeps every call off it."""
+    keep split-KV, zero batch strides (which TMA descriptors cannot express) keep the mma.sync kernel,
+    and mma keeps every call off it."""
     def plan(**kw):
         return kernels.kernel_plan(valid_params(**kw), lib)
 
@@ -352,7 +352,8 @@ def test_hopper_path_where_it_runs_and_only_for_what_it_implements(asked, lib, m
     assert plan(q_len=100) == ("hopper", 1)
     assert plan(q_len=17, batch=1) == ("hopper", 1)
     assert plan(q_len=16, kv_len=4096) == ("split-kv", 32)
-    assert plan(q_len=100, bits=8) == ("one-pass", 1)
+    assert plan(q_len=100, bits=8) == ("hopper", 1)
+    assert plan(q_len=100, bits=4) == ("hopper", 1)
     p = valid_params(q_len=100)
     p.v_batch_stride = 0  # one value tensor broadcast over the batch
     assert kernels.kernel_plan(p, lib) == ("one-pass", 1)

@@ -70,14 +70,16 @@ def test_hopper_path_is_tma_and_wgmma_without_spills(lib):
         pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
     rows = [r for r in kernel_resources.resource_usage(lib) if "diff_attention_sm90_kernel" in r["kernel"]]
     assert {r["arch"] for r in rows} == {"sm_90a"}, "the Hopper kernels are compiled for sm_90a only"
-    assert len(rows) == 8  # fp16/bf16 x D 64/128 x V1/V2
+    assert len(rows) == 16  # fp16/bf16 x D 64/128 x V1/V2 x fp/INT8 logits
     assert not [r for r in rows if r["stack"]], "the Hopper kernels spill"
     markers = kernel_resources.sass_markers(lib, "sm_90a")
     hopper = {name: counts for name, counts in markers.items() if "diff_attention_sm90_kernel" in name}
-    assert len(hopper) == 8
+    assert len(hopper) == 16
     for name, counts in hopper.items():
         assert counts["HGMMA"] > 0 and counts["UTMALDG"] > 0 and counts["USETMAXREG"] > 0, (name, counts)
-        assert counts["HMMA"] == 0, (name, "mma.sync in the wgmma kernel")
+        assert counts["HMMA"] == 0 and counts["IMMA"] == 0, (name, "mma.sync in the wgmma kernel")
+        int8 = ", true>" in name  # INT8 logits: S on s8 wgmma (IGMMA), P.V on HGMMA
+        assert (counts["IGMMA"] > 0) == int8, (name, counts)
     one_pass = [c for n, c in markers.items() if "diff_attention_fwd_kernel" in n]
     assert one_pass and all(c["HGMMA"] == 0 and c["HMMA"] > 0 for c in one_pass)  # the check can tell them apart
 
@@ -107,7 +109,7 @@ def test_hopper_index_arithmetic_matches_cute_layouts(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     print(run.stdout)
     assert run.returncode == 0 and "all layout facts hold" in run.stdout, run.stdout[-3000:]
-    assert run.stdout.count(" facts, shared storage ") == 8
+    assert run.stdout.count(" facts, shared storage ") == 16  # 8 shapes x fp/INT8 logits
 
 
 def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():

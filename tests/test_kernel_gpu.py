@@ -33,7 +33,7 @@ def lib():
     return kernels.load_library()
 
 
-def require_hopper():
+def require_hopper(probe: str = "hopper"):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper path runs on sm_90 GPUs only")
     if "sm90=1" not in kernels.build_info():
@@ -42,9 +42,9 @@ def require_hopper():
             pytest.fail(message)
         pytest.skip(message)
     # Tried first in a child process: a hang or a fault there must not take this worker's other tests.
-    reason = kernel_probe.probed("hopper")
+    reason = kernel_probe.probed(probe)
     if reason:
-        pytest.fail(f"the Hopper path failed its probe (diffexport/kernel_probe.py), not launched here: {reason}")
+        pytest.fail(f"the Hopper path ({probe}) failed its probe (diffexport/kernel_probe.py), not launched here: {reason}")
 
 
 def min_cosine(dtype):
@@ -177,12 +177,22 @@ def test_op_uses_the_fused_kernel_on_cuda(rng, monkeypatch):
 @pytest.mark.parametrize("variant,head_dim", [(1, 64), (1, 128), (2, 128)])
 @pytest.mark.parametrize("bits", [8, 6, 4])
 @pytest.mark.parametrize("smooth_k", [True, False])
-def test_int8_logits_match_the_mirrored_quantisation(dtype, variant, head_dim, bits, smooth_k, rng):
+@pytest.mark.parametrize("path", ["auto", "mma"])
+def test_int8_logits_match_the_mirrored_quantisation(dtype, variant, head_dim, bits, smooth_k, path, rng, monkeypatch):
+    """Both kernels that run INT8 logits: mma (the mma.sync one-pass kernel, s8 mma.sync) and auto
+    (on an sm_90 GPU with a library that has it, the Hopper path's s8 wgmma; elsewhere mma again)."""
     attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=head_dim, causal=1,
                                norm=int(variant == 1), output_scale=0.8)
     cpu = make_inputs(attrs, 2, 150, 300, dtype=dtype, rng=rng)
     cpu[1].add_(torch.linspace(-1, 2, attrs.key_width).to(dtype))  # a per-channel K offset: what smoothing removes
     inputs = [t.cuda() for t in cpu]
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, path)
+    expected = "one-pass"
+    if path == "auto" and kernel_probe.applicable("hopper-int8") is None:
+        require_hopper("hopper-int8")
+        expected = "hopper"
+    out = torch.empty(2, 150, attrs.num_heads * attrs.value_dim, dtype=dtype, device="cuda")
+    assert kernels.kernel_plan(kernels.make_params(*inputs, out, attrs, logit_bits=bits))[0] == expected
     out = run_kernel(inputs, attrs, bits=bits, smooth_k=smooth_k).float()
     assert not out.isnan().any()
     mirror = reference.quantised_diff_attention(*[t.float() if t.is_floating_point() else t for t in inputs],
@@ -294,7 +304,7 @@ def test_decode_int8_logits_match_the_mirrored_quantisation(variant, head_dim, b
 @pytest.mark.parametrize("variant,head_dim", [(1, 64), (1, 128), (2, 64), (2, 128)])
 def test_hopper_path_views_masks_and_its_refusals(variant, head_dim, rng, monkeypatch):
     """The Hopper path on strided views (TMA descriptors with the contract's free strides), key masks
-    and 32k keys; INT8 logits stay on the mma.sync kernel; on another GPU asking for it is an error."""
+    and 4k keys, fp and INT8 logits; on another GPU asking for it is an error."""
     attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=head_dim, causal=1,
                                norm=int(variant == 1), output_scale=0.6)
     cpu = make_inputs(attrs, 3, 77, 4100, dtype=torch.bfloat16, rng=rng)
@@ -314,8 +324,15 @@ def test_hopper_path_views_masks_and_its_refusals(variant, head_dim, rng, monkey
     assert not out.isnan().any()
     assert_close_lowprec(out.cpu(), lowprec_baseline(*cpu, attrs, key_mask=key_mask), oracle(cpu, attrs, key_mask),
                          "hopper views+mask", min_cosine=min_cosine(torch.bfloat16))
-    params = kernels.make_params(*dense, out, attrs, logit_bits=8)
-    assert kernels.kernel_plan(params) == ("one-pass", 1)
+    require_hopper("hopper-int8")
+    quant = torch.full_like(out, POISON)
+    kernels.diff_attention(*views, attrs, out=quant, key_mask=key_mask.cuda(), logit_bits=8)
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")  # the same INT8 logits on the mma.sync kernel
+    mma = kernels.diff_attention(*views, attrs, key_mask=key_mask.cuda(), logit_bits=8)
+    torch.cuda.synchronize()
+    assert not quant.isnan().any()
+    cos = torch.nn.functional.cosine_similarity(quant.float().flatten(), mma.float().flatten(), dim=0).item()
+    assert cos >= min_cosine(torch.bfloat16), f"Hopper INT8 vs mma.sync INT8 on views+mask: cosine {cos:.6f}"
 
 
 def test_quant_sweep_runs_the_int8_logits_kernel_on_cuda(tmp_path):

@@ -140,16 +140,18 @@ def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):
     answers = {"one-pass": (None, ["ok: 2 launches, worst cosine 0.999990, max abs 3.91e-03 (bf16 vs float32)"]),
                "int8": (None, ["ok: 2 launches, worst cosine 0.999950, max abs 7.81e-03 (bf16 vs float32)"]),
                "split-kv": ("no answer within 90 s (a hung launch?); the child process was killed", [])}
-    monkeypatch.setattr(kernel_probe, "applicable", lambda name: "an sm_90 GPU only" if name == "hopper" else None)
+    monkeypatch.setattr(kernel_probe, "applicable",
+                        lambda name: "an sm_90 GPU only" if name.startswith("hopper") else None)
     monkeypatch.setattr(kernel_probe, "run_probe", lambda name: answers[name])
     assert cli.check_kernels() == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("check one-pass  ok       2 launches, worst cosine 0.999990")
-    assert out[1].startswith("check int8      ok       2 launches") and "mirrored quantisation" in out[1]
-    assert out[2].startswith("check split-kv  FAILED   no answer within 90 s")
-    assert out[3].startswith("check hopper    skipped  the sm_90a TMA + wgmma kernel: an sm_90 GPU only")
-    assert out[4] == "result       FAIL: 1 kernel path(s)"
+    assert out[0].startswith("check one-pass    ok       2 launches, worst cosine 0.999990")
+    assert out[1].startswith("check int8        ok       2 launches") and "mirrored quantisation" in out[1]
+    assert out[2].startswith("check split-kv    FAILED   no answer within 90 s")
+    assert out[3].startswith("check hopper      skipped  the sm_90a TMA + wgmma kernel: an sm_90 GPU only")
+    assert out[4].startswith("check hopper-int8 skipped  INT8 logits on the sm_90a kernel's s8 wgmma")
+    assert out[5] == "result         FAIL: 1 kernel path(s)"
     answers["split-kv"] = answers["one-pass"]
     assert cli.check_kernels() == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "result       PASS"
+    assert capsys.readouterr().out.splitlines()[-1] == "result         PASS"
 

@@ -3,7 +3,7 @@
 One run measures, side by side for each (dtype, head dim, causal, N): our fused mma.sync kernel
 (DIFFEXPORT_KERNEL_PATH=mma), its INT8 logits variant (8 bits, K-smoothing; the time includes the K
 quantisation pre-pass), the Hopper path on sm_90 GPUs whose library has it (DIFFEXPORT_KERNEL_PATH=hopper;
-what auto runs there), the paper's
+what auto runs there) with fp and with INT8 logits (s8 wgmma), the paper's
 FlashDiffAttn_1 and FlashDiffAttn_2 on the eager attention backend (flash_attn when importable,
 else torch SDPA), and the naive eager form where its N x N maps fit in memory. FLOPs are the exact
 12*N^2*d per diff-head (halved for causal); the matmul peak is a bf16 8192^3 matmul measured in
@@ -103,20 +103,23 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
                                output_scale=0.8)
     inputs = q, k, v, lam, w = random_inputs(attrs, batch, n, n, dtype, n + head_dim + causal)
     out = torch.empty(batch, n, heads * attrs.value_dim, device="cuda", dtype=dtype)
-    # "fused" is the mma.sync kernel on every GPU (mma: auto takes the Hopper path on sm_90), so rows
-    # of different GPUs and builds compare the same code; INT8 logits run only on it.
+    # "fused" and "fused_int8" are the mma.sync kernel on every GPU (mma: auto takes the Hopper path on
+    # sm_90), so rows of different GPUs and builds compare the same code.
     methods = {
         "fused": on_path("mma", lambda: kernels.diff_attention(*inputs, attrs, out=out)),
-        "fused_int8": lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out),
+        "fused_int8": on_path("mma", lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out)),
     }
     hopper = hopper_available()
     if hopper:  # the sm_90a TMA + wgmma path beside the mma.sync one
         methods["fused_hopper"] = on_path("hopper", lambda: kernels.diff_attention(*inputs, attrs, out=out))
+        if hopper_available("hopper-int8"):  # its INT8 logits: Q.K^T on s8 wgmma
+            methods["fused_hopper_int8"] = on_path(
+                "hopper", lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out))
     for name, lib in other_builds.items():  # other builds of the library, timed in the same loop
         methods[f"fused@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out,
                                                                                           lib=lib))
-        methods[f"fused_int8@{name}"] = lambda lib=lib: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out,
-                                                                               lib=lib)
+        methods[f"fused_int8@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(
+            *inputs, attrs, logit_bits=8, out=out, lib=lib))
         if hopper and "sm90=1" in lib.diffx_build_info().decode():  # a build without the sm_90a path has no column
             methods[f"fused_hopper@{name}"] = on_path(
                 "hopper", lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out, lib=lib))
@@ -147,14 +150,15 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
 
 
 @functools.cache
-def hopper_available() -> bool:
-    """An sm_90 GPU, a library with the Hopper path, and the path passed its probe in a child process
-    (a hung or faulting launch here would cost every row of the table)."""
-    if kernel_probe.applicable("hopper"):
+def hopper_available(probe: str = "hopper") -> bool:
+    """An sm_90 GPU, a library with the Hopper path, and the path (probe: "hopper" for fp logits,
+    "hopper-int8") passed its probe in a child process (a hung or faulting launch here would cost
+    every row of the table)."""
+    if kernel_probe.applicable(probe):
         return False
-    reason = kernel_probe.probed("hopper")
+    reason = kernel_probe.probed(probe)
     if reason:
-        print(f"Hopper path left out of the table, it failed its probe: {reason}", file=sys.stderr)
+        print(f"Hopper path ({probe}) left out of the table, it failed its probe: {reason}", file=sys.stderr)
     return reason is None
 
 
@@ -173,21 +177,24 @@ def table(rows: list[dict], peak: float) -> str:
     def cell(r):
         return "-" if r is None else f"{r['ms']:.3f} ({r['tflops']:.0f})"
 
-    lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | Hopper path | best composition | which "
-             "| fused vs best | Hopper vs best | INT8 vs fused | fused % of matmul peak | INT8 cosine |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | Hopper path | Hopper INT8 | best composition "
+             "| which | fused vs best | Hopper vs best | INT8 vs fused | Hopper INT8 vs Hopper | fused % of matmul peak "
+             "| INT8 cosine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         t = row["timings"]
         fused, int8, hopper = t.get("fused"), t.get("fused_int8"), t.get("fused_hopper")
+        hopper_int8 = t.get("fused_hopper_int8")
         best = benchdoc.best_composition(t)
         vs_best = f"{best[1]['ms'] / fused['ms']:.2f}x" if fused and best else "-"
         hopper_vs_best = f"{best[1]['ms'] / hopper['ms']:.2f}x" if hopper and best else "-"
         vs_fused = f"{fused['ms'] / int8['ms']:.2f}x" if fused and int8 else "-"
+        vs_hopper = f"{hopper['ms'] / hopper_int8['ms']:.2f}x" if hopper and hopper_int8 else "-"
         pct = f"{100 * fused['tflops'] / peak:.0f}%" if fused else "-"
         lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['causal']} | {row['n']} "
                      f"| {row['batch']} x {row['heads']} | {cell(fused)} | {cell(int8)} | {cell(hopper)} "
-                     f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} "
-                     f"| {vs_best} | {hopper_vs_best} | {vs_fused} | {pct} | {row['int8_cosine']:.5f} |")
+                     f"| {cell(hopper_int8)} | {cell(best[1] if best else None)} | {best[0] if best else '-'} "
+                     f"| {vs_best} | {hopper_vs_best} | {vs_fused} | {vs_hopper} | {pct} | {row['int8_cosine']:.5f} |")
     return "\n".join(lines)
 
 
@@ -397,9 +404,10 @@ def publish(record: dict, other_builds, write: bool) -> None:
             f"(`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(record['backends'])}), "
             "and the naive form where it fits; 'best' is the fastest of them in this run. Fused: the mma.sync "
             "one-pass kernel (DIFFEXPORT_KERNEL_PATH=mma). INT8 = 8-bit logits with K-smoothing, including the K "
-            "quantisation pre-pass; its cosine is against the fused fp output on the same inputs. Hopper path: "
-            "the sm_90a TMA + wgmma kernel (DIFFEXPORT_KERNEL_PATH=hopper), what the default (auto) runs on sm_90 "
-            "GPUs whose library has it; '-' where the GPU or the build has none.\n\n" + text + "\n")
+            "quantisation pre-pass; its cosine is the default (auto) path's INT8 output against its fp output on "
+            "the same inputs. Hopper path: the sm_90a TMA + wgmma kernel (DIFFEXPORT_KERNEL_PATH=hopper), what "
+            "the default (auto) runs on sm_90 GPUs whose library has it, and Hopper INT8 its INT8 logits (Q.K^T "
+            "on s8 wgmma, with the same pre-pass); '-' where the GPU or the build has none.\n\n" + text + "\n")
     print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)
 
 

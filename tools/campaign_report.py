@@ -147,12 +147,17 @@ def prefill(folder: Path) -> list[str]:
     lines = [measured("bench", record) + f"; bf16 matmul peak {record['peak_tflops']:.0f} TFLOP/s"]
     lines.append(against_best(rows, "fused", "fused vs best")
                  or f"fused vs best  no case at N in {TARGET_SEQS} with both timings")
-    int8 = [(r["timings"]["fused"]["ms"] / r["timings"]["fused_int8"]["ms"], r["int8_cosine"], r) for r in rows
-            if "fused" in r["timings"] and "fused_int8" in r["timings"]]
-    if int8:
-        met = [x for x in int8 if x[0] >= INT8_TARGET and x[1] >= COSINE_TARGET]
-        lines.append(f"INT8 vs fused  {spread([x[0] for x in int8])}, cosine {min(x[1] for x in int8):.5f} at worst; "
-                     f"target >= {INT8_TARGET}x with cosine >= {COSINE_TARGET} met in {len(met)} of {len(int8)} cases")
+    # INT8 logits against the fp path of the same kernel; on sm_90 the Hopper pair is what auto runs,
+    # so the target is read there (the cosine is auto's INT8 output against auto's fp output).
+    for fp, quant, label in (("fused", "fused_int8", "INT8 vs fused "), ("fused_hopper", "fused_hopper_int8",
+                                                                          "Hopper INT8 vs Hopper")):
+        int8 = [(r["timings"][fp]["ms"] / r["timings"][quant]["ms"], r["int8_cosine"], r) for r in rows
+                if fp in r["timings"] and quant in r["timings"]]
+        if int8:
+            met = [x for x in int8 if x[0] >= INT8_TARGET and x[1] >= COSINE_TARGET]
+            lines.append(f"{label} {spread([x[0] for x in int8])}, cosine {min(x[1] for x in int8):.5f} at worst; "
+                         f"target >= {INT8_TARGET}x with cosine >= {COSINE_TARGET} met in {len(met)} of {len(int8)} "
+                         "cases")
     hopper = [r["timings"]["fused"]["ms"] / r["timings"]["fused_hopper"]["ms"] for r in rows
               if "fused" in r["timings"] and "fused_hopper" in r["timings"]]
     lines.append("Hopper path    " + (f"vs the mma.sync kernel: {spread(hopper)} in {len(hopper)} cases" if hopper

@@ -79,14 +79,14 @@ def check_kernels() -> int:
     for name, check in kernel_probe.CHECKS.items():
         why_not = kernel_probe.applicable(name)
         if why_not:
-            print(f"check {name:<9} skipped  {check.what}: {why_not}")
+            print(f"check {name:<11} skipped  {check.what}: {why_not}")
             continue
         reason, lines = kernel_probe.run_probe(name)
         failed += reason is not None
         summary = lines[-1].removeprefix("ok: ") if lines else "ran"
         verdict = f"ok       {summary}" if reason is None else f"FAILED   {reason}"
-        print(f"check {name:<9} {verdict}  ({check.what})")
-    print(f"result       {'PASS' if not failed else f'FAIL: {failed} kernel path(s)'}")
+        print(f"check {name:<11} {verdict}  ({check.what})")
+    print(f"result         {'PASS' if not failed else f'FAIL: {failed} kernel path(s)'}")
     return 1 if failed else 0
 
 
@@ -94,7 +94,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     """The options of command `name` (one of this module's)."""
     if name == "kernels":
         p.add_argument("--check", action="store_true",
-                       help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper) "
+                       help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper fp and INT8) "
                             "on small shapes, each in a child process, against the torch reference")
     if name == "trt":
         p.add_argument("model", help="an .onnx file written by `diffexport onnx` (fp16/bf16 for the plugin), "

@@ -64,7 +64,7 @@ bool logits_quantised(const DiffxAttentionParams& p);
 // The decode kernel's plan for p (deterministic: shapes and DIFFX_DECODE_TARGET_CTAS only).
 DecodePlan decode_plan(const DiffxAttentionParams& p);
 // The kernel that runs p: kDecode for q_len <= DIFFX_DECODE_MAX_QUERY unless DIFFEXPORT_KERNEL_PATH=mma;
-// kHopper for longer calls with fp logits (and batch strides) when DIFFEXPORT_KERNEL_PATH=hopper, or
+// kHopper for longer calls (fp or INT8 logits, batch strides) when DIFFEXPORT_KERNEL_PATH=hopper, or
 // under auto where hopper_path_runs_here(); else kOnePass.
 KernelPath kernel_path(const DiffxAttentionParams& p);
 // Whether this library has the Hopper path and the current device is an sm_90 GPU. Defined by each

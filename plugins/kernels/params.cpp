@@ -133,10 +133,10 @@ KernelPath kernel_path(const DiffxAttentionParams& p) {
   const char* path = std::getenv("DIFFEXPORT_KERNEL_PATH");
   if (path && !std::strcmp(path, "mma")) return KernelPath::kOnePass;
   if (p.q_len <= DIFFX_DECODE_MAX_QUERY) return KernelPath::kDecode;
-  // INT8 logits stay on the mma.sync kernel (the Hopper path has no s8 wgmma yet). TMA descriptors
-  // take no zero strides: a batch broadcast through a zero stride stays there too.
+  // TMA descriptors take no zero strides: a batch broadcast through a zero stride stays on the
+  // mma.sync kernel. INT8 logits take the Hopper path too (s8 wgmma; K's codes are the pre-pass's).
   const bool batch_strides = p.batch == 1 || (p.q_batch_stride > 0 && p.k_batch_stride > 0 && p.v_batch_stride > 0);
-  if (logits_quantised(p) || !batch_strides) return KernelPath::kOnePass;
+  if (!batch_strides) return KernelPath::kOnePass;
   // hopper asks for it (the call fails off sm_90); auto takes it where it runs: 1.2-1.9x the
   // mma.sync kernel on an H200, docs/BENCHMARKS.md.
   if (path && !std::strcmp(path, "hopper")) return KernelPath::kHopper;

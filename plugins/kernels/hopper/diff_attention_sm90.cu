@@ -17,7 +17,11 @@
 // Same contract as diff_attention_fwd.cuh: fp16/bf16, D 64/128, V1 (V of 2D, two key maps) and V2
 // (shared K/V of D, lambda [B, Sq, H]), causal bottom-right or none, GQA, key_mask, any lengths
 // (TMA zero-fills rows past the end; masks hide them), the contract's free batch/row strides.
-// Not here (the mma.sync kernel serves them): INT8 logits, float32 I/O conversion happens before.
+// INT8 logits (logit_bits 2..8, the instantiations with INT8 = true): K comes as the pre-pass's
+// codes (quantize_keys.cuh, TMA-loaded like K), each consumer quantises its Q map into codes in
+// shared memory once, S = Q8 K8^T runs on s8 wgmma into an int32 accumulator, and the logits are
+// fp32(integer sum) * (scale_q * scale_k), the mma.sync kernel's and diffexport/quantization.py's
+// arithmetic, so the mirrored-quantisation tests hold unchanged. float32 I/O is converted before.
 //
 // The accumulator of a 64 x N wgmma is the mma.sync m16n8 layout repeated (acc_row/acc_col in
 // diff_attention_sm90_config.cuh), so the softmax below reads it exactly as the mma.sync kernel
@@ -36,9 +40,9 @@
 
 namespace diffx::sm90 {
 
-template <typename Element, int D, int DV>
+template <typename Element, int D, int DV, bool INT8>
 struct Params {
-  using Cfg = Config<Element, D, DV>;
+  using Cfg = Config<Element, D, DV, INT8>;
   typename Cfg::TmaQ tma_q;
   typename Cfg::TmaK tma_k;
   typename Cfg::TmaV tma_v;
@@ -51,9 +55,9 @@ __device__ __forceinline__ float to_f(Element x) {
   return float(x);
 }
 
-template <typename Element, int D, int DV>
-__global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const __grid_constant__ Params<Element, D, DV> prm) {
-  using Cfg = Config<Element, D, DV>;
+template <typename Element, int D, int DV, bool INT8>
+__global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const __grid_constant__ Params<Element, D, DV, INT8> prm) {
+  using Cfg = Config<Element, D, DV, INT8>;
   using Pipeline = typename Cfg::Pipeline;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& storage = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -131,7 +135,12 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   auto thr_o = mma_o.get_thread_slice(tid);
   Tensor sK = make_tensor(make_smem_ptr(storage.ring.k[Cfg::kV1 ? map : 0].data()), typename Cfg::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(storage.ring.v.data()), typename Cfg::SmemLayoutVt{});
-  Tensor tSrQ = thr_s.make_fragment_A(thr_s.partition_A(map == 0 ? sQ1 : sQ2));
+  // S's A operand: Q of this map, or (INT8) its codes, written below once Q has landed.
+  auto sQ_operand = [&] {
+    if constexpr (INT8) return make_tensor(make_smem_ptr(storage.q_codes.q[map].data()), typename Cfg::SmemLayoutQCodes{});
+    else return map == 0 ? sQ1 : sQ2;
+  }();
+  Tensor tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ_operand));
   Tensor tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK));
   Tensor tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt));
   Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<DV>>{});
@@ -164,6 +173,30 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     warpgroup_arrive();
     gemm(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
     warpgroup_commit_batch();
+  };
+  // INT8: this map's Q tile as codes, exactly as diffexport/quantization.py and the mma.sync
+  // kernel's quantise_q_tile: one absmax over the block's 64 tokens x D channels (rows past q_len
+  // are TMA's zeros), inv = qmax/absmax, code = clamp(rint(x*inv)); returns scale = absmax/qmax.
+  auto quantise_q = [&]() -> float {
+    constexpr int kWarpgroupThreads = cutlass::NumThreadsPerWarpGroup;
+    Tensor q = map == 0 ? sQ1 : sQ2;
+    float amax = 0.f;
+    for (int i = tid; i < kBlockM * D; i += kWarpgroupThreads) amax = fmaxf(amax, fabsf(to_f(q(i / D, i % D))));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((tid & 31) == 0) storage.q_absmax[map][tid >> 5] = amax;
+    cutlass::arch::NamedBarrier::sync(kWarpgroupThreads, kQuantBarrier + map);
+    amax = fmaxf(fmaxf(storage.q_absmax[map][0], storage.q_absmax[map][1]),
+                 fmaxf(storage.q_absmax[map][2], storage.q_absmax[map][3]));
+    if (!(amax > 0.f)) amax = 1.f;  // all-zero block: codes are 0 whatever the scale
+    const int qmax = prm.args.qmax;
+    const float inv = float(qmax) / amax;
+    for (int i = tid; i < kBlockM * D; i += kWarpgroupThreads) {
+      const int code = max(-qmax, min(qmax, __float2int_rn(to_f(q(i / D, i % D)) * inv)));
+      if constexpr (INT8) sQ_operand(i / D, i % D) = static_cast<int8_t>(code);  // (the fp path never calls this)
+    }
+    cutlass::arch::fence_view_async_shared();  // the codes, written by threads, are read by wgmma
+    cutlass::arch::NamedBarrier::sync(kWarpgroupThreads, kQuantBarrier + map);
+    return amax / float(qmax);
   };
   // Masks, then the online softmax of tile nb on the accumulator (rows acc_row(tid, 0) and
   // acc_row(tid, 2), the mma.sync kernel's arithmetic): acc_s becomes P, alpha the rescale of O.
@@ -208,8 +241,34 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     CUTE_UNROLL
     for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= alpha[(i >> 1) & 1];
   };
+  // S in fp32: the wgmma's accumulator, or (INT8) the dequantised copy of acc_qk, its int32 one.
+  Tensor acc_qk = partition_fragment_C(mma_s, Shape<_64, _64>{});
+  Tensor acc_s = make_tensor<float>(partition_shape_C(mma_s, Shape<_64, _64>{}));
+  const float* k_scales = nullptr;  // INT8: this map's key-tile scales
+  float q_scale = 1.f, k_scale = 1.f;
+  if constexpr (INT8)
+    k_scales = prm.args.k_scales + (int64_t(b) * prm.args.key_maps + (Cfg::kV1 ? 2 * g + map : g)) * prm.args.n_kv_blocks;
+  // S of tile nb issued (not waited for); its key scale read meanwhile.
+  auto issue_s = [&](int stage, int nb) {
+    if constexpr (INT8) {
+      issue_qk(acc_qk, stage);
+      k_scale = k_scales[nb];
+    } else {
+      issue_qk(acc_s, stage);
+    }
+  };
+  // S landed: fp32 logits in acc_s (INT8: fp32(integer sum) * (scale_q * scale_k), as the reference).
+  auto land_s = [&] {
+    if constexpr (INT8) {
+      warpgroup_fence_operand(acc_qk);
+      const float qk_scale = q_scale * k_scale;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = __int2float_rn(acc_qk(i)) * qk_scale;
+    } else {
+      warpgroup_fence_operand(acc_s);
+    }
+  };
   // P (the accumulator, converted in place order) as the register A operand of P.V.
-  Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, _64>{});
   Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, _64>{}));
   static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P has the accumulator's values");
   auto convert_p = [&] {
@@ -218,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   };
 
   QBarrier::wait(&storage.q_loaded, 0);
+  if constexpr (INT8) q_scale = quantise_q();
   typename Pipeline::PipelineState state;  // index 0, phase 0
   float alpha[2];
 #if DIFFX_SM90_OVERLAP
@@ -226,19 +286,19 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   // once its P.V is done: the consumer holds two stages, hence kStages >= 3.
   if (n_end > 0) {
     pipeline.consumer_wait(state);
-    issue_qk(acc_s, state.index());
+    issue_s(state.index(), 0);
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_s);
+    land_s();
     softmax(acc_s, 0, alpha);  // O is zero: nothing to rescale
     convert_p();
     for (int nb = 1; nb < n_end; ++nb) {
       const auto previous = state;
       ++state;
       pipeline.consumer_wait(state);
-      issue_qk(acc_s, state.index());     // S of tile nb (P of tile nb-1 is in tOrP already)
+      issue_s(state.index(), nb);         // S of tile nb (P of tile nb-1 is in tOrP already)
       issue_pv(tOrP, previous.index());   // O += P V of tile nb-1
       warpgroup_wait<1>();                // S landed; P.V may still run
-      warpgroup_fence_operand(acc_s);
+      land_s();
       softmax(acc_s, nb, alpha);
       warpgroup_wait<0>();                // P.V of tile nb-1 done: tOrP and its stage are free
       warpgroup_fence_operand(acc_o);
@@ -256,9 +316,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   // One tile at a time: S, softmax, P.V, each waited for before the next.
   for (int nb = 0; nb < n_end; ++nb) {
     pipeline.consumer_wait(state);
-    issue_qk(acc_s, state.index());
+    issue_s(state.index(), nb);
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_s);
+    land_s();
     softmax(acc_s, nb, alpha);
     rescale_o(alpha);
     convert_p();
@@ -329,15 +389,16 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   }
 }
 
-template <typename Element, int D, int DV>
+template <typename Element, int D, int DV, bool INT8>
 cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
-  using Cfg = Config<Element, D, DV>;
+  using Cfg = Config<Element, D, DV, INT8>;
   const DiffxAttentionParams& p = args.p;
-  Params<Element, D, DV> prm;
+  Params<Element, D, DV, INT8> prm;
   prm.args = args;
   const int key_maps = Cfg::kV1 ? 2 * p.num_kv_heads : p.num_kv_heads;
   prm.shape_q = make_shape(p.q_len, int32_t(D), 2 * p.num_heads, p.batch);
-  prm.shape_k = make_shape(p.kv_len, int32_t(D), key_maps, p.batch);
+  // INT8: K is the pre-pass's codes, [batch * key_maps, kv_pad, D] int8 in the workspace.
+  prm.shape_k = make_shape(INT8 ? args.kv_pad : p.kv_len, int32_t(D), key_maps, p.batch);
   prm.shape_v = make_shape(p.kv_len, int32_t(DV), p.num_kv_heads, p.batch);
   // A batch of one may carry any batch stride (0 included); TMA descriptors need a non-zero one.
   auto batch_stride = [&](int64_t stride, int64_t rows, int64_t row_stride) {
@@ -345,14 +406,20 @@ cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
   };
   auto q = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.query)), prm.shape_q,
                        make_stride(p.q_row_stride, _1{}, int64_t(D), batch_stride(p.q_batch_stride, p.q_len, p.q_row_stride)));
-  auto k = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.key)), prm.shape_k,
-                       make_stride(p.k_row_stride, _1{}, int64_t(D), batch_stride(p.k_batch_stride, p.kv_len, p.k_row_stride)));
+  auto k = [&] {
+    if constexpr (INT8)
+      return make_tensor(make_gmem_ptr(args.k_codes), prm.shape_k,
+                         make_stride(int64_t(D), _1{}, int64_t(args.kv_pad) * D, int64_t(key_maps) * args.kv_pad * D));
+    else
+      return make_tensor(make_gmem_ptr(static_cast<const Element*>(p.key)), prm.shape_k,
+                         make_stride(p.k_row_stride, _1{}, int64_t(D), batch_stride(p.k_batch_stride, p.kv_len, p.k_row_stride)));
+  }();
   auto v = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.value)), prm.shape_v,
                        make_stride(p.v_row_stride, _1{}, int64_t(DV), batch_stride(p.v_batch_stride, p.kv_len, p.v_row_stride)));
   prm.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Cfg::SmemLayoutQ{});
   prm.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Cfg::SmemLayoutK{}));
   prm.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Cfg::SmemLayoutV{}));
-  const auto kernel = diff_attention_sm90_kernel<Element, D, DV>;
+  const auto kernel = diff_attention_sm90_kernel<Element, D, DV, INT8>;
   const int smem = int(sizeof(typename Cfg::SharedStorage));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -361,11 +428,17 @@ cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename Element, bool INT8>
+cudaError_t launch_head_dim(const KernelArgs& args, cudaStream_t stream) {
+  const bool v1 = args.p.variant == 1;
+  if (args.p.head_dim == 64)
+    return v1 ? launch<Element, 64, 128, INT8>(args, stream) : launch<Element, 64, 64, INT8>(args, stream);
+  return v1 ? launch<Element, 128, 256, INT8>(args, stream) : launch<Element, 128, 128, INT8>(args, stream);
+}
+
 template <typename Element>
 cudaError_t launch_dtype(const KernelArgs& args, cudaStream_t stream) {
-  const bool v1 = args.p.variant == 1;
-  if (args.p.head_dim == 64) return v1 ? launch<Element, 64, 128>(args, stream) : launch<Element, 64, 64>(args, stream);
-  return v1 ? launch<Element, 128, 256>(args, stream) : launch<Element, 128, 128>(args, stream);
+  return args.k_codes ? launch_head_dim<Element, true>(args, stream) : launch_head_dim<Element, false>(args, stream);
 }
 
 }  // namespace diffx::sm90

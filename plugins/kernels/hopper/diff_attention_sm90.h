@@ -8,7 +8,8 @@
 
 namespace diffx {
 
-// fp16/bf16, any logit_bits of 0/16 (no INT8), called on an sm_90 device only (the dispatcher checks).
+// fp16/bf16, fp or INT8 logits (args.k_codes: the key pre-pass has run), on an sm_90 device only
+// (the dispatcher checks).
 cudaError_t launch_diff_attention_sm90(const KernelArgs& args, cudaStream_t stream);
 
 }  // namespace diffx

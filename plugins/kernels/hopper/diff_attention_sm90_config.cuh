@@ -19,6 +19,7 @@ constexpr int kBlockN = DIFFX_KEY_BLOCK;
 constexpr int kThreads = 3 * cutlass::NumThreadsPerWarpGroup;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
+constexpr uint32_t kQuantBarrier = 2;     // INT8: 2 + map, one consumer warpgroup's own barrier
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 
 // 1 (default): each consumer issues S of tile j+1 before P.V of tile j and runs tile j+1's softmax
@@ -35,24 +36,33 @@ constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 CUTE_HOST_DEVICE constexpr int acc_row(int tid, int i) { return (tid >> 5) * 16 + ((tid & 31) >> 2) + ((i >> 1) & 1) * 8; }
 CUTE_HOST_DEVICE constexpr int acc_col(int tid, int i) { return (i >> 2) * 8 + (tid & 3) * 2 + (i & 1); }
 
-template <typename Element, int D, int DV>
+template <typename Element, int D, int DV, bool INT8 = false>
 struct Config {
   static constexpr bool kV1 = DV == 2 * D;
   static constexpr int kKeyMaps = kV1 ? 2 : 1;
+  // INT8 logits: K arrives as the pre-pass's int8 codes (quantize_keys.cuh), each consumer turns
+  // its Q map into codes in shared memory, and S = Q8 K8^T runs on s8 wgmma (int32 accumulator,
+  // the fp32 one's layout). P.V stays fp16/bf16.
+  using KElement = std::conditional_t<INT8, int8_t, Element>;
+  using AccumulatorS = std::conditional_t<INT8, int32_t, float>;
+  static constexpr int kQCodeBytes = INT8 ? 2 * kBlockM * D : 0;
   // As many K/V stages as sm_90's shared memory holds beside Q (at most 4): 3 for V1 at head dim
   // 128, 4 otherwise. The overlapped consumer (DIFFX_SM90_OVERLAP) holds two stages at a time, so
   // with two the producer could refill none while it computes.
-  static constexpr int kRawStageBytes = (kKeyMaps * kBlockN * D + kBlockN * DV) * int(sizeof(Element));
-  static constexpr int kStages = cute::min(4, (kMaxDynamicSmem - 2 * kBlockM * D * int(sizeof(Element)) - 1024) / kRawStageBytes);
+  static constexpr int kRawStageBytes = kKeyMaps * kBlockN * D * int(sizeof(KElement)) + kBlockN * DV * int(sizeof(Element));
+  static constexpr int kStages =
+      cute::min(4, (kMaxDynamicSmem - 2 * kBlockM * D * int(sizeof(Element)) - kQCodeBytes - 1024) / kRawStageBytes);
   static_assert(kStages >= 3, "the overlapped consumer needs three K/V stages");
 
-  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, _64, Int<D>>>()));
+  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<KElement, KElement, AccumulatorS, Shape<_64, _64, Int<D>>>()));
   using TiledMmaO = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<DV>, _64>, GMMA::Major::K, GMMA::Major::MN>()));
 
-  using AtomQK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<D>>());
-  using SmemLayoutQ = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(AtomQK{}, Shape<_64, Int<D>, Int<kStages>>{}));
+  using AtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<D>>());
+  using AtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, KElement, _64, Int<D>>());
+  using SmemLayoutQ = decltype(tile_to_shape(AtomQ{}, Shape<_64, Int<D>>{}));
+  using SmemLayoutQCodes = decltype(tile_to_shape(AtomK{}, Shape<_64, Int<D>>{}));  // INT8: Q's codes, S's A operand
+  using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<_64, Int<D>, Int<kStages>>{}));
   // V lands as [keys, DV] rows (the global layout); P.V reads it transposed, DV-major, as wgmma's B.
   using AtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<DV>>());
   using SmemLayoutV = decltype(tile_to_shape(AtomV{}, Shape<_64, Int<DV>, Int<kStages>>{}));
@@ -63,27 +73,34 @@ struct Config {
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
+  using GmemTensorK = decltype(make_tensor(make_gmem_ptr(static_cast<KElement const*>(nullptr)), GmemShape{}, GmemStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{})));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorK{}, take<0, 2>(SmemLayoutK{})));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{})));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr uint32_t kQBytes = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
   static constexpr uint32_t kStageBytes =
-      (kKeyMaps * size(take<0, 2>(SmemLayoutK{})) + size(take<0, 2>(SmemLayoutV{}))) * sizeof(Element);
+      kKeyMaps * size(take<0, 2>(SmemLayoutK{})) * sizeof(KElement) + size(take<0, 2>(SmemLayoutV{})) * sizeof(Element);
   static constexpr int kScratchStride = DV + 8;  // floats; see TileConfig::kScratchStride
 
+  struct QCodes {
+    cute::array_aligned<int8_t, cosize_v<SmemLayoutQCodes>, 1024> q[2];
+  };
+  struct NoQCodes {};
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q[2];
     union {
       struct {
-        cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k[kKeyMaps];
+        cute::array_aligned<KElement, cosize_v<SmemLayoutK>, 1024> k[kKeyMaps];
         cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
       } ring;
       float scratch[kBlockM * kScratchStride];  // epilogue: O2 / l2 of the 64 rows
     };
     typename Pipeline::SharedStorage pipeline;
-    uint64_t q_loaded;  // mbarrier: Q1 and Q2 landed
+    uint64_t q_loaded;      // mbarrier: Q1 and Q2 landed
+    float q_absmax[2][4];   // INT8: each consumer warp's largest |Q| of its map
+    std::conditional_t<INT8, QCodes, NoQCodes> q_codes;  // last: nothing to align when empty
   };
   static_assert(sizeof(SharedStorage) <= kMaxDynamicSmem, "the Hopper tiles exceed sm_90's shared memory");
   // The epilogue's scratch reuses the ring: it must not be what sizes the union.

@@ -6,7 +6,9 @@
 //   2. the register A operand of the P.V wgmma holds, value for value, the same (row, key) as S's
 //      accumulator, so converting S in place is P;
 //   3. SmemLayoutVt(dv, key, stage) addresses the same element as SmemLayoutV(key, dv, stage);
-//   4. the TMA transaction bytes per stage and for Q are what the tiles hold.
+//   4. the TMA transaction bytes per stage and for Q are what the tiles hold;
+//   5. INT8 logits: the s8 wgmma's int32 accumulator has the fp32 one's layout (the kernel
+//      dequantises it value for value into S), and its K tiles and Q codes are int8.
 // tests/test_kernel_build.py compiles it with nvcc (host code only) and runs it; exit status 0 when
 // every fact holds, 1 with the first mismatches printed otherwise.
 #include <cstdarg>
@@ -31,9 +33,10 @@ void fail(const char* fmt, ...) {
   va_end(args);
 }
 
-template <typename Element, int D, int DV>
+template <typename Element, int D, int DV, bool INT8>
 void check(const char* dtype) {
-  using Cfg = Config<Element, D, DV>;
+  using Cfg = Config<Element, D, DV, INT8>;
+  using FpCfg = Config<Element, D, DV, false>;
   typename Cfg::TiledMmaS mma_s;
   typename Cfg::TiledMmaO mma_o;
   static_assert(size(typename Cfg::TiledMmaS{}) == cutlass::NumThreadsPerWarpGroup, "one warpgroup per map");
@@ -42,6 +45,8 @@ void check(const char* dtype) {
   for (int tid = 0; tid < cutlass::NumThreadsPerWarpGroup; ++tid) {
     auto thr_s = mma_s.get_thread_slice(tid);
     auto thr_o = mma_o.get_thread_slice(tid);
+    auto thr_fp = typename FpCfg::TiledMmaS{}.get_thread_slice(tid);
+    Tensor fp_coord = thr_fp.partition_C(make_identity_tensor(Shape<_64, _64>{}));
     Tensor s_coord = thr_s.partition_C(make_identity_tensor(Shape<_64, _64>{}));
     Tensor p_coord = thr_o.partition_A(make_identity_tensor(Shape<_64, _64>{}));
     Tensor o_coord = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<DV>>{}));
@@ -55,6 +60,9 @@ void check(const char* dtype) {
       if (row != acc_row(tid, i) || key != acc_col(tid, i))
         fail("S accumulator (D %d, DV %d, %s): thread %d value %d: CuTe (%d, %d), acc_row/acc_col (%d, %d)", D, DV,
              dtype, tid, i, row, key, acc_row(tid, i), acc_col(tid, i));
+      if (get<0>(fp_coord(i)) != row || get<1>(fp_coord(i)) != key)
+        fail("S accumulator (D %d, DV %d, %s, INT8 %d): thread %d value %d: (%d, %d), the fp32 one (%d, %d)", D, DV,
+             dtype, int(INT8), tid, i, row, key, int(get<0>(fp_coord(i))), int(get<1>(fp_coord(i))));
       if (get<0>(p_coord(i)) != row || get<1>(p_coord(i)) != key)
         fail("P operand (D %d, DV %d, %s): thread %d value %d: A operand (%d, %d), S accumulator (%d, %d)", D, DV,
              dtype, tid, i, int(get<0>(p_coord(i))), int(get<1>(p_coord(i))), row, key);
@@ -76,22 +84,26 @@ void check(const char* dtype) {
         if (vt(dv, key, s) != v(key, dv, s))
           fail("V transposed view (D %d, DV %d, %s): Vt(%d, %d, %d) at %d, V(%d, %d, %d) at %d", D, DV, dtype, dv, key, s,
                int(vt(dv, key, s)), key, dv, s, int(v(key, dv, s)));
-  const int stage_bytes = (Cfg::kKeyMaps * kBlockN * D + kBlockN * DV) * int(sizeof(Element));
+  const int key_bytes = INT8 ? 1 : int(sizeof(Element));
+  static_assert(sizeof(typename Cfg::KElement) == (INT8 ? 1 : sizeof(Element)), "K tiles: int8 codes for INT8 logits");
+  const int stage_bytes = Cfg::kKeyMaps * kBlockN * D * key_bytes + kBlockN * DV * int(sizeof(Element));
   if (int(Cfg::kStageBytes) != stage_bytes)
     fail("stage bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kStageBytes), stage_bytes);
   const int q_bytes = 2 * kBlockM * D * int(sizeof(Element));
   if (int(Cfg::kQBytes) != q_bytes)
     fail("Q bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kQBytes), q_bytes);
-  std::printf("D %3d DV %3d %s: %d facts, shared storage %zu bytes (%d stages)\n", D, DV, dtype, checked,
+  std::printf("D %3d DV %3d %s%s: %d facts, shared storage %zu bytes (%d stages)\n", D, DV, dtype, INT8 ? " INT8" : "", checked,
               sizeof(typename Cfg::SharedStorage), Cfg::kStages);
 }
 
 template <typename Element>
 void check_dtype(const char* dtype) {
-  check<Element, 64, 64>(dtype);
-  check<Element, 64, 128>(dtype);
-  check<Element, 128, 128>(dtype);
-  check<Element, 128, 256>(dtype);
+  for (bool int8 : {false, true}) {
+    (int8 ? check<Element, 64, 64, true> : check<Element, 64, 64, false>)(dtype);
+    (int8 ? check<Element, 64, 128, true> : check<Element, 64, 128, false>)(dtype);
+    (int8 ? check<Element, 128, 128, true> : check<Element, 128, 128, false>)(dtype);
+    (int8 ? check<Element, 128, 256, true> : check<Element, 128, 256, false>)(dtype);
+  }
 }
 
 }  // namespace
