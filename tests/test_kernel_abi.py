@@ -305,8 +305,8 @@ def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
 
 
 def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
-    """The decode partials: min(B*H*q*tiles, B*H*q + 256*min(ratio*q, 16)) rows x 2 maps x 4 warps of
-    Dv + 2 floats, reserved whatever DIFFEXPORT_KERNEL_PATH says, and never shrinking as batch, heads,
+    """The decode partials: min(B*H*q*tiles, B*H*q + 256*min(ratio*q, 16)) rows x 2 maps (one part per
+    split: the CTA merges its warps) of Dv + 2 floats, reserved whatever DIFFEXPORT_KERNEL_PATH says, and never shrinking as batch, heads,
     keys or q_len grow (a TensorRT plugin sizes it once at its profile's maximum)."""
     up = lambda x: -(-x // 256) * 256  # noqa: E731
 
@@ -314,7 +314,7 @@ def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
         return lib.diffx_attention_workspace_size(ctypes.byref(valid_params(**kw)))
 
     rows = min(2 * 4 * 3 * 64, 2 * 4 * 3 + 256 * min(2 * 3, 16))
-    states = rows * 2 * 4
+    states = rows * 2
     assert size(q_len=3, kv_len=4096) == up(states * 128 * 4) + up(states * 2 * 4)
     assert size(q_len=17, kv_len=4096) == 0
     monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "mma")

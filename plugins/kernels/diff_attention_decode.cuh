@@ -9,7 +9,11 @@
 // as many as fit 16 rows; decode_plan chooses), zero-padded. Heads that share K/V thus read each
 // tile once, where one CTA per head would read it once per head. Each warp keeps its own
 // running max, sum and fp32 P.V accumulator for both of its rows-halves, exactly as the one-pass
-// kernel's warps do, and writes them, unnormalised, as one partial state ("part") to the workspace.
+// kernel's warps do. At the end the 4 warps of a map merge their states in shared memory (to the
+// map's max, added in warp order: deterministic) and the CTA writes one partial state ("part") per
+// map, unnormalised, to the workspace: 4x fewer bytes for kernel 2 to write and read than a part
+// per warp (with 4 query tokens, those bytes cost 8 points of copy bandwidth at 32k keys on an
+// H100, 2026-11-26).
 // Every K/V tile is read from global memory once per CTA; V serves both maps. With two K/V stages
 // (STAGES = 2: every head dim 64, and head dim 128 where the GPU's shared memory holds 136 KB) tile
 // j+1 is requested before tile j is computed, so one CTA per SM keeps the DRAM busy; with one
@@ -75,6 +79,13 @@ __device__ __forceinline__ int64_t part_index(const KernelArgs& args, int b, int
   return ((int64_t(b) * args.p.num_heads + h) * 2 + map) * args.decode_parts * args.p.q_len +
          int64_t(part) * args.p.q_len;
 }
+
+// The end of kernel 1: a map's 4 warp states merged in shared memory. Rows padded by 8 floats, so
+// that a warp's float2 accesses to 8 rows x 4 column pairs fall in distinct banks (2 wavefronts).
+template <int DV>
+constexpr int kMergeStride = DV + 8;
+template <int DV>
+constexpr int kMergeBufferBytes = (2 * kDecodeRows * kMergeStride<DV> + 2 * kWarpsPerMap * kDecodeRows * 2) * int(sizeof(float));
 
 // CTAs per SM the compiler must leave registers for at head dim 64 (2: at most 128 registers a
 // thread, no spills at sm_90). 2 by default; the GPU campaign times 1 as a variant (-DDIFFX_DECODE_D64_MIN_BLOCKS=1).
@@ -245,23 +256,81 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
   }
   cp_async_wait_all();
+  __syncthreads();  // every K/V stage is read: their space becomes the merge buffer
 
-  // This warp's partial state, unnormalised, for the merge kernel (valid query rows only).
-  const int part = split * kWarpsPerMap + quarter;
+  // The 4 warps of each map merged into one state: each warp's (max, sum) of its rows, the map's
+  // max M per row, then each warp's P.V sums rescaled to M and added into the buffer in warp
+  // order (a barrier between warps: the same sum on every run).
+  float* merged = reinterpret_cast<float*>(sKV);  // [2 maps][16 rows][kMergeStride] floats
+  float* warp_ml = merged + 2 * kDecodeRows * kMergeStride<DV>;  // [2 maps][4 warps][16 rows][max, sum]
+  static_assert(kMergeBufferBytes<DV> <= STAGES * Cfg::kStageBytes, "the merge buffer reuses the K/V stages");
+  float w[2], row_m[2], row_l[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = row_sum[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = gq + r * 8;
-    if (row < rows) {
-      const int64_t state = part_index(args, b, h0 + row / p.q_len, map, part) + row % p.q_len;
-      if (tq == 0) *reinterpret_cast<float2*>(args.part_ml + state * 2) = make_float2(row_max[r], l);
-      float* o = args.part_o + state * DV;
-#pragma unroll
-      for (int i = 0; i < kOTiles; ++i)
-        *reinterpret_cast<float2*>(o + i * 8 + tq * 2) = make_float2(acc_o[i][2 * r], acc_o[i][2 * r + 1]);
+    if (tq == 0) {
+      float* ml = warp_ml + ((map * kWarpsPerMap + quarter) * kDecodeRows + gq + r * 8) * 2;
+      ml[0] = row_max[r];
+      ml[1] = l;
     }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float* ml = warp_ml + (map * kWarpsPerMap * kDecodeRows + gq + r * 8) * 2;
+    float m = -INFINITY;
+#pragma unroll
+    for (int q = 0; q < kWarpsPerMap; ++q) m = fmaxf(m, ml[q * kDecodeRows * 2]);
+    float l = 0.f;
+#pragma unroll
+    for (int q = 0; q < kWarpsPerMap; ++q) {
+      const float m_q = ml[q * kDecodeRows * 2];
+      if (m_q != -INFINITY) l = fmaf(ml[q * kDecodeRows * 2 + 1], fast_exp2((m_q - m) * scale_log2), l);
+    }
+    row_m[r] = m;
+    row_l[r] = l;  // 0 when no key of the split is visible to this row (m is then -inf too)
+    w[r] = row_max[r] == -INFINITY ? 0.f : fast_exp2((row_max[r] - m) * scale_log2);
+  }
+  for (int q = 0; q < kWarpsPerMap; ++q) {
+    if (quarter == q) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float* row = merged + (map * kDecodeRows + gq + r * 8) * kMergeStride<DV> + tq * 2;
+#pragma unroll
+        for (int i = 0; i < kOTiles; ++i) {
+          float2 sum = make_float2(acc_o[i][2 * r] * w[r], acc_o[i][2 * r + 1] * w[r]);
+          if (q > 0) {
+            const float2 before = *reinterpret_cast<const float2*>(row + i * 8);
+            sum.x += before.x;
+            sum.y += before.y;
+          }
+          *reinterpret_cast<float2*>(row + i * 8) = sum;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // The map's part for this split, unnormalised (valid query rows only): its 128 threads copy the
+  // buffer's rows out as float4s; warp 0 of the map writes each row's max and sum.
+  const int part = split;
+  if (quarter == 0 && tq == 0)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = gq + r * 8;
+      if (row < rows) {
+        const int64_t state = part_index(args, b, h0 + row / p.q_len, map, part) + row % p.q_len;
+        *reinterpret_cast<float2*>(args.part_ml + state * 2) = make_float2(row_m[r], row_l[r]);
+      }
+    }
+  constexpr int kQuads = DV / 4;
+  for (int i = tid % (kWarpsPerMap * 32); i < rows * kQuads; i += kWarpsPerMap * 32) {
+    const int row = i / kQuads, c = 4 * (i % kQuads);
+    const int64_t state = part_index(args, b, h0 + row / p.q_len, map, part) + row % p.q_len;
+    *reinterpret_cast<float4*>(args.part_o + state * DV + c) =
+        *reinterpret_cast<const float4*>(merged + (map * kDecodeRows + row) * kMergeStride<DV> + c);
   }
 }
 
@@ -301,8 +370,8 @@ constexpr int kMergeThreads = DIFFX_MERGE_THREADS;
 constexpr int kMergeSmemBytes = kMergeThreads * 8 * int(sizeof(float));
 
 // Kernel 2, one CTA of kMergeThreads per (diff-head, batch element, query token): grid x = diff-head,
-// y = batch, z = query token. The parts are merged side by side, not one after another (a serial
-// loop over 4 * splits parts waits on one L2 round trip per part): the CTA's threads first stride
+// y = batch, z = query token. The parts (one per split) are merged side by side, not one after
+// another (a serial loop waits on one L2 round trip per part): the CTA's threads first stride
 // over the parts for each map's max and softmax denominator, then groups of DV/4 threads (4
 // output channels each) sum a share of the parts each, and the groups' sums meet in shared memory.
 template <typename T, int DV>

@@ -17,7 +17,7 @@ namespace diffx {
 #endif
 constexpr int kKeySumChunk = DIFFX_KEY_SUM_CHUNK;
 // Warps per softmax map in a decode CTA: each takes 16 keys of every 64-key tile and keeps its own
-// partial state (a part), so a split yields this many parts per map.
+// partial state; the CTA merges them into one part per map and split before it writes.
 constexpr int kDecodeWarpsPerMap = 4;
 
 // Which kernel runs a call (DIFFX_DECODE_MAX_QUERY, DIFFEXPORT_KERNEL_PATH in diff_attention.h).
@@ -42,11 +42,11 @@ struct KernelArgs {
   const float* k_scales;  // [B*key_maps, n_kv_blocks]
   const float* k_sums;    // [B*key_maps, key chunks, D] partial K sums, or null (no K-smoothing)
   int n_key_chunks;       // kv_len in chunks of kKeySumChunk tokens (the sums' middle dimension)
-  // split-KV decode (path kDecode): each warp's partial softmax state over its share of a split's
-  // keys, merged by the second kernel. Part index = split * kDecodeWarpsPerMap + warp-in-map.
+  // split-KV decode (path kDecode): each split's partial softmax state over its keys (the CTA's
+  // warps already merged), merged by the second kernel. Part index = split.
   KernelPath path;
   DecodePlan plan;
-  int decode_parts;       // partial states per (batch, diff-head, map): plan.splits * kDecodeWarpsPerMap
+  int decode_parts;       // partial states per (batch, diff-head, map): plan.splits
   float* part_o;          // [B, H, 2 maps, parts, q_len, Dv] unnormalised P.V sums (fp32)
   float* part_ml;         // [B, H, 2 maps, parts, q_len, 2]: running max (raw logit units), sum
 };

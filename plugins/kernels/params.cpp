@@ -54,7 +54,7 @@ WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
     // Sized for the most partial states any plan can ask for: batch*heads*splits is at most
     // batch*heads*tiles and less than batch*heads + DIFFX_DECODE_TARGET_CTAS (a bound that only
     // grows with the shapes, so a TensorRT plugin can size it at its profile's maximum).
-    // Partial states: B*H*splits*q_len rows per map and warp. With h heads packed per CTA the plan
+    // Partial states: B*H*splits*q_len rows per map. With h heads packed per CTA the plan
     // has splits <= ceil(TARGET*h / (B*H)) and h*q_len <= 16, so B*H*splits*q_len is below
     // B*H*q_len + TARGET*min(ratio*q_len, 16), and below B*H*q_len*tiles: a bound that only grows
     // with batch, heads, keys and q_len.
@@ -63,7 +63,7 @@ WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
     const size_t ratio = size_t(p.num_heads / std::max(1, p.num_kv_heads));
     const size_t rows = std::min(bh * q * tiles,
                                  bh * q + size_t(DIFFX_DECODE_TARGET_CTAS) * std::min<size_t>(ratio * q, DIFFX_DECODE_MAX_QUERY));
-    const size_t states = rows * 2 * kDecodeWarpsPerMap;  // per map, per warp
+    const size_t states = rows * 2;  // per map
     const size_t int8_end = offset - w.int8_base;
     w.part_o = int8_end;
     w.part_ml = w.part_o + round_up(states * value_dim(p) * sizeof(float), kAlign);
@@ -269,7 +269,7 @@ KernelArgs make_kernel_args(const DiffxAttentionParams& p) {
     const WorkspaceLayout w = workspace_layout(p);
     char* base = static_cast<char*>(p.workspace) + w.int8_base;
     args.plan = decode_plan(p);
-    args.decode_parts = args.plan.splits * kDecodeWarpsPerMap;
+    args.decode_parts = args.plan.splits;
     args.part_o = reinterpret_cast<float*>(base + w.part_o);
     args.part_ml = reinterpret_cast<float*>(base + w.part_ml);
   }
