@@ -61,7 +61,8 @@ def stubs(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python-stub"),
                STUB_LOG=str(tmp_path / "calls.log"), DIFFEXPORT_KERNEL_LIB=str(library),
                CAMPAIGN_BUILD_DIR=str(tmp_path / "build"), CAMPAIGN_RESERVE=RESERVES)
-    for name in ("CAMPAIGN_BUDGET", "CAMPAIGN_COMPARE", "CAMPAIGN_VARIANTS", "DIFFEXPORT_PROBE_HOPPER", "OUT"):
+    for name in ("CAMPAIGN_BUDGET", "CAMPAIGN_COMPARE", "CAMPAIGN_VARIANTS", "DIFFEXPORT_PROBE_HOPPER",
+                 "DIFFEXPORT_PROBE_HOPPER_INT8", "OUT"):
         env.pop(name, None)
     return env, tmp_path
 

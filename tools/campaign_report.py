@@ -80,6 +80,8 @@ def correctness(folder: Path) -> list[str]:
         lines.append("parts          " + (", ".join(f"{p} {v}" for p, v in parts) or "none finished"))
         probe = re.findall(r"Hopper path probe: (.*)", log)
         lines.append("Hopper probe   " + (probe[-1] if probe else "not run"))
+        probe = re.findall(r"Hopper INT8 probe: (.*)", log)
+        lines.append("Hopper INT8 probe " + (probe[-1] if probe else "not run"))
         budget = re.findall(r"done: .*", log)
         if budget:
             lines.append("campaign       " + budget[-1])

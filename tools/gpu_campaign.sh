@@ -248,6 +248,19 @@ part_profile() {
       echo "--- Hopper path profile FAILED" >> "$OUT_DIR/profile.txt"
     fi
   fi
+  # Its INT8 logits (s8 wgmma for Q.K^T), the same launch: what the INT8 recipe changes in the kernel.
+  if [[ "${DIFFEXPORT_PROBE_HOPPER_INT8:-}" == ok* ]]; then
+    if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper INT8)" ncu --clock-control none --set full \
+        --kernel-name regex:diff_attention_sm90 --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper-int8 \
+        "$PY" tools/bench_attention.py --profile 4096 --profile-logit-bits 8 > /dev/null 2>&1; then
+      { echo "--- Hopper path INT8 logits, the same launch"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page details 2>&1 |
+          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
+        echo "--- selected raw metrics, Hopper path INT8"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page raw 2>&1 |
+          grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+    else
+      echo "--- Hopper path INT8 profile FAILED" >> "$OUT_DIR/profile.txt"
+    fi
+  fi
   local spec name path
   for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
@@ -262,16 +275,22 @@ part_profile() {
 }
 
 probe_hopper() {
-  # Once per call, after the build: a few Hopper-path launches in a child process (diffexport/kernel_probe.py).
-  # The verdict, exported, tells the tests, kernel_cases.py and the bench whether to launch that path at all:
-  # a hang or fault in their own process would cost every result after it.
-  [[ -n "${DIFFEXPORT_PROBE_HOPPER:-}" || ! -f "$DIFFEXPORT_KERNEL_LIB" ]] && return 0
-  local out verdict
-  out=$(timed 90 5 "Hopper probe" "$PY" -m diffexport.kernel_probe hopper 2>&1)
-  echo "$out" >> "$OUT_DIR/campaign.log"
-  verdict=$(echo "$out" | tail -1)
-  export DIFFEXPORT_PROBE_HOPPER="${verdict:-failed: the probe printed nothing}"
-  note "Hopper path probe: $DIFFEXPORT_PROBE_HOPPER"
+  # Once per call, after the build: a few Hopper-path launches in a child process (diffexport/kernel_probe.py),
+  # fp logits (hopper) and INT8 logits (hopper-int8). The verdicts, exported, tell the tests, kernel_cases.py
+  # and the bench whether to launch that path at all: a hang or fault in their own process would cost every
+  # result after it. Probed here, not under a sanitizer: kernel_cases.py's own probe would run there, torch
+  # reference included (2026-11-26: initcheck spent its 80 s on the probe's torch copies).
+  [[ ! -f "$DIFFEXPORT_KERNEL_LIB" ]] && return 0
+  local name var out verdict
+  for name in hopper hopper-int8; do
+    var="DIFFEXPORT_PROBE_$(echo "$name" | tr 'a-z-' 'A-Z_')"
+    [[ -n "${!var:-}" ]] && continue
+    out=$(timed 90 5 "$name probe" "$PY" -m diffexport.kernel_probe "$name" 2>&1)
+    echo "$out" >> "$OUT_DIR/campaign.log"
+    verdict=$(echo "$out" | tail -1)
+    export "$var=${verdict:-failed: the probe printed nothing}"
+    note "$([[ $name == hopper ]] && echo "Hopper path" || echo "Hopper INT8") probe: ${!var}"
+  done
 }
 
 run_part() {

@@ -264,7 +264,20 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   float* merged = reinterpret_cast<float*>(sKV);  // [2 maps][16 rows][kMergeStride] floats
   float* warp_ml = merged + 2 * kDecodeRows * kMergeStride<DV>;  // [2 maps][4 warps][16 rows][max, sum]
   static_assert(kMergeBufferBytes<DV> <= STAGES * Cfg::kStageBytes, "the merge buffer reuses the K/V stages");
-  float w[2], row_m[2], row_l[2];
+  // Row `row` of this map: the max over its warps' maxima and the sum of their sums at that max
+  // (0 with max -inf when no key of the split is visible to the row).
+  auto map_state = [&](int row) {
+    const float* ml = warp_ml + (map * kWarpsPerMap * kDecodeRows + row) * 2;
+    float m = -INFINITY, l = 0.f;
+#pragma unroll
+    for (int q = 0; q < kWarpsPerMap; ++q) m = fmaxf(m, ml[q * kDecodeRows * 2]);
+#pragma unroll
+    for (int q = 0; q < kWarpsPerMap; ++q) {
+      const float m_q = ml[q * kDecodeRows * 2];
+      if (m_q != -INFINITY) l = fmaf(ml[q * kDecodeRows * 2 + 1], fast_exp2((m_q - m) * scale_log2), l);
+    }
+    return make_float2(m, l);
+  };
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = row_sum[r];
@@ -277,22 +290,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
   }
   __syncthreads();
+  float w[2];  // this warp's rescale to the map's max
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float* ml = warp_ml + (map * kWarpsPerMap * kDecodeRows + gq + r * 8) * 2;
-    float m = -INFINITY;
-#pragma unroll
-    for (int q = 0; q < kWarpsPerMap; ++q) m = fmaxf(m, ml[q * kDecodeRows * 2]);
-    float l = 0.f;
-#pragma unroll
-    for (int q = 0; q < kWarpsPerMap; ++q) {
-      const float m_q = ml[q * kDecodeRows * 2];
-      if (m_q != -INFINITY) l = fmaf(ml[q * kDecodeRows * 2 + 1], fast_exp2((m_q - m) * scale_log2), l);
-    }
-    row_m[r] = m;
-    row_l[r] = l;  // 0 when no key of the split is visible to this row (m is then -inf too)
-    w[r] = row_max[r] == -INFINITY ? 0.f : fast_exp2((row_max[r] - m) * scale_log2);
-  }
+  for (int r = 0; r < 2; ++r)
+    w[r] = row_max[r] == -INFINITY ? 0.f : fast_exp2((row_max[r] - map_state(gq + r * 8).x) * scale_log2);
+#pragma unroll 1
   for (int q = 0; q < kWarpsPerMap; ++q) {
     if (quarter == q) {
 #pragma unroll
@@ -314,19 +316,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   }
 
   // The map's part for this split, unnormalised (valid query rows only): its 128 threads copy the
-  // buffer's rows out as float4s; warp 0 of the map writes each row's max and sum.
+  // buffer's rows out as float4s; the map's first 16 threads write each row's max and sum.
   const int part = split;
-  if (quarter == 0 && tq == 0)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = gq + r * 8;
-      if (row < rows) {
-        const int64_t state = part_index(args, b, h0 + row / p.q_len, map, part) + row % p.q_len;
-        *reinterpret_cast<float2*>(args.part_ml + state * 2) = make_float2(row_m[r], row_l[r]);
-      }
-    }
+  const int map_tid = tid % (kWarpsPerMap * 32);
+  if (map_tid < rows) {
+    const int64_t state = part_index(args, b, h0 + map_tid / p.q_len, map, part) + map_tid % p.q_len;
+    *reinterpret_cast<float2*>(args.part_ml + state * 2) = map_state(map_tid);
+  }
   constexpr int kQuads = DV / 4;
-  for (int i = tid % (kWarpsPerMap * 32); i < rows * kQuads; i += kWarpsPerMap * 32) {
+  for (int i = map_tid; i < rows * kQuads; i += kWarpsPerMap * 32) {
     const int row = i / kQuads, c = 4 * (i % kQuads);
     const int64_t state = part_index(args, b, h0 + row / p.q_len, map, part) + row % p.q_len;
     *reinterpret_cast<float4*>(args.part_o + state * DV + c) =
