@@ -23,7 +23,7 @@ from pathlib import Path
 
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "plugins" / "kernels" / "libdiffexport_kernels.so"
 # SASS opcodes that say which hardware path a kernel takes.
-MARKERS = ("HGMMA", "IGMMA", "I2F", "UTMALDG", "USETMAXREG", "HMMA", "IMMA", "LDGSTS", "LDSM")
+MARKERS = ("HGMMA", "IGMMA", "UTMALDG", "USETMAXREG", "HMMA", "IMMA", "LDGSTS", "LDSM")
 
 
 def find_tool(name: str) -> str | None:
