@@ -86,6 +86,24 @@ def run_cli(*args, cwd=None, stdin: str | bytes | None = None):
                                        out.stderr.decode(errors="replace"))
 
 
+def run_printed_polygraphy(report_text: str):
+    """The `polygraphy run ...` command a check printed (its line, or the command itself), run as a
+    user would, with this interpreter's scripts first on PATH; asserts that it passes."""
+    import os
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    found = re.search(r"^(?:polygraphy {4})?(polygraphy run .*)$", report_text, re.M)
+    assert found, f"no polygraphy command printed:\n{report_text[-2000:]}"
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    result = subprocess.run(shlex.split(found.group(1)), capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0 and "PASSED" in result.stdout + result.stderr, (
+        found.group(1) + "\n" + result.stdout[-3000:] + result.stderr[-3000:])
+    return result
+
+
 def cli_main(*args, cwd=None, stdin: str | bytes | None = None):
     """`diffexport ARGS` run in this process through cli.main: what run_cli gives, without starting
     an interpreter that imports torch again. The exit status is main's return or SystemExit's code

@@ -116,6 +116,43 @@ def test_polygraphy_command_printed_by_check_passes(v1_export):
     assert "PASSED" in result.stdout + result.stderr
 
 
+def test_printed_tolerances_round_up():
+    """A bound printed for polygraphy is never below the one computed (3 significant digits, up)."""
+    from diffexport.tolerances import elementwise_atol, format_at_least
+
+    for x in (0.30824, 0.308, 1e-5, 0.99951, 123456.0, 2.5e-7, 7.0000001):
+        assert float(format_at_least(x)) >= x and len(format_at_least(x).replace(".", "").lstrip("0")) <= 3 + 4
+    assert format_at_least(0.30824) == "0.309" and format_at_least(0.308) == "0.308"
+
+    class Bound:  # a comparison's bound (the dtype rule's, or a quantised model's observed max)
+        bound = 0.3
+
+    # the difference seen on the saved calls (padding rows included) raises the atol above the bound
+    assert elementwise_atol([Bound()], "float32", 1.0, observed_max=0.31) > 0.31
+    assert elementwise_atol([Bound()], "float32", 1.0) > 0.3
+
+
+def test_the_printed_atol_covers_every_element_polygraphy_compares(tmp_path):
+    """A check may judge only some rows (not a prompt's padding); polygraphy compares all of them.
+    The printed atol covers the largest difference the runtime showed on the saved calls."""
+    pytest.importorskip("polygraphy")
+    import re
+
+    from diffexport.tolerances import compare
+    from diffexport.validation.compare import finish_report
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    got = ref.copy()
+    got[1, :2] += 0.25  # padding rows: far off, and not judged
+    judged = compare("logits", got[0], ref[0], "float32")
+    report = finish_report(["polygraphy run", "m.onnx", "--onnxrt"], tmp_path, [{"input_ids": np.zeros((2, 5), np.int64)}],
+                           [{"logits": ref}], [("logits", judged)], [], ["logits"], "float32",
+                           observed=[{"logits": got}])
+    atol = float(re.search(r"--atol logits:(\S+)", report.polygraphy_command).group(1))
+    assert report.passed and atol >= float(np.abs(got - ref).max()) > judged.bound
+
+
 @pytest.mark.slow
 def test_polygraphy_command_fails_when_the_model_differs(v1_export, tmp_path):
     """The saved outputs really constrain the model: another seed's export must fail the same command."""

@@ -23,7 +23,8 @@ from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
 from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, byte_bpe_tokenizer, cli_main, perturb_norm_weights, quiet  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_one_line_error, byte_bpe_tokenizer, cli_main, perturb_norm_weights, quiet, run_printed_polygraphy)
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -96,6 +97,7 @@ def test_v1_check_passes_and_its_polygraphy_files_exist(v1_folder, v1_ckpt, tmp_
     assert "33 steps" in report.text() and "33/33 steps  PASS" in report.text()
     feeds = json.loads((tmp_path / "inputs.json").read_text())
     assert len(feeds) == 2  # one prefill, one decode step
+    run_printed_polygraphy(report.polygraphy_command)  # both iterations, the prompts' padding rows too
 
 
 def test_check_fails_on_a_folder_with_corrupted_weights(v1_folder, v1_ckpt, tmp_path):

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import assert_one_line_error, cli_main
+from helpers import assert_one_line_error, cli_main, run_printed_polygraphy
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -61,6 +61,8 @@ def test_quantised_export_keeps_diff_attention_and_meets_its_budget(exported, tm
     report = cli_main("check", out, "--preset", "diff-v1-tiny", "--shapes", "1x9,2x33")
     assert report.returncode == 0, report.stdout + report.stderr
     assert f"budget        int{bits} weights" in report.stderr + report.stdout and "KL" in report.stdout
+    if (bits, method) == (4, "rtn"):  # its atol is the difference seen, printed rounded up: the rerun passes
+        run_printed_polygraphy(report.stdout)
 
 
 def test_the_budget_fails_a_broken_quantisation(exported, tmp_path):
@@ -93,6 +95,7 @@ def test_kv_cache_folder_is_quantised_and_still_decodes(tmp_path):
     report = cli_main("check", out, "--preset", "diff-v1-tiny", "--plot", plot)
     assert report.returncode == 0, report.stdout + report.stderr
     assert "greedy tokens onnxruntime == eager" in report.stdout
+    run_printed_polygraphy(report.stdout)  # the int4 folder's prefill and decode step, padding rows too
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"plot          {plot}" in report.stdout
     pytest.importorskip("onnxruntime_genai")
     generated = cli_main("generate", out, "--ids", "1,2,3", "--max-new-tokens", "6")

@@ -77,7 +77,7 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     if budget is not None:
         log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule")
     rng = np.random.default_rng(options.seed)
-    feeds, saved, comparisons, lines = [], [], [], []
+    feeds, saved, comparisons, lines, observed = [], [], [], [], []
     for batch, seq in options.shapes:
         feed = probe_feeds(graph, batch, seq, vocab=vocab, rng=rng)
         if text is not None:
@@ -88,6 +88,7 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
             text.score(feed[INPUT_NAMES[0]], {model_path.name: got["logits"], against_path.name: ref["logits"]})
         feeds.append(feed)
         saved.append(ref)
+        observed.append(got)
         for name in outputs:
             c = judge(name, f"{name} [{batch}x{seq}]", got[name], ref[name],
                        None if dtype == "float32" else ref[name], dtype, options, budget)
@@ -96,5 +97,5 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     if text is not None and "logits" in outputs:
         lines.append(text.line(model_path.name, against_path.name))
     runner = ["polygraphy run", shlex.quote(str(model_path)), "--onnxrt", "--providers", provider]
-    return finish_report(runner, save_dir, feeds, saved, comparisons, lines,
-                   outputs, dtype, user_bounds=options.user_bounds, runner_name=f"onnxrt-{against_path.stem}")
+    return finish_report(runner, save_dir, feeds, saved, comparisons, lines, outputs, dtype,
+                   user_bounds=options.user_bounds, runner_name=f"onnxrt-{against_path.stem}", observed=observed)

@@ -4,6 +4,7 @@ outputs in polygraphy's JSON formats with the command that repeats a comparison.
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 
@@ -59,16 +60,19 @@ def count_tokens(shapes) -> int:
 
 
 def compare_outputs(options, shapes, vocab, outputs, dtype, run, eager_low, eager_ref, note=None, label="", budget=None,
-             text: TextIds | None = None):
+             text: TextIds | None = None, observed: list | None = None):
     """Seeded token ids (or --text's) per (batch, seq) through the runtime and eager; each output
     compared under the dtype rule (eager_ref None: fp32, eager_low is the reference), or under
-    `budget` for a weight-quantised model. note(name, got, ids) may add a line."""
+    `budget` for a weight-quantised model. note(name, got, ids) may add a line. observed: a list
+    that receives the runtime's outputs of each call (for finish_report)."""
     rng = np.random.default_rng(options.seed)
     feeds, saved, comparisons, lines = [], [], [], []
     for batch, seq in shapes:
         ids = rng.integers(0, vocab, size=(batch, seq), dtype=np.int64) if text is None else text.take(batch, seq)
         feeds.append({INPUT_NAMES[0]: ids})
         got = run(ids)
+        if observed is not None:
+            observed.append(got)
         base = eager_low(ids)
         ref = base if eager_ref is None else eager_ref(ids)
         saved.append(ref)
@@ -88,19 +92,23 @@ def compare_outputs(options, shapes, vocab, outputs, dtype, run, eager_low, eage
 
 def finish_report(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines, outputs, dtype,
             other_failures: tuple[str, ...] = (), user_bounds: tuple[float, float] | None = None,
-            runner_name: str = EAGER_RUNNER, atol_comparisons=None) -> CheckReport:
+            runner_name: str = EAGER_RUNNER, atol_comparisons=None, observed: list | None = None) -> CheckReport:
     """Save the polygraphy JSON files and build the report: verdict and the `polygraphy run` command.
-    other_failures: checks besides the comparisons that failed (named in the verdict)."""
+    other_failures: checks besides the comparisons that failed (named in the verdict). observed:
+    the runtime's outputs for each saved call, so that the printed atol covers every element
+    polygraphy compares (a check may judge only some rows, e.g. not a prompt's padding)."""
     inputs_path, outputs_path = _save_polygraphy(save_dir, feeds, saved, dtype, runner_name)
-    if user_bounds is not None:
-        bounds = ["--atol", f"{user_bounds[0]:g}", "--rtol", f"{user_bounds[1]:g}"]
+    if user_bounds is not None:  # the user's own numbers, printed as they round-trip
+        bounds = ["--atol", repr(float(user_bounds[0])), "--rtol", repr(float(user_bounds[1]))]
     else:
         atols = []
         for name in outputs:
             ref_max = max(float(np.abs(r[name]).max()) for r in saved)
+            seen = max((float(np.abs(np.asarray(o[name], np.float64) - np.asarray(r[name], np.float64)).max(initial=0.0))
+                        for o, r in zip(observed or [], saved)), default=0.0)
             atol = tolerances.elementwise_atol([c for n, c in (atol_comparisons or comparisons) if n == name], dtype,
-                                               ref_max)
-            atols.append(f"{name}:{atol:.3g}")
+                                               ref_max, seen if math.isfinite(seen) else 0.0)  # NaN fails regardless
+            atols.append(f"{name}:{tolerances.format_at_least(atol)}")
         bounds = ["--atol", *atols, "--rtol", "0"]
     command = " ".join([*runner, "--load-inputs", shlex.quote(str(inputs_path)),
                         "--load-outputs", shlex.quote(str(outputs_path)), *bounds])

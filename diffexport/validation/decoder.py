@@ -105,7 +105,7 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
     cache = runner.empty_cache(len(prompts))
     eager_past = {"low": None, "ref": None}
     step_ids, step_mask = ids, mask
-    feeds, saved, comparisons, lines = [], [], [], []
+    feeds, saved, comparisons, lines, observed = [], [], [], [], []
     eager_tokens, runner_tokens, worst = [], [], None
     for step in range(steps + 1):
         feed = {names.INPUT_IDS: step_ids.numpy(), names.ATTENTION_MASK: step_mask.numpy()}
@@ -128,6 +128,7 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
         if step in (0, 1):  # polygraphy: one prefill and one decode step, every input the graph takes
             feeds.append({**feed, **past_feed})
             saved.append({"logits": ref_np})
+            observed.append({"logits": logits})
         last = last_real(step_mask[:, -step_ids.shape[1]:])  # a right-padded prompt ends before its padding
         rows = torch.arange(len(prompts))
         chosen = ref[rows, last.to(ref.device)].float().argmax(-1)
@@ -181,7 +182,7 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(search_failures)
     return finish_report(command, save_dir, feeds, saved, comparisons, lines, ["logits"], dtype, failures,
-                   user_bounds=options.user_bounds, atol_comparisons=greedy_comparisons)
+                   user_bounds=options.user_bounds, atol_comparisons=greedy_comparisons, observed=observed)
 
 
 TEXT_TOKENS = 4096  # the most of a --text that a decoder check scores (2,048 decode steps)

@@ -130,13 +130,15 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
         return f"{'':18s} vs unquantised eager: cosine {cos:.6f} (reported, not a pass criterion)"
 
     run = open_engine(engine_path.read_bytes(), record["module"], plugin_lib)
+    observed = []
     feeds, saved, comparisons, lines = compare_outputs(
         options, shapes, loaded.config.vocab_size, outputs, dtype, lambda ids: run({INPUT_NAMES[0]: ids}),
         lambda ids: eager(low, ids), None if ref32 is None else (lambda ids: eager(ref32, ids)),
         note=None if quant is None else unquantised, budget=budget,
-        text=None if options.text is None else TextIds(options, loaded.config.vocab_size, count_tokens(shapes)))
+        text=None if options.text is None else TextIds(options, loaded.config.vocab_size, count_tokens(shapes)),
+        observed=observed)
     return finish_report(runner, save_dir, feeds, saved, comparisons, lines,
-                   outputs, dtype, user_bounds=options.user_bounds)
+                   outputs, dtype, user_bounds=options.user_bounds, observed=observed)
 
 
 def _engine_logit_quant(record: dict, loaded: LoadedModel):

@@ -65,10 +65,12 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     def run(ids):
         return dict(zip(outputs, session.run(outputs, {INPUT_NAMES[0]: ids})))
 
+    observed = []
     feeds, saved, comparisons, lines = compare_outputs(
         options, options.shapes, loaded.config.vocab_size, outputs, dtype, run,
         lambda ids: run_eager(low, ids, device, outputs),
-        None if ref32 is None else (lambda ids: run_eager(ref32, ids, device, outputs)), budget=budget, text=text)
+        None if ref32 is None else (lambda ids: run_eager(ref32, ids, device, outputs)), budget=budget, text=text,
+        observed=observed)
     port_comparisons = comparisons  # the polygraphy files hold the port's outputs: their bounds go with them
     if not port:  # ... but with --reference transformers its lines are not the verdict
         comparisons, lines = [], []
@@ -84,4 +86,5 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
     lines.insert(0, reference_line)
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
     return finish_report(runner, save_dir, feeds, saved, comparisons, lines,
-                   outputs, dtype, user_bounds=options.user_bounds, atol_comparisons=port_comparisons)
+                   outputs, dtype, user_bounds=options.user_bounds, atol_comparisons=port_comparisons,
+                   observed=observed)
