@@ -9,6 +9,8 @@ import torch
 
 from helpers import cli_main, run_cli
 
+from diffexport.cli import main
+
 
 def test_help_does_not_import_heavy_modules():
     code = ("import sys; from diffexport.cli import build_parser; build_parser().format_help(); "
@@ -147,3 +149,25 @@ def test_in_process_cli_gives_what_the_process_gives(tmp_path):
     piped = cli_main("generate", tmp_path / "kv", "--interactive", cwd=tmp_path, stdin=b"\xff\n")
     assert piped.returncode == 2 and piped.stderr.startswith("error: ")
     assert (signal.getsignal(signal.SIGTERM), os.getcwd(), dict(os.environ)) == (handler, cwd, env)
+
+
+def test_mistyped_flags_commands_and_choices_are_one_line_naming_the_closest(capsys):
+    """argparse's own mistakes follow the CLI's convention (one line, exit 2) and name what the user meant."""
+    cases = [
+        (["onnx", "--kvcache"], "error: diffexport onnx: unrecognized argument: --kvcache (did you mean --kv-cache?)"),
+        (["generate", "kv", "--prompt", "hi", "--temprature=0.7", "--topk", "3"],
+         "(did you mean --temperature for --temprature, --top-k for --topk?)"),
+        (["onxx", "m.pt"], "invalid choice: 'onxx'"),
+        (["onnx", "--attention", "gpa"], "(did you mean gqa?)"),
+        (["inspect"], "error: diffexport inspect: the following arguments are required: model"),
+    ]
+    for argv, expected in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and expected in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and "--help`" in err, (argv, err)
+    with pytest.raises(SystemExit):
+        main(["onxx"])
+    assert "(did you mean onnx?)" in capsys.readouterr().err
+

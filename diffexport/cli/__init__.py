@@ -26,9 +26,40 @@ OPTIONS = {"onnx": export, "trt": gpu, "check": check, "generate": generate, "op
            "quant-sweep": analysis, "linear-sweep": analysis, "retrieval": analysis, "kernels": gpu}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the CLI's error convention: one line `error: ...` and exit 2 (not the usage
+    block), naming the closest option or command when a name was mistyped. Subcommand parsers
+    are made with this class too (argparse builds them with the parent's)."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"error: {self.prog}: {message}{self.suggestion(message)}; see `{self.prog} --help`\n")
+        raise SystemExit(2)
+
+    def suggestion(self, message: str) -> str:
+        import difflib
+        import re
+
+        def closest(typed: str, names) -> str | None:
+            close = difflib.get_close_matches(typed, list(names), n=1, cutoff=0.6)
+            return close[0] if close else None
+
+        unknown = re.match(r"unrecognized arguments?: (.*)$", message)
+        if unknown:
+            options = [o for o in self._option_string_actions if o.startswith("--")]
+            pairs = [(typed, closest(typed, options)) for typed in
+                     (word.split("=", 1)[0] for word in unknown.group(1).split() if word.startswith("-"))]
+            pairs = [f"{best} for {typed}" if len(pairs) > 1 else best for typed, best in pairs if best]
+            return f" (did you mean {', '.join(pairs)}?)" if pairs else ""
+        choice = re.match(r"argument .*: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            best = closest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            return f" (did you mean {best}?)" if best else ""
+        return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffexport", description="Differential Transformer models from "
-                                     "PyTorch to ONNX, ONNX Runtime and TensorRT.")
+    parser = OneLineParser(prog="diffexport", description="Differential Transformer models from "
+                           "PyTorch to ONNX, ONNX Runtime and TensorRT.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser._subcommands = {}
@@ -51,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # the subcommand's own usage, then one error line
+    if extra:  # one error line, as the subcommand's parser words it
         sub = parser._subcommands.get(args.command, parser) if args.command else parser
-        sub.error(f"unrecognized arguments: {' '.join(extra)}")
+        sub.error(f"unrecognized argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}")
     try:
         signal.signal(signal.SIGTERM, _terminate_like_interrupt)
     except ValueError:  # main() called from a thread other than the main one: leave signals alone
