@@ -184,7 +184,7 @@ def compare_distributions(name: str, out: np.ndarray, ref: np.ndarray, budget: Q
     if logits:
         log_p = ref64 - np.logaddexp.reduce(ref64, axis=-1, keepdims=True)
         log_q = out64 - np.logaddexp.reduce(out64, axis=-1, keepdims=True)
-        kl = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
+        kl = max(0.0, float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean()))  # >= 0; below is rounding
         top1 = float((out64.argmax(-1) == ref64.argmax(-1)).mean())
     return DistributionComparison(name, float(np.abs(out64 - ref64).max(initial=0.0)),
                                   _cosine(out64.ravel(), ref64.ravel()), kl, top1, True, budget)

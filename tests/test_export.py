@@ -254,3 +254,24 @@ def test_check_of_an_hf_checkpoint_compares_with_transformers_itself(tmp_path):
     assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", tmp_path / "tiny.onnx").returncode == 0
     native = cli_main("check", tmp_path / "tiny.onnx", "--preset", "diff-v1-tiny", "--reference", "transformers")
     assert native.returncode == 2 and "no library model exists for it" in native.stderr
+
+
+def test_reported_numbers_read_as_numbers():
+    """Perplexity prints without a dangling point ("2100." read as a typo), and a KL is never
+    negative (rounding below 0 is reported as the 0 it is)."""
+    from diffexport.analysis.sweep import Damage
+    from diffexport.tolerances import QuantBudget, compare_distributions
+    from diffexport.validation.options import TextIds
+
+    text = TextIds.__new__(TextIds)  # only what line() reads
+    text.source, text.count = "t.txt (UTF-8 bytes)", 10
+    text.nll = {"onnxruntime": 10 * np.log(2100.0), "eager": 10 * np.log(2100.0)}
+    line = text.line("onnxruntime", "eager")
+    assert "onnxruntime 2100.00, eager 2100.00 (+0.00%)" in line, line
+    logits = np.random.default_rng(1).standard_normal((3, 50)) * 30
+    same = compare_distributions("logits", logits + 1e-9, logits, QuantBudget(0.05, 0.9), logits=True)
+    assert same.mean_kl is not None and same.mean_kl >= 0.0
+    stats = Damage()
+    ref = torch.randn(4, 64, dtype=torch.float64) * 30
+    stats.add(ref, ref, ref.log_softmax(-1))
+    assert stats.means()[2] >= 0.0

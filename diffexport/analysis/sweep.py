@@ -48,8 +48,9 @@ class Damage:
         self.count += cos.numel()
 
     def means(self) -> tuple[float, float, float]:
-        """(cosine mean, cosine min, KL mean)."""
-        return self.cos_sum / self.count, self.cos_min, self.kl_sum / self.count
+        """(cosine mean, cosine min, KL mean). KL is never negative: a sum of rounding below 0
+        (an unquantised point against itself) is reported as the 0 it is."""
+        return self.cos_sum / self.count, self.cos_min, max(0.0, self.kl_sum / self.count)
 
 
 @torch.no_grad()

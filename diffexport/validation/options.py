@@ -165,7 +165,7 @@ class TextIds:
             return f"perplexity    no --shapes sequence of 2 or more tokens to score {self.source} on"
         ppl = {name: float(np.exp(nll / self.count)) for name, nll in self.nll.items()}
         change = ppl[model] / ppl[reference] - 1
-        return (f"perplexity    {model} {ppl[model]:#.4g}, {reference} {ppl[reference]:#.4g} ({change:+.2%}) on "
+        return (f"perplexity    {model} {ppl[model]:.2f}, {reference} {ppl[reference]:.2f} ({change:+.2%}) on "
                 f"{self.count} next tokens of {self.source} (reported, not judged)")
 
 
