@@ -171,3 +171,17 @@ def test_mistyped_flags_commands_and_choices_are_one_line_naming_the_closest(cap
         main(["onxx"])
     assert "(did you mean onnx?)" in capsys.readouterr().err
 
+
+
+def test_a_new_users_wrong_turns_name_the_right_command(artifacts, tmp_path, capsys):
+    """info on an export points at inspect; check without a model names what the export records;
+    quantize writes beside the model when no -o is given (issue 46, friction f)."""
+    exported = artifacts.copy(artifacts.cli_output("onnx", "--preset", "diff-v1-tiny"), tmp_path)
+    assert main(["info", str(exported)]) == 2
+    assert f"`diffexport inspect {exported}` describes it" in capsys.readouterr().err
+    assert main(["check", str(exported)]) == 2
+    err = capsys.readouterr().err
+    assert "it records a preset's seeded weights, so --preset diff-v1-tiny [--seed N]" in err, err
+    assert main(["quantize", str(exported), "--weights", "int8"]) == 0
+    assert (tmp_path / "model-int8.onnx").is_file() and f"wrote         {tmp_path / 'model-int8.onnx'}" in \
+        capsys.readouterr().out

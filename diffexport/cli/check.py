@@ -78,8 +78,11 @@ def _load_for_check(args, meta: dict, path) -> object:
     from pathlib import Path
 
     from diffexport.validation import check_same_config
+    from diffexport.validation.options import name_the_source
 
-    if args.ckpt is None and (args.preset is not None or args.config is not None):
+    if args.ckpt is None and args.preset is None and args.config is None:
+        raise DiffExportError(name_the_source(meta, Path(path)))
+    if args.ckpt is None:
         check_same_config(meta, load_named_model(args, device="meta", default_model=False).config, Path(path))
     return load_named_model(args, default_model=False)
 

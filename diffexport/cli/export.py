@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from diffexport.errors import DiffExportError  # light: no torch
 from diffexport.format import decoders  # light too: the decoder formats' registry
@@ -14,6 +15,11 @@ def cmd_info(args) -> int:
     """Family, preset match, parameter count, layers, heads and lambda values of a checkpoint."""
     from diffexport.summary import describe
 
+    given = Path(args.ckpt) if args.ckpt else None
+    if given is not None and (given.suffix in (".onnx", ".engine", ".plan") or (given / "genai_config.json").is_file()):
+        what, model = ("a KV-cache export folder", given / "model.onnx") if given.is_dir() else ("an exported model", given)
+        raise DiffExportError(f"{given} is {what}, not a checkpoint: `diffexport inspect {model}` describes it "
+                              "(info describes checkpoints and presets)")
     # A preset alone is described from shapes (meta device): no need to allocate 13B random weights.
     only_preset = args.ckpt is None and args.config is None
     print(describe(load_named_model(args, device="meta" if only_preset else "cpu")))
@@ -39,7 +45,6 @@ def _export_options(args):
 
 def cmd_onnx(args) -> int:
     """Export a DIFF checkpoint to ONNX: one DiffAttention node per attention, runnable in ONNX Runtime and TensorRT."""
-    from pathlib import Path
 
     from diffexport.export import export_onnx
     from diffexport.export.exporter import check_target
@@ -90,8 +95,19 @@ def cmd_optimize(args) -> int:
     return 0
 
 
+def quantized_output(model: str, recipe: str) -> Path:
+    """quantize's default output: beside the model, its name and the recipe (model.onnx ->
+    model-int4.onnx, the folder kv -> kv-int4)."""
+    source = Path(model)
+    if source.suffix == ".onnx":
+        return source.with_name(f"{source.stem}-{recipe}.onnx")
+    return source.with_name(f"{source.name.rstrip('/') or 'model'}-{recipe}")
+
+
 def cmd_quantize(args) -> int:
     """Quantise an export: INT4/INT8 MatMulNBits weights for ONNX Runtime and onnxruntime-genai (--weights), or a calibrated INT8/FP8 Q/DQ graph for TensorRT (--qdq)."""
+    if args.output is None:
+        args.output = quantized_output(args.model, f"qdq-{args.qdq}" if args.qdq else args.weights or "int4")
     if args.qdq:
         from diffexport.passes.qdq import QDQOptions, quantize_qdq
 
@@ -211,7 +227,8 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="function body / lowering style (attention needs opset 23)")
     if name == "quantize":
         p.add_argument("model", help="an .onnx file written by `diffexport onnx`, or a --kv-cache folder")
-        p.add_argument("-o", "--output", required=True, help="the quantised .onnx (a new folder for a folder)")
+        p.add_argument("-o", "--output", help="the quantised .onnx, or a new folder for a folder (default: beside "
+                                              "the model, named after it and the recipe: model-int4.onnx, kv-int4)")
         p.add_argument("--weights", choices=["int4", "int8"], help="weight-only bits (the default: int4)")
         p.add_argument("--block-size", type=int, help="--weights: weights per scale: 16, 32 (default), 64, "
                                                       "128 or 256")

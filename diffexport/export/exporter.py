@@ -251,6 +251,10 @@ def stamp_metadata(model_ir, loaded: LoadedModel, options: ExportOptions, weight
         META_PREFIX + "body_style": options.body_style,
         META_PREFIX + "outputs": ",".join(outputs),
         META_PREFIX + "weights": weights_id,
+        # What `check` asks for when no model is named: the kind of source and its file or folder
+        # name (not its path: an export is shared, the machine's layout is not).
+        META_PREFIX + "source": loaded.source,
+        META_PREFIX + "source_name": Path(loaded.path).name if loaded.path else "",
         **extra_meta,
     })
 

@@ -14,6 +14,7 @@ from diffexport import fingerprint
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.generation import BeamSearch, Sampling
+from diffexport.modeling import config_from_dict
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
 
@@ -101,6 +102,27 @@ def check_same_config(meta: dict[str, str], config, onnx_path: Path) -> None:
     if differing:
         raise DiffExportError(f"{onnx_path.name} was exported from a different configuration ("
                               f"{'; '.join(differing[:3])}): pass the checkpoint it was exported from")
+
+
+def name_the_source(meta: dict[str, str], onnx_path: Path) -> str:
+    """What to pass when `check` was given no model: the checkpoint the export records (exports
+    since 0.4 name its kind and file), and a preset only where the export's configuration is one."""
+    from diffexport.presets import match_preset
+
+    source, name = meta.get("source", ""), meta.get("source_name", "")
+    try:
+        preset = match_preset(config_from_dict(meta.get("family", ""), json.loads(meta["config"])))
+    except (KeyError, ValueError, DiffExportError):
+        preset = None
+    hint = f"name the model {onnx_path.name} was exported from: "
+    if source == "preset" and preset:
+        return hint + f"it records a preset's seeded weights, so --preset {preset} [--seed N]"
+    hint += "--ckpt CHECKPOINT"
+    if source:
+        hint += f" (it records a {source} checkpoint{f' named {name!r}' if name else ''})"
+    if preset and not source:  # an export older than the source record
+        hint += f", or --preset {preset} [--seed N] if it was exported from that preset's seeded weights"
+    return hint
 
 
 def check_same_model(meta: dict[str, str], loaded: LoadedModel, onnx_path: Path) -> None:
