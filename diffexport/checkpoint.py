@@ -83,6 +83,11 @@ def save_safetensors(model: DecoderLM, directory: str | os.PathLike) -> Path:
 
 def _corrupt(path: Path, detail: object) -> DiffExportError:
     text = str(detail).strip()
+    if text.startswith("Weights only load failed"):
+        # torch's own text advises weights_only=False ("will likely succeed"): for a stranger's
+        # file that is the advice to run its code. Keep only what it found ("Unsupported operand 35").
+        found = [ln.strip() for ln in text.splitlines()[1:] if ln.strip() and not ln.startswith(("Please", "Check"))]
+        text = found[0] if found else "not a checkpoint torch can read without running code"
     first = text.splitlines()[0] if text else type(detail).__name__
     return DiffExportError(f"{path} is not a readable checkpoint (corrupt or truncated): {first}")
 

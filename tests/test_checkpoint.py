@@ -226,6 +226,10 @@ def test_corrupted_file(good_ckpt, tmp_path):
     assert_one_line_error(result, "")
     bad.write_bytes(os.urandom(4096))
     assert_one_line_error(cli_main("info", bad), "corrupt or truncated")
+    bad.write_text("# a text file is not a checkpoint\n")  # torch's reply advises weights_only=False: not ours
+    result = cli_main("info", bad)
+    assert_one_line_error(result, "corrupt or truncated")
+    assert "weights_only" not in result.stderr and "will likely succeed" not in result.stderr, result.stderr
 
 
 class _Payload:
