@@ -33,6 +33,19 @@ PLUGIN_VERSION = "1"  # the plugin creator of op version 1 (five inputs)
 # sixth input is key_mask (plugins/tensorrt/plugin_library.cpp).
 KEY_MASK_PLUGIN_VERSION = "2"
 
+# The fused kernel library (plugins/kernels/diff_attention.h) and the TensorRT plugin over it take
+# a subset of the contract: these head dims. inspect, trt and the kernel binding read this one rule.
+KERNEL_HEAD_DIMS = (64, 128)
+
+
+def plugin_refusal(head_dim: int) -> str | None:
+    """Why the fused kernel and the TensorRT plugin refuse a node of this head dim, or None."""
+    if head_dim in KERNEL_HEAD_DIMS:
+        return None
+    return (f"head_dim {head_dim}: the fused kernel and the DiffAttention plugin take head_dim "
+            f"{' or '.join(map(str, KERNEL_HEAD_DIMS))}")
+
+
 VARIANT_V1 = 1  # two maps with their own K, V of width 2D, scalar lambda per layer
 VARIANT_V2 = 2  # two maps share K and V of width D, lambda per token and head
 

@@ -50,10 +50,12 @@ def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int, contrib: lis
     if not nodes:
         return {"onnxruntime": "yes (standard ops only)", "tensorrt_plugin": "not needed (no DiffAttention)",
                 "tensorrt_native": "yes if TensorRT supports every op"}
+    refusal = next(filter(None, (contract.plugin_refusal(int(n["attributes"].get("head_dim", 0))) for n in nodes)), None)
     return {
         "onnxruntime": "yes: inlines the DiffAttention function body" if has_body else
                        "no: DiffAttention nodes without a function body (re-export with `diffexport onnx`)",
-        "tensorrt_plugin": (f"ready: {plugin_nodes}/{len(nodes)} nodes carry plugin_namespace for the "
+        "tensorrt_plugin": f"no: {refusal}; build with `diffexport trt --attention native`" if refusal else
+                           (f"ready: {plugin_nodes}/{len(nodes)} nodes carry plugin_namespace for the "
                             f"DiffAttention plugin (namespace {contract.PLUGIN_NAMESPACE}, version "
                             f"{', '.join(versions)}{' with key_mask' if contract.KEY_MASK_PLUGIN_VERSION in versions else ''}"
                             f", libdiffexport_plugins.so); "

@@ -30,7 +30,7 @@ ABI_VERSION = 3  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
 # ABI 3 only added the split-KV decode workspace and diffx_attention_plan: for calls of more than
 # DECODE_MAX_QUERY tokens an ABI-2 build takes the same params (before/after timings of prefill).
 PREFILL_ABI_VERSIONS = (2, 3)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = contract.KERNEL_HEAD_DIMS
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # float32: converted to fp16 inside
 MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
 IMPL_ENV = "DIFFEXPORT_ATTENTION"

@@ -21,7 +21,7 @@ def external_export(tmp_path_factory):
     return path
 
 
-def test_json_describes_the_export(external_export):
+def test_json_describes_the_export(external_export, tmp_path):
     result = cli_main("inspect", external_export, "--json")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
@@ -38,6 +38,16 @@ def test_json_describes_the_export(external_export):
     assert 4 * info["weights"]["parameters"] <= info["weights"]["bytes"] < 4.01 * info["weights"]["parameters"]
     assert info["metadata"]["diffexport.family"] == "diff_v1"
     assert info["runtimes"]["onnxruntime"].startswith("yes") and "bfloat16" not in info["runtimes"]["onnxruntime"]
+    # this preset's head_dim 32 is outside the plugin's kernels (64, 128): one rule, shared with `trt`
+    assert info["runtimes"]["tensorrt_plugin"].startswith("no: head_dim 32: the fused kernel and the DiffAttention "
+                                                          "plugin take head_dim 64 or 128; build with `diffexport trt "
+                                                          "--attention native`")
+    model = onnx.load(str(external_export))
+    for node in model.graph.node:
+        if node.op_type == "DiffAttention":
+            next(a for a in node.attribute if a.name == "head_dim").i = 64
+    onnx.save(model, str(tmp_path / "d64.onnx"), save_as_external_data=True, location="d64.onnx.data")
+    info = json.loads(cli_main("inspect", tmp_path / "d64.onnx", "--json").stdout)
     assert "TensorRT >= 10.7 picks it" in info["runtimes"]["tensorrt_plugin"]
 
 

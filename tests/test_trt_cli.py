@@ -68,6 +68,22 @@ def test_prepare_refuses(exported, options, message):
         prepare_graph(onnx.load(str(exported / "m_fp16.onnx")), options)
 
 
+def test_plugin_graphs_are_refused_where_the_plugin_cannot_run(exported):
+    """A head dim the plugin's kernels do not take, and a machine with only TensorRT-RTX: both before
+    any parsing, both naming --attention native (inspect says the same: contract.plugin_refusal)."""
+    from diffexport.backends.tensorrt import build_engine
+
+    model = onnx.load(str(exported / "m.onnx"))
+    with pytest.raises(DiffExportError, match="head_dim 32.*--attention native"):
+        build_engine(model, EngineOptions(module="tensorrt_rtx"))
+    pytest.importorskip("tensorrt_rtx")
+    for node in model.graph.node:
+        if node.op_type == contract.OP_NAME:
+            next(a for a in node.attribute if a.name == "head_dim").i = 64
+    with pytest.raises(DiffExportError, match="TensorRT-RTX cannot build graphs with plugin layers.*--attention native"):
+        build_engine(model, EngineOptions(module="tensorrt_rtx"))
+
+
 def test_missing_plugin_library_is_one_line(tmp_path):
     with pytest.raises(DiffExportError, match="plugin library not found .*-DTensorRT_ROOT"):
         find_plugin_library(tmp_path / "nope.so")
@@ -95,7 +111,9 @@ def test_native_engine_builds_with_tensorrt_rtx(exported, tmp_path):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--builder", "tensorrt-rtx"), "TensorRT-RTX cannot build graphs with plugin layers"),
+    (("--builder", "tensorrt-rtx"), "the DiffAttention plugin cannot run this graph (head_dim 32: the fused kernel "
+                                    "and the DiffAttention plugin take head_dim 64 or 128): build it with --attention "
+                                    "native"),
     (("--attention", "native", "--int8"), "need the plugin's INT8-logits kernel"),
     (("--attention", "native", "--fp16", "--builder", "tensorrt-rtx"), "the ONNX file is fp32"),
     (("--attention", "native", "--min", "4x1", "--max", "2x8", "--builder", "tensorrt-rtx"), "profile batch"),

@@ -27,6 +27,7 @@ from diffexport import contract
 from diffexport.errors import DiffExportError
 from diffexport.files import require_file
 from diffexport.format import decoders, names
+from diffexport.format.nodes import is_diff_attention, node_attrs
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
@@ -333,6 +334,12 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     options = options or EngineOptions()
     _check_profile(options)
     check_decoder_format(next((p.value for p in model.metadata_props if p.key == names.META_PREFIX + "attention"), None))
+    if options.attention == "plugin":  # before TensorRT loads, not inside its parser (the plugin's creator refuses it there)
+        refusal = next(filter(None, (contract.plugin_refusal(node_attrs(n).head_dim) for n in model.graph.node
+                                     if is_diff_attention(n))), None)
+        if refusal:
+            raise DiffExportError(f"the DiffAttention plugin cannot run this graph ({refusal}): build it with "
+                                  "--attention native (TensorRT runs the function body)")
     name, trt = import_tensorrt(options.module)
     if name == "tensorrt_rtx" and options.attention == "plugin":
         raise DiffExportError("TensorRT-RTX cannot build graphs with plugin layers (its ONNX parser aborts): "
