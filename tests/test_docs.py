@@ -1,5 +1,7 @@
-"""The documentation's code runs: every Python block of docs/API.md in order (one namespace,
-one folder), and the Hugging Face recipe of docs/PASSES.md followed by the commands it gives."""
+"""The documentation's code runs: every Python block of every page (the pages and their tests are
+listed in PAGES, and a test fails on a page with Python that is not there): docs/API.md in order
+(one namespace, one folder), the Hugging Face recipe of docs/PASSES.md followed by the commands it
+gives, the README's example and docs/EXPORT.md's decoder example."""
 
 import os
 import re
@@ -62,3 +64,28 @@ def test_readme_api_example_runs(tmp_path):
     (block,) = python_blocks("README.md")
     ns = run_blocks([block], tmp_path)
     assert ns["report"].passed and (tmp_path / "model.onnx").is_file()
+
+
+def test_export_page_decoder_example_runs(tmp_path):
+    """docs/EXPORT.md's "From Python" block as written, on a saved preset checkpoint as its ckpt.pt."""
+    from diffexport.checkpoint import load_model, save_checkpoint
+
+    save_checkpoint(load_model(None, preset="diff-v1-tiny").model, tmp_path / "ckpt.pt")
+    (block,) = python_blocks("EXPORT.md")
+    ns = run_blocks([block], tmp_path)
+    assert ns["report"].passed and ns["same"] and (tmp_path / "model-kv" / "genai_config.json").is_file()
+
+
+# Each page with Python blocks, and the test above that runs them.
+PAGES = {"README.md": test_readme_api_example_runs, "docs/API.md": test_api_page_examples_run,
+         "docs/PASSES.md": test_hf_torch_onnx_recipe_then_optimize_and_check,
+         "docs/EXPORT.md": test_export_page_decoder_example_runs}
+
+
+def test_every_page_with_python_is_run():
+    root = DOCS.parent
+    pages = {str(path.relative_to(root)) for path in root.rglob("*.md")
+             if "```python" in path.read_text(errors="replace")
+             and not path.relative_to(root).parts[0].startswith((".", "build")) and "campaign" not in path.parts}
+    assert pages <= set(PAGES), f"pages with Python blocks no test runs: {sorted(pages - set(PAGES))}"
+
