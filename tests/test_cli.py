@@ -109,10 +109,12 @@ def test_trt_help_says_what_fp16_means():
     assert "Not trtexec's --fp16" in " ".join(result.stdout.split())
 
 
-def test_check_refuses_bad_user_bounds_in_one_line():
+def test_check_refuses_bad_user_bounds_in_one_line(tmp_path):
     from helpers import assert_one_line_error
 
-    result = run_cli("check", "model.onnx", "--against", "other.onnx", "--atol", "-1")
+    for name in ("model.onnx", "other.onnx"):  # present (a missing one is refused first), never read
+        (tmp_path / name).write_bytes(b"")
+    result = run_cli("check", tmp_path / "model.onnx", "--against", tmp_path / "other.onnx", "--atol", "-1")
     assert_one_line_error(result, "--atol must be a finite number >= 0")
 
 
@@ -185,3 +187,19 @@ def test_a_new_users_wrong_turns_name_the_right_command(artifacts, tmp_path, cap
     assert main(["quantize", str(exported), "--weights", "int8"]) == 0
     assert (tmp_path / "model-int8.onnx").is_file() and f"wrote         {tmp_path / 'model-int8.onnx'}" in \
         capsys.readouterr().out
+
+
+def test_a_missing_input_fails_before_the_heavy_imports():
+    """A typo in a path is one line in a fraction of a second: refused before torch loads (issue 46, h)."""
+    import sys
+
+    code = ("import sys\nfrom diffexport.cli import main\n"
+            "codes = [main(a) for a in (['info', 'missing.pt'], ['onnx', 'missing.pt'], ['stats', 'a.pt', 'missing.pt'],"
+            " ['check', 'missing.onnx', '--preset', 'diff-v1-tiny'], ['generate', 'missing-kv', '--prompt', 'hi'],"
+            " ['quantize', 'missing.onnx'], ['trt', 'missing.onnx'])]\n"
+            "print(codes, 'torch' in sys.modules, 'onnx' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[2, 2, 2, 2, 2, 2, 2] False False False", result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "error: checkpoint not found: missing.pt" and len(lines) == 7, result.stderr
+    assert lines[4].startswith("error: missing-kv is not a folder") and "exported .onnx file" in lines[5]

@@ -72,6 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a missing input is called, per command, in the words the loaders use once they run.
+MISSING_MODEL = {"quantize": "{} does not exist: give an exported .onnx file or a --kv-cache folder",
+                 "generate": "{} is not a folder: give the folder `diffexport onnx --kv-cache -o` wrote"}
+
+
+def check_inputs_exist(args) -> None:
+    """A missing checkpoint, model or folder is refused here, before a command imports torch, onnx or
+    transformers (1.5-2 s on a fast machine, for a typo). The loaders keep their own checks: this
+    is only the fast way out, in their words. (Hub ids, when taken, are names, not paths: skip them.)"""
+    from diffexport.errors import DiffExportError
+
+    for ckpt in [getattr(args, "ckpt", None), *(getattr(args, "ckpts", None) or [])]:
+        if isinstance(ckpt, str) and not os.path.exists(ckpt):
+            raise DiffExportError(f"checkpoint not found: {ckpt}")
+    model = getattr(args, "model", None) if args.command != "generate" else getattr(args, "folder", None)
+    if isinstance(model, str) and not os.path.exists(model):
+        raise DiffExportError(MISSING_MODEL.get(args.command, "{} does not exist: give an .onnx file").format(model))
+
+
 def _terminate_like_interrupt(signum, frame):
     """SIGTERM takes the same way out as Ctrl-C, so every cleanup (temporary files) runs."""
     raise KeyboardInterrupt
@@ -100,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffexport.errors import DiffExportError
 
     try:
+        check_inputs_exist(args)
         return args.func(args)
     except DiffExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
