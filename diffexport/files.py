@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -48,11 +49,23 @@ def temp_prefix(name: str) -> str:
     return f".{name}."
 
 
-def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",)) -> None:
+def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",), replace: bool | None = None) -> None:
     """Validate, before any work, an output path: its folder (check_output_folder), a name that
     ONNX and TensorRT can take (UTF-8), and every file name it will be written as (path + each
-    suffix, e.g. ".data") within the file-name limit."""
+    suffix, e.g. ".data") within the file-name limit. replace: the one rule for outputs that are
+    already there (files, folders, engines, their sidecars): refused unless replace is True
+    (--force); a symbolic link is never written through or replaced. None leaves the rule to the
+    caller (check's scratch folder, which holds only its own files)."""
     path = Path(path)
+    if replace is not None:
+        for suffix in suffixes:
+            target = path.with_name(path.name + suffix)
+            if target.is_symlink():
+                raise DiffExportError(f"{target} is a symbolic link: give another output name (links are never "
+                                      "written through or replaced)")
+            if target.exists() and not replace:
+                raise DiffExportError(f"{target} already exists: give a new name, or --force to replace it "
+                                      "(nothing is overwritten)")
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
@@ -78,6 +91,23 @@ def atomic_write(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def rename_into_place(tmp_dir: Path, dst: Path, replace: bool = False) -> None:
+    """A folder built beside its destination takes its name. Without replace, the rename fails,
+    leaving nothing, if dst appeared meanwhile; with it (--force) an existing folder is moved
+    aside first and removed once the new one is in place (put back if that rename fails)."""
+    if not (replace and dst.is_dir() and not dst.is_symlink()):
+        os.rename(tmp_dir, dst)
+        return
+    old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".old")) / dst.name
+    os.rename(dst, old)
+    try:
+        os.rename(tmp_dir, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    shutil.rmtree(old.parent, ignore_errors=True)
 
 
 def check_output_folder(folder: Path) -> None:

@@ -203,3 +203,30 @@ def test_a_missing_input_fails_before_the_heavy_imports():
     lines = result.stderr.strip().splitlines()
     assert lines[0] == "error: checkpoint not found: missing.pt" and len(lines) == 7, result.stderr
     assert lines[4].startswith("error: missing-kv is not a folder") and "exported .onnx file" in lines[5]
+
+
+def test_one_rule_for_outputs_already_there(artifacts, tmp_path):
+    """onnx, quantize, optimize and their folders: an existing output is refused in one line and left
+    as it was; --force replaces it whole (issue 46, friction e). A link is never written through."""
+    from helpers import assert_one_line_error
+
+    exported = artifacts.copy(artifacts.cli_output("onnx", "--preset", "diff-v1-tiny"), tmp_path)
+    target = tmp_path / "taken.onnx"
+    target.write_bytes(b"the user's own file")
+    for argv in (["onnx", "--preset", "diff-v1-tiny", "-o", target], ["quantize", exported, "-o", target],
+                 ["optimize", exported, "-o", target]):
+        assert_one_line_error(cli_main(*argv), f"{target} already exists: give a new name, or --force")
+        assert target.read_bytes() == b"the user's own file"
+    assert cli_main("quantize", exported, "-o", target, "--force").returncode == 0
+    assert target.stat().st_size > 1000
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder), "already exists")
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "--kv-cache", "-o", folder, "--force").returncode == 0
+    assert (folder / "genai_config.json").is_file() and not (folder / "notes.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing left aside
+    link = tmp_path / "link.onnx"
+    link.symlink_to(target)
+    assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "-o", link, "--force"), "is a symbolic link")

@@ -119,6 +119,7 @@ class EngineOptions:
     timing_cache: str | None = None
     save_onnx: str | None = None       # also write the graph handed to the parser (for trtexec/polygraphy)
     progress: bool = True
+    force: bool = False                # replace an engine (or --save-onnx graph) already there; else refused
 
 
 @dataclasses.dataclass
@@ -423,7 +424,9 @@ def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, 
     output, model_path = Path(output), Path(model_path)
     if output.suffix not in names.ENGINE_SUFFIXES:
         raise DiffExportError(f"-o {output}: name the engine *.engine (or .plan/.trt)")
-    check_output_path(output, ("", ".json"))
+    check_output_path(output, ("", ".json"), replace=options.force)
+    if options.save_onnx:
+        check_output_path(Path(options.save_onnx), ("", ".data"), replace=options.force)
     if model_path.is_dir():  # a KV-cache decoder folder: its graph, past lengths up to the context length
         from diffexport.export.decoder import read_decoder_folder
 

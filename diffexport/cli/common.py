@@ -43,3 +43,11 @@ def load_named_model(args, device: str = "cpu", dtype: str | None = None, defaul
 
 def log_line(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def add_force(parser: argparse.ArgumentParser) -> None:
+    """--force: the one way to replace an output that is already there (every command refuses it otherwise)."""
+    parser.add_argument("--force", action="store_true",
+                        help="replace the output if it is already there (without it an existing file or folder "
+                             "is refused and nothing is overwritten)")
+

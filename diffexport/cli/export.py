@@ -8,7 +8,7 @@ from pathlib import Path
 
 from diffexport.errors import DiffExportError  # light: no torch
 from diffexport.format import decoders  # light too: the decoder formats' registry
-from diffexport.cli.common import add_model_source, load_named_model, log_line
+from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line
 
 
 def cmd_info(args) -> int:
@@ -40,7 +40,7 @@ def _export_options(args):
 
     dtype = "float16" if args.fp16 else "bfloat16" if args.bf16 else "float32"
     return ExportOptions(dtype=dtype, body_style=args.body, opset=args.opset, hidden=args.hidden,
-                         external_data=True if args.external_data else None, legacy=args.legacy)
+                         external_data=True if args.external_data else None, legacy=args.legacy, force=args.force)
 
 
 def cmd_onnx(args) -> int:
@@ -77,7 +77,7 @@ def cmd_optimize(args) -> int:
     from diffexport.passes.optimize import optimize_file
 
     result = optimize_file(args.model, args.output, expect_fused=args.expect_fused, lower=args.lower,
-                           body=args.body)
+                           body=args.body, force=args.force)
     report = result.report
     fired = ", ".join(f"{rule} {count}" for rule, count in report.fired.items())
     print(f"fused         {report.total} differential attention(s) ({fired})")
@@ -117,7 +117,7 @@ def cmd_quantize(args) -> int:
         if given:
             raise DiffExportError(f"{', '.join(given)} belong to weight-only quantisation (--weights), not --qdq")
         options = QDQOptions(format=args.qdq, calib=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples,
-                             seq_len=args.calib_seq_len, seed=args.seed)
+                             seq_len=args.calib_seq_len, seed=args.seed, force=args.force)
         print("\n".join(quantize_qdq(args.model, args.output, options).lines()))
         return 0
     from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
@@ -127,7 +127,7 @@ def cmd_quantize(args) -> int:
                                  method=args.method or "rtn", symmetric=not args.asymmetric,
                                  accuracy_level=4 if args.accuracy_level is None else args.accuracy_level,
                                  calib=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples,
-                                 seq_len=args.calib_seq_len, seed=args.seed)
+                                 seq_len=args.calib_seq_len, seed=args.seed, force=args.force)
     print("\n".join(quantize_weights(args.model, args.output, options).lines()))
     return 0
 
@@ -163,7 +163,8 @@ def cmd_demo(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     passed = False
     try:
-        summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(), log=log_line)
+        summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(force=_earlier_demo_export(out_dir)),
+                              log=log_line)
         print(summary.report())
         report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=log_line)
         print(report.text())
@@ -176,6 +177,20 @@ def cmd_demo(args) -> int:
         elif temporary:
             log_line(f"kept          {out_dir}: the demo did not pass, its files are there to inspect")
     return 0 if passed else 1
+
+
+def _earlier_demo_export(out_dir: Path) -> bool:
+    """Whether out_dir's model.onnx is an export of ours (an earlier demo's), which the demo replaces."""
+    from diffexport.format.metadata import read_export_metadata
+
+    path = out_dir / "model.onnx"
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        read_export_metadata(path)
+    except DiffExportError:
+        return False
+    return True
 
 
 def _demo_generation(loaded, out_dir, seed: int) -> bool:
@@ -216,6 +231,8 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
 
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     """The options of command `name` (one of this module's)."""
+    if name in ('optimize', 'quantize', 'onnx'):
+        add_force(p)
     if name == "optimize":
         p.add_argument("model", help="input .onnx")
         p.add_argument("-o", "--output", required=True, help="output .onnx")

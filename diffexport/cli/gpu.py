@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from diffexport.cli.common import add_force
 from diffexport.errors import DiffExportError  # light: no torch
 
 
@@ -33,7 +34,7 @@ def cmd_trt(args) -> int:
                             targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
                             opt_shape=_shape_pair(args.opt or "1x128", "--opt"),
                             max_shape=_shape_pair(args.max or "4x2048", "--max"), timing_cache=args.timing_cache,
-                            save_onnx=args.save_onnx, opt_past=args.opt_past)
+                            save_onnx=args.save_onnx, opt_past=args.opt_past, force=args.force)
     result = build_engine_file(args.model, args.output, options, max_given=args.max is not None,
                                opt_given=args.opt is not None, max_past=args.max_past)
     print("\n".join(result.summary() + [f"wrote         {args.output} (+ {Path(args.output).name}.json)"]))
@@ -92,6 +93,8 @@ def check_kernels() -> int:
 
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     """The options of command `name` (one of this module's)."""
+    if name in ('trt',):
+        add_force(p)
     if name == "kernels":
         p.add_argument("--check", action="store_true",
                        help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper fp and INT8) "

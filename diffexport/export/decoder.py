@@ -35,7 +35,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
-from diffexport.files import check_output_path, make_output_folder, temp_prefix
+from diffexport.files import check_output_path, make_output_folder, rename_into_place, temp_prefix
 from diffexport.format import decoders
 from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS, check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
@@ -393,9 +393,9 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
     if out_dir.suffix == ".onnx":
         raise DiffExportError(f"--kv-cache writes a folder (model.onnx, {GENAI_CONFIG}, tokenizer): "
                               f"give a folder name, not {out_dir.name}")
-    if out_dir.exists() or out_dir.is_symlink():
-        raise DiffExportError(f"{out_dir} already exists: give a new folder (nothing is overwritten)")
-    check_output_path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir() and not out_dir.is_symlink():
+        raise DiffExportError(f"{out_dir} is a file: --kv-cache writes a folder, give a folder name")
+    check_output_path(out_dir, replace=options.force)
     if context_length is not None and not 2 <= context_length <= MAX_CONTEXT:
         raise DiffExportError(f"--context-length must be in 2..{MAX_CONTEXT:,}, got {context_length:,}")
     if threads is not None and not 1 <= threads <= MAX_THREADS:
@@ -472,7 +472,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         for path in tok_files:
             shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
         os.chmod(tmp_dir, 0o777 & ~_umask())
-        os.rename(tmp_dir, out_dir)  # fails, leaving nothing, if out_dir appeared meanwhile
+        rename_into_place(tmp_dir, out_dir, options.force)  # without force: fails, leaving nothing, if out_dir appeared
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -49,6 +49,7 @@ class ExportOptions:
     hidden: bool = False  # also output the last hidden state
     external_data: bool | None = None  # None: only when the weights pass the 2 GiB protobuf limit
     legacy: bool = False  # TorchScript exporter instead of dynamo
+    force: bool = False  # replace an output that is already there (else it is refused, nothing overwritten)
 
     def resolved_opset(self) -> int:
         return function_body.MIN_OPSET[self.body_style] if self.opset is None else self.opset
@@ -118,9 +119,9 @@ def check_target(out_path: Path, options: ExportOptions) -> None:
         raise DiffExportError("the legacy exporter stops at opset 20: drop --legacy or use the decomposed body")
     if out_path.suffix != ".onnx":
         raise DiffExportError(f"output {out_path} should end in .onnx")
-    check_output_path(out_path, ("", ".data"))
     if out_path.is_dir():
         raise DiffExportError(f"output {out_path} is a folder: give a file name ending in .onnx")
+    check_output_path(out_path, ("", ".data"), replace=options.force)
 
 
 # ---------------------------------------------------------------- trace

@@ -90,11 +90,11 @@ def _verify(base: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[float, int]:
 
 
 def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: int | None = None,
-                  lower: bool = False, body: str = DEFAULT_BODY_STYLE) -> OptimizeResult:
+                  lower: bool = False, body: str = DEFAULT_BODY_STYLE, force: bool = False) -> OptimizeResult:
     from diffexport.passes.lowering import lower_diff_attention
 
     src, dst = Path(src), Path(dst)
-    check_output_path(dst)
+    check_output_path(dst, replace=force)
     model = load_onnx(src)
     already = sum(n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN for n in model.graph.node)
     if already and lower:  # an export of ours: nothing to fuse, only lower

@@ -37,6 +37,7 @@ MIN_OPSET_19 = 19
 @dataclasses.dataclass
 class QDQOptions(calibration.CalibrationFields):
     format: str = "int8"
+    force: bool = False  # replace an output that is already there (else it is refused)
 
     def validate(self) -> None:
         if self.format not in FORMATS:
@@ -107,7 +108,7 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
     options.validate()
     src, dst = Path(src), Path(dst)
     start = time.monotonic()
-    _, model_path = resolve_paths(src, dst)
+    _, model_path = resolve_paths(src, dst, options.force)
     model = load_onnx(model_path, weights=False)
     _, skipped = check_input(model, model_path)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -153,7 +154,7 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
         stamp(quantised, META_KEY, record)
         return quantised
 
-    publish(None, src, dst, model_path, log, make=make)
+    publish(None, src, dst, model_path, log, make=make, force=options.force)
     return QDQSummary(dst, record["quantised"], skipped, source, before, record["bytes_after"], options,
                       time.monotonic() - start)
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from diffexport.errors import DiffExportError
-from diffexport.files import _umask, check_output_path, load_onnx, make_output_folder, require_file, temp_prefix
+from diffexport.files import (_umask, check_output_path, load_onnx, make_output_folder, rename_into_place, require_file,
+                              temp_prefix)
 from diffexport.passes import calibration
 from diffexport.progress import Progress
 
@@ -44,6 +45,7 @@ class WeightQuantOptions(calibration.CalibrationFields):
     # 4: the matmul runs on int8 activations (ONNX Runtime's fast CPU path, what onnxruntime-genai's
     # model builder picks for CPU int4); 0 leaves ONNX Runtime's default (fp32 compute).
     accuracy_level: int = 4
+    force: bool = False  # replace an output that is already there (else it is refused)
 
     def validate(self) -> None:
         if self.bits not in BITS:
@@ -250,27 +252,29 @@ def _write(model, tmp_model: Path, log) -> None:
     exporter.save_checked(model_ir, tmp_model, exporter.wants_external(model_ir, exporter.ExportOptions()), log)
 
 
-def resolve_paths(src: Path, dst: Path) -> tuple[bool, Path]:
+def resolve_paths(src: Path, dst: Path, force: bool = False) -> tuple[bool, Path]:
     """(is a KV-cache folder, the model file inside) for a quantiser's input; the output is refused
-    here, before any work, when it would overwrite anything."""
+    here, before any work, when it would overwrite anything (unless force) or the input itself."""
     if src.is_dir():
         from diffexport.export.decoder import read_decoder_folder
 
         model_path, _, _ = read_decoder_folder(src)
-        if dst.exists() or dst.is_symlink():
-            raise DiffExportError(f"{dst} already exists: give a new folder (nothing is overwritten)")
-        check_output_path(dst)
+        if dst.exists() and dst.resolve() == src.resolve():
+            raise DiffExportError(f"-o {dst} is the input folder: write the quantised folder elsewhere")
+        if dst.exists() and not dst.is_dir() and not dst.is_symlink():
+            raise DiffExportError(f"{dst} is a file: a folder is quantised into a folder, give a folder name")
+        check_output_path(dst, replace=force)
         return True, model_path
     require_file(src, "give an exported .onnx file or a --kv-cache folder")
     if dst.suffix != ".onnx":
         raise DiffExportError(f"-o {dst}: name the quantised model *.onnx")
     if dst.resolve() == src.resolve() or dst.with_name(dst.name + ".data").resolve() == src.resolve():
         raise DiffExportError(f"-o {dst} would overwrite the input: write the quantised model elsewhere")
-    check_output_path(dst, ("", ".data"))
+    check_output_path(dst, ("", ".data"), replace=force)
     return False, src
 
 
-def publish(model, src: Path, dst: Path, model_path: Path, log, make=None) -> None:
+def publish(model, src: Path, dst: Path, model_path: Path, log, make=None, force: bool = False) -> None:
     """Write `model` to dst whole or not at all: through a temporary folder beside it, renamed at
     the end. For a folder, its other files (genai_config.json, tokenizer) are carried over.
     make(tmp_dir) -> model, when given, builds the model inside that folder first (scratch files
@@ -294,7 +298,7 @@ def publish(model, src: Path, dst: Path, model_path: Path, log, make=None) -> No
                     continue
                 shutil.copyfile(item, tmp_dir / item.name, follow_symlinks=False)
             os.chmod(tmp_dir, 0o777 & ~_umask())
-            os.rename(tmp_dir, dst)  # fails, leaving nothing, if dst appeared meanwhile
+            rename_into_place(tmp_dir, dst, force)  # without force: fails, leaving nothing, if dst appeared
         else:
             from diffexport.export import exporter
 
@@ -312,7 +316,7 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
     options.validate()
     src, dst = Path(src), Path(dst)
     start = time.monotonic()
-    _, model_path = resolve_paths(src, dst)
+    _, model_path = resolve_paths(src, dst, options.force)
     model = load_onnx(model_path)
     before = initializer_bytes(model)
     if materialise_transposed_weights(model):
@@ -338,5 +342,5 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
                             "symmetric": options.symmetric, "accuracy_level": options.accuracy_level,
                             "quantised": count, "bytes_before": before, "bytes_after": after,
                             **({"calibration": source} if source else {})})
-    publish(model, src, dst, model_path, log)
+    publish(model, src, dst, model_path, log, force=options.force)
     return WeightQuantSummary(dst, count, skipped, before, after, options, time.monotonic() - start)
