@@ -1078,3 +1078,31 @@ def test_generate_through_a_decoder_engine(kv_engine, v1_folder, monkeypatch, tm
     if not torch.cuda.is_available():
         assert_one_line_error(cli_main("generate", v1_folder, "--ids", "1,2", "--backend", "tensorrt", "--engine",
                                       kv_engine), "needs an NVIDIA GPU")
+
+
+def test_genai_runs_on_the_machines_cores_unless_the_folder_says(v1_folder, tmp_path, monkeypatch):
+    """onnxruntime-genai's default is one intra-op thread: a folder without --threads is opened with
+    this machine's physical cores (overlaid, the folder not edited); a folder's own count is kept."""
+    pytest.importorskip("onnxruntime_genai")
+    og = decoding.import_genai()
+    overlays = []
+
+    class RecordingConfig(og.Config):
+        def overlay(self, text):
+            overlays.append(json.loads(text))
+            return super().overlay(text)
+
+    monkeypatch.setattr(decoding, "import_genai", lambda: type("og", (), {"Config": RecordingConfig,
+                                                                          "Model": og.Model})())
+    assert decoding.machine_threads() >= 1
+    decoding.open_genai_model(v1_folder)
+    assert overlays == [{"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": decoding.machine_threads()}}}}]
+    own = tmp_path / "own"
+    shutil.copytree(v1_folder, own)
+    config = json.loads((own / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = 1
+    (own / "genai_config.json").write_text(json.dumps(config))
+    overlays.clear()
+    decoding.open_genai_model(own)
+    assert overlays == [] and json.loads((own / "genai_config.json").read_text()) == config

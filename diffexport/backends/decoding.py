@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -21,6 +22,7 @@ from diffexport.backends.base import DecoderRunner
 from diffexport.errors import DiffExportError
 from diffexport.export import decoder
 from diffexport.format import names
+from diffexport.format.genai_config import MAX_THREADS
 from diffexport.generation import BeamSearch, Sampling, search_beams
 
 @dataclasses.dataclass
@@ -271,16 +273,34 @@ def _genai_config(folder) -> dict:
     return read_genai_config(folder)
 
 
+def machine_threads() -> int:
+    """The physical cores this process may run on (onnxruntime's own default for its sessions),
+    read from Linux's CPU topology; the usable logical CPUs where that cannot be read."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
+
+
 def open_genai_model(folder, provider: str | None = None, pad_token_id: int | None = None):
     """onnxruntime-genai's Model over the folder, on the provider its genai_config names, or on
     `provider` ("cpu", "cuda") instead, with pad_token_id in place of the folder's when given (the
-    folder is not edited); what genai refuses (no CUDA build, no GPU) is one line."""
-    _genai_config(folder)  # refused before genai reads it: a library to load, a file to write, another graph
+    folder is not edited); what genai refuses (no CUDA build, no GPU) is one line. A folder that
+    names no intra-op thread count (export's --threads) runs on this machine's physical cores:
+    genai's own default is one thread (docs/BENCHMARKS.md, "Decode on CPU": diff-v1-110m at 18.6
+    decode tokens/s as written, 28.0 with 2 threads, on the 2-core development machine)."""
+    session = _genai_config(folder)["model"]["decoder"].get("session_options", {})  # refused before genai reads it
     og = import_genai()
     try:
-        if provider is None and pad_token_id is None:
-            return og.Model(str(folder))
         config = og.Config(str(folder))
+        if "intra_op_num_threads" not in session:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+                "intra_op_num_threads": min(machine_threads(), MAX_THREADS)}}}}))
         if provider is not None:
             config.clear_providers()
             if provider != "cpu":

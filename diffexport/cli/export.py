@@ -281,8 +281,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--context-length", type=int,
                        help="with --kv-cache: context length for genai (default: the HF config's, else 2048)")
         p.add_argument("--threads", type=int,
-                       help="with --kv-cache: intra-op threads in genai_config.json (default: onnxruntime-genai's "
-                            "own, one thread on the machines we measured; set it to the target's cores)")
+                       help="with --kv-cache: intra-op threads written into genai_config.json (default: none "
+                            "written; diffexport's generate and check then use the machine's physical cores, "
+                            "where onnxruntime-genai alone would use one thread)")
         p.add_argument("--attention", choices=list(decoders.FORMATS),
                        help="with --kv-cache: diffattention (default: one DiffAttention node per layer, runs in "
                             "onnxruntime and TensorRT) or gqa (onnxruntime's GroupQueryAttention with a shared "
