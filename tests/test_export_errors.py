@@ -31,11 +31,18 @@ def test_cli_check_passes_on_its_own_export(tiny):
 
 
 @pytest.mark.slow
-def test_non_diff_checkpoint_is_refused(tmp_path):
+def test_the_baseline_exports_as_the_baseline_in_both_exports(tmp_path):
+    """One story for a baseline Transformer (a plain Llama reads as one): the prefill export and the
+    KV-cache export both take it, both say it is the baseline with no DiffAttention node, and check
+    passes on it (issue 46, friction d)."""
     ckpt = save_checkpoint(build_model(preset_config("transformer-tiny"), seed=0), tmp_path / "base.pt")
-    result = cli_main("onnx", ckpt, "-o", tmp_path / "m.onnx")
-    assert_one_line_error(result, "is not a DIFF model")
-    assert not (tmp_path / "m.onnx").exists()
+    note = "a baseline Transformer (standard attention, no DiffAttention node: the op is for DIFF models)"
+    prefill = cli_main("onnx", ckpt, "-o", tmp_path / "m.onnx")
+    assert prefill.returncode == 0 and note in prefill.stdout, prefill.stdout + prefill.stderr
+    folder = cli_main("onnx", ckpt, "--kv-cache", "-o", tmp_path / "kv")
+    assert folder.returncode == 0 and note in folder.stdout, folder.stdout + folder.stderr
+    checked = cli_main("check", tmp_path / "m.onnx", "--ckpt", ckpt, "--shapes", "1x5,2x9")
+    assert checked.returncode == 0 and "result        PASS" in checked.stdout, checked.stdout + checked.stderr
 
 
 @pytest.mark.slow

@@ -86,9 +86,11 @@ class DecoderExportSummary:
             graph = (f"graph         {self.diff_attention_nodes} {fmt.summary} over {self.layers} layers; {cache}"
                      + (", genai's shared past/present buffer" if fmt.shared_buffer else "")
                      + ("" if fmt.tensorrt else " (onnxruntime only)"))
-        else:
+        elif self.diff_attention_nodes:
             graph = (f"graph         {self.diff_attention_nodes} {contract.OP_NAME} (op v{contract.KEY_MASK_VERSION}, "
                      f"key_mask) over {self.layers} layers; {cache}")
+        else:
+            graph = f"graph         {exporter.BASELINE_NOTE}; {self.layers} layers; {cache}"
         return "\n".join([
             f"exported      {self.folder}/ ({self.file_bytes / 1e6:.1f} MB, {self.dtype}, KV-cache decoder, "
             f"{self.seconds:.1f}s)",

@@ -75,9 +75,10 @@ class ExportSummary:
         return "\n".join([
             f"exported      {self.path}{data} ({self.file_bytes / 1e6:.1f} MB, {self.dtype}, opset {self.opset}, "
             f"{self.exporter} exporter, {self.seconds:.1f}s)",
-            f"graph         {self.nodes} nodes, {self.diff_attention_nodes} {contract.OP_NAME} "
-            f"({contract.ONNX_DOMAIN} v{contract.OP_VERSION}, {self.body_style} function body), "
-            f"{self.parameters:,} parameters",
+            f"graph         {self.nodes} nodes, "
+            + (f"{self.diff_attention_nodes} {contract.OP_NAME} ({contract.ONNX_DOMAIN} v{contract.OP_VERSION}, "
+               f"{self.body_style} function body)" if self.diff_attention_nodes else BASELINE_NOTE)
+            + f", {self.parameters:,} parameters",
         ])
 
 
@@ -98,10 +99,17 @@ def _log_default(message: str) -> None:
 
 # ---------------------------------------------------------------- checks before any work
 
+BASELINE_FAMILY = "transformer"  # the paper's baseline (and a plain HF Llama, read as it)
+# What an export of the baseline says, in the prefill and the KV-cache export alike.
+BASELINE_NOTE = ("a baseline Transformer (standard attention, no DiffAttention node: the op is for DIFF models); "
+                 "exported as the baseline for side-by-side comparisons")
+
+
 def check_family(loaded: LoadedModel) -> None:
-    if loaded.config.family not in DIFF_FAMILIES:
+    if loaded.config.family not in DIFF_FAMILIES and loaded.config.family != BASELINE_FAMILY:
         raise DiffExportError(f"{loaded.config.family!r} is not a DIFF model: diffexport exports "
-                              f"{sorted(DIFF_FAMILIES)} (differential attention) checkpoints")
+                              f"{sorted(DIFF_FAMILIES)} (differential attention) checkpoints, and the baseline "
+                              f"{BASELINE_FAMILY!r} for comparisons")
 
 
 def check_target(out_path: Path, options: ExportOptions) -> None:
@@ -349,7 +357,11 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     with torch.no_grad():
         model_ir = (_trace_legacy if options.legacy else _trace_dynamo)(model, options)
     norms_for_onnxruntime(model_ir, log)
-    count = _finish(model_ir, loaded, options, weights_id)
+    if loaded.config.family == BASELINE_FAMILY:  # the summary's graph line says so
+        count = 0
+        stamp_metadata(model_ir, loaded, options, weights_id, [LOGITS, HIDDEN] if options.hidden else [LOGITS], {})
+    else:
+        count = _finish(model_ir, loaded, options, weights_id)
     nbytes = _weight_bytes(model_ir)
     external = wants_external(model_ir, options)
     log(f"writing       {out_path}" + (" with external data" if external else ""))
