@@ -408,7 +408,9 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
         model = build_model(given_cfg, seed=seed, dtype=dtype or torch.float32, device=device)
         return LoadedModel(model, given_cfg, "preset" if device != "meta" else "preset (shapes only)")
 
-    path = Path(path)
+    from diffexport import hub
+
+    path = hub.resolve(path)  # a Hugging Face Hub id (org/name[@revision]) becomes its local snapshot
     if not path.exists():
         raise DiffExportError(f"checkpoint not found: {path}")
     if not path.is_dir() and not path.is_file():  # a FIFO would hang, /dev/zero grow without end

@@ -5,6 +5,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -527,3 +528,43 @@ def test_checkpoint_whose_structure_pickle_inflates_to_gigabytes_is_refused_unre
     assert path.stat().st_size < 2 << 20
     with pytest.raises(DiffExportError, match="declares 269,484,032 bytes"):
         load_model(path)
+
+
+def _hub_cache_entry(cache, repo: str, files: dict) -> str:
+    """A repository in huggingface_hub's own cache layout (refs/main -> snapshots/COMMIT/...), as a
+    download would have left it; returns the commit."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    snapshot = root / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name, source in files.items():
+        target = snapshot / name
+        if isinstance(source, Path):
+            shutil.copyfile(source, target)
+        else:
+            target.write_text(source)
+    return commit
+
+
+def test_hub_ids_resolve_from_the_offline_cache(artifacts, tmp_path, monkeypatch):
+    """`org/name[@revision]` where a path would go: read from huggingface_hub's cache offline (nothing
+    fetched, no network here), and the one-line refusals: not cached, not a model, not safetensors."""
+    hf = artifacts.hf_diffllama()
+    cache = tmp_path / "hub"
+    commit = _hub_cache_entry(cache, "test-org/tiny-diffllama",
+                              {p.name: p for p in hf.iterdir() if p.is_file() and not p.name.endswith(".bin")})
+    _hub_cache_entry(cache, "test-org/no-config", {"tokenizer.json": hf / "tokenizer.json"})
+    _hub_cache_entry(cache, "test-org/bin-only", {"config.json": hf / "config.json"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    exported = run_cli("onnx", "test-org/tiny-diffllama", "--kv-cache", "-o", tmp_path / "kv")
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    assert (tmp_path / "kv" / "tokenizer.json").is_file()  # the repository's tokenizer came along
+    info = run_cli("info", f"test-org/tiny-diffllama@{commit}")
+    assert info.returncode == 0 and "diff_v1" in info.stdout, info.stdout + info.stderr
+    assert_one_line_error(run_cli("info", "test-org/not-cached"), "not in the local Hugging Face cache while offline")
+    assert_one_line_error(run_cli("info", "test-org/no-config"), "has no config.json")
+    assert_one_line_error(run_cli("info", "test-org/bin-only"), "does not fetch pickled .bin weights")
+    assert_one_line_error(run_cli("info", "no-such-file.pt"), "checkpoint not found: no-such-file.pt")

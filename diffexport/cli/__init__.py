@@ -80,11 +80,12 @@ MISSING_MODEL = {"quantize": "{} does not exist: give an exported .onnx file or 
 def check_inputs_exist(args) -> None:
     """A missing checkpoint, model or folder is refused here, before a command imports torch, onnx or
     transformers (1.5-2 s on a fast machine, for a typo). The loaders keep their own checks: this
-    is only the fast way out, in their words. (Hub ids, when taken, are names, not paths: skip them.)"""
+    is only the fast way out, in their words. (A Hugging Face Hub id names no path: it passes.)"""
     from diffexport.errors import DiffExportError
+    from diffexport.hub import is_hub_id
 
     for ckpt in [getattr(args, "ckpt", None), *(getattr(args, "ckpts", None) or [])]:
-        if isinstance(ckpt, str) and not os.path.exists(ckpt):
+        if isinstance(ckpt, str) and not os.path.exists(ckpt) and not is_hub_id(ckpt):
             raise DiffExportError(f"checkpoint not found: {ckpt}")
     model = getattr(args, "model", None) if args.command != "generate" else getattr(args, "folder", None)
     if isinstance(model, str) and not os.path.exists(model):

@@ -423,7 +423,10 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         raise DiffExportError(f"--attention {fmt.name} rewrites DiffAttention nodes; the baseline Transformer has none "
                               "(export it without --attention)")
     source_dir = Path(loaded.path) if layouts.hf_import_of(loaded.source) and loaded.path else None
-    if tokenizer is not None:  # named by the user: it must be a tokenizer of this vocabulary
+    if tokenizer is not None:  # named by the user (a folder or a Hub id): a tokenizer of this vocabulary
+        from diffexport import hub
+
+        tokenizer = hub.resolve(tokenizer, what="tokenizer")
         tok_files = check_tokenizer(Path(tokenizer), cfg.vocab_size)
     elif source_dir is not None and has_tokenizer(source_dir):
         tok_files = check_tokenizer(source_dir, cfg.vocab_size)  # an HF folder with its own tokenizer

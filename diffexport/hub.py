@@ -1,0 +1,67 @@
+"""Hugging Face Hub ids as model sources: an argument that is not an existing path and reads
+`org/name` or `org/name@revision` is fetched with huggingface_hub into its cache (progress bars are
+the library's), and the local snapshot folder takes its place. Only the files diffexport reads
+are fetched: configuration, safetensors weights and their index, tokenizer and generation files.
+Never pickled `.bin` weights (loading them can run code) and never Python files (`auto_map` code
+is not run either: docs/SECURITY.md). HF_HUB_OFFLINE and the local cache are the library's own:
+offline, a cached snapshot is used and a missing one is one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from diffexport.errors import DiffExportError
+
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<revision>[\w./-]{1,255}))?$")
+# What a DiffLlama (or Llama) folder holds that diffexport reads.
+FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+         "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+         "merges.txt", "chat_template.jinja", "chat_template.json"]
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".onnx", ".safetensors", ".json", ".engine")  # paths, never hub ids
+
+
+def is_hub_id(source: str | os.PathLike) -> bool:
+    """A string that names no existing path and reads as org/name[@revision] (not a file name)."""
+    if not isinstance(source, str) or os.path.lexists(source) or source.endswith(FILE_SUFFIXES):
+        return False
+    return HUB_ID.match(source) is not None
+
+
+def resolve(source: str | os.PathLike, what: str = "checkpoint") -> Path:
+    """The local folder for `source`: the path itself, or a hub id's snapshot (fetched when needed)."""
+    if not is_hub_id(source):
+        return Path(source)
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub import errors
+    except ImportError:
+        raise DiffExportError(f"{source} is not a path here, and reading it as a Hugging Face Hub id needs "
+                              "huggingface_hub: pip install 'diffexport[hf]'") from None
+    match = HUB_ID.match(str(source))
+    repo, revision = match.group("repo"), match.group("revision")
+    named = f"{repo}{'@' + revision if revision else ''}"
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=FILES))
+    except errors.GatedRepoError:
+        raise DiffExportError(f"{named} is a gated repository: accept its terms on the Hub and log in "
+                              "(`hf auth login`), or download it yourself and give the folder") from None
+    except errors.RepositoryNotFoundError:
+        raise DiffExportError(f"{source} is neither a path here nor a Hub repository you can read "
+                              "(private ones need `hf auth login`)") from None
+    except errors.RevisionNotFoundError:
+        raise DiffExportError(f"{repo} has no revision {revision!r}") from None
+    except errors.LocalEntryNotFoundError:
+        raise DiffExportError(f"{source} is not a path here, and {named} is not in the local Hugging Face cache "
+                              "while offline (HF_HUB_OFFLINE): download it once online, or give its folder") from None
+    except (errors.HfHubHTTPError, OSError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DiffExportError(f"cannot fetch {named} from the Hugging Face Hub: {detail}") from None
+    if not (folder / "config.json").is_file():
+        raise DiffExportError(f"{named} has no config.json: not a Hugging Face model repository diffexport reads")
+    if what == "checkpoint" and not any(folder.glob("*.safetensors")):
+        raise DiffExportError(f"{named} has no safetensors weights; diffexport does not fetch pickled .bin weights "
+                              "(loading them can run code): use a repository with safetensors, or convert them")
+    return folder
