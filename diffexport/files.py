@@ -57,15 +57,6 @@ def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",), replace: bo
     (--force); a symbolic link is never written through or replaced. None leaves the rule to the
     caller (check's scratch folder, which holds only its own files)."""
     path = Path(path)
-    if replace is not None:
-        for suffix in suffixes:
-            target = path.with_name(path.name + suffix)
-            if target.is_symlink():
-                raise DiffExportError(f"{target} is a symbolic link: give another output name (links are never "
-                                      "written through or replaced)")
-            if target.exists() and not replace:
-                raise DiffExportError(f"{target} already exists: give a new name, or --force to replace it "
-                                      "(nothing is overwritten)")
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
@@ -76,6 +67,15 @@ def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",), replace: bo
             raise DiffExportError(f"output name {path.name[:40]}...{suffix} is longer than {NAME_MAX} bytes: "
                                   f"choose a shorter name")
     check_output_folder(path.parent)
+    if replace is not None:
+        for suffix in suffixes:
+            target = path.with_name(path.name + suffix)
+            if target.is_symlink():
+                raise DiffExportError(f"{target} is a symbolic link: give another output name (links are never "
+                                      "written through or replaced)")
+            if target.exists() and not replace:
+                raise DiffExportError(f"{target} already exists: give a new name, or --force to replace it "
+                                      "(nothing is overwritten)")
 
 
 def atomic_write(path: Path, write) -> None:

@@ -143,8 +143,8 @@ def test_failed_check_of_the_graph_leaves_an_older_export_intact(tmp_path, monke
         raise onnx.checker.ValidationError("synthetic failure")
 
     monkeypatch.setattr(onnx.checker, "check_model", broken)
-    with pytest.raises(DiffExportError, match="onnx.checker"):
-        export_onnx(loaded, tmp_path / "model.onnx", log=lambda _: None)
+    with pytest.raises(DiffExportError, match="onnx.checker"):  # asked to replace it (--force), and failing
+        export_onnx(loaded, tmp_path / "model.onnx", ExportOptions(force=True), log=lambda _: None)
     assert good.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
 
@@ -177,10 +177,11 @@ def test_export_removes_only_the_data_file_of_the_export_it_replaces(tmp_path):
     never an unrelated file that merely has the name."""
     out, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
     data.write_text("someone else's file")
-    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
-    assert data.read_text() == "someone else's file"
+    assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out), "m.onnx.data already exists")
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out, "--force").returncode == 0
+    assert data.read_text() == "someone else's file"  # --force replaces the export, never an unrelated file
     data.unlink()
-    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out, "--external-data").returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out, "--external-data", "--force").returncode == 0
     assert data.stat().st_size > 100_000
-    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out).returncode == 0
+    assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out, "--force").returncode == 0
     assert not data.exists()  # the replaced export's weights: stale, removed

@@ -88,6 +88,8 @@ def check_inputs_exist(args) -> None:
         if isinstance(ckpt, str) and not os.path.exists(ckpt) and not is_hub_id(ckpt):
             raise DiffExportError(f"checkpoint not found: {ckpt}")
     model = getattr(args, "model", None) if args.command != "generate" else getattr(args, "folder", None)
+    if args.command == "check" and isinstance(model, str) and not model.endswith(".onnx"):
+        model = None  # an engine or a folder: the loader words it (what to give depends on the kind)
     if isinstance(model, str) and not os.path.exists(model):
         raise DiffExportError(MISSING_MODEL.get(args.command, "{} does not exist: give an .onnx file").format(model))
 

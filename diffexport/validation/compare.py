@@ -90,6 +90,12 @@ def compare_outputs(options, shapes, vocab, outputs, dtype, run, eager_low, eage
     return feeds, saved, comparisons, lines
 
 
+def _exact(value: float) -> str:
+    """A number as short as it prints ("100", "1e-05") where that reads back as the same float."""
+    text = f"{float(value):g}"
+    return text if float(text) == float(value) else repr(float(value))
+
+
 def finish_report(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines, outputs, dtype,
             other_failures: tuple[str, ...] = (), user_bounds: tuple[float, float] | None = None,
             runner_name: str = EAGER_RUNNER, atol_comparisons=None, observed: list | None = None) -> CheckReport:
@@ -98,8 +104,8 @@ def finish_report(runner: list[str], save_dir: Path, feeds, saved, comparisons, 
     the runtime's outputs for each saved call, so that the printed atol covers every element
     polygraphy compares (a check may judge only some rows, e.g. not a prompt's padding)."""
     inputs_path, outputs_path = _save_polygraphy(save_dir, feeds, saved, dtype, runner_name)
-    if user_bounds is not None:  # the user's own numbers, printed as they round-trip
-        bounds = ["--atol", repr(float(user_bounds[0])), "--rtol", repr(float(user_bounds[1]))]
+    if user_bounds is not None:  # the user's own numbers, printed so that they read back exactly
+        bounds = ["--atol", _exact(user_bounds[0]), "--rtol", _exact(user_bounds[1])]
     else:
         atols = []
         for name in outputs:
