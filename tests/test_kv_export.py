@@ -1106,3 +1106,15 @@ def test_genai_runs_on_the_machines_cores_unless_the_folder_says(v1_folder, tmp_
     overlays.clear()
     decoding.open_genai_model(own)
     assert overlays == [] and json.loads((own / "genai_config.json").read_text()) == config
+
+
+def test_special_ids_outside_the_vocabulary_are_refused_at_export(artifacts, tmp_path):
+    """A checkpoint folder whose generation_config.json names an eos (or pad, bos) id the model has
+    no logit for: generation could never stop there, and the folder's reader would refuse it, so
+    the export says so in one line and writes nothing (issue 43)."""
+    source = tmp_path / "hf"
+    shutil.copytree(artifacts.hf_diffllama(), source)
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 99_999], "pad_token_id": 0}))
+    result = cli_main("onnx", source, "--kv-cache", "-o", tmp_path / "kv")
+    assert_one_line_error(result, "eos_token_id 99999 (from the checkpoint's or tokenizer's generation_config.json")
+    assert "vocabulary of 320 ids" in result.stderr and not (tmp_path / "kv").exists()

@@ -433,6 +433,13 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     else:
         tok_files = []
     special = {**_hf_values(source_dir), **_hf_values(None if tokenizer is None else Path(tokenizer))}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # genai_config's reader refuses them after
+        value = special.get(key)
+        outside = [v for v in (value if isinstance(value, list) else [value]) if v is not None and v >= cfg.vocab_size]
+        if outside:
+            raise DiffExportError(f"{key} {outside[0]} (from the checkpoint's or tokenizer's generation_config.json or "
+                                  f"config.json) is outside the model's vocabulary of {cfg.vocab_size} ids: fix the "
+                                  "file; nothing was written")
     search, skipped = hf_search(source_dir)
     if search:
         log("search        from generation_config.json: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in search.items()))
