@@ -9,8 +9,9 @@
 //   warpgroups 1 and 2 (consumers): map 1 and map 2. Each runs S = Q_m K_m^T (wgmma, both operands
 //     from shared memory), the online softmax of its map on the accumulator in registers, and
 //     O_m += P_m V (wgmma, P from registers, V from shared memory), with its own running max, sum
-//     and fp32 accumulator. The two maps are independent until the epilogue, so one warpgroup's
-//     softmax runs while the other's wgmma occupies the tensor cores.
+//     and fp32 accumulator. The two maps are independent until the epilogue; they take turns to
+//     issue their wgmmas (ping-pong), so one warpgroup's softmax runs while the other's wgmma
+//     occupies the tensor cores.
 // Epilogue as in the mma.sync kernel: map 2 leaves O2/l2 in shared memory (the ring's space, no
 // longer needed), map 1 writes norm(O1/l1 - lambda * O2/l2) * weight * output_scale.
 //
@@ -286,9 +287,23 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   // FA3's intra-warpgroup overlap: S of tile nb is issued, then P.V of tile nb-1, so the softmax of
   // tile nb runs while P.V of tile nb-1 occupies the tensor cores. Tile nb-1's stage is released
   // once its P.V is done: the consumer holds two stages, hence kStages >= 3.
+  // Ping-pong: barrier kTurnBarrier + map completes when this consumer waits on it and the other
+  // has passed the turn (map 0 starts with it), so their issues alternate: map 0, map 1, map 0...
+  // Each consumer issues n_end times; map 0 waits once more at the end for map 1's last pass, so
+  // that every arrival is consumed before the epilogue.
+  constexpr uint32_t kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+  auto wait_turn = [&] {
+    if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, kTurnBarrier + map);
+  };
+  auto pass_turn = [&] {
+    if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier + 1 - map);
+  };
   if (n_end > 0) {
+    if (DIFFX_SM90_PINGPONG && map == 0) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier);
     pipeline.consumer_wait(state);
+    wait_turn();
     issue_s(state.index(), 0);
+    pass_turn();
     warpgroup_wait<0>();
     land_s();
     softmax(acc_s, 0, alpha);  // O is zero: nothing to rescale
@@ -297,8 +312,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       const auto previous = state;
       ++state;
       pipeline.consumer_wait(state);
+      wait_turn();
       issue_s(state.index(), nb);         // S of tile nb (P of tile nb-1 is in tOrP already)
       issue_pv(tOrP, previous.index());   // O += P V of tile nb-1
+      pass_turn();
       warpgroup_wait<1>();                // S landed; P.V may still run
       land_s();
       softmax(acc_s, nb, alpha);
@@ -309,7 +326,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       rescale_o(alpha);
       convert_p();
     }
+    wait_turn();
     issue_pv(tOrP, state.index());
+    pass_turn();
+    if (map == 0) wait_turn();  // map 1's last pass
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_o);
     pipeline.consumer_release(state);

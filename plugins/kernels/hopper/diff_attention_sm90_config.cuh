@@ -20,6 +20,7 @@ constexpr int kThreads = 3 * cutlass::NumThreadsPerWarpGroup;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
 constexpr uint32_t kQuantBarrier = 2;     // INT8: 2 + map, one consumer warpgroup's own barrier
+constexpr uint32_t kTurnBarrier = 4;      // ping-pong: 4 + map, "consumer map may issue its wgmmas"
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 
 // 1 (default): each consumer issues S of tile j+1 before P.V of tile j and runs tile j+1's softmax
@@ -27,6 +28,12 @@ constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 // (the GPU campaign times it as a variant: -DDIFFX_SM90_OVERLAP=0).
 #ifndef DIFFX_SM90_OVERLAP
 #define DIFFX_SM90_OVERLAP 1
+#endif
+// 1 (default, with the overlap): the two consumers take turns to issue their wgmmas (FA3's
+// ping-pong), so one warpgroup's softmax runs while the other's GEMMs hold the tensor cores rather
+// than both meeting at the tensor pipe at once. 0: each issues when ready (-DDIFFX_SM90_PINGPONG=0).
+#ifndef DIFFX_SM90_PINGPONG
+#define DIFFX_SM90_PINGPONG 1
 #endif
 
 // Row and column of value i of consumer thread tid (0..127) in a 64 x N wgmma accumulator (S, and
