@@ -9,9 +9,9 @@
 //   warpgroups 1 and 2 (consumers): map 1 and map 2. Each runs S = Q_m K_m^T (wgmma, both operands
 //     from shared memory), the online softmax of its map on the accumulator in registers, and
 //     O_m += P_m V (wgmma, P from registers, V from shared memory), with its own running max, sum
-//     and fp32 accumulator. The two maps are independent until the epilogue; they take turns to
-//     issue their wgmmas (ping-pong), so one warpgroup's softmax runs while the other's wgmma
-//     occupies the tensor cores.
+//     and fp32 accumulator. The two maps are independent until the epilogue, so one warpgroup's
+//     softmax runs while the other's wgmma occupies the tensor cores (DIFFX_SM90_PINGPONG=1 makes
+//     them take turns).
 // Epilogue as in the mma.sync kernel: map 2 leaves O2/l2 in shared memory (the ring's space, no
 // longer needed), map 1 writes norm(O1/l1 - lambda * O2/l2) * weight * output_scale.
 //

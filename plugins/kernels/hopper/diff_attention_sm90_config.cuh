@@ -29,11 +29,12 @@ constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 #ifndef DIFFX_SM90_OVERLAP
 #define DIFFX_SM90_OVERLAP 1
 #endif
-// 1 (default, with the overlap): the two consumers take turns to issue their wgmmas (FA3's
-// ping-pong), so one warpgroup's softmax runs while the other's GEMMs hold the tensor cores rather
-// than both meeting at the tensor pipe at once. 0: each issues when ready (-DDIFFX_SM90_PINGPONG=0).
+// 1 (with the overlap): the two consumers take turns to issue their wgmmas (FA3's ping-pong), so
+// one warpgroup's softmax runs while the other's GEMMs hold the tensor cores. 0 (default): each
+// issues when ready. On an H200 (2026-11-26, docs/BENCHMARKS.md) turns measured 0.95-1.11x
+// (median 0.99x) against issuing when ready: kept as a variant (-DDIFFX_SM90_PINGPONG=1), not on.
 #ifndef DIFFX_SM90_PINGPONG
-#define DIFFX_SM90_PINGPONG 1
+#define DIFFX_SM90_PINGPONG 0
 #endif
 
 // Row and column of value i of consumer thread tid (0..127) in a 64 x N wgmma accumulator (S, and
