@@ -27,8 +27,9 @@ struct alignas(8) CodeVector {
 // kernel adds the chunks in order).
 template <typename T, int D>
 __global__ void __launch_bounds__(kQuantThreads) key_sum_kernel(const KernelArgs args, float* sums) {
-  constexpr int kVectors = D / 8, kLanes = kQuantThreads / kVectors;
-  DIFFX_SHARED_ARRAY(float, partial, kLanes * D);
+  constexpr int kVectors = D / 8, kLanes = kQuantThreads / kVectors, kWarps = kQuantThreads / 32;
+  static_assert(32 % kVectors == 0, "a warp holds whole token lanes");
+  DIFFX_SHARED_ARRAY(float, total, D);  // static shared memory stays under kStaticSmemBudget
   const DiffxAttentionParams& p = args.p;
   const int chunk = blockIdx.x, bm = blockIdx.y, b = bm / args.key_maps, km = bm % args.key_maps;
   const int d0 = (threadIdx.x % kVectors) * 8, lane = threadIdx.x / kVectors;
@@ -39,13 +40,16 @@ __global__ void __launch_bounds__(kQuantThreads) key_sum_kernel(const KernelArgs
     const KeyVector<T> k = *reinterpret_cast<const KeyVector<T>*>(columns + int64_t(t) * p.k_row_stride);
     for (int j = 0; j < 8; ++j) sum[j] += to_float(k.x[j]);
   }
-  for (int j = 0; j < 8; ++j) partial[lane * D + d0 + j] = sum[j];
-  __syncthreads();
-  if (threadIdx.x < D) {
-    float total = 0.f;
-    for (int l = 0; l < kLanes; ++l) total += partial[l * D + threadIdx.x];
-    sums[(int64_t(bm) * args.n_key_chunks + chunk) * D + threadIdx.x] = total;
+  // The token lanes of a warp meet by shuffles, then the warps add their sums in warp order.
+  for (int o = kVectors; o < 32; o <<= 1)
+    for (int j = 0; j < 8; ++j) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], o);
+  const int warp = threadIdx.x / 32;
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w && threadIdx.x % 32 < kVectors)
+      for (int j = 0; j < 8; ++j) total[d0 + j] = (w == 0 ? 0.f : total[d0 + j]) + sum[j];
+    __syncthreads();
   }
+  if (threadIdx.x < D) sums[(int64_t(bm) * args.n_key_chunks + chunk) * D + threadIdx.x] = total[threadIdx.x];
 }
 
 // One CTA per (64-token block, b*key_maps + km): absmax of (K - mean) over the block, codes on
