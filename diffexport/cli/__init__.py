@@ -1,5 +1,5 @@
 """The `diffexport` command line: argparse and printing, one module per group of commands
-(export, check, generate, analysis, gpu), each with its commands and their options; the logic
+(export, check, generate, analysis, gpu, serve), each with its commands and their options; the logic
 they call is the Python API. Heavy modules load inside the commands, so --help stays fast.
 
 Every failure the user can fix prints one line `error: ...` and exits with 2.
@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from diffexport.cli import analysis, check, export, generate, gpu
+from diffexport.cli import analysis, check, export, generate, gpu, serve
 from diffexport.cli.generate import sampling_options as _sampling  # noqa: F401 (tests' old name)
 
 # Command -> its function, in the help's order; and the module that adds its options.
@@ -20,10 +20,11 @@ COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_chec
             "optimize": export.cmd_optimize, "quantize": export.cmd_quantize, "inspect": export.cmd_inspect,
             "demo": export.cmd_demo, "info": export.cmd_info, "presets": export.cmd_presets,
             "stats": analysis.cmd_stats, "quant-sweep": analysis.cmd_quant_sweep,
-            "linear-sweep": analysis.cmd_linear_sweep, "retrieval": analysis.cmd_retrieval, "kernels": gpu.cmd_kernels}
+            "linear-sweep": analysis.cmd_linear_sweep, "retrieval": analysis.cmd_retrieval, "kernels": gpu.cmd_kernels,
+            "triton": serve.cmd_triton}
 OPTIONS = {"onnx": export, "trt": gpu, "check": check, "generate": generate, "optimize": export, "quantize": export,
            "inspect": export, "demo": export, "info": export, "presets": export, "stats": analysis,
-           "quant-sweep": analysis, "linear-sweep": analysis, "retrieval": analysis, "kernels": gpu}
+           "quant-sweep": analysis, "linear-sweep": analysis, "retrieval": analysis, "kernels": gpu, "triton": serve}
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -1,0 +1,54 @@
+"""`diffexport triton` (serving.repository.write_repository, serving.server.start_server): its
+options and printing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from diffexport.cli.common import add_force
+
+
+def cmd_triton(args) -> int:
+    """Write a Triton Inference Server model repository for a --kv-cache folder (streamed, batched); --serve starts the server."""
+    from diffexport.serving.repository import write_repository
+
+    repo = write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force)
+    prompt = "text_input (or input_ids)" if repo.text else "input_ids"
+    print(f"wrote         {repo.path}/{repo.name}/ (config.pbtxt, 1/model.py, 1/decoder/): "
+          f"{'a GPU' if repo.gpu else 'CPU'} instance x {args.instances}, batches of up to {args.max_batch}")
+    print(f"requests      {prompt}, max_tokens, temperature (0: greedy), top_k, top_p, seed, stream -> "
+          "text_output, output_ids")
+    if not args.serve:
+        print(f"serve it      diffexport triton {args.folder} -o {args.output} --force --serve, or copy {repo.path} "
+              "into a Triton container (docs/DEPLOYMENT.md)")
+        return 0
+    from diffexport.serving.server import start_server
+
+    print("starting      tritonserver (127.0.0.1 only)", flush=True)
+    server = start_server(repo.path, args.http_port, args.grpc_port)
+    print(f"log           {server.log}")
+    print(f"ready         {server.url}/v2/models/{repo.name}/generate (and generate_stream); gRPC on "
+          f"127.0.0.1:{args.grpc_port}. Ctrl-C stops it.", flush=True)
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        pass
+    status = server.stop()
+    print(f"stopped       tritonserver (exit {status})")
+    return 0
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    """The options of command `name` (one of this module's)."""
+    p.add_argument("folder", help="a folder `diffexport onnx --kv-cache -o` (or quantize) wrote")
+    p.add_argument("-o", "--output", required=True, help="the model repository folder to write")
+    p.add_argument("--name", help="the model's name in the repository and its URLs (default: the folder's name)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together in one batch (1-32, default 8)")
+    p.add_argument("--instances", type=int, default=1, help="model instances, each with its own copy (default 1)")
+    add_force(p)
+    p.add_argument("--serve", action="store_true",
+                   help="then start tritonserver on it (the one on PATH, else nvidia-pytriton's) until Ctrl-C")
+    p.add_argument("--http-port", type=int, default=8000, help="--serve: HTTP port on 127.0.0.1 (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="--serve: gRPC port on 127.0.0.1 (default 8001)")

@@ -1,0 +1,123 @@
+"""A Triton model repository for a KV-cache decoder folder: REPO/NAME/config.pbtxt, REPO/NAME/1/model.py
+(the Python backend's entry, which imports diffexport.serving.triton_model) and REPO/NAME/1/decoder/
+(a copy of the folder: the repository is what a user copies into a Triton container).
+
+The I/O follows the conventions of Triton's own LLM backends, so `/v2/models/NAME/generate`,
+`/generate_stream` and gRPC streaming work: inputs text_input (when the folder has a tokenizer) or
+input_ids, and max_tokens, temperature (0: greedy), top_k, top_p, seed, stream; outputs text_output
+and output_ids (the generated ids, the end-of-sequence id that stopped the answer left out).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffexport.errors import DiffExportError
+
+DECODER_DIR = "decoder"  # REPO/NAME/1/decoder: the copied folder
+MODEL_FILE = "model.py"
+MAX_INSTANCES = 64
+MAX_BATCH = 32  # onnxruntime-genai 0.18 takes at most 32 rows per generator
+NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+# (name, Triton type, dims, what it is): every input optional but the prompt (one of the first two)
+INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", "the prompt as text (folders with a tokenizer)"),
+          ("input_ids", "TYPE_INT64", "[ -1 ]", "the prompt as token ids"),
+          ("max_tokens", "TYPE_INT32", "[ 1 ]", "new tokens at most (default 64, within the context)"),
+          ("temperature", "TYPE_FP32", "[ 1 ]", "0: greedy; else sampling at this temperature"),
+          ("top_k", "TYPE_INT32", "[ 1 ]", "sample among the k likeliest (0: no cut)"),
+          ("top_p", "TYPE_FP32", "[ 1 ]", "sample within this probability mass"),
+          ("seed", "TYPE_UINT64", "[ 1 ]", "the draw's seed"),
+          ("stream", "TYPE_BOOL", "[ 1 ]", "true: one response per token, then the final flag"))
+OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("output_ids", "TYPE_INT64", "[ -1 ]"))
+
+MODEL_ENTRY = '''"""Triton's Python-backend entry for a diffexport decoder folder (written by `diffexport triton`).
+The server's Python needs diffexport with onnxruntime-genai: pip install "diffexport[genai]"."""
+from diffexport.serving.triton_model import TritonPythonModel  # noqa: F401
+'''
+
+
+@dataclass
+class Repository:
+    path: Path  # REPO
+    name: str  # the model's name in the repository (its URL: /v2/models/NAME)
+    folder: Path  # REPO/NAME/1/decoder
+    text: bool  # the folder has a tokenizer: text_input works
+    gpu: bool  # the folder's genai_config names a GPU provider: a GPU instance
+
+
+def config_pbtxt(name: str, max_batch: int, instances: int, gpu: bool) -> str:
+    """config.pbtxt: the Python backend, decoupled (tokens stream as they come), no batch dimension
+    (the model batches the requests that wait, up to max_batch, into one genai generator)."""
+    def tensor(n, t, dims, optional=None):
+        return "  {\n" + f'    name: "{n}"\n    data_type: {t}\n    dims: {dims}\n' + \
+               ("    optional: true\n" if optional else "") + "  }"
+
+    inputs = ",\n".join(tensor(n, t, d, True) for n, t, d, _ in INPUTS)
+    outputs = ",\n".join(tensor(n, t, d) for n, t, d in OUTPUTS)
+    kind = "KIND_GPU" if gpu else "KIND_CPU"
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+            "model_transaction_policy {\n  decoupled: true\n}\n"
+            f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
+            f"instance_group [\n  {{\n    count: {instances}\n    kind: {kind}\n  }}\n]\n"
+            'parameters: {\n  key: "max_batch"\n  value: { string_value: "' + str(max_batch) + '" }\n}\n'
+            'parameters: {\n  key: "decoder_folder"\n  value: { string_value: "' + DECODER_DIR + '" }\n}\n')
+
+
+def check_settings(name: str, max_batch: int, instances: int) -> None:
+    if not name or len(name) > 128 or set(name) - NAME_CHARS or name.startswith("."):
+        raise DiffExportError(f"model name {name[:40]!r}: use up to 128 letters, digits, '_', '-' or '.' "
+                              "(it is a folder of the repository and part of the URL)")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise DiffExportError(f"--max-batch must be 1 to {MAX_BATCH} (onnxruntime-genai's rows per generator), "
+                              f"got {max_batch}")
+    if not 1 <= instances <= MAX_INSTANCES:
+        raise DiffExportError(f"--instances must be 1 to {MAX_INSTANCES}, got {instances}")
+
+
+def folder_uses_gpu(config: dict) -> bool:
+    """Whether the folder's genai_config names a GPU execution provider (cuda, dml, ...)."""
+    providers = config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
+    return any(isinstance(p, dict) and any(k.lower() != "cpu" for k in p) for p in providers)
+
+
+def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: str | None = None,
+                     max_batch: int = 8, instances: int = 1, force: bool = False) -> Repository:
+    """REPO (`out`) holding the decoder folder as model `name` (default: the folder's name). The
+    folder is read by the reader `generate` uses: what it refuses (a library to load, a pipeline of
+    other graphs, a profile path, links) is refused here before anything is written. The
+    repository is written beside its destination and renamed into place; an existing REPO is
+    replaced only with force, never through a link."""
+    from diffexport.export.decoder import has_tokenizer, read_decoder_folder
+    from diffexport.files import _umask, check_output_path, rename_into_place, temp_prefix
+
+    folder = Path(folder)
+    _, config, _ = read_decoder_folder(folder)
+    name = name or folder.resolve().name
+    check_settings(name, max_batch, instances)
+    out = Path(out)
+    check_output_path(out, replace=force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=temp_prefix(out.name), suffix=".tmp"))
+    try:
+        version = tmp / name / "1"
+        (version / DECODER_DIR).mkdir(parents=True)
+        for item in sorted(folder.iterdir()):  # what read_decoder_folder accepted, files only, never through a link
+            if item.is_symlink() or not item.is_file():
+                continue
+            shutil.copyfile(item, version / DECODER_DIR / item.name, follow_symlinks=False)
+        gpu = folder_uses_gpu(config)
+        (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, max_batch, instances, gpu))
+        (version / MODEL_FILE).write_text(MODEL_ENTRY)
+        for path in [tmp, *tmp.rglob("*")]:
+            if path.is_dir():
+                os.chmod(path, 0o777 & ~_umask())
+        rename_into_place(tmp, out, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Repository(out, name, out / name / "1" / DECODER_DIR, has_tokenizer(folder), gpu)

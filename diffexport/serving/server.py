@@ -1,0 +1,165 @@
+"""A Triton Inference Server for a model repository, started here for local use: the `tritonserver`
+on PATH (NVIDIA's container), else the one the nvidia-pytriton wheel bundles. The wheel's server
+runs the Python backend through a stub built per Python version; a backend folder of links
+(beside the server's log) gives it this interpreter's stub, and this interpreter's libpython.
+Ports are bound on 127.0.0.1 only; a copied repository served in a container is the way to serve
+others (docs/DEPLOYMENT.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffexport.errors import DiffExportError
+
+INSTALL_HINT = ('no Triton server: `pip install -e ".[serve]"` (nvidia-pytriton\'s bundled tritonserver), or run in '
+                "NVIDIA's tritonserver container")
+
+
+def check_bundled_numpy() -> None:
+    """nvidia-pytriton 0.7's Python-backend stubs read and write string tensors (text_input,
+    text_output) through a pybind11 that numpy 2 breaks (each string arrives as its first byte
+    repeated; seen here with numpy 2.4 on 2026-11-26): the wheel pins numpy < 2 for that reason."""
+    import numpy
+
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise DiffExportError(f"nvidia-pytriton's bundled server needs numpy < 2 (its own pin; numpy "
+                              f"{numpy.__version__} is installed): pip install \"numpy<2\", or serve the repository "
+                              "with NVIDIA's tritonserver container")
+
+
+@dataclass
+class ServerBinary:
+    path: Path
+    bundled_root: Path | None = None  # the nvidia-pytriton wheel's tritonserver/ folder, else None
+
+
+def find_tritonserver() -> ServerBinary:
+    """The server: `tritonserver` on PATH first (a container's own), else nvidia-pytriton's."""
+    import importlib.util
+
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return ServerBinary(Path(on_path))
+    spec = importlib.util.find_spec("pytriton")
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+        if (root / "bin" / "tritonserver").is_file():
+            return ServerBinary(root / "bin" / "tritonserver", root)
+    raise DiffExportError(INSTALL_HINT)
+
+
+def python_backend_dir(root: Path, into: Path) -> Path:
+    """A backend folder for the bundled server: links to its Python backend and to the stub built
+    for this interpreter's Python version (links: the stub finds its libraries next to itself)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise DiffExportError(f"the bundled Triton server has no Python backend stub for Python {version}")
+    backend = into / "python"
+    backend.mkdir(parents=True)
+    for source in (root / "backends" / "python" / "libtriton_python.so",
+                   root / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        (backend / source.name).symlink_to(source)
+    return into
+
+
+@dataclass
+class TritonServer:
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    log: Path
+    scratch: Path | None = None
+    stopped: bool = field(default=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (Triton unloads its models and ends), SIGKILL after timeout; -> its exit status."""
+        if not self.stopped:
+            self.stopped = True
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+            if self.scratch is not None:  # the links; the log stays for the user to read
+                shutil.rmtree(self.scratch / "backends", ignore_errors=True)
+        return self.process.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _log_tail(log: Path, lines: int = 3) -> str:
+    try:
+        text = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    errors = [line for line in text if line.startswith("E") or "error" in line.lower()]
+    return " | ".join((errors or text)[-lines:])[:400]
+
+
+def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port: int = 8001,
+                 log: str | os.PathLike | None = None, ready_timeout: float = 120.0) -> TritonServer:
+    """tritonserver over `repository`, listening on 127.0.0.1, its log in `log` (default: a file
+    in a fresh temporary folder); returns once every model is ready, or raises with the log's
+    last error line (the process stopped)."""
+    repository = Path(repository)
+    if not repository.is_dir():
+        raise DiffExportError(f"{repository} is not a folder: give the repository `diffexport triton` wrote")
+    for port in (http_port, grpc_port):
+        if not 1 <= port <= 65535:
+            raise DiffExportError(f"port {port} is not in 1..65535")
+    binary = find_tritonserver()
+    if binary.bundled_root is not None:
+        check_bundled_numpy()
+    scratch = Path(tempfile.mkdtemp(prefix="diffexport-triton."))
+    log = Path(log) if log is not None else scratch / "tritonserver.log"
+    args = [str(binary.path), "--model-repository", str(repository.resolve()), "--http-address", "127.0.0.1",
+            "--grpc-address", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+            "--allow-metrics", "false", "--exit-timeout-secs", "20", "--strict-readiness", "true"]
+    env = dict(os.environ)
+    if binary.bundled_root is not None:
+        args += ["--backend-directory", str(python_backend_dir(binary.bundled_root, scratch / "backends"))]
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    with open(log, "wb") as out:
+        process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                   start_new_session=True)
+    server = TritonServer(process, http_port, grpc_port, log, scratch)
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        if process.poll() is not None:
+            server.stop()
+            raise DiffExportError(f"tritonserver stopped (exit {process.returncode}): {_log_tail(log)} (log: {log})")
+        try:
+            with urllib.request.urlopen(f"{server.url}/v2/health/ready", timeout=2) as reply:
+                if reply.status == 200:
+                    return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise DiffExportError(f"tritonserver was not ready within {ready_timeout:.0f} s: {_log_tail(log)} "
+                                  f"(log: {log})")
+        time.sleep(0.25)

@@ -1,0 +1,276 @@
+"""The model Triton's Python backend runs for a decoder folder (REPO/NAME/1/model.py imports
+TritonPythonModel from here). Two parts:
+
+- DecoderService: the requests that wait, decoded together. A worker thread takes the oldest
+  request and every waiting one with the same draw (greedy, or the same sampling options), up to
+  max_batch, and runs them as one onnxruntime-genai batch (backends.decoding.generate_batch_genai,
+  what `diffexport generate --prompts-file` runs): greedy rows give what each prompt gives alone.
+  genai 0.18 cannot add rows to a running generator, so requests that arrive meanwhile wait for
+  the next batch; a row that ends (its end token, its own max_tokens, its client gone) stops
+  sending while the others go on. Nothing here imports Triton: tests drive it in-process.
+- TritonPythonModel: Triton's side. It reads each request's tensors, refuses a bad one with a
+  one-line error response, and answers through the request's response sender (decoupled: one
+  response per token when stream is true, then the final flag; else one response).
+
+The folder is read by the reader `generate` uses when the model loads, as when the repository
+was written: a folder changed since is refused again.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from diffexport.errors import DiffExportError
+from diffexport.generation import MAX_SEED, Sampling
+
+DEFAULT_MAX_TOKENS = 64
+MAX_TEXT_BYTES = 1 << 20  # a prompt's text; the context bounds its tokens
+MAX_TEMPERATURE = 100.0
+
+
+@dataclass
+class Request:
+    ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stream: bool
+    send: Callable[[list[int], str | None, bool], None]  # (new ids, their text or None, final)
+    fail: Callable[[str], None]  # a one-line error; ends the request
+    cancelled: Callable[[], bool] = lambda: False  # the client has gone
+
+
+class DecoderService:
+    """A decoder folder's requests, decoded in batches by one worker thread."""
+
+    def __init__(self, folder: str | Path, max_batch: int = 8):
+        from diffexport.backends.decoding import import_genai
+        from diffexport.export.decoder import eos_token_ids, has_tokenizer, read_decoder_folder
+        from diffexport.text_generation import folder_tokenizer
+
+        self.folder = Path(folder)
+        _, self.config, _ = read_decoder_folder(self.folder)
+        import_genai()
+        self.context = int(self.config["model"]["context_length"])
+        self.vocab = int(self.config["model"]["vocab_size"])
+        self.eos = set(eos_token_ids(self.config))
+        self.tokenizer = folder_tokenizer(self.folder) if has_tokenizer(self.folder) else None
+        self.max_batch = max_batch
+        self._models: dict[int | None, object] = {}  # pad id -> genai model (genai_pad_for)
+        self._waiting: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._worker = threading.Thread(target=self._loop, name="diffexport-decoder", daemon=True)
+        self._worker.start()
+
+    # -- requests -------------------------------------------------------------------------------
+    def prompt(self, text: bytes | str | None, ids) -> list[int]:
+        """The prompt's ids from text (the folder's tokenizer) or ids; one-line refusals."""
+        from diffexport.text_generation import encode
+
+        if (text is None) == (ids is None):
+            raise DiffExportError("give the prompt as text_input or as input_ids (one of them)")
+        if ids is not None:
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise DiffExportError("input_ids is empty")
+            bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+            if bad is not None:
+                raise DiffExportError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab})")
+            return ids
+        if self.tokenizer is None:
+            raise DiffExportError("this model has no tokenizer: give input_ids")
+        if isinstance(text, bytes):
+            if len(text) > MAX_TEXT_BYTES:
+                raise DiffExportError(f"text_input is larger than {MAX_TEXT_BYTES >> 20} MiB")
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DiffExportError("text_input is not UTF-8") from None
+        if len(text.encode()) > MAX_TEXT_BYTES:
+            raise DiffExportError(f"text_input is larger than {MAX_TEXT_BYTES >> 20} MiB")
+        return encode(self.tokenizer, self.folder, text)
+
+    def draw(self, temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None) -> Sampling:
+        """The request's draw over the folder's search defaults, as `diffexport generate` takes its
+        options: temperature 0 is greedy, > 0 samples; what is not given comes from the folder."""
+        from diffexport.text_generation import folder_sampling
+
+        if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+            raise DiffExportError(f"temperature must be 0 (greedy) to {MAX_TEMPERATURE:g}, got {temperature}")
+        if top_k is not None and not 0 <= top_k <= self.vocab:
+            raise DiffExportError(f"top_k must be 0 (no cut) to the vocabulary's {self.vocab}, got {top_k}")
+        if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise DiffExportError(f"top_p must be in (0, 1], got {top_p}")
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise DiffExportError(f"seed must be 0 to {MAX_SEED}, got {seed}")
+        greedy, sample = temperature == 0, temperature is not None and temperature > 0
+        return folder_sampling(self.config, greedy=greedy, sample=sample,
+                               temperature=temperature if sample else None, top_k=top_k, top_p=top_p,
+                               seed=0 if seed is None else seed)
+
+    def check_length(self, ids: list[int], max_tokens: int | None) -> int:
+        """max_tokens (default DEFAULT_MAX_TOKENS, cut to the room the context leaves)."""
+        if max_tokens is not None and max_tokens < 1:
+            raise DiffExportError(f"max_tokens must be >= 1, got {max_tokens}")
+        if len(ids) >= self.context:
+            raise DiffExportError(f"the prompt's {len(ids)} tokens leave no room in the context length {self.context}")
+        if max_tokens is None:
+            return min(DEFAULT_MAX_TOKENS, self.context - len(ids))
+        if len(ids) + max_tokens > self.context:
+            raise DiffExportError(f"the prompt ({len(ids)} tokens) + max_tokens {max_tokens} exceeds the context "
+                                  f"length {self.context}")
+        return max_tokens
+
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            if self._stopping:
+                raise DiffExportError("the model is shutting down")
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Ends the worker after its running batch; requests still waiting get an error."""
+        with self._cond:
+            self._stopping = True
+            left = list(self._waiting)
+            self._waiting.clear()
+            self._cond.notify()
+        for request in left:
+            request.fail("the model is shutting down")
+        self._worker.join(timeout=60)
+
+    # -- the worker -----------------------------------------------------------------------------
+    def _next_batch(self) -> list[Request] | None:
+        with self._cond:
+            while not self._waiting and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            first = self._waiting.popleft()
+            batch, kept = [first], deque()
+            while self._waiting:
+                request = self._waiting.popleft()
+                same = request.sampling == first.sampling and len(batch) < self.max_batch
+                (batch if same else kept).append(request)
+            self._waiting = kept
+            return batch
+
+    def _loop(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            for request in [r for r in batch if r.cancelled()]:  # its client left while it waited
+                request.fail("the request was cancelled")
+            batch = [r for r in batch if not r.cancelled()]
+            if not batch:
+                continue
+            try:
+                self._run(batch)
+            except Exception as exc:  # genai's own failure: every request of the batch hears it
+                message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                for request in batch:
+                    request.fail(f"generation failed: {message}")
+
+    def _model(self, pad: int | None):
+        from diffexport.backends.decoding import open_genai_model
+
+        if pad not in self._models:
+            if len(self._models) >= 2:  # a substitute pad id is rare: keep the folder's and the latest
+                self._models.pop(next(k for k in self._models if k is not None))
+            self._models[pad] = open_genai_model(self.folder, None, pad)
+        return self._models[pad]
+
+    def _run(self, batch: list[Request]) -> None:
+        from diffexport.backends.decoding import generate_batch_genai, genai_pad_for
+
+        prompts = [r.ids for r in batch]
+        pad = genai_pad_for(self.config, prompts)
+        streams = [self.tokenizer.create_stream() if self.tokenizer is not None and r.stream else None
+                   for r in batch]
+
+        def on_token(row: int, token: int) -> bool:  # each running row's new token (end ids excepted)
+            request = batch[row]
+            if request.stream:
+                request.send([token], None if streams[row] is None else streams[row].decode(token), False)
+            return request.cancelled()
+
+        limits = [r.max_tokens for r in batch]
+        run = generate_batch_genai(self.folder, prompts, max(limits), batch[0].sampling, model=self._model(pad),
+                                   pad_token_id=pad, stop_after=on_token, limits=limits)
+        for request, tokens, stop in zip(batch, run.tokens, run.stops):
+            ids = tokens[:-1] if stop == "eos" and tokens and tokens[-1] in self.eos else tokens
+            if request.stream:
+                request.send([], None, True)
+            else:
+                request.send(ids, None if self.tokenizer is None else self.tokenizer.decode(ids), True)
+
+
+class TritonPythonModel:
+    """Triton's Python-backend interface over DecoderService."""
+
+    def initialize(self, args: dict) -> None:
+        import json
+
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        folder = Path(args["model_repository"]) / str(args["model_version"]) / params.get("decoder_folder", "decoder")
+        try:
+            self.service = DecoderService(folder, int(params.get("max_batch", "8")))
+        except DiffExportError as exc:  # the model fails to load with the reader's line
+            raise RuntimeError(f"diffexport: {exc}") from None
+
+    def execute(self, requests):
+        import numpy as np
+        import triton_python_backend_utils as pb_utils
+
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        service = self.service
+        for request in requests:
+            sender = request.get_response_sender()
+
+            def fail(message: str, sender=sender) -> None:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=final)
+
+            def send(ids, text, last, sender=sender, stream=False) -> None:
+                if last and stream:
+                    sender.send(flags=final)
+                    return
+                tensors = [pb_utils.Tensor("output_ids", np.asarray(ids, np.int64))]
+                if service.tokenizer is not None:
+                    tensors.append(pb_utils.Tensor("text_output", np.asarray([(text or "").encode()], dtype=np.object_)))
+                sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
+
+            def value(name, kind):
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is None:
+                    return None
+                array = tensor.as_numpy().reshape(-1)
+                if array.size != 1:
+                    raise DiffExportError(f"{name} must hold one value, got {array.size}")
+                return kind(array[0])
+
+            try:
+                text = pb_utils.get_input_tensor_by_name(request, "text_input")
+                ids = pb_utils.get_input_tensor_by_name(request, "input_ids")
+                if text is not None:
+                    text = text.as_numpy().reshape(-1)
+                    if text.size != 1:
+                        raise DiffExportError(f"text_input must hold one prompt, got {text.size}")
+                    text = text[0] if isinstance(text[0], (bytes, str)) else str(text[0])
+                prompt = service.prompt(text, None if ids is None else ids.as_numpy().reshape(-1).tolist())
+                max_tokens = service.check_length(prompt, value("max_tokens", int))
+                sampling = service.draw(value("temperature", float), value("top_k", int), value("top_p", float),
+                                        value("seed", int))
+                stream = bool(value("stream", bool))
+                service.submit(Request(prompt, max_tokens, sampling, stream,
+                                       lambda i, t, last, s=sender, st=stream: send(i, t, last, s, st), fail,
+                                       sender.is_cancelled))
+            except DiffExportError as exc:
+                fail(str(exc))
+        return None
+
+    def finalize(self) -> None:
+        self.service.stop()

@@ -1,0 +1,315 @@
+"""Serving a KV-cache folder with NVIDIA Triton Inference Server (`diffexport triton`): the model
+repository, the batching and streaming model in-process, and the real server (nvidia-pytriton's
+bundled tritonserver, the `serve` extra) on 127.0.0.1: greedy answers token for token those of
+`diffexport generate`, streaming as the unary call, concurrent clients each with their own answer,
+bad requests and gone clients refused or dropped while the server keeps serving, a clean stop."""
+
+import http.client
+import json
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from diffexport.errors import DiffExportError
+from diffexport.generation import Sampling
+from helpers import assert_one_line_error, cli_main
+
+PROMPTS = ["hello world", "the cat sat on", "a", "differential attention cancels noise"]
+GREEDY = Sampling(greedy=True)
+
+
+@pytest.fixture(scope="module")
+def folder(artifacts):
+    """An HF DiffLlama KV-cache folder with its byte-level BPE tokenizer (built once per session)."""
+    return artifacts.cli_output("onnx", artifacts.hf_diffllama_with_chat_template(), "--kv-cache", output="kv")
+
+
+@pytest.fixture(scope="module")
+def alone(folder):
+    """prompt text -> what `diffexport generate --greedy` gives it alone: (new ids, the end id left
+    out; their text; their text through the tokenizer's stream decoder)."""
+    from diffexport.export.decoder import eos_token_ids, read_decoder_folder
+    from diffexport.text_generation import encode, folder_tokenizer, generate_once
+
+    config = read_decoder_folder(folder)[1]
+    tokenizer, eos = folder_tokenizer(folder), set(eos_token_ids(config))
+    answers = {}
+    for prompt in PROMPTS:
+        run = generate_once(folder, encode(tokenizer, folder, prompt), 12, GREEDY)
+        ids = run.tokens[:-1] if run.tokens and run.tokens[-1] in eos else run.tokens
+        stream = tokenizer.create_stream()
+        answers[prompt] = (ids, tokenizer.decode(ids), "".join(stream.decode(t) for t in ids))
+    return answers
+
+
+def streamed(answer):
+    """What a stream gives of an answer: its ids, and the text the tokenizer's stream decoder gives
+    them piece by piece (it holds back the bytes of an unfinished character, where decoding the whole
+    answer at once turns invalid bytes into U+FFFD: this random model's bytes often are)."""
+    ids, _, pieces = answer
+    return ids, pieces
+
+
+# ---------------------------------------------------------------- the repository (no server)
+
+
+def test_repository_layout_and_config(folder, tmp_path):
+    from diffexport.serving.repository import INPUTS, OUTPUTS, write_repository
+
+    repo = write_repository(folder, tmp_path / "repo", name="diff", max_batch=4, instances=2)
+    assert repo.text and not repo.gpu
+    config = (tmp_path / "repo" / "diff" / "config.pbtxt").read_text()
+    for name, kind, _, _ in INPUTS:
+        assert f'name: "{name}"\n    data_type: {kind}' in config
+    for name, kind, _ in OUTPUTS:
+        assert f'name: "{name}"\n    data_type: {kind}' in config
+    assert "decoupled: true" in config and "count: 2\n    kind: KIND_CPU" in config and '"4"' in config
+    copied = sorted(p.name for p in repo.folder.iterdir())
+    assert copied == sorted(p.name for p in folder.iterdir() if p.is_file())
+    assert "from diffexport.serving.triton_model import TritonPythonModel" in \
+        (tmp_path / "repo" / "diff" / "1" / "model.py").read_text()
+
+
+def test_repository_refusals(folder, tmp_path, artifacts):
+    from diffexport.serving.repository import write_repository
+
+    with pytest.raises(DiffExportError, match="model name"):
+        write_repository(folder, tmp_path / "r", name="../x")
+    with pytest.raises(DiffExportError, match="--max-batch must be 1 to 32"):
+        write_repository(folder, tmp_path / "r", max_batch=33)
+    with pytest.raises(DiffExportError, match="--instances"):
+        write_repository(folder, tmp_path / "r", instances=0)
+    with pytest.raises(DiffExportError, match="is not a folder"):
+        write_repository(tmp_path / "nope", tmp_path / "r")
+    (tmp_path / "r").mkdir()
+    with pytest.raises(DiffExportError, match="already exists"):
+        write_repository(folder, tmp_path / "r")
+    (tmp_path / "link").symlink_to(tmp_path / "r")
+    with pytest.raises(DiffExportError, match="symbolic link"):
+        write_repository(folder, tmp_path / "link", force=True)
+    # a hostile genai_config (a library onnxruntime-genai would load) is refused by generate's reader
+    hostile = artifacts.copy(folder, tmp_path, "hostile")
+    config = json.loads((hostile / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["custom_ops_library"] = "libevil.so"
+    (hostile / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(DiffExportError, match="custom_ops_library"):
+        write_repository(hostile, tmp_path / "r2")
+    assert not (tmp_path / "r2").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hostile", "link", "r"]
+
+
+def test_triton_command_line(folder, tmp_path):
+    result = cli_main("triton", folder, "-o", tmp_path / "repo", "--name", "m")
+    assert result.returncode == 0, result.stderr
+    assert "wrote         " in result.stdout and (tmp_path / "repo" / "m" / "config.pbtxt").is_file()
+    assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "repo", "--name", "m"), "already exists")
+    assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--max-batch", "0"), "--max-batch")
+
+
+# ---------------------------------------------------------------- the model in-process (no server)
+
+
+class Collected:
+    """A request's responses as the server would send them."""
+
+    def __init__(self):
+        self.ids, self.text, self.final, self.error, self.done = [], "", False, None, threading.Event()
+
+    def send(self, ids, text, final):
+        self.ids += list(ids)
+        self.text += text or ""
+        if final:
+            self.final = True
+            self.done.set()
+
+    def fail(self, message):
+        self.error = message
+        self.done.set()
+
+
+@pytest.fixture(scope="module")
+def service(folder):
+    from diffexport.serving.triton_model import DecoderService
+
+    service = DecoderService(folder, max_batch=4)
+    yield service
+    service.stop()
+
+
+def _ask(service, prompt, stream=False, max_tokens=12, sampling=GREEDY, cancelled=lambda: False):
+    from diffexport.serving.triton_model import Request
+
+    out = Collected()
+    ids = service.prompt(prompt.encode(), None)
+    service.submit(Request(ids, service.check_length(ids, max_tokens), sampling, stream, out.send, out.fail,
+                           cancelled))
+    return out
+
+
+def test_batched_requests_answer_as_each_alone(service, alone):
+    """Requests submitted together are decoded as one batch; greedy rows give what each prompt gives
+    alone, streamed or not."""
+    answers = [_ask(service, p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS)]
+    for i, (prompt, out) in enumerate(zip(PROMPTS, answers)):
+        assert out.done.wait(60) and out.error is None and out.final
+        want = streamed(alone[prompt]) if i % 2 else alone[prompt][:2]
+        assert (out.ids, out.text) == want, prompt
+
+
+def test_a_gone_client_stops_its_row_only(service, alone):
+    gone = threading.Event()
+    dropped = _ask(service, PROMPTS[0], stream=True, cancelled=gone.is_set)
+    kept = _ask(service, PROMPTS[1], stream=True)
+    gone.set()
+    assert dropped.done.wait(60) and kept.done.wait(60)
+    assert (kept.ids, kept.text) == streamed(alone[PROMPTS[1]])
+    assert len(dropped.ids) <= len(alone[PROMPTS[0]][0])  # ended early, or refused before it started
+    assert dropped.final or dropped.error == "the request was cancelled"
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda s: s.prompt(None, None), "text_input or as input_ids"),
+    (lambda s: s.prompt(b"x", [1]), "text_input or as input_ids"),
+    (lambda s: s.prompt(None, []), "input_ids is empty"),
+    (lambda s: s.prompt(None, [1, 10**6]), "outside the vocabulary"),
+    (lambda s: s.prompt(b"\xff\xfe", None), "not UTF-8"),
+    (lambda s: s.prompt(b"x" * (2 << 20), None), "larger than 1 MiB"),
+    (lambda s: s.check_length([1] * 600, 4), "leave no room"),
+    (lambda s: s.check_length([1] * 10, 600), "exceeds the context length"),
+    (lambda s: s.check_length([1], 0), "max_tokens must be >= 1"),
+    (lambda s: s.draw(float("nan"), None, None, None), "temperature"),
+    (lambda s: s.draw(None, -1, None, None), "top_k"),
+    (lambda s: s.draw(None, None, 0.0, None), "top_p"),
+    (lambda s: s.draw(None, None, None, 2**40), "seed"),
+])
+def test_bad_requests_are_one_line(service, call, pattern):
+    with pytest.raises(DiffExportError, match=pattern):
+        call(service)
+
+
+# ---------------------------------------------------------------- the real server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    from diffexport.serving import server as triton_server
+    from diffexport.serving.repository import write_repository
+
+    try:
+        triton_server.find_tritonserver()
+        triton_server.check_bundled_numpy() if triton_server.find_tritonserver().bundled_root else None
+    except DiffExportError as exc:
+        pytest.skip(f"no Triton server to test against: {exc}")
+    repo = write_repository(folder, tmp_path_factory.mktemp("triton") / "repo", name="diff", max_batch=8)
+    running = triton_server.start_server(repo.path, _free_port(), _free_port(), ready_timeout=90)
+    yield running
+    assert running.stop() == 0, running.log.read_text(errors="replace")[-2000:]
+
+
+def _post(server, path, body, timeout=60):
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    try:
+        connection.request("POST", f"/v2/models/diff/{path}", json.dumps(body), {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        return reply.status, reply.read().decode()
+    finally:
+        connection.close()
+
+
+def _events(text):
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_server_greedy_and_streamed_answers_are_those_of_generate(server, alone):
+    for prompt in PROMPTS:
+        status, body = _post(server, "generate", {"text_input": prompt, "max_tokens": 12, "temperature": 0})
+        assert status == 200, body
+        reply = json.loads(body)
+        assert (reply["output_ids"], reply["text_output"]) == alone[prompt][:2], prompt
+        status, body = _post(server, "generate_stream", {"text_input": prompt, "max_tokens": 12, "temperature": 0,
+                                                         "stream": True})
+        events = _events(body)
+        assert status == 200 and all("error" not in e for e in events), body
+        ids = [e["output_ids"] for e in events]
+        assert (ids, "".join(e["text_output"] for e in events)) == streamed(alone[prompt])
+
+
+def test_server_concurrent_clients_get_their_own_answers(server, alone):
+    """16 clients x 2 requests at once: none lost, none mixed (the model batches what waits)."""
+    jobs = [PROMPTS[(client + k) % len(PROMPTS)] for client in range(16) for k in range(2)]
+
+    def ask(prompt):
+        status, body = _post(server, "generate", {"text_input": prompt, "max_tokens": 12, "temperature": 0}, 120)
+        return prompt, status, body
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(ask, jobs))
+    for prompt, status, body in results:
+        assert status == 200, body
+        reply = json.loads(body)
+        assert (reply["output_ids"], reply["text_output"]) == alone[prompt][:2], prompt
+
+
+def test_server_refuses_bad_requests_and_keeps_serving(server, alone):
+    cases = [({"max_tokens": 4}, "text_input or as input_ids"),
+             ({"input_ids": [1, 2], "max_tokens": 100000}, "exceeds the context length"),
+             ({"text_input": "x " * 400, "max_tokens": 4}, "context length"),
+             ({"input_ids": [1, 99999]}, "outside the vocabulary"),
+             ({"text_input": "hi", "temperature": -1}, "temperature")]
+    for body, pattern in cases:
+        status, text = _post(server, "generate", body)
+        assert status != 200 and pattern in json.loads(text)["error"], (body, text)
+    status, text = _post(server, "generate", {"text_input": "hi", "max_tokens": "many"})
+    assert status != 200 and "error" in json.loads(text)
+    status, body = _post(server, "generate", {"text_input": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+    assert status == 200 and json.loads(body)["output_ids"] == alone[PROMPTS[0]][0]
+
+
+def test_server_survives_a_client_that_leaves_mid_stream(server, alone):
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    connection.request("POST", "/v2/models/diff/generate_stream",
+                       json.dumps({"input_ids": [5, 6, 7], "max_tokens": 200, "stream": True}),
+                       {"Content-Type": "application/json"})
+    reply = connection.getresponse()
+    assert reply.status == 200 and reply.readline().startswith(b"data: ")  # the first token came
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    status, body = _post(server, "generate", {"text_input": PROMPTS[1], "max_tokens": 12, "temperature": 0})
+    assert status == 200 and json.loads(body)["output_ids"] == alone[PROMPTS[1]][0]
+
+
+def test_server_grpc_streaming(server, alone):
+    """The gRPC stream (tritonclient, as Triton's LLM clients use it) gives the unary call's tokens."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    import numpy as np
+    import queue
+
+    answers = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+        prompt.set_data_from_numpy(np.array([PROMPTS[3].encode()], dtype=np.object_))
+        tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
+        tokens.set_data_from_numpy(np.array([12], np.int32))
+        stream = grpcclient.InferInput("stream", [1], "BOOL")
+        stream.set_data_from_numpy(np.array([True]))
+        client.async_stream_infer("diff", [prompt, tokens, stream], enable_empty_final_response=True)
+        ids = []
+        while True:
+            result, error = answers.get(timeout=60)
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+            ids += result.as_numpy("output_ids").tolist()
+    finally:
+        client.stop_stream()
+        client.close()
+    assert ids == alone[PROMPTS[3]][0]
