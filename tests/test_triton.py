@@ -16,6 +16,8 @@ from diffexport.errors import DiffExportError
 from diffexport.generation import Sampling
 from helpers import assert_one_line_error, cli_main
 
+pytestmark = pytest.mark.slow  # an export, and a server start: see README (quick loop)
+
 PROMPTS = ["hello world", "the cat sat on", "a", "differential attention cancels noise"]
 GREEDY = Sampling(greedy=True)
 
@@ -173,6 +175,7 @@ def test_a_gone_client_stops_its_row_only(service, alone):
     (lambda s: s.prompt(b"x", [1]), "text_input or as input_ids"),
     (lambda s: s.prompt(None, []), "input_ids is empty"),
     (lambda s: s.prompt(None, [1, 10**6]), "outside the vocabulary"),
+    (lambda s: s.prompt(None, [1] * 10**6), "leave no room"),
     (lambda s: s.prompt(b"\xff\xfe", None), "not UTF-8"),
     (lambda s: s.prompt(b"x" * (2 << 20), None), "larger than 1 MiB"),
     (lambda s: s.check_length([1] * 600, 4), "leave no room"),
@@ -186,6 +189,26 @@ def test_a_gone_client_stops_its_row_only(service, alone):
 def test_bad_requests_are_one_line(service, call, pattern):
     with pytest.raises(DiffExportError, match=pattern):
         call(service)
+
+
+def test_the_model_refuses_a_folder_changed_after_the_repository_was_written(folder, tmp_path):
+    """The copy in the repository is read again when Triton loads the model: a library named since
+    is refused in the reader's words, and the model does not load."""
+    from diffexport.serving.repository import write_repository
+    from diffexport.serving.triton_model import TritonPythonModel
+
+    repo = write_repository(folder, tmp_path / "repo", name="diff")
+    path = repo.folder / "genai_config.json"
+    config = json.loads(path.read_text())
+    config["model"]["decoder"]["session_options"]["custom_ops_library"] = "libevil.so"
+    path.write_text(json.dumps(config))
+    model_config = (tmp_path / "repo" / "diff" / "config.pbtxt").read_text()
+    args = {"model_repository": str(tmp_path / "repo" / "diff"), "model_version": "1",
+            "model_config": json.dumps({"parameters": {"decoder_folder": {"string_value": "decoder"},
+                                                       "max_batch": {"string_value": "8"}}})}
+    assert '"decoder"' in model_config and '"8"' in model_config  # what the server hands initialize
+    with pytest.raises(RuntimeError, match="custom_ops_library"):
+        TritonPythonModel().initialize(args)
 
 
 # ---------------------------------------------------------------- the real server
@@ -242,8 +265,8 @@ def test_server_greedy_and_streamed_answers_are_those_of_generate(server, alone)
 
 
 def test_server_concurrent_clients_get_their_own_answers(server, alone):
-    """16 clients x 2 requests at once: none lost, none mixed (the model batches what waits)."""
-    jobs = [PROMPTS[(client + k) % len(PROMPTS)] for client in range(16) for k in range(2)]
+    """16 clients x 4 requests at once: none lost, none mixed (the model batches what waits)."""
+    jobs = [PROMPTS[(client + k) % len(PROMPTS)] for client in range(16) for k in range(4)]
 
     def ask(prompt):
         status, body = _post(server, "generate", {"text_input": prompt, "max_tokens": 12, "temperature": 0}, 120)

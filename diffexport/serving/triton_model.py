@@ -75,6 +75,9 @@ class DecoderService:
         if (text is None) == (ids is None):
             raise DiffExportError("give the prompt as text_input or as input_ids (one of them)")
         if ids is not None:
+            if len(ids) >= self.context:  # before any copy: a request's size is the client's choice
+                raise DiffExportError(f"the prompt's {len(ids)} tokens leave no room in the context length "
+                                      f"{self.context}")
             ids = [int(t) for t in ids]
             if not ids:
                 raise DiffExportError("input_ids is empty")
@@ -260,7 +263,7 @@ class TritonPythonModel:
                     if text.size != 1:
                         raise DiffExportError(f"text_input must hold one prompt, got {text.size}")
                     text = text[0] if isinstance(text[0], (bytes, str)) else str(text[0])
-                prompt = service.prompt(text, None if ids is None else ids.as_numpy().reshape(-1).tolist())
+                prompt = service.prompt(text, None if ids is None else ids.as_numpy().reshape(-1))
                 max_tokens = service.check_length(prompt, value("max_tokens", int))
                 sampling = service.draw(value("temperature", float), value("top_k", int), value("top_p", float),
                                         value("seed", int))
