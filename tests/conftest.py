@@ -44,8 +44,20 @@ def _digest(path: Path) -> str:
         if item.is_symlink():
             h.update(b"link:" + os.readlink(item).encode())
         elif item.is_file():
-            h.update(item.read_bytes())
+            h.update(_without_check_results(item))
     return h.hexdigest()
+
+
+def _without_check_results(item: Path) -> bytes:
+    """A file's bytes; for a model card of ours, without its results section, which `check` writes
+    into the folder it checked by design (diffexport/format/model_card.py)."""
+    from diffexport.format import model_card
+
+    data = item.read_bytes()
+    if item.name != model_card.CARD or model_card.MARKER.encode() not in data:
+        return data
+    start, end = data.find(model_card.RESULTS_START.encode()), data.find(model_card.RESULTS_END.encode())
+    return data[:start] + data[end:] if 0 <= start < end else data
 
 
 class Artifacts:

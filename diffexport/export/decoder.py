@@ -36,7 +36,7 @@ from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
 from diffexport.files import check_output_path, make_output_folder, rename_into_place, temp_prefix
-from diffexport.format import decoders
+from diffexport.format import decoders, model_card
 from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS, check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
@@ -483,6 +483,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
             shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
+        (tmp_dir / model_card.CARD).write_text(model_card.decoder_card(tmp_dir, MODEL_FILE, out_dir.name))
         os.chmod(tmp_dir, 0o777 & ~_umask())
         rename_into_place(tmp_dir, out_dir, options.force)  # without force: fails, leaving nothing, if out_dir appeared
     except BaseException:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from diffexport.errors import DiffExportError
+from diffexport.format import model_card
 from diffexport.files import (_umask, check_output_path, load_onnx, make_output_folder, rename_into_place, require_file,
                               temp_prefix)
 from diffexport.passes import calibration
@@ -293,10 +294,13 @@ def publish(model, src: Path, dst: Path, model_path: Path, log, make=None, force
             if scratch.is_dir():
                 shutil.rmtree(scratch)
         if folder:
-            for item in sorted(src.iterdir()):  # genai_config.json, tokenizer files: carried as they are
-                if item.name in (model_path.name, model_path.name + ".data") or not item.is_file() or item.is_symlink():
+            for item in sorted(src.iterdir()):  # genai_config.json, tokenizer files, a card the user wrote: as they are
+                if item.name in (model_path.name, model_path.name + ".data") or not item.is_file() or item.is_symlink() \
+                        or (item.name == model_card.CARD and model_card.is_ours(item)):
                     continue
                 shutil.copyfile(item, tmp_dir / item.name, follow_symlinks=False)
+            if not (tmp_dir / model_card.CARD).exists():  # ours, for what this folder now holds
+                (tmp_dir / model_card.CARD).write_text(model_card.decoder_card(tmp_dir, model_path.name, dst.name))
             os.chmod(tmp_dir, 0o777 & ~_umask())
             rename_into_place(tmp_dir, dst, force)  # without force: fails, leaving nothing, if dst appeared
         else:

@@ -16,7 +16,7 @@ from diffexport import tolerances
 from diffexport.backends.base import DecoderRunner
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
-from diffexport.format import names
+from diffexport.format import model_card, names
 from diffexport.validation.compare import finish_report, judge, severity
 from diffexport.validation.options import (
     DECODE_PROMPTS,
@@ -64,9 +64,14 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
 
         check_beam_memory(runner.config, runner.meta["dtype"], options.beams.num_beams, max(DECODE_PROMPTS) + steps)
     command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
-    return decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
-                         save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu",
-                         genai=(folder, provider), text=text)
+    report = decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
+                          save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu",
+                          genai=(folder, provider), text=text)
+    # the folder's model card (ours only: a README.md the user wrote is never touched) records the verdict
+    asked = f"diffexport check {folder.name}" + (f" --ckpt {Path(loaded.path).name}" if loaded.path else "")
+    if model_card.update_results(folder, model_card.results_lines(report.passed, report.lines, asked)):
+        report.lines.append(f"card          {folder / model_card.CARD}: results section updated")
+    return report
 
 
 def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, command: list[str], loaded: LoadedModel,

@@ -1,0 +1,135 @@
+"""The model card (README.md) of a decoder folder, in the Hugging Face Hub's format: a YAML header
+(library, tags, base model where known), then what was exported, from what and with which
+diffexport, the folder's format and precision, how to run it (onnxruntime-genai in Python,
+`diffexport generate`), and a results section that `diffexport check` fills in.
+
+Our cards carry MARKER. A README.md without it is the user's: it is never written over, and check
+leaves it alone. The results section lies between RESULTS_START and RESULTS_END.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+CARD = "README.md"
+MARKER = "<!-- diffexport model card: written by diffexport; remove this line to keep the file as your own -->"
+RESULTS_START, RESULTS_END = "<!-- diffexport:results -->", "<!-- /diffexport:results -->"
+NOT_CHECKED = ("Not checked yet. `diffexport check FOLDER --ckpt CHECKPOINT` compares this folder with the eager "
+               "model and writes its verdict here.")
+MAX_CARD_BYTES = 1 << 20
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
+
+
+def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = None) -> str:
+    """The card of a decoder folder written by export or quantize (its graph's metadata and its
+    genai_config.json, both read as diffexport wrote them); name: the folder's final name (the
+    card is written in a temporary folder before the rename)."""
+    from diffexport import __version__
+    from diffexport.format.genai_config import load_genai_config
+    from diffexport.format.metadata import read_export_metadata
+
+    folder = Path(folder)
+    meta = read_export_metadata(folder / model_file)
+    config = load_genai_config(folder)
+    model_cfg = json.loads(meta["config"])
+    family = meta.get("family", "")
+    source, source_name = meta.get("source", ""), meta.get("source_name", "")
+    context = config["model"]["context_length"]
+    providers = [k for p in config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
+                 for k in p] or ["cpu"]
+    attention = meta.get("attention", "diffattention")
+    weights = "the export dtype"
+    if "weight_quant" in meta:
+        record = json.loads(meta["weight_quant"])
+        weights = f"int{record.get('bits', '?')} MatMulNBits (block {record.get('block_size', '?')}, " \
+                  f"{record.get('method', '?')})"
+    if "qdq" in meta:
+        weights = "Q/DQ (calibrated, for TensorRT)"
+    tokenizer = any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+    base = source_name if HUB_ID.match(source_name or "") else None
+    header = ["---", "library_name: onnxruntime-genai", "pipeline_tag: text-generation", "tags:", "- diffexport",
+              "- differential-transformer", "- onnx", "- onnxruntime-genai", f"- {family}"]
+    if base:
+        header.append(f"base_model: {base}")
+    header.append("---")
+    prompt = '--prompt "Hello"' if tokenizer else "--ids 1,2,3"
+    layers = model_cfg.get("n_layers", model_cfg.get("num_hidden_layers", "?"))
+    heads = model_cfg.get("n_heads", model_cfg.get("num_attention_heads", "?"))
+    width = model_cfg.get("d_model", model_cfg.get("hidden_size", "?"))
+    body = [
+        MARKER, "",
+        f"# {name or folder.name}: a {family} KV-cache decoder for onnxruntime-genai", "",
+        f"Exported by diffexport {__version__} from {source or 'a model'}"
+        f"{f' `{source_name}`' if source_name else ''}: {layers} layers, {heads} {'differential ' if family != 'transformer' else ''}heads, width {width}, "
+        f"vocabulary {config['model']['vocab_size']}.", "",
+        "| | |", "|---|---|",
+        f"| attention | `{attention}` ({'one DiffAttention node per layer' if attention == 'diffattention' else 'onnxruntime GroupQueryAttention'}) |",
+        f"| dtype | {meta['dtype']} |",
+        f"| weights | {weights} |",
+        f"| context length | {context} tokens |",
+        f"| execution provider | {', '.join(providers)} |",
+        f"| tokenizer | {'included' if tokenizer else 'none: prompts are token ids'} |", "",
+        "## Run it", "",
+        "```python",
+        "import onnxruntime_genai as og",
+        "",
+        'model = og.Model("FOLDER")',
+        *(["tokenizer = og.Tokenizer(model)", 'ids = tokenizer.encode("Hello")'] if tokenizer else ["ids = [1, 2, 3]"]),
+        "params = og.GeneratorParams(model)",
+        "params.set_search_options(max_length=64)",
+        "generator = og.Generator(model, params)",
+        "generator.append_tokens(ids)",
+        "while not generator.is_done():",
+        "    generator.generate_next_token()",
+        *(["print(tokenizer.decode(generator.get_sequence(0)))"] if tokenizer else ["print(generator.get_sequence(0))"]),
+        "```", "",
+        "```",
+        f"diffexport generate FOLDER {prompt} --max-new-tokens 32",
+        "diffexport triton FOLDER -o repo --serve      # Triton Inference Server",
+        "```", "",
+        "## Check results", "", RESULTS_START, NOT_CHECKED, RESULTS_END, ""]
+    return "\n".join(header + [""] + body)
+
+
+def is_ours(path: Path) -> bool:
+    """Whether `path` is a card diffexport wrote (a regular file, not a link, of a card's size, with MARKER)."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_CARD_BYTES:
+            return False
+        return MARKER in path.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def update_results(folder: str | os.PathLike, lines: list[str]) -> bool:
+    """Put `lines` in the results section of the folder's card, atomically; False (nothing written)
+    when the folder has no card of ours or its results markers are gone."""
+    from diffexport.files import atomic_write
+
+    path = Path(folder) / CARD
+    if not is_ours(path):
+        return False
+    text = path.read_text(errors="replace")
+    start, end = text.find(RESULTS_START), text.find(RESULTS_END)
+    if start < 0 or end < start:
+        return False
+    new = text[:start + len(RESULTS_START)] + "\n" + "\n".join(lines) + "\n" + text[end:]
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text(new))
+    except OSError:  # a folder the checker may read but not write
+        return False
+    return True
+
+
+def results_lines(verdict: bool, report_lines: list[str], command: str) -> list[str]:
+    """The results section for a check's report."""
+    import datetime
+
+    from diffexport import __version__
+
+    shown = report_lines[:60]
+    return [f"**{'PASS' if verdict else 'FAIL'}** on {datetime.date.today().isoformat()}, diffexport {__version__}: "
+            f"`{command}`", "", "```", *shown, *(["..."] if len(report_lines) > len(shown) else []), "```"]

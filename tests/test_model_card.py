@@ -1,0 +1,96 @@
+"""The model card (README.md) of every decoder folder: export writes it in the Hub's format, quantize
+writes one for what its folder holds (a card the user wrote is carried, never replaced), `check`
+fills in the results section of our card only, atomically; its Python runs as written."""
+
+import json
+import re
+
+import pytest
+
+from diffexport.format import model_card
+from helpers import cli_main
+
+pytestmark = pytest.mark.slow  # exports: see README (quick loop)
+
+
+@pytest.fixture(scope="module")
+def folder(artifacts):
+    """An HF DiffLlama KV-cache folder with its tokenizer (shared: tests copy it before changing it)."""
+    return artifacts.cli_output("onnx", artifacts.hf_diffllama_with_chat_template(), "--kv-cache", output="kv")
+
+
+def _header(text: str) -> dict:
+    import yaml
+
+    match = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    assert match, text[:200]
+    return yaml.safe_load(match.group(1))
+
+
+def test_export_writes_a_hub_card(folder):
+    text = (folder / model_card.CARD).read_text()
+    header = _header(text)
+    assert header["library_name"] == "onnxruntime-genai" and header["pipeline_tag"] == "text-generation"
+    assert {"diffexport", "differential-transformer", "onnx", "diff_v1"} <= set(header["tags"])
+    assert model_card.MARKER in text and model_card.is_ours(folder / model_card.CARD)
+    for fact in ("from hf-diffllama `diffllama`", "| dtype | float32 |", "| context length | 512 tokens |",
+                 "| tokenizer | included |", "`diffattention`", model_card.NOT_CHECKED):
+        assert fact in text, fact
+
+
+def test_the_cards_python_runs_as_written(folder):
+    """The card's onnxruntime-genai example, run with FOLDER replaced by the folder."""
+    import contextlib
+    import io
+
+    text = (folder / model_card.CARD).read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1).replace('"FOLDER"', repr(str(folder)))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    assert out.getvalue().strip()
+
+
+def test_check_fills_in_our_results_and_leaves_a_users_card_alone(folder, artifacts, tmp_path):
+    checked = artifacts.copy(folder, tmp_path, "checked")
+    ckpt = artifacts.hf_diffllama_with_chat_template()
+    result = cli_main("check", checked, "--ckpt", ckpt, "--steps", "4")
+    assert result.returncode == 0, result.stderr
+    text = (checked / model_card.CARD).read_text()
+    section = text[text.index(model_card.RESULTS_START):text.index(model_card.RESULTS_END)]
+    assert "**PASS** on " in section and f"`diffexport check checked --ckpt {ckpt.name}`" in section
+    assert "result        PASS" in section and model_card.NOT_CHECKED not in section
+    assert "results section updated" in result.stdout
+    def outside(card):  # the card without its results section
+        return card[:card.index(model_card.RESULTS_START)] + card[card.index(model_card.RESULTS_END):]
+
+    assert outside(text) == outside((folder / model_card.CARD).read_text())  # nothing else changed
+    assert not list(checked.glob(".*.tmp"))  # written through a temporary file, none left
+    mine = artifacts.copy(folder, tmp_path, "mine")
+    (mine / model_card.CARD).write_text("# my notes\n" + model_card.RESULTS_START + "\n" + model_card.RESULTS_END)
+    result = cli_main("check", mine, "--ckpt", ckpt, "--steps", "4")
+    assert result.returncode == 0 and "card " not in result.stdout
+    assert (mine / model_card.CARD).read_text().startswith("# my notes\n")
+    linked = artifacts.copy(folder, tmp_path, "linked")
+    (linked / model_card.CARD).unlink()
+    (linked / model_card.CARD).symlink_to(folder / model_card.CARD)  # a link is never written through
+    assert not model_card.update_results(linked, ["x"])
+
+
+def test_quantize_writes_its_own_card_and_carries_a_users(folder, artifacts, tmp_path):
+    result = cli_main("quantize", folder, "-o", tmp_path / "int4", "--weights", "int4")
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "int4" / model_card.CARD).read_text()
+    assert "# int4: " in text and "| weights | int4 MatMulNBits (block 32, rtn) |" in text
+    assert model_card.NOT_CHECKED in text
+    mine = artifacts.copy(folder, tmp_path, "mine")
+    (mine / model_card.CARD).write_text("# my card\n")
+    result = cli_main("quantize", mine, "-o", tmp_path / "mine-int4", "--weights", "int4")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "mine-int4" / model_card.CARD).read_text() == "# my card\n"
+
+
+def test_a_card_names_a_hub_base_model_only_for_a_hub_id(tmp_path):
+    assert model_card.HUB_ID.match("org/name") and not model_card.HUB_ID.match("diffllama")
+    assert not model_card.HUB_ID.match("../x") and not model_card.HUB_ID.match("/abs/path")
+    json.dumps(model_card.NOT_CHECKED)  # plain text
