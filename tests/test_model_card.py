@@ -2,7 +2,6 @@
 writes one for what its folder holds (a card the user wrote is carried, never replaced), `check`
 fills in the results section of our card only, atomically; its Python runs as written."""
 
-import json
 import re
 
 import pytest
@@ -93,4 +92,3 @@ def test_quantize_writes_its_own_card_and_carries_a_users(folder, artifacts, tmp
 def test_a_card_names_a_hub_base_model_only_for_a_hub_id(tmp_path):
     assert model_card.HUB_ID.match("org/name") and not model_card.HUB_ID.match("diffllama")
     assert not model_card.HUB_ID.match("../x") and not model_card.HUB_ID.match("/abs/path")
-    json.dumps(model_card.NOT_CHECKED)  # plain text

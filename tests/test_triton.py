@@ -107,6 +107,10 @@ def test_triton_command_line(folder, tmp_path):
     assert "wrote         " in result.stdout and (tmp_path / "repo" / "m" / "config.pbtxt").is_file()
     assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "repo", "--name", "m"), "already exists")
     assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--max-batch", "0"), "--max-batch")
+    for ports, pattern in ((("--http-port", "0"), "port 0 is not in 1..65535"),
+                           (("--http-port", "9000", "--grpc-port", "9000"), "ports must differ")):
+        assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--serve", *ports), pattern)
+    assert not (tmp_path / "r").exists()  # refused before the repository was written
 
 
 # ---------------------------------------------------------------- the model in-process (no server)

@@ -13,6 +13,10 @@ def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for a --kv-cache folder (streamed, batched); --serve starts the server."""
     from diffexport.serving.repository import write_repository
 
+    if args.serve:  # before the repository is written
+        from diffexport.serving.server import check_ports
+
+        check_ports(args.http_port, args.grpc_port)
     repo = write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force)
     prompt = "text_input (or input_ids)" if repo.text else "input_ids"
     print(f"wrote         {repo.path}/{repo.name}/ (config.pbtxt, 1/model.py, 1/decoder/): "

@@ -119,6 +119,14 @@ def _log_tail(log: Path, lines: int = 3) -> str:
     return " | ".join((errors or text)[-lines:])[:400]
 
 
+def check_ports(http_port: int, grpc_port: int) -> None:
+    for port in (http_port, grpc_port):
+        if not 1 <= port <= 65535:
+            raise DiffExportError(f"port {port} is not in 1..65535")
+    if http_port == grpc_port:
+        raise DiffExportError(f"the HTTP and gRPC ports must differ, both are {http_port}")
+
+
 def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port: int = 8001,
                  log: str | os.PathLike | None = None, ready_timeout: float = 120.0) -> TritonServer:
     """tritonserver over `repository`, listening on 127.0.0.1, its log in `log` (default: a file
@@ -127,9 +135,7 @@ def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port
     repository = Path(repository)
     if not repository.is_dir():
         raise DiffExportError(f"{repository} is not a folder: give the repository `diffexport triton` wrote")
-    for port in (http_port, grpc_port):
-        if not 1 <= port <= 65535:
-            raise DiffExportError(f"port {port} is not in 1..65535")
+    check_ports(http_port, grpc_port)
     binary = find_tritonserver()
     if binary.bundled_root is not None:
         check_bundled_numpy()
