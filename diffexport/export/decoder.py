@@ -41,6 +41,7 @@ from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS, check_genai
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
+from diffexport.format.names import TOKENIZER_MODELS  # noqa: F401 (its old home)
 from diffexport.format.names import decoder_input_names as input_names  # noqa: F401 (their old home)
 from diffexport.format.names import decoder_output_names as output_names  # noqa: F401
 KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
@@ -54,7 +55,6 @@ DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 MAX_TOKENIZER_BYTES = 256 * 1024**2
-TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model")  # one of them makes a folder a tokenizer
 
 
 def has_tokenizer(folder: Path) -> bool:

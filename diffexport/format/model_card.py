@@ -30,6 +30,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
     from diffexport import __version__
     from diffexport.format.genai_config import load_genai_config
     from diffexport.format.metadata import read_export_metadata
+    from diffexport.format.names import TOKENIZER_MODELS
 
     folder = Path(folder)
     meta = read_export_metadata(folder / model_file)
@@ -48,7 +49,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
                   f"{record.get('method', '?')})"
     if "qdq" in meta:
         weights = "Q/DQ (calibrated, for TensorRT)"
-    tokenizer = any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+    tokenizer = any((folder / name).is_file() for name in TOKENIZER_MODELS)
     base = source_name if HUB_ID.match(source_name or "") else None
     header = ["---", "library_name: onnxruntime-genai", "pipeline_tag: text-generation", "tags:", "- diffexport",
               "- differential-transformer", "- onnx", "- onnxruntime-genai", f"- {family}"]

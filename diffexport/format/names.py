@@ -53,3 +53,5 @@ def decoder_output_names(layers: int) -> list[str]:
 
 # A TensorRT engine file (its build record sits beside it as NAME.json).
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+
+TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model")  # one of them makes a folder a tokenizer
