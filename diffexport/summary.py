@@ -11,33 +11,52 @@ from diffexport.presets import match_preset
 
 
 @torch.no_grad()
-def describe(loaded: LoadedModel) -> str:
+def model_facts(loaded: LoadedModel) -> dict:
+    """What a model is, as data (describe() prints it; `diffexport report` shows it): family, source,
+    preset, parameters, sizes, RoPE, heads, head norm, and lambda per layer where it is per layer
+    (V1 and DiffLlama: (layer, lambda_init, lambda), lambda None for a model built on the meta
+    device); lambda_note says what lambda is where it is not."""
     cfg, model = loaded.config, loaded.model
-    preset = match_preset(cfg)
-    lines = [
-        f"family        {cfg.family}",
-        f"source        {loaded.source}{' ' + loaded.path if loaded.path else ''}",
-        f"preset        {preset or '(no exact match)'}",
-        f"parameters    {model.num_parameters():,}",
-        f"layers        {cfg.n_layers}   d_model {cfg.d_model}   ffn {cfg.ffn_hidden}   vocab {cfg.vocab_size}",
-        f"rope          {describe_rope(cfg)}",
-    ]
+    facts = {"family": cfg.family, "source": loaded.source, "path": loaded.path, "preset": match_preset(cfg),
+             "parameters": model.num_parameters(), "layers": cfg.n_layers, "d_model": cfg.d_model,
+             "ffn": cfg.ffn_hidden, "vocab": cfg.vocab_size, "rope": describe_rope(cfg), "head_norm": None,
+             "lambdas": None, "lambda_note": None}
     if isinstance(model, DiffV1LM):
-        lines.append(f"heads         {cfg.n_heads} diff-heads x 2 maps, {cfg.n_kv_heads} kv-groups, "
-                     f"head_dim {cfg.head_dim}, value dim {2 * cfg.head_dim}")
-        lines.append(f"head norm     RMSNorm over {2 * cfg.head_dim} ({'with' if cfg.head_norm_affine else 'no'} weight)")
-        lines.append("lambda        layer  lambda_init  lambda")
+        facts["heads"] = (f"{cfg.n_heads} diff-heads x 2 maps, {cfg.n_kv_heads} kv-groups, head_dim {cfg.head_dim}, "
+                          f"value dim {2 * cfg.head_dim}")
+        facts["head_norm"] = f"RMSNorm over {2 * cfg.head_dim} ({'with' if cfg.head_norm_affine else 'no'} weight)"
+        facts["lambdas"] = []
         for i, layer in enumerate(model.layers):
             lam = layer.attn.lambda_full()
-            shown = "(shape only)" if lam.is_meta else f"{float(lam):.4f}"
-            lines.append(f"              {i:5d}  {layer.attn.lambda_init:11.4f}  {shown}")
+            facts["lambdas"].append((i, float(layer.attn.lambda_init), None if lam.is_meta else float(lam)))
     elif isinstance(model, DiffV2LM):
-        lines.append(f"heads         {cfg.n_heads} diff-heads (2x{cfg.n_heads} query maps), {cfg.n_kv_heads} kv heads, "
-                     f"head_dim {cfg.head_dim}")
-        lines.append("lambda        per token and head: sigmoid(lambda_proj(x))")
+        facts["heads"] = (f"{cfg.n_heads} diff-heads (2x{cfg.n_heads} query maps), {cfg.n_kv_heads} kv heads, "
+                          f"head_dim {cfg.head_dim}")
+        facts["lambda_note"] = "per token and head: sigmoid(lambda_proj(x))"
     else:
-        lines.append(f"heads         {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim} "
-                     f"(baseline Transformer)")
+        facts["heads"] = f"{cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim} (baseline Transformer)"
+    return facts
+
+
+def describe(loaded: LoadedModel) -> str:
+    facts = model_facts(loaded)
+    lines = [
+        f"family        {facts['family']}",
+        f"source        {facts['source']}{' ' + facts['path'] if facts['path'] else ''}",
+        f"preset        {facts['preset'] or '(no exact match)'}",
+        f"parameters    {facts['parameters']:,}",
+        f"layers        {facts['layers']}   d_model {facts['d_model']}   ffn {facts['ffn']}   vocab {facts['vocab']}",
+        f"rope          {facts['rope']}",
+        f"heads         {facts['heads']}",
+    ]
+    if facts["head_norm"]:
+        lines.append(f"head norm     {facts['head_norm']}")
+    if facts["lambdas"] is not None:
+        lines.append("lambda        layer  lambda_init  lambda")
+        for i, init, lam in facts["lambdas"]:
+            lines.append(f"              {i:5d}  {init:11.4f}  {'(shape only)' if lam is None else f'{lam:.4f}'}")
+    if facts["lambda_note"]:
+        lines.append(f"lambda        {facts['lambda_note']}")
     return "\n".join(lines)
 
 

@@ -86,13 +86,14 @@ def test_readme_quick_start_runs_as_written(artifacts, tmp_path):
     text = (DOCS.parent / "README.md").read_text()
     block = re.search(r"## Quick start[^\n]*\n+```\n(.*?)```", text, re.S).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("diffexport ")]
-    assert [c.split()[1] for c in commands] == ["onnx", "generate", "check", "quantize", "check"]
+    assert [c.split()[1] for c in commands] == ["onnx", "generate", "check", "quantize", "check", "report"]
     folder = str(artifacts.hf_diffllama())
     for command in commands:
         argv = shlex.split(command.replace("path/to/diffllama", folder))[1:]
         result = cli_main(*argv, cwd=tmp_path)
         assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])
     assert (tmp_path / "kv" / "tokenizer.json").is_file() and (tmp_path / "kv-int4" / "genai_config.json").is_file()
+    assert (tmp_path / "kv.report.html").read_text().startswith("<!DOCTYPE html>")
 
 
 # Each page with Python blocks, and the test above that runs them.

@@ -39,62 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchdoc  # noqa: E402
 
 from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends.speed import read_bandwidth, weight_bytes_per_token  # noqa: E402,F401 (the tools' names)
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export.decoder import export_decoder  # noqa: E402
 from diffexport.generation import Sampling, generate  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, FFN = 768, 12, 32000, 2048
-
-
-def read_bandwidth(threads: int | None = None) -> float:
-    """Bytes/s that onnxruntime's own CPU MatMul streams from a weight: a GEMV [1, 8192] x [8192, 16384]
-    float32 (512 MiB, far past any cache), median of 5 after a warm-up. A decode step is such GEMVs,
-    so this is the bound a step can reach on this machine (a torch sum of the same bytes reads slower
-    than onnxruntime's kernels here, which made decode exceed its 'bound')."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    k, n = 8192, 16384
-    weight = numpy_helper.from_array(np.full((k, n), 1e-3, np.float32), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemv",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], [weight])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or os.cpu_count() or 1
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    del model, graph, weight
-    x = {"x": np.ones((1, k), np.float32)}
-    session.run(None, x)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        session.run(None, x)
-        times.append(time.perf_counter() - start)
-    return k * n * 4 / statistics.median(times)
-
-
-def weight_bytes_per_token(folder: Path) -> int:
-    """Bytes of the weights a decode step reads, as stored (fp32, fp16, or int4 packed in uint8 with
-    its scales): every initializer except one only Gather nodes read (an untied embedding table,
-    one row per token)."""
-    import onnx
-    from onnx.external_data_helper import uses_external_data
-
-    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
-    consumers: dict[str, set] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            consumers.setdefault(name, set()).add(node.op_type)
-    total = 0
-    for t in model.graph.initializer:
-        if t.name in consumers and consumers[t.name] <= {"Gather"}:
-            continue
-        if uses_external_data(t):
-            total += next(int(e.value) for e in t.external_data if e.key == "length")
-        else:
-            total += len(t.raw_data) or t.ByteSize()
-    return total
 
 
 def with_threads(folder: Path, root: Path, threads: int) -> Path:

@@ -10,6 +10,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from diffexport.backends.speed import cpu_name  # noqa: F401 (the tools' name)
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 HEADER = """# Benchmarks
 
@@ -17,16 +19,6 @@ Every table here is written by a tool in `tools/`, with the command that produce
 the hardware and the commit. Rerun the command to refresh a section; the tool replaces it.
 Nothing here is a test: tests never time anything.
 """
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def stamp() -> str:

@@ -8,7 +8,7 @@ from diffexport.errors import DiffExportError
 from diffexport.files import atomic_write
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -26,6 +26,18 @@ def _png_path(path) -> Path:
     return path
 
 
+def figure_png(fig) -> bytes:
+    """The figure as PNG bytes (for a page that inlines it), closed whatever happens."""
+    import io
+
+    try:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+        return buffer.getvalue()
+    finally:
+        pyplot().close(fig)
+
+
 def _save(fig, path) -> Path:
     """Write the figure (whole or not at all) and close it, whatever happens."""
     try:
@@ -33,7 +45,7 @@ def _save(fig, path) -> Path:
         atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
         return path
     finally:
-        _pyplot().close(fig)
+        pyplot().close(fig)
 
 
 def check_plot_path(path) -> None:
@@ -43,12 +55,12 @@ def check_plot_path(path) -> None:
     path = _png_path(path)
     if not path.parent.is_dir():
         raise DiffExportError(f"plot folder does not exist: {path.parent}")
-    _pyplot()
+    pyplot()
 
 
 def plot_stats(named, path) -> Path:
     """Per-layer top-1 and median attention-logit magnitude, one line per model (log scale)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), layout="constrained")
     from matplotlib.ticker import MaxNLocator
 
@@ -90,7 +102,7 @@ def format_kl_axis(ax, floor: float) -> None:
 
 def plot_sweep(named, path, describe: str) -> Path:
     """Task accuracy (when known), KL divergence and logit cosine against bits, models side by side."""
-    plt = _pyplot()
+    plt = pyplot()
     has_task = any(p.task_accuracy is not None for points in named.values() for p in points)
     panels = (["task_accuracy"] if has_task else []) + ["kl_mean", "cosine_mean"]
     titles = {"task_accuracy": "retrieval accuracy", "kl_mean": "KL(p16 || p_bits), mean per token",
@@ -118,7 +130,7 @@ def plot_sweep(named, path, describe: str) -> Path:
 
 def plot_linear_sweep(named, path) -> Path:
     """KL divergence (and task accuracy, when known) per quantisation scheme, models side by side."""
-    plt = _pyplot()
+    plt = pyplot()
     has_task = any(p.task_accuracy is not None for points in named.values() for p in points)
     panels = (["task_accuracy"] if has_task else []) + ["kl_mean"]
     titles = {"task_accuracy": "retrieval accuracy", "kl_mean": "KL(p_float || p_quantised), mean per token"}
@@ -150,7 +162,7 @@ def plot_linear_sweep(named, path) -> Path:
 
 def plot_retrieval(named, path) -> Path:
     """Heat maps: attention of the question over document position (last layer) per needle depth."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(named), figsize=(5.6 * len(named), 3.4), squeeze=False, layout="constrained")
     for ax, (name, result) in zip(axes[0], named.items()):
         depths = sorted(result.profiles)
@@ -167,7 +179,12 @@ def plot_retrieval(named, path) -> Path:
 def plot_decode_steps(comparisons, path, title: str) -> Path:
     """A KV-cache check, step by step (0 = prefill): the KL budget (quantised models) or the largest
     error against its bound (the dtype rule), and the logit cosine against its floor."""
-    plt = _pyplot()
+    return _save(decode_steps_figure(comparisons, title), path)
+
+
+def decode_steps_figure(comparisons, title: str):
+    """plot_decode_steps' figure (the caller saves or inlines it)."""
+    plt = pyplot()
     steps = list(range(len(comparisons)))
     quantised = hasattr(comparisons[0], "budget")
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.6), layout="constrained")
@@ -192,7 +209,7 @@ def plot_decode_steps(comparisons, path, title: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return fig
 
 
 def sampling_plot_path(path) -> Path:
@@ -205,7 +222,7 @@ def plot_sampled_draws(rows, path, title: str, shown: int = 16) -> Path:
     """`check --sample`: per prompt, the eager probability of the `shown` likeliest candidates (bars)
     and the share of genai's draws on each (points, +-2 standard errors), then the draws outside the
     eager candidates. rows: (probabilities [V] float, draw counts [V] float, draws, outside) per prompt."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.4), layout="constrained", squeeze=False)
     for index, (ax, (probs, counts, draws, outside)) in enumerate(zip(axes[0], rows)):
         top = probs.argsort(descending=True)[:min(shown, int((probs > 0).sum()))]

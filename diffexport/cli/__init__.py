@@ -16,13 +16,13 @@ from diffexport.cli import analysis, check, export, generate, gpu, serve
 from diffexport.cli.generate import sampling_options as _sampling  # noqa: F401 (tests' old name)
 
 # Command -> its function, in the help's order; and the module that adds its options.
-COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "generate": generate.cmd_generate,
+COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "report": check.cmd_report, "generate": generate.cmd_generate,
             "optimize": export.cmd_optimize, "quantize": export.cmd_quantize, "inspect": export.cmd_inspect,
             "demo": export.cmd_demo, "info": export.cmd_info, "presets": export.cmd_presets,
             "stats": analysis.cmd_stats, "quant-sweep": analysis.cmd_quant_sweep,
             "linear-sweep": analysis.cmd_linear_sweep, "retrieval": analysis.cmd_retrieval, "kernels": gpu.cmd_kernels,
             "triton": serve.cmd_triton}
-OPTIONS = {"onnx": export, "trt": gpu, "check": check, "generate": generate, "optimize": export, "quantize": export,
+OPTIONS = {"onnx": export, "trt": gpu, "check": check, "report": check, "generate": generate, "optimize": export, "quantize": export,
            "inspect": export, "demo": export, "info": export, "presets": export, "stats": analysis,
            "quant-sweep": analysis, "linear-sweep": analysis, "retrieval": analysis, "kernels": gpu, "triton": serve}
 

@@ -101,8 +101,42 @@ def cmd_check(args) -> int:
     return 0 if all(report.passed for report in reports) else 1
 
 
+def cmd_report(args) -> int:
+    """Write one self-contained HTML page about an exported folder or .onnx file: the model, the artifact, its check against eager, its speed on this machine, and the commands that reproduce them."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from diffexport.report import write_report
+    from diffexport.validation import CheckOptions
+
+    options = CheckOptions(provider="cpu", seed=args.seed, save_dir=Path(args.save_dir) if args.save_dir else None,
+                           text=args.text, tokenizer=args.tokenizer)
+    asked = "diffexport " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["report"] else ""
+    path, report = write_report(args.artifact, lambda meta: _load_for_check(args, meta, args.artifact), args.output,
+                                options, force=args.force, speed=not args.no_speed, steps=args.steps, asked=asked,
+                                log=log_line)
+    print(f"report        {path} ({'PASS' if report.check.passed else 'FAIL'}; open it in a browser: "
+          "one file, plots inlined, nothing fetched)")
+    return 0 if report.check.passed else 1
+
+
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     """The options of command `name` (one of this module's)."""
+    if name == "report":
+        from diffexport.cli.common import add_force
+
+        p.add_argument("artifact", help="a --kv-cache folder or an exported .onnx file")
+        p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
+        add_model_source(p, positional=False)
+        p.add_argument("-o", "--output", help="the page (default ARTIFACT.report.html beside it)")
+        add_force(p)
+        p.add_argument("--text", help="a UTF-8 text whose tokens the check also runs (perplexity on the page)")
+        p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (default: a folder's own)")
+        p.add_argument("--steps", type=int, help="decode steps checked for a folder (default 32)")
+        p.add_argument("--save-dir", help="where the check's polygraphy files go (default ARTIFACT.check/)")
+        p.add_argument("--no-speed", action="store_true", help="skip the speed measurement (a few seconds)")
+        return
     if name == "check":
         p.add_argument("model", help="the exported .onnx file, a --kv-cache folder, or an .engine built by "
                                      "`diffexport trt` (GPU)")

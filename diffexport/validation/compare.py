@@ -123,4 +123,4 @@ def finish_report(runner: list[str], save_dir: Path, feeds, saved, comparisons, 
     lines.append(f"result        {'PASS' if passed else 'FAIL'}: {sum(c.passed for _, c in comparisons)}/"
                  f"{len(comparisons)} comparisons within tolerance{also}")
     lines.append(f"polygraphy    {command}")
-    return CheckReport(passed, lines, command, inputs_path, outputs_path)
+    return CheckReport(passed, lines, command, inputs_path, outputs_path, comparisons=list(comparisons))

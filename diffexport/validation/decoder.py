@@ -186,8 +186,15 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
         search_failures += beam_failures
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(search_failures)
-    return finish_report(command, save_dir, feeds, saved, comparisons, lines, ["logits"], dtype, failures,
-                   user_bounds=options.user_bounds, atol_comparisons=greedy_comparisons, observed=observed)
+    report = finish_report(command, save_dir, feeds, saved, comparisons, lines, ["logits"], dtype, failures,
+                           user_bounds=options.user_bounds, atol_comparisons=greedy_comparisons, observed=observed)
+    report.measures.update(decode_steps=len(greedy_comparisons), greedy=(agree, int(eager_tokens.shape[1])),
+                           greedy_judged=budget is None)
+    if hf_tokens is not None:
+        report.measures["transformers_greedy"] = hf_ok
+    if text is not None and text.count:
+        report.measures["perplexity"] = text.perplexities()
+    return report
 
 
 TEXT_TOKENS = 4096  # the most of a --text that a decoder check scores (2,048 decode steps)

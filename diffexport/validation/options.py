@@ -67,6 +67,10 @@ class CheckReport:
     polygraphy_command: str
     inputs_path: Path
     outputs_path: Path
+    comparisons: list = dataclasses.field(default_factory=list)  # (output name, comparison), in the order judged
+    # numbers a page shows beside the lines: decode_steps (the first comparisons are the greedy
+    # steps), greedy (agreeing steps, steps), transformers_greedy (bool), perplexity (runtime -> value)
+    measures: dict = dataclasses.field(default_factory=dict)
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -182,10 +186,14 @@ class TextIds:
             self.nll[name] = self.nll.get(name, 0.0) - float(np.take_along_axis(logp, target[..., None], -1).sum())
         self.count += target.size
 
+    def perplexities(self) -> dict[str, float]:
+        """Runtime name -> perplexity over the tokens scored so far (empty before any)."""
+        return {name: float(np.exp(nll / self.count)) for name, nll in self.nll.items()} if self.count else {}
+
     def line(self, model: str, reference: str) -> str:
         if not self.count:
             return f"perplexity    no --shapes sequence of 2 or more tokens to score {self.source} on"
-        ppl = {name: float(np.exp(nll / self.count)) for name, nll in self.nll.items()}
+        ppl = self.perplexities()
         change = ppl[model] / ppl[reference] - 1
         return (f"perplexity    {model} {ppl[model]:.2f}, {reference} {ppl[reference]:.2f} ({change:+.2%}) on "
                 f"{self.count} next tokens of {self.source} (reported, not judged)")

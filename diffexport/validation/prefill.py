@@ -85,6 +85,9 @@ def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckO
         comparisons, lines = comparisons + hf_comparisons, lines + hf_lines
     lines.insert(0, reference_line)
     runner = ["polygraphy run", shlex.quote(str(onnx_path)), "--onnxrt", "--providers", provider]
-    return finish_report(runner, save_dir, feeds, saved, comparisons, lines,
-                   outputs, dtype, user_bounds=options.user_bounds, atol_comparisons=port_comparisons,
-                   observed=observed)
+    report = finish_report(runner, save_dir, feeds, saved, comparisons, lines,
+                           outputs, dtype, user_bounds=options.user_bounds, atol_comparisons=port_comparisons,
+                           observed=observed)
+    if text is not None and text.count:
+        report.measures["perplexity"] = text.perplexities()
+    return report
