@@ -1108,6 +1108,35 @@ def test_genai_runs_on_the_machines_cores_unless_the_folder_says(v1_folder, tmp_
     assert overlays == [] and json.loads((own / "genai_config.json").read_text()) == config
 
 
+def test_generate_threads_overrides_the_folder(v1_folder, tmp_path):
+    """`generate --threads N` (issue 46 j): genai and the onnxruntime loop run on N intra-op threads
+    whatever the folder says, seen in the threads the process starts; out of range is one line."""
+    pytest.importorskip("onnxruntime_genai")
+
+    def threads_started(open_model) -> int:
+        before = int(next(line for line in open("/proc/self/status") if line.startswith("Threads:")).split()[1])
+        held = open_model()
+        after = int(next(line for line in open("/proc/self/status") if line.startswith("Threads:")).split()[1])
+        del held
+        return after - before
+
+    own = tmp_path / "own"
+    shutil.copytree(v1_folder, own)
+    config = json.loads((own / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = 1
+    (own / "genai_config.json").write_text(json.dumps(config))
+    folder_says = threads_started(lambda: decoding.open_genai_model(own))
+    with decoding.intra_op_threads(6):
+        user_says = threads_started(lambda: decoding.open_genai_model(own))
+        loop = decoding.OrtDecoder(own)
+    assert user_says >= folder_says + 5, (folder_says, user_says)
+    assert loop.session.get_session_options().intra_op_num_threads == 6
+    assert decoding.INTRA_OP_THREADS.get() is None  # only within
+    result = cli_main("generate", own, "--ids", "1,2,3", "--max-new-tokens", "2", "--threads", "3")
+    assert result.returncode == 0, result.stderr
+    assert_one_line_error(cli_main("generate", own, "--ids", "1,2", "--threads", "0"), "--threads must be 1 to 1024, got 0")
+
+
 def test_special_ids_outside_the_vocabulary_are_refused_at_export(artifacts, tmp_path):
     """A checkpoint folder whose generation_config.json names an eos (or pad, bos) id the model has
     no logit for: generation could never stop there, and the folder's reader would refuse it, so

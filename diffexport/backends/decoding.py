@@ -9,6 +9,8 @@ and greedy rows give what each prompt gives alone.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -81,7 +83,7 @@ class OrtDecoder:
             raise DiffExportError(f"{Path(folder).name} is a bfloat16 folder, which the onnxruntime loop cannot feed "
                                   "(numpy has no bfloat16): run it with onnxruntime-genai on CUDA (`generate --backend "
                                   "genai`), or build it with `diffexport trt` and check the engine")
-        self.session = open_session(self.model_path, provider, threads)
+        self.session = open_session(self.model_path, provider, threads or INTRA_OP_THREADS.get())
         self.layers = int(self.config["model"]["decoder"]["num_hidden_layers"])
         self.heads = int(self.config["model"]["decoder"]["num_key_value_heads"])  # 1: token-major cache
         self.width = int(self.config["model"]["decoder"]["head_size"])
@@ -287,20 +289,42 @@ def machine_threads() -> int:
     return max(1, len(cores))
 
 
+INTRA_OP_THREADS: contextvars.ContextVar[int | None] = contextvars.ContextVar("diffexport_intra_op_threads",
+                                                                             default=None)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int | None):
+    """Within: the onnxruntime-genai models and onnxruntime decoder sessions opened here run on
+    `threads` intra-op threads, whatever the folder's genai_config says (`generate --threads`).
+    None changes nothing. A setting for the process's generation, as torch.set_num_threads is."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= MAX_THREADS):
+        raise DiffExportError(f"--threads must be 1 to {MAX_THREADS}, got {threads}")
+    token = INTRA_OP_THREADS.set(threads)
+    try:
+        yield
+    finally:
+        INTRA_OP_THREADS.reset(token)
+
+
 def open_genai_model(folder, provider: str | None = None, pad_token_id: int | None = None):
     """onnxruntime-genai's Model over the folder, on the provider its genai_config names, or on
     `provider` ("cpu", "cuda") instead, with pad_token_id in place of the folder's when given (the
-    folder is not edited); what genai refuses (no CUDA build, no GPU) is one line. A folder that
+    folder is not edited); what genai refuses (no CUDA build, no GPU) is one line. Threads:
+    intra_op_threads() when set (generate --threads), else the folder's; a folder that
     names no intra-op thread count (export's --threads) runs on this machine's physical cores:
     genai's own default is one thread (docs/BENCHMARKS.md, "Decode on CPU": diff-v1-110m at 18.6
     decode tokens/s as written, 28.0 with 2 threads, on the 2-core development machine)."""
     session = _genai_config(folder)["model"]["decoder"].get("session_options", {})  # refused before genai reads it
     og = import_genai()
+    threads = INTRA_OP_THREADS.get()  # the user's (generate --threads) over the folder's, over the machine's
+    if threads is None and "intra_op_num_threads" not in session:
+        threads = min(machine_threads(), MAX_THREADS)
     try:
         config = og.Config(str(folder))
-        if "intra_op_num_threads" not in session:
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-                "intra_op_num_threads": min(machine_threads(), MAX_THREADS)}}}}))
+        if threads is not None:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         if provider is not None:
             config.clear_providers()
             if provider != "cpu":

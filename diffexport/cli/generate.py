@@ -121,6 +121,13 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
 
 def cmd_generate(args) -> int:
     """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime loop."""
+    from diffexport.backends import decoding
+
+    with decoding.intra_op_threads(args.threads):  # --threads: over the folder's own, for every path below
+        return _generate(args)
+
+
+def _generate(args) -> int:
     from pathlib import Path
 
     from diffexport.backends import decoding
@@ -242,6 +249,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--engine", help="--backend tensorrt: the engine `diffexport trt FOLDER` built")
         p.add_argument("--plugin-lib", help="--backend tensorrt: libdiffexport_plugins.so for plugin engines "
                                             "(default: $DIFFEXPORT_PLUGIN_LIB or this install's build)")
+        p.add_argument("--threads", type=int,
+                       help="intra-op threads for onnxruntime(-genai) (default: the folder's genai_config, else "
+                            "this machine's physical cores)")
         p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
                        help="execution provider (auto: genai, the one the folder's genai_config.json names; the "
                             "onnxruntime loop, CUDA when onnxruntime-gpu and a GPU are present)")
