@@ -21,13 +21,13 @@ MAX_CHAT_TEMPLATE_BYTES = 1024**2  # chat templates are a few kB
 def folder_tokenizer(folder: Path):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
     from diffexport.backends.decoding import import_genai
-    from diffexport.export.decoder import has_tokenizer
-
+    from diffexport.export.decoder import has_tokenizer, tokenizer_files
     from diffexport.format.genai_config import read_genai_config
 
     if not has_tokenizer(folder):
         raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
     read_genai_config(folder)  # og.Model below reads it: nothing it would load, write or run
+    tokenizer_files(folder)  # nor a link, an oversized file or a pattern that never finishes
     og = import_genai()
     try:
         return og.Tokenizer(og.Model(str(folder)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,10 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
         from transformers import AutoTokenizer
     except ImportError:
         raise DiffExportError("--tokenizer needs transformers: pip install 'diffexport[hf]'") from None
+    if Path(tokenizer).is_dir():  # a folder's patterns are read before transformers matches them
+        from diffexport.format.tokenizer_rules import check_tokenizer_json
+
+        check_tokenizer_json(Path(tokenizer) / "tokenizer.json")
     try:
         tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)  # a folder's own code never runs
     except Exception as exc:  # transformers raises many types for missing/bad tokenizers

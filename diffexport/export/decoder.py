@@ -322,7 +322,10 @@ def eos_token_ids(config: dict) -> tuple[int, ...]:
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
-    """The tokenizer files of a folder (regular files only; links are not followed)."""
+    """The tokenizer files of a folder (regular files only; links are not followed); a tokenizer.json
+    whose regular expressions could run without end is refused (format/tokenizer_rules.py)."""
+    from diffexport.format.tokenizer_rules import check_tokenizer_json
+
     files = []
     for name in TOKENIZER_FILES:
         path = folder / name
@@ -332,6 +335,7 @@ def tokenizer_files(folder: Path) -> list[Path]:
             if path.stat().st_size > MAX_TOKENIZER_BYTES:
                 raise DiffExportError(f"{path} is larger than {MAX_TOKENIZER_BYTES >> 20} MiB: not a tokenizer file")
             files.append(path)
+    check_tokenizer_json(folder / "tokenizer.json")
     return files
 
 

@@ -1,0 +1,173 @@
+"""What a tokenizer.json from a stranger may ask of the tokenizer libraries: regular expressions
+(pre-tokenizer Split, normalizer Replace) that cannot backtrack without end on a short text.
+
+The tokenizer libraries (Hugging Face tokenizers, onnxruntime-extensions under onnxruntime-genai)
+match these patterns in native code that nothing can interrupt: `(a+)+$` over a 40-character
+prompt never finishes (issue 43). So the patterns are read, before either library opens the file,
+and refused where their structure allows exponential backtracking:
+- a repeated group that itself holds a repetition of varying count, `(a+)+`, `(?:\\s*x)*` (a fixed
+  count, `(\\d{3})+`, cannot split the same text two ways);
+- a repeated group that holds an alternation, `(a|aa)+`, whose branches may match the same text;
+- a counted repetition above MAX_COUNT, `a{100000}`, and a pattern longer than MAX_PATTERN_CHARS.
+"Repeated" is any quantifier that allows more than one match (`*`, `+`, `{n,m}` with m > 1); an
+optional group `(...)?` repeats nothing. The patterns of the tokenizers in use (GPT-2, Llama 3,
+Qwen2, GPT-4o's) pass: each repeats only single characters and classes (tests/test_tokenizer_rules.py).
+What is left is polynomial at worst (`\\s*\\s*$`), over a prompt the context bounds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from diffexport.errors import DiffExportError
+
+MAX_PATTERN_CHARS = 4096  # the patterns in use are under 300 characters
+MAX_COUNT = 1000  # {n,m}: the patterns in use count to 3
+MAX_TOKENIZER_JSON_BYTES = 256 * 1024**2  # as the tokenizer files' bound (export/decoder.py)
+
+
+def _skip_escape(pattern: str, i: int) -> int:
+    """The index after the escape that starts at pattern[i] == '\\'."""
+    if i + 1 >= len(pattern):
+        return i + 1
+    kind = pattern[i + 1]
+    if kind in "pPxk" and i + 2 < len(pattern) and pattern[i + 2] == "{":
+        end = pattern.find("}", i + 3)
+        return len(pattern) if end < 0 else end + 1
+    if kind == "u":
+        return min(len(pattern), i + 6)
+    return i + 2
+
+
+def _skip_class(pattern: str, i: int) -> int:
+    """The index after the character class that starts at pattern[i] == '[' (nested classes too)."""
+    depth, i = 1, i + 1
+    if i < len(pattern) and pattern[i] == "^":
+        i += 1
+    if i < len(pattern) and pattern[i] == "]":  # a leading ] is a literal
+        i += 1
+    while i < len(pattern) and depth:
+        char = pattern[i]
+        if char == "\\":
+            i = _skip_escape(pattern, i)
+            continue
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+        i += 1
+    return i
+
+
+def _quantifier(pattern: str, i: int) -> tuple[int, int, float] | None:
+    """(index after, the fewest and the most matches it allows) of a quantifier at pattern[i], else None."""
+    char = pattern[i]
+    if char in "*+":
+        least, most = int(char == "+"), float("inf")
+        i += 1
+    elif char == "?":
+        least, most = 0, 1
+        i += 1
+    elif char == "{":
+        end = pattern.find("}", i)
+        body = pattern[i + 1:end] if end > 0 else ""
+        low, comma, high = body.partition(",")
+        if not low.strip().isdigit() or (high.strip() and not high.strip().isdigit()):
+            return None  # a literal {
+        if int(low) > MAX_COUNT or (high.strip() and int(high) > MAX_COUNT):
+            raise _Risk(f"a counted repetition {{{body}}} above {MAX_COUNT}")
+        least, most = int(low), float("inf") if comma and not high.strip() else int(high or low)
+        i = end + 1
+    else:
+        return None
+    if i < len(pattern) and pattern[i] in "?+":  # lazy or possessive: the same count
+        i += 1
+    return i, least, most
+
+
+class _Risk(Exception):
+    pass
+
+
+def regex_risk(pattern: str) -> str | None:
+    """Why `pattern` could backtrack without end on a short text (the rules above), or None."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        return f"a pattern of {len(pattern)} characters (at most {MAX_PATTERN_CHARS})"
+    # one frame per open group: does it hold a repetition, an alternation
+    frames = [{"repeats": False, "alternates": False}]
+    last_group = None  # the frame of a group that just closed (what a quantifier would repeat)
+    i = 0
+    try:
+        while i < len(pattern):
+            char = pattern[i]
+            if char == "\\":
+                i, last_group = _skip_escape(pattern, i), None
+            elif char == "[":
+                i, last_group = _skip_class(pattern, i), None
+            elif char == "(":
+                frames.append({"repeats": False, "alternates": False})
+                i, last_group = i + 1, None
+                if pattern.startswith("?", i):  # (?:, (?i:, (?=, (?!, (?<=, (?<name>, ...: flags, not atoms
+                    i += 1
+            elif char == ")":
+                if len(frames) == 1:
+                    return None  # unbalanced: the library refuses it itself
+                last_group = frames.pop()
+                frames[-1]["repeats"] |= last_group["repeats"]
+                frames[-1]["alternates"] |= last_group["alternates"]
+                i += 1
+            elif char == "|":
+                frames[-1]["alternates"] = True
+                i, last_group = i + 1, None
+            else:
+                found = _quantifier(pattern, i)
+                if found is None:
+                    i, last_group = i + 1, None
+                    continue
+                i, least, most = found
+                if most > 1:
+                    if last_group is not None and last_group["repeats"]:
+                        return "a repeated group that holds a repetition, as (a+)+"
+                    if last_group is not None and last_group["alternates"]:
+                        return "a repeated group that holds an alternation, as (a|aa)+"
+                if most > least:  # a count that varies: text it may share with a neighbour's
+                    frames[-1]["repeats"] = True
+                last_group = None
+    except _Risk as risk:
+        return str(risk)
+    return None
+
+
+def _patterns(value) -> list[str]:
+    """Every {"Regex": pattern} in a tokenizer.json's tree (pre-tokenizers, normalizers, decoders)."""
+    found, stack = [], [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("Regex"), str):
+                found.append(item["Regex"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def check_tokenizer_json(path: str | Path) -> None:
+    """Refuse, in one line, a tokenizer.json whose regular expressions could run without end
+    (regex_risk), before a tokenizer library opens it. A missing file passes (nothing to run)."""
+    path = Path(path)
+    if not path.is_file() or path.is_symlink():
+        return  # links are refused by the tokenizer folder's own rules (export/decoder.py tokenizer_files)
+    if path.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
+        raise DiffExportError(f"{path} is larger than {MAX_TOKENIZER_JSON_BYTES >> 20} MiB: not a tokenizer file")
+    try:
+        tree = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as exc:
+        raise DiffExportError(f"{path} is not a readable tokenizer ({str(exc).splitlines()[0][:120]})") from None
+    for pattern in _patterns(tree):
+        risk = regex_risk(pattern)
+        if risk:
+            shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
+            raise DiffExportError(f"{path} has a regular expression {shown!r} with {risk}: it could run without end "
+                                  "on a short text, so it is not opened (tokenizers of GPT-2, Llama and Qwen have none)")

@@ -1,0 +1,88 @@
+"""A stranger's tokenizer.json must not hang the tokenizer libraries (issue 43, item 6): regular
+expressions that can backtrack without end are refused before any library opens the file
+(diffexport/format/tokenizer_rules.py), while the patterns of the tokenizers in use pass."""
+
+import json
+import shutil
+
+import pytest
+
+from diffexport.errors import DiffExportError
+from diffexport.format.tokenizer_rules import check_tokenizer_json, regex_risk
+from helpers import assert_one_line_error, cli_main, run_cli
+
+IN_USE = {  # pre-tokenizer patterns of published tokenizers (tokenizer.json, pre_tokenizer Split)
+    "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+",
+    "gpt4o": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+             r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "deepseek": r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "cjk": r"[一-龥\u3040-ゟ゠-ヿ]+",
+    "thousands": r"\d{1,3}(?=(\d{3})+$)",  # a fixed count repeated: one way to split
+    "literal parens": r"\(a+\)+|[(a+)+]",
+    "optional group": r"(ab+)?c",
+}
+
+HOSTILE = {
+    r"(a+)+$": "holds a repetition", r"(a*)*": "holds a repetition", r"((ab)*)+": "holds a repetition",
+    r"(?:x+y?)+z": "holds a repetition", r"(a{2,3})+": "holds a repetition",
+    r"(a|aa)+": "holds an alternation", r"(\s|\S)*x": "holds an alternation", r"(a|b){2,}": "holds an alternation",
+    r"a{100000}": "above 1000", "a" * 5000: "5000 characters",
+}
+
+
+@pytest.mark.parametrize("name", IN_USE)
+def test_the_patterns_in_use_pass(name):
+    assert regex_risk(IN_USE[name]) is None
+
+
+@pytest.mark.parametrize("pattern", HOSTILE)
+def test_backtracking_patterns_are_named(pattern):
+    assert HOSTILE[pattern] in (regex_risk(pattern) or "")
+
+
+def _with_split(tokenizer_json, pattern: str) -> None:
+    """A Split pre-tokenizer with `pattern` before the tokenizer's own (as a published tokenizer has)."""
+    tree = json.loads(tokenizer_json.read_text())
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+    tree["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, tree["pre_tokenizer"]]}
+    tokenizer_json.write_text(json.dumps(tree))
+
+
+def test_a_real_tokenizer_with_a_safe_split_still_works(artifacts, tmp_path):
+    """The rule reads the file as the libraries do: Llama 3's pattern in front of the byte-level
+    pre-tokenizer passes and the tokenizer runs."""
+    from tokenizers import Tokenizer
+
+    folder = shutil.copytree(artifacts.hf_diffllama(), tmp_path / "hf")
+    _with_split(folder / "tokenizer.json", IN_USE["llama3"])
+    check_tokenizer_json(folder / "tokenizer.json")
+    assert Tokenizer.from_file(str(folder / "tokenizer.json")).encode("the cat's 1234 mats").ids
+
+
+@pytest.mark.slow
+def test_a_hostile_pattern_is_refused_before_any_library_matches_it(artifacts, tmp_path):
+    """`(a+)+$` (which never finishes on 40 characters of "a" and a "!") in a decoder folder, an
+    export's --tokenizer and a check's --tokenizer: one line each, nothing written. generate runs
+    in a child with a timeout, so a regression fails instead of hanging the suite."""
+    hf = artifacts.hf_diffllama()
+    tokenizer = shutil.copytree(hf, tmp_path / "tok", ignore=shutil.ignore_patterns("*.safetensors"))
+    _with_split(tokenizer / "tokenizer.json", r"(a+)+$")
+    with pytest.raises(DiffExportError, match=r"has a regular expression '\(a\+\)\+\$' with a repeated group"):
+        check_tokenizer_json(tokenizer / "tokenizer.json")
+    folder = shutil.copytree(artifacts.cli_output("onnx", hf, "--kv-cache", output="kv"), tmp_path / "kv")
+    shutil.copyfile(tokenizer / "tokenizer.json", folder / "tokenizer.json")
+    result = run_cli("generate", folder, "--prompt", "a" * 40 + "!", "--max-new-tokens", "2")
+    assert_one_line_error(result, "could run without end on a short text")
+    export = cli_main("onnx", hf, "--kv-cache", "--tokenizer", tokenizer, "-o", tmp_path / "out")
+    assert_one_line_error(export, "tok/tokenizer.json has a regular expression")
+    assert not (tmp_path / "out").exists()
+    text = tmp_path / "text.txt"
+    text.write_text("a" * 40 + "!")
+    check = cli_main("check", folder, "--ckpt", hf, "--text", text, "--tokenizer", tokenizer)
+    assert_one_line_error(check, "could run without end")
