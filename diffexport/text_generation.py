@@ -7,16 +7,12 @@ layer over these: it parses options and prints.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from diffexport.errors import DiffExportError
 from diffexport.generation import Sampling
-
-MAX_CHAT_TEMPLATE_BYTES = 1024**2  # chat templates are a few kB
-
 
 def folder_tokenizer(folder: Path):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
@@ -36,24 +32,13 @@ def folder_tokenizer(folder: Path):
 
 
 def conversation_text(tokenizer, folder: Path, messages: list[dict]) -> str:
-    """A conversation (role/content turns) in the tokenizer's chat template, ready for the
-    assistant's answer: tokenizer_config.json's chat_template, or the folder's chat_template.jinja
-    (where newer transformers save it)."""
-    template, template_str = folder / "chat_template.jinja", None
-    if template.is_symlink():  # onnxruntime-genai would read it through the link itself
-        raise DiffExportError(f"{template} is a symbolic link: a decoder folder holds its chat template itself")
-    if template.is_file():
-        if template.stat().st_size > MAX_CHAT_TEMPLATE_BYTES:
-            raise DiffExportError(f"{template} is larger than 1 MiB: not a chat template")
-        template_str = template.read_text(errors="replace")
-    try:
-        return tokenizer.apply_chat_template(json.dumps(messages), template_str=template_str, add_generation_prompt=True)
-    except RuntimeError as exc:
-        if "empty chat template" in str(exc).lower():
-            raise DiffExportError(f"the tokenizer in {folder} has no chat template (tokenizer_config.json's "
-                                  "chat_template or chat_template.jinja): drop --chat and give the prompt as it is "
-                                  "to be read") from None
-        raise
+    """A conversation (role/content turns) in the folder's chat template, ready for the assistant's
+    answer: chat_template.jinja or tokenizer_config.json's chat_template, rendered within bounds of
+    time, memory and output (chat_template.py). `tokenizer` is kept for the callers' sake: the
+    rendered text is what they encode with it."""
+    from diffexport.chat_template import render_chat
+
+    return render_chat(folder, messages)
 
 
 def chat_text(tokenizer, folder: Path, prompt: str, system: str | None) -> str:

@@ -1,0 +1,91 @@
+"""A folder's chat template rendered within bounds (diffexport/chat_template.py, issue 43 item 7):
+the same text transformers renders for real templates, and one line, in bounded time and memory,
+for templates that loop, grow or reach outside the sandbox."""
+
+import json
+
+import pytest
+
+from diffexport.chat_template import MAX_RENDER_SECONDS, render_chat
+from diffexport.errors import DiffExportError
+
+# a Llama-3-style template: special tokens, a system turn, raise_exception, loop controls, tojson
+LLAMA_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% if m['content'] == 'skip' %}{% continue %}{% endif %}"
+    "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    "{{ {'meta': 'é'} | tojson }}"
+)
+CONVERSATION = [{"role": "system", "content": "be brief "}, {"role": "user", "content": "the cat sat"},
+                {"role": "assistant", "content": "skip"}, {"role": "user", "content": "on the <mat> & more"}]
+
+
+def _folder(tmp_path, template: str, config: dict | None = None):
+    (tmp_path / "chat_template.jinja").write_text(template)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config or {"bos_token": "<s>",
+                                                                         "eos_token": {"content": "</s>"}}))
+    return tmp_path
+
+
+def test_the_text_is_what_transformers_renders(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from helpers import byte_bpe_tokenizer
+
+    byte_bpe_tokenizer(tmp_path)
+    folder = _folder(tmp_path, LLAMA_STYLE, {**json.loads((tmp_path / "tokenizer_config.json").read_text()),
+                                             "bos_token": "<s>"})
+    ours = render_chat(folder, CONVERSATION)
+    theirs = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        CONVERSATION, chat_template=LLAMA_STYLE, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs and ours.startswith("<s><|start_header_id|>system") and '{"meta": "é"}' in ours
+    assert "skip" not in ours and "on the <mat> & more" in ours
+
+
+def test_tokenizer_config_template_and_refusals(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0]['content'] }}!"}]}))
+    assert render_chat(tmp_path, [{"role": "user", "content": "hi"}]) == "hi!"
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(DiffExportError, match="has no chat template"):
+        render_chat(tmp_path, [{"role": "user", "content": "hi"}])
+    _folder(tmp_path, LLAMA_STYLE)
+    with pytest.raises(DiffExportError, match="^the chat template refused the conversation: unknown role tool$"):
+        render_chat(tmp_path, [{"role": "tool", "content": "x"}])
+
+
+BOUNDED = {
+    "range(10**8)": ("{% for i in range(10**8) %}x{% endfor %}", "Range too big"),
+    "a nested loop with no output": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                                     f"stopped at more than {MAX_RENDER_SECONDS:g} s"),
+    "a string doubled in a loop": ("{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+                                   "{% endfor %}{{ ns.s|length }}", "stopped at more than 512 MiB of memory"),
+    "a product": ("{{ 'a' * 10**9 }}", "stopped at a product of 1,000,000,000 items"),
+    "a power": ("{% set n = 10 ** 64 %}{{ n ** 64 ** 64 }}", "stopped at a number of about"),
+    "a product of numbers": ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}"
+                             "{% endfor %}", "stopped at a number of about"),
+    "endless output": ("{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "characters of output"),
+    "Python's internals": ("{{ messages.__class__.__mro__ }}", "reached outside its sandbox"),
+    "bad syntax": ("{% for %}", "failed: TemplateSyntaxError"),
+}
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_hostile_templates_are_one_line(tmp_path, name):
+    template, message = BOUNDED[name]
+    with pytest.raises(DiffExportError, match=message.replace("*", r"\*").replace("(", r"\(").replace(")", r"\)")):
+        render_chat(_folder(tmp_path, template), [{"role": "user", "content": "hi"}])
+
+
+def test_generate_chat_with_a_looping_template_is_one_line(artifacts, tmp_path):
+    """Through `generate --chat`, as a user would meet it: one line, exit 2, no answer."""
+    from helpers import assert_one_line_error, cli_main
+
+    kv = artifacts.copy(artifacts.cli_output("onnx", artifacts.hf_diffllama_with_chat_template(), "--kv-cache",
+                                             output="kv"), tmp_path)
+    (kv / "chat_template.jinja").write_text(BOUNDED["a nested loop with no output"][0])
+    result = cli_main("generate", kv, "--prompt", "hi", "--chat", "--max-new-tokens", "2")
+    assert_one_line_error(result, "was stopped at more than 2 s")
+    assert result.stdout == ""
