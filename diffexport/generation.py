@@ -220,6 +220,9 @@ class StopText:
         return out
 
 
+MAX_BEAMS = 256  # searches run 1 to 64 beams; 10**5 beams ran past 2 minutes on a tiny model (issue 43)
+
+
 @dataclasses.dataclass
 class BeamSearch:
     """Beam search as onnxruntime-genai runs it (the folders' runtime), so the eager reference and
@@ -237,8 +240,8 @@ class BeamSearch:
     def __post_init__(self) -> None:
         for name in ("num_beams", "num_return_sequences"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DiffExportError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BEAMS:
+                raise DiffExportError(f"{name.replace('_', ' ')} must be an integer in 1..{MAX_BEAMS}, got {value!r}")
         if self.num_return_sequences > self.num_beams:
             raise DiffExportError(f"{self.num_return_sequences} sequences to return need at least as many beams, "
                                   f"got {self.num_beams}")

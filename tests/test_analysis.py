@@ -140,6 +140,26 @@ def test_streams_cut_text_and_refuse_empty_files(tmp_path):
     assert source == "uniform random token ids" and len(ids) == 500 and max(ids) < 97 and flags is None
 
 
+@pytest.mark.parametrize("tokens,seq_len,batch,message", [
+    (10**12, 64, 4, "--tokens must be 1 to 4,194,304, got 1000000000000"),
+    (8192, 10**9, 4, "--seq-len must be 2 to 16,384, got 1000000000"),
+    (8192, 64, 0, "--batch must be 1 to 1,024, got 0"),
+])
+def test_stream_sizes_are_bounded_before_any_id_is_drawn(tokens, seq_len, batch, message):
+    """issue 43: linear-sweep --tokens 10**12 and --seq-len 10**9 ran without end."""
+    with pytest.raises(DiffExportError, match=f"^{message}$"):
+        streams.stream_batches(512, text=None, tokenizer=None, tokens=tokens, seq_len=seq_len, batch=batch, seed=0)
+
+
+def test_calibration_tokens_are_bounded():
+    from diffexport.passes.calibration import CalibrationFields
+
+    with pytest.raises(DiffExportError, match="4096 x --calib-seq-len 65536 is 268,435,456 tokens; calibration takes at "
+                                              "most 1,048,576"):
+        CalibrationFields(calib="synthetic", samples=4096, seq_len=65536).validate_calibration("--method gptq")
+    CalibrationFields(calib="synthetic", samples=128, seq_len=2048).validate_calibration("--method gptq")
+
+
 def test_task_stream_marks_exactly_the_answer_positions():
     from diffexport.analysis import needles
 

@@ -77,17 +77,29 @@ def test_beam_search_of_one_beam_is_greedy():
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(num_beams=0), "num beams must be an integer >= 1"),
-    (dict(num_beams=True), "num beams must be an integer >= 1"),
-    (dict(num_beams=2.0), "num beams must be an integer >= 1"),
+    (dict(num_beams=0), "num beams must be an integer in 1..256"),
+    (dict(num_beams=True), "num beams must be an integer in 1..256"),
+    (dict(num_beams=2.0), "num beams must be an integer in 1..256"),
     (dict(num_beams=2, num_return_sequences=3), "3 sequences to return need at least as many beams"),
-    (dict(num_beams=2, num_return_sequences=0), "num return sequences must be an integer >= 1"),
+    (dict(num_beams=2, num_return_sequences=0), "num return sequences must be an integer in 1..256"),
     (dict(num_beams=2, length_penalty=float("nan")), "length penalty must be a finite number"),
     (dict(num_beams=2, length_penalty="1"), "length penalty must be a finite number"),
 ])
 def test_bad_beam_search_options(kwargs, pattern):
     with pytest.raises(DiffExportError, match=pattern):
         BeamSearch(**kwargs)
+
+
+def test_beam_caches_are_held_to_the_machines_memory():
+    """256 beams (the most a search takes) of a 70B-class model's cache at 128k tokens: refused
+    before any search starts; a small model's fit."""
+    from diffexport.backends.decoding import check_beam_memory
+
+    big = {"model": {"decoder": {"num_hidden_layers": 80, "num_key_value_heads": 8, "head_size": 128}}}
+    with pytest.raises(DiffExportError, match="256 beams of 131072 tokens need .* GiB of KV cache, more than the"):
+        check_beam_memory(big, "float16", 256, 131072)
+    small = {"model": {"decoder": {"num_hidden_layers": 2, "num_key_value_heads": 1, "head_size": 64}}}
+    check_beam_memory(small, "float32", 256, 2048)
 
 
 # ---------------------------------------------------------------- onnxruntime-genai's search over folders
@@ -243,7 +255,7 @@ def test_generate_num_beams_prompts_file_and_text(folders, artifacts, tmp_path):
     (["--num-beams", "2", "--sample"], "beam search is deterministic"),
     (["--num-beams", "2", "--repetition-penalty", "1.2"], "not combined with --num-beams"),
     (["--num-beams", "2", "--stop", "x"], "drop --stop"),
-    (["--num-beams", "100000000", "--max-new-tokens", "2000"], "GiB of KV cache, more than the"),
+    (["--num-beams", "100000", "--max-new-tokens", "2000"], "num beams must be an integer in 1..256, got 100000"),
     (["--num-beams", "33"], "onnxruntime-genai searches at most 32 beams, got 33: lower --num-beams, or use "
                             "--backend onnxruntime"),
 ])
@@ -356,8 +368,8 @@ def test_check_beams_past_genais_limit_check_the_loop_alone(folders, tmp_path):
 
 @pytest.mark.parametrize("args,pattern", [
     (["--length-penalty", "2"], "--length-penalty and --no-early-stopping shape a beam search: add --num-beams"),
-    (["--num-beams", "0"], "num beams must be an integer >= 1"),
-    (["--num-beams", "100000000", "--steps", "8"], "GiB of KV cache, more than the"),
+    (["--num-beams", "0"], "num beams must be an integer in 1..256"),
+    (["--num-beams", "100000000", "--steps", "8"], "num beams must be an integer in 1..256"),
     (["--num-beams", "2", "--steps", "0"], "beam search needs at least one decode step"),
 ])
 def test_check_beam_refusals(folders, args, pattern):

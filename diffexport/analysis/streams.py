@@ -97,8 +97,23 @@ class TokenStream:
         return sum(b.numel() for b in self.batches)
 
 
+MAX_STREAM_TOKENS = 1 << 22  # the analyses' defaults are 8,192 and 16,384 tokens
+MAX_STREAM_SEQ = 16384  # the eager attention maps of one sequence grow with its square
+MAX_STREAM_BATCH = 1024
+
+
+def check_stream(tokens: int, seq_len: int, batch: int) -> None:
+    """The analyses' --tokens, --seq-len and --batch, before any model runs or any id is drawn (a
+    slip such as --tokens 10**12 otherwise runs without end)."""
+    for flag, value, low, high in (("--tokens", tokens, 1, MAX_STREAM_TOKENS), ("--seq-len", seq_len, 2, MAX_STREAM_SEQ),
+                                   ("--batch", batch, 1, MAX_STREAM_BATCH)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise DiffExportError(f"{flag} must be {low:,} to {high:,}, got {value}")
+
+
 def stream_batches(vocab_size: int, *, text: str | None, tokenizer: str | None, tokens: int, seq_len: int,
                    batch: int, seed: int) -> TokenStream:
+    check_stream(tokens, seq_len, batch)
     flags = None
     if text is not None:
         ids = text_ids(text, tokenizer, vocab_size)

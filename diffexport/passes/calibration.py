@@ -19,6 +19,9 @@ SYNTHETIC = "synthetic"
 BATCH = 8  # sequences per calibration forward pass (ranges and Hessians do not depend on it)
 
 
+MAX_CALIBRATION_TOKENS = 1 << 20  # 4096 x 65536 synthetic took 5.3 GB and 2 minutes before GPTQ refused it
+
+
 @dataclasses.dataclass
 class CalibrationFields:
     """The calibration part of a quantiser's options."""
@@ -42,6 +45,10 @@ class CalibrationFields:
             raise DiffExportError(f"--calib-samples {self.samples}: use 1..4096")
         if not 1 <= self.seq_len <= 65536:
             raise DiffExportError(f"--calib-seq-len {self.seq_len}: use 1..65536")
+        if self.samples * self.seq_len > MAX_CALIBRATION_TOKENS:  # GPTQ's usual 128 x 2048 is 262,144
+            raise DiffExportError(f"--calib-samples {self.samples} x --calib-seq-len {self.seq_len} is "
+                                  f"{self.samples * self.seq_len:,} tokens; calibration takes at most "
+                                  f"{MAX_CALIBRATION_TOKENS:,}")
         if self.tokenizer is not None and self.calib == SYNTHETIC:
             raise DiffExportError("--tokenizer goes with a --calib text file, not --calib synthetic")
 
