@@ -149,7 +149,7 @@ def open_backend(folder: Path, backend: str, provider: str = "auto", engine: str
 
         return open_decoder_engine(engine, folder, plugin_lib), None
     if backend == "onnxruntime":
-        from diffexport.backends.onnxruntime import resolve_provider
+        from diffexport.onnxruntime_session import resolve_provider
 
         resolved = resolve_provider(provider)
         return (decoding.OrtDecoder(folder, provider=resolved) if step_runner else None), resolved

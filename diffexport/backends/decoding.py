@@ -76,7 +76,7 @@ class OrtDecoder:
     max_sequence = None  # any call up to the context length
 
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None):
-        from diffexport.backends.onnxruntime import open_session
+        from diffexport.onnxruntime_session import open_session
 
         self.model_path, self.config, self.meta = decoder.read_decoder_folder(folder)
         if self.meta["dtype"] == "bfloat16":  # numpy, which this loop feeds the cache as, has no bfloat16

@@ -144,7 +144,7 @@ def measure_prefill(onnx_path: str | os.PathLike, vocab: int, prompt_tokens: int
     cache, so there is no decode rate: its decode fields are NaN and the bound is the one a decode
     step of the same weights would have."""
     from diffexport.backends.decoding import machine_threads
-    from diffexport.backends.onnxruntime import open_session
+    from diffexport.onnxruntime_session import open_session
     from diffexport.format.names import PREFILL_INPUT_NAMES
 
     session = open_session(onnx_path, "cpu")

@@ -391,7 +391,7 @@ def probe_feeds(model: onnx.ModelProto, batch: int, seq: int, vocab: int = 2,
 
 def probe(model: onnx.ModelProto, names: list[str], seq: int = 7) -> dict[str, np.ndarray]:
     """Values of intermediate tensors on a small seeded input, through onnxruntime."""
-    from diffexport.backends.onnxruntime import open_session
+    from diffexport.onnxruntime_session import open_session
 
     probe_model = onnx.ModelProto.FromString(model.SerializeToString())
     del probe_model.graph.output[:]

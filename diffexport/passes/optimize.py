@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from diffexport import contract
-from diffexport.backends.onnxruntime import open_session
+from diffexport.onnxruntime_session import open_session
 from diffexport.errors import DiffExportError
 from diffexport.export.exporter import IR_VERSION, META_PREFIX
 from diffexport.export.function_body import DEFAULT_BODY_STYLE, build_function

@@ -35,7 +35,7 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     the fp32 rule; fp16/bf16: |model - other| <= atol(dtype) * max(1, |other|) and the cosine floor
     (two low-precision graphs leave no fp32 reference to measure rounding against); --atol/--rtol
     replace the rule."""
-    from diffexport.backends.onnxruntime import open_session, resolve_provider
+    from diffexport.onnxruntime_session import open_session, resolve_provider
 
     options = options or CheckOptions()
     model_path, against_path = Path(model_path), Path(against_path)

@@ -41,7 +41,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     pick the eager token at every step, and for HF checkpoints transformers' generate() must too."""
     from diffexport.analysis import plots
     from diffexport.backends.decoding import OrtDecoder
-    from diffexport.backends.onnxruntime import resolve_provider
+    from diffexport.onnxruntime_session import resolve_provider
 
     options = options or CheckOptions()
     plots.check_plot_path(options.plot)

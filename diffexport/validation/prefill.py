@@ -35,7 +35,7 @@ from diffexport.validation.references import (
 
 def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
               log: Callable[[str], None] = print) -> CheckReport:
-    from diffexport.backends.onnxruntime import open_session, resolve_provider
+    from diffexport.onnxruntime_session import open_session, resolve_provider
 
     options = options or CheckOptions()
     onnx_path = Path(onnx_path)

@@ -1,4 +1,6 @@
-"""ONNX Runtime sessions for exported models: provider choice and one-line errors for bad files."""
+"""ONNX Runtime sessions for exported models: provider choice and one-line errors for bad files. At the
+bottom of the package (core): backends run artifacts through it, and the passes that verify themselves
+by running a graph (fusion, optimize) use it without reaching up to the backends."""
 
 from __future__ import annotations
 
