@@ -354,7 +354,15 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
         ("pad-words", lambda c: c["model"].__setitem__("pad_token_id", "x"), "pad_token_id must be a token id"),
         ("shared-buffer", lambda c: c["search"].__setitem__("past_present_share_buffer", True),
          "past_present_share_buffer must be false for a diffattention folder"),
+        # numbers within their bounds that are not the graph's (genai sizes buffers from them)
+        ("vocab-other", lambda c: c["model"].__setitem__("vocab_size", 2**20),
+         "model.vocab_size is 1048576, but the graph's metadata says 512"),
+        ("layers-other", lambda c: c["model"]["decoder"].__setitem__("num_hidden_layers", 64),
+         "decoder.num_hidden_layers is 64, but the graph's metadata says 2"),
+        ("width-other", lambda c: c["model"]["decoder"].__setitem__("head_size", 4096),
+         "decoder.head_size is 4096, but the graph's metadata says 64"),
     ]
+    graph_checked = {"shared-buffer", "vocab-other", "layers-other", "width-other"}
     for number, (name, edit, message) in enumerate(cases):
         folder = folder_with(name, edit)
         (folder / "libevil.so").write_bytes(b"\x7fELF not really")
@@ -364,7 +372,7 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
                          ("check", folder, "--preset", "diff-v1-tiny")]
         for argv in commands:
             assert_one_line_error(cli_main(*argv), message)
-        if name != "shared-buffer":  # (a folder's format is in its graph's metadata, which genai's own gate does not read)
+        if name not in graph_checked:  # (the graph's metadata, which genai's own gate does not read)
             with pytest.raises(DiffExportError, match=re.escape(message)):  # the API's own gate, before genai
                 decoding.open_genai_model(folder)
     assert not (tmp_path / "outside").exists()

@@ -561,11 +561,33 @@ def read_decoder_folder(folder: str | os.PathLike) -> tuple[Path, dict, dict]:
         value = decoder.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
             raise DiffExportError(f"{config_path}: decoder.{key} must be an integer in 1..{1 << 20}, got {value!r}")
+    _check_config_describes_the_graph(config, meta, fmt, config_path)
     eos_token_ids(config)
     context = config["model"].get("context_length")  # how far the ORT loop may go (gqa: the rotary caches' rows)
     if not isinstance(context, int) or isinstance(context, bool) or not 2 <= context <= MAX_CONTEXT:
         raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{MAX_CONTEXT}, got {context!r}")
     return model_path, config, meta
+
+
+def _check_config_describes_the_graph(config: dict, meta: dict, fmt, config_path: Path) -> None:
+    """The numbers genai_config.json gives onnxruntime-genai (vocabulary, layers, cache heads and
+    width, hidden size, query maps) must be the ones the graph's own metadata implies: a folder
+    edited to say otherwise (vocab_size 2**24 against a 512-id graph: buffers sized from the
+    config) is refused before anything allocates from them (issue 43)."""
+    from diffexport.modeling import config_from_dict
+
+    cfg = config_from_dict(meta["family"], json.loads(meta["config"]))  # validated by read_export_metadata
+    heads = decoders.cache_heads(fmt, cfg.n_kv_heads)
+    expected = {("model", "vocab_size"): cfg.vocab_size, ("decoder", "num_hidden_layers"): cfg.n_layers,
+                ("decoder", "num_key_value_heads"): heads, ("decoder", "head_size"): cache_width(cfg) // heads,
+                ("decoder", "hidden_size"): cfg.d_model,
+                ("decoder", "num_attention_heads"): 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads}
+    for (section, key), value in expected.items():
+        given = (config["model"] if section == "model" else config["model"]["decoder"]).get(key)
+        if given != value:
+            raise DiffExportError(f"{config_path}: {section}.{key} is "
+                                  f"{given!r}, but the graph's metadata says {value}: the files do not belong "
+                                  "together (re-export the folder)")
 
 
 # Each decoder format's post-export rewrite (format/decoders.py names it), run in the temporary folder.
