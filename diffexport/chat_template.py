@@ -27,7 +27,7 @@ from diffexport.errors import DiffExportError
 MAX_TEMPLATE_BYTES = 1024**2  # chat templates are a few kB
 MAX_RENDER_SECONDS = 2.0  # a conversation renders in milliseconds
 MAX_RENDER_CHARS = 4 * 1024**2  # the conversation (bounded by the context anyway) and the template's text
-MAX_RENDER_GROWTH = 512 * 1024**2  # resident memory the process may gain while rendering
+MAX_RENDER_GROWTH = 256 * 1024**2  # resident memory the process may gain while rendering (a few MB is plenty)
 MAX_NUMBER_BITS = 1 << 16  # a product or power of integers (a template counts to thousands at most)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -145,7 +145,7 @@ def render_chat(folder: Path, messages: list[dict], add_generation_prompt: bool 
         events += 1
         if time.perf_counter() - start > MAX_RENDER_SECONDS:
             raise _Stop(f"more than {MAX_RENDER_SECONDS:g} s")
-        if events % 8 == 0 and _resident_bytes() - resident > MAX_RENDER_GROWTH:
+        if events % 4 == 0 and _resident_bytes() - resident > MAX_RENDER_GROWTH:
             raise _Stop(f"more than {MAX_RENDER_GROWTH >> 20} MiB of memory")
         return trace
 

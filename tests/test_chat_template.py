@@ -61,7 +61,7 @@ BOUNDED = {
     "a nested loop with no output": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
                                      f"stopped at more than {MAX_RENDER_SECONDS:g} s"),
     "a string doubled in a loop": ("{% set ns = namespace(s='a') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
-                                   "{% endfor %}{{ ns.s|length }}", "stopped at more than 512 MiB of memory"),
+                                   "{% endfor %}{{ ns.s|length }}", "stopped at more than 256 MiB of memory"),
     "a product": ("{{ 'a' * 10**9 }}", "stopped at a product of 1,000,000,000 items"),
     "a power": ("{% set n = 10 ** 64 %}{{ n ** 64 ** 64 }}", "stopped at a number of about"),
     "a product of numbers": ("{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}"

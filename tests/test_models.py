@@ -216,13 +216,17 @@ def test_building_allocates_the_weights_once(tmp_path):
     import subprocess
     import sys
 
+    # VmHWM: this child's own peak (ru_maxrss would start at the forked test process's peak, and a
+    # long session's would hide the build's growth)
     code = """
-import resource, torch
+import torch
 from diffexport.modeling import DiffV1Config, build_model
+def peak_kb():
+    return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 cfg = DiffV1Config(vocab_size=32000, d_model=1024, n_layers=8, n_heads=4)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kb()
 model = build_model(cfg, seed=0)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = peak_kb()
 weights = sum(p.numel() * p.element_size() for p in model.parameters())
 print((after - before) * 1024 / weights)
 """
