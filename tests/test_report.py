@@ -11,6 +11,7 @@ import dataclasses
 import html.parser
 import os
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
@@ -147,24 +148,41 @@ def test_chromium_renders_the_page_without_errors(decoder_page, tmp_path):
 
 
 def test_a_prefill_file_from_the_command_line(artifacts, tmp_path):
-    """`diffexport report model.onnx --preset ...`: the check's comparisons per shape, the prompt
-    rate (a prefill file has no decode), exit 0; again without --force: one line, the page kept."""
+    """`diffexport report model.onnx --preset ... --no-speed`: the check's comparisons per shape,
+    exit 0; again without --force: one line, the page kept."""
     onnx_path = artifacts.cli_output("onnx", "--preset", "diff-v1-tiny")
     out = tmp_path / "prefill.html"
-    result = cli_main("report", onnx_path, "--preset", "diff-v1-tiny", "-o", out, "--save-dir", tmp_path / "check")
+    result = cli_main("report", onnx_path, "--preset", "diff-v1-tiny", "-o", out, "--save-dir", tmp_path / "check",
+                      "--no-speed")
     assert result.returncode == 0, result.stderr
     assert f"report        {out} (PASS" in result.stdout
     page = out.read_text(encoding="utf-8")
     parts = PageParts(page)
-    assert [a["alt"] for tag, a in parts.tags if tag == "img"] == ["lambda per layer", "each output against its bound",
-                                                                    "tokens per second"]
+    assert [a["alt"] for tag, a in parts.tags if tag == "img"] == ["lambda per layer", "each output against its bound"]
     text = " ".join(parts.text)
-    assert "prefill ONNX file" in text and "a prefill file has no decode" in text
-    assert "comparisons within their bound" in text and "diffexport check" in text
+    assert "prefill ONNX file" in text and "Not measured (--no-speed)" in text
+    assert "comparisons within their bound" in text and "diffexport check --preset" not in text
+    assert f"diffexport check {onnx_path} --preset diff-v1-tiny" in text
     before = out.read_bytes()
     again = cli_main("report", onnx_path, "--preset", "diff-v1-tiny", "-o", out, "--no-speed")
     assert_one_line_error(again, "already exists")
     assert out.read_bytes() == before
+
+
+def test_a_prefill_files_speed(artifacts, monkeypatch):
+    """measure_prefill: the prompt rate of onnxruntime calls, the weights' bytes and the bound they set
+    (the bandwidth probe itself is measured in the decoder page's test; a fixed 10 GB/s here)."""
+    from diffexport.backends import speed
+
+    monkeypatch.setattr(speed, "read_bandwidth", lambda: 1e10)
+    onnx_path = artifacts.cli_output("onnx", "--preset", "diff-v1-tiny")
+    measured = speed.measure_prefill(onnx_path, 512, prompt_tokens=16, rounds=2)
+    assert measured.prompt_tokens == 16 and measured.prompt_tokens_per_s > 0 and measured.rounds == 2
+    assert measured.weight_bytes == speed.weight_bytes_per_token(onnx_path) > 1_000_000  # fp32 tiny: ~2 MB
+    assert measured.decode_bound == 1e10 / measured.weight_bytes and np.isnan(measured.decode_tokens_per_s)
+    from diffexport.report.page import _speed_section  # the section of the page this measure fills
+
+    assert "a prefill file has no decode" in _speed_section(types.SimpleNamespace(speed=measured))
 
 
 def test_refusals_come_before_the_model_loads(artifacts, tmp_path):
