@@ -6,6 +6,8 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -564,7 +566,16 @@ def test_hub_ids_resolve_from_the_offline_cache(artifacts, tmp_path, monkeypatch
     assert (tmp_path / "kv" / "tokenizer.json").is_file()  # the repository's tokenizer came along
     info = run_cli("info", f"test-org/tiny-diffllama@{commit}")
     assert info.returncode == 0 and "diff_v1" in info.stdout, info.stdout + info.stderr
-    assert_one_line_error(run_cli("info", "test-org/not-cached"), "not in the local Hugging Face cache while offline")
-    assert_one_line_error(run_cli("info", "test-org/no-config"), "has no config.json")
-    assert_one_line_error(run_cli("info", "test-org/bin-only"), "does not fetch pickled .bin weights")
-    assert_one_line_error(run_cli("info", "no-such-file.pt"), "checkpoint not found: no-such-file.pt")
+    # the refusals, in one child (huggingface_hub reads HF_HUB_OFFLINE when it is imported): each
+    # `diffexport info ID` run through main() with its own stderr
+    code = ("import contextlib, io, json, sys\nfrom diffexport.cli import main\nresults = []\n"
+            "for arg in sys.argv[1:]:\n    err = io.StringIO()\n    with contextlib.redirect_stderr(err):\n"
+            "        try:\n            code = main(['info', arg])\n        except SystemExit as stop:\n"
+            "            code = stop.code\n    results.append((code, err.getvalue()))\nprint(json.dumps(results))\n")
+    refusals = {"test-org/not-cached": "not in the local Hugging Face cache while offline",
+                "test-org/no-config": "has no config.json", "test-org/bin-only": "does not fetch pickled .bin weights",
+                "no-such-file.pt": "checkpoint not found: no-such-file.pt"}
+    child = subprocess.run([sys.executable, "-c", code, *refusals], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    for (arg, message), (code, stderr) in zip(refusals.items(), json.loads(child.stdout.splitlines()[-1])):
+        assert_one_line_error(subprocess.CompletedProcess(arg, code, "", stderr), message)
