@@ -199,9 +199,12 @@ def test_refusals_come_before_the_model_loads(artifacts, tmp_path):
              (kv, tmp_path / "page.txt", "ending in .html"),
              (kv, tmp_path / "taken.html" / "r.html", "is not a folder"),
              (tmp_path / "model.engine", tmp_path / "e.html", "a report covers a KV-cache folder or an .onnx file"),
-             (tmp_path / "bad.onnx", tmp_path / "b.html", "bad.onnx")]
+             (tmp_path / "bad.onnx", tmp_path / "b.html", "bad.onnx"),
+             (tmp_path / "missing", tmp_path / "m.html", "missing does not exist")]
     for artifact, output, message in cases:
         with pytest.raises(DiffExportError, match=message.replace(".", r"\.")):
             write_report(artifact, must_not_load, output, log=quiet)
+    with pytest.raises(DiffExportError, match="--steps must be a whole number of decode steps, 0 or more; got -3"):
+        write_report(kv, must_not_load, tmp_path / "s.html", steps=-3, log=quiet)
     assert (tmp_path / "taken.html").read_text() == "mine" and not (tmp_path / "elsewhere.html").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx", "link.html", "model.engine", "taken.html"]
