@@ -101,7 +101,7 @@ class Artifacts:
         """The KV-cache decoder folder of a RECIPES model (export_decoder's defaults otherwise)."""
         def build(folder):
             from diffexport.checkpoint import load_model
-            from diffexport.export.decoder import export_decoder
+            from diffexport.passes.decoder_formats import export_decoder
             from helpers import quiet
 
             summary = export_decoder(load_model(self.checkpoint(recipe)), folder / attention, attention=attention,

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from diffexport.analysis import stats, streams, sweep
+from diffexport.analysis import stats, sweep
+from diffexport.inputs import streams
 from diffexport.analysis.probe import AttentionProbe
 from diffexport.checkpoint import save_checkpoint
 from diffexport.errors import DiffExportError
@@ -161,16 +162,16 @@ def test_calibration_tokens_are_bounded():
 
 
 def test_task_stream_marks_exactly_the_answer_positions():
-    from diffexport.analysis import needles
+    from diffexport.inputs import needle_task
 
     got = streams.stream_batches(512, text=None, tokenizer=None, tokens=71 * 10, seq_len=71, batch=4, seed=3)
     assert got.source == "needle-task documents" and len(got.answer_masks) == len(got.batches) == 3
     for ids, mask in zip(got.batches, got.answer_masks):
         asked = ids[:, :-1][mask[:, :-1]]
         assert mask.any(dim=1).all()  # every document asks at least once
-        assert ((asked >= needles.CITY_FIRST) & (asked < needles.NUMBER_FIRST)).all()  # "? CITY" -> number next
+        assert ((asked >= needle_task.CITY_FIRST) & (asked < needle_task.NUMBER_FIRST)).all()  # "? CITY" -> number next
         nxt = ids[:, 1:][mask[:, :-1]]
-        assert ((nxt >= needles.NUMBER_FIRST) & (nxt < needles.FILLER_FIRST)).all()
+        assert ((nxt >= needle_task.NUMBER_FIRST) & (nxt < needle_task.FILLER_FIRST)).all()
 
 
 def test_sweep_reference_point_is_exact_and_damage_grows():

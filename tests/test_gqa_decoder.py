@@ -20,7 +20,8 @@ from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_safetensors  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
-from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.format import decoders  # noqa: E402
+from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.generation import Sampling, generate, pad_batch  # noqa: E402
 from diffexport.inspect_onnx import inspect_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
@@ -150,6 +151,24 @@ def test_generation_stops_at_the_context_length(tmp_path):
     for backend in ("genai", "onnxruntime"):  # the CLI: one line, exit 2
         assert_one_line_error(cli_main("generate", tmp_path / "kv", "--ids", ",".join(map(str, range(1, 18))),
                                       "--backend", backend), "exceeds the context length 16")
+
+
+def test_the_export_layer_needs_the_formats_pass_handed_in(tmp_path):
+    """export.decoder cannot import passes (they sit above it): a gqa folder asked of it without the
+    pass is refused in one line before anything is traced or written; a pass handed to a format
+    that has none is refused too. passes.decoder_formats hands in the registry's pass."""
+    from diffexport.export import decoder
+    from diffexport.passes import decoder_formats, group_query_attention
+
+    loaded = load_model(None, preset="diff-v1-tiny", seed=2)
+    with pytest.raises(DiffExportError, match="written by a pass after the export: call diffexport.passes"):
+        decoder.export_decoder(loaded, tmp_path / "kv", attention="gqa", log=quiet)
+    with pytest.raises(DiffExportError, match="has no post-export rewrite"):
+        decoder.export_decoder(loaded, tmp_path / "kv", rewrite=group_query_attention.rewrite_decoder_file, log=quiet)
+    assert not (tmp_path / "kv").exists() and list(tmp_path.iterdir()) == []
+    assert decoder_formats.rewrite_for("gqa") is group_query_attention.rewrite_decoder_file
+    assert decoder_formats.rewrite_for("diffattention") is None
+    assert {f.rewrite for f in decoders.FORMATS.values() if f.rewrite} == set(decoder_formats.REWRITES)
 
 
 def test_gqa_folder_decodes_in_genai_like_eager(v1_pair):

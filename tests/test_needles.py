@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffexport.analysis import needles
+from diffexport.inputs import needle_task
 from diffexport.checkpoint import load_model
 from diffexport.errors import DiffExportError
 from diffexport.modeling import build_model
@@ -21,52 +22,52 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("n, r, depth", [(1, 1, 0), (2, 2, 50), (6, 2, 100), (4, 1, 25), (6, 6, None)])
 def test_sample_layout(n, r, depth):
-    s = needles.make_sample(random.Random(n * 10 + r), 64, n, r, depth)
-    assert len(s.tokens) == 1 + 64 + needles.QUERY_LEN * r and s.tokens[0] == needles.BOS
-    assert s.context == (1, 65) and max(s.tokens) < needles.TASK_VOCAB
+    s = needle_task.make_sample(random.Random(n * 10 + r), 64, n, r, depth)
+    assert len(s.tokens) == 1 + 64 + needle_task.QUERY_LEN * r and s.tokens[0] == needle_task.BOS
+    assert s.context == (1, 65) and max(s.tokens) < needle_task.TASK_VOCAB
     doc = s.tokens[1:65]
-    cities = [t for t in doc if needles.CITY_FIRST <= t < needles.NUMBER_FIRST]
+    cities = [t for t in doc if needle_task.CITY_FIRST <= t < needle_task.NUMBER_FIRST]
     assert len(cities) == len(set(cities)) == n  # each needle once, distinct cities
     for pos, answer, (start, end) in zip(s.answer_positions, s.answers, s.answer_spans):
         asked_city = s.tokens[pos]
-        assert s.tokens[pos - 1] == needles.ASK and s.tokens[pos + 1] == answer  # "? CITY" then the number
-        assert s.tokens[start:end] == [answer, asked_city, needles.DOT]  # the needle holds the answer
+        assert s.tokens[pos - 1] == needle_task.ASK and s.tokens[pos + 1] == answer  # "? CITY" then the number
+        assert s.tokens[start:end] == [answer, asked_city, needle_task.DOT]  # the needle holds the answer
     if depth is not None:
-        n_filler = 64 - needles.NEEDLE_LEN * n
+        n_filler = 64 - needle_task.NEEDLE_LEN * n
         start = s.answer_spans[0][0]
         # the first asked needle sits after round(depth% of the filler) filler tokens (other needles may precede it)
-        needles_before = sum(1 for t in s.tokens[1:start] if needles.CITY_FIRST <= t < needles.NUMBER_FIRST)
-        fillers_before = (start - 1) - needles.NEEDLE_LEN * needles_before
+        needles_before = sum(1 for t in s.tokens[1:start] if needle_task.CITY_FIRST <= t < needle_task.NUMBER_FIRST)
+        fillers_before = (start - 1) - needle_task.NEEDLE_LEN * needles_before
         assert fillers_before == round(depth / 100 * n_filler)
 
 
 def test_generation_is_seeded():
-    a = [needles.make_sample(random.Random(5), 64, 4, 2, 50).tokens for _ in range(2)]
-    b = needles.make_sample(random.Random(6), 64, 4, 2, 50).tokens
+    a = [needle_task.make_sample(random.Random(5), 64, 4, 2, 50).tokens for _ in range(2)]
+    b = needle_task.make_sample(random.Random(6), 64, 4, 2, 50).tokens
     assert a[0] == a[1] and a[0] != b
 
 
 def test_bad_task_settings_refused():
     with pytest.raises(DiffExportError, match="cannot hold"):
-        needles.make_sample(random.Random(0), 10, 4, 1)
+        needle_task.make_sample(random.Random(0), 10, 4, 1)
     with pytest.raises(DiffExportError, match="queries"):
-        needles.make_sample(random.Random(0), 64, 2, 3)
+        needle_task.make_sample(random.Random(0), 64, 2, 3)
     with pytest.raises(DiffExportError, match="at least 512"):
-        needles.check_vocab(100)
+        needle_task.check_vocab(100)
     for counts in ((0,), (-1,), (33,)):  # --needles 0 used to end in a division by zero
         with pytest.raises(DiffExportError, match="counts must be in 1..32"):
-            needles.grid(counts, (1,), (50,))
+            needle_task.grid(counts, (1,), (50,))
     with pytest.raises(DiffExportError, match="no cell to evaluate"):
-        needles.grid((1, 2), (3,), (50,))
-    assert needles.grid((1, 2), (2,), (0, 100)) == [(2, 2, 0), (2, 2, 100)]
+        needle_task.grid((1, 2), (3,), (50,))
+    assert needle_task.grid((1, 2), (2,), (0, 100)) == [(2, 2, 0), (2, 2, 100)]
 
 
 def test_training_batch_supervises_only_answers():
-    ids, targets = needles.training_batch(random.Random(1), 8, 64)
+    ids, targets = needle_task.training_batch(random.Random(1), 8, 64)
     assert ids.shape == targets.shape and ids.shape[0] == 8
     answered = targets != -100
-    assert answered.any() and (targets[answered] >= needles.NUMBER_FIRST).all()
-    assert (targets[answered] < needles.FILLER_FIRST).all()
+    assert answered.any() and (targets[answered] >= needle_task.NUMBER_FIRST).all()
+    assert (targets[answered] < needle_task.FILLER_FIRST).all()
     # each answer is the next input token
     assert torch.equal(targets[:, :-1][answered[:, :-1]], ids[:, 1:][answered[:, :-1]])
 

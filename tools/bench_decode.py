@@ -41,7 +41,7 @@ import benchdoc  # noqa: E402
 from diffexport.backends import decoding  # noqa: E402
 from diffexport.backends.speed import read_bandwidth, weight_bytes_per_token  # noqa: E402,F401 (the tools' names)
 from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.generation import Sampling, generate  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, FFN = 768, 12, 32000, 2048

@@ -33,7 +33,7 @@ import benchdoc  # noqa: E402
 
 from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
 
 PRESET = "diff-v1-110m"

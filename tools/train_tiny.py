@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from diffexport.analysis import needles
+from diffexport.inputs import needle_task
 from diffexport.checkpoint import save_checkpoint
 from diffexport.modeling import DiffV1Config, baseline_for, build_model
 
@@ -48,7 +49,7 @@ def diff_config(size: str, head_dim: int | None = None) -> DiffV1Config:
     if head_dim is not None:  # the same width in fewer, wider heads (d_model = 2 * heads * head_dim holds for both)
         shape["n_heads"] = shape["n_heads"] * shape["head_dim"] // head_dim
         shape["head_dim"] = head_dim
-    return DiffV1Config(vocab_size=needles.TASK_VOCAB, ffn_hidden=None, **shape)
+    return DiffV1Config(vocab_size=needle_task.TASK_VOCAB, ffn_hidden=None, **shape)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -74,7 +75,7 @@ def train_one(model, args, log, name: str) -> list[dict]:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        input_ids, targets = needles.training_batch(rng, args.batch, args.context, args.max_needles, args.max_queries)
+        input_ids, targets = needle_task.training_batch(rng, args.batch, args.context, args.max_needles, args.max_queries)
         input_ids, targets = input_ids.to(args.device), targets.to(args.device)
         logits = model(input_ids)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
 
     cfg = diff_config(args.size, args.head_dim)
     configs = {"diff": cfg, "transformer": baseline_for(cfg)}
-    task = {"name": needles.TASK_NAME, "context_len": args.context}
+    task = {"name": needle_task.TASK_NAME, "context_len": args.context}
     report = {"args": vars(args), "torch": torch.__version__, "models": {}}
     for name, model_cfg in configs.items():
         if args.only and name != args.only:

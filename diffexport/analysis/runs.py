@@ -8,6 +8,7 @@ import dataclasses
 from typing import Callable
 
 from diffexport.analysis import needles
+from diffexport.inputs import needle_task
 from diffexport.errors import DiffExportError
 
 
@@ -32,13 +33,13 @@ def progress_bar(label: str, total: int):
 def model_stream(loaded, options: StreamOptions):
     """The token batches a model is measured on: its own task's sequence length when it was trained
     on the needle task and none is given."""
-    from diffexport.analysis.streams import stream_batches
+    from diffexport.inputs.streams import stream_batches
 
     seq_len = options.seq_len
     if seq_len is None:
         task = loaded.task or {}
-        trained = task.get("name") == needles.TASK_NAME and int(task.get("context_len", 0)) > 0
-        seq_len = needles.stream_sequence_len(int(task["context_len"])) if trained else 256
+        trained = task.get("name") == needle_task.TASK_NAME and int(task.get("context_len", 0)) > 0
+        seq_len = needle_task.stream_sequence_len(int(task["context_len"])) if trained else 256
     return stream_batches(loaded.config.vocab_size, text=options.text, tokenizer=options.tokenizer,
                           tokens=options.tokens, seq_len=seq_len, batch=options.batch, seed=options.seed)
 
@@ -48,13 +49,13 @@ def task_evaluator(name: str, loaded, task: str = "auto", samples: int = 32, see
     task (or task is "needles"); None otherwise. Each evaluation shows its own progress."""
     trained = loaded.task or {}
     wanted = task if task != "auto" else trained.get("name")
-    if wanted != needles.TASK_NAME:
+    if wanted != needle_task.TASK_NAME:
         return None
     context = int(trained.get("context_len", 128))
 
     def evaluate(quant, attention=None):
         setting = f" ({quant.describe()} logits)" if quant is not None and quant.active else ""
-        cells = needles.grid(needles.DEFAULT_NEEDLES, needles.DEFAULT_QUERIES, needles.DEFAULT_DEPTHS)
+        cells = needle_task.grid(needle_task.DEFAULT_NEEDLES, needle_task.DEFAULT_QUERIES, needle_task.DEFAULT_DEPTHS)
         progress, advance = progress_bar(f"{name}: task accuracy{setting}", len(cells))
         with progress:
             return needles.accuracy(loaded.model, context_len=context, samples=samples, seed=seed + 1,

@@ -185,6 +185,7 @@ def cmd_retrieval(args) -> int:
     import json
 
     from diffexport.analysis import needles, plots
+    from diffexport.inputs import needle_task
     from diffexport.analysis.runs import progress_bar
     from diffexport.quantization import LogitQuant
 
@@ -193,7 +194,7 @@ def cmd_retrieval(args) -> int:
     results = {}
     for name, loaded in _load_models(args).items():
         context = args.context or int((loaded.task or {}).get("context_len", 128))
-        cells = needles.grid(args.needles, args.queries, args.depths)
+        cells = needle_task.grid(args.needles, args.queries, args.depths)
         progress, advance = progress_bar(f"{name}: retrieval", len(cells))
         with progress:
             results[name] = needles.evaluate(

@@ -51,7 +51,8 @@ def cmd_onnx(args) -> int:
 
     options = _export_options(args)
     if args.kv_cache:
-        from diffexport.export.decoder import check_target as check_folder, export_decoder
+        from diffexport.export.decoder import check_target as check_folder
+        from diffexport.passes.decoder_formats import export_decoder
 
         output = "model-kv" if args.output is None else args.output
         attention = args.attention or decoders.DEFAULT

@@ -49,6 +49,9 @@ KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
 ATTENTION_OPS = tuple(decoders.FORMATS)
 GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)
 DEFAULT_CONTEXT = 2048  # native checkpoints carry no context length
+# A decoder format's post-export rewrite (its pass): (model path in the temporary folder, external
+# data, context length, log), rewriting the file in place before the folder is published.
+DecoderRewrite = Callable[[Path, bool, int, Callable[[str], None]], None]
 # Files a tokenizer folder may hold that onnxruntime-genai / transformers read (never code files).
 # chat_template.jinja: where newer transformers save a chat template (a sandboxed template, read by
 # `generate --chat`, not code).
@@ -411,10 +414,12 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
 def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
                    tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
                    threads: int | None = None, attention: str = decoders.DEFAULT, provider: str | None = None,
+                   rewrite: DecoderRewrite | None = None,
                    log: Callable[[str], None] = print) -> DecoderExportSummary:
     """Export `loaded` as a KV-cache decoder folder for onnxruntime-genai (and plain onnxruntime).
-    attention "gqa": every DiffAttention node rewritten as onnxruntime's GroupQueryAttention (a
-    folder for onnxruntime only, faster there; passes/group_query_attention.py)."""
+    A format whose entry names a rewrite (attention "gqa": every DiffAttention node as onnxruntime's
+    GroupQueryAttention) needs that pass handed in as `rewrite`, since passes sit above the export:
+    diffexport.passes.decoder_formats.export_decoder does that for every format."""
     options = options or ExportOptions()
     out_dir = Path(out_dir)
     check_target(out_dir, options, context_length, threads, attention, provider)
@@ -423,6 +428,12 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     if cfg.family not in KV_FAMILIES:
         raise DiffExportError(f"--kv-cache exports {list(KV_FAMILIES)} models, not {cfg.family!r}")
     fmt = decoders.decoder_format(attention)
+    if fmt.rewrite and rewrite is None:
+        raise DiffExportError(f"the {fmt.name} format's graph is written by a pass after the export: call "
+                              "diffexport.passes.decoder_formats.export_decoder, or `diffexport onnx --kv-cache "
+                              f"--attention {fmt.name}`")
+    if rewrite is not None and not fmt.rewrite:
+        raise DiffExportError(f"the {fmt.name} format has no post-export rewrite, but one was handed in")
     if fmt.rewrite and cfg.family == "transformer":
         raise DiffExportError(f"--attention {fmt.name} rewrites DiffAttention nodes; the baseline Transformer has none "
                               "(export it without --attention)")
@@ -481,8 +492,8 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
-        if fmt.rewrite:
-            REWRITES[fmt.rewrite](tmp_dir / MODEL_FILE, external, context_length, log)
+        if rewrite is not None:  # the format's pass, on the checked graph inside the temporary folder
+            rewrite(tmp_dir / MODEL_FILE, external, context_length, log)
         config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider, search)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
@@ -498,31 +509,6 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
                                 cache_width=cache_width(cfg), context_length=context_length, tokenizer=bool(tok_files),
                                 file_bytes=size, dtype=options.dtype, seconds=time.monotonic() - start,
                                 attention=attention, cache_heads=cache_heads(cfg, attention), provider=provider)
-
-
-def _rewrite_for_gqa(model_path: Path, external: bool, context_length: int, log: Callable[[str], None]) -> None:
-    """The checked DiffAttention graph at model_path, rewritten in place (inside the temporary folder)."""
-    import onnx
-
-    from diffexport.passes.group_query_attention import rewrite_decoder
-    from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
-
-    model = onnx.load(str(model_path))  # weights too: they are written again below
-    result = rewrite_decoder(model, rotary_positions=context_length)
-    del model
-    log(f"rewriting     {result.layers} DiffAttention -> GroupQueryAttention (cache [batch, {result.num_kv_heads}, "
-        f"past, {result.head_size}], shared buffer; rotary {result.rotary})")
-    fused, counts = fuse_for_onnxruntime(result.model)
-    del result
-    log(f"fusing        {counts.describe()}")
-    data = model_path.with_name(model_path.name + ".data")
-    if data.exists():
-        data.unlink()  # onnx appends to an existing data file; its weights are in memory now
-    onnx.save(fused, str(model_path), save_as_external_data=external, location=data.name)
-    try:
-        onnx.checker.check_model(str(model_path), full_check=True)
-    except onnx.checker.ValidationError as exc:
-        raise DiffExportError(f"internal: the GroupQueryAttention graph fails onnx.checker: {str(exc).splitlines()[0]}")
 
 
 def _umask() -> int:
@@ -588,9 +574,3 @@ def _check_config_describes_the_graph(config: dict, meta: dict, fmt, config_path
             raise DiffExportError(f"{config_path}: {section}.{key} is "
                                   f"{given!r}, but the graph's metadata says {value}: the files do not belong "
                                   "together (re-export the folder)")
-
-
-# Each decoder format's post-export rewrite (format/decoders.py names it), run in the temporary folder.
-REWRITES: dict[str, Callable[[Path, bool, int, Callable[[str], None]], None]] = {
-    "group_query_attention": _rewrite_for_gqa,
-}

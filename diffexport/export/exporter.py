@@ -207,9 +207,9 @@ def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, key_mask, *
 # ---------------------------------------------------------------- finish
 
 def norms_for_onnxruntime(model_ir, log: Callable[[str], None]) -> None:
-    """RMSNorms as Div(x, Sqrt(...)), the form onnxruntime fuses at load (passes/norm_division.py);
+    """RMSNorms as Div(x, Sqrt(...)), the form onnxruntime fuses at load (export/norm_form.py);
     run before _finish attaches the DiffAttention function, whose body stays as the contract writes it."""
-    from diffexport.passes.norm_division import divide_by_root
+    from diffexport.export.norm_form import divide_by_root
 
     if model_ir.functions:
         raise DiffExportError("internal: the traced graph already holds functions; norms are rewritten before any")

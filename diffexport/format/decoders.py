@@ -2,8 +2,8 @@
 
 A folder's format is recorded in its model.onnx metadata (`diffexport.attention`). Code above this
 layer asks the registry (`decoder_format(name)`) instead of comparing the name. Adding a format
-means adding an entry here and its rewrite pass in passes/; export/decoder.py maps each format's
-`rewrite` to that pass.
+means adding an entry here and its rewrite pass in passes/; passes/decoder_formats.py maps each
+format's `rewrite` to that pass and hands it to the export.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def vocab_size(model, path: Path) -> int:
 
 def batches(options: CalibrationFields, vocab: int) -> tuple[list[np.ndarray], str]:
     """Calibration inputs [batch, seq_len] int64, and where they came from."""
-    from diffexport.analysis import streams
+    from diffexport.inputs import streams
 
     if options.calib == SYNTHETIC:
         ids, _, source = streams.synthetic_ids(vocab, options.samples * options.seq_len, options.seq_len,

@@ -44,6 +44,8 @@ the reason. The result has no DiffAttention node: it is for onnxruntime (CPU, CU
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -200,6 +202,31 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
     _finish_imports(model)
     _drop_unused_initializers(model.graph)
     return GqaResult(model, layers, kv_heads, head_size, rotary)
+
+
+def rewrite_decoder_file(model_path: Path, external: bool, context_length: int,
+                         log: Callable[[str], None]) -> None:
+    """The gqa format's post-export rewrite (export.decoder.DecoderRewrite): the checked DiffAttention
+    graph at model_path, rewritten and fused for onnxruntime in place, inside the export's temporary
+    folder, then checked again."""
+    from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
+
+    model = onnx.load(str(model_path))  # weights too: they are written again below
+    result = rewrite_decoder(model, rotary_positions=context_length)
+    del model
+    log(f"rewriting     {result.layers} DiffAttention -> GroupQueryAttention (cache [batch, {result.num_kv_heads}, "
+        f"past, {result.head_size}], shared buffer; rotary {result.rotary})")
+    fused, counts = fuse_for_onnxruntime(result.model)
+    del result
+    log(f"fusing        {counts.describe()}")
+    data = model_path.with_name(model_path.name + ".data")
+    if data.exists():
+        data.unlink()  # onnx appends to an existing data file; its weights are in memory now
+    onnx.save(fused, str(model_path), save_as_external_data=external, location=data.name)
+    try:
+        onnx.checker.check_model(str(model_path), full_check=True)
+    except onnx.checker.ValidationError as exc:
+        raise DiffExportError(f"internal: the GroupQueryAttention graph fails onnx.checker: {str(exc).splitlines()[0]}")
 
 
 def _shared_inputs(g: _Graph, nodes: list, dtype: int):

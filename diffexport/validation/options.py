@@ -158,7 +158,7 @@ class TextIds:
 
     def __init__(self, options: CheckOptions, vocab: int, need: int, for_what: str = "the --shapes need",
                  tokenizer: str | None = None):
-        from diffexport.analysis.streams import text_ids
+        from diffexport.inputs.streams import text_ids
 
         tokenizer = tokenizer if options.tokenizer is None else options.tokenizer
         self.ids = text_ids(options.text, tokenizer, vocab)

@@ -1,4 +1,4 @@
-"""passes/norm_division.py: torch's RMSNorm (x * Reciprocal(Sqrt(v))) becomes x / Sqrt(v), which
+"""export/norm_form.py: torch's RMSNorm (x * Reciprocal(Sqrt(v))) becomes x / Sqrt(v), which
 onnxruntime then fuses into SimplifiedLayerNormalization when a session loads; the values stay
 those of the eager norm; a Reciprocal read elsewhere is left alone; exports come out divided, the
 DiffAttention function body as the contract writes it."""
@@ -14,7 +14,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from diffexport.passes.norm_division import divide_by_root  # noqa: E402
+from diffexport.export.norm_form import divide_by_root  # noqa: E402
 
 WIDTH = 37  # an awkward width
 

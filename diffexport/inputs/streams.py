@@ -53,19 +53,19 @@ def synthetic_ids(vocab_size: int, n_tokens: int, seq_len: int, seed: int) -> tu
 
     With needle-task documents, flags[i] is True where the next token is an answer.
     """
-    from diffexport.analysis import needles
+    from diffexport.inputs import needle_task
 
     rng = random.Random(seed)
-    context = needles.stream_context_len(seq_len)  # one document with up to two questions per sequence
-    if vocab_size >= needles.TASK_VOCAB and context >= 2 * needles.NEEDLE_LEN:  # room for two asked needles
+    context = needle_task.stream_context_len(seq_len)  # one document with up to two questions per sequence
+    if vocab_size >= needle_task.TASK_VOCAB and context >= 2 * needle_task.NEEDLE_LEN:  # room for two asked needles
         ids: list[int] = []
         flags: list[bool] = []
         while len(ids) < n_tokens:
             n_queries = rng.randint(1, 2)
-            n_needles = rng.randint(n_queries, min(6, max(n_queries, context // needles.NEEDLE_LEN)))
-            sample = needles.make_sample(rng, context, n_needles, n_queries)
+            n_needles = rng.randint(n_queries, min(6, max(n_queries, context // needle_task.NEEDLE_LEN)))
+            sample = needle_task.make_sample(rng, context, n_needles, n_queries)
             answer_at = set(sample.answer_positions)
-            ids += (sample.tokens + [needles.PAD] * seq_len)[:seq_len]
+            ids += (sample.tokens + [needle_task.PAD] * seq_len)[:seq_len]
             flags += [i in answer_at for i in range(seq_len)]
         return ids[:n_tokens], flags[:n_tokens], "needle-task documents"
     gen = torch.Generator().manual_seed(seed)

@@ -6,7 +6,9 @@ onnxruntime-genai too), matches only Pow -> ReduceMean -> Add -> Sqrt -> Div -> 
 layer norm of a DiffAttention graph ran as six kernels. Div(x, Sqrt(v)) is the same computation
 with one rounding instead of two, still standard ONNX: TensorRT and other runtimes read it as
 before. Applied to the graphs `diffexport onnx` writes, except `--attention gqa` folders, whose
-own fusion (onnxruntime_fusions) matches torch's form and writes the fused contrib ops itself.
+own fusion (passes/onnxruntime_fusions.py) matches torch's form and writes the fused contrib ops
+itself. It lives in the export because it decides which form the export writes: it runs on the
+traced graph before the DiffAttention function is attached, not on a finished file.
 """
 
 from __future__ import annotations
