@@ -76,10 +76,10 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
 
     path, folder = Path(path), None
     if path.is_dir():
-        from diffexport.export.decoder import configured_providers, read_decoder_folder
+        from diffexport.format.decoder_folder import read_decoder_folder
 
-        path, config, _ = read_decoder_folder(path)
-        folder = {"context_length": config["model"]["context_length"], "providers": configured_providers(config)}
+        read = read_decoder_folder(path)
+        path, folder = read.model_path, {"context_length": read.context_length, "providers": read.providers}
     model = load_onnx(path, weights=False)
     histogram = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node)
     diff_nodes = []

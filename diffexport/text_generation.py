@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Callable
 
 from diffexport.errors import DiffExportError
+from diffexport.format import decoder_folder
 from diffexport.generation import Sampling
 
 def folder_tokenizer(folder: Path):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
     from diffexport.backends.decoding import import_genai
-    from diffexport.export.decoder import has_tokenizer, tokenizer_files
-    from diffexport.format.genai_config import read_genai_config
+    from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder, tokenizer_files
 
     if not has_tokenizer(folder):
         raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
-    read_genai_config(folder)  # og.Model below reads it: nothing it would load, write or run
+    read_decoder_folder(folder)  # og.Model below reads it: nothing it would load, write or run, and its graph
     tokenizer_files(folder)  # nor a link, an oversized file or a pattern that never finishes
     og = import_genai()
     try:
@@ -87,11 +87,11 @@ def prompt_ids(folder: Path, config: dict, max_new_tokens: int, *, ids: str | No
     """The prompt (`ids` as '1,2,3', else the text `prompt`) as token ids that leave room for
     max_new_tokens in the context, and the tokenizer (None for ids); config: the folder's genai config."""
     if ids is not None:
-        tokens, tokenizer = parse_ids(ids, int(config["model"]["vocab_size"])), None
+        tokens, tokenizer = parse_ids(ids, decoder_folder.vocab_size(config)), None
     else:
         tokenizer = folder_tokenizer(folder)
         tokens = encode(tokenizer, folder, prompt, chat, system)
-    check_room(tokens, max_new_tokens, int(config["model"]["context_length"]))
+    check_room(tokens, max_new_tokens, decoder_folder.context_length(config))
     return tokens, tokenizer
 
 
@@ -104,7 +104,7 @@ def folder_sampling(config: dict, *, greedy: bool = False, sample: bool = False,
     (do_sample true, from its checkpoint's generation_config.json) samples with its temperature, top-k
     and top-p unless `greedy`; its repetition penalty applies either way. Otherwise greedy, or with
     `sample` temperature 1, no top-k or top-p cut. What came from the folder is said through `log`."""
-    from diffexport.export.decoder import folder_search
+    from diffexport.format.decoder_folder import folder_search
 
     search = folder_search(config)
     folder_samples = search["do_sample"] and not greedy and num_beams == 1
@@ -201,13 +201,13 @@ class ChatSession:
                  system: str | None = None, stop: list[str] | tuple = (), backend: str = "genai",
                  provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None,
                  log: Callable[[str], None] | None = None):
-        from diffexport.export.decoder import eos_token_ids
+        from diffexport.format.decoder_folder import eos_token_ids
 
         self.folder, self.config, self.sampling, self.max_new_tokens = folder, config, sampling, max_new_tokens
         self.stop, self.backend, self.log = list(stop), backend, log or (lambda _: None)
         self.tokenizer = folder_tokenizer(folder)
         self.eos = set(eos_token_ids(config))
-        self.history = ChatHistory(self.tokenizer, folder, int(config["model"]["context_length"]), max_new_tokens,
+        self.history = ChatHistory(self.tokenizer, folder, decoder_folder.context_length(config), max_new_tokens,
                                    system, log=self.log)
         self.runner, self.provider = open_backend(folder, backend, provider, engine, plugin_lib)
         self.session = None  # GenaiSession or LoopSession, made at the first turn
@@ -302,7 +302,7 @@ def beam_searcher(folder: Path, search, prompts: list[list[int]], longest: int, 
     generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
     most tokens a search holds (its caches are checked against this machine's memory first)."""
     from diffexport.backends import decoding
-    from diffexport.export.decoder import read_decoder_folder
+    from diffexport.format.decoder_folder import read_decoder_folder
 
     _, config, meta = read_decoder_folder(folder)
     decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
@@ -334,14 +334,14 @@ def read_prompt_rows(folder: Path, config: dict, path: Path, max_new_tokens: int
     its own max_new_tokens and stop strings where the line gives them, else the caller's."""
     from diffexport import prompts as prompts_file
 
-    lines = prompts_file.read_prompts(path, int(config["model"]["vocab_size"]))
+    lines = prompts_file.read_prompts(path, decoder_folder.vocab_size(config))
     texts = any(p.text is not None for p in lines)
     if chat and not texts:
         raise DiffExportError("--chat templates text prompts: the prompts file gives token ids only")
     if stop and not texts:
         raise DiffExportError("--stop matches generated text: the prompts file gives token ids only")
     tokenizer = folder_tokenizer(folder) if texts else None
-    context = int(config["model"]["context_length"])
+    context = decoder_folder.context_length(config)
     ids, limits = [], [max_new_tokens if p.max_new_tokens is None else p.max_new_tokens for p in lines]
     for p, limit in zip(lines, limits):
         row = encode(tokenizer, folder, p.text, chat, system) if p.text is not None else p.ids
@@ -394,7 +394,7 @@ def _answer_in_batches(folder, config, rows: PromptRows, sampling, backend, prov
     import time
 
     from diffexport.backends import decoding
-    from diffexport.export.decoder import eos_token_ids
+    from diffexport.format.decoder_folder import eos_token_ids
     from diffexport.generation import StopText
 
     if batch_size < 1:

@@ -508,7 +508,7 @@ def test_folder_search_with_top_p_alone_goes_through_genais_top_k_sampler():
     """A checkpoint's top_p with top_k 0 (no cut) is written as a top-k of the whole vocabulary, so
     an app sampling with the folder's defaults in genai avoids genai's top-p-only sampler; other
     values are written as they are."""
-    from diffexport.export.decoder import SEARCH_DEFAULTS, genai_config
+    from diffexport.format.decoder_folder import SEARCH_DEFAULTS, genai_config
     from diffexport.presets import preset_config
 
     cfg = preset_config("diff-v1-tiny")

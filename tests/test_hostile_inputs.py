@@ -381,7 +381,7 @@ def test_malformed_export_metadata_is_one_line(exported, tmp_path, key, value):
 def test_generation_config_search_values_from_strangers(tmp_path):
     """A checkpoint's generation_config.json feeds the folder's search block: a link, a huge or a
     broken file is passed over whole, values of another type or range one by one (said, not used)."""
-    from diffexport.export.decoder import hf_search
+    from diffexport.format.decoder_folder import hf_search
 
     folder = tmp_path / "ckpt"
     folder.mkdir()

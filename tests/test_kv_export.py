@@ -19,7 +19,8 @@ from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
-from diffexport.export.decoder import cache_width, export_decoder  # noqa: E402
+from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.format.decoder_folder import cache_width  # noqa: E402
 from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
 from diffexport.presets import preset_config  # noqa: E402
@@ -445,6 +446,10 @@ def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):
     other["model"]["decoder"]["num_key_value_heads"] = 2  # a gqa folder's config beside a DiffAttention graph
     assert_one_line_error(cli_main("check", folder_with("mismatch", json.dumps(other)), "--ckpt", v1_ckpt),
                           "do not belong together")
+    vocab = json.loads(json.dumps(config))
+    vocab["model"]["vocab_size"] = 1 << 24  # genai would size its logits and penalties from it
+    with pytest.raises(DiffExportError, match="vocab_size is 16777216, but the graph's metadata says"):
+        decoding.open_genai_model(folder_with("vocab", json.dumps(vocab)))  # its own gate, before genai reads it
 
 
 def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):
@@ -718,7 +723,7 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("onnxruntime_genai")
     from diffexport.cli import _sampling, build_parser
-    from diffexport.export.decoder import SEARCH_DEFAULTS
+    from diffexport.format.decoder_folder import SEARCH_DEFAULTS
 
     torch.manual_seed(12)
     cfg = transformers.DiffLlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,

@@ -32,7 +32,7 @@ def folder(artifacts):
 def alone(folder):
     """prompt text -> what `diffexport generate --greedy` gives it alone: (new ids, the end id left
     out; their text; their text through the tokenizer's stream decoder)."""
-    from diffexport.export.decoder import eos_token_ids, read_decoder_folder
+    from diffexport.format.decoder_folder import eos_token_ids, read_decoder_folder
     from diffexport.text_generation import encode, folder_tokenizer, generate_once
 
     config = read_decoder_folder(folder)[1]

@@ -47,7 +47,7 @@ import benchdoc  # noqa: E402
 
 from diffexport.backends import decoding  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export.decoder import cache_width  # noqa: E402
+from diffexport.format.decoder_folder import cache_width  # noqa: E402
 from diffexport.generation import Sampling  # noqa: E402
 
 PRESET = "diff-v1-110m"

@@ -36,7 +36,7 @@ import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
 from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export.decoder import cache_width  # noqa: E402
+from diffexport.format.decoder_folder import cache_width  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
 

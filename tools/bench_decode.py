@@ -48,12 +48,12 @@ HIDDEN, LAYERS, VOCAB, FFN = 768, 12, 32000, 2048
 
 
 def with_threads(folder: Path, root: Path, threads: int) -> Path:
-    """A copy of a genai folder (weights linked) whose genai_config sets intra_op_num_threads."""
+    """A copy of a genai folder (files hard-linked) whose genai_config sets intra_op_num_threads."""
     copy = root / f"{folder.name}-t{threads}"
     copy.mkdir()
     for path in folder.iterdir():
         if path.name != "genai_config.json":
-            (copy / path.name).symlink_to(path.resolve())
+            os.link(path.resolve(), copy / path.name)  # a hard link: the folder reader refuses symbolic ones
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
     (copy / "genai_config.json").write_text(json.dumps(config, indent=2))

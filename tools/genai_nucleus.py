@@ -1,6 +1,6 @@
 """Where onnxruntime-genai's top-p-only sampler (top_k 0) draws from, against the exact nucleus.
 
-diffexport gives genai top_k = the vocabulary with a top-p draw (export.decoder.genai_top_k)
+diffexport gives genai top_k = the vocabulary with a top-p draw (format.decoder_folder.genai_top_k)
 because `check --sample --top-p 0.3` saw genai's top-p-only draws land outside transformers'
 nucleus. Reading genai's source (src/sampling_distribution.h, FindNucleus) gave the reason: it
 sorts candidates in growing batches and stops at the first prefix whose mass reaches p of an upper

@@ -22,7 +22,7 @@ import numpy as np
 
 from diffexport.backends.base import DecoderRunner
 from diffexport.errors import DiffExportError
-from diffexport.export import decoder
+from diffexport.format import decoder_folder
 from diffexport.format import names
 from diffexport.format.genai_config import MAX_THREADS
 from diffexport.generation import BeamSearch, Sampling, search_beams
@@ -78,16 +78,15 @@ class OrtDecoder:
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None):
         from diffexport.onnxruntime_session import open_session
 
-        self.model_path, self.config, self.meta = decoder.read_decoder_folder(folder)
+        read = decoder_folder.read_decoder_folder(folder)
+        self.model_path, self.config, self.meta = read
         if self.meta["dtype"] == "bfloat16":  # numpy, which this loop feeds the cache as, has no bfloat16
             raise DiffExportError(f"{Path(folder).name} is a bfloat16 folder, which the onnxruntime loop cannot feed "
                                   "(numpy has no bfloat16): run it with onnxruntime-genai on CUDA (`generate --backend "
                                   "genai`), or build it with `diffexport trt` and check the engine")
         self.session = open_session(self.model_path, provider, threads or INTRA_OP_THREADS.get())
-        self.layers = int(self.config["model"]["decoder"]["num_hidden_layers"])
-        self.heads = int(self.config["model"]["decoder"]["num_key_value_heads"])  # 1: token-major cache
-        self.width = int(self.config["model"]["decoder"]["head_size"])
-        self.context = int(self.config["model"]["context_length"])
+        self.layers, self.heads, self.width = read.layers, read.cache_heads, read.head_size  # heads 1: token-major
+        self.context = read.context_length
         self.dtype = np.float16 if self.meta["dtype"] == "float16" else np.float32
         self.outputs = [o.name for o in self.session.get_outputs()]
         expected = names.decoder_output_names(self.layers)
@@ -154,12 +153,12 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
 
     from diffexport.generation import choose_next, left_pad, seen_tokens
 
-    eos = set(decoder.eos_token_ids(runner.config))
+    eos = set(decoder_folder.eos_token_ids(runner.config))
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
     longest = max(len(p) for p in prompts)
     if longest > runner.context:
         raise DiffExportError(f"the prompt's {longest} tokens exceed the folder's context length {runner.context}")
-    pad = int(runner.config["model"].get("pad_token_id", 0))
+    pad = decoder_folder.pad_token_id(runner.config)
     padded_ids, padded_mask = left_pad(prompts, pad_token_id=pad)
     ids, mask = padded_ids.numpy(), padded_mask.numpy()
     cache = runner.empty_cache(len(prompts)) if state is None else state["cache"]
@@ -240,11 +239,11 @@ def genai_pad_for(config: dict, prompts: list[list[int]]) -> int | None:
     onnxruntime-genai takes a prompt's trailing pad ids for padding, even in a batch of one: it
     chooses the next token from the logits before them, so a prompt that ends with the pad id
     would be answered as if that token were not there. The substitute ends no prompt."""
-    pad = int(config["model"].get("pad_token_id", 0))
+    pad = decoder_folder.pad_token_id(config)
     last = {p[-1] for p in prompts}
     if pad not in last:
         return None
-    candidates = [*decoder.eos_token_ids(config), *range(int(config["model"]["vocab_size"]))]
+    candidates = [*decoder_folder.eos_token_ids(config), *range(decoder_folder.vocab_size(config))]
     return next(t for t in candidates if t not in last)
 
 
@@ -256,12 +255,12 @@ _NO_EXTRAS = {"no_repeat_ngram_size": 0, "diversity_penalty": 0.0}
 def _search_options(sampling: Sampling, max_length: int, config: dict, min_length: int = 0) -> dict:
     """genai's search options for our Sampling: the length limits (min_length 0: none) and the draw,
     every one set, so the folder's search defaults never change a run (top_k 0: no cut, as in genai).
-    config: the folder's genai config (its vocab_size, for top-p without top-k: decoder.genai_top_k)."""
+    config: the folder's genai config (its vocab_size, for top-p without top-k: decoder_folder.genai_top_k)."""
     search = {"max_length": max_length, "min_length": min(min_length, max_length), "do_sample": not sampling.greedy,
               "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": float(sampling.repetition_penalty),
               **_NO_EXTRAS}
     if not sampling.greedy:
-        top_k = decoder.genai_top_k(int(sampling.top_k), sampling.top_p, int(config["model"]["vocab_size"]))
+        top_k = decoder_folder.genai_top_k(int(sampling.top_k), sampling.top_p, decoder_folder.vocab_size(config))
         search.update(temperature=float(sampling.temperature), top_k=top_k, top_p=float(sampling.top_p),
                       random_seed=sampling.seed)
     return search
@@ -316,7 +315,9 @@ def open_genai_model(folder, provider: str | None = None, pad_token_id: int | No
     names no intra-op thread count (export's --threads) runs on this machine's physical cores:
     genai's own default is one thread (docs/BENCHMARKS.md, "Decode on CPU": diff-v1-110m at 18.6
     decode tokens/s as written, 28.0 with 2 threads, on the 2-core development machine)."""
-    session = _genai_config(folder)["model"]["decoder"].get("session_options", {})  # refused before genai reads it
+    # the whole folder is validated before genai reads it: the config (nothing genai would load, write
+    # or run) and its numbers against the graph's own metadata (buffers genai sizes from them)
+    session = decoder_folder.read_decoder_folder(folder).session_options
     og = import_genai()
     threads = INTRA_OP_THREADS.get()  # the user's (generate --threads) over the folder's, over the machine's
     if threads is None and "intra_op_num_threads" not in session:
@@ -348,8 +349,8 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     og = import_genai()
     context = None
     if model is None:  # a model given is the caller's, pad id included
-        config = decoder.read_decoder_folder(folder)[1]
-        context = config["model"]["context_length"]
+        read = decoder_folder.read_decoder_folder(folder)
+        config, context = read.config, read.context_length
         model = open_genai_model(folder, provider, genai_pad_for(config, [prompt]))
     else:
         config = _genai_config(folder)
@@ -363,7 +364,7 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     generator = og.Generator(model, params)
     start = time.perf_counter()
     generator.append_tokens(np.asarray(prompt, np.int32))
-    tokens, first, stop = _genai_tokens(generator, total - len(prompt), set(decoder.eos_token_ids(config)), on_token,
+    tokens, first, stop = _genai_tokens(generator, total - len(prompt), set(decoder_folder.eos_token_ids(config)), on_token,
                                         stop_after)
     end = time.perf_counter()
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
@@ -427,9 +428,8 @@ def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None
     tokens) would not fit in this machine's memory (a slip such as --num-beams 4000)."""
     from diffexport.modeling import host_memory_bytes
 
-    decoder_config = config["model"]["decoder"]
-    per_token = 2 * int(decoder_config["num_hidden_layers"]) * int(decoder_config["num_key_value_heads"]) * \
-        int(decoder_config["head_size"]) * (4 if dtype == "float32" else 2)
+    layers, heads, head_size = decoder_folder.cache_shape(config)
+    per_token = 2 * layers * heads * head_size * (4 if dtype == "float32" else 2)
     need = beams * length * per_token
     have = host_memory_bytes()
     if need > have:
@@ -456,8 +456,8 @@ def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: Be
     og = import_genai()
     total = len(prompt) + max_new_tokens
     if model is None:  # a model given is the caller's (with genai_pad_for's pad id), who keeps within the context
-        config = decoder.read_decoder_folder(folder)[1]
-        context = config["model"]["context_length"]
+        read = decoder_folder.read_decoder_folder(folder)
+        config, context = read.config, read.context_length
         if len(prompt) >= context:
             raise DiffExportError(f"the prompt's {len(prompt)} tokens leave no room in the folder's context "
                                   f"length {context}")
@@ -515,7 +515,7 @@ def beam_search_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sear
         return torch.from_numpy(logits[:, -1].astype(np.float32))
 
     start = time.perf_counter()
-    ends = None if runner.config is None else decoder.eos_token_ids(runner.config)  # an engine checked alone: none
+    ends = None if runner.config is None else decoder_folder.eos_token_ids(runner.config)  # an engine checked alone: none
     found = search_beams(step, prompt, search, new_tokens, ends)
     return BeamRun([h.tokens for h in found], [h.stop for h in found], len(prompt), time.perf_counter() - start,
                    state["steps"] + 1)
@@ -568,12 +568,12 @@ class GenaiSession:
                  pad_token_id: int | None = None):
         og = import_genai()
         if model is None:
-            self.config = decoder.read_decoder_folder(folder)[1]
+            self.config = decoder_folder.read_decoder_folder(folder)[1]
         else:  # the caller opened the folder (a benchmark's copy links its weights)
             self.config = _genai_config(folder)
-        self.context = int(self.config["model"]["context_length"])
-        self.eos = set(decoder.eos_token_ids(self.config))
-        self.pad = int(self.config["model"].get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
+        self.context = decoder_folder.context_length(self.config)
+        self.eos = set(decoder_folder.eos_token_ids(self.config))
+        self.pad = decoder_folder.pad_token_id(self.config) if pad_token_id is None else pad_token_id
         self.model = model or open_genai_model(folder, provider, pad_token_id)
         params = og.GeneratorParams(self.model)
         params.set_search_options(**_search_options(sampling, self.context, self.config))
@@ -628,18 +628,18 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     limits: each row's own token limit (at most max_new_tokens), cut the same way ("length")."""
     og = import_genai()
     if model is None:
-        config = decoder.read_decoder_folder(folder)[1]
+        config = decoder_folder.read_decoder_folder(folder)[1]
     else:  # the caller opened the folder (a benchmark's builder model has no diffexport metadata)
         config = _genai_config(folder)
-    context = int(config["model"]["context_length"])
-    eos = set(decoder.eos_token_ids(config))
+    context = decoder_folder.context_length(config)
+    eos = set(decoder_folder.eos_token_ids(config))
     width = max(len(p) for p in prompts)
     if width > context:
         raise DiffExportError(f"the prompt's {width} tokens exceed the folder's context length {context}")
     if model is None:
         pad_token_id = genai_pad_for(config, prompts)
         model = open_genai_model(folder, provider, pad_token_id)
-    pad = int(config["model"].get("pad_token_id", 0)) if pad_token_id is None else pad_token_id
+    pad = decoder_folder.pad_token_id(config) if pad_token_id is None else pad_token_id
     if any(p[-1] == pad for p in prompts):
         raise DiffExportError(f"a prompt ends with the model's pad id {pad}, which genai would take for padding: "
                               "open the model with open_genai_model(folder, pad_token_id=genai_pad_for(...))")
@@ -662,7 +662,7 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
         from diffexport.generation import penalize_repeats, seen_tokens
 
         real = torch.arange(width)[None, :] < torch.tensor([len(p) for p in prompts])[:, None]  # right padding
-        seen = seen_tokens(torch.from_numpy(ids), real, int(config["model"]["vocab_size"]))
+        seen = seen_tokens(torch.from_numpy(ids), real, decoder_folder.vocab_size(config))
     start = time.perf_counter()
     generator = og.Generator(model, params)
     generator.append_tokens(ids)
@@ -729,7 +729,7 @@ def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, s
     runs to its rows' longest, each row cut at its own)."""
     plan = batch_plan(prompts, batch_size, sort_by_length)
     if backend == "genai":
-        config = decoder.read_decoder_folder(folder)[1]
+        config = decoder_folder.read_decoder_folder(folder)[1]
         pad = genai_pad_for(config, prompts)  # one model for every batch: a pad id that ends no prompt
         model = open_genai_model(folder, provider, pad)
     else:

@@ -111,16 +111,15 @@ def measure_decoder(folder: str | os.PathLike, prompt_tokens: int = 64, new_toke
     random prompt of `prompt_tokens` ids, exactly `new_tokens` greedy tokens, `rounds` rounds after
     a warm-up. progress(done, total) is called after each round."""
     from diffexport.backends.decoding import generate_genai, machine_threads, open_genai_model
-    from diffexport.export.decoder import read_decoder_folder
+    from diffexport.format.decoder_folder import read_decoder_folder
     from diffexport.format.genai_config import MAX_THREADS
 
-    config = read_decoder_folder(folder)[1]
-    vocab, context = config["model"]["vocab_size"], config["model"]["context_length"]
+    read = read_decoder_folder(folder)
+    vocab, context = read.vocab_size, read.context_length
     prompt_tokens = max(1, min(prompt_tokens, context - new_tokens - 1))
     prompt = np.random.default_rng(seed).integers(0, vocab, size=prompt_tokens).tolist()
     model = open_genai_model(folder, "cpu")
-    session = config["model"]["decoder"].get("session_options", {})
-    threads = session.get("intra_op_num_threads") or min(machine_threads(), MAX_THREADS)
+    threads = read.session_options.get("intra_op_num_threads") or min(machine_threads(), MAX_THREADS)
     probes = [read_bandwidth()]
     generate_genai(folder, prompt[:8], 4, Sampling(), model=model)  # warm-up: sessions, allocator
     runs = []

@@ -26,7 +26,7 @@ import onnx
 from diffexport import contract
 from diffexport.errors import DiffExportError
 from diffexport.files import require_file
-from diffexport.format import decoders, names
+from diffexport.format import decoder_folder, decoders, names
 from diffexport.format.nodes import is_diff_attention, node_attrs
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
@@ -428,10 +428,10 @@ def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, 
     if options.save_onnx:
         check_output_path(Path(options.save_onnx), ("", ".data"), replace=options.force)
     if model_path.is_dir():  # a KV-cache decoder folder: its graph, past lengths up to the context length
-        from diffexport.export.decoder import read_decoder_folder
+        from diffexport.format.decoder_folder import read_decoder_folder
 
-        model_path, config, _ = read_decoder_folder(model_path)
-        context = int(config["model"]["context_length"])
+        read = read_decoder_folder(model_path)
+        model_path, context = read.model_path, read.context_length
         if not max_given:
             options.max_shape = (4, max(1, min(512, context // 4)))
         elif options.max_shape[1] > context:
@@ -609,7 +609,7 @@ class EngineDecoder:
         self.config = config
         self.context = record["profile"]["max_past"] + 1
         if config is not None:
-            self.context = min(self.context, int(config["model"]["context_length"]))
+            self.context = min(self.context, decoder_folder.context_length(config))
 
     def empty_cache(self, batch: int) -> dict:
         from diffexport.backends.decoding import empty_cache
@@ -634,7 +634,7 @@ def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLik
     """The engine `diffexport trt FOLDER` built, ready to step on the GPU with the folder's genai
     config (end-of-text id, tokenizer) and the context its profile allows: a runner for
     decoding.generate_onnxruntime's loop. The engine's record must name the folder's model."""
-    from diffexport.export.decoder import read_decoder_folder
+    from diffexport.format.decoder_folder import read_decoder_folder
 
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)

@@ -29,7 +29,7 @@ def _check_options(args, folder_config: dict | None = None):
 def _check_sampling(args, folder_config: dict | None) -> dict:
     """check's --sample: CheckOptions' sampling and draws. A folder whose search samples (its
     checkpoint's generation_config) gives the defaults, as it does to generate; the options override."""
-    from diffexport.export.decoder import folder_search
+    from diffexport.format.decoder_folder import folder_search
     from diffexport.generation import Sampling
 
     given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),

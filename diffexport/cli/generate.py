@@ -131,7 +131,7 @@ def _generate(args) -> int:
     from pathlib import Path
 
     from diffexport.backends import decoding
-    from diffexport.export.decoder import read_decoder_folder
+    from diffexport.format.decoder_folder import read_decoder_folder
     from diffexport.generation import StopText
 
     folder = Path(args.folder)

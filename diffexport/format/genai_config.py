@@ -4,7 +4,7 @@ onnxruntime-genai acts on more of this file than diffexport needs: it loads the 
 `session_options.custom_ops_library` names, writes profiles where `enable_profiling` points, runs
 the stage graphs of `model.type: decoder-pipeline`, and starts as many threads as it is told. A
 folder is often a stranger's download, so the file is read with a bounded size and nesting, and
-every key must be one diffexport writes (export/decoder.py's genai_config), with the values it
+every key must be one diffexport writes (format/decoder_folder.py's genai_config), with the values it
 writes: anything else is refused in one line before onnxruntime-genai sees the folder.
 """
 

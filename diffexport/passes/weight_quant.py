@@ -257,7 +257,7 @@ def resolve_paths(src: Path, dst: Path, force: bool = False) -> tuple[bool, Path
     """(is a KV-cache folder, the model file inside) for a quantiser's input; the output is refused
     here, before any work, when it would overwrite anything (unless force) or the input itself."""
     if src.is_dir():
-        from diffexport.export.decoder import read_decoder_folder
+        from diffexport.format.decoder_folder import read_decoder_folder
 
         model_path, _, _ = read_decoder_folder(src)
         if dst.exists() and dst.resolve() == src.resolve():

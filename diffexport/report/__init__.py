@@ -47,7 +47,7 @@ def write_report(artifact: str | os.PathLike, load_model: Callable[[dict], Loade
         raise DiffExportError(f"the report is an HTML page: give an output name ending in .html, got {output.name}")
     check_output_path(output, replace=force)
     if report_kind(artifact) == "decoder":
-        from diffexport.export.decoder import read_decoder_folder
+        from diffexport.format.decoder_folder import read_decoder_folder
         from diffexport.validation.decoder import DECODE_STEPS
 
         meta = read_decoder_folder(artifact)[2]  # not a decoder folder: said before the checkpoint loads

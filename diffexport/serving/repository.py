@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
+from diffexport.format import decoder_folder
 
 DECODER_DIR = "decoder"  # REPO/NAME/1/decoder: the copied folder
 MODEL_FILE = "model.py"
@@ -81,7 +82,7 @@ def check_settings(name: str, max_batch: int, instances: int) -> None:
 
 def folder_uses_gpu(config: dict) -> bool:
     """Whether the folder's genai_config names a GPU execution provider (cuda, dml, ...)."""
-    providers = config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
+    providers = decoder_folder.session_options(config).get("provider_options", [])
     return any(isinstance(p, dict) and any(k.lower() != "cpu" for k in p) for p in providers)
 
 
@@ -92,7 +93,7 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
     other graphs, a profile path, links) is refused here before anything is written. The
     repository is written beside its destination and renamed into place; an existing REPO is
     replaced only with force, never through a link."""
-    from diffexport.export.decoder import has_tokenizer, read_decoder_folder
+    from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
     from diffexport.files import _umask, check_output_path, rename_into_place, temp_prefix
 
     folder = Path(folder)

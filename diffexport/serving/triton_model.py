@@ -49,15 +49,14 @@ class DecoderService:
 
     def __init__(self, folder: str | Path, max_batch: int = 8):
         from diffexport.backends.decoding import import_genai
-        from diffexport.export.decoder import eos_token_ids, has_tokenizer, read_decoder_folder
+        from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
         from diffexport.text_generation import folder_tokenizer
 
         self.folder = Path(folder)
-        _, self.config, _ = read_decoder_folder(self.folder)
+        read = read_decoder_folder(self.folder)
         import_genai()
-        self.context = int(self.config["model"]["context_length"])
-        self.vocab = int(self.config["model"]["vocab_size"])
-        self.eos = set(eos_token_ids(self.config))
+        self.config, self.context, self.vocab, self.eos = read.config, read.context_length, read.vocab_size, \
+            set(read.eos_token_ids)
         self.tokenizer = folder_tokenizer(self.folder) if has_tokenizer(self.folder) else None
         self.max_batch = max_batch
         self._models: dict[int | None, object] = {}  # pad id -> genai model (genai_pad_for)

@@ -63,7 +63,7 @@ def check_artifact(path: str | Path, options_for: Callable[[dict | None], CheckO
         meta = read_export_metadata(path)  # the model comparison needs diffexport's metadata
         return reports + [run_check(path, load_model(meta), options, log=log)]
     if kind == "decoder":
-        from diffexport.export.decoder import read_decoder_folder
+        from diffexport.format.decoder_folder import read_decoder_folder
 
         _, folder_config, meta = read_decoder_folder(path)  # not a decoder folder: said before the checkpoint loads
         if shapes_given:

@@ -51,7 +51,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     check_decode_options(options, steps)
     text = None
     if options.text is not None:  # read (and refused) before anything runs; the folder's tokenizer by default
-        from diffexport.export.decoder import has_tokenizer
+        from diffexport.format.decoder_folder import has_tokenizer
 
         own = str(folder) if has_tokenizer(folder) else None
         text = TextIds(options, loaded.config.vocab_size, 2, "a perplexity needs", tokenizer=own)

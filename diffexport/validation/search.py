@@ -30,7 +30,7 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
     -> (report lines, failure names)."""
     from diffexport.analysis.probe import AttentionProbe
     from diffexport.backends import decoding
-    from diffexport.export import decoder
+    from diffexport.format import decoder_folder
     from diffexport.generation import beam_search, hypothesis_score
     from diffexport.progress import Progress
 
@@ -40,7 +40,7 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
         with AttentionProbe(model, quant=quant):
             return fn()
 
-    ends = None if runner.config is None else decoder.eos_token_ids(runner.config)
+    ends = None if runner.config is None else decoder_folder.eos_token_ids(runner.config)
     new = min(steps, min(runner.context - len(p) for p in prompts))
     runtimes = {short: lambda prompt: decoding.beam_search_onnxruntime(None, prompt, new, search, runner=runner)}
     lines = []
