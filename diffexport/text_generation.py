@@ -17,7 +17,7 @@ from diffexport.generation import Sampling
 
 def folder_tokenizer(folder: Path):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
-    from diffexport.backends.decoding import import_genai
+    from diffexport.backends.genai import import_genai
     from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder, tokenizer_files
 
     if not has_tokenizer(folder):
@@ -217,7 +217,7 @@ class ChatSession:
         does not fit the context with the answer's room, and was not answered)."""
         import time
 
-        from diffexport.backends import decoding
+        from diffexport.backends import decoding, genai
         from diffexport.generation import StopText
 
         ids = self.history.ask(text)
@@ -234,8 +234,8 @@ class ChatSession:
         start = time.perf_counter()
         if self.backend == "genai":
             if self.session is None or ids[-1] == self.session.pad:  # (a new pad id: only if the template's end changed)
-                self.session = decoding.GenaiSession(self.folder, self.sampling, provider=self.provider,
-                                                     pad_token_id=decoding.genai_pad_for(self.config, [ids]))
+                self.session = genai.GenaiSession(self.folder, self.sampling, provider=self.provider,
+                                                     pad_token_id=genai.genai_pad_for(self.config, [ids]))
         else:  # the loop (or the engine) keeps its cache too; sampled turns draw from their own seeds
             self.session = self.session or decoding.LoopSession(self.runner, self.sampling)
         run = self.session.turn(ids, self.max_new_tokens, stop_after=show)
@@ -251,11 +251,11 @@ def generate_once(folder: Path, ids: list[int], max_new_tokens: int, sampling: S
                   provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None, **shown):
     """One prompt's answer on `backend` -> the run; shown: on_token=(token -> None) or
     stop_after=(token -> bool, True ends the answer), called as each token comes."""
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
 
     runner, resolved = open_backend(folder, backend, provider, engine, plugin_lib, step_runner=False)
     if backend == "genai":  # provider None: the one the folder's genai_config names
-        return decoding.generate_genai(folder, ids, max_new_tokens, sampling, provider=resolved, **shown)
+        return genai.generate_genai(folder, ids, max_new_tokens, sampling, provider=resolved, **shown)
     # the onnxruntime loop, or the engine on the GPU stepped by the loop's code
     return decoding.generate_onnxruntime(folder, ids, max_new_tokens, sampling, runner=runner,
                                          provider=resolved or "cpu", **shown)
@@ -301,17 +301,17 @@ def beam_searcher(folder: Path, search, prompts: list[list[int]], longest: int, 
     """(prompt ids, search, max new tokens -> BeamRun) on `backend`: genai's own search, or
     generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
     most tokens a search holds (its caches are checked against this machine's memory first)."""
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
     from diffexport.format.decoder_folder import read_decoder_folder
 
     _, config, meta = read_decoder_folder(folder)
     decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
     if backend == "genai":  # a pad id that ends no prompt: genai reads trailing pad ids as padding
-        decoding.check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
+        genai.check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
                                                      "search over the onnxruntime loop has no such limit)")
-        model = decoding.open_genai_model(folder, None if provider == "auto" else provider,
-                                          decoding.genai_pad_for(config, prompts))
-        return lambda ids, search, new: decoding.beam_search_genai(folder, ids, new, search, model=model)
+        model = genai.open_genai_model(folder, None if provider == "auto" else provider,
+                                          genai.genai_pad_for(config, prompts))
+        return lambda ids, search, new: genai.beam_search_genai(folder, ids, new, search, model=model)
     runner, _ = open_backend(folder, backend, provider, engine, plugin_lib)
     return lambda ids, search, new: decoding.beam_search_onnxruntime(folder, ids, new, search, runner)
 

@@ -117,7 +117,7 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
     pytest.importorskip("onnxruntime_genai")
     import shutil
 
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
     from diffexport.generation import Sampling
 
     loaded, folders = model_and_folders
@@ -148,7 +148,7 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
             assert tokens == expected, (backend, size, by_length)
             assert stops == ["eos" if e[-1] == free[stop] else "length" for e in expected]
     # one prompt through genai alone: a trailing pad id is a token, not padding
-    assert decoding.generate_genai(folder, prompts[2], 12, Sampling()).tokens == expected[2]
+    assert genai.generate_genai(folder, prompts[2], 12, Sampling()).tokens == expected[2]
 
 
 @pytest.mark.slow
@@ -193,17 +193,17 @@ def test_genai_samples_from_the_eager_distribution(model_and_folders):
     whole vocabulary (genai once fell back to the folder's top_k of 1: every draw greedy), with
     top-k only among the k likeliest, and the likeliest token as often as its probability says."""
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.backends import decoding
+    from diffexport.backends import genai
     from diffexport.generation import Sampling
 
     loaded, folders = model_and_folders
     prompt = [5, 17, 42, 99, 3]
     with torch.no_grad():
         logits = loaded.model.eval()(torch.tensor([prompt]))[0, -1].float()
-    model = decoding.open_genai_model(folders["gqa"])
+    model = genai.open_genai_model(folders["gqa"])
 
     def draws(count, **options):
-        return [decoding.generate_genai(folders["gqa"], prompt, 1, Sampling(greedy=False, seed=seed, **options),
+        return [genai.generate_genai(folders["gqa"], prompt, 1, Sampling(greedy=False, seed=seed, **options),
                                         model=model).tokens[0] for seed in range(count)]
 
     whole = draws(200)
@@ -233,7 +233,7 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
     pytest.importorskip("onnxruntime_genai")
     import shutil
 
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
     from diffexport.generation import Sampling
 
     loaded, originals = model_and_folders
@@ -257,7 +257,7 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
                 for i, t in zip(indices, run.tokens):
                     tokens[i] = t
             assert tokens == expected, (attention, backend)
-        assert decoding.generate_genai(folder, prompts[1], 14, penalised).tokens == expected[1]
+        assert genai.generate_genai(folder, prompts[1], 14, penalised).tokens == expected[1]
         assert decoding.generate_onnxruntime(folder, prompts[1], 14, penalised).tokens == expected[1]
 
 
@@ -274,7 +274,7 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
     pytest.importorskip("onnxruntime_genai")
     import shutil
 
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
     from diffexport.generation import Sampling
 
     loaded, folders = model_and_folders
@@ -286,9 +286,9 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
     config["model"]["eos_token_id"] = [end]
     (folder / "genai_config.json").write_text(json.dumps(config))
     stops = []
-    scratch = decoding.generate_genai if kind == "genai" else decoding.generate_onnxruntime
+    scratch = genai.generate_genai if kind == "genai" else decoding.generate_onnxruntime
     for sampling in (Sampling(), Sampling(repetition_penalty=1.3)):
-        session = decoding.GenaiSession(folder, sampling) if kind == "genai" else \
+        session = genai.GenaiSession(folder, sampling) if kind == "genai" else \
             decoding.LoopSession(decoding.OrtDecoder(folder), sampling)
         held: list[int] = []
         turns = [lambda ids, answer: first,
@@ -311,7 +311,7 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
     assert "eos" in stops and "length" in stops  # both ways a turn ends were followed by another turn
     if kind == "genai":
         with pytest.raises(DiffExportError, match="ends with the pad id"):
-            decoding.GenaiSession(folder, Sampling()).turn([5, config["model"]["pad_token_id"]], 4)
+            genai.GenaiSession(folder, Sampling()).turn([5, config["model"]["pad_token_id"]], 4)
     with pytest.raises(DiffExportError, match="a turn needs 1 to"):
         session.turn([5] * config["model"]["context_length"], 4)
 
@@ -414,7 +414,7 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
     2026-11-25, drew 14% outside the nucleus: the check fails on it), and fails a genai given
     another temperature than eager draws with (the chi-square test, no token outside)."""
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
     from diffexport.check import CheckOptions, run_decoder_check
     from diffexport.generation import Sampling
 
@@ -433,7 +433,7 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
         report, lines = check(sampling)
         assert report.passed and len(lines) == 3 and all(line.endswith("PASS") for line in lines), (sampling, lines)
 
-    original = decoding._search_options
+    original = genai._search_options
 
     def top_p_alone(sampling, *args, **kwargs):  # what diffexport passed genai before the fix
         options = original(sampling, *args, **kwargs)
@@ -441,7 +441,7 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
             options["top_k"] = sampling.top_k
         return options
 
-    monkeypatch.setattr(decoding, "_search_options", top_p_alone)
+    monkeypatch.setattr(genai, "_search_options", top_p_alone)
     report, lines = check(Sampling(greedy=False, temperature=1.0, top_p=0.3))
     assert not report.passed and all(line.endswith("FAIL") for line in lines), lines
     assert all(int(line.split("candidates, ")[1].split()[0]) > 100 for line in lines)  # draws outside the nucleus
@@ -451,7 +451,7 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
         options["temperature"] *= 1.5
         return options
 
-    monkeypatch.setattr(decoding, "_search_options", hotter)
+    monkeypatch.setattr(genai, "_search_options", hotter)
     report, lines = check(Sampling(greedy=False, temperature=0.05))
     assert not report.passed and any(line.endswith("FAIL") for line in lines), lines
     assert all(", 0 outside them" in line for line in lines)  # the distribution, not the support, fails
@@ -520,7 +520,7 @@ def test_folder_search_with_top_p_alone_goes_through_genais_top_k_sampler():
     assert written({"top_k": 0})["top_k"] == 0  # no nucleus: nothing to route
     assert written({"top_k": 7, "top_p": 0.9})["top_k"] == 7
     assert written({"top_k": 100000})["top_k"] == cfg.vocab_size  # past the vocabulary: no cut (genai refuses it)
-    from diffexport.backends.decoding import _search_options
+    from diffexport.backends.genai import _search_options
     from diffexport.generation import Sampling
 
     folder_config = {"model": {"vocab_size": cfg.vocab_size}}  # generate's and check's draws take the same route

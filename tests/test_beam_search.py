@@ -149,7 +149,7 @@ def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attenti
     """genai's own search and generation.search_beams over the onnxruntime loop give the eager
     reference's hypotheses, in order."""
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
 
     model, root, _ = folders[family]
     prompt = [11, 250, 3, 97, 40, 8]
@@ -162,10 +162,10 @@ def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attenti
     stops = set()
     for ends in end_sets:
         folder = _with_end_ids(root[attention], tmp_path, ends)
-        genai_model, runner = decoding.open_genai_model(folder), decoding.OrtDecoder(folder)
+        genai_model, runner = genai.open_genai_model(folder), decoding.OrtDecoder(folder)
         for search in searches:
             expected = beam_search(model, prompt, search, 16, eos_token_id=ends)
-            for run in (decoding.beam_search_genai(folder, prompt, 16, search, model=genai_model),
+            for run in (genai.beam_search_genai(folder, prompt, 16, search, model=genai_model),
                         decoding.beam_search_onnxruntime(folder, prompt, 16, search, runner)):
                 assert run.sequences == [h.tokens for h in expected], (ends, search)
                 assert run.stops == [h.stop for h in expected], (ends, search)

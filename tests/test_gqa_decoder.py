@@ -15,7 +15,7 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from diffexport import contract  # noqa: E402
-from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends import decoding, genai  # noqa: E402
 from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_safetensors  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
@@ -141,13 +141,13 @@ def test_generation_stops_at_the_context_length(tmp_path):
     prompt = list(range(1, 10))
     ort = decoding.generate_onnxruntime(tmp_path / "kv", prompt, 20, Sampling(), ignore_eos=True)
     assert len(ort.tokens) == 16 - len(prompt) and ort.stop == "length"
-    genai = decoding.generate_genai(tmp_path / "kv", prompt, 20, Sampling(), min_new_tokens=20)
-    assert genai.tokens == ort.tokens and genai.stop == "length"
+    genai_run = genai.generate_genai(tmp_path / "kv", prompt, 20, Sampling(), min_new_tokens=20)
+    assert genai_run.tokens == ort.tokens and genai_run.stop == "length"
     runner = decoding.OrtDecoder(tmp_path / "kv")
     with pytest.raises(DiffExportError, match="exceed the folder's context length 16"):
         runner.step(np.ones((1, 17), np.int64), np.ones((1, 17), np.int64), runner.empty_cache(1))
     with pytest.raises(DiffExportError, match="prompt's 17 tokens exceed"):
-        decoding.generate_genai(tmp_path / "kv", list(range(1, 18)), 4, Sampling())
+        genai.generate_genai(tmp_path / "kv", list(range(1, 18)), 4, Sampling())
     for backend in ("genai", "onnxruntime"):  # the CLI: one line, exit 2
         assert_one_line_error(cli_main("generate", tmp_path / "kv", "--ids", ",".join(map(str, range(1, 18))),
                                       "--backend", backend), "exceeds the context length 16")
@@ -177,7 +177,7 @@ def test_gqa_folder_decodes_in_genai_like_eager(v1_pair):
     loaded = load_model(ckpt)
     eos = json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"]
     expected = generate(loaded.model.eval(), torch.tensor([PROMPT]), max_new_tokens=36, eos_token_id=eos).tokens[0]
-    tokens = decoding.generate_genai(folder, PROMPT, 36, Sampling()).tokens
+    tokens = genai.generate_genai(folder, PROMPT, 36, Sampling()).tokens
     assert len(tokens) >= 32 and tokens == expected.tolist()
     assert decoding.generate_onnxruntime(folder, PROMPT, 36, Sampling()).tokens == tokens
     report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu"), log=quiet)

@@ -14,7 +14,7 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from diffexport import contract  # noqa: E402
-from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends import base, decoding, genai  # noqa: E402
 from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
@@ -46,7 +46,7 @@ def v1_folder(artifacts):
 
 def _genai_tokens(folder, prompt=PROMPT, n=NEW_TOKENS):
     pytest.importorskip("onnxruntime_genai")
-    tokens = decoding.generate_genai(folder, prompt, n, Sampling()).tokens
+    tokens = genai.generate_genai(folder, prompt, n, Sampling()).tokens
     assert len(tokens) >= 32, f"only {len(tokens)} tokens before end-of-sequence: compare at least 32"
     return tokens
 
@@ -324,7 +324,7 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
     def genai_reached(*_):
         raise AssertionError("onnxruntime-genai was reached")
 
-    monkeypatch.setattr(decoding, "import_genai", genai_reached)
+    monkeypatch.setattr(genai, "import_genai", genai_reached)
     monkeypatch.setattr(diffexport.text_generation, "folder_tokenizer", genai_reached, raising=False)
     config = json.loads((v1_folder / "genai_config.json").read_text())
 
@@ -375,7 +375,7 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
             assert_one_line_error(cli_main(*argv), message)
         if name not in graph_checked:  # (the graph's metadata, which genai's own gate does not read)
             with pytest.raises(DiffExportError, match=re.escape(message)):  # the API's own gate, before genai
-                decoding.open_genai_model(folder)
+                genai.open_genai_model(folder)
     assert not (tmp_path / "outside").exists()
     quantized = tmp_path / "quantized"
     assert_one_line_error(cli_main("quantize", folder_with("q", cases[0][1]), "-o", quantized, "--weights", "int8"),
@@ -449,7 +449,7 @@ def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):
     vocab = json.loads(json.dumps(config))
     vocab["model"]["vocab_size"] = 1 << 24  # genai would size its logits and penalties from it
     with pytest.raises(DiffExportError, match="vocab_size is 16777216, but the graph's metadata says"):
-        decoding.open_genai_model(folder_with("vocab", json.dumps(vocab)))  # its own gate, before genai reads it
+        genai.open_genai_model(folder_with("vocab", json.dumps(vocab)))  # its own gate, before genai reads it
 
 
 def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):
@@ -650,7 +650,7 @@ def test_generate_prompts_file_with_text_and_chat(hf_chat_kv, tmp_path):
                                                      template_str=template, add_generation_prompt=True) \
                     if chat else line["prompt"]
                 ids = [int(t) for t in tokenizer.encode(text)]
-            alone = decoding.generate_genai(kv, ids, 6, Sampling())
+            alone = genai.generate_genai(kv, ids, 6, Sampling())
             assert answer["tokens"] == alone.tokens and answer["stop"] == alone.stop
             spoken = alone.tokens[:-1] if alone.stop == "eos" else alone.tokens
             assert answer["completion"] == tokenizer.decode(spoken)
@@ -671,7 +671,7 @@ def test_generate_interactive_is_a_chat_over_stdin(hf_chat_kv):
         return [int(t) for t in tokenizer.encode(text)]
 
     def answer(messages, new=10):  # as the session streams it (a random model's bytes need not be UTF-8)
-        run = decoding.generate_genai(kv, ids_of(messages), new, Sampling())
+        run = genai.generate_genai(kv, ids_of(messages), new, Sampling())
         stream = tokenizer.create_stream()
         return "".join(stream.decode(t) for t in (run.tokens[:-1] if run.stop == "eos" else run.tokens))
 
@@ -790,7 +790,7 @@ def test_generate_stops_at_stop_strings(hf_kv, tmp_path):
     prompts = ["the cat sat", "on a mat, said the dog"]
     free = {}
     for prompt in prompts:
-        run = decoding.generate_genai(kv, [int(t) for t in tokenizer.encode(prompt)], 24, Sampling(),
+        run = genai.generate_genai(kv, [int(t) for t in tokenizer.encode(prompt)], 24, Sampling(),
                                       min_new_tokens=24)
         free[prompt] = (run.tokens, tokenizer.decode(run.tokens))
     tokens, text = free[prompts[0]]
@@ -863,7 +863,7 @@ def test_several_end_ids_all_stop_generation(tmp_path):
     assert config["eos_token_id"] == [unused, free[stop_at]]
     expected = free[:stop_at + 1]
     assert _eager_tokens(loaded, prompt, n=12, eos=config["eos_token_id"]) == expected
-    assert decoding.generate_genai(tmp_path / "kv", prompt, 12, Sampling()).tokens == expected
+    assert genai.generate_genai(tmp_path / "kv", prompt, 12, Sampling()).tokens == expected
     looped = decoding.generate_onnxruntime(tmp_path / "kv", prompt, 12, Sampling())
     assert looped.tokens == expected and looped.stop == "eos"
 
@@ -1097,7 +1097,7 @@ def test_genai_runs_on_the_machines_cores_unless_the_folder_says(v1_folder, tmp_
     """onnxruntime-genai's default is one intra-op thread: a folder without --threads is opened with
     this machine's physical cores (overlaid, the folder not edited); a folder's own count is kept."""
     pytest.importorskip("onnxruntime_genai")
-    og = decoding.import_genai()
+    og = genai.import_genai()
     overlays = []
 
     class RecordingConfig(og.Config):
@@ -1105,19 +1105,19 @@ def test_genai_runs_on_the_machines_cores_unless_the_folder_says(v1_folder, tmp_
             overlays.append(json.loads(text))
             return super().overlay(text)
 
-    monkeypatch.setattr(decoding, "import_genai", lambda: type("og", (), {"Config": RecordingConfig,
+    monkeypatch.setattr(genai, "import_genai", lambda: type("og", (), {"Config": RecordingConfig,
                                                                           "Model": og.Model})())
-    assert decoding.machine_threads() >= 1
-    decoding.open_genai_model(v1_folder)
+    assert base.machine_threads() >= 1
+    genai.open_genai_model(v1_folder)
     assert overlays == [{"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": decoding.machine_threads()}}}}]
+        "intra_op_num_threads": base.machine_threads()}}}}]
     own = tmp_path / "own"
     shutil.copytree(v1_folder, own)
     config = json.loads((own / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = 1
     (own / "genai_config.json").write_text(json.dumps(config))
     overlays.clear()
-    decoding.open_genai_model(own)
+    genai.open_genai_model(own)
     assert overlays == [] and json.loads((own / "genai_config.json").read_text()) == config
 
 
@@ -1138,13 +1138,13 @@ def test_generate_threads_overrides_the_folder(v1_folder, tmp_path):
     config = json.loads((own / "genai_config.json").read_text())
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = 1
     (own / "genai_config.json").write_text(json.dumps(config))
-    folder_says = threads_started(lambda: decoding.open_genai_model(own))
-    with decoding.intra_op_threads(6):
-        user_says = threads_started(lambda: decoding.open_genai_model(own))
+    folder_says = threads_started(lambda: genai.open_genai_model(own))
+    with base.intra_op_threads(6):
+        user_says = threads_started(lambda: genai.open_genai_model(own))
         loop = decoding.OrtDecoder(own)
     assert user_says >= folder_says + 5, (folder_says, user_says)
     assert loop.session.get_session_options().intra_op_num_threads == 6
-    assert decoding.INTRA_OP_THREADS.get() is None  # only within
+    assert base.INTRA_OP_THREADS.get() is None  # only within
     result = cli_main("generate", own, "--ids", "1,2,3", "--max-new-tokens", "2", "--threads", "3")
     assert result.returncode == 0, result.stderr
     assert_one_line_error(cli_main("generate", own, "--ids", "1,2", "--threads", "0"), "--threads must be 1 to 1024, got 0")

@@ -10,7 +10,7 @@ same shape). --weights int4: our folders through `diffexport quantize` (block 32
 4) and the builder's `-p int4`. Every genai_config gets intra_op_num_threads = the machine's cores.
 Each batch holds B different prompts of --prompt tokens (no padding: this measures the batch, not
 the padding) and every row generates --new tokens (genai's min_length), through
-diffexport.backends.decoding.generate_batch_genai, what `diffexport generate --prompts-file` runs.
+diffexport.backends.genai.generate_batch_genai, what `diffexport generate --prompts-file` runs.
 Decode tokens/s = every row's tokens after its first / the time after the prefill; rounds are
 interleaved after a warm-up, medians reported.
 Bound: a decode step reads the weights once for the whole batch and each row's cache, so
@@ -45,7 +45,7 @@ import bench_context  # noqa: E402
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends import decoding, genai  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.format.decoder_folder import cache_width  # noqa: E402
 from diffexport.generation import Sampling  # noqa: E402
@@ -86,13 +86,13 @@ def main() -> None:
         print(f"read bandwidth {probes[0] / 1e9:.1f} GB/s; exporting in {root}", flush=True)
         folders = bench_context.genai_folders(loaded, root, args.weights, args.anchor, cores)
         weights = bench_decode.weight_bytes_per_token(folders["DiffAttention folder"])
-        models = {label: decoding.open_genai_model(folder) for label, folder in folders.items()}
+        models = {label: genai.open_genai_model(folder) for label, folder in folders.items()}
         for label, folder in folders.items():  # warm-up
-            decoding.generate_batch_genai(folder, prompts[:2], 4, Sampling(), model=models[label])
+            genai.generate_batch_genai(folder, prompts[:2], 4, Sampling(), model=models[label])
         for round_ in range(args.rounds):  # interleaved: drift of a shared machine hits every runtime alike
             for batch in args.batches:
                 for label, folder in folders.items():
-                    run = decoding.generate_batch_genai(folder, prompts[:batch], args.new, Sampling(),
+                    run = genai.generate_batch_genai(folder, prompts[:batch], args.new, Sampling(),
                                                         model=models[label], min_new_tokens=args.new)
                     assert all(len(t) == args.new for t in run.tokens), "a row stopped early"
                     speeds.setdefault(label, {}).setdefault(batch, []).append(run.decode_tokens_per_s)
@@ -160,9 +160,9 @@ def mixed_lengths(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         folders = bench_context.genai_folders(loaded, root, args.weights, args.anchor, cores)
-        models = {label: decoding.open_genai_model(folder) for label, folder in folders.items()}
+        models = {label: genai.open_genai_model(folder) for label, folder in folders.items()}
         for label, folder in folders.items():  # warm-up
-            decoding.generate_batch_genai(folder, prompts[:2], 4, Sampling(), model=models[label])
+            genai.generate_batch_genai(folder, prompts[:2], 4, Sampling(), model=models[label])
         answers: dict[tuple[str, str], list] = {}
         for round_ in range(args.rounds):
             for label, folder in folders.items():
@@ -172,7 +172,7 @@ def mixed_lengths(args) -> None:
                     prefill = 0.0
                     # generate_in_batches' loop, on the model opened once (the threads copies link their weights)
                     for indices in decoding.batch_plan(prompts, batch, by_length):
-                        run = decoding.generate_batch_genai(folder, [prompts[i] for i in indices], args.new,
+                        run = genai.generate_batch_genai(folder, [prompts[i] for i in indices], args.new,
                                                             Sampling(), model=models[label])
                         prefill += run.prefill_seconds
                         for i, t in zip(indices, run.tokens):

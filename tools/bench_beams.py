@@ -7,7 +7,7 @@ Model: diff-v1-110m with seeded random weights, fp32, its DiffAttention and --at
 folders, onnxruntime with intra_op_num_threads = the machine's cores. One prompt of --prompt random
 ids; every search runs --new steps (no end id is reachable: the end id is moved to one the model
 never picks, so every run does the same work). Runtimes: onnxruntime-genai's own search
-(decoding.beam_search_genai), generation.search_beams over the onnxruntime loop
+(genai.beam_search_genai), generation.search_beams over the onnxruntime loop
 (decoding.beam_search_onnxruntime) and over the eager model (generation.beam_search); 1 beam is
 greedy decoding through the same code. All runtimes must return the same hypotheses (checked).
 Cells: median seconds of --rounds interleaved rounds after a warm-up, and beam tokens/s (beams x
@@ -33,7 +33,7 @@ import bench_context  # noqa: E402
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends import decoding, genai  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.generation import BeamSearch, beam_search  # noqa: E402
 
@@ -77,10 +77,10 @@ def main() -> None:
             unreachable_end(plain[label], end)
         runtimes = {}
         for label, folder in folders.items():
-            genai_model = decoding.open_genai_model(folder)
+            genai_model = genai.open_genai_model(folder)
             runner = decoding.OrtDecoder(plain[label], threads=cores)
             runtimes[f"onnxruntime-genai, {label}"] = \
-                lambda s, f=folder, m=genai_model: decoding.beam_search_genai(f, prompt, args.new, s, model=m).sequences
+                lambda s, f=folder, m=genai_model: genai.beam_search_genai(f, prompt, args.new, s, model=m).sequences
             runtimes[f"onnxruntime loop, {label}"] = \
                 lambda s, f=folder, r=runner: decoding.beam_search_onnxruntime(f, prompt, args.new, s, r).sequences
         runtimes["eager PyTorch"] = lambda s: [h.tokens for h in beam_search(model, prompt, s, args.new, end)]

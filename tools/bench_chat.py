@@ -1,5 +1,5 @@
 """A chat's turns on CPU through onnxruntime-genai: a session that keeps its KV cache between turns
-(decoding.GenaiSession, what `diffexport generate --interactive` runs) against reading the whole
+(genai.GenaiSession, what `diffexport generate --interactive` runs) against reading the whole
 conversation again each turn (a new generator per turn, what the onnxruntime loop does).
 
     python tools/bench_chat.py [--turns 8] [--user 64] [--new 32] [--rounds 3] [--write]
@@ -29,7 +29,7 @@ import bench_context  # noqa: E402
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends import genai  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.generation import Sampling  # noqa: E402
 
@@ -47,7 +47,7 @@ def conversation(session, folder, model, user_turns: list[list[int]], new: int) 
         answers = {}
         for way in ways:
             run = session.turn(ids, new) if way == WAYS[0] else \
-                decoding.generate_genai(folder, ids, new, Sampling(), model=model)
+                genai.generate_genai(folder, ids, new, Sampling(), model=model)
             answers[way] = run.tokens
             times[way].append((run.prefill_seconds, run.prefill_seconds + run.decode_seconds))
         assert answers[WAYS[0]] == answers[WAYS[1]], f"turn {number + 1}: the two ways answered differently"
@@ -72,10 +72,10 @@ def main() -> None:
     results: dict[str, list[list]] = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory() as tmp:
         folder = bench_context.genai_folders(loaded, Path(tmp), "fp32", False, cores)["--attention gqa folder"]
-        model = decoding.open_genai_model(folder)
-        conversation(decoding.GenaiSession(folder, Sampling(), model=model), folder, model, user_turns[:2], 4)
+        model = genai.open_genai_model(folder)
+        conversation(genai.GenaiSession(folder, Sampling(), model=model), folder, model, user_turns[:2], 4)
         for round_ in range(args.rounds):
-            times = conversation(decoding.GenaiSession(folder, Sampling(), model=model), folder, model,
+            times = conversation(genai.GenaiSession(folder, Sampling(), model=model), folder, model,
                                  user_turns, args.new)
             for way in WAYS:
                 results[way].append(times[way])

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchdoc  # noqa: E402
 
-from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends import decoding, genai  # noqa: E402
 from diffexport.backends.speed import read_bandwidth, weight_bytes_per_token  # noqa: E402,F401 (the tools' names)
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
@@ -122,10 +122,10 @@ def profile_step(folder: Path, past: int, threads: int, steps: int = 30) -> tupl
 
 
 def time_genai(folder, prompt, new):
-    og = decoding.import_genai()
+    og = genai.import_genai()
     model = og.Model(str(folder))  # the anchor has no diffexport metadata: no folder validation here
-    decoding.generate_genai(folder, prompt[:16], 8, Sampling(), model=model)  # warm-up
-    return decoding.generate_genai(folder, prompt, new, Sampling(), model=model, min_new_tokens=new)
+    genai.generate_genai(folder, prompt[:16], 8, Sampling(), model=model)  # warm-up
+    return genai.generate_genai(folder, prompt, new, Sampling(), model=model, min_new_tokens=new)
 
 
 def time_ort(folder, prompt, new, threads=None):

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffexport.backends import decoding  # noqa: E402
+from diffexport.backends import genai  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export.decoder import export_decoder  # noqa: E402
 from diffexport.generation import Sampling, next_token_probs  # noqa: E402
@@ -107,15 +107,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "folder"
         export_decoder(loaded, folder, log=lambda *a: None)
-        config = decoding._genai_config(folder)
+        config = genai._genai_config(folder)
         for index in range(args.prompts):
             prompt = rng.integers(0, vocab, size=7).tolist()
             with torch.no_grad():
                 logits = model(torch.tensor([prompt]))[0, -1].double().numpy()
             exact = exact_nucleus(logits, args.top_p, args.temperature)
             bound = bound_nucleus(logits, args.top_p, args.temperature)
-            genai = decoding.open_genai_model(folder, None, decoding.genai_pad_for(config, [prompt]))
-            draws = genai_draws(genai, prompt, args.top_p, args.temperature, args.draws)
+            genai_model = genai.open_genai_model(folder, None, genai.genai_pad_for(config, [prompt]))
+            draws = genai_draws(genai_model, prompt, args.top_p, args.temperature, args.draws)
             probs = softmax(logits, args.temperature)[bound]
             expected = probs / probs.sum() * len(draws)
             observed = np.array([(draws == token).sum() for token in bound])

@@ -110,7 +110,8 @@ def measure_decoder(folder: str | os.PathLike, prompt_tokens: int = 64, new_toke
     """A decoder folder in onnxruntime-genai on the CPU, with the threads `generate` gives it: a seeded
     random prompt of `prompt_tokens` ids, exactly `new_tokens` greedy tokens, `rounds` rounds after
     a warm-up. progress(done, total) is called after each round."""
-    from diffexport.backends.decoding import generate_genai, machine_threads, open_genai_model
+    from diffexport.backends.genai import generate_genai, open_genai_model
+    from diffexport.backends.base import machine_threads
     from diffexport.format.decoder_folder import read_decoder_folder
     from diffexport.format.genai_config import MAX_THREADS
 
@@ -142,7 +143,7 @@ def measure_prefill(onnx_path: str | os.PathLike, vocab: int, prompt_tokens: int
     random prompt of `prompt_tokens` ids, `rounds` times after a warm-up. A prefill file has no
     cache, so there is no decode rate: its decode fields are NaN and the bound is the one a decode
     step of the same weights would have."""
-    from diffexport.backends.decoding import machine_threads
+    from diffexport.backends.base import machine_threads
     from diffexport.onnxruntime_session import open_session
     from diffexport.format.names import PREFILL_INPUT_NAMES
 

@@ -198,7 +198,7 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     """The demo's second half: the KV-cache decoder folder, generated through onnxruntime-genai, checked."""
     import shutil
 
-    from diffexport.backends import decoding
+    from diffexport.backends import decoding, genai
     from diffexport.validation import CheckOptions, run_decoder_check
     from diffexport.export.decoder import export_decoder
     from diffexport.format import names
@@ -214,7 +214,7 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     print(summary.report())
     prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     try:
-        run = decoding.generate_genai(folder, prompt, 16, Sampling())
+        run = genai.generate_genai(folder, prompt, 16, Sampling())
         backend = "onnxruntime-genai"
     except DiffExportError:  # onnxruntime-genai missing: the plain loop, said so
         run = decoding.generate_onnxruntime(folder, prompt, 16, Sampling())

@@ -121,16 +121,16 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
 
 def cmd_generate(args) -> int:
     """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime loop."""
-    from diffexport.backends import decoding
+    from diffexport.backends import base
 
-    with decoding.intra_op_threads(args.threads):  # --threads: over the folder's own, for every path below
+    with base.intra_op_threads(args.threads):  # --threads: over the folder's own, for every path below
         return _generate(args)
 
 
 def _generate(args) -> int:
     from pathlib import Path
 
-    from diffexport.backends import decoding
+    from diffexport.backends import genai
     from diffexport.format.decoder_folder import read_decoder_folder
     from diffexport.generation import StopText
 
@@ -140,7 +140,7 @@ def _generate(args) -> int:
         raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = sampling_options(args, config)
     if args.backend == "genai":
-        decoding.import_genai()
+        genai.import_genai()
     if (args.backend == "tensorrt") != (args.engine is not None):
         raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
                               "--backend tensorrt and --engine ENGINE")

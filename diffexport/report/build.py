@@ -71,7 +71,7 @@ def artifact_facts(artifact: Path) -> dict:
 
 
 def _machine() -> str:
-    from diffexport.backends.decoding import machine_threads
+    from diffexport.backends.base import machine_threads
     from diffexport.backends.speed import cpu_name
 
     return f"{cpu_name()}, {machine_threads()} cores, {platform.system()} {platform.machine()}"

@@ -3,7 +3,7 @@ TritonPythonModel from here). Two parts:
 
 - DecoderService: the requests that wait, decoded together. A worker thread takes the oldest
   request and every waiting one with the same draw (greedy, or the same sampling options), up to
-  max_batch, and runs them as one onnxruntime-genai batch (backends.decoding.generate_batch_genai,
+  max_batch, and runs them as one onnxruntime-genai batch (backends.genai.generate_batch_genai,
   what `diffexport generate --prompts-file` runs): greedy rows give what each prompt gives alone.
   genai 0.18 cannot add rows to a running generator, so requests that arrive meanwhile wait for
   the next batch; a row that ends (its end token, its own max_tokens, its client gone) stops
@@ -48,7 +48,7 @@ class DecoderService:
     """A decoder folder's requests, decoded in batches by one worker thread."""
 
     def __init__(self, folder: str | Path, max_batch: int = 8):
-        from diffexport.backends.decoding import import_genai
+        from diffexport.backends.genai import import_genai
         from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
         from diffexport.text_generation import folder_tokenizer
 
@@ -177,7 +177,7 @@ class DecoderService:
                     request.fail(f"generation failed: {message}")
 
     def _model(self, pad: int | None):
-        from diffexport.backends.decoding import open_genai_model
+        from diffexport.backends.genai import open_genai_model
 
         if pad not in self._models:
             if len(self._models) >= 2:  # a substitute pad id is rare: keep the folder's and the latest
@@ -186,7 +186,7 @@ class DecoderService:
         return self._models[pad]
 
     def _run(self, batch: list[Request]) -> None:
-        from diffexport.backends.decoding import generate_batch_genai, genai_pad_for
+        from diffexport.backends.genai import generate_batch_genai, genai_pad_for
 
         prompts = [r.ids for r in batch]
         pad = genai_pad_for(self.config, prompts)
