@@ -94,7 +94,11 @@ def choose_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
 def next_token_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """logits [B, V] (a repetition penalty already applied) -> the distribution a sampled draw
     takes, float32: divided by the temperature, cut to the top k, then to the nucleus top p."""
-    scores = logits.float() / sampling.temperature
+    scores = logits.float()
+    # the best score moved to 0 first: every scaled score is then in [-inf, 0], finite at the best,
+    # however small the temperature (1e-45 overflowed the division to inf, and softmax to NaN)
+    # (a temperature under float32's least normal number, which float32 would round to 0, divides as that number)
+    scores = (scores - scores.amax(-1, keepdim=True)) / max(sampling.temperature, torch.finfo(torch.float32).tiny)
     if sampling.top_k:
         kth = scores.topk(min(sampling.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -102,6 +106,7 @@ def next_token_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_scores.softmax(-1) >= sampling.top_p  # keep the token that crosses top_p
+        drop[:, 0] = False  # and the most likely one always (a top_p below float32's least, 1e-300, is 0 there)
         scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
     return scores.softmax(-1)
 

@@ -133,6 +133,24 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert torch.equal(a, b)
 
 
+def test_extreme_temperatures_and_nucleus_still_give_a_distribution():
+    """A temperature of 1e-45 (or a denormal) overflowed logits / T to inf and softmax to NaN, and a
+    top-p of 1e-300 (0 in float32) dropped every token (issue 43: a traceback on the onnxruntime
+    loop while genai answered): both now give the limit, the most likely token, and a moderate
+    temperature gives softmax(logits / T) as before."""
+    from diffexport.generation import next_token_probs
+
+    logits = torch.randn(3, 97, generator=torch.Generator().manual_seed(5)) * 4
+    best = logits.argmax(-1)
+    for sampling in (Sampling(greedy=False, temperature=1e-45), Sampling(greedy=False, temperature=5e-324, top_k=3),
+                     Sampling(greedy=False, top_p=1e-300), Sampling(greedy=False, temperature=1e-45, top_p=1e-300)):
+        probs = next_token_probs(logits, sampling)
+        assert torch.isfinite(probs).all() and torch.equal(probs.argmax(-1), best)
+        assert torch.allclose(probs.max(-1).values, torch.ones(3))
+    moderate = next_token_probs(logits, Sampling(greedy=False, temperature=0.7))
+    torch.testing.assert_close(moderate, (logits.double() / 0.7).softmax(-1).float(), atol=1e-6, rtol=1e-5)
+
+
 def test_stop_text_holds_back_what_could_begin_a_stop_string():
     from diffexport.generation import StopText
 

@@ -452,6 +452,26 @@ def test_hostile_decoder_folders(v1_folder, v1_ckpt, tmp_path):
         genai.open_genai_model(folder_with("vocab", json.dumps(vocab)))  # its own gate, before genai reads it
 
 
+def test_a_diffattention_node_edited_to_other_heads_is_refused(v1_folder, tmp_path):
+    """A node whose num_heads (or kv heads, head size) is not what the metadata's config
+    says: one line, exit 2, for every command that reads the folder, not onnxruntime's reshape error."""
+    import onnx
+
+    for key, change in (("num_heads", lambda v: 2 * v), ("head_dim", lambda v: 2 * v), ("num_kv_heads", lambda v: 1)):
+        folder = tmp_path / key
+        shutil.copytree(v1_folder, folder)
+        model = onnx.load(str(folder / "model.onnx"))
+        node = next(n for n in model.graph.node if n.op_type == "DiffAttention")
+        attribute = next(a for a in node.attribute if a.name == key)
+        before, attribute.i = attribute.i, change(attribute.i)
+        assert attribute.i != before, key
+        onnx.save(model, str(folder / "model.onnx"))
+        for backend in ("onnxruntime", "genai"):
+            assert_one_line_error(cli_main("generate", folder, "--ids", "1,2", "--backend", backend),
+                                  f"has {key} {attribute.i}, but the model's config says")
+    assert_one_line_error(cli_main("inspect", tmp_path / "num_heads"), "the graph was edited after export")
+
+
 def test_kv_export_refuses_a_linked_tokenizer_file(tmp_path):
     real = tmp_path / "real"
     byte_bpe_tokenizer(real)

@@ -21,10 +21,11 @@ def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:
     than run by whichever runtime tolerates it."""
     path = Path(path)
     model = load_onnx(path, weights=False)
+    nodes = []
     for node in model.graph.node:
         if is_diff_attention(node):
             try:
-                node_attrs(node)
+                nodes.append((node.name, node_attrs(node)))
             except DiffExportError as exc:
                 raise DiffExportError(f"{path.name}: {exc}") from None
     meta = {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props if p.key.startswith(META_PREFIX)}
@@ -32,7 +33,28 @@ def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:
         raise DiffExportError(f"{path} carries no diffexport metadata, so there is no model to compare it with: "
                               "for a graph of another exporter (or what `diffexport optimize` made of one) use "
                               "`check MODEL --against THE_ORIGINAL.onnx`")
-    return check_export_metadata(meta, path)
+    meta = check_export_metadata(meta, path)
+    _check_nodes_match_config(nodes, meta, path)
+    return meta
+
+
+# the DiffAttention variant each family's attention is exported as (the baseline Transformer has none)
+VARIANTS = {"diff_v1": contract.VARIANT_V1, "diff_v2": contract.VARIANT_V2}
+
+
+def _check_nodes_match_config(nodes: list, meta: dict[str, str], path: Path) -> None:
+    """Every DiffAttention node has the shape the metadata's config gives its attention: a node
+    edited to other heads (num_heads doubled) would otherwise reach a runtime's reshape as an
+    internal error, or run on weights laid out for other heads (issue 43)."""
+    cfg = config_from_dict(meta["family"], json.loads(meta["config"]))  # validated just above
+    expected = {"variant": VARIANTS.get(cfg.family), "num_heads": cfg.n_heads, "num_kv_heads": cfg.n_kv_heads,
+                "head_dim": cfg.head_dim}
+    for name, attrs in nodes:
+        for key, value in expected.items():
+            if getattr(attrs, key) != value:
+                raise DiffExportError(f"{path.name}: DiffAttention node {name or '(unnamed)'} has {key} "
+                                      f"{getattr(attrs, key)}, but the model's config says {value}: the graph was "
+                                      "edited after export (re-export it)")
 
 
 def check_export_metadata(meta: dict[str, str], path) -> dict[str, str]:
