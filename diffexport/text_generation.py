@@ -235,7 +235,7 @@ class ChatSession:
         if self.backend == "genai":
             if self.session is None or ids[-1] == self.session.pad:  # (a new pad id: only if the template's end changed)
                 self.session = genai.GenaiSession(self.folder, self.sampling, provider=self.provider,
-                                                     pad_token_id=genai.genai_pad_for(self.config, [ids]))
+                                                  pad_token_id=genai.genai_pad_for(self.config, [ids]))
         else:  # the loop (or the engine) keeps its cache too; sampled turns draw from their own seeds
             self.session = self.session or decoding.LoopSession(self.runner, self.sampling)
         run = self.session.turn(ids, self.max_new_tokens, stop_after=show)
@@ -308,9 +308,9 @@ def beam_searcher(folder: Path, search, prompts: list[list[int]], longest: int, 
     decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
     if backend == "genai":  # a pad id that ends no prompt: genai reads trailing pad ids as padding
         genai.check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
-                                                     "search over the onnxruntime loop has no such limit)")
+                                                  "search over the onnxruntime loop has no such limit)")
         model = genai.open_genai_model(folder, None if provider == "auto" else provider,
-                                          genai.genai_pad_for(config, prompts))
+                                       genai.genai_pad_for(config, prompts))
         return lambda ids, search, new: genai.beam_search_genai(folder, ids, new, search, model=model)
     runner, _ = open_backend(folder, backend, provider, engine, plugin_lib)
     return lambda ids, search, new: decoding.beam_search_onnxruntime(folder, ids, new, search, runner)

@@ -204,7 +204,7 @@ def test_genai_samples_from_the_eager_distribution(model_and_folders):
 
     def draws(count, **options):
         return [genai.generate_genai(folders["gqa"], prompt, 1, Sampling(greedy=False, seed=seed, **options),
-                                        model=model).tokens[0] for seed in range(count)]
+                                     model=model).tokens[0] for seed in range(count)]
 
     whole = draws(200)
     assert len(set(whole)) > 60  # ~512 near-equally likely ids: about 170 distinct in 200 draws

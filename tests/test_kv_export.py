@@ -811,7 +811,7 @@ def test_generate_stops_at_stop_strings(hf_kv, tmp_path):
     free = {}
     for prompt in prompts:
         run = genai.generate_genai(kv, [int(t) for t in tokenizer.encode(prompt)], 24, Sampling(),
-                                      min_new_tokens=24)
+                                   min_new_tokens=24)
         free[prompt] = (run.tokens, tokenizer.decode(run.tokens))
     tokens, text = free[prompts[0]]
     stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle of the free answer

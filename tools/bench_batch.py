@@ -93,7 +93,7 @@ def main() -> None:
             for batch in args.batches:
                 for label, folder in folders.items():
                     run = genai.generate_batch_genai(folder, prompts[:batch], args.new, Sampling(),
-                                                        model=models[label], min_new_tokens=args.new)
+                                                     model=models[label], min_new_tokens=args.new)
                     assert all(len(t) == args.new for t in run.tokens), "a row stopped early"
                     speeds.setdefault(label, {}).setdefault(batch, []).append(run.decode_tokens_per_s)
                     prefill.setdefault(label, {}).setdefault(batch, []).append(run.prefill_seconds)
@@ -173,7 +173,7 @@ def mixed_lengths(args) -> None:
                     # generate_in_batches' loop, on the model opened once (the threads copies link their weights)
                     for indices in decoding.batch_plan(prompts, batch, by_length):
                         run = genai.generate_batch_genai(folder, [prompts[i] for i in indices], args.new,
-                                                            Sampling(), model=models[label])
+                                                         Sampling(), model=models[label])
                         prefill += run.prefill_seconds
                         for i, t in zip(indices, run.tokens):
                             tokens[i] = t

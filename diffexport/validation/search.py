@@ -53,7 +53,7 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
             lines.append(f"beams         onnxruntime-genai's own search not checked: {exc}")
         else:
             runtimes["genai"] = lambda prompt: genai.beam_search_genai(folder, prompt, new, search,
-                                                                          model=model_genai)
+                                                                       model=model_genai)
     rule = "early stopping" if search.early_stopping else "no early stopping"
     log(f"beams         {search.num_beams} beams (length penalty {search.length_penalty:g}, {rule}) on "
         f"{', '.join(runtimes)} vs eager: {len(prompts)} prompts alone, up to {new} new tokens, "
@@ -160,7 +160,7 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
         probs = next_token_probs(logits, sampling)[0].double().cpu()
         scaled = (logits[0] / sampling.temperature).double().cpu()
         got = genai.sample_first_tokens_genai(genai_model, config, prompt, sampling, draws,
-                                                 on_draws=progress.advance)
+                                              on_draws=progress.advance)
         counts = torch.bincount(torch.tensor(got), minlength=probs.numel()).double()
         # a token just outside the cut may be inside it in the folder's logits: within their tolerance
         cut = float(scaled[probs > 0].min())
