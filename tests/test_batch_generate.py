@@ -414,7 +414,7 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
     2026-11-25, drew 14% outside the nucleus: the check fails on it), and fails a genai given
     another temperature than eager draws with (the chi-square test, no token outside)."""
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.backends import decoding, genai
+    from diffexport.backends import genai
     from diffexport.check import CheckOptions, run_decoder_check
     from diffexport.generation import Sampling
 
