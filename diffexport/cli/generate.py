@@ -106,7 +106,7 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    prompt_shown, number = sys.stdin.isatty(), 0
+    prompt_shown, number, refused = sys.stdin.isatty(), 0, 0
     while True:
         if prompt_shown:
             sys.stderr.write("> ")
@@ -114,9 +114,14 @@ def _generate_interactive(args, folder, config: dict, sampling) -> int:
         line = _stdin_turn(number := number + 1)
         if line is None:
             break
-        if line.strip() and session.turn(line, show) is not None:
+        if not line.strip():
+            continue
+        if session.turn(line, show) is None:  # said on stderr; the session goes on with the next turn
+            refused += 1
+        else:
             show("\n")
-    return 0
+    # a scripted session (stdin from a file) learns that a turn went unanswered from the status
+    return 2 if refused else 0
 
 
 def cmd_generate(args) -> int:
