@@ -86,3 +86,31 @@ def test_a_hostile_pattern_is_refused_before_any_library_matches_it(artifacts, t
     text.write_text("a" * 40 + "!")
     check = cli_main("check", folder, "--ckpt", hf, "--text", text, "--tokenizer", tokenizer)
     assert_one_line_error(check, "could run without end")
+
+
+def test_a_panic_inside_the_tokenizers_library_is_one_line(capfd):
+    """A Rust panic in the tokenizers library (pyo3's PanicException is no Exception, so it went
+    through as a traceback, with the panic hook's lines on stderr) is one DiffExportError line; the
+    hook's lines are held back, other stderr output of the call is passed on, other errors pass."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    from diffexport.format.tokenizer_rules import tokenizer_library_call
+
+    spec = {"version": "1.0", "padding": None, "added_tokens": [], "normalizer": None, "post_processor": None,
+            "decoder": None, "pre_tokenizer": {"type": "Whitespace"},
+            "truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 5},
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"}}
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    capfd.readouterr()
+    with pytest.raises(DiffExportError, match=r"^encoding failed inside the tokenizers library \(`stride` must be"):
+        with tokenizer_library_call("encoding"):
+            tokenizer.encode("a b a b a b")
+    assert "panicked" not in capfd.readouterr().err
+    with tokenizer_library_call("a call"):
+        os.write(2, b"a library's own warning\n")
+    assert capfd.readouterr().err == "a library's own warning\n"
+    with pytest.raises(ValueError):
+        with tokenizer_library_call("a call"):
+            raise ValueError("not a panic")

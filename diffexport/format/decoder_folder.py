@@ -257,8 +257,13 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
             from tokenizers import Tokenizer
         except ImportError:
             raise DiffExportError("checking a tokenizer needs the tokenizers package: pip install tokenizers") from None
+        from diffexport.format.tokenizer_rules import tokenizer_library_call
+
         try:
-            size = Tokenizer.from_file(str(tok_json)).get_vocab_size(with_added_tokens=True)
+            with tokenizer_library_call(f"reading {tok_json}"):
+                size = Tokenizer.from_file(str(tok_json)).get_vocab_size(with_added_tokens=True)
+        except DiffExportError:
+            raise
         except Exception as exc:  # the tokenizers library's own parse errors
             raise DiffExportError(f"{tok_json} is not a readable tokenizer ({str(exc).splitlines()[0][:120]})") from None
         if size > vocab_size:

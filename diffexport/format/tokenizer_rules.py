@@ -17,7 +17,11 @@ What is left is polynomial at worst (`\\s*\\s*$`), over a prompt the context bou
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
@@ -171,3 +175,38 @@ def check_tokenizer_json(path: str | Path) -> None:
             shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
             raise DiffExportError(f"{path} has a regular expression {shown!r} with {risk}: it could run without end "
                                   "on a short text, so it is not opened (tokenizers of GPT-2, Llama and Qwen have none)")
+
+
+@contextlib.contextmanager
+def tokenizer_library_call(what: str):
+    """Around a tokenizer library's native code on a stranger's tokenizer (loading it, encoding
+    with it): a Rust panic there (pyo3's PanicException, which is no Exception: a TemplateProcessing
+    naming a special token it does not list, a truncation stride past its length) becomes one
+    DiffExportError line naming `what`, not a traceback. The panic hook's own lines on stderr are
+    held back; whatever else the call writes there is passed on after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    panicked = False
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit, GeneratorExit, DiffExportError):
+            raise
+        except BaseException as exc:
+            if type(exc).__name__ != "PanicException":
+                raise
+            panicked = True
+            detail = str(exc).splitlines()[0][:160] if str(exc) else "a panic"
+            raise DiffExportError(f"{what} failed inside the tokenizers library ({detail}): the tokenizer's files "
+                                  "are broken or hostile") from None
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not panicked:
+                held.seek(0)
+                passed_on = held.read()
+                if passed_on:
+                    sys.stderr.write(passed_on.decode(errors="replace"))
+                    sys.stderr.flush()

@@ -32,15 +32,24 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
         from transformers import AutoTokenizer
     except ImportError:
         raise DiffExportError("--tokenizer needs transformers: pip install 'diffexport[hf]'") from None
-    if Path(tokenizer).is_dir():  # a folder's patterns are read before transformers matches them
-        from diffexport.format.tokenizer_rules import check_tokenizer_json
+    from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
 
+    if Path(tokenizer).is_dir():  # a folder's patterns are read before transformers matches them
         check_tokenizer_json(Path(tokenizer) / "tokenizer.json")
     try:
-        tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)  # a folder's own code never runs
+        with tokenizer_library_call(f"loading tokenizer {tokenizer!r}"):
+            tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)  # a folder's own code never runs
+    except DiffExportError:
+        raise
     except Exception as exc:  # transformers raises many types for missing/bad tokenizers
         raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: {str(exc).splitlines()[0]}") from None
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    try:
+        with tokenizer_library_call(f"tokenizing {path} with {tokenizer!r}"):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+    except DiffExportError:
+        raise
+    except Exception as exc:  # a tokenizer's own errors on this text
+        raise DiffExportError(f"tokenizer {tokenizer!r} cannot tokenize {path}: {str(exc).splitlines()[0][:160]}") from None
     too_big = [i for i in ids if i >= vocab_size]
     if too_big:
         raise DiffExportError(f"tokenizer {tokenizer!r} gives ids up to {max(too_big)}, beyond this model's "
