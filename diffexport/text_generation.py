@@ -19,11 +19,14 @@ def folder_tokenizer(folder: Path):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
     from diffexport.backends.genai import import_genai
     from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder, tokenizer_files
+    from diffexport.format.tokenizer_rules import check_tokenizer_json
 
     if not has_tokenizer(folder):
         raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
-    read_decoder_folder(folder)  # og.Model below reads it: nothing it would load, write or run, and its graph
+    read = read_decoder_folder(folder)  # og.Model below reads it: nothing it would load, write or run, and its graph
     tokenizer_files(folder)  # nor a link, an oversized file or a pattern that never finishes
+    # nor ids past the graph's vocabulary (a prompt's would reach onnxruntime's Gather)
+    check_tokenizer_json(folder / "tokenizer.json", read.vocab_size)
     og = import_genai()
     try:
         return og.Tokenizer(og.Model(str(folder)))

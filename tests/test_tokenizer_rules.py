@@ -114,3 +114,21 @@ def test_a_panic_inside_the_tokenizers_library_is_one_line(capfd):
     with pytest.raises(ValueError):
         with tokenizer_library_call("a call"):
             raise ValueError("not a panic")
+
+
+def test_a_tokenizer_past_the_graphs_vocabulary_is_refused(artifacts, tmp_path):
+    """A folder's tokenizer.json that can give ids the graph has no row for (an added token past the
+    vocabulary, or a larger model vocabulary) is refused before a prompt is tokenized: its ids
+    would reach onnxruntime's Gather as an internal error. Read from the file, no tokenizer library."""
+    hf = artifacts.hf_diffllama()
+    folder = shutil.copytree(artifacts.cli_output("onnx", hf, "--kv-cache", output="kv"), tmp_path / "kv")
+    vocab = json.loads((folder / "genai_config.json").read_text())["model"]["vocab_size"]
+    check_tokenizer_json(folder / "tokenizer.json", vocab)  # the folder's own passes
+    tree = json.loads((folder / "tokenizer.json").read_text())
+    tree["added_tokens"].append({"id": vocab + 7, "content": "<extra>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(tree))
+    with pytest.raises(DiffExportError, match=f"gives token ids up to {vocab + 7}, past the model's vocabulary"):
+        check_tokenizer_json(folder / "tokenizer.json", vocab)
+    assert_one_line_error(cli_main("generate", folder, "--prompt", "the cat", "--max-new-tokens", "2",
+                                   "--backend", "onnxruntime"), "past the model's vocabulary")

@@ -157,9 +157,28 @@ def _patterns(value) -> list[str]:
     return found
 
 
-def check_tokenizer_json(path: str | Path) -> None:
+def _largest_id(tree) -> int | None:
+    """The largest token id a tokenizer.json can give: its model's vocabulary (a token -> id map, or
+    Unigram's list of pieces) and its added tokens. None where the file holds neither."""
+    ids: list[int] = []
+    model = tree.get("model") if isinstance(tree, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):
+        ids += [v for v in vocab.values() if isinstance(v, int) and not isinstance(v, bool)]
+    elif isinstance(vocab, list) and vocab:
+        ids.append(len(vocab) - 1)
+    added = tree.get("added_tokens") if isinstance(tree, dict) else None
+    if isinstance(added, list):
+        ids += [t["id"] for t in added if isinstance(t, dict) and isinstance(t.get("id"), int)
+                and not isinstance(t.get("id"), bool)]
+    return max(ids) if ids else None
+
+
+def check_tokenizer_json(path: str | Path, vocab_size: int | None = None) -> None:
     """Refuse, in one line, a tokenizer.json whose regular expressions could run without end
-    (regex_risk), before a tokenizer library opens it. A missing file passes (nothing to run)."""
+    (regex_risk), before a tokenizer library opens it; with vocab_size, one that can give an id at
+    or past the model's vocabulary (read from the file, no tokenizer library needed). A missing file
+    passes (nothing to run)."""
     path = Path(path)
     if not path.is_file() or path.is_symlink():
         return  # links are refused by the tokenizer folder's own rules (export/decoder.py tokenizer_files)
@@ -175,6 +194,10 @@ def check_tokenizer_json(path: str | Path) -> None:
             shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
             raise DiffExportError(f"{path} has a regular expression {shown!r} with {risk}: it could run without end "
                                   "on a short text, so it is not opened (tokenizers of GPT-2, Llama and Qwen have none)")
+    largest = _largest_id(tree)
+    if vocab_size is not None and largest is not None and largest >= vocab_size:
+        raise DiffExportError(f"{path} gives token ids up to {largest}, past the model's vocabulary of {vocab_size}: "
+                              "it is not this model's tokenizer")
 
 
 @contextlib.contextmanager
