@@ -155,11 +155,69 @@ def load_onnx(path: str | os.PathLike, *, weights: bool = True):
     path = Path(path)
     require_file(path, "give an .onnx file")
     try:
-        return onnx.load(str(path), load_external_data=weights)
-    except Exception as exc:  # protobuf DecodeError, missing external data and friends
-        if weights:
-            _refuse_external_data(path, onnx)
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf DecodeError and friends
         raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__})") from None
+    check_declared_sizes(model, path)
+    if weights:
+        try:
+            from onnx.external_data_helper import load_external_data_for_model
+
+            load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:  # missing or refused external data
+            _refuse_external_data(path, onnx)
+            raise DiffExportError(f"{path} is not a readable ONNX file ({type(exc).__name__})") from None
+    return model
+
+
+# bits per element of each ONNX tensor type an initializer may hold (strings: no fixed size)
+_ELEMENT_BITS = {"FLOAT": 32, "UINT8": 8, "INT8": 8, "UINT16": 16, "INT16": 16, "INT32": 32, "INT64": 64, "BOOL": 8,
+                 "FLOAT16": 16, "DOUBLE": 64, "UINT32": 32, "UINT64": 64, "COMPLEX64": 64, "COMPLEX128": 128,
+                 "BFLOAT16": 16, "FLOAT8E4M3FN": 8, "FLOAT8E4M3FNUZ": 8, "FLOAT8E5M2": 8, "FLOAT8E5M2FNUZ": 8,
+                 "UINT4": 4, "INT4": 4, "FLOAT4E2M1": 4, "FLOAT8E8M0": 8}
+
+
+def check_declared_sizes(model, path: Path) -> None:
+    """Every initializer's shape must match the bytes it holds, inline or in its external file,
+    before anything reads or allocates from the shape: a weight declaring [2**31, 2**31] over 64
+    bytes reached onnxruntime's quantizer as a failed reshape (issue 43)."""
+    import math
+
+    from onnx import TensorProto
+
+    for init in model.graph.initializer:
+        type_name = TensorProto.DataType.Name(init.data_type) if init.data_type in TensorProto.DataType.values() \
+            else None
+        bits = _ELEMENT_BITS.get(type_name)
+        if any(d < 0 for d in init.dims):
+            raise DiffExportError(f"{path}: weight {init.name!r} declares a negative dimension {list(init.dims)}")
+        if bits is None:
+            continue  # strings, or a type onnx itself will refuse
+        need = (math.prod(init.dims) * bits + 7) // 8
+        if init.data_location == TensorProto.EXTERNAL:
+            fields = {e.key: e.value for e in init.external_data}
+            have = _external_bytes(path.parent, fields)
+        elif init.HasField("raw_data"):
+            have = len(init.raw_data)
+        else:
+            continue  # typed fields (float_data, ...): onnx checks their count against the shape itself
+        if have is not None and have < need:
+            raise DiffExportError(f"{path}: weight {init.name!r} declares shape {list(init.dims)} "
+                                  f"({need:,} bytes) but holds {have:,}: the file is truncated or edited")
+
+
+def _external_bytes(folder: Path, fields: dict) -> int | None:
+    """The bytes an external-data entry can supply (its length, within the file); None where the
+    file is not there to measure (load reports that)."""
+    if external_file_state(folder, fields.get("location", "")) != "present":
+        return None
+    try:
+        offset, size = int(fields.get("offset", 0)), (folder / fields["location"]).stat().st_size
+    except (ValueError, OSError):
+        return None
+    available = max(size - offset, 0)
+    length = fields.get("length")
+    return min(int(length), available) if length is not None and str(length).isdigit() else available
 
 
 def external_file_state(folder: Path, location: str) -> str:

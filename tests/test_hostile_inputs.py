@@ -250,6 +250,51 @@ def test_wrong_typed_configs_and_tensors_are_one_line(checkpoint, tmp_path, edit
     assert_one_line_error(cli_main("info", resave_checkpoint(checkpoint, tmp_path, edit)), message)
 
 
+def test_onnx_weights_are_checked_against_their_declared_shapes(tmp_path):
+    """An initializer declaring [2**31, 2**31] over 64 bytes, inline or in its external file (or an
+    external length past the file), is refused in one line when the file is opened, before a
+    quantizer or runtime reads or allocates from the shape; an honest file still opens."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    def model_with(weight):
+        node = helper.make_node("MatMul", ["x", "w"], ["y"])
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    from diffexport.files import load_onnx
+
+    honest = model_with(numpy_helper.from_array(np.ones((4, 4), np.float32), "w"))
+    onnx.save(honest, str(tmp_path / "honest.onnx"))
+    assert load_onnx(tmp_path / "honest.onnx").graph.initializer[0].dims == [4, 4]
+    inline = model_with(numpy_helper.from_array(np.ones((4, 4), np.float32), "w"))
+    inline.graph.initializer[0].dims[:] = [2**31, 2**31]
+    onnx.save(inline, str(tmp_path / "inline.onnx"))
+    external = model_with(numpy_helper.from_array(np.ones((4, 4), np.float32), "w"))
+    onnx.save(external, str(tmp_path / "external.onnx"), save_as_external_data=True, location="external.onnx.data",
+              size_threshold=0)
+    stored = onnx.load(str(tmp_path / "external.onnx"), load_external_data=False)
+    stored.graph.initializer[0].dims[:] = [2**31, 2**31]
+    onnx.save(stored, str(tmp_path / "external.onnx"))
+    shutil.copyfile(tmp_path / "external.onnx.data", tmp_path / "long.onnx.data")
+    long = onnx.load(str(tmp_path / "honest.onnx"))
+    onnx.save(long, str(tmp_path / "long.onnx"), save_as_external_data=True, location="long.onnx.data",
+              size_threshold=0)
+    long = onnx.load(str(tmp_path / "long.onnx"), load_external_data=False)
+    for entry in long.graph.initializer[0].external_data:
+        if entry.key == "length":
+            entry.value = str(1 << 40)
+    onnx.save(long, str(tmp_path / "long.onnx"))
+    (tmp_path / "long.onnx.data").write_bytes(b"\0" * 16)  # 16 bytes where 64 are declared
+    for name in ("inline", "external", "long"):
+        for command in (("inspect", tmp_path / f"{name}.onnx"),
+                        ("quantize", tmp_path / f"{name}.onnx", "-o", tmp_path / f"{name}-q.onnx")):
+            assert_one_line_error(cli_main(*command), "but holds")
+        assert not (tmp_path / f"{name}-q.onnx").exists()
+
+
 def test_zip_members_are_checked_against_their_declared_sizes(checkpoint, tmp_path):
     """torch.load(mmap=True) trusts the pickle's sizes: a storage member cut short would load the
     next member's bytes as weights, a deflated member its compressed bytes. Both are refused."""
