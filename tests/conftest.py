@@ -5,7 +5,25 @@ import zlib
 from pathlib import Path
 
 import pytest
-import torch
+
+
+def _cores_of_this_worker() -> None:
+    """Under pytest-xdist (`-n N`), each worker runs on cores of its own, before torch is imported:
+    torch's, onnxruntime's and the compilers' threads of one worker's test then never crowd the
+    other's (two processes each spinning two threads on two cores made a 35 s test take 300 s).
+    Code that sizes its thread pools from this process's CPUs (diffexport's machine_threads, torch's
+    OpenMP) sees the worker's share."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not worker.startswith("gw") or not count.isdigit() or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, workers, index = sorted(os.sched_getaffinity(0)), int(count), int(worker[2:])
+    if 2 <= workers <= len(cpus):
+        share = len(cpus) // workers
+        os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
+
+
+_cores_of_this_worker()
+import torch  # noqa: E402 (after the worker's cores are set: its thread pool is sized from them)
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
 
