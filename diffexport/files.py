@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -108,6 +109,43 @@ def rename_into_place(tmp_dir: Path, dst: Path, replace: bool = False) -> None:
         os.rename(old, dst)
         raise
     shutil.rmtree(old.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staging_folder(dst: Path, replace: bool = False):
+    """A folder beside dst to build a folder output in, yielded empty. When the block ends, it takes
+    dst's name (its folders with the permissions the umask gives; without replace the rename fails,
+    leaving nothing, if dst appeared meanwhile); when the block raises or is interrupted, it is
+    removed. The one way every folder output is published: nothing half-written stays, nothing
+    existing is replaced without replace."""
+    dst = Path(dst)
+    make_output_folder(dst.parent)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".tmp"))
+    try:
+        yield tmp
+        for path in [tmp, *tmp.rglob("*")]:
+            if path.is_dir() and not path.is_symlink():
+                os.chmod(path, 0o777 & ~_umask())
+        rename_into_place(tmp, dst, replace)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def staging_model_file(out_path: Path):
+    """A scratch folder beside out_path, yielded, to write a model file into under out_path's name
+    (with its .data twin when its weights are external, and any scratch files). When the block ends,
+    the model takes out_path's place, its data file first, so a model file never points at nothing;
+    the scratch folder is removed however the block ends."""
+    out_path = Path(out_path)
+    make_output_folder(out_path.parent)
+    with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=temp_prefix(out_path.name), suffix=".tmp") as tmp:
+        yield Path(tmp)
+        data = Path(tmp) / (out_path.name + ".data")
+        if data.exists():
+            os.replace(data, out_path.with_name(data.name))
+        os.replace(Path(tmp) / out_path.name, out_path)
 
 
 def check_output_folder(folder: Path) -> None:

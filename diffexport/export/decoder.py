@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -34,7 +33,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
-from diffexport.files import check_output_path, make_output_folder, rename_into_place, temp_prefix
+from diffexport.files import check_output_path, staging_folder
 from diffexport.format import decoders, model_card
 from diffexport.format.decoder_folder import (GENAI_PROVIDERS, cache_heads, cache_width, check_tokenizer,
                                               default_provider, genai_config, has_tokenizer, hf_search, hf_values)
@@ -115,7 +114,7 @@ def _trace(model, options: ExportOptions, dtype: torch.dtype):
     batch, seq, total, past_len = (torch.export.Dim(n) for n in ("batch", "sequence", "total_sequence", "past_sequence"))
     # torch.export groups *past_flat into one entry of the input structure
     shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, tuple({0: batch, 2: past_len} for _ in past))
-    with exporter._quiet_exporter():
+    with exporter.quiet_exporter():
         program = torch.onnx.export(
             _DecoderStep(model), (ids, mask, *past), dynamo=True, opset_version=options.resolved_opset(),
             custom_translation_table=translation_table(), dynamic_shapes=shapes,
@@ -221,15 +220,14 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     meta = {exporter.META_PREFIX + "kv_cache": "1", exporter.META_PREFIX + "cache_width": str(cache_width(cfg)),
             exporter.META_PREFIX + "attention": attention}
     if is_diff:
-        count = exporter._finish(model_ir, loaded, options, weights_id, key_mask=True,
+        count = exporter.attach_diff_attention(model_ir, loaded, options, weights_id, key_mask=True,
                                  outputs=output_names(cfg.n_layers), extra_meta=meta)
     else:  # the baseline Transformer (side-by-side comparisons): no DiffAttention node, the same metadata
         count = 0
         exporter.stamp_metadata(model_ir, loaded, options, weights_id, output_names(cfg.n_layers), meta)
     external = exporter.wants_external(model_ir, options)
-    make_output_folder(out_dir.parent)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=temp_prefix(out_dir.name), suffix=".tmp"))
-    try:
+    # without force the rename fails, leaving nothing, if out_dir appeared meanwhile
+    with staging_folder(out_dir, options.force) as tmp_dir:
         log(f"writing       {out_dir}/" + (" with external data" if external else ""))
         exporter.save_checked(model_ir, tmp_dir / MODEL_FILE, external, log)
         del model_ir
@@ -240,21 +238,10 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         for path in tok_files:
             shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
         (tmp_dir / model_card.CARD).write_text(model_card.decoder_card(tmp_dir, MODEL_FILE, out_dir.name))
-        os.chmod(tmp_dir, 0o777 & ~_umask())
-        rename_into_place(tmp_dir, out_dir, options.force)  # without force: fails, leaving nothing, if out_dir appeared
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     return DecoderExportSummary(folder=out_dir, layers=cfg.n_layers, diff_attention_nodes=count,
                                 cache_width=cache_width(cfg), context_length=context_length, tokenizer=bool(tok_files),
                                 file_bytes=size, dtype=options.dtype, seconds=time.monotonic() - start,
                                 attention=attention, cache_heads=cache_heads(cfg, attention), provider=provider)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 

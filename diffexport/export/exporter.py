@@ -17,8 +17,6 @@ import io
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -30,7 +28,7 @@ from diffexport import contract, fingerprint
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import function_body
-from diffexport.files import check_output_path, make_output_folder, temp_prefix
+from diffexport.files import check_output_path, staging_model_file
 from diffexport.format.names import DTYPES, META_PREFIX, LOGITS
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.modeling import DIFF_FAMILIES
@@ -135,7 +133,7 @@ def check_target(out_path: Path, options: ExportOptions) -> None:
 # ---------------------------------------------------------------- trace
 
 @contextlib.contextmanager
-def _quiet_exporter():
+def quiet_exporter():
     """The exporter's own chatter (torchvision notices, deprecations) is not for our users."""
     loggers = [logging.getLogger(name) for name in ("torch.onnx", "torch.export", "onnxscript")]
     levels = [lg.level for lg in loggers]
@@ -162,7 +160,7 @@ def _trace_dynamo(model, options: ExportOptions):
     register_schema()
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     outputs = [LOGITS, HIDDEN] if options.hidden else [LOGITS]
-    with _quiet_exporter():
+    with quiet_exporter():
         program = torch.onnx.export(
             _OutputsOf(model, options.hidden), (_example_ids(model),), dynamo=True,
             opset_version=options.resolved_opset(), custom_translation_table=translation_table(),
@@ -181,7 +179,7 @@ def _trace_legacy(model, options: ExportOptions):
     outputs = [LOGITS, HIDDEN] if options.hidden else [LOGITS]
     axes = {name: {0: "batch", 1: "sequence"} for name in [*INPUT_NAMES, *outputs]}
     buffer = io.BytesIO()
-    with _quiet_exporter():
+    with quiet_exporter():
         torch.onnx.export(_OutputsOf(model, options.hidden), (_example_ids(model),), buffer, dynamo=False,
                           opset_version=options.resolved_opset(), input_names=list(INPUT_NAMES),
                           output_names=outputs, dynamic_axes=axes,
@@ -208,7 +206,8 @@ def _legacy_symbolic(g, query, key, value, lambda_full, norm_weight, key_mask, *
 
 def norms_for_onnxruntime(model_ir, log: Callable[[str], None]) -> None:
     """RMSNorms as Div(x, Sqrt(...)), the form onnxruntime fuses at load (export/norm_form.py);
-    run before _finish attaches the DiffAttention function, whose body stays as the contract writes it."""
+    run before attach_diff_attention adds the DiffAttention function, whose body stays as the
+    contract writes it."""
     from diffexport.export.norm_form import divide_by_root
 
     if model_ir.functions:
@@ -218,8 +217,9 @@ def norms_for_onnxruntime(model_ir, log: Callable[[str], None]) -> None:
         log(f"norms         {count} RMSNorm(s) as x / sqrt(mean(x^2) + eps), which onnxruntime fuses at load")
 
 
-def _finish(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str, key_mask: bool = False,
-            outputs: list[str] | None = None, extra_meta: dict[str, str] | None = None) -> int:
+def attach_diff_attention(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str,
+                          key_mask: bool = False, outputs: list[str] | None = None,
+                          extra_meta: dict[str, str] | None = None) -> int:
     """Attach the function, plugin fields and metadata in place; return the DiffAttention count.
     key_mask: the graph's nodes pass the version-2 key_mask input (KV-cache decoders)."""
     import onnx_ir as ir
@@ -330,16 +330,6 @@ def _references(model_path: Path, data_name: str) -> bool:
                for init in model.graph.initializer for e in init.external_data)
 
 
-def _publish(tmp_dir: Path, out_path: Path, external: bool) -> Path | None:
-    """Move the checked files into place (data first, so a model file never points at nothing)."""
-    data_path = None
-    if external:
-        data_path = out_path.with_name(out_path.name + ".data")
-        os.replace(tmp_dir / (out_path.name + ".data"), data_path)
-    os.replace(tmp_dir / out_path.name, out_path)
-    return data_path
-
-
 def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: ExportOptions | None = None,
                 log: Callable[[str], None] = _log_default) -> ExportSummary:
     """Export `loaded` to `out_path` and return what was written."""
@@ -361,22 +351,18 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
         count = 0
         stamp_metadata(model_ir, loaded, options, weights_id, [LOGITS, HIDDEN] if options.hidden else [LOGITS], {})
     else:
-        count = _finish(model_ir, loaded, options, weights_id)
+        count = attach_diff_attention(model_ir, loaded, options, weights_id)
     nbytes = _weight_bytes(model_ir)
     external = wants_external(model_ir, options)
     log(f"writing       {out_path}" + (" with external data" if external else ""))
-    make_output_folder(out_path.parent)
     stale = out_path.with_name(out_path.name + ".data")
     # Only the data file of the export this one replaces is removed: one that the previous file
     # did not reference is someone else's and stays.
     replaces_data = not external and stale.is_file() and not stale.is_symlink() and _references(out_path, stale.name)
-    tmp_dir = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=temp_prefix(out_path.name), suffix=".tmp"))
-    try:
+    with staging_model_file(out_path) as tmp_dir:
         save_checked(model_ir, tmp_dir / out_path.name, external, log)
         del model_ir
-        data_path = _publish(tmp_dir, out_path, external)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    data_path = stale if external else None
     if replaces_data:  # the older export's weights beside this file would be stale
         stale.unlink(missing_ok=True)
     graph = onnx.load(str(out_path), load_external_data=False).graph

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -22,8 +21,7 @@ from typing import Callable
 
 from diffexport.errors import DiffExportError
 from diffexport.format import model_card
-from diffexport.files import (_umask, check_output_path, load_onnx, make_output_folder, rename_into_place, require_file,
-                              temp_prefix)
+from diffexport.files import check_output_path, load_onnx, require_file, staging_folder, staging_model_file
 from diffexport.passes import calibration
 from diffexport.progress import Progress
 
@@ -280,36 +278,35 @@ def publish(model, src: Path, dst: Path, model_path: Path, log, make=None, force
     the end. For a folder, its other files (genai_config.json, tokenizer) are carried over.
     make(tmp_dir) -> model, when given, builds the model inside that folder first (scratch files
     left there are cleaned up with it)."""
-    folder = src.is_dir()
-    make_output_folder(dst.parent)
-    tmp_dir = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".tmp"))
-    try:
+    if src.is_dir():
+        with staging_folder(dst, force) as tmp_dir:  # without force: fails, leaving nothing, if dst appeared
+            _write_folder(model, src, dst, model_path, tmp_dir, log, make)
+        return
+    with staging_model_file(dst) as tmp_dir:
         if make is not None:
             model = make(tmp_dir)
-        inner = tmp_dir / (model_path.name if folder else dst.name)
-        log(f"writing       {dst}{'/' if folder else ''}")
-        _write(model, inner, log)
+        log(f"writing       {dst}")
+        _write(model, tmp_dir / dst.name, log)
         del model
-        for scratch in tmp_dir.iterdir():
-            if scratch.is_dir():
-                shutil.rmtree(scratch)
-        if folder:
-            for item in sorted(src.iterdir()):  # genai_config.json, tokenizer files, a card the user wrote: as they are
-                if item.name in (model_path.name, model_path.name + ".data") or not item.is_file() or item.is_symlink() \
-                        or (item.name == model_card.CARD and model_card.is_ours(item)):
-                    continue
-                shutil.copyfile(item, tmp_dir / item.name, follow_symlinks=False)
-            if not (tmp_dir / model_card.CARD).exists():  # ours, for what this folder now holds
-                (tmp_dir / model_card.CARD).write_text(model_card.decoder_card(tmp_dir, model_path.name, dst.name))
-            os.chmod(tmp_dir, 0o777 & ~_umask())
-            rename_into_place(tmp_dir, dst, force)  # without force: fails, leaving nothing, if dst appeared
-        else:
-            from diffexport.export import exporter
 
-            exporter._publish(tmp_dir, dst, inner.with_name(inner.name + ".data").exists())
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+def _write_folder(model, src: Path, dst: Path, model_path: Path, tmp_dir: Path, log, make) -> None:
+    """A quantised folder inside tmp_dir: the model, then the source folder's other files as they are."""
+    if make is not None:
+        model = make(tmp_dir)
+    log(f"writing       {dst}/")
+    _write(model, tmp_dir / model_path.name, log)
+    del model
+    for scratch in tmp_dir.iterdir():
+        if scratch.is_dir():
+            shutil.rmtree(scratch)
+    for item in sorted(src.iterdir()):  # genai_config.json, tokenizer files, a card the user wrote: as they are
+        if item.name in (model_path.name, model_path.name + ".data") or not item.is_file() or item.is_symlink() \
+                or (item.name == model_card.CARD and model_card.is_ours(item)):
+            continue
+        shutil.copyfile(item, tmp_dir / item.name, follow_symlinks=False)
+    if not (tmp_dir / model_card.CARD).exists():  # ours, for what this folder now holds
+        (tmp_dir / model_card.CARD).write_text(model_card.decoder_card(tmp_dir, model_path.name, dst.name))
 
 
 def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: WeightQuantOptions | None = None,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +93,7 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
     repository is written beside its destination and renamed into place; an existing REPO is
     replaced only with force, never through a link."""
     from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
-    from diffexport.files import _umask, check_output_path, rename_into_place, temp_prefix
+    from diffexport.files import check_output_path, staging_folder
 
     folder = Path(folder)
     _, config, _ = read_decoder_folder(folder)
@@ -102,9 +101,7 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
     check_settings(name, max_batch, instances)
     out = Path(out)
     check_output_path(out, replace=force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=temp_prefix(out.name), suffix=".tmp"))
-    try:
+    with staging_folder(out, force) as tmp:  # an existing REPO is replaced only with force
         version = tmp / name / "1"
         (version / DECODER_DIR).mkdir(parents=True)
         for item in sorted(folder.iterdir()):  # what read_decoder_folder accepted, files only, never through a link
@@ -114,11 +111,4 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
         gpu = folder_uses_gpu(config)
         (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, max_batch, instances, gpu))
         (version / MODEL_FILE).write_text(MODEL_ENTRY)
-        for path in [tmp, *tmp.rglob("*")]:
-            if path.is_dir():
-                os.chmod(path, 0o777 & ~_umask())
-        rename_into_place(tmp, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return Repository(out, name, out / name / "1" / DECODER_DIR, has_tokenizer(folder), gpu)

@@ -29,7 +29,8 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
     reduced precision or quantised weights may part beams at near-ties, so there they are reported.
     -> (report lines, failure names)."""
     from diffexport.analysis.probe import AttentionProbe
-    from diffexport.backends import decoding, genai
+    from diffexport.backends import decoding
+    from diffexport.backends import genai as genai_backend  # `genai` is the (folder, provider) argument
     from diffexport.format import decoder_folder
     from diffexport.generation import beam_search, hypothesis_score
     from diffexport.progress import Progress
@@ -47,13 +48,14 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
     if genai is not None:
         folder, provider = genai
         try:
-            genai.check_genai_beams(search.num_beams)
-            model_genai = genai.open_genai_model(folder, provider, genai.genai_pad_for(runner.config, prompts))
+            genai_backend.check_genai_beams(search.num_beams)
+            model_genai = genai_backend.open_genai_model(folder, provider,
+                                                         genai_backend.genai_pad_for(runner.config, prompts))
         except DiffExportError as exc:  # not installed, or no build for this provider: the loop is still checked
             lines.append(f"beams         onnxruntime-genai's own search not checked: {exc}")
         else:
-            runtimes["genai"] = lambda prompt: genai.beam_search_genai(folder, prompt, new, search,
-                                                                       model=model_genai)
+            runtimes["genai"] = lambda prompt: genai_backend.beam_search_genai(folder, prompt, new, search,
+                                                                               model=model_genai)
     rule = "early stopping" if search.early_stopping else "no early stopping"
     log(f"beams         {search.num_beams} beams (length penalty {search.length_penalty:g}, {rule}) on "
         f"{', '.join(runtimes)} vs eager: {len(prompts)} prompts alone, up to {new} new tokens, "
@@ -136,13 +138,13 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
     SAMPLING_P_VALUE. Draws are seeded, so a verdict repeats. Quantised folders are reported.
     The onnxruntime loop draws with eager's own code (generation.choose_next), so only genai is tested.
     plot: check's --plot; the draws then go to plots.sampling_plot_path(plot)."""
-    from diffexport.backends import genai
+    from diffexport.backends import genai as genai_backend  # `genai` is the (folder, provider) argument
     from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
     from diffexport.progress import Progress
 
     folder, provider = genai
     try:
-        genai_model = genai.open_genai_model(folder, provider, genai.genai_pad_for(config, prompts))
+        genai_model = genai_backend.open_genai_model(folder, provider, genai_backend.genai_pad_for(config, prompts))
     except DiffExportError as exc:
         return [f"sampling      onnxruntime-genai's sampling not checked: {exc}"], True
     log(f"sampling      genai: {draws} draws of the first token after each of {len(prompts)} prompts (temperature "
@@ -159,8 +161,8 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
             logits = penalize_repeats(logits, seen_tokens(ids, None, logits.shape[-1]), sampling.repetition_penalty)
         probs = next_token_probs(logits, sampling)[0].double().cpu()
         scaled = (logits[0] / sampling.temperature).double().cpu()
-        got = genai.sample_first_tokens_genai(genai_model, config, prompt, sampling, draws,
-                                              on_draws=progress.advance)
+        got = genai_backend.sample_first_tokens_genai(genai_model, config, prompt, sampling, draws,
+                                                      on_draws=progress.advance)
         counts = torch.bincount(torch.tensor(got), minlength=probs.numel()).double()
         # a token just outside the cut may be inside it in the folder's logits: within their tolerance
         cut = float(scaled[probs > 0].min())
