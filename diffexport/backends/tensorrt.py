@@ -27,7 +27,7 @@ from diffexport import contract
 from diffexport.errors import DiffExportError
 from diffexport.files import require_file
 from diffexport.format import decoder_folder, decoders, names
-from diffexport.format.nodes import is_diff_attention, node_attrs
+from diffexport.format.nodes import is_diff_attention, node_attrs, plugin_selectors
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
@@ -189,9 +189,8 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
         node.attribute.extend(keep)
         # Every plugin-only field is written, also at its default: the parser warns about creator
         # fields a node lacks.
-        version = contract.KEY_MASK_PLUGIN_VERSION if has_key_mask(node) else contract.PLUGIN_VERSION
-        node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", contract.PLUGIN_NAMESPACE),
-                               onnx.helper.make_attribute("plugin_version", version),
+        selectors = plugin_selectors(has_key_mask(node))
+        node.attribute.extend([*(onnx.helper.make_attribute(name, value) for name, value in selectors.items()),
                                onnx.helper.make_attribute("logit_bits", options.logit_bits),
                                onnx.helper.make_attribute("smooth_k", int(options.smooth_k))])
     # Without its function body the node can only become the plugin. TensorRT 10.0-10.6 (JetPack 6's

@@ -30,6 +30,7 @@ from diffexport.errors import DiffExportError
 from diffexport.export import function_body
 from diffexport.files import check_output_path, staging_model_file
 from diffexport.format.names import DTYPES, META_PREFIX, LOGITS
+from diffexport.format.nodes import plugin_selectors
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.modeling import DIFF_FAMILIES
 from diffexport.progress import Progress
@@ -228,15 +229,15 @@ def attach_diff_attention(model_ir, loaded: LoadedModel, options: ExportOptions,
     function = ir.serde.deserialize_function(function_body.build_function(options.body_style, opset, key_mask))
     model_ir.functions[function.identifier()] = function
     model_ir.opset_imports[contract.ONNX_DOMAIN] = contract.op_version(key_mask)
-    plugin_version = contract.KEY_MASK_PLUGIN_VERSION if key_mask else contract.PLUGIN_VERSION
+    selectors = plugin_selectors(key_mask)
     count = 0
     for node in model_ir.graph.all_nodes():
         if node.domain == contract.ONNX_DOMAIN and node.op_type == contract.OP_NAME:
             if (len(node.inputs) == len(contract.ALL_INPUTS)) != key_mask:
                 raise DiffExportError(f"internal: {node.name} has {len(node.inputs)} inputs, expected "
                                       f"{len(contract.ALL_INPUTS) if key_mask else len(contract.INPUTS)}")
-            node.attributes["plugin_namespace"] = ir.AttrString("plugin_namespace", contract.PLUGIN_NAMESPACE)
-            node.attributes["plugin_version"] = ir.AttrString("plugin_version", plugin_version)
+            for name, value in selectors.items():
+                node.attributes[name] = ir.AttrString(name, value)
             count += 1
     expected = loaded.config.n_layers
     if count != expected:

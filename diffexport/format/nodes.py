@@ -12,6 +12,14 @@ from diffexport.errors import DiffExportError
 PLUGIN_FIELDS = contract.PLUGIN_SELECTOR_ATTRIBUTES + tuple(a.name for a in contract.PLUGIN_ONLY_ATTRIBUTES)
 
 
+def plugin_selectors(key_mask: bool) -> dict[str, str]:
+    """What every writer of a DiffAttention node (the export, fusion, TensorRT's preparation)
+    stamps on it for TensorRT's ONNX parser to pick our plugin: the namespace, and the plugin
+    version that takes key_mask (KV-cache decoders) or not."""
+    version = contract.KEY_MASK_PLUGIN_VERSION if key_mask else contract.PLUGIN_VERSION
+    return dict(zip(contract.PLUGIN_SELECTOR_ATTRIBUTES, (contract.PLUGIN_NAMESPACE, version)))
+
+
 def is_diff_attention(node: onnx.NodeProto) -> bool:
     return node.op_type == contract.OP_NAME and node.domain == contract.ONNX_DOMAIN
 

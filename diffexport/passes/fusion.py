@@ -29,6 +29,7 @@ from onnx import helper, numpy_helper
 from diffexport import contract
 from diffexport.contract import VARIANT_V1, VARIANT_V2, DiffAttentionAttrs
 from diffexport.errors import DiffExportError
+from diffexport.format.nodes import plugin_selectors
 
 
 class NoMatch(Exception):
@@ -506,8 +507,7 @@ def _rewrite(g: Graph, m: Match, index: int, values: dict[str, np.ndarray]) -> t
     e.initializers.append(numpy_helper.from_array(np.ones(dv, np.float32), weight))
     fused = helper.make_node(contract.OP_NAME, [_pairs(e, q1, q2), key, _flat(e, v_name), lam_in, weight],
                              [f"{e.prefix}_out"], name=f"{e.prefix}/DiffAttention", domain=contract.ONNX_DOMAIN,
-                             plugin_namespace=contract.PLUGIN_NAMESPACE, plugin_version=contract.PLUGIN_VERSION,
-                             **attrs.as_dict())
+                             **plugin_selectors(key_mask=False), **attrs.as_dict())
     e.nodes.append(fused)
     split = e.op("Reshape", fused.output[0], e.ints([0, 0, heads, dv]))  # [B, Sq, H, Dv]
     to_anchor = [[0, 2, 1, 3].index(a) for a in m.out_perm]  # [B, Sq, H, Dv] -> the anchor's layout
