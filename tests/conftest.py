@@ -28,22 +28,11 @@ import torch  # noqa: E402 (after the worker's cores are set: its thread pool is
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
 
 
-# The files that take longest on a 2-core CPU (CI's slowest-tests list): collected first, so that
-# under pytest-xdist (`-n 2 --dist loadfile`, the README's command) they start at once on both
-# workers and the short files fill in around them, instead of one long file running alone at the end.
-LONGEST_FIRST = ("test_kernel_sanitized.py", "test_kernel_emulated.py", "test_kv_export.py", "test_kernel_build.py",
-                 "test_needles.py", "test_docs.py", "test_fusion.py", "test_report.py", "test_batch_generate.py",
-                 "test_beam_search.py", "test_export_errors.py", "test_gpu_campaign_budget.py",
-                 "test_gpu_campaign_env.py")
-
-
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order stays
 
 
 @pytest.fixture
