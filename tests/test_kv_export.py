@@ -736,6 +736,23 @@ def test_generate_interactive_refuses_bad_input(hf_kv, hf_chat_kv, v1_folder):
     assert out.returncode == 0 and out.stdout == ""  # no turn: nothing to answer
 
 
+def test_a_chat_template_that_raises_mid_session_is_one_line(hf_chat_kv, tmp_path):
+    """A folder's template that answers the first turn and raises on the second (raise_exception, as
+    transformers' templates do): the first answer is given, then one error line naming the template's
+    message, exit 2, not a Jinja traceback."""
+    pytest.importorskip("onnxruntime_genai")
+    folder = shutil.copytree(hf_chat_kv, tmp_path / "kv")
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages | length > 2 %}{{ raise_exception('this template takes one turn') }}{% endif %}" + template)
+    out = cli_main("generate", folder, "--interactive", "--max-new-tokens", "2", stdin="hello\nagain\n")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: the chat template refused the conversation: this template takes one turn"], out.stderr
+    assert out.stderr.rstrip().endswith(errors[0]) and out.stderr.count("new tokens in") == 1  # turn 1 answered
+    assert len(out.stdout.splitlines()) == 1
+
+
 def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     """A checkpoint's generation_config.json (sampling, penalty, beams) lands in the folder's genai
     search block (values genai cannot take passed over, said in the log); `generate` follows it as
