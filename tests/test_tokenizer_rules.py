@@ -132,3 +132,23 @@ def test_a_tokenizer_past_the_graphs_vocabulary_is_refused(artifacts, tmp_path):
         check_tokenizer_json(folder / "tokenizer.json", vocab)
     assert_one_line_error(cli_main("generate", folder, "--prompt", "the cat", "--max-new-tokens", "2",
                                    "--backend", "onnxruntime"), "past the model's vocabulary")
+
+
+def test_a_tokenizer_that_panics_on_text_is_one_line(tmp_path, capfd):
+    """A tokenizer folder whose normalizer replaces an empty pattern panics inside the tokenizers
+    library on any text (index out of bounds), through transformers as `check --text`, calibration
+    and the analyses load it (inputs/streams.text_ids, which all of them call): one line, exit 2."""
+    from helpers import byte_bpe_tokenizer
+
+    folder = tmp_path / "tok"
+    byte_bpe_tokenizer(folder)
+    tree = json.loads((folder / "tokenizer.json").read_text())
+    tree["normalizer"] = {"type": "Replace", "pattern": {"String": ""}, "content": "x"}
+    (folder / "tokenizer.json").write_text(json.dumps(tree))
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. " * 40)
+    capfd.readouterr()
+    result = cli_main("stats", "--preset", "diff-v1-tiny", "--text", text, "--tokenizer", folder,
+                      "--tokens", "256", "--seq-len", "64")
+    assert_one_line_error(result, "failed inside the tokenizers library (index out of bounds")
+    assert "panicked" not in capfd.readouterr().err
