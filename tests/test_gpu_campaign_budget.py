@@ -44,7 +44,7 @@ TOOLS = ("nvidia-smi", "nvcc", "cmake", "cuobjdump", "compute-sanitizer", "ncu")
 # Reserves for seconds-long runs (the real ones are minutes, RESERVE in the script), each still
 # above its steps' kill grace + 5 s (pytest 20, bench and decode 15, build, ncu and sanitizers 10), as the
 # script's must be: a reserve below that leaves a step nothing, whatever the budget.
-RESERVES = "env=1 build=15 variants=0 test=27 sanitize=17 bench=22 decode=22 profile=17"
+RESERVES = "env=1 build=18 variants=0 test=27 sanitize=17 bench=22 decode=22 profile=17"
 
 
 @pytest.fixture
