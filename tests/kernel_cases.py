@@ -5,6 +5,7 @@ path with fp and INT8 logits. Outputs are checked after a copy to the host: unde
 torch reduction would read through kernels the sanitizer was told to leave alone)."""
 
 import os
+import sys
 
 import torch
 
@@ -38,8 +39,18 @@ def paths() -> list[str]:
     return ["auto", "mma"]
 
 
-def main() -> None:
-    for path in paths():
+def main(argv: list[str]) -> None:
+    """kernel_cases.py [PATH]: every path of paths(), or only PATH (auto or mma), so that the GPU campaign
+    can run a slow sanitizer on each path in a process of its own, at once."""
+    if argv and (len(argv) > 1 or argv[0] not in ("auto", "mma")):
+        raise SystemExit(f"error: kernel_cases.py takes one kernel path, auto or mma, not {' '.join(argv)!r}")
+    chosen = paths()
+    if argv:
+        if argv[0] not in chosen:  # mma where auto already runs it (no Hopper path), or a failed probe
+            print(f"kernel cases: {argv[0]} is not a path of its own here ({', '.join(chosen)} runs every kernel)")
+            return
+        chosen = [argv[0]]
+    for path in chosen:
         os.environ[kernels.KERNEL_PATH_ENV] = path
         run_cases()
         print(f"kernel cases ok ({path})")
@@ -67,4 +78,4 @@ def run_cases() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

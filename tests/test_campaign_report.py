@@ -163,3 +163,25 @@ def test_the_recorded_h200_run_reads_one_tensor_pipe_value_per_launch():
     assert pipes == ["tensor pipe 41.1%", "tensor pipe 58.0%", "tensor pipe 34.1%"], out.stdout
     assert "target >= 1.3x met in 0 of 16 cases" in line(out.stdout, "fused vs best")
     assert "target >= 1.3x met in 5 of 16 cases" in line(out.stdout, "Hopper vs best")
+
+
+def test_sanitizer_sections_per_kernel_path_and_runs_that_did_not_finish(tmp_path):
+    """The campaign runs racecheck once per kernel path and ends each section with its exit status; a
+    summary line alone (printed even when the cases raised, or found no library) is not a pass."""
+    (tmp_path / "sanitizer.log").write_text(
+        "--- memcheck\n========= COMPUTE-SANITIZER\nkernel cases ok (auto)\nkernel cases ok (mma)\n"
+        "========= ERROR SUMMARY: 0 errors\nmemcheck: exit status 0\n"
+        "--- initcheck\n========= COMPUTE-SANITIZER\nTraceback (most recent call last):\n"
+        "diffexport.errors.DiffExportError: fused kernel library not found\n========= ERROR SUMMARY: 0 errors\n"
+        "initcheck: exit status 1\n"
+        "--- racecheck (auto)\n========= COMPUTE-SANITIZER\nkernel cases ok (auto)\n"
+        "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\nracecheck (auto): exit status 0\n"
+        "--- racecheck (mma)\n========= COMPUTE-SANITIZER\nracecheck (mma): stopped at its time limit of 200 s\n"
+        "racecheck (mma): exit status 124\n"
+        "--- synccheck\n========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n")
+    text = report(tmp_path).stdout
+    assert line(text, "memcheck") == "memcheck       ERROR SUMMARY: 0 errors"
+    assert line(text, "initcheck") == "initcheck      ERROR SUMMARY: 0 errors, but it exited with status 1"
+    assert line(text, "racecheck") == ("racecheck      auto: RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings); "
+                                       "mma: stopped at its time limit of 200 s")
+    assert line(text, "synccheck") == "synccheck      ERROR SUMMARY: 0 errors, but the cases did not finish"

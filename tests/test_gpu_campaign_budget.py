@@ -23,12 +23,16 @@ ROOT = Path(__file__).resolve().parent.parent
 CAMPAIGN = ROOT / "tools" / "gpu_campaign.sh"
 
 # Stand-ins: each records its argv in $STUB_LOG. PYTHON's hangs when its argv holds $STUB_HANG
-# (SIGINT ends it, as it ends pytest); nvidia-smi sleeps $STUB_SMI_SLEEP seconds.
+# (SIGINT ends it, as it ends pytest), and its kernel probe answers $STUB_PROBE, or fails where
+# $DIFFEXPORT_KERNEL_LIB holds $STUB_BAD_LIB; nvidia-smi sleeps $STUB_SMI_SLEEP seconds and
+# compute-sanitizer $STUB_SANITIZER_SLEEP, then records that it ended.
 PYTHON_STUB = """#!/usr/bin/env bash
 echo "python $*" >> "$STUB_LOG"
 if [[ -n "${STUB_HANG:-}" && " $* " == *"$STUB_HANG"* ]]; then sleep 1000; exit 0; fi
 case " $* " in
-  *" -m diffexport.kernel_probe "*) echo "unavailable: stand-in" ;;
+  *" -m diffexport.kernel_probe "*)
+    if [[ -n "${STUB_BAD_LIB:-}" && "$DIFFEXPORT_KERNEL_LIB" == *"$STUB_BAD_LIB"* ]]; then echo "failed: stand-in disagrees"
+    else echo "${STUB_PROBE:-unavailable: stand-in}"; fi ;;
   *" -m diffexport kernels --check "*) echo "result: ok" ;;
   *" -m pytest "*) echo "1 passed in 0.01s" ;;
   *) cat > /dev/null 2>&1 < /dev/null; echo "stand-in python" ;;
@@ -37,7 +41,9 @@ esac
 TOOL_STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$STUB_LOG"
 [[ "$(basename "$0")" == nvidia-smi ]] && sleep "${STUB_SMI_SLEEP:-0}"
-[[ "$(basename "$0")" == compute-sanitizer ]] && echo "========= ERROR SUMMARY: 0 errors"
+if [[ "$(basename "$0")" == compute-sanitizer ]]; then
+  sleep "${STUB_SANITIZER_SLEEP:-0}"; echo "$(basename "$0") $* ended" >> "$STUB_LOG"; echo "========= ERROR SUMMARY: 0 errors"
+fi
 exit 0
 """
 TOOLS = ("nvidia-smi", "nvcc", "cmake", "cuobjdump", "compute-sanitizer", "ncu")
@@ -105,6 +111,35 @@ def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):
     assert proc.returncode == 1
     assert wall < 25, wall
     assert "bench: stopped at its time limit" in log
+
+
+def test_the_sanitizers_run_at_once_racecheck_once_per_kernel_path(stubs):
+    env, tmp_path = stubs
+    env["STUB_SANITIZER_SLEEP"] = "2"
+    proc, log, out, _ = campaign(env, tmp_path, "sanitize")
+    assert verdicts(log) == {"sanitize": "ok"}, log
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("compute-sanitizer")]
+    started = [c for c in calls if not c.endswith(" ended")]
+    assert len(started) == 5 and calls.index(next(c for c in calls if c.endswith(" ended"))) >= 5, calls
+    assert sum("--tool racecheck" in c and c.endswith("kernel_cases.py auto") for c in started) == 1, started
+    assert sum("--tool racecheck" in c and c.endswith("kernel_cases.py mma") for c in started) == 1, started
+    # One section each, in a fixed order, with its exit status: what tools/campaign_report.py reads.
+    text = (out / "sanitizer.log").read_text()
+    assert re.findall(r"^--- (.*)$", text, re.M) == ["memcheck", "initcheck", "racecheck (auto)", "racecheck (mma)",
+                                                     "synccheck"]
+    assert "racecheck (mma): exit status 0" in text
+
+
+def test_a_variant_that_fails_its_probe_is_left_out_of_the_bench(stubs):
+    env, tmp_path = stubs
+    env.update(CAMPAIGN_VARIANTS="good:-DGOOD=1 bad:-DBAD=1", STUB_PROBE="ok: stand-in", STUB_BAD_LIB="build-bad")
+    proc, log, _, _ = campaign(env, tmp_path, "variants", "bench")
+    assert verdicts(log) == {"variants": "FAILED", "bench": "ok"}, log
+    assert "variant good, hopper-int8 probe: ok: stand-in" in log
+    assert "variant bad, hopper probe: failed: stand-in disagrees" in log
+    bench = next(c for c in (tmp_path / "calls.log").read_text().splitlines() if "bench_attention.py --json" in c)
+    assert f"good={tmp_path}/build-good/plugins/kernels/libdiffexport_kernels.so" in bench
+    assert "bad=" not in bench
 
 
 def test_no_time_left_is_a_skip_that_counts_as_a_failure(stubs):

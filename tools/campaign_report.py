@@ -115,16 +115,33 @@ def correctness(folder: Path) -> list[str]:
     if sanitizer_log is None:
         lines.append("sanitizers     sanitizer.log missing")
     else:
-        sections = dict(re.findall(r"^--- (\w+)\n(.*?)(?=^--- |\Z)", sanitizer_log, re.M | re.S))
+        # "--- tool" or, for a tool run once per kernel path, "--- tool (path)".
+        sections = re.findall(r"^--- (\w+)(?: \((\w+)\))?\n(.*?)(?=^--- |\Z)", sanitizer_log, re.M | re.S)
         for tool in SANITIZERS:
-            text = sections.get(tool)
-            if text is None:
+            runs = [(path, text) for name, path, text in sections if name == tool]
+            if not runs:
                 lines.append(f"{tool:<14} not run")
                 continue
-            summary = re.findall(r"========= ((?:ERROR|RACECHECK) SUMMARY: .*)", text)
-            cut = re.search(rf"^{tool}: (SKIPPED.*|stopped at its time limit.*)$", text, re.M)
-            lines.append(f"{tool:<14} " + (summary[-1] if summary else cut.group(1) if cut
-                                           else "no summary (crashed)"))
+            verdicts = []
+            for path, text in runs:
+                summary = re.findall(r"========= ((?:ERROR|RACECHECK) SUMMARY: .*)", text)
+                cut = re.search(rf"^{tool}(?: \(\w+\))?: (SKIPPED.*|stopped at its time limit.*)$", text, re.M)
+                # The summary line comes even when the cases raised or never ran (no library): it
+                # counts with a "kernel cases ok" line and, where the campaign wrote one, exit status 0.
+                status = re.search(rf"^{tool}(?: \(\w+\))?: exit status (\d+)$", text, re.M)
+                finished = "kernel cases ok" in text or "is not a path of its own" in text
+                if cut:
+                    verdict = cut.group(1)
+                elif not summary:
+                    verdict = "no summary (crashed)"
+                elif status and status.group(1) != "0":
+                    verdict = f"{summary[-1]}, but it exited with status {status.group(1)}"
+                elif not finished:
+                    verdict = f"{summary[-1]}, but the cases did not finish"
+                else:
+                    verdict = summary[-1]
+                verdicts.append(f"{path}: {verdict}" if path else verdict)
+            lines.append(f"{tool:<14} " + "; ".join(verdicts))
     return lines
 
 

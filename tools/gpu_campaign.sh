@@ -41,8 +41,9 @@ mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 BUILD_DIR="${CAMPAIGN_BUILD_DIR:-build-gpu}"
+[[ "$BUILD_DIR" == /* ]] || BUILD_DIR="$BUILD_DIR"  # absolute: the paths below are handed to other programs
 ARCH="${CAMPAIGN_ARCH:-90a-real}"
-export DIFFEXPORT_KERNEL_LIB="${DIFFEXPORT_KERNEL_LIB:-$PWD/$BUILD_DIR/plugins/kernels/libdiffexport_kernels.so}"
+export DIFFEXPORT_KERNEL_LIB="${DIFFEXPORT_KERNEL_LIB:-$BUILD_DIR/plugins/kernels/libdiffexport_kernels.so}"
 export DIFFEXPORT_REQUIRE_KERNELS=1   # a missing library fails the GPU tests instead of skipping them
 failed=0
 
@@ -130,25 +131,44 @@ part_build() {
   "$PY" -c "from diffexport import kernels; print(kernels.build_info())" | tee -a "$OUT_DIR/build.log"
 }
 
-# CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "d64x1:-DDIFFX_D64_MIN_BLOCKS=1"),
+# CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "slack8:-DDIFFX_SM90_RESCALE_SLACK=8"),
 # and the bench times each beside this checkout's build, with any CAMPAIGN_COMPARE="name=path"
-# (e.g. a carried build of the previous commit).
+# (e.g. a carried build of the previous commit). The suite runs only on this checkout's build, so each
+# variant's Hopper paths are probed against the float32 reference first (diffexport/kernel_probe.py,
+# a child process each); a variant that fails its probe is left out of the bench, reported.
+# (Parts run in subshells: a dropped variant is a file in its build folder, probe-failed.)
 part_variants() {
-  local spec name flags cutlass
+  local spec name flags cutlass dir probe verdict rc=0
   cutlass=$(cutlass_dir)
   for spec in ${CAMPAIGN_VARIANTS:-}; do
-    name="${spec%%:*}"; flags="${spec#*:}"
+    name="${spec%%:*}"; flags="${spec#*:}"; dir="$BUILD_DIR-$name"
+    mkdir -p "$dir" && rm -f "$dir/probe-failed"
     # With the same CUTLASS headers as the main build, so that a variant has its Hopper path too.
-    cmake -S . -B "$BUILD_DIR-$name" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
-      -DDIFFEXPORT_BUILD_EMULATOR=OFF ${cutlass:+-DCUTLASS_INCLUDE_DIR="$cutlass"} -DCMAKE_CUDA_FLAGS="$flags" >> "$OUT_DIR/build.log" 2>&1 &&
-      cmake --build "$BUILD_DIR-$name" --parallel >> "$OUT_DIR/build.log" 2>&1 || return 1
+    if ! { cmake -S . -B "$dir" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
+        -DDIFFEXPORT_BUILD_EMULATOR=OFF ${cutlass:+-DCUTLASS_INCLUDE_DIR="$cutlass"} -DCMAKE_CUDA_FLAGS="$flags" >> "$OUT_DIR/build.log" 2>&1 &&
+        timed 300 10 "variant $name build" cmake --build "$dir" --parallel >> "$OUT_DIR/build.log" 2>&1; }; then
+      note "variant $name ($flags): build FAILED"; echo "build failed" > "$dir/probe-failed"; rc=1; continue
+    fi
     echo "variant $name ($flags) built" | tee -a "$OUT_DIR/build.log"
+    for probe in hopper hopper-int8; do
+      verdict=$(DIFFEXPORT_KERNEL_LIB="$dir/plugins/kernels/libdiffexport_kernels.so" \
+        timed 90 5 "variant $name $probe probe" "$PY" -m diffexport.kernel_probe "$probe" 2>&1 | tail -1)
+      note "variant $name, $probe probe: ${verdict:-failed: the probe printed nothing}"
+      if [[ "$verdict" != ok* && "$verdict" != *"needs an sm_90 GPU"* ]]; then  # (not an sm_90 GPU: nothing to probe)
+        echo "$probe: $verdict" > "$dir/probe-failed"; rc=1; break
+      fi
+    done
   done
+  return $rc
 }
 
 compare_args() {
-  local spec list=(${CAMPAIGN_COMPARE:-})
-  for spec in ${CAMPAIGN_VARIANTS:-}; do list+=("${spec%%:*}=$PWD/$BUILD_DIR-${spec%%:*}/plugins/kernels/libdiffexport_kernels.so"); done
+  local spec dir list=(${CAMPAIGN_COMPARE:-})
+  for spec in ${CAMPAIGN_VARIANTS:-}; do
+    dir="$BUILD_DIR-${spec%%:*}"
+    [[ -f "$dir/probe-failed" ]] && continue
+    list+=("${spec%%:*}=$dir/plugins/kernels/libdiffexport_kernels.so")
+  done
   [[ ${#list[@]} -gt 0 ]] && echo "--compare ${list[*]}"
 }
 
@@ -166,8 +186,8 @@ part_test() {
   # (part build then builds the plugin and the harness); else they are skipped, and reported so.
   local require_harness=""
   [[ -f "$BUILD_DIR/tests/plugin_harness/diffexport_plugin_harness" ]] && require_harness=1
-  DIFFEXPORT_PLUGIN_HARNESS="$PWD/$BUILD_DIR/tests/plugin_harness/diffexport_plugin_harness" \
-    DIFFEXPORT_PLUGIN_LIB="$PWD/$BUILD_DIR/plugins/tensorrt/libdiffexport_plugins.so" \
+  DIFFEXPORT_PLUGIN_HARNESS="$BUILD_DIR/tests/plugin_harness/diffexport_plugin_harness" \
+    DIFFEXPORT_PLUGIN_LIB="$BUILD_DIR/plugins/tensorrt/libdiffexport_plugins.so" \
     DIFFEXPORT_REQUIRE_PLUGIN_HARNESS="$require_harness" \
     timed "${TEST_TIMEOUT:-420}" 20 pytest "$PY" -m pytest -p no:cacheprovider -v -rfEs --durations=15 -m "gpu or plugin_harness" \
     -n "${CAMPAIGN_TEST_WORKERS:-8}" \
@@ -181,14 +201,30 @@ part_test() {
 part_sanitize() {
   # tests/kernel_cases.py: short, odd, GQA, decode, INT8 and key-mask launches. Only our kernels
   # are instrumented (kns=diffx): torch's own kernels would make the run ten times longer.
-  local rc=0
-  # racecheck needed 86 s on an H100 on 2026-11-26 (stopped at 80 s in the campaign): 130 s for it, 80 for the others.
-  for tool in memcheck initcheck racecheck synccheck; do  # initcheck second: the one that failed on 2026-11-23
-    echo "--- $tool" >> "$OUT_DIR/sanitizer.log"
-    timed "$([[ $tool == racecheck ]] && echo 130 || echo 80)" 10 "$tool" compute-sanitizer --tool "$tool" --kernel-name kns=diffx --error-exitcode 99 \
-      "$PY" tests/kernel_cases.py >> "$OUT_DIR/sanitizer.log" 2>&1 || { rc=1; echo "$tool FAILED"; }
-    grep -E "SUMMARY" "$OUT_DIR/sanitizer.log" | tail -1
+  # The runs go at once, racecheck (the slowest: 86 s alone on an H100, 2026-11-26) once per kernel
+  # path: one after another they needed more than the group's time (2026-11-26, H200: racecheck
+  # stopped at its 130 s in the mma cases, synccheck cut by the group's end). Each writes its own
+  # log (in a temporary folder), appended to sanitizer.log in this order once all have ended.
+  local runs=(memcheck initcheck racecheck:auto racecheck:mma synccheck) run tool path rc=0 i status
+  local logs pids=()
+  logs=$(mktemp -d "${TMPDIR:-/tmp}/campaign-sanitizer.XXXXXX")
+  for run in "${runs[@]}"; do
+    tool=${run%%:*}; path=${run#"$tool"}; path=${path#:}
+    timed "$([[ $tool == racecheck ]] && echo 200 || echo 120)" 10 "$tool${path:+ ($path)}" \
+      compute-sanitizer --tool "$tool" --kernel-name kns=diffx --error-exitcode 99 \
+      "$PY" tests/kernel_cases.py $path > "$logs/$tool-$path.log" 2>&1 &
+    pids+=($!)
   done
+  for i in "${!runs[@]}"; do
+    run=${runs[$i]}; tool=${run%%:*}; path=${run#"$tool"}; path=${path#:}
+    wait "${pids[$i]}"
+    status=$?
+    (( status == 0 )) || { rc=1; echo "$tool${path:+ ($path)} FAILED"; }
+    { echo "--- $tool${path:+ ($path)}"; cat "$logs/$tool-$path.log"; echo "$tool${path:+ ($path)}: exit status $status"; } \
+      >> "$OUT_DIR/sanitizer.log"
+    grep -E "SUMMARY" "$logs/$tool-$path.log" | tail -1
+  done
+  rm -rf "$logs"
   return $rc
 }
 

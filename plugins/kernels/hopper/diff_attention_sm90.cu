@@ -223,6 +223,11 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(acc_s(4 * j + 2 * r), acc_s(4 * j + 2 * r + 1)));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // DIFFX_SM90_RESCALE_SLACK > 0 (FA4's lazy max): the old max stays unless the new one exceeds
+      // it by more than the slack (log2 units), so O is rescaled (almost) only on the first tiles;
+      // P then reaches at most 2^slack, and O and the sum keep sharing one max, so the output is the
+      // same up to rounding. (-inf, the max of a row with no key seen yet, always gives way.)
+      if (DIFFX_SM90_RESCALE_SLACK > 0 && (mx - row_max[r]) * scale_log2 <= float(DIFFX_SM90_RESCALE_SLACK)) mx = row_max[r];
       alpha[r] = mx == row_max[r] ? 1.f : diffx::fast_exp2((row_max[r] - mx) * scale_log2);
       const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
       row_max[r] = mx;
@@ -238,7 +243,11 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       row_sum[r] = row_sum[r] * alpha[r] + sum;
     }
   };
+  // O *= alpha, skipped when no row of the warp has a new max (every factor is then exactly 1, so
+  // the skip changes no bit), as the mma.sync kernel does: at D = 128 the multiply is 128 FMULs a
+  // thread per tile, beside 32 exponentials, and after the first tiles most maxima stop growing.
   auto rescale_o = [&](const float (&alpha)[2]) {
+    if (DIFFX_SM90_LAZY_RESCALE && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= alpha[(i >> 1) & 1];
   };

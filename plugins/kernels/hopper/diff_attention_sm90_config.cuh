@@ -33,6 +33,20 @@ constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 // one warpgroup's softmax runs while the other's GEMMs hold the tensor cores. 0 (default): each
 // issues when ready. On an H200 (2026-11-26, docs/BENCHMARKS.md) turns measured 0.95-1.11x
 // (median 0.99x) against issuing when ready: kept as a variant (-DDIFFX_SM90_PINGPONG=1), not on.
+// 1 (default): a consumer warp skips the O rescale of a tile where none of its rows' maxima grew
+// (bit-identical output). 0: every tile rescales (the GPU campaign can time it as a variant:
+// -DDIFFX_SM90_LAZY_RESCALE=0).
+#ifndef DIFFX_SM90_LAZY_RESCALE
+#define DIFFX_SM90_LAZY_RESCALE 1
+#endif
+// N > 0: a row's running max moves only when a tile's max exceeds it by more than N in log2 units
+// (FlashAttention-4's rescale threshold; P < 2^N, fp16/bf16 hold it for N <= 15). 0 (default):
+// the exact running max, the mma.sync kernel's arithmetic. Not yet timed on a GPU: a variant
+// (-DDIFFX_SM90_RESCALE_SLACK=8).
+#ifndef DIFFX_SM90_RESCALE_SLACK
+#define DIFFX_SM90_RESCALE_SLACK 0
+#endif
+static_assert(DIFFX_SM90_RESCALE_SLACK >= 0 && DIFFX_SM90_RESCALE_SLACK <= 15, "P = 2^slack must stay well inside fp16");
 #ifndef DIFFX_SM90_PINGPONG
 #define DIFFX_SM90_PINGPONG 0
 #endif
