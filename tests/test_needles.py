@@ -1,5 +1,7 @@
 """The multi-needle retrieval task: generator, batches, evaluation, and a short training run that learns."""
 
+import json
+import math
 import random
 import subprocess
 import sys
@@ -131,3 +133,61 @@ def test_training_a_pair_with_the_kernels_head_dim(tmp_path):
     assert diff.config.d_model == 128 and "on cpu" in done.stderr
     bad = subprocess.run(cmd[:-4] + ["--head-dim", "128"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "does not divide" in bad.stderr
+
+
+def test_byte_level_training_on_a_text_file_holds_out_its_last_tenth(tmp_path):
+    """--text: next-byte training on the file's first nine tenths; the last tenth is written out for
+    the analyses and scored in bits per byte, which a fresh computation here must reproduce; the
+    checkpoint's task record sets the analyses' sequence length; a text too short for one window in
+    each part is one error line, exit 2, before anything is written."""
+    from diffexport.analysis.runs import StreamOptions, model_stream
+
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text, encoding="utf-8")
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--text", str(corpus), "--context", "32",
+           "--steps", "40", "--batch", "8", "--log-every", "40", "--only", "diff", "--out-dir", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    held = (out / "heldout.txt").read_text(encoding="utf-8")
+    assert held == text[int(len(text) * 0.9):] and "next-byte accuracy" in done.stderr
+    loaded = load_model(out / "diff.pt")
+    assert loaded.config.vocab_size == 256
+    assert loaded.task["name"] == "text" and loaded.task["context_len"] == 32
+    assert loaded.task["heldout_bytes"] == len(held.encode("utf-8"))
+    reported = json.loads((out / "train_log-diff.json").read_text())["models"]["diff"]["heldout_bits_per_byte"]
+    ids = torch.tensor(list(held.encode("utf-8")))
+    n = min(256, (len(ids) - 1) // 32)
+    with torch.no_grad():
+        logits = loaded.model(ids[: n * 32].view(n, 32))
+        bits = torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), ids[1: n * 32 + 1]) / math.log(2)
+    assert abs(bits.item() - reported) < 1e-3, (bits.item(), reported)
+    assert 1.0 < reported < 7.0  # below uniform bytes (8 bits) after 40 steps; a leak of the target would be near 0
+    stream = model_stream(loaded, StreamOptions(text=str(out / "heldout.txt"), tokens=1024, batch=4))
+    assert stream.batches[0].shape == (4, 32)
+
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 200, encoding="utf-8")
+    refused = subprocess.run(cmd[:3] + [str(short)] + cmd[4:-1] + [str(tmp_path / "never")], capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "too few for windows of 33 bytes" in refused.stderr and not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("task, seq_len", [
+    ({"name": "text", "context_len": 48}, 48),
+    ({"name": "text", "context_len": "48"}, 256),      # a stranger's checkpoint may say anything:
+    ({"name": "text", "context_len": True}, 256),      # what is not a whole number in range is ignored
+    ({"name": "text", "context_len": 10**12}, 256),
+    ({"name": "needles", "context_len": -5}, 256),
+    ("text", 256),
+])
+def test_a_checkpoints_task_record_sets_the_stream_length_only_when_it_is_sound(task, seq_len):
+    import dataclasses
+
+    from diffexport.analysis.runs import StreamOptions, model_stream
+
+    loaded = dataclasses.replace(load_model(preset="diff-v1-tiny", seed=0), task=task)
+    stream = model_stream(loaded, StreamOptions(tokens=2048, batch=2))
+    assert stream.batches[0].shape[1] == seq_len

@@ -1,14 +1,20 @@
-"""Train a small DIFF V1 model and its matching Transformer on the multi-needle retrieval task.
+"""Train a small DIFF V1 model and its matching Transformer on the multi-needle retrieval task,
+or (--text FILE) as byte-level language models on a real text.
 
 Both models get the same data (same seed, same batches), the same recipe (AdamW, warm-up then
 cosine decay, gradient clipping) and the same parameter budget: the baseline is
 diffexport.modeling.baseline_for(diff config), i.e. twice the heads of the same head dim, so the
-projections have identical shapes. Loss: cross-entropy on the answer tokens only.
+projections have identical shapes. Loss: cross-entropy on the answer tokens only; with --text,
+next-byte cross-entropy on every position of random windows of the file's first nine tenths,
+evaluated in bits per byte on its last tenth, which is written to OUT/heldout.txt for the analyses
+(`diffexport stats OUT/diff.pt OUT/transformer.pt --text OUT/heldout.txt`).
 
     python tools/train_tiny.py --out-dir runs/tiny              # the smallest size, minutes on 2 CPU cores
     python tools/train_tiny.py --size small --out-dir runs/small   # wider/deeper; better on a GPU
     python tools/train_tiny.py --size small --head-dim 64 --device cuda --out-dir runs/small64
                                   # a pair whose attention the fused kernel takes (quant-sweep --attention kernel)
+    python tools/train_tiny.py --text corpus.txt --context 256 --out-dir runs/text
+                                  # byte-level language models (vocabulary 256) on a UTF-8 file
 
 Writes OUT/diff.pt and OUT/transformer.pt (native diffexport checkpoints carrying a "task"
 record, so `diffexport quant-sweep` and `diffexport retrieval` know what they were trained on)
@@ -33,7 +39,9 @@ from pathlib import Path
 import torch
 
 from diffexport.analysis import needles
-from diffexport.inputs import needle_task
+from diffexport.errors import DiffExportError
+from diffexport.files import read_text_input
+from diffexport.inputs import needle_task, streams
 from diffexport.checkpoint import save_checkpoint
 from diffexport.modeling import DiffV1Config, baseline_for, build_model
 
@@ -44,12 +52,49 @@ SIZES = {
 }
 
 
-def diff_config(size: str, head_dim: int | None = None) -> DiffV1Config:
+BYTE_VOCAB = 256  # --text: UTF-8 bytes are the tokens (diffexport.inputs.streams reads a text the same way)
+HELD_OUT = 0.1   # --text: the last tenth of the file (by characters) is never trained on
+
+
+def diff_config(size: str, head_dim: int | None = None, vocab_size: int = needle_task.TASK_VOCAB) -> DiffV1Config:
     shape = dict(SIZES[size])
     if head_dim is not None:  # the same width in fewer, wider heads (d_model = 2 * heads * head_dim holds for both)
         shape["n_heads"] = shape["n_heads"] * shape["head_dim"] // head_dim
         shape["head_dim"] = head_dim
-    return DiffV1Config(vocab_size=needle_task.TASK_VOCAB, ffn_hidden=None, **shape)
+    return DiffV1Config(vocab_size=vocab_size, ffn_hidden=None, **shape)
+
+
+def text_corpus(path: str, context: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(training bytes, held-out bytes, held-out text) of a UTF-8 file, split at a character so
+    that both parts stay valid UTF-8; each part must hold more than one window of context + 1."""
+    text = read_text_input(path, "text file", "a UTF-8 text file", "give an excerpt")
+    cut = int(len(text) * (1 - HELD_OUT))
+    train, held = text[:cut].encode("utf-8"), text[cut:].encode("utf-8")
+    if min(len(train), len(held)) <= context + 1:
+        raise DiffExportError(f"{path} holds {len(train) + len(held):,} bytes: too few for windows of "
+                              f"{context + 1} bytes in both its first nine tenths and its last tenth")
+    as_ids = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # noqa: E731
+    return as_ids(train), as_ids(held), text[cut:]
+
+
+def text_batch(rng: random.Random, ids: torch.Tensor, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows: inputs [batch, context] and their next bytes."""
+    starts = [rng.randrange(len(ids) - context) for _ in range(batch)]
+    windows = torch.stack([ids[s:s + context + 1] for s in starts])
+    return windows[:, :-1], windows[:, 1:]
+
+
+@torch.no_grad()
+def bits_per_byte(model, ids: torch.Tensor, context: int, batch: int, device: str, max_windows: int = 256) -> float:
+    """Mean next-byte cross-entropy in bits over consecutive windows of `ids` (at most max_windows)."""
+    n = min(max_windows, (len(ids) - 1) // context)
+    inputs = ids[: n * context].view(n, context)
+    targets = ids[1: n * context + 1].view(n, context)
+    total = 0.0
+    for x, y in zip(inputs.split(batch), targets.split(batch)):
+        logits = model(x.to(device)).float()
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
+    return total / (n * context) / math.log(2)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -59,8 +104,9 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_one(model, args, log, name: str) -> list[dict]:
-    """Train in place; returns the loss/accuracy history."""
+def train_one(model, args, log, name: str, next_batch, metric: str) -> list[dict]:
+    """Train in place on next_batch(rng) -> (inputs, targets; -100 = no loss); returns the
+    loss/accuracy history (`metric` names the accuracy in the log)."""
     for layer in model.layers:  # plain torch ops: autograd without re-running the op's reference
         if hasattr(layer.attn, "attrs"):
             layer.attn.impl = "flash_diff_1"
@@ -75,7 +121,7 @@ def train_one(model, args, log, name: str) -> list[dict]:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        input_ids, targets = needle_task.training_batch(rng, args.batch, args.context, args.max_needles, args.max_queries)
+        input_ids, targets = next_batch(rng)
         input_ids, targets = input_ids.to(args.device), targets.to(args.device)
         logits = model(input_ids)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -94,7 +140,7 @@ def train_one(model, args, log, name: str) -> list[dict]:
                      "seconds": round(time.monotonic() - start, 1)}
             history.append(entry)
             log(f"{name:12s} step {step + 1:5d}/{args.steps}  loss {entry['loss']:.3f}  "
-                f"answer accuracy {entry['train_accuracy']:.3f}  {entry['seconds']:.0f}s")
+                f"{metric} {entry['train_accuracy']:.3f}  {entry['seconds']:.0f}s")
             running_loss = running_acc = 0.0
     model.eval()
     for layer in model.layers:
@@ -109,7 +155,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--context", type=int, default=64, help="document tokens per sample (needles included)")
+    parser.add_argument("--context", type=int, default=64, help="document tokens per sample (needles included); "
+                                                                    "with --text, bytes per training window")
+    parser.add_argument("--text", help="train byte-level language models on this UTF-8 file instead of the needle task")
     parser.add_argument("--max-needles", type=int, default=6, help="needles per training document: 1..this")
     parser.add_argument("--max-queries", type=int, default=4, help="questions per training document: 1..this "
                                                                      "(more answers per document: denser supervision)")
@@ -131,6 +179,14 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
 
+    if args.text is not None:  # read and checked before anything is written
+        if not 2 <= args.context <= streams.MAX_STREAM_SEQ:
+            parser.error(f"--context must be 2 to {streams.MAX_STREAM_SEQ:,} with --text")
+        try:
+            train_ids, held_ids, held_text = text_corpus(args.text, args.context)
+        except DiffExportError as exc:
+            parser.exit(2, f"error: {exc}\n")
+
     torch.set_num_threads(args.threads)
     # cuBLAS is deterministic only with a fixed workspace; set before CUDA starts (a user's value wins)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -141,21 +197,41 @@ def main(argv=None) -> int:
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
-    cfg = diff_config(args.size, args.head_dim)
+    if args.text is not None:
+        (out / "heldout.txt").write_text(held_text, encoding="utf-8")
+        log(f"text {args.text}: {len(train_ids):,} training bytes, {len(held_ids):,} held out -> {out / 'heldout.txt'}")
+
+        def next_batch(rng):
+            return text_batch(rng, train_ids, args.batch, args.context)
+        metric = "next-byte accuracy"
+        cfg = diff_config(args.size, args.head_dim, BYTE_VOCAB)
+        task = {"name": streams.TEXT_TASK_NAME, "context_len": args.context, "source": Path(args.text).name,
+                "train_bytes": len(train_ids), "heldout_bytes": len(held_ids)}
+    else:
+        def next_batch(rng):
+            return needle_task.training_batch(rng, args.batch, args.context, args.max_needles, args.max_queries)
+        metric = "answer accuracy"
+        cfg = diff_config(args.size, args.head_dim)
+        task = {"name": needle_task.TASK_NAME, "context_len": args.context}
     configs = {"diff": cfg, "transformer": baseline_for(cfg)}
-    task = {"name": needle_task.TASK_NAME, "context_len": args.context}
     report = {"args": vars(args), "torch": torch.__version__, "models": {}}
     for name, model_cfg in configs.items():
         if args.only and name != args.only:
             continue
         model = build_model(model_cfg, seed=args.seed).train().to(args.device)  # seeded on the CPU: same start
         log(f"{name}: {model_cfg.family}, {model.num_parameters():,} parameters on {args.device}")
-        history = train_one(model, args, log, name)
-        result = needles.evaluate(model, context_len=args.context, samples=16, seed=args.seed + 1)
-        path = save_checkpoint(model.cpu(), out / f"{name}.pt", task=task)  # a checkpoint loads anywhere
-        log(f"{name:12s} held-out retrieval accuracy {result.accuracy():.3f} -> {path}")
-        report["models"][name] = {"family": model_cfg.family, "parameters": model.num_parameters(),
-                                  "history": history, "eval_accuracy": result.accuracy()}
+        history = train_one(model, args, log, name, next_batch, metric)
+        entry = {"family": model_cfg.family, "parameters": model.num_parameters(), "history": history}
+        if args.text is not None:
+            entry["heldout_bits_per_byte"] = bits_per_byte(model, held_ids, args.context, args.batch, args.device)
+            path = save_checkpoint(model.cpu(), out / f"{name}.pt", task=task)  # a checkpoint loads anywhere
+            log(f"{name:12s} held-out {entry['heldout_bits_per_byte']:.3f} bits per byte -> {path}")
+        else:
+            entry["eval_accuracy"] = needles.evaluate(model, context_len=args.context, samples=16,
+                                                      seed=args.seed + 1).accuracy()
+            path = save_checkpoint(model.cpu(), out / f"{name}.pt", task=task)  # a checkpoint loads anywhere
+            log(f"{name:12s} held-out retrieval accuracy {entry['eval_accuracy']:.3f} -> {path}")
+        report["models"][name] = entry
     (out / (f"train_log-{args.only}.json" if args.only else "train_log.json")).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

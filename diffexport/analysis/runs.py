@@ -31,15 +31,16 @@ def progress_bar(label: str, total: int):
 
 
 def model_stream(loaded, options: StreamOptions):
-    """The token batches a model is measured on: its own task's sequence length when it was trained
-    on the needle task and none is given."""
-    from diffexport.inputs.streams import stream_batches
+    """The token batches a model is measured on: when none is given, the sequence length of its own
+    training task (a needle-task document, or a text-trained model's window), else 256."""
+    from diffexport.inputs.streams import TEXT_TASK_NAME, stream_batches, task_context_len
 
     seq_len = options.seq_len
     if seq_len is None:
-        task = loaded.task or {}
-        trained = task.get("name") == needle_task.TASK_NAME and int(task.get("context_len", 0)) > 0
-        seq_len = needle_task.stream_sequence_len(int(task["context_len"])) if trained else 256
+        needles_context = task_context_len(loaded.task, needle_task.TASK_NAME)
+        text_context = task_context_len(loaded.task, TEXT_TASK_NAME)
+        seq_len = (needle_task.stream_sequence_len(needles_context) if needles_context
+                   else max(2, text_context) if text_context else 256)
     return stream_batches(loaded.config.vocab_size, text=options.text, tokenizer=options.tokenizer,
                           tokens=options.tokens, seq_len=seq_len, batch=options.batch, seed=options.seed)
 
@@ -51,7 +52,9 @@ def task_evaluator(name: str, loaded, task: str = "auto", samples: int = 32, see
     wanted = task if task != "auto" else trained.get("name")
     if wanted != needle_task.TASK_NAME:
         return None
-    context = int(trained.get("context_len", 128))
+    from diffexport.inputs.streams import task_context_len
+
+    context = task_context_len(trained, needle_task.TASK_NAME) or 128
 
     def evaluate(quant, attention=None):
         setting = f" ({quant.describe()} logits)" if quant is not None and quant.active else ""

@@ -186,6 +186,7 @@ def cmd_retrieval(args) -> int:
 
     from diffexport.analysis import needles, plots
     from diffexport.inputs import needle_task
+    from diffexport.inputs.streams import task_context_len
     from diffexport.analysis.runs import progress_bar
     from diffexport.quantization import LogitQuant
 
@@ -193,7 +194,7 @@ def cmd_retrieval(args) -> int:
     plots.check_plot_path(args.plot)
     results = {}
     for name, loaded in _load_models(args).items():
-        context = args.context or int((loaded.task or {}).get("context_len", 128))
+        context = args.context or task_context_len(loaded.task, needle_task.TASK_NAME) or 128
         cells = needle_task.grid(args.needles, args.queries, args.depths)
         progress, advance = progress_bar(f"{name}: retrieval", len(cells))
         with progress:

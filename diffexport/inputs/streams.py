@@ -19,6 +19,20 @@ from diffexport.errors import DiffExportError
 from diffexport.files import read_text_input
 
 
+# A checkpoint's task record for next-token training on a text file's UTF-8 bytes
+# (tools/train_tiny.py --text): {"name": TEXT_TASK_NAME, "context_len": tokens per training window, ...}.
+TEXT_TASK_NAME = "text"
+
+
+def task_context_len(task: dict | None, name: str) -> int | None:
+    """The context length a checkpoint's task record gives for task `name`, or None (another task,
+    none, or a value that is not a positive whole number: a stranger's checkpoint may say anything)."""
+    if not isinstance(task, dict) or task.get("name") != name:
+        return None
+    value = task.get("context_len")
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_STREAM_SEQ else None
+
+
 def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
     text = read_text_input(path, "text file", "a text file", "give an excerpt")
     if not text.strip():
