@@ -23,8 +23,8 @@ def _add_stream(parser: argparse.ArgumentParser, tokens: int) -> None:
     parser.add_argument("--tokenizer", help="Hugging Face tokenizer (folder or hub name) for --text; "
                                             "without it the text is read as bytes")
     parser.add_argument("--tokens", type=int, default=tokens, help=f"tokens to run (default {tokens})")
-    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: a document of the checkpoint's "
-                                                     "training task, else 256)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the checkpoint's training "
+                                                     "context, a needle-task document or a text window, else 256)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per forward pass (default 8)")
 
 
