@@ -74,7 +74,7 @@ def made_up(tmp_path):
                                                (16384, 8.0, 7.0, 9.0, 0.9999))]
     (tmp_path / "bench.json").write_text(json.dumps(
         {"peak_tflops": 700.0, "rows": rows, "cases": 6, "complete": False}))
-    decode_rows = [{"kv_len": keys, "timings": {"split_kv": {"ms": 0.01, "gbs": gbs},
+    decode_rows = [{"kv_len": keys, "d": 128, "timings": {"split_kv": {"ms": 0.01, "gbs": gbs},
                                                 "flash_diff_1/default": {"ms": 0.03, "gbs": gbs / 3}}}
                    for keys, gbs in ((1024, 300.0), (32768, 2000.0))]
     (tmp_path / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 2500.0, "rows": decode_rows,
@@ -185,3 +185,54 @@ def test_sanitizer_sections_per_kernel_path_and_runs_that_did_not_finish(tmp_pat
     assert line(text, "racecheck") == ("racecheck      auto: RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings); "
                                        "mma: stopped at its time limit of 200 s")
     assert line(text, "synccheck") == "synccheck      ERROR SUMMARY: 0 errors, but the cases did not finish"
+
+
+def test_issue_44s_targets_table_is_recomputed_from_a_stored_run():
+    """--targets: the H200 run of 2026-11-26 (call 1) as docs/BENCHMARKS.md's table, every value from
+    its raw files: the Hopper path's ratios and share of the peak come from fused_hopper alone."""
+    folder = ROOT / "docs" / "campaign" / "2026-11-26-h200-pingpong" / "call1"
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), "--targets", str(folder)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.stdout.splitlines()[2:]}
+    bench = json.loads((folder / "bench.json").read_text())
+    cases = [r for r in bench["rows"] if r["n"] in (4096, 16384)]
+    shares = [r["timings"]["fused_hopper"]["tflops"] / bench["peak_tflops"] for r in cases]
+    prefill = next(v for k, v in rows.items() if k.startswith("1. prefill"))
+    assert prefill[0] == "1.07x-2.10x (median 1.47x), met in 10 of 16" and prefill[1] == "no"
+    assert "tensor pipe 65.7%" in prefill[2] and prefill[2].startswith("Hopper path (TMA + wgmma)")
+    peak = next(v for k, v in rows.items() if k.startswith("1. >= 70%"))
+    assert f"({min(shares):.0%}-{max(shares):.0%}), >= 70% in {sum(x >= 0.7 for x in shares)} of 16" in peak[0]
+    int8 = next(v for k, v in rows.items() if k.startswith("2."))
+    assert int8[1] == "cosine yes, speed no" and "cosine 0.99988 at worst" in int8[0]
+    decode = next(v for k, v in rows.items() if k.startswith("3."))
+    assert decode[0] == "d = 64: 88%-104%; d = 128: 90%-106% of 4224 GB/s" and decode[1] == "yes"
+    assert next(v for k, v in rows.items() if k.startswith("4."))[:2] == ["13 passed", "yes"]
+    assert rows["GPU suite"][1] == "no" and "stopped at its time limit of 209 s" in rows["GPU suite"][0]
+    sanitizers = next(v for k, v in rows.items() if k.startswith("sanitizers"))
+    assert sanitizers[1] == "no" and "racecheck: stopped at its time limit of 130 s" in sanitizers[0]
+
+
+def test_a_run_that_passed_everything_meets_the_correctness_rows(made_up):
+    (made_up / "pytest.log").write_text(
+        "[gw0] [ 50%] PASSED tests/test_plugin_harness.py::test_a\nPASSED tests/test_plugin_harness.py::test_b\n"
+        "=================== 2 passed, 3 skipped in 100.00s ===================\n")
+    (made_up / "sanitizer.log").write_text("".join(
+        f"--- {name}\nkernel cases ok ({path or 'auto'})\n========= "
+        f"{'RACECHECK SUMMARY: 0 hazards displayed' if tool == 'racecheck' else 'ERROR SUMMARY: 0 errors'}\n"
+        f"{name}: exit status 0\n"
+        for tool, path in (("memcheck", ""), ("initcheck", ""), ("racecheck", "auto"), ("racecheck", "mma"),
+                           ("synccheck", ""))
+        for name in [f"{tool} ({path})" if path else tool]))
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), "--targets", str(made_up)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.splitlines()
+    assert "| 4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine) | 2 passed | yes |  |" in table
+    assert "| GPU suite | 2 passed, 3 skipped in 100.00s | yes |  |" in table
+    assert any(line.startswith("| sanitizers") and line.endswith("| yes |  |") for line in table), table
+    # the made-up bench: the Hopper path at 3x and 2.25x the best composition, no INT8 on it; decode.json
+    # has no case at d = 64
+    assert any(line.startswith("| 1. prefill (fused_hopper)") and "met in 2 of 2 | yes |" in line for line in table)
+    assert "| 2. INT8 logits (fused_hopper_int8) against the fp path | not measured in this run | - |  |" in table
+    assert any(line.startswith("| 3. split-KV") and "| no |" in line for line in table), table

@@ -1,6 +1,7 @@
 """What a GPU campaign's output says against issue 16's targets, read on the CPU machine.
 
     python tools/campaign_report.py DIR
+    python tools/campaign_report.py --targets DIR      issue 44's targets as docs/BENCHMARKS.md's Markdown table
 
 DIR holds what tools/gpu_campaign.sh wrote (the files a `run` call brings back): campaign.log,
 pytest.log, sanitizer.log, bench.json, decode.json. Prints one verdict per target: the GPU suite
@@ -70,6 +71,56 @@ def spread(values: list[float]) -> str:
     return f"{min(values):.2f}x-{max(values):.2f}x (median {statistics.median(values):.2f}x)"
 
 
+def suite_summary(pytest_log: str) -> tuple[str, str | None]:
+    """(pytest's own summary line, why it was stopped or None)."""
+    # pytest's last line, "=== 3 passed, 1 skipped in 9.1s ===" (-v) or bare (-q)
+    summary = [line.strip("= ") for line in pytest_log.splitlines()
+               if re.fullmatch(r"=* ?\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s.*", line)]
+    stopped = re.search(r"pytest: (stopped at its time limit.*|SKIPPED.*)", pytest_log)
+    return (summary[-1] if summary else "no summary line"), (stopped.group(1) if stopped else None)
+
+
+def harness_counts(pytest_log: str) -> dict[str, int]:
+    """The TensorRT plugin's own code under tests/plugin_harness (issue 44, item 4): -v result lines,
+    "PASSED tests/...::name" under xdist, "tests/...::name PASSED" without it."""
+    harness = re.findall(r"(PASSED|FAILED|SKIPPED|ERROR) tests/test_plugin_harness\.py::(\S+)", pytest_log)
+    harness += [(v, name) for name, v in
+                re.findall(r"test_plugin_harness\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", pytest_log)]
+    counts = {v: sum(1 for got, _ in harness if got == v) for v in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    return {v: n for v, n in counts.items() if n}
+
+
+def sanitizer_verdicts(sanitizer_log: str) -> dict[str, list[tuple[str, str, bool]]]:
+    """tool -> [(kernel path or "", verdict, clean)] for each run of it; clean: it finished and found nothing."""
+    # "--- tool" or, for a tool run once per kernel path, "--- tool (path)".
+    sections = re.findall(r"^--- (\w+)(?: \((\w+)\))?\n(.*?)(?=^--- |\Z)", sanitizer_log, re.M | re.S)
+    verdicts: dict[str, list[tuple[str, str, bool]]] = {}
+    for tool in SANITIZERS:
+        for name, path, text in sections:
+            if name != tool:
+                continue
+            summary = re.findall(r"========= ((?:ERROR|RACECHECK) SUMMARY: .*)", text)
+            cut = re.search(rf"^{tool}(?: \(\w+\))?: (SKIPPED.*|stopped at its time limit.*)$", text, re.M)
+            # The summary line comes even when the cases raised or never ran (no library): it
+            # counts with a "kernel cases ok" line and, where the campaign wrote one, exit status 0.
+            status = re.search(rf"^{tool}(?: \(\w+\))?: exit status (\d+)$", text, re.M)
+            finished = "kernel cases ok" in text or "is not a path of its own" in text
+            clean = False
+            if cut:
+                verdict = cut.group(1)
+            elif not summary:
+                verdict = "no summary (crashed)"
+            elif status and status.group(1) != "0":
+                verdict = f"{summary[-1]}, but it exited with status {status.group(1)}"
+            elif not finished:
+                verdict = f"{summary[-1]}, but the cases did not finish"
+            else:
+                verdict = summary[-1]
+                clean = bool(re.search(r"SUMMARY: 0 (errors|hazards)", verdict))
+            verdicts.setdefault(tool, []).append((path, verdict, clean))
+    return verdicts
+
+
 def correctness(folder: Path) -> list[str]:
     lines = []
     log = read(folder / "campaign.log")
@@ -82,6 +133,8 @@ def correctness(folder: Path) -> list[str]:
         lines.append("Hopper probe   " + (probe[-1] if probe else "not run"))
         probe = re.findall(r"Hopper INT8 probe: (.*)", log)
         lines.append("Hopper INT8 probe " + (probe[-1] if probe else "not run"))
+        lines += [f"variant        {name}, {probe_name} probe: {verdict}"
+                  for name, probe_name, verdict in re.findall(r"variant (\S+), (\S+) probe: (.*)", log)]
         budget = re.findall(r"done: .*", log)
         if budget:
             lines.append("campaign       " + budget[-1])
@@ -93,55 +146,22 @@ def correctness(folder: Path) -> list[str]:
         result = re.findall(r"^result\s+(.*)$", pytest_log, re.M)
         lines.append("kernels check  " + (result[-1] if result else "no result line")
                      + "".join(f"; {name} {verdict}" for name, verdict, _ in checks if verdict != "ok"))
-        # pytest's last line, "=== 3 passed, 1 skipped in 9.1s ===" (-v) or bare (-q)
-        summary = [line.strip("= ") for line in pytest_log.splitlines()
-                   if re.fullmatch(r"=* ?\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s.*", line)]
-        stopped = re.search(r"pytest: (stopped at its time limit.*|SKIPPED.*)", pytest_log)
-        verdict = summary[-1] if summary else "no summary line"
-        lines.append("GPU suite      " + verdict + (f" ({stopped.group(1)})" if stopped else ""))
+        summary, stopped = suite_summary(pytest_log)
+        lines.append("GPU suite      " + summary + (f" ({stopped})" if stopped else ""))
         failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", pytest_log, re.M)
         lines += [f"  failed       {name}" for name in dict.fromkeys(failed)]
-        # The TensorRT plugin's own code under tests/plugin_harness (issue 44, item 4): -v result lines.
-        # "PASSED tests/...::name" under xdist, "tests/...::name PASSED" without it.
-        harness = re.findall(r"(PASSED|FAILED|SKIPPED|ERROR) tests/test_plugin_harness\.py::(\S+)", pytest_log)
-        harness += [(v, name) for name, v in
-                    re.findall(r"test_plugin_harness\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", pytest_log)]
-        if harness:
-            counts = {v: sum(1 for got, _ in harness if got == v) for v in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
-            lines.append("plugin harness " + ", ".join(f"{n} {v.lower()}" for v, n in counts.items() if n))
-        else:
-            lines.append("plugin harness not run (no build-trt/include carried, or pytest stopped first)")
+        counts = harness_counts(pytest_log)
+        lines.append("plugin harness " + (", ".join(f"{n} {v.lower()}" for v, n in counts.items()) if counts else
+                                          "not run (no build-trt/include carried, or pytest stopped first)"))
     sanitizer_log = read(folder / "sanitizer.log")
     if sanitizer_log is None:
         lines.append("sanitizers     sanitizer.log missing")
     else:
-        # "--- tool" or, for a tool run once per kernel path, "--- tool (path)".
-        sections = re.findall(r"^--- (\w+)(?: \((\w+)\))?\n(.*?)(?=^--- |\Z)", sanitizer_log, re.M | re.S)
+        verdicts = sanitizer_verdicts(sanitizer_log)
         for tool in SANITIZERS:
-            runs = [(path, text) for name, path, text in sections if name == tool]
-            if not runs:
-                lines.append(f"{tool:<14} not run")
-                continue
-            verdicts = []
-            for path, text in runs:
-                summary = re.findall(r"========= ((?:ERROR|RACECHECK) SUMMARY: .*)", text)
-                cut = re.search(rf"^{tool}(?: \(\w+\))?: (SKIPPED.*|stopped at its time limit.*)$", text, re.M)
-                # The summary line comes even when the cases raised or never ran (no library): it
-                # counts with a "kernel cases ok" line and, where the campaign wrote one, exit status 0.
-                status = re.search(rf"^{tool}(?: \(\w+\))?: exit status (\d+)$", text, re.M)
-                finished = "kernel cases ok" in text or "is not a path of its own" in text
-                if cut:
-                    verdict = cut.group(1)
-                elif not summary:
-                    verdict = "no summary (crashed)"
-                elif status and status.group(1) != "0":
-                    verdict = f"{summary[-1]}, but it exited with status {status.group(1)}"
-                elif not finished:
-                    verdict = f"{summary[-1]}, but the cases did not finish"
-                else:
-                    verdict = summary[-1]
-                verdicts.append(f"{path}: {verdict}" if path else verdict)
-            lines.append(f"{tool:<14} " + "; ".join(verdicts))
+            runs = verdicts.get(tool)
+            lines.append(f"{tool:<14} " + ("; ".join(f"{path}: {v}" if path else v for path, v, _ in runs) if runs
+                                           else "not run"))
     return lines
 
 
@@ -277,15 +297,107 @@ def profile(folder: Path) -> list[str]:
     return [line for title, chunk in profile_sections(text) for line in profile_lines(title, chunk)]
 
 
+PEAK_SHARE_TARGET, COPY_SHARE_TARGET, COPY_FROM_KEYS = 0.70, 0.85, 32768
+
+
+def profile_facts(folder: Path, *titles: str) -> str:
+    """What profile.txt's parts of these titles measured (details, tensor pipe, top stalls), or ""."""
+    text = read(folder / "profile.txt")
+    facts = []
+    for name, chunk in profile_sections(text) if text else []:
+        if name in titles:
+            lines = profile_lines(name, chunk)
+            head = lines[0].split(": ", 1)
+            facts += ([head[1]] if len(head) > 1 else []) + [line.strip() for line in lines[1:]]
+    facts = [f for f in facts if "nothing measured" not in f]
+    return f"{titles[0]}: " + "; ".join(facts) if facts else ""
+
+
+def targets(folder: Path) -> list[str]:
+    """Issue 44's targets as a Markdown table (docs/BENCHMARKS.md's), each measured value and verdict
+    recomputed from this run's raw files; "what limits it" holds the profile's facts, to be read."""
+    rows = []
+    record = saved_run(folder, "bench.json")
+    bench = record["rows"] if record else []
+    hopper = [r for r in bench if "fused_hopper" in r["timings"]]
+    method = "fused_hopper" if hopper else "fused"  # on other GPUs auto runs the mma.sync kernel
+    at_target = [(best[1]["ms"] / r["timings"][method]["ms"], r) for r in bench
+                 if r["n"] in TARGET_SEQS and method in r["timings"] and (best := best_composition(r["timings"]))]
+    limits = (profile_facts(folder, "Hopper path (TMA + wgmma), the same launch", "selected raw metrics, Hopper path")
+              if hopper else profile_facts(folder, "fused kernel, N=4096", "selected raw metrics"))
+    if at_target:
+        met = sum(x >= FUSED_TARGET for x, _ in at_target)
+        rows.append((f"1. prefill ({method}) >= {FUSED_TARGET}x the best composition in every 4k and 16k case",
+                     f"{spread([x for x, _ in at_target])}, met in {met} of {len(at_target)}",
+                     "yes" if met == len(at_target) else "no", limits))
+        shares = [r["timings"][method]["tflops"] / record["peak_tflops"] for _, r in at_target]
+        over = sum(x >= PEAK_SHARE_TARGET for x in shares)
+        tflops = [r["timings"][method]["tflops"] for _, r in at_target]
+        rows.append((f"1. >= {PEAK_SHARE_TARGET:.0%} of the bf16 matmul peak ({record['peak_tflops']:.0f} TFLOP/s here)",
+                     f"{min(tflops):.0f}-{max(tflops):.0f} TFLOP/s ({min(shares):.0%}-{max(shares):.0%}), "
+                     f">= {PEAK_SHARE_TARGET:.0%} in {over} of {len(shares)}",
+                     "yes" if over == len(shares) else "no", limits))
+    else:
+        rows.append(("1. prefill against the best composition", "bench.json missing or no case at 4k/16k", "-", ""))
+    fp, quant = ("fused_hopper", "fused_hopper_int8") if hopper else ("fused", "fused_int8")
+    int8 = [(r["timings"][fp]["ms"] / r["timings"][quant]["ms"], r["int8_cosine"]) for r in bench
+            if fp in r["timings"] and quant in r["timings"]]
+    if int8:
+        cosine_ok = all(c >= COSINE_TARGET for _, c in int8)
+        fast = sum(x >= INT8_TARGET for x, _ in int8)
+        rows.append((f"2. INT8 logits ({quant}) >= {INT8_TARGET}x the fp path, cosine >= {COSINE_TARGET}",
+                     f"{spread([x for x, _ in int8])}, >= {INT8_TARGET}x in {fast} of {len(int8)}; "
+                     f"cosine {min(c for _, c in int8):.5f} at worst",
+                     f"cosine {'yes' if cosine_ok else 'no'}, speed {'yes' if fast == len(int8) else 'no'}",
+                     profile_facts(folder, "Hopper path INT8 logits, the same launch",
+                                   "selected raw metrics, Hopper path INT8") if hopper else ""))
+    else:
+        rows.append((f"2. INT8 logits ({quant}) against the fp path", "not measured in this run", "-", ""))
+    decode_record = saved_run(folder, "decode.json")
+    long = [r for r in (decode_record or {}).get("rows", []) if "split_kv" in r["timings"] and r["kv_len"] >= COPY_FROM_KEYS]
+    if long:
+        share = {d: [r["timings"]["split_kv"]["gbs"] / decode_record["copy_gbs"] for r in long if r["d"] == d]
+                 for d in sorted({r["d"] for r in long})}
+        met = all(x >= COPY_SHARE_TARGET for values in share.values() for x in values) and {64, 128} <= set(share)
+        rows.append((f"3. split-KV decode >= {COPY_SHARE_TARGET:.0%} of the copy bandwidth from 32k keys, d 64 and 128",
+                     "; ".join(f"d = {d}: {min(v):.0%}-{max(v):.0%}" for d, v in share.items())
+                     + f" of {decode_record['copy_gbs']:.0f} GB/s",
+                     "yes" if met else "no", profile_facts(folder, "split-KV decode kernel, Sq=1, 32768 keys")))
+    else:
+        rows.append(("3. split-KV decode from 32k keys", "decode.json missing or no case from 32k keys", "-", ""))
+    pytest_log = read(folder / "pytest.log")
+    counts = harness_counts(pytest_log) if pytest_log else {}
+    rows.append(("4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine)",
+                 ", ".join(f"{n} {v.lower()}" for v, n in counts.items()) or "not run",
+                 "yes" if counts.get("PASSED") and set(counts) == {"PASSED"} else "no", ""))
+    if pytest_log:
+        summary, stopped = suite_summary(pytest_log)
+        suite_ok = stopped is None and not re.search(r"\d+ (failed|errors?)\b", summary) and "passed" in summary
+        rows.append(("GPU suite", summary + (f" ({stopped})" if stopped else ""), "yes" if suite_ok else "no", ""))
+    sanitizer_log = read(folder / "sanitizer.log")
+    verdicts = sanitizer_verdicts(sanitizer_log) if sanitizer_log else {}
+    clean = all(verdicts.get(tool) and all(ok for _, _, ok in verdicts[tool]) for tool in SANITIZERS)
+    rows.append(("sanitizers (memcheck, initcheck, racecheck, synccheck)",
+                 "; ".join(f"{tool}{' ' + path if path else ''}: {v}" for tool in SANITIZERS
+                           for path, v, _ in verdicts.get(tool, [("", "not run", False)])),
+                 "yes" if clean else "no", ""))
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731
+    return (["| issue 44 target | measured | met | what limits it (profile) |", "|---|---|---|---|"]
+            + [f"| {' | '.join(cell(c) for c in row)} |" for row in rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the campaign's output folder (the files a run call returns)")
+    parser.add_argument("--targets", action="store_true",
+                        help="print issue 44's targets as a Markdown table (docs/BENCHMARKS.md's) instead")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"error: {args.folder} is not a folder of campaign output", file=sys.stderr)
         return 2
     try:
-        lines = correctness(args.folder) + prefill(args.folder) + decode(args.folder) + profile(args.folder)
+        lines = targets(args.folder) if args.targets else (
+            correctness(args.folder) + prefill(args.folder) + decode(args.folder) + profile(args.folder))
     except NotCampaignOutput as exc:
         print(f"error: {args.folder}: {exc}", file=sys.stderr)
         return 2

@@ -384,4 +384,5 @@ note "done: $failed part(s) failed${BUDGET:+ in $SECONDS s of a $BUDGET s budget
 # The verdicts against issue 16's targets, read from the files above (no GPU; the end of stdout is
 # what a run call's reply shows first).
 timeout 30 "$PY" tools/campaign_report.py "$OUT_DIR" || echo "campaign_report.py failed: read the files"
+timeout 30 "$PY" tools/campaign_report.py --targets "$OUT_DIR" || echo "campaign_report.py --targets failed: read the files"
 exit "$failed"
