@@ -116,7 +116,7 @@ def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):
 def test_the_sanitizers_run_at_once_racecheck_once_per_kernel_path(stubs):
     env, tmp_path = stubs
     env["STUB_SANITIZER_SLEEP"] = "2"
-    proc, log, out, _ = campaign(env, tmp_path, "sanitize")
+    _, log, out, _ = campaign(env, tmp_path, "sanitize")
     assert verdicts(log) == {"sanitize": "ok"}, log
     calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("compute-sanitizer")]
     started = [c for c in calls if not c.endswith(" ended")]
@@ -133,7 +133,7 @@ def test_the_sanitizers_run_at_once_racecheck_once_per_kernel_path(stubs):
 def test_a_variant_that_fails_its_probe_is_left_out_of_the_bench(stubs):
     env, tmp_path = stubs
     env.update(CAMPAIGN_VARIANTS="good:-DGOOD=1 bad:-DBAD=1", STUB_PROBE="ok: stand-in", STUB_BAD_LIB="build-bad")
-    proc, log, _, _ = campaign(env, tmp_path, "variants", "bench")
+    _, log, _, _ = campaign(env, tmp_path, "variants", "bench")
     assert verdicts(log) == {"variants": "FAILED", "bench": "ok"}, log
     assert "variant good, hopper-int8 probe: ok: stand-in" in log
     assert "variant bad, hopper probe: failed: stand-in disagrees" in log

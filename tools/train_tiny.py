@@ -73,8 +73,11 @@ def text_corpus(path: str, context: int) -> tuple[torch.Tensor, torch.Tensor, st
     if min(len(train), len(held)) <= context + 1:
         raise DiffExportError(f"{path} holds {len(train) + len(held):,} bytes: too few for windows of "
                               f"{context + 1} bytes in both its first nine tenths and its last tenth")
-    as_ids = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # noqa: E731
-    return as_ids(train), as_ids(held), text[cut:]
+    return byte_ids(train), byte_ids(held), text[cut:]
+
+
+def byte_ids(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def text_batch(rng: random.Random, ids: torch.Tensor, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
