@@ -132,7 +132,8 @@ def test_the_sanitizers_run_at_once_racecheck_once_per_kernel_path(stubs):
 
 def test_a_variant_that_fails_its_probe_is_left_out_of_the_bench(stubs):
     env, tmp_path = stubs
-    env.update(CAMPAIGN_VARIANTS="good:-DGOOD=1 bad:-DBAD=1", STUB_PROBE="ok: stand-in", STUB_BAD_LIB="build-bad")
+    env.update(CAMPAIGN_VARIANTS="good:-DGOOD=1 bad:-DBAD=1", STUB_PROBE="ok: stand-in", STUB_BAD_LIB="build-bad",
+               CAMPAIGN_BUILD_DIR=os.path.relpath(tmp_path / "build", ROOT))  # relative: made absolute for the bench
     _, log, _, _ = campaign(env, tmp_path, "variants", "bench")
     assert verdicts(log) == {"variants": "FAILED", "bench": "ok"}, log
     assert "variant good, hopper-int8 probe: ok: stand-in" in log

@@ -41,7 +41,7 @@ mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 BUILD_DIR="${CAMPAIGN_BUILD_DIR:-build-gpu}"
-[[ "$BUILD_DIR" == /* ]] || BUILD_DIR="$BUILD_DIR"  # absolute: the paths below are handed to other programs
+BUILD_DIR=$(realpath -m -s "$BUILD_DIR")  # absolute: the paths below are handed to other programs
 ARCH="${CAMPAIGN_ARCH:-90a-real}"
 export DIFFEXPORT_KERNEL_LIB="${DIFFEXPORT_KERNEL_LIB:-$BUILD_DIR/plugins/kernels/libdiffexport_kernels.so}"
 export DIFFEXPORT_REQUIRE_KERNELS=1   # a missing library fails the GPU tests instead of skipping them
