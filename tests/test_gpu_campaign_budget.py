@@ -223,3 +223,22 @@ def test_a_bench_stopped_at_its_limit_renders_as_partial(tmp_path):
         assert len(table) == 2 + len(record["rows"])  # header, rule, one line per measured case
         says_partial = f"Partial run: stopped at its time limit after 5 of {len(saved['rows'])} cases" in out.stderr
         assert says_partial == (name == "partial.json"), out.stderr
+
+
+def test_the_closing_call_in_tools_readme_runs_every_part(stubs):
+    """The one call tools/README.md gives for issue 44's closing campaign, as written there (with the
+    stand-ins): a typo in it would cost a GPU session its run."""
+    env, tmp_path = stubs
+    text = (ROOT / "tools" / "README.md").read_text()
+    block = re.search(r"^    (CAMPAIGN_TEST_WORKERS=\d+ [^\n]*\\\n(?:      [^\n]*\\\n)*      [^\n]*env build\+variants[^\n]*)$",
+                      text, re.M).group(1)
+    command = re.sub(r"\\\n\s*", "", block)
+    env.update(OUT=str(tmp_path / "out"), STUB_PROBE="ok: stand-in")
+    proc = subprocess.run(["bash", "-c", command], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    log = (tmp_path / "out" / "campaign.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
+    calls = (tmp_path / "calls.log").read_text()
+    assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so slack8=" in calls
+    assert "-n 14 " in calls and "--keys 8192 32768 131072" in calls
