@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "docs" / "campaign" / "2026-11-23-h100"
 
 
-def report(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), str(folder)],
+def report(folder: Path, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), *options, str(folder)],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -132,9 +132,10 @@ def test_a_made_up_run_reads_target_by_target(made_up):
     ("bench.json", "[1, 2, 3]"),                        # JSON of the wrong shape
     ("decode.json", '{"rows": [{"timings": 5}], "copy_gbs": 1}'),  # a field of the wrong type
 ])
-def test_a_broken_result_file_is_one_error_line(made_up, name, content):
+@pytest.mark.parametrize("options", [(), ("--targets",)], ids=["verdicts", "targets"])
+def test_a_broken_result_file_is_one_error_line(made_up, name, content, options):
     (made_up / name).write_text(content)
-    out = report(made_up)
+    out = report(made_up, *options)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
 

@@ -191,3 +191,28 @@ def test_a_checkpoints_task_record_sets_the_stream_length_only_when_it_is_sound(
     loaded = dataclasses.replace(load_model(preset="diff-v1-tiny", seed=0), task=task)
     stream = model_stream(loaded, StreamOptions(tokens=2048, batch=2))
     assert stream.batches[0].shape[1] == seq_len
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "absent.txt", "text file not found"),
+    (lambda d: d, "is not a regular file"),
+    (lambda d: (d / "latin1.txt").write_bytes(b"caf\xe9 " * 400) and d / "latin1.txt", "is not UTF-8 text"),
+])
+def test_train_tiny_refuses_a_bad_text_in_one_line_before_writing(tmp_path, capsys, make, message):
+    """--text from a stranger: missing, a folder, not UTF-8 (too big is read_text_input's own test):
+    exit 2, one error line, and no output folder made."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "tools" / "train_tiny.py")
+    train_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_tiny)
+    text = make(tmp_path)
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as stop:
+        train_tiny.main(["--text", str(text), "--out-dir", str(out), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not out.exists()
+    with pytest.raises(SystemExit) as stop:  # a window the streams refuse
+        train_tiny.main(["--text", str(text), "--context", "1", "--out-dir", str(out)])
+    assert stop.value.code == 2 and not out.exists()

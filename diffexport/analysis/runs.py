@@ -9,6 +9,7 @@ from typing import Callable
 
 from diffexport.analysis import needles
 from diffexport.inputs import needle_task
+from diffexport.inputs.streams import TEXT_TASK_NAME, stream_batches, task_context_len
 from diffexport.errors import DiffExportError
 
 
@@ -33,8 +34,6 @@ def progress_bar(label: str, total: int):
 def model_stream(loaded, options: StreamOptions):
     """The token batches a model is measured on: when none is given, the sequence length of its own
     training task (a needle-task document, or a text-trained model's window), else 256."""
-    from diffexport.inputs.streams import TEXT_TASK_NAME, stream_batches, task_context_len
-
     seq_len = options.seq_len
     if seq_len is None:
         needles_context = task_context_len(loaded.task, needle_task.TASK_NAME)
@@ -52,8 +51,6 @@ def task_evaluator(name: str, loaded, task: str = "auto", samples: int = 32, see
     wanted = task if task != "auto" else trained.get("name")
     if wanted != needle_task.TASK_NAME:
         return None
-    from diffexport.inputs.streams import task_context_len
-
     context = task_context_len(trained, needle_task.TASK_NAME) or 128
 
     def evaluate(quant, attention=None):
