@@ -71,16 +71,28 @@ def lowprec_baseline(query, key, value, lam, weight, attrs, key_mask=None):
 
 # ------------------------------------------------------------------ command line and onnxruntime
 
+def checkout_env() -> dict:
+    """This process's environment with the checkout first on PYTHONPATH, so that a child process
+    (`-m diffexport` from another folder, a tools/ script) imports this checkout's package even where
+    it is not installed, as on the GPU machine."""
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def run_cli(*args, cwd=None, stdin: str | bytes | None = None):
     """`python -m diffexport ARGS` in a subprocess, as a user runs it (stdin: text or bytes piped in)."""
-    import os
     import subprocess
     import sys
 
     if isinstance(stdin, str):
         stdin = stdin.encode()
     out = subprocess.run([sys.executable, "-m", "diffexport", *map(str, args)], capture_output=True,
-                         env=dict(os.environ), cwd=cwd, timeout=300, input=stdin,
+                         env=checkout_env(), cwd=cwd, timeout=300, input=stdin,
                          stdin=None if stdin is not None else subprocess.DEVNULL)
     return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(errors="replace"),
                                        out.stderr.decode(errors="replace"))

@@ -91,3 +91,18 @@ def test_the_campaign_command_lines_start_without_the_extras(image_env, tmp_path
                 "--samples", "2", "--device", "cpu", "--attention", "reference", "--json")
     assert sweep.returncode == 0, sweep.stderr[-2000:]
     assert json.loads(sweep.stdout)["models"]["diff"], sweep.stdout[-500:]
+
+
+def test_child_processes_of_the_tests_import_this_checkout_uninstalled(tmp_path):
+    """The GPU machine runs the checkout uninstalled: a test's child process (a tools/ script, or
+    `-m diffexport` from another folder) finds the package through helpers.checkout_env alone.
+    `python -S` leaves out site-packages, where this machine's editable install lives."""
+    from helpers import checkout_env
+
+    probe = [sys.executable, "-S", "-c", "import diffexport; print(diffexport.__file__)"]
+    bare = subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env={k: v for k, v in checkout_env().items() if k != "PYTHONPATH"})
+    assert bare.returncode != 0 and "No module named 'diffexport'" in bare.stderr
+    found = subprocess.run(probe, capture_output=True, text=True, cwd=tmp_path, timeout=60, env=checkout_env())
+    assert found.returncode == 0, found.stderr
+    assert Path(found.stdout.strip()).resolve() == (ROOT / "diffexport" / "__init__.py").resolve()

@@ -364,12 +364,12 @@ def test_train_tiny_on_cuda_then_sweep_the_task_through_the_kernel(tmp_path):
     task accuracy per bit width with the fused kernel computing every quantised attention."""
     import json
 
-    from helpers import run_cli
+    from helpers import checkout_env, run_cli
 
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, str(root / "tools" / "train_tiny.py"), "--out-dir", str(tmp_path), "--steps", "200",
            "--log-every", "100", "--head-dim", "64", "--device", "cuda", "--only", "diff"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=checkout_env())
     assert done.returncode == 0, done.stderr
     out = run_cli("quant-sweep", str(tmp_path / "diff.pt"), "--bits", "8", "4", "--tokens", "1024", "--samples", "4",
                   "--device", "cuda", "--attention", "kernel", "--json")
