@@ -237,3 +237,27 @@ def test_a_run_that_passed_everything_meets_the_correctness_rows(made_up):
     assert any(line.startswith("| 1. prefill (fused_hopper)") and "met in 2 of 2 | yes |" in line for line in table)
     assert "| 2. INT8 logits (fused_hopper_int8) against the fp path | not measured in this run | - |  |" in table
     assert any(line.startswith("| 3. split-KV") and "| no |" in line for line in table), table
+
+
+def test_a_run_without_a_profile_takes_an_earlier_runs_and_says_so(tmp_path):
+    """The 2026-11-27 H200 run left the profile out: --profile reads the limits from an earlier run's
+    profile.txt and names it in every cell it fills; without --targets, or given a link, one error line."""
+    run = ROOT / "docs" / "campaign" / "2026-11-27-h200"
+    earlier = ROOT / "docs" / "campaign" / "2026-11-26-h200-pingpong" / "call1" / "profile.txt"
+    plain = report(run, "--targets")
+    assert plain.returncode == 0 and "tensor pipe" not in plain.stdout
+    out = report(run, "--targets", "--profile", str(earlier))
+    assert out.returncode == 0, out.stderr
+    rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ")[1:] for r in out.stdout.splitlines()[2:]}
+    prefill = next(v for k, v in rows.items() if k.startswith("1. prefill"))
+    assert prefill[:2] == ["1.11x-2.12x (median 1.47x), met in 12 of 16", "no"]  # this run's timings
+    assert f"(profile of an earlier run, {earlier})" in prefill[2] and "tensor pipe 65.7%" in prefill[2]
+    assert "tensor pipe 54.6%" in next(v for k, v in rows.items() if k.startswith("2."))[2]
+    assert rows["GPU suite"][:2] == ["403 passed, 15 skipped, 60 warnings in 163.43s (0:02:43)", "yes"]
+    link = tmp_path / "profile.txt"
+    link.symlink_to(earlier)
+    for options in (["--profile", str(earlier)], ["--targets", "--profile", str(link)],
+                    ["--targets", "--profile", str(tmp_path)]):
+        bad = report(run, *options)
+        assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1
+        assert bad.stderr.startswith("error: --profile")

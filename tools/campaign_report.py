@@ -20,6 +20,7 @@ what ran; the tables themselves come from `bench_attention.py --render`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
@@ -300,9 +301,10 @@ def profile(folder: Path) -> list[str]:
 PEAK_SHARE_TARGET, COPY_SHARE_TARGET, COPY_FROM_KEYS = 0.70, 0.85, 32768
 
 
-def profile_facts(folder: Path, *titles: str) -> str:
-    """What profile.txt's parts of these titles measured (details, tensor pipe, top stalls), or ""."""
-    text = read(folder / "profile.txt")
+def _profile_facts(profile_file: Path, *titles: str, source: str = "") -> str:
+    """What the profile's parts of these titles measured (details, tensor pipe, top stalls), or "";
+    source names the run it came from when that is not the run being reported."""
+    text = read(profile_file)
     facts = []
     for name, chunk in profile_sections(text) if text else []:
         if name in titles:
@@ -310,12 +312,16 @@ def profile_facts(folder: Path, *titles: str) -> str:
             head = lines[0].split(": ", 1)
             facts += ([head[1]] if len(head) > 1 else []) + [line.strip() for line in lines[1:]]
     facts = [f for f in facts if "nothing measured" not in f]
-    return f"{titles[0]}: " + "; ".join(facts) if facts else ""
+    return f"{titles[0]}{source}: " + "; ".join(facts) if facts else ""
 
 
-def targets(folder: Path) -> list[str]:
+def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
     """Issue 44's targets as a Markdown table (docs/BENCHMARKS.md's), each measured value and verdict
-    recomputed from this run's raw files; "what limits it" holds the profile's facts, to be read."""
+    recomputed from this run's raw files; "what limits it" holds the profile's facts, to be read:
+    this run's profile.txt, or profile_file (an earlier run's, for a run that left the profile out),
+    named in each cell."""
+    source = f" (profile of an earlier run, {profile_file})" if profile_file else ""
+    profile_facts = functools.partial(_profile_facts, profile_file or folder / "profile.txt", source=source)
     rows = []
     record = saved_run(folder, "bench.json")
     bench = record["rows"] if record else []
@@ -323,8 +329,8 @@ def targets(folder: Path) -> list[str]:
     method = "fused_hopper" if hopper else "fused"  # on other GPUs auto runs the mma.sync kernel
     at_target = [(best[1]["ms"] / r["timings"][method]["ms"], r) for r in bench
                  if r["n"] in TARGET_SEQS and method in r["timings"] and (best := best_composition(r["timings"]))]
-    limits = (profile_facts(folder, "Hopper path (TMA + wgmma), the same launch", "selected raw metrics, Hopper path")
-              if hopper else profile_facts(folder, "fused kernel, N=4096", "selected raw metrics"))
+    limits = (profile_facts("Hopper path (TMA + wgmma), the same launch", "selected raw metrics, Hopper path")
+              if hopper else profile_facts("fused kernel, N=4096", "selected raw metrics"))
     if at_target:
         met = sum(x >= FUSED_TARGET for x, _ in at_target)
         rows.append((f"1. prefill ({method}) >= {FUSED_TARGET}x the best composition in every 4k and 16k case",
@@ -349,7 +355,7 @@ def targets(folder: Path) -> list[str]:
                      (f"{spread([x for x, _ in int8])}, >= {INT8_TARGET}x in {fast} of {len(int8)}; "
                       f"cosine {min(c for _, c in int8):.5f} at worst"),
                      f"cosine {'yes' if cosine_ok else 'no'}, speed {'yes' if fast == len(int8) else 'no'}",
-                     profile_facts(folder, "Hopper path INT8 logits, the same launch",
+                     profile_facts("Hopper path INT8 logits, the same launch",
                                    "selected raw metrics, Hopper path INT8") if hopper else ""))
     else:
         rows.append((f"2. INT8 logits ({quant}) against the fp path", "not measured in this run", "-", ""))
@@ -362,7 +368,7 @@ def targets(folder: Path) -> list[str]:
         rows.append((f"3. split-KV decode >= {COPY_SHARE_TARGET:.0%} of the copy bandwidth from 32k keys, d 64 and 128",
                      "; ".join(f"d = {d}: {min(v):.0%}-{max(v):.0%}" for d, v in share.items())
                      + f" of {decode_record['copy_gbs']:.0f} GB/s",
-                     "yes" if met else "no", profile_facts(folder, "split-KV decode kernel, Sq=1, 32768 keys")))
+                     "yes" if met else "no", profile_facts("split-KV decode kernel, Sq=1, 32768 keys")))
     else:
         rows.append(("3. split-KV decode from 32k keys", "decode.json missing or no case from 32k keys", "-", ""))
     pytest_log = read(folder / "pytest.log")
@@ -390,12 +396,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="the campaign's output folder (the files a run call returns)")
     parser.add_argument("--targets", action="store_true",
                         help="print issue 44's targets as a Markdown table (docs/BENCHMARKS.md's) instead")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="with --targets: the profile.txt of an earlier run, for a run that left the profile out "
+                             "(each 'what limits it' cell names it)")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"error: {args.folder} is not a folder of campaign output", file=sys.stderr)
         return 2
+    if args.profile is not None and not (args.targets and args.profile.is_file() and not args.profile.is_symlink()):
+        print(f"error: --profile {args.profile}: needs --targets and a profile.txt file (not a link)", file=sys.stderr)
+        return 2
     try:
-        lines = targets(args.folder) if args.targets else (
+        lines = targets(args.folder, args.profile) if args.targets else (
             correctness(args.folder) + prefill(args.folder) + decode(args.folder) + profile(args.folder))
     except NotCampaignOutput as exc:
         print(f"error: {args.folder}: {exc}", file=sys.stderr)
