@@ -257,7 +257,13 @@ def test_a_run_without_a_profile_takes_an_earlier_runs_and_says_so(tmp_path):
     link = tmp_path / "profile.txt"
     link.symlink_to(earlier)
     for options in (["--profile", str(earlier)], ["--targets", "--profile", str(link)],
-                    ["--targets", "--profile", str(tmp_path)]):
+                    ["--targets", "--profile", str(tmp_path)], ["--targets", "--profile", str(tmp_path / "absent.txt")]):
         bad = report(run, *options)
         assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1
         assert bad.stderr.startswith("error: --profile")
+    huge = tmp_path / "huge-profile.txt"
+    with open(huge, "wb") as f:  # sparse: 65 MiB on paper, refused before it is read
+        f.truncate(65 << 20)
+    bad = report(run, "--targets", "--profile", str(huge))
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == f"error: {run}: huge-profile.txt is 65 MiB, more than a campaign writes\n"
