@@ -79,6 +79,20 @@ def save_safetensors(model: DecoderLM, directory: str | os.PathLike) -> Path:
     return directory
 
 
+def save_hf_folder(model: DecoderLM, directory: str | os.PathLike, **config_extra) -> Path:
+    """Write directory/config.json and model.safetensors as transformers' DiffLlamaForCausalLM
+    (a V1 model) or LlamaForCausalLM (the baseline) saves them; config_extra adds config.json keys
+    (token ids, max_position_embeddings)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    hf_config, state = layouts.hf_export(model.config, canonical_state_dict(model))
+    hf_config.update(config_extra)
+    atomic_write(directory / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2) + "\n"))
+    return directory
+
+
 # ---------------------------------------------------------------- reading files
 
 def _corrupt(path: Path, detail: object) -> DiffExportError:

@@ -354,3 +354,65 @@ def _reject_leftovers(state: Mapping) -> None:
         names = sorted(state)
         more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
         raise DiffExportError(f"unexpected key(s) in the checkpoint: {', '.join(names[:3])}{more}")
+
+
+# ---------------------------------------------------------------- writing Hugging Face folders
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for new, old in enumerate(order):
+        inverse[old] = new
+    return inverse
+
+
+def hf_export(cfg, state: Mapping) -> tuple[dict, dict]:
+    """A canonical diff_v1 (-> DiffLlama) or transformer (-> Llama) model as (config.json values,
+    HF state dict): the exact inverse of the imports above, refused in one line where the model has
+    something the HF class cannot say (an affine head norm, a constant lambda_init, ...)."""
+    problems = []
+    if cfg.rope_interleaved or cfg.rope_scaling:
+        problems.append("interleaved RoPE or RoPE scaling")
+    if cfg.family == "diff_v1":
+        if cfg.head_norm_affine:
+            problems.append("an affine head norm (DiffLlama's has no weight)")
+        if cfg.lambda_init is not None:
+            problems.append("a constant lambda_init (DiffLlama uses the depth schedule)")
+        if cfg.head_norm_eps != cfg.norm_eps:
+            problems.append("a head-norm eps other than rms_norm_eps")
+        model_type, maps = "diffllama", 2
+    elif cfg.family == "transformer":
+        model_type, maps = "llama", 1
+    else:
+        problems.append(f"family {cfg.family} (DiffLlama is V1; the baseline is Llama)")
+    if problems:
+        raise DiffExportError(f"this {cfg.family} model cannot be written as a Hugging Face folder: it has "
+                              + "; ".join(problems))
+    hf = {"architectures": [HF_IMPORTS[model_type].transformers_class], "model_type": model_type,
+          "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden,
+          "num_hidden_layers": cfg.n_layers, "num_attention_heads": maps * cfg.n_heads,
+          "num_key_value_heads": maps * cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+          "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+          "attention_bias": False, "torch_dtype": "float32"}
+    if model_type == "diffllama":
+        hf["lambda_std_dev"] = cfg.lambda_std
+    else:
+        hf["mlp_bias"] = False
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = state[src + "attn_norm.weight"]
+        out[dst + "post_attention_layernorm.weight"] = state[src + "mlp_norm.weight"]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[dst + f"mlp.{name}.weight"] = state[src + f"mlp.{name}.weight"]
+        for name, heads in (("q_proj", cfg.n_heads), ("k_proj", cfg.n_kv_heads), ("v_proj", cfg.n_kv_heads)):
+            weight = state[src + f"attn.{name}.weight"]
+            if maps == 2:  # canonical head-major -> DiffLlama's map-major
+                weight = reorder_head_blocks(weight, cfg.head_dim, _inverse(halves_to_pairs_order(2 * heads)))
+            out[dst + f"self_attn.{name}.weight"] = weight
+        out[dst + "self_attn.o_proj.weight"] = state[src + "attn.o_proj.weight"]
+        if maps == 2:
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                out[dst + f"self_attn.{name}"] = state[src + f"attn.{name}"]
+    return hf, {k: v.detach().contiguous() for k, v in out.items()}

@@ -42,38 +42,75 @@ from diffexport.analysis import needles
 from diffexport.errors import DiffExportError
 from diffexport.files import read_text_input
 from diffexport.inputs import needle_task, streams
-from diffexport.checkpoint import save_checkpoint
+from diffexport.checkpoint import save_checkpoint, save_hf_folder
 from diffexport.modeling import DiffV1Config, baseline_for, build_model
 
 SIZES = {
     # d_model, layers, DIFF heads (the baseline gets twice as many), head_dim
     "tiny": dict(d_model=128, n_layers=2, n_heads=2, head_dim=32),
     "small": dict(d_model=256, n_layers=4, n_heads=4, head_dim=32),
+    # --bpe-vocab's text model (the zoo's diff-text-tiny): deeper than tiny, GQA 2:1
+    "text": dict(d_model=128, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=32, ffn_hidden=384),
 }
 
 
 BYTE_VOCAB = 256  # --text: UTF-8 bytes are the tokens (diffexport.inputs.streams reads a text the same way)
+# --bpe-vocab: ids 0, 1, 2 (pad, begin, end), as the HF folders' config and generation_config say
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+# the chat template written with --bpe-vocab: turns as Python comments, the assistant's answer after
+# them, the form a model trained on Python source can continue
+CHAT_TEMPLATE = ("{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:\n{% endif %}")
 HELD_OUT = 0.1   # --text: the last tenth of the file (by characters) is never trained on
 
 
-def diff_config(size: str, head_dim: int | None = None, vocab_size: int = needle_task.TASK_VOCAB) -> DiffV1Config:
+def diff_config(size: str, head_dim: int | None = None, vocab_size: int = needle_task.TASK_VOCAB,
+                hf: bool = False) -> DiffV1Config:
+    """hf: what a Hugging Face DiffLlama can say (head norm without weight, its eps the model's,
+    tied embeddings), so the pair is written as DiffLlama and Llama folders."""
     shape = dict(SIZES[size])
+    shape.setdefault("ffn_hidden", None)
+    if hf:
+        shape.update(head_norm_affine=False, tie_embeddings=True)
     if head_dim is not None:  # the same width in fewer, wider heads (d_model = 2 * heads * head_dim holds for both)
         shape["n_heads"] = shape["n_heads"] * shape["head_dim"] // head_dim
         shape["head_dim"] = head_dim
-    return DiffV1Config(vocab_size=vocab_size, ffn_hidden=None, **shape)
+    return DiffV1Config(vocab_size=vocab_size, **shape)
 
 
-def text_corpus(path: str, context: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(training bytes, held-out bytes, held-out text) of a UTF-8 file, split at a character so
-    that both parts stay valid UTF-8; each part must hold more than one window of context + 1."""
+def text_corpus(path: str, context: int) -> tuple[str, str]:
+    """(training text, held-out text) of a UTF-8 file, split at a character so that both parts stay
+    valid UTF-8; each part must hold more than one window of context + 1 bytes."""
     text = read_text_input(path, "text file", "a UTF-8 text file", "give an excerpt")
     cut = int(len(text) * (1 - HELD_OUT))
-    train, held = text[:cut].encode("utf-8"), text[cut:].encode("utf-8")
-    if min(len(train), len(held)) <= context + 1:
-        raise DiffExportError(f"{path} holds {len(train) + len(held):,} bytes: too few for windows of "
+    train, held = text[:cut], text[cut:]
+    if min(len(train.encode("utf-8")), len(held.encode("utf-8"))) <= context + 1:
+        raise DiffExportError(f"{path} holds {len(text.encode('utf-8')):,} bytes: too few for windows of "
                               f"{context + 1} bytes in both its first nine tenths and its last tenth")
-    return byte_ids(train), byte_ids(held), text[cut:]
+    return train, held
+
+
+def bpe_tokenizer(train_text: str, vocab_size: int):
+    """A byte-level BPE (the tokenizers library) learnt on the training text only: every byte is a
+    token of its own before the merges, so any text encodes and the held-out tenth stays unseen."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(train_text.splitlines(keepends=True), trainer)
+    return tok
+
+
+def token_byte_lengths(tok) -> torch.Tensor:
+    """UTF-8 bytes each id stands for: a byte-level token's characters are one byte each (special
+    tokens, never in the text, count 0)."""
+    lengths = torch.zeros(tok.get_vocab_size(), dtype=torch.float64)
+    for token, i in tok.get_vocab().items():
+        lengths[i] = 0 if token in SPECIAL_TOKENS else len(token)
+    return lengths
 
 
 def byte_ids(data: bytes) -> torch.Tensor:
@@ -88,8 +125,10 @@ def text_batch(rng: random.Random, ids: torch.Tensor, batch: int, context: int) 
 
 
 @torch.no_grad()
-def bits_per_byte(model, ids: torch.Tensor, context: int, batch: int, device: str, max_windows: int = 256) -> float:
-    """Mean next-byte cross-entropy in bits over consecutive windows of `ids` (at most max_windows)."""
+def bits_per_byte(model, ids: torch.Tensor, context: int, batch: int, device: str, max_windows: int = 256,
+                  token_bytes: torch.Tensor | None = None) -> float:
+    """Next-token cross-entropy in bits per UTF-8 byte of the targets, over consecutive windows of
+    `ids` (at most max_windows); token_bytes: the bytes each id stands for (None: ids are bytes)."""
     n = min(max_windows, (len(ids) - 1) // context)
     inputs = ids[: n * context].view(n, context)
     targets = ids[1: n * context + 1].view(n, context)
@@ -97,7 +136,21 @@ def bits_per_byte(model, ids: torch.Tensor, context: int, batch: int, device: st
     for x, y in zip(inputs.split(batch), targets.split(batch)):
         logits = model(x.to(device)).float()
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
-    return total / (n * context) / math.log(2)
+    scored = float(n * context) if token_bytes is None else token_bytes[targets].sum().item()
+    return total / scored / math.log(2)
+
+
+def write_hf_folder(model, folder: Path, tok, context: int) -> None:
+    """The model as a Hugging Face folder (DiffLlama or, the twin, Llama) with its tokenizer, chat
+    template and generation config: what `diffexport onnx FOLDER --kv-cache` and transformers read."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    save_hf_folder(model, folder, max_position_embeddings=context, **ids)
+    pad, bos, eos = SPECIAL_TOKENS
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, bos_token=bos, eos_token=eos,
+                            model_max_length=context, chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    GenerationConfig(**ids).save_pretrained(folder)
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -161,6 +214,10 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=64, help="document tokens per sample (needles included); "
                                                                     "with --text, bytes per training window")
     parser.add_argument("--text", help="train byte-level language models on this UTF-8 file instead of the needle task")
+    parser.add_argument("--bpe-vocab", type=int, help="with --text: tokens from a byte-level BPE of this many ids learnt "
+                                                      "on the training part, and the pair written as Hugging Face "
+                                                      "DiffLlama/Llama folders OUT/diff, OUT/transformer (tokenizer, "
+                                                      "chat template; needs transformers)")
     parser.add_argument("--max-needles", type=int, default=6, help="needles per training document: 1..this")
     parser.add_argument("--max-queries", type=int, default=4, help="questions per training document: 1..this "
                                                                      "(more answers per document: denser supervision)")
@@ -185,10 +242,15 @@ def main(argv=None) -> int:
     if args.text is not None:  # read and checked before anything is written
         if not 2 <= args.context <= streams.MAX_STREAM_SEQ:
             parser.error(f"--context must be 2 to {streams.MAX_STREAM_SEQ:,} with --text")
+        if args.bpe_vocab is not None and not len(SPECIAL_TOKENS) + 256 < args.bpe_vocab <= 1 << 16:
+            parser.error(f"--bpe-vocab must be {len(SPECIAL_TOKENS) + 257} to 65,536 (the 256 bytes, the special "
+                         f"tokens, then merges)")
         try:
-            train_ids, held_ids, held_text = text_corpus(args.text, args.context)
+            train_text, held_text = text_corpus(args.text, args.context)
         except DiffExportError as exc:
             parser.exit(2, f"error: {exc}\n")
+    elif args.bpe_vocab is not None:
+        parser.error("--bpe-vocab goes with --text")
 
     torch.set_num_threads(args.threads)
     # cuBLAS is deterministic only with a fixed workspace; set before CUDA starts (a user's value wins)
@@ -200,16 +262,27 @@ def main(argv=None) -> int:
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
+    token_bytes = tok = None
     if args.text is not None:
         (out / "heldout.txt").write_text(held_text, encoding="utf-8")
-        log(f"text {args.text}: {len(train_ids):,} training bytes, {len(held_ids):,} held out -> {out / 'heldout.txt'}")
+        train_bytes, held_bytes = len(train_text.encode("utf-8")), len(held_text.encode("utf-8"))
+        if args.bpe_vocab is None:
+            train_ids, held_ids = byte_ids(train_text.encode("utf-8")), byte_ids(held_text.encode("utf-8"))
+            vocab, metric = BYTE_VOCAB, "next-byte accuracy"
+        else:
+            tok = bpe_tokenizer(train_text, args.bpe_vocab)
+            train_ids = torch.tensor(tok.encode(train_text).ids)
+            held_ids = torch.tensor(tok.encode(held_text).ids)
+            token_bytes = token_byte_lengths(tok)
+            vocab, metric = tok.get_vocab_size(), "next-token accuracy"
+            log(f"byte-level BPE of {vocab:,} ids: {train_bytes / len(train_ids):.2f} bytes per training token")
+        log(f"text {args.text}: {train_bytes:,} training bytes, {held_bytes:,} held out -> {out / 'heldout.txt'}")
 
         def next_batch(rng):
             return text_batch(rng, train_ids, args.batch, args.context)
-        metric = "next-byte accuracy"
-        cfg = diff_config(args.size, args.head_dim, BYTE_VOCAB)
+        cfg = diff_config(args.size, args.head_dim, vocab, hf=tok is not None)
         task = {"name": streams.TEXT_TASK_NAME, "context_len": args.context, "source": Path(args.text).name,
-                "train_bytes": len(train_ids), "heldout_bytes": len(held_ids)}
+                "train_bytes": train_bytes, "heldout_bytes": held_bytes}
     else:
         def next_batch(rng):
             return needle_task.training_batch(rng, args.batch, args.context, args.max_needles, args.max_queries)
@@ -226,8 +299,13 @@ def main(argv=None) -> int:
         history = train_one(model, args, log, name, next_batch, metric)
         entry = {"family": model_cfg.family, "parameters": model.num_parameters(), "history": history}
         if args.text is not None:
-            entry["heldout_bits_per_byte"] = bits_per_byte(model, held_ids, args.context, args.batch, args.device)
-            path = save_checkpoint(model.cpu(), out / f"{name}.pt", task=task)  # a checkpoint loads anywhere
+            entry["heldout_bits_per_byte"] = bits_per_byte(model, held_ids, args.context, args.batch, args.device,
+                                                           token_bytes=token_bytes)
+            if tok is None:
+                path = save_checkpoint(model.cpu(), out / f"{name}.pt", task=task)  # a checkpoint loads anywhere
+            else:
+                path = out / name
+                write_hf_folder(model.cpu(), path, tok, args.context)
             log(f"{name:12s} held-out {entry['heldout_bits_per_byte']:.3f} bits per byte -> {path}")
         else:
             entry["eval_accuracy"] = needles.evaluate(model, context_len=args.context, samples=16,

@@ -36,7 +36,7 @@ INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", "the prompt as text (folders wi
 OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("output_ids", "TYPE_INT64", "[ -1 ]"))
 
 MODEL_ENTRY = '''"""Triton's Python-backend entry for a diffexport decoder folder (written by `diffexport triton`).
-The server's Python needs diffexport with onnxruntime-genai: pip install "diffexport[genai]"."""
+The server's Python needs diffexport with onnxruntime-genai: pip install "diffexport[onnx]"."""
 from diffexport.serving.triton_model import TritonPythonModel  # noqa: F401
 '''
 

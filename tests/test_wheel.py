@@ -1,0 +1,161 @@
+"""The package as users install it: the sdist and the wheel built from it (python -m build), the
+wheel installed NON-editable into a fresh venv, and that install used from outside the checkout.
+
+The venv is made without the system's site-packages; the wheel goes in with --no-deps and only then
+does a .pth line put this interpreter's site-packages (torch, onnxruntime, ...) behind it, so the
+dependencies are not downloaded again. A .pth line adds a folder to sys.path without running that
+folder's own .pth files, so the editable install of the checkout (an import hook started from a
+.pth) stays out: every diffexport module the venv imports comes from the wheel, which the tests
+assert file by file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+# what a user needs from the sdist to build the kernel library and the TensorRT plugin
+SDIST_BUILD_FILES = ("CMakeLists.txt", "plugins/CMakeLists.txt", "plugins/kernels/CMakeLists.txt",
+                     "plugins/kernels/diff_attention.cu", "plugins/kernels/diff_attention.h",
+                     "plugins/tensorrt/CMakeLists.txt", "plugins/tensorrt/DiffAttentionPlugin.cpp",
+                     "pyproject.toml", "setup.py")
+
+
+def _tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout: the test builds from the checkout's tracked files")
+    return [f for f in out.stdout.splitlines() if (ROOT / f).is_file()]
+
+
+def _module_names(package_dir: Path) -> set[str]:
+    """diffexport.* module names of a package folder's .py files (__main__ left out: it runs the CLI)."""
+    names = set()
+    for path in package_dir.rglob("*.py"):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _clean_env(venv: Path) -> dict:
+    """The environment a user's shell gives the venv: its bin first, no PYTHONPATH to the checkout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+    env["VIRTUAL_ENV"] = str(venv)
+    return env
+
+
+def _run(args, **kwargs) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=600, **kwargs)
+    assert out.returncode == 0, f"{' '.join(map(str, args))} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict:
+    """The sdist and the wheel built from it, from a copy of the checkout's tracked files (the
+    build writes egg-info and build/ into its source; the checkout stays untouched)."""
+    pytest.importorskip("build")
+    base = tmp_path_factory.mktemp("wheel")
+    source = base / "source"
+    for name in _tracked_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    dist = base / "dist"
+    # sdist first, then the wheel from the unpacked sdist: a file the sdist leaves out fails the wheel
+    _run([sys.executable, "-m", "build", "--sdist", "--wheel", "--outdir", dist, source])
+    sdists, wheels = sorted(dist.glob("*.tar.gz")), sorted(dist.glob("*.whl"))
+    assert len(sdists) == 1 and len(wheels) == 1, sorted(p.name for p in dist.iterdir())
+    return {"sdist": sdists[0], "wheel": wheels[0], "base": base}
+
+
+@pytest.fixture(scope="module")
+def venv(built) -> Path:
+    """A fresh venv with the wheel installed non-editable, then the dependencies put behind it."""
+    venv = built["base"] / "venv"
+    _run([sys.executable, "-m", "venv", venv])
+    python = venv / "bin" / "python"
+    _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", built["wheel"]],
+         env=_clean_env(venv))
+    venv_site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          env=_clean_env(venv)).stdout.strip())
+    (venv_site / "zz_host_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return venv
+
+
+def test_wheel_version_is_the_package_version(built):
+    from diffexport import __version__
+
+    assert built["wheel"].name.startswith(f"diffexport-{__version__}-"), built["wheel"].name
+    assert built["sdist"].name == f"diffexport-{__version__}.tar.gz"
+
+
+def test_wheel_holds_every_module_of_the_package(built):
+    with zipfile.ZipFile(built["wheel"]) as wheel:
+        names = wheel.namelist()
+    in_wheel = {n for n in names if n.startswith("diffexport/") and n.endswith(".py")}
+    in_tree = {p.relative_to(ROOT).as_posix() for p in (ROOT / "diffexport").rglob("*.py")}
+    assert in_tree - in_wheel == set(), "modules of the checkout missing from the wheel"
+    zoo = {n for n in names if n.startswith("diffexport/_zoo/")}
+    assert {f"diffexport/_zoo/{p.name}" for p in (ROOT / "models").glob("*.json")} <= zoo
+
+
+def test_sdist_carries_what_builds_the_kernels_and_plugin(built):
+    with tarfile.open(built["sdist"]) as sdist:
+        top = sdist.getnames()[0].split("/")[0]
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    missing = [f for f in SDIST_BUILD_FILES if f not in names]
+    assert not missing, f"the sdist {top} lacks {missing}"
+    tracked_plugins = {f for f in _tracked_files() if f.startswith(("plugins/", "models/"))}
+    assert tracked_plugins - names == set(), "tracked plugin or zoo files missing from the sdist"
+
+
+def test_installed_wheel_imports_every_module_from_itself(venv):
+    expected = sorted(_module_names(ROOT / "diffexport"))
+    script = (
+        "import importlib, pkgutil, sys, diffexport\n"
+        "names = [m.name for m in pkgutil.walk_packages(diffexport.__path__, 'diffexport.')"
+        " if not m.name.endswith('__main__')] + ['diffexport']\n"
+        "for name in names:\n"
+        "    module = importlib.import_module(name)\n"
+        "    assert module.__file__.startswith(sys.prefix), (name, module.__file__)\n"
+        "print('\\n'.join(sorted(names)))\n")
+    out = _run([venv / "bin" / "python", "-c", script], env=_clean_env(venv), cwd=venv)
+    assert sorted(out.stdout.split()) == expected
+
+
+def test_installed_console_script_help_and_demo(venv, tmp_path):
+    env = _clean_env(venv)
+    script = venv / "bin" / "diffexport"
+    assert script.is_file()
+    help_text = _run([script, "--help"], env=env, cwd=tmp_path).stdout
+    assert "demo" in help_text and "triton" in help_text
+    assert "diff-v1-tiny" in _run([script, "presets"], env=env, cwd=tmp_path).stdout  # the zoo, from the wheel
+    demo = _run([script, "demo", "--out-dir", tmp_path / "demo"], env=env, cwd=tmp_path)
+    assert "PASS" in demo.stdout
+
+    # a Triton repository written by the installed package, its model.py loaded by the venv's Python
+    _run([script, "triton", tmp_path / "demo" / "model-kv", "-o", tmp_path / "repo", "--name", "tiny"],
+         env=env, cwd=tmp_path)
+    model_py = tmp_path / "repo" / "tiny" / "1" / "model.py"
+    load = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('model', {str(model_py)!r})\n"
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+            "import diffexport.serving.triton_model as served\n"
+            "assert module.TritonPythonModel is served.TritonPythonModel\n"
+            "assert served.__file__.startswith(sys.prefix), served.__file__\n"
+            "print('loaded', served.__file__)\n")
+    assert "loaded" in _run([venv / "bin" / "python", "-c", load], env=env, cwd=tmp_path).stdout
