@@ -409,13 +409,15 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
                dtype: torch.dtype | None = None, device: str = "cpu") -> LoadedModel:
     """Load any supported checkpoint (or build a seeded preset when only `preset` is given;
     device="meta" then builds shapes only, for summaries of presets too big to materialise)."""
-    from diffexport.presets import preset_config
+    from diffexport.presets import preset_config, preset_weights
 
     if layout not in LAYOUTS:
         raise DiffExportError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     if preset is not None and config is not None:
         raise DiffExportError("give either a preset or a config, not both")
     given_cfg = config if config is not None else (preset_config(preset) if preset else None)
+    if path is None and preset is not None and config is None and preset_weights(preset) is not None:
+        return load_model(preset_weights(preset), dtype=dtype)  # a trained preset: its zoo folder
     if path is None:
         if given_cfg is None:
             raise DiffExportError("nothing to load: give a checkpoint path or --preset NAME")

@@ -1,4 +1,9 @@
-"""The model zoo: preset configs shipped as JSON (top-level models/, packaged as diffexport._zoo)."""
+"""The model zoo: preset configs shipped as JSON (top-level models/, packaged as diffexport._zoo).
+
+A preset with "weights" names a folder of the zoo holding a trained model as a Hugging Face folder
+(config.json, model.safetensors, tokenizer, chat template): `--preset NAME` loads it instead of
+building random weights.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,20 @@ from importlib import resources
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
+from diffexport.files import check_output_path, staging_folder
 
 DEFAULT_PRESET = "diff-v1-tiny"
 
 
-def _zoo_files():
+def _zoo_root():
     try:
-        root = resources.files("diffexport._zoo")
+        return resources.files("diffexport._zoo")
     except ModuleNotFoundError:  # running from a source tree that was never installed
-        root = Path(__file__).resolve().parent.parent / "models"
-    return [f for f in root.iterdir() if f.name.endswith(".json")]
+        return Path(__file__).resolve().parent.parent / "models"
+
+
+def _zoo_files():
+    return [f for f in _zoo_root().iterdir() if f.name.endswith(".json")]
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,6 +45,18 @@ def get_preset(name: str) -> dict:
     return presets[name]
 
 
+def preset_weights(name: str) -> Path | None:
+    """The zoo folder holding the preset's trained weights, or None (a random-weights preset)."""
+    folder = get_preset(name).get("weights")
+    if folder is None:
+        return None
+    path = Path(str(_zoo_root())) / folder
+    if not isinstance(folder, str) or "/" in folder or folder.startswith(".") or not path.is_dir():
+        raise DiffExportError(f"preset {name!r}: its weights folder {folder!r} is not in the installed zoo "
+                              f"(reinstall diffexport)")
+    return path
+
+
 def preset_config(name: str):
     from diffexport.modeling import config_from_dict
 
@@ -51,3 +72,21 @@ def match_preset(cfg) -> str | None:
         if entry["family"] == cfg.family and config_from_dict(entry["family"], entry["config"]) == cfg:
             return name
     return None
+
+
+def write_preset_folder(name: str, destination, replace: bool = False) -> Path:
+    """A trained preset's folder (a Hugging Face DiffLlama folder: config, safetensors, tokenizer,
+    chat template, generation config) copied to a new folder, for transformers and for the commands
+    that take a checkpoint path; published whole or not at all."""
+    source = preset_weights(name)
+    if source is None:
+        trained = [n for n, entry in all_presets().items() if "weights" in entry]
+        raise DiffExportError(f"preset {name!r} has no trained weights to write (it builds random weights); "
+                              f"trained presets: {', '.join(trained) or 'none'}")
+    destination = Path(destination)
+    check_output_path(destination, replace=replace)
+    with staging_folder(destination, replace=replace) as tmp:
+        for file in sorted(source.iterdir()):
+            if file.is_file() and not file.is_symlink():
+                (tmp / file.name).write_bytes(file.read_bytes())
+    return destination

@@ -486,6 +486,26 @@ def test_check_sample_on_the_command_line(model_and_folders, tmp_path):
     assert "(temperature 0.5, top-k 0, top-p 0.9," in result.stdout + result.stderr
 
 
+@pytest.mark.slow
+def test_check_sample_that_cannot_fail_is_inconclusive_not_pass(model_and_folders, tmp_path):
+    """With top-k 1 one token holds all the probability: the draws make the chi-square one bin, a
+    test that cannot fail. The check says so, names the draws that would make it a test,
+    exits non-zero, and neither the verdict nor the folder's card says PASS."""
+    loaded, folders = model_and_folders
+    import shutil
+
+    folder = shutil.copytree(folders["diffattention"], tmp_path / "folder")
+    result = cli_main("check", folder, "--ckpt", loaded.path, "--steps", "1", "--sample", "--top-k", "1",
+                      "--draws", "100", "--save-dir", tmp_path / "saved")
+    assert result.returncode == 1, result.stdout + result.stderr
+    sampled = [line for line in result.stdout.splitlines() if line.startswith("sampled tokens")]
+    assert sampled and all("over 1 bins" in line and "INCONCLUSIVE" in line and "PASS" not in line
+                           for line in sampled), sampled
+    assert all("use --draws" in line or "raise --temperature" in line for line in sampled), sampled
+    assert "result        INCONCLUSIVE" in result.stdout and "not judged: sampled tokens" in result.stdout
+    assert "**INCONCLUSIVE**" in (folder / "README.md").read_text()
+
+
 @pytest.mark.parametrize("args,pattern", [
     (["--top-p", "0.5"], "--top-p shapes the sampling check: add --sample"),
     (["--sample", "--draws", "5"], "--draws must be 100 to 1,000,000"),
@@ -527,3 +547,26 @@ def test_folder_search_with_top_p_alone_goes_through_genais_top_k_sampler():
     assert _search_options(Sampling(greedy=False, top_k=100000), 8, folder_config)["top_k"] == cfg.vocab_size
     assert _search_options(Sampling(greedy=False, top_k=0, top_p=0.5), 8, folder_config)["top_k"] == cfg.vocab_size
     assert {k: written(None)[k] for k in SEARCH_DEFAULTS} == SEARCH_DEFAULTS
+
+
+def test_chi_square_bins_a_flat_distribution_and_refuses_a_single_bin():
+    """A near-flat distribution over 200 tokens with 500 draws (2.5 expected each) is grouped into
+    bins of at least 5 expected draws, so the test has something to reject; a distribution with 99.9%
+    on one token leaves one bin at 500 draws, and the words say the draws that make it a test."""
+    from diffexport.validation.search import SAMPLING_MIN_EXPECTED, _chi_square, _too_few_bins
+
+    flat = torch.full((200,), 1 / 200, dtype=torch.float64)
+    expected = flat * 500
+    statistic, bins, p = _chi_square(expected.clone(), expected)
+    assert bins == 100 and statistic == 0 and p == 1.0
+    skewed = torch.zeros(200, dtype=torch.float64)
+    skewed[:100] = 5.0  # all draws on half the tokens: rejected
+    statistic, bins, p = _chi_square(skewed, expected)
+    assert bins == 100 and p < 1e-10
+    peaked = torch.tensor([0.999, 0.0005, 0.0005], dtype=torch.float64)
+    assert _chi_square(peaked * 500, peaked * 500)[1] == 1
+    words = _too_few_bins(peaked, 500)
+    import re
+
+    needed = int(re.search(r"--draws (\d+)", words).group(1))
+    assert SAMPLING_MIN_EXPECTED / 0.001 <= needed <= SAMPLING_MIN_EXPECTED / 0.001 + 1 and "99.9000%" in words

@@ -21,15 +21,29 @@ def test_help_does_not_import_heavy_modules():
 
 
 @pytest.mark.slow
-def test_demo_runs_on_default_model():
-    result = run_cli("demo")
+def test_demo_runs_on_default_model(tmp_path):
+    import shlex
+
+    result = run_cli("demo", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "preset        diff-v1-tiny" in result.stdout
+    assert "preset        diff-text-tiny" in result.stdout
     assert "PASS" in result.stdout
     assert "error" not in result.stderr and "Traceback" not in result.stderr
-    assert "polygraphy run" in result.stdout and "2 DiffAttention" in result.stdout
-    removed = [line.split()[1] for line in result.stderr.splitlines() if line.startswith("removed ")]
-    assert removed and not Path(removed[0]).exists()  # the temporary folder is gone, and it said so
+    assert "4 DiffAttention" in result.stdout
+    assert "generated     '" in result.stdout and "eager generate identical" in result.stdout
+    # the files stay, so every polygraphy command it printed runs as printed
+    commands = [line.split(None, 1)[1] for line in result.stdout.splitlines() if line.startswith("polygraphy ")]
+    assert len(commands) == 2 and (tmp_path / "diffexport-demo" / "model-kv" / "model.onnx").is_file()
+    import shutil
+
+    polygraphy = shutil.which("polygraphy") or pytest.skip("no polygraphy on PATH")
+    for command in commands:
+        args = shlex.split(command)
+        assert args[:2] == ["polygraphy", "run"]
+        out = subprocess.run([polygraphy, *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "PASSED" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    again = run_cli("demo", cwd=tmp_path)  # a second run replaces its own earlier files
+    assert again.returncode == 0, again.stderr
 
 
 def test_presets_lists_the_zoo():

@@ -20,9 +20,10 @@ def add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -
     parser.add_argument("--seed", type=int, default=0, help="seed for random preset weights")
 
 
-def load_named_model(args, device: str = "cpu", dtype: str | None = None, default_model: bool = True):
-    """The model the arguments name; with none named, the default preset (or an error where a
-    silent random model would surprise: export and check)."""
+def load_named_model(args, device: str = "cpu", dtype: str | None = None, default_model: bool = True,
+                     default_preset: str | None = None):
+    """The model the arguments name; with none named, default_preset (the default: the zoo's
+    DEFAULT_PRESET), or an error where a silent random model would surprise (export and check)."""
     import torch
 
     from diffexport.checkpoint import load_config_file, load_model
@@ -35,7 +36,7 @@ def load_named_model(args, device: str = "cpu", dtype: str | None = None, defaul
         if not default_model:
             raise DiffExportError(f"name the model: a checkpoint{' (--ckpt)' if args.command == 'check' else ''} "
                                   f"or --preset NAME (e.g. --preset {DEFAULT_PRESET} for a seeded random model)")
-        preset = DEFAULT_PRESET
+        preset = default_preset or DEFAULT_PRESET
 
     return load_model(args.ckpt, preset=preset, config=config, layout=args.layout, seed=args.seed,
                       device=device, dtype=getattr(torch, dtype) if dtype else None)

@@ -10,6 +10,10 @@ from diffexport.errors import DiffExportError  # light: no torch
 from diffexport.format import decoders  # light too: the decoder formats' registry
 from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line
 
+DEMO_PRESET = "diff-text-tiny"  # the demo's model when none is named: the zoo's trained text model
+DEMO_PROMPT = "def fibonacci(n):"  # it was trained on Python source
+DEMO_NEW_TOKENS = 24
+
 
 def cmd_info(args) -> int:
     """Family, preset match, parameter count, layers, heads and lambda values of a checkpoint."""
@@ -27,11 +31,18 @@ def cmd_info(args) -> int:
 
 
 def cmd_presets(args) -> int:
-    """List the model zoo's presets."""
-    from diffexport.presets import all_presets
+    """List the model zoo's presets; `presets NAME -o DIR` writes a trained one as a Hugging Face folder."""
+    from diffexport.presets import all_presets, write_preset_folder
 
+    if args.name is not None or args.output is not None:
+        if args.name is None or args.output is None:
+            raise DiffExportError("give both the preset and the folder: diffexport presets NAME -o DIR")
+        folder = write_preset_folder(args.name, args.output, replace=args.force)
+        print(f"wrote         {folder}/ ({args.name}: a Hugging Face DiffLlama folder with its tokenizer)")
+        return 0
     for name, entry in all_presets().items():
-        print(f"{name:18s} {entry['family']:12s} {entry['description']}")
+        trained = "trained" if "weights" in entry else "random"
+        print(f"{name:18s} {entry['family']:12s} {trained:8s} {entry['description']}")
     return 0
 
 
@@ -143,40 +154,31 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The main job on the built-in default model: export to ONNX, run it in ONNX Runtime (CPU), check against eager.
+    """The main job on the built-in model (the zoo's trained diff-text-tiny): export to ONNX, run it in ONNX Runtime (CPU), check against eager.
 
-    Prints the model summary, the op-vs-Eq.-1 self-check, the export summary and the check report.
+    Prints the model summary, the op-vs-Eq.-1 self-check, the export summary and the check report,
+    then exports the KV-cache decoder folder, generates from a text prompt and checks the folder.
+    The files stay in --out-dir (default ./diffexport-demo), so the polygraphy commands it prints run.
     """
-    import shutil
-    import tempfile
     from pathlib import Path
 
     from diffexport.validation import CheckOptions, run_check
     from diffexport.export import ExportOptions, export_onnx
     from diffexport.summary import describe, self_check
 
-    loaded = load_named_model(args)
+    loaded = load_named_model(args, default_preset=DEMO_PRESET)
     print(describe(loaded))
     op_ok, op_report = self_check(loaded.model, seed=args.seed)  # the op vs eager Eq. 1, before exporting it
     print(op_report)
-    temporary = args.out_dir is None
-    out_dir = Path(tempfile.mkdtemp(prefix="diffexport-demo-")) if temporary else Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    passed = False
-    try:
-        summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(force=_earlier_demo_export(out_dir)),
-                              log=log_line)
-        print(summary.report())
-        report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=log_line)
-        print(report.text())
-        kv_ok = _demo_generation(loaded, out_dir, args.seed)
-        passed = report.passed and op_ok and kv_ok
-    finally:
-        if temporary and passed:  # nothing worth keeping: the files were only the demo's means
-            shutil.rmtree(out_dir, ignore_errors=True)
-            log_line(f"removed       {out_dir} (the demo's temporary files; --out-dir DIR keeps them)")
-        elif temporary:
-            log_line(f"kept          {out_dir}: the demo did not pass, its files are there to inspect")
+    out_dir = Path(args.out_dir)
+    summary = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(force=_earlier_demo_export(out_dir)),
+                          log=log_line)
+    print(summary.report())
+    report = run_check(summary.path, loaded, CheckOptions(provider="cpu", seed=args.seed), log=log_line)
+    print(report.text())
+    kv_ok = _demo_generation(loaded, out_dir, args.seed)
+    passed = report.passed and op_ok and kv_ok
+    log_line(f"kept          {out_dir}/: the demo's files, which the commands above read")
     return 0 if passed else 1
 
 
@@ -195,35 +197,46 @@ def _earlier_demo_export(out_dir: Path) -> bool:
 
 
 def _demo_generation(loaded, out_dir, seed: int) -> bool:
-    """The demo's second half: the KV-cache decoder folder, generated through onnxruntime-genai, checked."""
+    """The demo's second half: the KV-cache decoder folder, generated through onnxruntime-genai
+    (from a text prompt where the model has a tokenizer), compared with eager generate, checked."""
     import shutil
 
+    import torch
+
+    from diffexport import text_generation
     from diffexport.backends import decoding, genai
     from diffexport.validation import CheckOptions, run_decoder_check
     from diffexport.export.decoder import export_decoder
-    from diffexport.format import names
+    from diffexport.format import decoder_folder, names
     from diffexport.generation import Sampling, generate
 
     folder = out_dir / "model-kv"
     if folder.exists():  # replaced only when it holds nothing but an earlier demo's files
-        ours = {names.MODEL_FILE, names.MODEL_FILE + ".data", names.GENAI_CONFIG}
+        ours = {names.MODEL_FILE, names.MODEL_FILE + ".data", names.GENAI_CONFIG, "README.md",
+                *decoder_folder.TOKENIZER_FILES}
         if folder.is_symlink() or not folder.is_dir() or not {p.name for p in folder.iterdir()} <= ours:
             raise DiffExportError(f"{folder} exists and is not an earlier demo's output: move it or pick --out-dir")
         shutil.rmtree(folder)
     summary = export_decoder(loaded, folder, log=log_line)
     print(summary.report())
-    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    tokenizer = None
+    if decoder_folder.has_tokenizer(folder):
+        tokenizer = text_generation.folder_tokenizer(folder)
+        prompt = text_generation.encode(tokenizer, folder, DEMO_PROMPT)
+    else:
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8]
     try:
-        run = genai.generate_genai(folder, prompt, 16, Sampling())
+        run = genai.generate_genai(folder, prompt, DEMO_NEW_TOKENS, Sampling())
         backend = "onnxruntime-genai"
     except DiffExportError:  # onnxruntime-genai missing: the plain loop, said so
-        run = decoding.generate_onnxruntime(folder, prompt, 16, Sampling())
+        run = decoding.generate_onnxruntime(folder, prompt, DEMO_NEW_TOKENS, Sampling())
         backend = "onnxruntime loop (onnxruntime-genai not installed)"
-    import torch
 
     eager = generate(loaded.model, torch.tensor([prompt]), max_new_tokens=len(run.tokens)).tokens[0].tolist()
     same = eager == run.tokens
-    print(f"generate      {backend}: prompt {prompt} -> {run.tokens} "
+    if tokenizer is not None:
+        print(f"prompt        {DEMO_PROMPT!r}\ngenerated     {tokenizer.decode(run.tokens)!r}")
+    print(f"generate      {backend}: {len(prompt)} prompt tokens -> {run.tokens} "
           f"({run.decode_tokens_per_s:.0f} tokens/s); eager generate {'identical' if same else 'DIFFERENT'}")
     report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu", seed=seed), log=log_line)
     print(report.text())
@@ -267,6 +280,11 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--calib-samples", type=int, default=32, help="--calib: sequences (default 32)")
         p.add_argument("--calib-seq-len", type=int, default=128, help="--calib: tokens per sequence (default 128)")
         p.add_argument("--seed", type=int, default=0, help="--calib synthetic: seed of the token ids")
+    if name == "presets":
+        p.add_argument("name", nargs="?", help="with -o: a trained preset to write out")
+        p.add_argument("-o", "--output", help="write the trained preset NAME to this new folder, as a Hugging "
+                                              "Face DiffLlama folder (config, safetensors, tokenizer, chat template)")
+        add_force(p)
     if name == "inspect":
         p.add_argument("model", help="an .onnx file or a --kv-cache folder (weights are not loaded)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -305,4 +323,5 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--legacy", action="store_true",
                        help="fallback: torch's deprecated TorchScript exporter instead of dynamo")
     if name == "demo":
-        p.add_argument("--out-dir", help="folder for model.onnx and the check files (default: a temp folder)")
+        p.add_argument("--out-dir", default="diffexport-demo",
+                       help="folder for the demo's files, kept so the commands it prints run (default diffexport-demo)")

@@ -125,12 +125,14 @@ def update_results(folder: str | os.PathLike, lines: list[str]) -> bool:
     return True
 
 
-def results_lines(verdict: bool, report_lines: list[str], command: str) -> list[str]:
-    """The results section for a check's report."""
+def results_lines(verdict: bool | str, report_lines: list[str], command: str) -> list[str]:
+    """The results section for a check's report (verdict: passed or not, or the check's own word:
+    PASS, FAIL, INCONCLUSIVE)."""
     import datetime
 
     from diffexport import __version__
 
     shown = report_lines[:60]
-    return [f"**{'PASS' if verdict else 'FAIL'}** on {datetime.date.today().isoformat()}, diffexport {__version__}: "
+    verdict = verdict if isinstance(verdict, str) else "PASS" if verdict else "FAIL"
+    return [f"**{verdict}** on {datetime.date.today().isoformat()}, diffexport {__version__}: "
             f"`{command}`", "", "```", *shown, *(["..."] if len(report_lines) > len(shown) else []), "```"]

@@ -51,8 +51,19 @@ def _files(artifact: Path) -> list[tuple[str, int, str]]:
     for path in paths:
         info = path.lstat()
         kind = "link (not followed)" if path.is_symlink() else ("folder" if path.is_dir() else "file")
-        rows.append((path.name, 0 if kind != "file" else info.st_size, kind))
+        what = kind if kind != "file" else _FILE_ROLES.get(path.name) or _FILE_ROLES.get(path.suffix, "file")
+        rows.append((path.name, 0 if kind != "file" else info.st_size, what))
     return rows
+
+
+# what each file of an artifact is, by name or suffix (the Files table's "what" column)
+_FILE_ROLES = {"model.onnx": "the graph (ONNX)", ".onnx": "the graph (ONNX)", ".data": "the weights (ONNX external data)",
+               "genai_config.json": "onnxruntime-genai's configuration", "tokenizer.json": "the tokenizer",
+               "tokenizer_config.json": "the tokenizer's settings", "special_tokens_map.json": "the special tokens",
+               "tokenizer.model": "the tokenizer (SentencePiece)", "vocab.json": "the tokenizer's vocabulary",
+               "merges.txt": "the tokenizer's merges", "added_tokens.json": "tokens added to the vocabulary",
+               "generation_config.json": "the checkpoint's generation defaults", "chat_template.jinja": "the chat template",
+               "README.md": "the model card"}
 
 
 def artifact_facts(artifact: Path) -> dict:
@@ -92,7 +103,9 @@ def _commands(artifact: Path, kind: str, loaded: LoadedModel, preset: str | None
     if kind == "decoder":
         commands.append(("generation from this folder", f"diffexport generate {shlex.quote(str(artifact))} "
                                                          "--ids 1,2,3 --max-new-tokens 32"))
-        commands.append(("decode speed against the bound, more runtimes and rounds", "python tools/bench_decode.py"))
+        commands.append(("the speed section's numbers for this folder (the same prompt, tokens and rounds)",
+                         "python -c 'from diffexport.backends.speed import measure_decoder; "
+                         f"print(measure_decoder({str(artifact)!r}))'"))
     commands.append(("what the file holds", f"diffexport inspect {shlex.quote(str(artifact))}"))
     return commands
 
@@ -129,7 +142,7 @@ def build_report(artifact: str | os.PathLike, loaded: LoadedModel, options: Chec
                 measured = speed_module.measure_prefill(artifact, loaded.config.vocab_size, progress=step)
         log(f"speed         prompt {measured.prompt_tokens_per_s:.1f} tokens/s"
             + ("" if kind != "decoder" else f", decode {measured.decode_tokens_per_s:.1f} tokens/s "
-               f"(bound {measured.decode_bound:.1f})"))
+               f"(memory-bandwidth estimate {measured.decode_bound:.1f})"))
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return Report(artifact, kind, model, facts, check, measured,
                   _commands(artifact, kind, loaded, model["preset"], check, options, asked or f"diffexport report {artifact}"),

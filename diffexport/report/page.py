@@ -49,8 +49,12 @@ def _image(png: bytes, alt: str) -> str:
     return f'<img class="plot" alt="{_e(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
 
 
-def _verdict(passed: bool) -> str:
-    return '<span class="pass">PASS</span>' if passed else '<span class="fail">FAIL</span>'
+def _verdict(verdict: bool | str) -> str:
+    """PASS, FAIL (a bool: passed or not) or a check's verdict, INCONCLUSIVE among them: a check
+    that could not have failed is never shown as a PASS."""
+    verdict = verdict if isinstance(verdict, str) else "PASS" if verdict else "FAIL"
+    css = {"PASS": "pass", "FAIL": "fail"}.get(verdict, "fail")
+    return f'<span class="{css}">{_e(verdict)}</span>'
 
 
 def _rate(value: float) -> str:
@@ -161,7 +165,7 @@ def _check_section(report: Report) -> str:
     check, measures = report.check, report.check.measures
     comparisons = check.comparisons
     passed = sum(c.passed for _, c in comparisons)
-    rows = [("verdict", _verdict(check.passed)),
+    rows = [("verdict", _verdict(check.verdict)),
             ("comparisons within their bound", f"{passed}/{len(comparisons)}")]
     distributions = [c for _, c in comparisons if hasattr(c, "budget") and c.mean_kl is not None]
     if distributions:
@@ -169,6 +173,13 @@ def _check_section(report: Report) -> str:
         rows.append(("KL against the budget", _e(f"largest mean KL {worst.mean_kl:.3g} nats "
                                                  f"(budget {worst.budget.max_kl:g}: {worst.budget.what}), "
                                                  f"lowest top-1 agreement {min(c.top1 for c in distributions):.1%}")))
+        why = ("quantised weights change the function, so the budget judges the distributions (KL) and "
+               "top-1 agreement and greedy tokens are reported, not judged")
+        if report.model.get("source") == "preset":
+            why += ("; this model has random weights, whose next-token distributions are near flat: there the "
+                    "likeliest token changes with the smallest error, so low agreement says little (a trained "
+                    "model, e.g. --preset diff-text-tiny, shows what quantisation does to one)")
+        rows.append(("why agreement is not judged", _e(why)))
     elif comparisons:
         worst = max((c for _, c in comparisons), key=lambda c: c.max_abs / max(c.bound, 1e-30))
         rows.append(("closest to its bound", _e(f"{worst.name.strip()}: max |error| {worst.max_abs:.3g} of "
@@ -207,17 +218,19 @@ def _speed_section(report: Report) -> str:
         share = speed.decode_tokens_per_s / speed.decode_bound if speed.decode_bound else float("nan")
         rows += [("decode", _e(f"{speed.new_tokens} tokens at {_rate(speed.decode_tokens_per_s)} tokens/s "
                                f"(rounds {_rate(speed.decode_spread[0])} to {_rate(speed.decode_spread[1])})")),
-                 ("memory-bandwidth bound", _e(f"{_rate(speed.decode_bound)} tokens/s: {speed.weight_bytes / 1e6:.1f} MB "
-                                              f"of weights per token at {speed.read_bytes_per_s / 1e9:.1f} GB/s "
-                                              f"read; decode reaches {share:.0%} of it"))]
+                 ("memory-bandwidth estimate", _e(f"{_rate(speed.decode_bound)} tokens/s: {speed.weight_bytes / 1e6:.1f} MB "
+                                                 f"of weights read per token at the probe's {speed.read_bytes_per_s / 1e9:.1f} "
+                                                 f"GB/s; decode runs at {share:.0%} of it"))]
     else:
-        rows.append(("memory-bandwidth bound", _e(f"a prefill file has no decode; its weights "
+        rows.append(("memory-bandwidth estimate", _e(f"a prefill file has no decode; its weights "
                                                   f"({speed.weight_bytes / 1e6:.1f} MB) read at "
                                                   f"{speed.read_bytes_per_s / 1e9:.1f} GB/s would bound a decode "
                                                   f"step at {_rate(speed.decode_bound)} tokens/s")))
     note = ("<p class=note>Measured on this machine when the page was made: batch 1, greedy, a seeded random "
             "prompt, medians after a warm-up. Read bandwidth: onnxruntime's own GEMV over 512 MiB of float32, "
-            "median of a probe before and one after the rounds.</p>")
+            "median of a probe before and one after the rounds. The estimate is weight bytes per token over that "
+            "bandwidth: an estimate, not a bound: weights that fit in the CPU's caches (a small model) are read "
+            "faster than the probe's 512 MiB, and decode can then beat it.</p>")
     return "\n".join(["<h2>Speed on this machine</h2>", _table(rows), _image(_speed_plot(speed), "tokens per second"),
                       note])
 
@@ -229,7 +242,7 @@ def _commands_section(report: Report) -> str:
 
 def render_html(report: Report) -> str:
     title = f"diffexport report: {report.artifact.name}"
-    head = (f"<p>{_verdict(report.check.passed)} &middot; made {_e(report.created)} by diffexport "
+    head = (f"<p>{_verdict(report.check.verdict)} &middot; made {_e(report.created)} by diffexport "
             f"{_e(report.version)} on {_e(report.machine)}</p>")
     body = [f"<h1>{_e(title)}</h1>", head, _model_section(report), _artifact_section(report),
             _check_section(report), _speed_section(report), _commands_section(report)]

@@ -98,11 +98,14 @@ def _exact(value: float) -> str:
 
 def finish_report(runner: list[str], save_dir: Path, feeds, saved, comparisons, lines, outputs, dtype,
             other_failures: tuple[str, ...] = (), user_bounds: tuple[float, float] | None = None,
-            runner_name: str = EAGER_RUNNER, atol_comparisons=None, observed: list | None = None) -> CheckReport:
+            runner_name: str = EAGER_RUNNER, atol_comparisons=None, observed: list | None = None,
+            inconclusive: tuple[str, ...] = ()) -> CheckReport:
     """Save the polygraphy JSON files and build the report: verdict and the `polygraphy run` command.
     other_failures: checks besides the comparisons that failed (named in the verdict). observed:
     the runtime's outputs for each saved call, so that the printed atol covers every element
-    polygraphy compares (a check may judge only some rows, e.g. not a prompt's padding)."""
+    polygraphy compares (a check may judge only some rows, e.g. not a prompt's padding).
+    inconclusive: checks that could not have failed as run (named in the verdict): without a
+    failure the verdict is then INCONCLUSIVE, never PASS, and the report does not pass."""
     inputs_path, outputs_path = _save_polygraphy(save_dir, feeds, saved, dtype, runner_name)
     if user_bounds is not None:  # the user's own numbers, printed so that they read back exactly
         bounds = ["--atol", _exact(user_bounds[0]), "--rtol", _exact(user_bounds[1])]
@@ -118,9 +121,15 @@ def finish_report(runner: list[str], save_dir: Path, feeds, saved, comparisons, 
         bounds = ["--atol", *atols, "--rtol", "0"]
     command = " ".join([*runner, "--load-inputs", shlex.quote(str(inputs_path)),
                         "--load-outputs", shlex.quote(str(outputs_path)), *bounds])
-    passed = all(c.passed for _, c in comparisons) and not other_failures
+    if not comparisons:  # nothing compared cannot pass
+        inconclusive = (*inconclusive, "no comparison was made")
+    failed = not all(c.passed for _, c in comparisons) or bool(other_failures)
+    passed = not failed and not inconclusive
     also = f"; failed: {', '.join(other_failures)}" if other_failures else ""
-    lines.append(f"result        {'PASS' if passed else 'FAIL'}: {sum(c.passed for _, c in comparisons)}/"
+    also += f"; not judged: {', '.join(inconclusive)}" if inconclusive else ""
+    verdict = "FAIL" if failed else "INCONCLUSIVE" if inconclusive else "PASS"
+    lines.append(f"result        {verdict}: {sum(c.passed for _, c in comparisons)}/"
                  f"{len(comparisons)} comparisons within tolerance{also}")
     lines.append(f"polygraphy    {command}")
-    return CheckReport(passed, lines, command, inputs_path, outputs_path, comparisons=list(comparisons))
+    return CheckReport(passed, lines, command, inputs_path, outputs_path, comparisons=list(comparisons),
+                       inconclusive=tuple(inconclusive))

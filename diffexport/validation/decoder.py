@@ -69,7 +69,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
                           genai=(folder, provider), text=text)
     # the folder's model card (ours only: a README.md the user wrote is never touched) records the verdict
     asked = f"diffexport check {folder.name}" + (f" --ckpt {Path(loaded.path).name}" if loaded.path else "")
-    if model_card.update_results(folder, model_card.results_lines(report.passed, report.lines, asked)):
+    if model_card.update_results(folder, model_card.results_lines(report.verdict, report.lines, asked)):
         report.lines.append(f"card          {folder / model_card.CARD}: results section updated")
     return report
 
@@ -171,14 +171,16 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
                                                    log)
         lines += text_lines
         comparisons += text_comparisons
-    search_failures = []  # the sampling and beam checks, when asked for
+    search_failures, inconclusive = [], []  # the sampling and beam checks, when asked for
     reference = low if ref32 is None else ref32
     if options.sampling is not None and genai is not None:
-        sample_lines, sample_ok = sampling_check(genai, runner.config, reference, options.sampling, options.draws,
-                                                  prompts, budget, log, options.plot)
+        sample_lines, sample_ok, sample_judged = sampling_check(genai, runner.config, reference, options.sampling,
+                                                                options.draws, prompts, budget, log, options.plot)
         lines += sample_lines
         if not sample_ok:
             search_failures.append("sampled tokens genai vs eager")
+        elif not sample_judged:
+            inconclusive.append("sampled tokens genai vs eager (too few bins: see its line)")
     if options.beams is not None:
         beam_lines, beam_failures = beam_check(runner, short, loaded, reference, quant, options.beams, prompts,
                                                 steps, dtype, budget, genai, log)
@@ -187,7 +189,8 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
     failures = tuple(name for name, ok in (("greedy tokens vs eager", tokens_ok),
                                            ("greedy tokens vs transformers", hf_ok)) if not ok) + tuple(search_failures)
     report = finish_report(command, save_dir, feeds, saved, comparisons, lines, ["logits"], dtype, failures,
-                           user_bounds=options.user_bounds, atol_comparisons=greedy_comparisons, observed=observed)
+                           user_bounds=options.user_bounds, atol_comparisons=greedy_comparisons, observed=observed,
+                           inconclusive=tuple(inconclusive))
     report.measures.update(decode_steps=len(greedy_comparisons), greedy=(agree, int(eager_tokens.shape[1])),
                            greedy_judged=budget is None)
     if hf_tokens is not None:

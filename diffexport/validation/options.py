@@ -71,6 +71,13 @@ class CheckReport:
     # numbers a page shows beside the lines: decode_steps (the first comparisons are the greedy
     # steps), greedy (agreeing steps, steps), transformers_greedy (bool), perplexity (runtime -> value)
     measures: dict = dataclasses.field(default_factory=dict)
+    # checks that could not have failed as they were run (too few bins or draws): the report then
+    # neither passes nor fails on them, it says what to change (verdict "INCONCLUSIVE")
+    inconclusive: tuple[str, ...] = ()
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "INCONCLUSIVE" if self.inconclusive else "FAIL"
 
     def text(self) -> str:
         return "\n".join(self.lines)

@@ -4,6 +4,8 @@ onnxruntime-genai's sampling against the eager distribution (chi-square).
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Callable
 
@@ -129,7 +131,7 @@ SAMPLING_MIN_EXPECTED = 5  # draws a chi-square bin needs (Cochran's rule)
 
 def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampling, draws: int,
                     prompts: list[list[int]], budget, log: Callable[[str], None],
-                    plot: str | None = None) -> tuple[list[str], bool]:
+                    plot: str | None = None) -> tuple[list[str], bool, bool]:
     """onnxruntime-genai's sampled first tokens after each prompt against the distribution eager
     generate draws from (generation.next_token_probs: temperature, top-k, top-p, after the
     repetition penalty): no draw may fall outside the eager support, except a token at the cut
@@ -137,7 +139,11 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
     at least SAMPLING_MIN_EXPECTED expected draws, the tail merged) must not reject at
     SAMPLING_P_VALUE. Draws are seeded, so a verdict repeats. Quantised folders are reported.
     The onnxruntime loop draws with eager's own code (generation.choose_next), so only genai is tested.
-    plot: check's --plot; the draws then go to plots.sampling_plot_path(plot)."""
+    A prompt whose draws make fewer than two bins (a near-deterministic distribution, or too few
+    draws) leaves the test nothing to judge: it is inconclusive, never a PASS, and its line says how
+    many draws (or what temperature) would make it a test.
+    plot: check's --plot; the draws then go to plots.sampling_plot_path(plot).
+    -> (lines, no draw failed, every prompt was judged)."""
     from diffexport.backends import genai as genai_backend  # `genai` is the (folder, provider) argument
     from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
     from diffexport.progress import Progress
@@ -146,11 +152,11 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
     try:
         genai_model = genai_backend.open_genai_model(folder, provider, genai_backend.genai_pad_for(config, prompts))
     except DiffExportError as exc:
-        return [f"sampling      onnxruntime-genai's sampling not checked: {exc}"], True
+        return [f"sampling      onnxruntime-genai's sampling not checked: {exc}"], True, False
     log(f"sampling      genai: {draws} draws of the first token after each of {len(prompts)} prompts (temperature "
         f"{sampling.temperature:g}, top-k {sampling.top_k}, top-p {sampling.top_p:g}, repetition penalty "
         f"{sampling.repetition_penalty:g}, seed {sampling.seed}) vs the eager distribution")
-    lines, ok, drawn = [], True, []
+    lines, ok, judged, drawn = [], True, True, []
     device = next(model.parameters()).device
     progress = Progress("sampling", len(prompts) * draws, min_total=20_000)
     for index, prompt in enumerate(prompts):
@@ -174,11 +180,18 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
         statistic, bins, p_value = _chi_square(counts[support], probs[support] * float(counts[support].sum()))
         drawn.append((probs, counts, draws, strays))
         passed = strays == 0 and p_value >= SAMPLING_P_VALUE
+        testable = bins >= 2 or strays > 0  # a stray fails on its own; one bin is no test
         ok = ok and (passed or budget is not None)
+        judged = judged and (testable or budget is not None)
+        if budget is not None:
+            verdict = "(reported: quantised weights)"
+        elif not testable:
+            verdict = f"INCONCLUSIVE: {_too_few_bins(probs[support], draws)}"
+        else:
+            verdict = "PASS" if passed else "FAIL"
         lines.append(f"sampled tokens genai prompt {index + 1}: {draws} draws over {int((probs > 0).sum())} eager "
                      f"candidates, {strays} outside them{f' ({int(counts[at_cut].sum())} at the cut)' if at_cut.any() else ''}; "
-                     f"chi-square {statistic:.1f} over {bins} bins, p {p_value:.2g}  "
-                     f"{('PASS' if passed else 'FAIL') if budget is None else '(reported: quantised weights)'}")
+                     f"chi-square {statistic:.1f} over {bins} bins, p {p_value:.2g}  {verdict}")
     progress.close()
     if plot is not None:
         from diffexport.analysis import plots
@@ -186,26 +199,41 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
         title = (f"{Path(folder).name}: genai's draws vs eager (temperature {sampling.temperature:g}, "
                  f"top-k {sampling.top_k}, top-p {sampling.top_p:g})")
         lines.append(f"plot          {plots.plot_sampled_draws(drawn, plots.sampling_plot_path(plot), title)}")
-    return lines, ok
+    return lines, ok, judged
+
+
+def _too_few_bins(probs: torch.Tensor, draws: int) -> str:
+    """Why a chi-square of `draws` over this distribution has fewer than two bins, and the change
+    that gives it two: the tokens past the likeliest must expect SAMPLING_MIN_EXPECTED draws."""
+    tail = float(probs.sum() - probs.max())
+    if tail <= 0:
+        return ("one token holds all the eager probability: nothing to test; raise --temperature "
+                "or lower --top-k/--top-p cuts")
+    needed = math.ceil(SAMPLING_MIN_EXPECTED / tail)
+    return (f"the likeliest token holds {1 - tail:.4%} of the probability, so {draws} draws give the rest fewer than "
+            f"{SAMPLING_MIN_EXPECTED} expected: no test; use --draws {needed} or more, or a higher --temperature")
 
 
 def _chi_square(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int, float]:
-    """Pearson's chi-square of draws against their expected counts: the likeliest tokens a bin each
-    while a bin expects SAMPLING_MIN_EXPECTED draws, the rest one bin (folded into the last when it
-    expects fewer). -> (statistic, bins, p-value); one bin leaves nothing to test (p 1)."""
+    """Pearson's chi-square of draws against their expected counts, tokens grouped into bins of at
+    least SAMPLING_MIN_EXPECTED expected draws: the likeliest first, each bin closed once it expects
+    enough, a short remainder folded into the last bin (so a near-flat distribution still makes many
+    bins). -> (statistic, bins, p-value); one bin leaves nothing to test (p 1)."""
     order = expected.argsort(descending=True)
-    observed, expected = observed[order], expected[order]
-    single = int((expected >= SAMPLING_MIN_EXPECTED).sum())
-    obs, exp = list(observed[:single]), list(expected[:single])
-    rest_obs, rest_exp = float(observed[single:].sum()), float(expected[single:].sum())
-    if rest_exp >= SAMPLING_MIN_EXPECTED or not exp:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
+    observed, expected = observed[order].tolist(), expected[order].tolist()
+    obs, exp, run_obs, run_exp = [], [], 0.0, 0.0
+    for o, e in zip(observed, expected):
+        run_obs, run_exp = run_obs + o, run_exp + e
+        if run_exp >= SAMPLING_MIN_EXPECTED:
+            obs.append(run_obs)
+            exp.append(run_exp)
+            run_obs = run_exp = 0.0
+    if exp:
+        obs[-1] += run_obs
+        exp[-1] += run_exp
     else:
-        obs[-1] += rest_obs
-        exp[-1] += rest_exp
-    obs, exp = torch.tensor([float(o) for o in obs], dtype=torch.float64), \
-        torch.tensor([float(e) for e in exp], dtype=torch.float64)
+        obs, exp = [run_obs], [run_exp]
+    obs, exp = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
     if len(exp) < 2:
         return 0.0, len(exp), 1.0
     statistic = float(((obs - exp) ** 2 / exp.clamp_min(1e-300)).sum())
