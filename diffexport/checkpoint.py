@@ -41,6 +41,8 @@ class LoadedModel:
     source: str  # "native", "safetensors", "hf-diffllama", "hf-llama", "state-dict:native", "state-dict:unilm", "preset"
     path: str | None = None
     task: dict | None = None  # what the weights were trained on, when the checkpoint says (tools/train_tiny.py)
+    hub_id: str | None = None  # org/name when loaded from a Hugging Face Hub id (path: its cache snapshot)
+    hub_revision: str | None = None  # the snapshot's commit
 
 
 # ---------------------------------------------------------------- saving
@@ -426,7 +428,10 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
 
     from diffexport import hub
 
+    repo = hub.hub_repo(path)
     path = hub.resolve(path)  # a Hugging Face Hub id (org/name[@revision]) becomes its local snapshot
+    if repo is not None:  # snapshots/COMMIT: the id and the commit are what an export records
+        return dataclasses.replace(load_model(path, layout=layout, dtype=dtype), hub_id=repo, hub_revision=path.name)
     if not path.exists():
         raise DiffExportError(f"checkpoint not found: {path}")
     if not path.is_dir() and not path.is_file():  # a FIFO would hang, /dev/zero grow without end

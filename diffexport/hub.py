@@ -30,6 +30,21 @@ def is_hub_id(source: str | os.PathLike) -> bool:
     return HUB_ID.match(source) is not None
 
 
+def hub_repo(source: str | os.PathLike) -> str | None:
+    """`org/name` of a hub id (the revision left off), None for a path."""
+    return HUB_ID.match(source).group("repo") if is_hub_id(source) else None
+
+
+def _offline_reason() -> str:
+    """Why huggingface_hub found no cached snapshot and fetched none: offline by the user's own
+    setting, or the Hub not reachable from here."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "while offline (HF_HUB_OFFLINE is set)"
+    return "and the Hub could not be reached from here (no network?)"
+
+
 def resolve(source: str | os.PathLike, what: str = "checkpoint") -> Path:
     """The local folder for `source`: the path itself, or a hub id's snapshot (fetched when needed)."""
     if not is_hub_id(source):
@@ -55,7 +70,8 @@ def resolve(source: str | os.PathLike, what: str = "checkpoint") -> Path:
         raise DiffExportError(f"{repo} has no revision {revision!r}") from None
     except errors.LocalEntryNotFoundError:
         raise DiffExportError(f"{source} is not a path here, and {named} is not in the local Hugging Face cache "
-                              "while offline (HF_HUB_OFFLINE): download it once online, or give its folder") from None
+                              f"{_offline_reason()}: download it on a connected machine and carry the cache "
+                              "(docs/EXPORT.md), or give its folder") from None
     except (errors.HfHubHTTPError, OSError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DiffExportError(f"cannot fetch {named} from the Hugging Face Hub: {detail}") from None

@@ -564,6 +564,14 @@ def test_hub_ids_resolve_from_the_offline_cache(artifacts, tmp_path, monkeypatch
     exported = run_cli("onnx", "test-org/tiny-diffllama", "--kv-cache", "-o", tmp_path / "kv")
     assert exported.returncode == 0, exported.stdout + exported.stderr
     assert (tmp_path / "kv" / "tokenizer.json").is_file()  # the repository's tokenizer came along
+    # the export records the hub id and the snapshot's commit, and the card names the base model
+    from diffexport.format.metadata import read_export_metadata
+
+    meta = read_export_metadata(tmp_path / "kv" / "model.onnx")
+    assert meta["source_name"] == "test-org/tiny-diffllama" and meta["source_revision"] == commit
+    card = (tmp_path / "kv" / "README.md").read_text()
+    assert "\nbase_model: test-org/tiny-diffllama\n" in card.split("\n---\n", 1)[0] + "\n"
+    assert f"`test-org/tiny-diffllama` (revision `{commit}`)" in card
     info = run_cli("info", f"test-org/tiny-diffllama@{commit}")
     assert info.returncode == 0 and "diff_v1" in info.stdout, info.stdout + info.stderr
     # the refusals, in one child (huggingface_hub reads HF_HUB_OFFLINE when it is imported): each
@@ -572,10 +580,19 @@ def test_hub_ids_resolve_from_the_offline_cache(artifacts, tmp_path, monkeypatch
             "for arg in sys.argv[1:]:\n    err = io.StringIO()\n    with contextlib.redirect_stderr(err):\n"
             "        try:\n            code = main(['info', arg])\n        except SystemExit as stop:\n"
             "            code = stop.code\n    results.append((code, err.getvalue()))\nprint(json.dumps(results))\n")
-    refusals = {"test-org/not-cached": "not in the local Hugging Face cache while offline",
+    script = code
+    refusals = {"test-org/not-cached": "not in the local Hugging Face cache while offline (HF_HUB_OFFLINE is set)",
                 "test-org/no-config": "has no config.json", "test-org/bin-only": "does not fetch pickled .bin weights",
                 "no-such-file.pt": "checkpoint not found: no-such-file.pt"}
     child = subprocess.run([sys.executable, "-c", code, *refusals], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     for (arg, message), (code, stderr) in zip(refusals.items(), json.loads(child.stdout.splitlines()[-1])):
         assert_one_line_error(subprocess.CompletedProcess(arg, code, "", stderr), message)
+    # not offline by the user's setting, but no Hub to reach (a closed local port): said as it is
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="5", HF_HUB_DOWNLOAD_TIMEOUT="5")
+    child = subprocess.run([sys.executable, "-c", script, "test-org/not-cached"], capture_output=True, text=True,
+                           timeout=300, env=env)
+    (code_, stderr), = json.loads(child.stdout.splitlines()[-1])
+    assert_one_line_error(subprocess.CompletedProcess("", code_, "", stderr), "the Hub could not be reached from here")
+    assert "HF_HUB_OFFLINE" not in stderr

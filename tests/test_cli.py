@@ -244,3 +244,24 @@ def test_one_rule_for_outputs_already_there(artifacts, tmp_path):
     link = tmp_path / "link.onnx"
     link.symlink_to(target)
     assert_one_line_error(cli_main("onnx", "--preset", "diff-v1-tiny", "-o", link, "--force"), "is a symbolic link")
+
+
+def test_a_decoder_check_shows_its_decode_steps_on_a_terminal(artifacts, monkeypatch):
+    """check of a folder runs prefill + N decode steps (minutes for a big or quantised folder): on a
+    terminal a progress line moves with them, and the transformers reference is announced."""
+    import io
+
+    from diffexport.checkpoint import load_model
+    from diffexport.validation import CheckOptions, run_decoder_check
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    shown = Tty()
+    monkeypatch.setattr(sys, "stderr", shown)
+    loaded = load_model(artifacts.checkpoint("diff-v1-gqa"))
+    report = run_decoder_check(artifacts.decoder("diff-v1-gqa"), loaded, CheckOptions(provider="cpu"), log=print,
+                               steps=3)
+    assert report.passed
+    assert "decode steps" in shown.getvalue() and "decode steps done in" in shown.getvalue()

@@ -76,26 +76,6 @@ def test_export_page_decoder_example_runs(tmp_path):
     assert ns["report"].passed and ns["same"] and (tmp_path / "model-kv" / "genai_config.json").is_file()
 
 
-def test_readme_quick_start_runs_as_written(artifacts, tmp_path):
-    """The README's quick start, command by command, on a Hugging Face DiffLlama with a trained
-    tokenizer (the session's) in place of path/to/diffllama: each exits 0."""
-    import shlex
-
-    from helpers import cli_main
-
-    text = (DOCS.parent / "README.md").read_text()
-    block = re.search(r"## Quick start[^\n]*\n+```\n(.*?)```", text, re.S).group(1)
-    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("diffexport ")]
-    assert [c.split()[1] for c in commands] == ["onnx", "generate", "check", "quantize", "check", "report"]
-    folder = str(artifacts.hf_diffllama())
-    for command in commands:
-        argv = shlex.split(command.replace("path/to/diffllama", folder))[1:]
-        result = cli_main(*argv, cwd=tmp_path)
-        assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-2000:])
-    assert (tmp_path / "kv" / "tokenizer.json").is_file() and (tmp_path / "kv-int4" / "genai_config.json").is_file()
-    assert (tmp_path / "kv.report.html").read_text().startswith("<!DOCTYPE html>")
-
-
 # Each page with Python blocks, and the test above that runs them.
 PAGES = {"README.md": test_readme_api_example_runs, "docs/API.md": test_api_page_examples_run,
          "docs/PASSES.md": test_hf_torch_onnx_recipe_then_optimize_and_check,
@@ -109,3 +89,13 @@ def test_every_page_with_python_is_run():
              and not path.relative_to(root).parts[0].startswith((".", "build")) and "campaign" not in path.parts}
     assert pages <= set(PAGES), f"pages with Python blocks no test runs: {sorted(pages - set(PAGES))}"
 
+
+
+def test_deployment_build_installs_the_cutlass_headers_before_cmake():
+    """docs/DEPLOYMENT.md's build of the native libraries: without the kernels extra (CUTLASS/CuTe
+    headers) CMake leaves the Hopper path out, so the block installs it before the first cmake."""
+    text = (DOCS / "DEPLOYMENT.md").read_text()
+    block = re.search(r"## 1\. Build the native libraries[^\n]*\n+```\n(.*?)```", text, re.S).group(1)
+    commands = [line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    kernels = next(i for i, c in enumerate(commands) if c.startswith("pip install") and '".[kernels]"' in c)
+    assert kernels < next(i for i, c in enumerate(commands) if c.startswith("cmake"))

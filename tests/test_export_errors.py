@@ -185,3 +185,16 @@ def test_export_removes_only_the_data_file_of_the_export_it_replaces(tmp_path):
     assert data.stat().st_size > 100_000
     assert cli_main("onnx", "--preset", "diff-v1-tiny", "-o", out, "--force").returncode == 0
     assert not data.exists()  # the replaced export's weights: stale, removed
+
+
+def test_onnx_without_a_model_asks_for_the_model_before_the_output(tmp_path, monkeypatch):
+    """`diffexport onnx` with no arguments, where model.onnx (or model-kv/) is already there: the
+    error names the missing model, not the existing output."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.onnx").write_bytes(b"an earlier export")
+    (tmp_path / "model-kv").mkdir()
+    for args in ((), ("--kv-cache",)):
+        result = cli_main("onnx", *args)
+        assert_one_line_error(result, "name the model")
+        assert "exists" not in result.stderr
+    assert (tmp_path / "model.onnx").read_bytes() == b"an earlier export"

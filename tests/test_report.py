@@ -70,8 +70,15 @@ def test_the_page_shows_the_check_and_speed_it_measured(decoder_page):
     assert report.model["family"] == "diff_v1" and len(lambdas) == 2
     assert all(f"{lam:.4f}" in text for _, _, lam in lambdas)
     # the artifact: the files it holds, its dtype and op version
-    files = {name for name, _, _ in report.artifact_facts["files"]}
-    assert {"model.onnx", "genai_config.json", "README.md", "tokenizer.json"} <= files
+    files = {name: what for name, _, what in report.artifact_facts["files"]}
+    assert {"model.onnx", "genai_config.json", "README.md", "tokenizer.json"} <= set(files)
+    # each row says what the file is, not "file" on every row
+    assert files["model.onnx"] == "the graph (ONNX)" and files["README.md"] == "the model card"
+    assert files["genai_config.json"] == "onnxruntime-genai's configuration" and "file" not in files.values()
+    # the speed row reproduces this folder's number: the same measurement, on this folder
+    speed_row = [command for what, command in report.commands if what.startswith("the speed section")]
+    assert len(speed_row) == 1 and f"measure_decoder({str(report.artifact)!r})" in speed_row[0]
+    assert "tools/bench_decode.py" not in " ".join(command for _, command in report.commands)
     assert report.artifact_facts["dtype"] == "float32" and "DiffAttention op version" in text
     # the speed: measured, finite, beside its bound
     assert speed.prompt_tokens_per_s > 0 and speed.decode_tokens_per_s > 0 and speed.weight_bytes > 0
@@ -208,3 +215,28 @@ def test_refusals_come_before_the_model_loads(artifacts, tmp_path):
         write_report(kv, must_not_load, tmp_path / "s.html", steps=-3, log=quiet)
     assert (tmp_path / "taken.html").read_text() == "mine" and not (tmp_path / "elsewhere.html").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx", "link.html", "model.engine", "taken.html"]
+
+
+def test_a_check_that_could_not_fail_is_never_a_green_pass_on_the_page(decoder_page):
+    """An inconclusive check (e.g. --sample with one bin) shows INCONCLUSIVE at the top and in the
+    check section, never PASS."""
+    _, report = decoder_page
+    check = dataclasses.replace(report.check, passed=False, inconclusive=("sampled tokens genai vs eager",))
+    parts = PageParts(render_html(dataclasses.replace(report, check=check)))
+    text = " ".join(parts.text)
+    assert check.verdict == "INCONCLUSIVE" and text.count("INCONCLUSIVE") >= 2
+    assert "verdict PASS" not in text and not text.split("made")[0].strip().endswith("PASS")
+
+
+def test_a_quantised_folder_of_random_weights_says_why_agreement_is_low(artifacts, tmp_path):
+    """int4 weights of a random-weight preset: KL within the budget but low top-1 agreement; the
+    page says that agreement is reported, not judged, and why it says little for random weights."""
+    kv = artifacts.cli_output("onnx", "--preset", "diff-v1-tiny", "--kv-cache", output="kv")
+    quantised = tmp_path / "kv-int4"
+    assert cli_main("quantize", kv, "-o", quantised).returncode == 0
+    path, report = write_report(quantised, lambda meta: load_model(preset="diff-v1-tiny"), tmp_path / "q.html",
+                                CheckOptions(provider="cpu", save_dir=tmp_path / "check"), steps=2, speed=False,
+                                log=quiet)
+    text = " ".join(PageParts(path.read_text(encoding="utf-8")).text)
+    assert "lowest top-1 agreement" in text and "why agreement is not judged" in text
+    assert "this model has random weights" in text

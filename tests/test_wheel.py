@@ -110,7 +110,10 @@ def test_wheel_holds_every_module_of_the_package(built):
     in_tree = {p.relative_to(ROOT).as_posix() for p in (ROOT / "diffexport").rglob("*.py")}
     assert in_tree - in_wheel == set(), "modules of the checkout missing from the wheel"
     zoo = {n for n in names if n.startswith("diffexport/_zoo/")}
-    assert {f"diffexport/_zoo/{p.name}" for p in (ROOT / "models").glob("*.json")} <= zoo
+    # the zoo whole: preset JSON files and the trained presets' folders (weights, tokenizer, template)
+    shipped = {f"diffexport/_zoo/{p.relative_to(ROOT / 'models').as_posix()}" for p in (ROOT / "models").rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    assert shipped - zoo == set(), "zoo files missing from the wheel"
 
 
 def test_sdist_carries_what_builds_the_kernels_and_plugin(built):

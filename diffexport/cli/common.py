@@ -27,19 +27,28 @@ def load_named_model(args, device: str = "cpu", dtype: str | None = None, defaul
     import torch
 
     from diffexport.checkpoint import load_config_file, load_model
-    from diffexport.errors import DiffExportError
     from diffexport.presets import DEFAULT_PRESET
 
+    if not default_model:
+        require_model_source(args)
     config = load_config_file(args.config) if args.config else None
     preset = args.preset
     if args.ckpt is None and preset is None and config is None:
-        if not default_model:
-            raise DiffExportError(f"name the model: a checkpoint{' (--ckpt)' if args.command == 'check' else ''} "
-                                  f"or --preset NAME (e.g. --preset {DEFAULT_PRESET} for a seeded random model)")
         preset = default_preset or DEFAULT_PRESET
 
     return load_model(args.ckpt, preset=preset, config=config, layout=args.layout, seed=args.seed,
                       device=device, dtype=getattr(torch, dtype) if dtype else None)
+
+
+def require_model_source(args) -> None:
+    """The one-line refusal of export and check when no model is named: asked first, before the
+    output or anything else is looked at."""
+    from diffexport.errors import DiffExportError
+    from diffexport.presets import DEFAULT_PRESET
+
+    if args.ckpt is None and args.preset is None and args.config is None:
+        raise DiffExportError(f"name the model: a checkpoint{' (--ckpt)' if args.command == 'check' else ''} "
+                              f"or --preset NAME (e.g. --preset {DEFAULT_PRESET} for a seeded random model)")
 
 
 def log_line(message: str) -> None:

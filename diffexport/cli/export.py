@@ -8,7 +8,7 @@ from pathlib import Path
 
 from diffexport.errors import DiffExportError  # light: no torch
 from diffexport.format import decoders  # light too: the decoder formats' registry
-from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line
+from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line, require_model_source
 
 DEMO_PRESET = "diff-text-tiny"  # the demo's model when none is named: the zoo's trained text model
 DEMO_PROMPT = "def fibonacci(n):"  # it was trained on Python source
@@ -60,6 +60,7 @@ def cmd_onnx(args) -> int:
     from diffexport.export import export_onnx
     from diffexport.export.exporter import check_target
 
+    require_model_source(args)  # the model is asked for before the output is looked at
     options = _export_options(args)
     if args.kv_cache:
         from diffexport.export.decoder import check_target as check_folder

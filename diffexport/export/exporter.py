@@ -262,9 +262,11 @@ def stamp_metadata(model_ir, loaded: LoadedModel, options: ExportOptions, weight
         META_PREFIX + "outputs": ",".join(outputs),
         META_PREFIX + "weights": weights_id,
         # What `check` asks for when no model is named: the kind of source and its file or folder
-        # name (not its path: an export is shared, the machine's layout is not).
+        # name (not its path: an export is shared, the machine's layout is not), or its Hub id
+        # and commit (the model card's base_model).
         META_PREFIX + "source": loaded.source,
-        META_PREFIX + "source_name": Path(loaded.path).name if loaded.path else "",
+        META_PREFIX + "source_name": loaded.hub_id or (Path(loaded.path).name if loaded.path else ""),
+        **({META_PREFIX + "source_revision": loaded.hub_revision} if loaded.hub_revision else {}),
         **extra_meta,
     })
 

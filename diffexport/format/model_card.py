@@ -38,6 +38,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
     model_cfg = json.loads(meta["config"])
     family = meta.get("family", "")
     source, source_name = meta.get("source", ""), meta.get("source_name", "")
+    revision = meta.get("source_revision")  # the Hub snapshot's commit, for an export from a hub id
     context = config["model"]["context_length"]
     providers = [k for p in config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
                  for k in p] or ["cpu"]
@@ -64,7 +65,8 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
         MARKER, "",
         f"# {name or folder.name}: a {family} KV-cache decoder for onnxruntime-genai", "",
         f"Exported by diffexport {__version__} from {source or 'a model'}"
-        f"{f' `{source_name}`' if source_name else ''}: {layers} layers, {heads} {'differential ' if family != 'transformer' else ''}heads, width {width}, "
+        f"{f' `{source_name}`' if source_name else ''}"
+        f"{f' (revision `{revision}`)' if revision else ''}: {layers} layers, {heads} {'differential ' if family != 'transformer' else ''}heads, width {width}, "
         f"vocabulary {config['model']['vocab_size']}.", "",
         "| | |", "|---|---|",
         f"| attention | `{attention}` ({'one DiffAttention node per layer' if attention == 'diffattention' else 'onnxruntime GroupQueryAttention'}) |",

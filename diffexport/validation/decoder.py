@@ -12,11 +12,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from diffexport import tolerances
+from diffexport import layouts, tolerances
 from diffexport.backends.base import DecoderRunner
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.format import model_card, names
+from diffexport.progress import Progress
 from diffexport.validation.compare import finish_report, judge, severity
 from diffexport.validation.options import (
     DECODE_PROMPTS,
@@ -112,7 +113,9 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
     step_ids, step_mask = ids, mask
     feeds, saved, comparisons, lines, observed = [], [], [], [], []
     eager_tokens, runner_tokens, worst = [], [], None
+    progress = Progress("decode steps", steps + 1)  # a big or quantised folder takes minutes here
     for step in range(steps + 1):
+        progress.advance(1)
         feed = {names.INPUT_IDS: step_ids.numpy(), names.ATTENTION_MASK: step_mask.numpy()}
         past_feed = {names.past_of(name): value for name, value in cache.items()}
         logits, cache = runner.step(feed[names.INPUT_IDS], feed[names.ATTENTION_MASK], cache)
@@ -143,6 +146,7 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
             break
         step_ids = chosen.cpu()[:, None]
         step_mask = torch.cat([step_mask, torch.ones_like(step_ids)], dim=1)
+    progress.close()
     eager_tokens, runner_tokens = np.stack(eager_tokens, 1), np.stack(runner_tokens, 1)
     lines += [c.line() for _, c in comparisons if not c.passed][:5]
     lines.append(f"logits        {len(comparisons)} steps (prefill + {steps} decode), batch {len(prompts)} "
@@ -159,6 +163,8 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
         lines.append(f"plot          {plots.plot_decode_steps([c for _, c in comparisons], options.plot, title)}")
     # transformers' generate() continues from the last column: the rows it can pad (not the right-padded)
     left = [i for i in range(len(prompts)) if i not in DECODE_RIGHT_PADDED]
+    if dtype == "float32" and layouts.hf_import_of(loaded.source) is not None:
+        log(f"transformers  greedy generate() of {steps + 1} tokens for {len(left)} prompts, the independent reference")
     hf_tokens = hf_greedy(loaded, ids[left], mask[left], steps + 1) if dtype == "float32" else None
     hf_ok = True
     if hf_tokens is not None:
@@ -213,7 +219,6 @@ def _text_check(runner: DecoderRunner, short: str, text: TextIds, eager, low, re
     one decode step a token. Every position's logits are held to the eager model's over the whole
     window in one call without a cache (the dtype rule, or the budget of quantised weights), and
     the perplexity of both is reported. -> (report lines, comparisons: prefill and decode per window)."""
-    from diffexport.progress import Progress
 
     ids = text.ids[:TEXT_TOKENS]
     size = min(TEXT_WINDOW, runner.context)
