@@ -50,8 +50,11 @@ def preset_weights(name: str) -> Path | None:
     folder = get_preset(name).get("weights")
     if folder is None:
         return None
-    path = Path(str(_zoo_root())) / folder
-    if not isinstance(folder, str) or "/" in folder or folder.startswith(".") or not path.is_dir():
+    if not isinstance(folder, str) or "/" in folder or folder.startswith("."):
+        raise DiffExportError(f"preset {name!r}: its weights folder {folder!r} is not a folder name of the zoo")
+    # the zoo is a namespace package when installed: its Traversable joins to a real folder
+    path = _zoo_root().joinpath(folder)
+    if not isinstance(path, Path) or not path.is_dir():
         raise DiffExportError(f"preset {name!r}: its weights folder {folder!r} is not in the installed zoo "
                               f"(reinstall diffexport)")
     return path

@@ -131,3 +131,12 @@ def test_train_tiny_bpe_writes_hf_folders_scored_in_bits_per_byte(tmp_path):
             train_tiny.main([*args, "--out-dir", str(tmp_path / "never")])
         assert exit_.value.code == 2
     assert not (tmp_path / "never").exists()
+
+
+def test_the_trained_preset_is_not_called_random_by_the_analysis_tools():
+    both = cli_main("stats", "--preset", TEXT_PRESET, "--preset", "diff-v1-tiny", "--tokens", "256", "--seq-len", "64")
+    assert both.returncode == 0, both.stderr
+    notes = [line for line in both.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "preset diff-v1-tiny with random weights" in notes[0] and TEXT_PRESET not in notes[0]
+    alone = cli_main("stats", "--preset", TEXT_PRESET, "--tokens", "256", "--seq-len", "64")
+    assert alone.returncode == 0 and "random weights" not in alone.stderr

@@ -1,6 +1,6 @@
 """`diffexport report`: one self-contained HTML page about an exported artifact (a KV-cache folder or
 a prefill .onnx file) that a team can read without a terminal: the model, the artifact, its check
-against the eager reference, its speed on this machine beside the memory-bandwidth bound, and the
+against the eager reference, its speed on this machine beside a memory-bandwidth estimate, and the
 commands that reproduce each number. build.py gathers, page.py renders."""
 
 from __future__ import annotations
