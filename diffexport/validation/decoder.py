@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from diffexport import layouts, tolerances
+from diffexport import tolerances
 from diffexport.backends.base import DecoderRunner
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
@@ -163,9 +163,7 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
         lines.append(f"plot          {plots.plot_decode_steps([c for _, c in comparisons], options.plot, title)}")
     # transformers' generate() continues from the last column: the rows it can pad (not the right-padded)
     left = [i for i in range(len(prompts)) if i not in DECODE_RIGHT_PADDED]
-    if dtype == "float32" and layouts.hf_import_of(loaded.source) is not None:
-        log(f"transformers  greedy generate() of {steps + 1} tokens for {len(left)} prompts, the independent reference")
-    hf_tokens = hf_greedy(loaded, ids[left], mask[left], steps + 1) if dtype == "float32" else None
+    hf_tokens = hf_greedy(loaded, ids[left], mask[left], steps + 1, log) if dtype == "float32" else None
     hf_ok = True
     if hf_tokens is not None:
         hf_ok = bool(np.array_equal(hf_tokens, eager_tokens[left]))

@@ -4,6 +4,8 @@ Hugging Face checkpoints, transformers' own model and its generate().
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -118,11 +120,15 @@ def _plain_generation_config(hf, eos_token_id):
                                                          eos_token_id=eos_token_id, pad_token_id=0)
 
 
-def hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> np.ndarray | None:
-    """transformers' own greedy tokens for an HF folder (None when transformers is absent)."""
+def hf_greedy(loaded: LoadedModel, ids: torch.Tensor, mask: torch.Tensor, steps: int,
+              log: Callable[[str], None] | None = None) -> np.ndarray | None:
+    """transformers' own greedy tokens for an HF folder (None when transformers is absent); log
+    announces the generation once transformers' model is loaded."""
     hf = hf_generator(loaded)
     if hf is None:
         return None
+    if log is not None:
+        log(f"transformers  greedy generate() of {steps} tokens for {ids.shape[0]} prompts, the independent reference")
     _plain_generation_config(hf, hf.generation_config.eos_token_id)
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
