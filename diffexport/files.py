@@ -174,6 +174,21 @@ def make_output_folder(folder: Path) -> None:
         raise DiffExportError(f"cannot create output folder {folder}: {exc.strerror}") from None
 
 
+def is_hub_cache_link(path: Path) -> bool:
+    """Whether `path` is a link that huggingface_hub's cache writes: a file of
+    models--ORG--NAME/snapshots/REV/ that resolves (through every link) to a regular file inside that
+    same repository's blobs/ folder. Any other link is the user's (or an attacker's) and is refused
+    where a folder's files are read."""
+    path = Path(path)
+    snapshot = path.parent
+    repo = snapshot.parent.parent
+    if not (path.is_symlink() and snapshot.parent.name == "snapshots" and repo.name.startswith("models--")):
+        return False
+    blobs = os.path.realpath(repo / "blobs")
+    target = os.path.realpath(path)
+    return os.path.commonpath([blobs, target]) == blobs and target != blobs and os.path.isfile(target)
+
+
 def require_file(path: Path, hint: str) -> None:
     """A one-line refusal unless `path` is a regular file (after links): a missing path and a
     folder, device or FIFO are told apart, and `hint` says what to give instead."""

@@ -533,20 +533,22 @@ def test_checkpoint_whose_structure_pickle_inflates_to_gigabytes_is_refused_unre
 
 
 def _hub_cache_entry(cache, repo: str, files: dict) -> str:
-    """A repository in huggingface_hub's own cache layout (refs/main -> snapshots/COMMIT/...), as a
-    download would have left it; returns the commit."""
+    """A repository in huggingface_hub's own cache layout, as a download leaves it: refs/main holds
+    the commit, each file of snapshots/COMMIT/ is a relative link to blobs/HASH. Returns the commit."""
+    import hashlib
+
     commit = "0123456789abcdef0123456789abcdef01234567"
     root = cache / ("models--" + repo.replace("/", "--"))
     (root / "refs").mkdir(parents=True)
     (root / "refs" / "main").write_text(commit)
+    (root / "blobs").mkdir()
     snapshot = root / "snapshots" / commit
     snapshot.mkdir(parents=True)
     for name, source in files.items():
-        target = snapshot / name
-        if isinstance(source, Path):
-            shutil.copyfile(source, target)
-        else:
-            target.write_text(source)
+        data = source.read_bytes() if isinstance(source, Path) else source.encode()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
     return commit
 
 
@@ -563,7 +565,20 @@ def test_hub_ids_resolve_from_the_offline_cache(artifacts, tmp_path, monkeypatch
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     exported = run_cli("onnx", "test-org/tiny-diffllama", "--kv-cache", "-o", tmp_path / "kv")
     assert exported.returncode == 0, exported.stdout + exported.stderr
-    assert (tmp_path / "kv" / "tokenizer.json").is_file()  # the repository's tokenizer came along
+    tokenizer = tmp_path / "kv" / "tokenizer.json"  # the repository's tokenizer came along, as a file
+    assert tokenizer.is_file() and not tokenizer.is_symlink()
+    assert tokenizer.read_bytes() == (hf / "tokenizer.json").read_bytes()
+    # a snapshot link that leaves its repository's blobs/ (here: to a file beside the cache) is refused
+    _hub_cache_entry(cache, "test-org/escaping", {p.name: p for p in hf.iterdir() if p.is_file()
+                                                  and not p.name.endswith(".bin")})
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes((hf / "tokenizer.json").read_bytes())
+    escaping = next((cache / "models--test-org--escaping" / "snapshots").iterdir()) / "tokenizer.json"
+    escaping.unlink()
+    escaping.symlink_to(outside)
+    refused = run_cli("onnx", "test-org/escaping", "--kv-cache", "-o", tmp_path / "kv-escaping")
+    assert refused.returncode == 2 and "tokenizer.json is a symbolic link" in refused.stderr, refused.stderr
+    assert not (tmp_path / "kv-escaping").exists()
     # the export records the hub id and the snapshot's commit, and the card names the base model
     from diffexport.format.metadata import read_export_metadata
 

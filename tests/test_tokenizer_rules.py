@@ -152,3 +152,35 @@ def test_a_tokenizer_that_panics_on_text_is_one_line(tmp_path, capfd):
                       "--tokens", "256", "--seq-len", "64")
     assert_one_line_error(result, "failed inside the tokenizers library (index out of bounds")
     assert "panicked" not in capfd.readouterr().err
+
+
+def test_hub_cache_links_are_read_and_guarded_and_no_other_link_is(artifacts, tmp_path):
+    """huggingface_hub's cache holds a snapshot's files as links into the repository's blobs/: such a
+    link is read (and its tokenizer.json guarded like a file); a link out of blobs/, into another
+    repository's blobs/, or outside any snapshot is not."""
+    from diffexport.files import is_hub_cache_link
+
+    hf = artifacts.hf_diffllama()
+    hostile = tmp_path / "hostile.json"
+    shutil.copyfile(hf / "tokenizer.json", hostile)
+    _with_split(hostile, r"(a+)+$")
+    repo = tmp_path / "hub" / "models--org--name"
+    other = tmp_path / "hub" / "models--org--other"
+    for root in (repo, other):
+        (root / "blobs").mkdir(parents=True)
+        (root / "snapshots" / "abc").mkdir(parents=True)
+    shutil.copyfile(hostile, repo / "blobs" / "h1")
+    shutil.copyfile(hostile, other / "blobs" / "h2")
+    snapshot = repo / "snapshots" / "abc"
+    (snapshot / "tokenizer.json").symlink_to("../../blobs/h1")
+    (snapshot / "into-other").symlink_to("../../../models--org--other/blobs/h2")
+    (snapshot / "outside").symlink_to(hostile)
+    (snapshot / "blobs-folder").symlink_to("../../blobs")
+    (tmp_path / "plain-link.json").symlink_to(hostile)
+    assert is_hub_cache_link(snapshot / "tokenizer.json")
+    for path in (snapshot / "into-other", snapshot / "outside", snapshot / "blobs-folder",
+                 tmp_path / "plain-link.json", repo / "blobs" / "h1"):
+        assert not is_hub_cache_link(path), path
+    # the guard runs on the link it accepts: the pattern is refused before any library sees it
+    with pytest.raises(DiffExportError, match="could run without end"):
+        check_tokenizer_json(snapshot / "tokenizer.json")

@@ -33,7 +33,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
-from diffexport.files import check_output_path, staging_folder
+from diffexport.files import check_output_path, is_hub_cache_link, staging_folder
 from diffexport.format import decoders, model_card
 from diffexport.format.decoder_folder import (GENAI_PROVIDERS, cache_heads, cache_width, check_tokenizer,
                                               default_provider, genai_config, has_tokenizer, hf_search, hf_values)
@@ -236,7 +236,8 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
         config = genai_config(cfg, options.dtype, context_length, special, threads, attention, provider, search)
         (tmp_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         for path in tok_files:
-            shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=False)
+            # the files tokenizer_files vetted: regular ones, or a Hub cache's links into its blobs/ (copied as files)
+            shutil.copyfile(path, tmp_dir / path.name, follow_symlinks=is_hub_cache_link(path))
         (tmp_dir / model_card.CARD).write_text(model_card.decoder_card(tmp_dir, MODEL_FILE, out_dir.name))
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     return DecoderExportSummary(folder=out_dir, layers=cfg.n_layers, diff_attention_nodes=count,

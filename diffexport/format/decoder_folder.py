@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from diffexport.errors import DiffExportError
+from diffexport.files import is_hub_cache_link
 from diffexport.format import decoders
 from diffexport.format.genai_config import MAX_CONTEXT, check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
@@ -227,14 +228,15 @@ def eos_token_ids(config: dict) -> tuple[int, ...]:
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
-    """The tokenizer files of a folder (regular files only; links are not followed); a tokenizer.json
-    whose regular expressions could run without end is refused (format/tokenizer_rules.py)."""
+    """The tokenizer files of a folder (regular files, or the links of a Hugging Face cache snapshot
+    into its own blobs/; no other link is followed); a tokenizer.json whose regular expressions could
+    run without end is refused (format/tokenizer_rules.py)."""
     from diffexport.format.tokenizer_rules import check_tokenizer_json
 
     files = []
     for name in TOKENIZER_FILES:
         path = folder / name
-        if path.is_symlink():
+        if path.is_symlink() and not is_hub_cache_link(path):
             raise DiffExportError(f"{path} is a symbolic link: copy the real file into the folder")
         if path.is_file():
             if path.stat().st_size > MAX_TOKENIZER_BYTES:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
+from diffexport.files import is_hub_cache_link
 
 MAX_PATTERN_CHARS = 4096  # the patterns in use are under 300 characters
 MAX_COUNT = 1000  # {n,m}: the patterns in use count to 3
@@ -180,8 +181,8 @@ def check_tokenizer_json(path: str | Path, vocab_size: int | None = None) -> Non
     or past the model's vocabulary (read from the file, no tokenizer library needed). A missing file
     passes (nothing to run)."""
     path = Path(path)
-    if not path.is_file() or path.is_symlink():
-        return  # links are refused by the tokenizer folder's own rules (export/decoder.py tokenizer_files)
+    if not path.is_file() or (path.is_symlink() and not is_hub_cache_link(path)):
+        return  # other links are refused by the tokenizer folder's own rules (decoder_folder.tokenizer_files)
     if path.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
         raise DiffExportError(f"{path} is larger than {MAX_TOKENIZER_JSON_BYTES >> 20} MiB: not a tokenizer file")
     try:
