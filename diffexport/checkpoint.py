@@ -418,8 +418,9 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
     if preset is not None and config is not None:
         raise DiffExportError("give either a preset or a config, not both")
     given_cfg = config if config is not None else (preset_config(preset) if preset else None)
-    if path is None and preset is not None and config is None and preset_weights(preset) is not None:
-        return load_model(preset_weights(preset), dtype=dtype)  # a trained preset: its zoo folder
+    trained = preset_weights(preset) if path is None and preset is not None and config is None else None
+    if trained is not None:
+        return load_model(trained, dtype=dtype)  # a trained preset: its zoo folder
     if path is None:
         if given_cfg is None:
             raise DiffExportError("nothing to load: give a checkpoint path or --preset NAME")

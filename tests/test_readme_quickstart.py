@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def test_quickstart_walks_the_whole_way(tmp_path):
     for line in lines:
         args = shlex.split(line, comments=True)
         assert args[0] == "diffexport"
-        out = subprocess.run([__import__("sys").executable, "-m", "diffexport", *args[1:]], cwd=tmp_path, env=env,
+        out = subprocess.run([sys.executable, "-m", "diffexport", *args[1:]], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, f"{line}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
         outputs[args[1], len(outputs)] = out

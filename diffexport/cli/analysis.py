@@ -66,10 +66,9 @@ def _random_weights_note(args) -> None:
     """Printed on stderr just before the results of stats/quant-sweep/retrieval run on presets alone."""
     from diffexport.presets import DEFAULT_PRESET, preset_weights
 
-    if not args.ckpts:
-        presets = [name for name in args.preset or [DEFAULT_PRESET] if preset_weights(name) is None]  # random ones
-    if not args.ckpts and presets:
-        log_line(f"note: no checkpoint given: these results are for preset {', '.join(presets)} with random weights "
+    untrained = [] if args.ckpts else [name for name in args.preset or [DEFAULT_PRESET] if preset_weights(name) is None]
+    if untrained:
+        log_line(f"note: no checkpoint given: these results are for preset {', '.join(untrained)} with random weights "
              f"(seed {args.seed}); pass a trained CKPT for meaningful numbers")
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffexport.errors import DiffExportError  # light, as the zoo's index: --help stays fast
+from diffexport.presets import DEFAULT_PRESET
+
 
 
 def add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -27,7 +30,6 @@ def load_named_model(args, device: str = "cpu", dtype: str | None = None, defaul
     import torch
 
     from diffexport.checkpoint import load_config_file, load_model
-    from diffexport.presets import DEFAULT_PRESET
 
     if not default_model:
         require_model_source(args)
@@ -43,9 +45,6 @@ def load_named_model(args, device: str = "cpu", dtype: str | None = None, defaul
 def require_model_source(args) -> None:
     """The one-line refusal of export and check when no model is named: asked first, before the
     output or anything else is looked at."""
-    from diffexport.errors import DiffExportError
-    from diffexport.presets import DEFAULT_PRESET
-
     if args.ckpt is None and args.preset is None and args.config is None:
         raise DiffExportError(f"name the model: a checkpoint{' (--ckpt)' if args.command == 'check' else ''} "
                               f"or --preset NAME (e.g. --preset {DEFAULT_PRESET} for a seeded random model)")
