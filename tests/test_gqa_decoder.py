@@ -72,7 +72,14 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("SkipSimplifiedLayerNormalization") == 4 and ops.count("RMSNormalization") == 3  # 2 heads + final
     assert not {"Pow", "ReduceMean", "Reciprocal"} & set(ops)
-    assert ops.count("MatMul") == 9  # per layer: q|k|v, out, gate|up, down; and the head
+    # per layer: q|k|v, out, gate|up, down and the maps' [1, -lambda] combination; and the head
+    assert ops.count("MatMul") == 11
+    # the map layout's column moves live in the q|k|v weight: GQA reads the packed projection, no
+    # Split, Transpose or 0/1 Mul before it; SiLU is QuickGelu
+    assert all(list(n.input[1:3]) == ["", ""] for n in gqa) and "Transpose" not in ops
+    packed = {n.output[0]: n for n in model.graph.node if n.op_type == "MatMul"}
+    assert all(packed[n.input[0]].input[1] in {t.name for t in model.graph.initializer} for n in gqa)
+    assert ops.count("QuickGelu") == 2 and "Sigmoid" not in ops
     inits = {t.name: t for t in model.graph.initializer}
     assert [list(inits[gqa[0].input[i]].dims) for i in (7, 8)] == [[2048, 16], [2048, 16]]
     runtimes = inspect_onnx(folder / "model.onnx")["runtimes"]  # what `diffexport inspect` prints

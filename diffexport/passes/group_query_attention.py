@@ -336,11 +336,19 @@ def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, l
         scale=attrs.effective_scale, do_rotary=int(rope is not None), rotary_interleaved=0)
     nodes.append(n)
     n, per_map = g.node("Reshape", [maps, _ints(g, [0, 0, H, 2, size])]); nodes.append(n)
-    n, (o1, o2) = g.node("Split", [per_map], 2, axis=3, num_outputs=2); nodes.append(n)
-    n, lam4 = g.node("Reshape", [lam, _ints(g, [1, 1, 1, 1, 1] if attrs.variant == VARIANT_V1 else [0, 0, H, 1, 1])])
-    nodes.append(n)
-    n, weighted = g.node("Mul", [lam4, o2]); nodes.append(n)
-    n, diff_all = g.node("Sub", [o1, weighted]); nodes.append(n)
+    if attrs.variant == VARIANT_V1:
+        # one lambda per layer: O1 - lambda*O2 as [1, -lambda] @ [O1; O2], one kernel; the
+        # coefficients depend on weights only, so onnxruntime folds them when the session opens
+        n, negated = g.node("Neg", [lam]); nodes.append(n)
+        n, neg_1 = g.node("Reshape", [negated, _ints(g, [1])]); nodes.append(n)
+        n, pair = g.node("Concat", [g.const(np.ones(1, np_type), "one"), neg_1], axis=0); nodes.append(n)
+        n, coefficients = g.node("Reshape", [pair, _ints(g, [1, 2])]); nodes.append(n)
+        n, diff_all = g.node("MatMul", [coefficients, per_map]); nodes.append(n)  # [B, S, H, 1, size]
+    else:  # lambda per token and head
+        n, (o1, o2) = g.node("Split", [per_map], 2, axis=3, num_outputs=2); nodes.append(n)
+        n, lam4 = g.node("Reshape", [lam, _ints(g, [0, 0, H, 1, 1])]); nodes.append(n)
+        n, weighted = g.node("Mul", [lam4, o2]); nodes.append(n)
+        n, diff_all = g.node("Sub", [o1, weighted]); nodes.append(n)
     n, diff = g.node("Mul", [diff_all, row_scale]); nodes.append(n)
     folded = numpy_helper.to_array(g.initializers[weight]).astype(np.float32) * np.float32(attrs.output_scale) \
         if weight in g.initializers else None

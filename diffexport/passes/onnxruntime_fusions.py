@@ -34,10 +34,13 @@ class FusionCounts:
     skip_norms: int  # residual Add + RMSNorm -> SkipSimplifiedLayerNormalization
     norms: int  # RMSNorm alone -> SimplifiedLayerNormalization or RMSNormalization
     packed: int  # groups of MatMuls packed into one
+    projections: int = 0  # GroupQueryAttentions fed by one packed projection, column nodes folded in
+    quick_gelus: int = 0  # x * Sigmoid(x) -> QuickGelu
 
     def describe(self) -> str:
         return (f"{self.skip_norms} residual+RMSNorm -> SkipSimplifiedLayerNormalization, {self.norms} more "
-                f"RMSNorm fused, {self.packed} MatMul groups packed")
+                f"RMSNorm fused, {self.packed} MatMul groups packed, {self.projections} attention inputs "
+                f"folded into their packed projection, {self.quick_gelus} SiLU -> QuickGelu")
 
 
 def fuse_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionCounts]:
@@ -60,8 +63,11 @@ def fuse_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Fusio
             node.op_type = "RMSNormalization"  # same attributes (axis, epsilon, stash_type); one output
             del node.output[1:]
     packed = pack_shared_input_matmuls(fused)
+    projections = fold_gqa_projections(fused)
+    quick_gelus = fuse_quick_gelu(fused)
     del fused.graph.value_info[:]  # onnxruntime infers again
-    return fused, FusionCounts(skip_norms=skip_norms, norms=norms - skip_norms, packed=packed)
+    return fused, FusionCounts(skip_norms=skip_norms, norms=norms - skip_norms, packed=packed,
+                               projections=projections, quick_gelus=quick_gelus)
 
 
 _PLACEHOLDER = "diffexport-weight-placeholder"  # never a file: the data is moved back before any read
@@ -180,3 +186,170 @@ def pack_shared_input_matmuls(model: onnx.ModelProto) -> int:
         del graph.node[:]
         graph.node.extend(order)
     return packed
+
+
+# Ops that move or zero whole columns of one token's features: a chain of them from a projection's
+# output to an input of GroupQueryAttention is a fixed column map, which the weight can hold.
+_COLUMN_OPS = {"Reshape", "Transpose", "Mul"}
+
+
+def _single_reader_chain(graph_nodes, start: str, producers: dict, readers: dict) -> tuple[list, str] | None:
+    """From a GQA input back through Reshape/Transpose/constant-Mul nodes, each output read once:
+    (the chain's nodes, first to last, and the tensor it starts from), or None."""
+    chain, name = [], start
+    while name in producers and producers[name].op_type in _COLUMN_OPS and readers.get(name, 0) == 1:
+        node = producers[name]
+        chain.append(node)
+        name = node.input[0]
+    return chain[::-1], name
+
+
+def _token_shape(shape_name: str, width: int, inits: dict, producers: dict, zero_copies: bool = True) -> list[int] | None:
+    """The per-token shape a Reshape gives `width` columns: [1, 1, ...] from a constant shape that
+    keeps batch and sequence (0, 0, ... without allowzero), or from Concat(batch, sequence, constants...) whose
+    trailing constants hold exactly `width` columns (the exporter's head views); else None."""
+    if shape_name in inits:
+        shape = [int(d) for d in numpy_helper.to_array(inits[shape_name])]
+        if shape[:2] != [0, 0] or not zero_copies:  # allowzero: a 0 is a 0, not the input's dimension
+            return None
+        tail = shape[2:]
+    else:
+        concat = producers.get(shape_name)
+        if concat is None or concat.op_type != "Concat":
+            return None
+        tail = []
+        for name in reversed(concat.input):
+            if name not in inits or int(np.prod(tail or [1])) == width:
+                break
+            tail = [int(d) for d in numpy_helper.to_array(inits[name]).reshape(-1)] + tail
+    if tail.count(-1) == 1:
+        known = int(np.prod([d for d in tail if d != -1]))
+        tail = [width // known if d == -1 else d for d in tail] if known and width % known == 0 else []
+    if not tail or min(tail) <= 0 or int(np.prod(tail)) != width:
+        return None
+    return [1, 1, *tail]
+
+
+def _column_map(chain: list, width: int, inits: dict, producers: dict) -> np.ndarray | None:
+    """Where each output column of `chain` comes from, for one token: index into the `width` input
+    columns, or -1 for a column the chain zeroes. None when the chain is not such a map (it mixes
+    tokens, scales by anything but 0 or 1, or is not an exact permutation with zeros)."""
+    probe = np.arange(1, width + 1, dtype=np.float64).reshape(1, 1, width)  # batch 1, one token
+    for node in chain:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Reshape":
+            shape = _token_shape(node.input[1], probe.size, inits, producers, zero_copies=not attrs.get("allowzero", 0))
+            if shape is None:  # batch and sequence not kept as they are: not per token
+                return None
+            probe = probe.reshape(shape)
+        elif node.op_type == "Transpose":
+            perm = list(attrs.get("perm", []))
+            if perm[:2] != [0, 1]:
+                return None
+            probe = probe.transpose(perm)
+        else:  # Mul by a constant of zeros and ones
+            const = next((i for i in node.input if i in inits), None)
+            other = next((i for i in node.input if i not in inits), None)
+            if const is None or other is None or node.input[0] != other:
+                return None
+            factor = numpy_helper.to_array(inits[const]).astype(np.float64)
+            if not np.isin(factor, (0.0, 1.0)).all():
+                return None
+            probe = probe * factor
+            if probe.shape[:2] != (1, 1):
+                return None
+    flat = probe.reshape(-1)
+    return flat.astype(np.int64) - 1
+
+
+def fold_gqa_projections(model: onnx.ModelProto) -> int:
+    """In place: where GroupQueryAttention's query, key and value are the three parts of one packed
+    projection (MatMul + Split), each reaching it through Reshape/Transpose/0-1 Mul nodes that only
+    move or zero a token's columns (the DIFF map layout: queries spread over map slots, keys in
+    rotary halves), the columns are moved in the weight instead: one MatMul gives GQA's packed
+    query (its key and value inputs empty), and the Split and the column nodes go. Exact: each
+    output column is a copy of a weight column or zero. Returns the attentions folded."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for output in graph.output:
+        readers[output.name] = readers.get(output.name, 0) + 1
+    dropped: set[int] = set()
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    folded = 0
+    for gqa in [n for n in graph.node if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]:
+        if len(gqa.input) < 3 or not all(gqa.input[:3]):
+            continue
+        chains = [_single_reader_chain(graph.node, name, producers, readers) for name in gqa.input[:3]]
+        split = producers.get(chains[0][1])
+        if (split is None or split.op_type != "Split" or list(split.output) != [c[1] for c in chains]
+                or any(readers.get(o, 0) != 1 for o in split.output) or len(split.input) < 2
+                or split.input[1] not in inits):
+            continue
+        matmul = producers.get(split.input[0])
+        axis = next((helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0)
+        if (matmul is None or matmul.op_type != "MatMul" or matmul.input[1] not in inits or axis != -1
+                or readers.get(split.input[0], 0) != 1 or readers.get(matmul.input[1], 0) != 1):
+            continue
+        weight = numpy_helper.to_array(inits[matmul.input[1]])
+        sizes = [int(s) for s in numpy_helper.to_array(inits[split.input[1]])]
+        if weight.ndim != 2 or sum(sizes) != weight.shape[1]:
+            continue
+        parts = np.split(weight, np.cumsum(sizes)[:-1], axis=1)
+        maps = [_column_map(chain, size, inits, producers) for (chain, _), size in zip(chains, sizes)]
+        if any(m is None for m in maps):
+            continue
+        columns = []
+        for part, mapping in zip(parts, maps):
+            zero = np.zeros((part.shape[0], 1), part.dtype)
+            columns.append(np.concatenate([part, zero], axis=1)[:, np.where(mapping < 0, part.shape[1], mapping)])
+        name = f"{matmul.name or matmul.output[0]}/gqa_packed"
+        graph.initializer.append(numpy_helper.from_array(np.concatenate(columns, axis=1), f"{name}/weight"))
+        new_matmul = helper.make_node("MatMul", [matmul.input[0], f"{name}/weight"], [f"{name}/out"], name=name)
+        replaced[id(matmul)] = [new_matmul]
+        dropped.update(id(n) for n in [split] + [n for chain, _ in chains for n in chain])
+        gqa.input[0], gqa.input[1], gqa.input[2] = f"{name}/out", "", ""
+        folded += 1
+    if folded:
+        order = [new for n in graph.node if id(n) not in dropped for new in replaced.get(id(n), [n])]
+        del graph.node[:]
+        graph.node.extend(order)
+        used = {i for n in graph.node for i in n.input}
+        keep = [t for t in graph.initializer if t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(keep)
+    return folded
+
+
+def fuse_quick_gelu(model: onnx.ModelProto) -> int:
+    """In place: x * Sigmoid(x) (SiLU, the SwiGLU gate) as onnxruntime's QuickGelu with alpha 1, one
+    kernel instead of two, as onnxruntime-genai's builder writes it. Returns the SiLUs fused."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    fused = 0
+    for mul in graph.node:
+        if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or len(mul.input) != 2:
+            continue
+        for gate, x in ((mul.input[0], mul.input[1]), (mul.input[1], mul.input[0])):
+            sigmoid = producers.get(gate)
+            if (sigmoid is not None and sigmoid.op_type == "Sigmoid" and sigmoid.input[0] == x
+                    and readers.get(gate, 0) == 1 and id(sigmoid) not in replaced):
+                replaced[id(sigmoid)] = []
+                replaced[id(mul)] = [helper.make_node("QuickGelu", [x], [mul.output[0]], name=f"{mul.name}/quick_gelu",
+                                                      domain="com.microsoft", alpha=1.0)]
+                fused += 1
+                break
+    if fused:
+        order = [new for n in graph.node for new in replaced.get(id(n), [n])]
+        del graph.node[:]
+        graph.node.extend(order)
+    return fused
