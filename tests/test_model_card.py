@@ -33,7 +33,10 @@ def test_export_writes_a_hub_card(folder):
     assert {"diffexport", "differential-transformer", "onnx", "diff_v1"} <= set(header["tags"])
     assert model_card.MARKER in text and model_card.is_ours(folder / model_card.CARD)
     for fact in ("from hf-diffllama `diffllama`", "| dtype | float32 |", "| context length | 512 tokens |",
-                 "| tokenizer | included |", "`diffattention`"):
+                 "| tokenizer | included |",
+                 # the CPU default's form, and what to export for TensorRT instead
+                 "`gqa` (GroupQueryAttention (onnxruntime contrib op); onnxruntime only: for TensorRT, export with "
+                 "`--attention diffattention`)"):
         assert fact in text, fact
     # the export's card says it is not checked yet; the folder is the session's, and a `check` of it
     # in another test fills that section in by design, so the fresh card is asked of what export calls

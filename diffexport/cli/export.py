@@ -67,11 +67,11 @@ def cmd_onnx(args) -> int:
         from diffexport.passes.decoder_formats import export_decoder
 
         output = "model-kv" if args.output is None else args.output
-        attention = args.attention or decoders.DEFAULT
-        check_folder(Path(output), options, args.context_length, args.threads, attention, args.provider)  # before loading
+        check_folder(Path(output), options, args.context_length, args.threads,
+                     args.attention or decoders.default_format(args.provider, options.dtype), args.provider)  # before loading
         loaded = load_named_model(args, dtype=options.dtype, default_model=False)
         summary = export_decoder(loaded, output, options, tokenizer=args.tokenizer, context_length=args.context_length,
-                                 threads=args.threads, attention=attention, provider=args.provider, log=log_line)
+                                 threads=args.threads, attention=args.attention, provider=args.provider, log=log_line)
         print(summary.report())
         return 0
     if args.tokenizer or args.context_length or args.threads or args.attention or args.provider:
@@ -305,9 +305,10 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                             "written; diffexport's generate and check then use the machine's physical cores, "
                             "where onnxruntime-genai alone would use one thread)")
         p.add_argument("--attention", choices=list(decoders.FORMATS),
-                       help="with --kv-cache: diffattention (default: one DiffAttention node per layer, runs in "
-                            "onnxruntime and TensorRT) or gqa (onnxruntime's GroupQueryAttention with a shared "
-                            "cache buffer: faster decode in onnxruntime, no TensorRT)")
+                       help="with --kv-cache: gqa (onnxruntime's GroupQueryAttention on a shared cache buffer: the "
+                            "faster decode in onnxruntime; the default for the CPU provider) or diffattention (one "
+                            "DiffAttention node per layer, runs in onnxruntime and TensorRT; the default for "
+                            "--provider cuda and --bf16, and what `diffexport trt` builds from)")
         p.add_argument("--provider", choices=["cpu", "cuda"],
                        help="with --kv-cache: the execution provider genai_config.json names for onnxruntime-genai "
                             "(default: cpu; cuda for --bf16, which the CPU provider cannot run)")

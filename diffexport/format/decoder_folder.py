@@ -286,10 +286,7 @@ def configured_providers(config: dict) -> list[str]:
     return [name for entry in options for name in entry] or ["cpu"]
 
 
-def default_provider(dtype: str) -> str:
-    """The provider a folder's genai_config names unless told: bf16 folders run on CUDA only
-    (onnxruntime's CPU provider has no bfloat16 kernels)."""
-    return "cuda" if dtype == "bfloat16" else "cpu"
+default_provider = decoders.default_provider  # its older home
 
 
 # The numbers of a genai config that code above reads, each key named once (DecoderFolder's

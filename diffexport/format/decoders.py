@@ -35,7 +35,7 @@ class DecoderFormat:
     fuses_norms: bool
 
 
-DEFAULT = "diffattention"
+DEFAULT = "diffattention"  # the export's own graph; default_format picks a folder's format
 
 FORMATS: dict[str, DecoderFormat] = {f.name: f for f in (
     DecoderFormat(
@@ -54,10 +54,29 @@ FORMATS: dict[str, DecoderFormat] = {f.name: f for f in (
                        "the CPU, which has no bfloat16 kernels (use --fp16, or a bf16 DiffAttention folder for "
                        "TensorRT)"),
         tensorrt=False,
-        tensorrt_refusal=("runs its attention as onnxruntime's GroupQueryAttention (exported with --attention gqa), "
-                          "which TensorRT does not have: build from a folder exported without it"),
+        tensorrt_refusal=("runs its attention as onnxruntime's GroupQueryAttention (the CPU default), which "
+                          "TensorRT does not have: export the folder for TensorRT with `diffexport onnx CKPT "
+                          "--kv-cache --attention diffattention` (or --provider cuda) and build from that"),
         rewrite="group_query_attention", fuses_norms=True),
 )}
+
+
+def default_provider(dtype: str) -> str:
+    """The provider a folder's genai_config names unless told: bf16 folders run on CUDA only
+    (onnxruntime's CPU provider has no bfloat16 kernels)."""
+    return "cuda" if dtype == "bfloat16" else "cpu"
+
+
+def default_format(provider: str | None, dtype: str, has_diff_attention: bool = True) -> str:
+    """The format of a KV-cache folder when the user names none. For onnxruntime on the CPU, gqa:
+    its decode is the faster one at every prompt length, fp32 and int4 (docs/BENCHMARKS.md, "DIFF
+    decode on CPU against its peers"). For CUDA (TensorRT's folders: its plugin reads DiffAttention
+    nodes), for dtypes gqa does not take and for a model with no DiffAttention node to rewrite (the
+    baseline Transformer), the export's own graph."""
+    fast = FORMATS["gqa"]
+    if (provider or default_provider(dtype)) == "cpu" and dtype in fast.dtypes and has_diff_attention:
+        return fast.name
+    return DEFAULT
 
 
 def decoder_format(name: str | None) -> DecoderFormat:

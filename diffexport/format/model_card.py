@@ -14,6 +14,8 @@ import os
 import re
 from pathlib import Path
 
+from diffexport.format import decoders
+
 CARD = "README.md"
 MARKER = "<!-- diffexport model card: written by diffexport; remove this line to keep the file as your own -->"
 RESULTS_START, RESULTS_END = "<!-- diffexport:results -->", "<!-- /diffexport:results -->"
@@ -42,7 +44,9 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
     context = config["model"]["context_length"]
     providers = [k for p in config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
                  for k in p] or ["cpu"]
-    attention = meta.get("attention", "diffattention")
+    fmt = decoders.decoder_format(meta.get("attention"))
+    form = "one DiffAttention node per layer; onnxruntime and TensorRT run it" if fmt.tensorrt else \
+        f"{fmt.summary}; onnxruntime only: for TensorRT, export with `--attention {decoders.DEFAULT}`"
     weights = "the export dtype"
     if "weight_quant" in meta:
         record = json.loads(meta["weight_quant"])
@@ -69,7 +73,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
         f"{f' (revision `{revision}`)' if revision else ''}: {layers} layers, {heads} {'differential ' if family != 'transformer' else ''}heads, width {width}, "
         f"vocabulary {config['model']['vocab_size']}.", "",
         "| | |", "|---|---|",
-        f"| attention | `{attention}` ({'one DiffAttention node per layer' if attention == 'diffattention' else 'onnxruntime GroupQueryAttention'}) |",
+        f"| attention | `{fmt.name}` ({form}) |",
         f"| dtype | {meta['dtype']} |",
         f"| weights | {weights} |",
         f"| context length | {context} tokens |",

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 
 from diffexport.export import decoder
+from diffexport.export.exporter import ExportOptions
 from diffexport.format import decoders
+from diffexport.modeling import DIFF_FAMILIES
 from diffexport.passes import group_query_attention
 
 REWRITES: dict[str, decoder.DecoderRewrite] = {
@@ -26,8 +28,13 @@ def rewrite_for(attention: str) -> decoder.DecoderRewrite | None:
     return REWRITES[fmt.rewrite] if fmt.rewrite else None
 
 
-def export_decoder(loaded, out_dir: str | os.PathLike, options=None, *, attention: str = decoders.DEFAULT,
+def export_decoder(loaded, out_dir: str | os.PathLike, options=None, *, attention: str | None = None,
                    **kwargs) -> decoder.DecoderExportSummary:
-    """export.decoder.export_decoder in any format, the format's pass handed in (same arguments)."""
+    """export.decoder.export_decoder in any format, the format's pass handed in (same arguments).
+    attention None: the default for the folder's provider and dtype (decoders.default_format: gqa
+    for the CPU)."""
+    if attention is None:
+        dtype = options.dtype if options is not None else ExportOptions().dtype
+        attention = decoders.default_format(kwargs.get("provider"), dtype, loaded.config.family in DIFF_FAMILIES)
     return decoder.export_decoder(loaded, out_dir, options, attention=attention, rewrite=rewrite_for(attention),
                                   **kwargs)
