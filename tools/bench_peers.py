@@ -8,7 +8,7 @@ Models (random weights, seed 0, saved once): an HF DiffLlama and an HF Llama of 
 hidden 768, 12 heads over 4 kv heads of 64, FFN 2048, vocabulary 32,000, tied embeddings, context
 2,048 (the issue's ~100M models). Folders, each fp32 and int4:
   llama     `python -m onnxruntime_genai.models.builder -p fp32|int4 -e cpu` on the Llama (the anchor)
-  ours      `diffexport onnx DIFFLLAMA --kv-cache` (the default for the CPU), then `diffexport quantize`
+  ours      `diffexport onnx DIFFLLAMA --kv-cache` (the CPU default's format), then `diffexport quantize`
             with its defaults for int4
   ours-<f>  the same in every other decoder format f (`--attention f`)
   mobius    `mobius build --config DIFFLLAMA --runtime ort-genai` (mobius-onnx, the bench extra); its
@@ -117,8 +117,11 @@ def build_mobius(work: Path, precision: str) -> Path:
     return out
 
 
+CPU_DEFAULT = decoders.default_format("cpu", "float32")  # what `diffexport onnx CKPT --kv-cache` writes
+
+
 def build_ours(work: Path, attention: str, precision: str) -> Path:
-    tag = "ours" if attention == decoders.DEFAULT else f"ours-{attention}"
+    tag = "ours" if attention == CPU_DEFAULT else f"ours-{attention}"
     fp32 = work / f"{tag}-fp32"
     if not (fp32 / "genai_config.json").is_file():
         export_decoder(load_model(work / "diffllama"), fp32, attention=attention, log=quiet)
@@ -147,7 +150,7 @@ def folders(work: Path, only: set[str] | None, threads: int) -> dict[tuple[str, 
     """(name, precision) -> folder with the thread count written, built where missing."""
     makers = {ANCHOR: build_llama, "mobius": build_mobius}
     for fmt in decoders.FORMATS:
-        makers["ours" if fmt == decoders.DEFAULT else f"ours-{fmt}"] = \
+        makers["ours" if fmt == CPU_DEFAULT else f"ours-{fmt}"] = \
             (lambda w, p, fmt=fmt: build_ours(w, fmt, p))
     for old in work.glob(f"*-t{threads}"):  # earlier copies: their hard links would make onnx refuse the files
         shutil.rmtree(old)
