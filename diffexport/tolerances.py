@@ -138,6 +138,9 @@ class QuantBudget:
 # point gives cosines far below it), so it sits well under what RTN reaches even on random weights.
 WEIGHT_QUANT_BUDGETS = {8: QuantBudget(max_kl=0.005, min_cosine=0.995, what="int8 weights"),
                         4: QuantBudget(max_kl=0.05, min_cosine=0.95, what="int4 weights")}
+# An int8 KV cache (GroupQueryAttention, one calibrated scale per channel) rounds every cached key
+# and value once; its own budget is int8 weights', and it adds to the weights' budget when both are.
+KV_CACHE_BUDGETS = {8: QuantBudget(max_kl=0.005, min_cosine=0.995, what="an int8 KV cache")}
 # Q/DQ graphs for TensorRT quantise the activations entering every weight matmul too (one
 # calibrated scale per tensor), which costs more than int8 weights alone: "about 2% perplexity".
 QDQ_BUDGETS = {"int8": QuantBudget(max_kl=0.02, min_cosine=0.98, what="int8 Q/DQ weights and activations"),
@@ -240,4 +243,24 @@ def quant_budget(meta: dict[str, str]) -> QuantBudget | None:
 
         raise DiffExportError("the export declares both weight-only and Q/DQ quantisation; diffexport quantize "
                               "writes one or the other: re-quantise the unquantised export")
-    return weights or qdq
+    cache = kv_cache_budget(meta.get("kv_cache_quant"))
+    if cache is None or (weights or qdq) is None:
+        return weights or qdq or cache
+    both = weights or qdq
+    return QuantBudget(max_kl=both.max_kl + cache.max_kl, min_cosine=both.min_cosine - (1 - cache.min_cosine),
+                       what=f"{both.what} and {cache.what}")
+
+
+def kv_cache_budget(record: str | None) -> QuantBudget | None:
+    """The budget for an export's `kv_cache_quant` metadata (None: a float cache)."""
+    from diffexport.errors import DiffExportError
+
+    if record is None:
+        return None
+    try:
+        bits = int(_record(record, "kv_cache_quant")["bits"])
+    except (ValueError, KeyError, TypeError):
+        raise DiffExportError("the kv_cache_quant metadata is not a quantisation record") from None
+    if bits not in KV_CACHE_BUDGETS:
+        raise DiffExportError(f"no accuracy budget for an int{bits} KV cache (diffexport quantize writes int8)")
+    return KV_CACHE_BUDGETS[bits]

@@ -11,6 +11,8 @@ hidden 768, 12 heads over 4 kv heads of 64, FFN 2048, vocabulary 32,000, tied em
   ours      `diffexport onnx DIFFLLAMA --kv-cache` (the CPU default's format), then `diffexport quantize`
             with its defaults for int4
   ours-<f>  the same in every other decoder format f (`--attention f`)
+  ours-kv8  int4 only: `diffexport quantize` of ours with `--kv-cache int8 --calib synthetic` (the cache in
+            int8, one calibrated scale per channel)
   mobius    `mobius build --config DIFFLLAMA --runtime ort-genai` (mobius-onnx, the bench extra); its
             genai_config's model type "diffllama" set to "llama" (onnxruntime-genai 0.18 does not know
             the name); int4 by onnxruntime's MatMulNBitsQuantizer, block 32, accuracy level 4
@@ -133,6 +135,18 @@ def build_ours(work: Path, attention: str, precision: str) -> Path:
     return out
 
 
+def build_ours_kv8(work: Path, precision: str) -> Path | None:
+    """The int4 folder with GroupQueryAttention's cache in int8 (`quantize --kv-cache int8`), its scales
+    calibrated on synthetic ids (the weights are random: there is no text to prefer)."""
+    if precision != "int4":
+        return None  # quantize writes the int8 cache beside quantised weights
+    out = work / "ours-kv8-int4"
+    if not (out / "genai_config.json").is_file():
+        fp32 = build_ours(work, CPU_DEFAULT, "fp32")
+        quantize_weights(fp32, out, WeightQuantOptions(kv_cache="int8", calib="synthetic"), log=quiet)
+    return out
+
+
 def with_threads(folder: Path, threads: int) -> Path:
     """A copy of a genai folder (files hard-linked) whose genai_config sets intra_op_num_threads."""
     copy = folder.parent / f"{folder.name}-t{threads}"
@@ -152,6 +166,7 @@ def folders(work: Path, only: set[str] | None, threads: int) -> dict[tuple[str, 
     for fmt in decoders.FORMATS:
         makers["ours" if fmt == CPU_DEFAULT else f"ours-{fmt}"] = \
             (lambda w, p, fmt=fmt: build_ours(w, fmt, p))
+    makers["ours-kv8"] = build_ours_kv8
     for old in work.glob(f"*-t{threads}"):  # earlier copies: their hard links would make onnx refuse the files
         shutil.rmtree(old)
     built = {}
@@ -160,7 +175,9 @@ def folders(work: Path, only: set[str] | None, threads: int) -> dict[tuple[str, 
             continue
         for precision in PRECISIONS:
             print(f"building {name} {precision}", flush=True)
-            built[(name, precision)] = make(work, precision)
+            folder = make(work, precision)
+            if folder is not None:
+                built[(name, precision)] = folder
     return {key: with_threads(folder, threads) for key, folder in built.items()}
 
 

@@ -59,6 +59,8 @@ class OrtDecoder:
         self.layers, self.heads, self.width = read.layers, read.cache_heads, read.head_size  # heads 1: token-major
         self.context = read.context_length
         self.dtype = np.float16 if self.meta["dtype"] == "float16" else np.float32
+        past_type = next((i.type for i in self.session.get_inputs() if i.name == names.PAST_KEY % 0), "")
+        self.cache_dtype = np.int8 if past_type == "tensor(int8)" else self.dtype  # `quantize --kv-cache int8`
         self.outputs = [o.name for o in self.session.get_outputs()]
         expected = names.decoder_output_names(self.layers)
         if self.outputs != expected:
@@ -71,7 +73,7 @@ class OrtDecoder:
                                   "belong together (re-export the folder)")
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
-        return empty_cache(batch, self.layers, self.heads, self.width, self.dtype)
+        return empty_cache(batch, self.layers, self.heads, self.width, self.cache_dtype)
 
     def step(self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]):
         """-> (logits [B, S, V], the new cache keyed by present names)."""

@@ -120,13 +120,15 @@ def quantized_output(model: str, recipe: str) -> Path:
 def cmd_quantize(args) -> int:
     """Quantise an export: INT4/INT8 MatMulNBits weights for ONNX Runtime and onnxruntime-genai (--weights), or a calibrated INT8/FP8 Q/DQ graph for TensorRT (--qdq)."""
     if args.output is None:
-        args.output = quantized_output(args.model, f"qdq-{args.qdq}" if args.qdq else args.weights or "int4")
+        args.output = quantized_output(args.model, f"qdq-{args.qdq}" if args.qdq else
+                                       (args.weights or "int4") + ("-kv8" if args.kv_cache else ""))
     if args.qdq:
         from diffexport.passes.qdq import QDQOptions, quantize_qdq
 
         given = [flag for flag, value in (("--weights", args.weights), ("--block-size", args.block_size),
                                           ("--method", args.method), ("--asymmetric", args.asymmetric or None),
-                                          ("--accuracy-level", args.accuracy_level)) if value is not None]
+                                          ("--accuracy-level", args.accuracy_level), ("--kv-cache", args.kv_cache))
+                 if value is not None]
         if given:
             raise DiffExportError(f"{', '.join(given)} belong to weight-only quantisation (--weights), not --qdq")
         options = QDQOptions(format=args.qdq, calib=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples,
@@ -140,7 +142,7 @@ def cmd_quantize(args) -> int:
                                  method=args.method or "rtn", symmetric=not args.asymmetric,
                                  accuracy_level=4 if args.accuracy_level is None else args.accuracy_level,
                                  calib=args.calib, tokenizer=args.tokenizer, samples=args.calib_samples,
-                                 seq_len=args.calib_seq_len, seed=args.seed, force=args.force)
+                                 seq_len=args.calib_seq_len, seed=args.seed, force=args.force, kv_cache=args.kv_cache)
     print("\n".join(quantize_weights(args.model, args.output, options).lines()))
     return 0
 
@@ -271,6 +273,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4],
                        help="--weights: MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU "
                             "path (default); 0 = its default (fp32)")
+        p.add_argument("--kv-cache", choices=["int8"],
+                       help="with --weights, on a gqa folder (the CPU default): GroupQueryAttention's cache as int8, "
+                            "one calibrated scale per channel (needs --calib); a quarter of a float32 cache's bytes")
         p.add_argument("--qdq", choices=["int8", "fp8"],
                        help="instead: a calibrated Q/DQ graph for TensorRT (weights and matmul activations)")
         p.add_argument("--calib", metavar="TEXTFILE|synthetic",

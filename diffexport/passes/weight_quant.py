@@ -22,7 +22,8 @@ from typing import Callable
 from diffexport.errors import DiffExportError
 from diffexport.format import model_card
 from diffexport.files import check_output_path, load_onnx, require_file, staging_folder, staging_model_file
-from diffexport.passes import calibration
+from diffexport.format import names as names_module
+from diffexport.passes import calibration, kv_cache_quant
 from diffexport.progress import Progress
 
 BITS = (4, 8)
@@ -45,6 +46,7 @@ class WeightQuantOptions(calibration.CalibrationFields):
     # model builder picks for CPU int4); 0 leaves ONNX Runtime's default (fp32 compute).
     accuracy_level: int = 4
     force: bool = False  # replace an output that is already there (else it is refused)
+    kv_cache: str | None = None  # "int8": GroupQueryAttention's cache too, calibrated (passes/kv_cache_quant.py)
 
     def validate(self) -> None:
         if self.bits not in BITS:
@@ -56,12 +58,16 @@ class WeightQuantOptions(calibration.CalibrationFields):
         if self.method in ("hqq", "gptq") and self.bits != 4:
             raise DiffExportError(f"--method {self.method} quantises to int4 only (onnxruntime's "
                                   f"{self.method.upper()}): use --weights int4 or --method rtn")
-        self.validate_calibration("--method gptq" if self.method == "gptq" else None)
+        if self.kv_cache not in (None, "int8"):
+            raise DiffExportError(f"--kv-cache {self.kv_cache}: the cache quantises to int8")
+        self.validate_calibration("--method gptq" if self.method == "gptq" else
+                                  "--kv-cache int8" if self.kv_cache else None)
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise DiffExportError(f"accuracy level {self.accuracy_level}: use 0..4")
 
     def describe(self) -> str:
-        return f"int{self.bits}, block {self.block_size}, {self.method}, {'symmetric' if self.symmetric else 'asymmetric'}"
+        return (f"int{self.bits}, block {self.block_size}, {self.method}, {'symmetric' if self.symmetric else 'asymmetric'}"
+                + (f"; {self.kv_cache} KV cache" if self.kv_cache else ""))
 
 
 @dataclasses.dataclass
@@ -234,6 +240,22 @@ def _quantise(model, names: list[str], options: WeightQuantOptions, data=None):
     return model
 
 
+def _calibrate_cache(model, model_path: Path, options: WeightQuantOptions, log) -> tuple[tuple, str]:
+    """The largest key and value magnitudes per layer and channel over the calibration sequences,
+    run by onnxruntime on the float folder (kv_cache_quant.cache_ranges), and their source."""
+    from diffexport.onnxruntime_session import open_session
+
+    nodes = kv_cache_quant.check_quantisable(model, model_path)
+    data, source = calibration.batches(options, calibration.vocab_size(model, model_path))
+    log(f"calibrating   the KV cache on {source}")
+    past = next(i for i in model.graph.input if i.name == names_module.PAST_KEY % 0)
+    head_size = past.type.tensor_type.shape.dim[3].dim_value
+    session = open_session(model_path, "cpu", None)
+    feeds = [calibration.feeds(model, ids) for ids in data]
+    ranges = kv_cache_quant.cache_ranges(session, feeds, len(nodes), kv_cache_quant.rotary_half(nodes[0], head_size))
+    return ranges, source
+
+
 def stamp(model, key: str, record: dict) -> None:
     """The quantiser's record as metadata (replacing one of the same key)."""
     for prop in list(model.metadata_props):
@@ -317,8 +339,13 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
     options.validate()
     src, dst = Path(src), Path(dst)
     start = time.monotonic()
-    _, model_path = resolve_paths(src, dst, options.force)
+    is_folder, model_path = resolve_paths(src, dst, options.force)
     model = load_onnx(model_path)
+    cache_ranges = cache_source = None
+    if options.kv_cache:  # calibrated on the float graph on disk, before its weights change
+        if not is_folder:
+            raise DiffExportError("--kv-cache int8 quantises a KV-cache folder's cache: give the folder")
+        cache_ranges, cache_source = _calibrate_cache(model, model_path, options, log)
     before = initializer_bytes(model)
     if materialise_transposed_weights(model):
         log("transposed    a tied LM head's weight into its own constant, so that it is quantised too")
@@ -338,6 +365,11 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
         "MatMulNBitsQuantizer")
     model = _quantise(model, names, options, data)
     count = sum(n.op_type == "MatMulNBits" for n in model.graph.node)
+    if cache_ranges is not None:
+        kv_cache_quant.quantise_cache(model, *cache_ranges)
+        stamp(model, kv_cache_quant.META_KEY, {"bits": 8, "scales": "per channel (keys: per rotary pair)",
+                                               "calibration": cache_source})
+        log(f"kv cache      int8, one scale per channel, calibrated on {cache_source}")
     after = initializer_bytes(model)
     stamp(model, META_KEY, {"bits": options.bits, "block_size": options.block_size, "method": options.method,
                             "symmetric": options.symmetric, "accuracy_level": options.accuracy_level,
