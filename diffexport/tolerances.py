@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from diffexport.errors import DiffExportError
+
 FP32_RTOL_OF_SCALE = 1e-5
 LOWPREC_ATOL_OF_SCALE = {"float16": 1e-3, "bfloat16": 8e-3}
 MIN_COSINE = {"float32": 0.99999, "float16": 0.9999, "bfloat16": 0.999}
@@ -196,8 +198,6 @@ def compare_distributions(name: str, out: np.ndarray, ref: np.ndarray, budget: Q
 def _record(text: str, what: str) -> dict:
     import json
 
-    from diffexport.errors import DiffExportError
-
     try:
         record = json.loads(text)
     except (ValueError, RecursionError):
@@ -209,8 +209,6 @@ def _record(text: str, what: str) -> dict:
 
 def weight_quant_budget(record: str | None) -> QuantBudget | None:
     """The budget for an export's `weight_quant` metadata (None: not weight-quantised)."""
-    from diffexport.errors import DiffExportError
-
     if record is None:
         return None
     try:
@@ -224,8 +222,6 @@ def weight_quant_budget(record: str | None) -> QuantBudget | None:
 
 def qdq_budget(record: str | None) -> QuantBudget | None:
     """The budget for an export's `qdq` metadata (None: no Q/DQ quantisation)."""
-    from diffexport.errors import DiffExportError
-
     if record is None:
         return None
     fmt = _record(record, "qdq").get("format")
@@ -239,9 +235,7 @@ def quant_budget(meta: dict[str, str]) -> QuantBudget | None:
     neither its weights nor its activations were quantised by `diffexport quantize`."""
     weights, qdq = weight_quant_budget(meta.get("weight_quant")), qdq_budget(meta.get("qdq"))
     if weights is not None and qdq is not None:
-        from diffexport.errors import DiffExportError
-
-        raise DiffExportError("the export declares both weight-only and Q/DQ quantisation; diffexport quantize "
+            raise DiffExportError("the export declares both weight-only and Q/DQ quantisation; diffexport quantize "
                               "writes one or the other: re-quantise the unquantised export")
     cache = kv_cache_budget(meta.get("kv_cache_quant"))
     if cache is None or (weights or qdq) is None:
@@ -253,8 +247,6 @@ def quant_budget(meta: dict[str, str]) -> QuantBudget | None:
 
 def kv_cache_budget(record: str | None) -> QuantBudget | None:
     """The budget for an export's `kv_cache_quant` metadata (None: a float cache)."""
-    from diffexport.errors import DiffExportError
-
     if record is None:
         return None
     try:

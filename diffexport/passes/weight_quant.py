@@ -23,6 +23,7 @@ from diffexport.errors import DiffExportError
 from diffexport.format import model_card
 from diffexport.files import check_output_path, load_onnx, require_file, staging_folder, staging_model_file
 from diffexport.format import names as names_module
+from diffexport.onnxruntime_session import open_session
 from diffexport.passes import calibration, kv_cache_quant
 from diffexport.progress import Progress
 
@@ -243,8 +244,6 @@ def _quantise(model, names: list[str], options: WeightQuantOptions, data=None):
 def _calibrate_cache(model, model_path: Path, options: WeightQuantOptions, log) -> tuple[tuple, str]:
     """The largest key and value magnitudes per layer and channel over the calibration sequences,
     run by onnxruntime on the float folder (kv_cache_quant.cache_ranges), and their source."""
-    from diffexport.onnxruntime_session import open_session
-
     nodes = kv_cache_quant.check_quantisable(model, model_path)
     data, source = calibration.batches(options, calibration.vocab_size(model, model_path))
     log(f"calibrating   the KV cache on {source}")
