@@ -5,7 +5,6 @@ import math
 import os
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -100,7 +100,6 @@ def test_readme_command_list_names_every_flag():
     """Every long flag of every subcommand appears in the README's command list."""
     import argparse
     import re
-    from pathlib import Path
 
     from diffexport.cli import build_parser
 
