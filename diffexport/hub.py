@@ -55,9 +55,19 @@ def resolve(source: str | os.PathLike, what: str = "checkpoint") -> Path:
     except ImportError:
         raise DiffExportError(f"{source} is not a path here, and reading it as a Hugging Face Hub id needs "
                               "huggingface_hub: pip install 'diffexport[hf]'") from None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     match = HUB_ID.match(str(source))
     repo, revision = match.group("repo"), match.group("revision")
     named = f"{repo}{'@' + revision if revision else ''}"
+    try:
+        validate_repo_id(repo)  # the library's own rule for a repository name
+    except HFValidationError as exc:
+        raise DiffExportError(f"{source} is neither a path here nor a valid Hugging Face Hub id: "
+                              f"{str(exc).strip().splitlines()[0][:160]}") from None
+    if revision is not None and (revision.startswith("/") or ".." in revision.split("/")):
+        raise DiffExportError(f"{named}: a revision is a branch, tag or commit, not a path ('..' or a leading '/' "
+                              "would lead out of the cache)")
     try:
         folder = Path(snapshot_download(repo, revision=revision, allow_patterns=FILES))
     except errors.GatedRepoError:
@@ -75,6 +85,12 @@ def resolve(source: str | os.PathLike, what: str = "checkpoint") -> Path:
     except (errors.HfHubHTTPError, OSError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DiffExportError(f"cannot fetch {named} from the Hugging Face Hub: {detail}") from None
+    snapshots = os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(folder)), "snapshots"))
+    real = os.path.realpath(folder)
+    if os.path.basename(snapshots) != "snapshots" or os.path.dirname(real) != snapshots:
+        # a refs/ file or revision that points elsewhere: the cache's own layout is the only one read
+        raise DiffExportError(f"{named} resolved to {real}, outside its repository's snapshots in the Hugging Face "
+                              "cache: refused")
     if not (folder / "config.json").is_file():
         raise DiffExportError(f"{named} has no config.json: not a Hugging Face model repository diffexport reads")
     if what == "checkpoint" and not any(folder.glob("*.safetensors")):

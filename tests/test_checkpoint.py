@@ -595,9 +595,21 @@ def test_hub_ids_resolve_from_the_offline_cache(artifacts, tmp_path, monkeypatch
             "        try:\n            code = main(['info', arg])\n        except SystemExit as stop:\n"
             "            code = stop.code\n    results.append((code, err.getvalue()))\nprint(json.dumps(results))\n")
     script = code
+    # a refs/ file naming a folder outside the repository's snapshots (which holds a model)
+    _hub_cache_entry(cache, "test-org/refs-out", {"config.json": hf / "config.json"})
+    (tmp_path / "outside-snapshot").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "outside-snapshot" / name).write_bytes((hf / name).read_bytes())
+    (cache / "models--test-org--refs-out" / "refs" / "main").write_text("../../../outside-snapshot")
     refusals = {"test-org/not-cached": "not in the local Hugging Face cache while offline (HF_HUB_OFFLINE is set)",
                 "test-org/no-config": "has no config.json", "test-org/bin-only": "does not fetch pickled .bin weights",
-                "no-such-file.pt": "checkpoint not found: no-such-file.pt"}
+                "no-such-file.pt": "checkpoint not found: no-such-file.pt",
+                # ids huggingface_hub itself rejects, and revisions that are paths: one line each
+                "a../b..": "nor a valid Hugging Face Hub id", "org/na--me": "nor a valid Hugging Face Hub id",
+                "org-/name": "nor a valid Hugging Face Hub id",
+                "test-org/tiny-diffllama@../../../../tmp/x": "a revision is a branch, tag or commit, not a path",
+                "test-org/tiny-diffllama@/etc": "a revision is a branch, tag or commit, not a path",
+                "test-org/refs-out": "outside its repository's snapshots in the Hugging Face cache: refused"}
     child = subprocess.run([sys.executable, "-c", code, *refusals], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     for (arg, message), (code, stderr) in zip(refusals.items(), json.loads(child.stdout.splitlines()[-1])):
@@ -610,3 +622,12 @@ def test_hub_ids_resolve_from_the_offline_cache(artifacts, tmp_path, monkeypatch
     (code_, stderr), = json.loads(child.stdout.splitlines()[-1])
     assert_one_line_error(subprocess.CompletedProcess("", code_, "", stderr), "the Hub could not be reached from here")
     assert "HF_HUB_OFFLINE" not in stderr
+    # a --tokenizer given as a hub id is read from the same snapshot, through the same rules
+    text = tmp_path / "words.txt"
+    text.write_text("the cat sat on the mat " * 20)
+    stats = run_cli("stats", "test-org/tiny-diffllama", "--text", text, "--tokenizer", "test-org/tiny-diffllama",
+                    "--tokens", "64", "--seq-len", "16")
+    assert stats.returncode == 0, stats.stdout + stats.stderr
+    stats = run_cli("stats", "test-org/tiny-diffllama", "--text", text, "--tokenizer", "test-org/escaping",
+                    "--tokens", "64", "--seq-len", "16")
+    assert_one_line_error(stats, "tokenizer.json is a symbolic link")

@@ -216,3 +216,42 @@ def test_train_tiny_refuses_a_bad_text_in_one_line_before_writing(tmp_path, caps
     with pytest.raises(SystemExit) as stop:  # a window the streams refuse
         train_tiny.main(["--text", str(text), "--context", "1", "--out-dir", str(out)])
     assert stop.value.code == 2 and not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "0"], "--batch must be 1 to 65,536, got 0"),
+    (["--batch", "1000000000"], "--batch must be 1 to 65,536"),
+    (["--batch", "65536", "--context", "4096", "--text", "T"], "tokens a step; at most"),
+    (["--threads", "0"], "--threads must be 1 to 1,024, got 0"),
+    (["--steps", "0"], "--steps must be 1"),
+    (["--log-every", "0"], "--log-every must be 1"),
+    (["--lr", "nan"], "--lr must be above 0"),
+    (["--out-dir", "FILE"], "is a file: give a folder"),
+    (["--out-dir", "LINK"], "is a symbolic link: give a folder"),
+    (["--text", "T", "--out-dir", "HELDOUT_LINK"], "heldout.txt is a symbolic link"),
+])
+def test_train_tiny_refuses_bad_settings_and_links_in_one_line(tmp_path, capsys, args, message):
+    """The README documents tools/train_tiny.py: its settings and output folder are held to the CLI's
+    rules (one line, exit 2, nothing allocated or written first, no link written through)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "tools" / "train_tiny.py")
+    train_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_tiny)
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i} of a small training text\n" for i in range(300)))
+    (tmp_path / "file").write_text("mine")
+    victim = tmp_path / "victim.txt"
+    (tmp_path / "link").symlink_to(tmp_path / "linked-folder")
+    (tmp_path / "out-with-link").mkdir()
+    (tmp_path / "out-with-link" / "heldout.txt").symlink_to(victim)
+    names = {"T": text, "FILE": tmp_path / "file", "LINK": tmp_path / "link", "HELDOUT_LINK": tmp_path / "out-with-link"}
+    argv = [str(names.get(a, a)) for a in args]
+    if "--out-dir" not in argv:
+        argv += ["--out-dir", str(tmp_path / "never")]
+    with pytest.raises(SystemExit) as stop:
+        train_tiny.main(argv + ["--steps", "1"] if "--steps" not in argv else argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "never").exists() and not victim.exists() and not (tmp_path / "linked-folder").exists()
+    assert (tmp_path / "file").read_text() == "mine"

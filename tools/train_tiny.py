@@ -40,6 +40,7 @@ import torch
 
 from diffexport.analysis import needles
 from diffexport.errors import DiffExportError
+from diffexport.files import atomic_write, check_output_path
 from diffexport.files import read_text_input
 from diffexport.inputs import needle_task, streams
 from diffexport.checkpoint import save_checkpoint, save_hf_folder
@@ -54,6 +55,8 @@ SIZES = {
 }
 
 
+MAX_BATCH, MAX_THREADS = 65_536, 1024
+MAX_BATCH_TOKENS = 1 << 22  # tokens in one training step: a few GB of activations at the largest size
 BYTE_VOCAB = 256  # --text: UTF-8 bytes are the tokens (diffexport.inputs.streams reads a text the same way)
 # --bpe-vocab: ids 0, 1, 2 (pad, begin, end), as the HF folders' config and generation_config say
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
@@ -232,7 +235,26 @@ def main(argv=None) -> int:
                         help="head dim (default: the size's, 32); the fused kernel takes 64 and 128")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train (default cpu)")
     args = parser.parse_args(argv)
+
+    def refuse(message: str):  # one line, exit 2, as the CLI refuses
+        parser.exit(2, f"error: {message}\n")
+
     shape = SIZES[args.size]
+    for flag, value, low, high in (("--batch", args.batch, 1, MAX_BATCH), ("--threads", args.threads, 1, MAX_THREADS),
+                                   ("--steps", args.steps, 1, 10_000_000), ("--log-every", args.log_every, 1, 10_000_000),
+                                   ("--warmup", args.warmup, 0, 10_000_000), ("--max-needles", args.max_needles, 1, 64),
+                                   ("--max-queries", args.max_queries, 1, 64)):
+        if not low <= value <= high:
+            refuse(f"{flag} must be {low} to {high:,}, got {value}")
+    if not (args.lr > 0 and args.weight_decay >= 0):  # also refuses nan
+        refuse("--lr must be above 0 and --weight-decay at least 0")
+    if args.batch * args.context > MAX_BATCH_TOKENS:  # memory for one step grows with both
+        refuse(f"--batch {args.batch} x --context {args.context} is {args.batch * args.context:,} tokens a step; "
+               f"at most {MAX_BATCH_TOKENS:,}")
+    out = Path(args.out_dir)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        refuse(f"--out-dir {out} is {'a symbolic link' if out.is_symlink() else 'a file'}: give a folder (links are "
+               "not followed)")
     if args.head_dim is not None and (shape["n_heads"] * shape["head_dim"]) % args.head_dim:
         parser.error(f"--head-dim {args.head_dim} does not divide size {args.size}'s "
                      f"{shape['n_heads']} x {shape['head_dim']} head width")
@@ -256,15 +278,21 @@ def main(argv=None) -> int:
     # cuBLAS is deterministic only with a fixed workspace; set before CUDA starts (a user's value wins)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=args.device == "cuda")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    outputs = [out / "heldout.txt", out / (f"train_log-{args.only}.json" if args.only else "train_log.json")]
+    outputs += [out / (name if args.bpe_vocab else f"{name}.pt") for name in ("diff", "transformer")]
+    try:
+        for path in outputs:  # an earlier run's files are replaced; a link is never written through
+            check_output_path(path, replace=True)
+        out.mkdir(parents=True, exist_ok=True)
+    except (DiffExportError, OSError) as exc:
+        refuse(str(exc))
 
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
     token_bytes = tok = None
     if args.text is not None:
-        (out / "heldout.txt").write_text(held_text, encoding="utf-8")
+        atomic_write(out / "heldout.txt", lambda tmp: Path(tmp).write_text(held_text, encoding="utf-8"))
         train_bytes, held_bytes = len(train_text.encode("utf-8")), len(held_text.encode("utf-8"))
         if args.bpe_vocab is None:
             train_ids, held_ids = byte_ids(train_text.encode("utf-8")), byte_ids(held_text.encode("utf-8"))
@@ -313,7 +341,7 @@ def main(argv=None) -> int:
             path = save_checkpoint(model.cpu(), out / f"{name}.pt", task=task)  # a checkpoint loads anywhere
             log(f"{name:12s} held-out retrieval accuracy {entry['eval_accuracy']:.3f} -> {path}")
         report["models"][name] = entry
-    (out / (f"train_log-{args.only}.json" if args.only else "train_log.json")).write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write(outputs[1], lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
     return 0
 
 

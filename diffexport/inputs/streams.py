@@ -9,14 +9,16 @@ Every stream is cut into batches [batch, seq_len] of int64 ids below the model's
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from diffexport import hub
 from diffexport.errors import DiffExportError
-from diffexport.files import read_text_input
+from diffexport.files import is_hub_cache_link, read_text_input
 
 
 # A checkpoint's task record for next-token training on a text file's UTF-8 bytes
@@ -31,6 +33,26 @@ def task_context_len(task: dict | None, name: str) -> int | None:
         return None
     value = task.get("context_len")
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_STREAM_SEQ else None
+
+
+def tokenizer_folder(tokenizer: str) -> Path:
+    """The local folder a --tokenizer names, its files held to the rules before any tokenizer library
+    reads them: a Hub id becomes its cached snapshot of the allow-listed files (hub.FILES, as for a
+    model), a link in the folder is refused unless it is huggingface_hub's own link into that
+    repository's blobs/, and tokenizer.json's patterns pass the regular-expression guard. A name that
+    is neither a folder here nor a Hub id org/name is refused (transformers would fetch it by itself)."""
+    from diffexport.format.tokenizer_rules import check_tokenizer_json
+
+    folder = hub.resolve(tokenizer, what="tokenizer")
+    if not folder.is_dir():
+        raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: it is not a folder here"
+                              + ("" if os.path.lexists(folder) else ", nor a Hugging Face Hub id org/name"))
+    for path in sorted(folder.iterdir()):
+        if path.is_symlink() and not is_hub_cache_link(path):
+            raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: {path.name} is a symbolic link (links are not "
+                                  "followed: copy the file into the folder)")
+    check_tokenizer_json(folder / "tokenizer.json")  # its patterns are read before a library matches them
+    return folder
 
 
 def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
@@ -48,11 +70,10 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
         raise DiffExportError("--tokenizer needs transformers: pip install 'diffexport[hf]'") from None
     from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
 
-    if Path(tokenizer).is_dir():  # a folder's patterns are read before transformers matches them
-        check_tokenizer_json(Path(tokenizer) / "tokenizer.json")
+    folder = tokenizer_folder(tokenizer)
     try:
         with tokenizer_library_call(f"loading tokenizer {tokenizer!r}"):
-            tok = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=False)  # a folder's own code never runs
+            tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)  # a folder's own code never runs
     except DiffExportError:
         raise
     except Exception as exc:  # transformers raises many types for missing/bad tokenizers
