@@ -92,6 +92,8 @@ def build_llama(work: Path, precision: str) -> Path:
 def build_mobius(work: Path, precision: str) -> Path:
     fp32 = work / "mobius-fp32"
     if not (fp32 / "genai_config.json").is_file():
+        if shutil.which("mobius") is None:
+            sys.exit("error: mobius is not installed: pip install -e '.[bench]' (or --only ours,... to leave it out)")
         run_quiet(["mobius", "build", "--config", str(work / "diffllama"), str(fp32), "--runtime", "ort-genai"],
                   work / "mobius-fp32.log")
         config_path = fp32 / "genai_config.json"
