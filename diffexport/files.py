@@ -50,14 +50,33 @@ def temp_prefix(name: str) -> str:
     return f".{name}."
 
 
-def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",), replace: bool | None = None) -> None:
+def refuse_output_over_inputs(output: Path, inputs) -> None:
+    """An output that is, contains or lies inside one of the command's inputs (files or folders that
+    exist; other names, such as hub ids, are skipped) is refused in one line, whatever --force says:
+    replacing it would destroy the input, or the user's files beside it."""
+    out = Path(os.path.realpath(output))  # the parents' links followed, as the write would
+    for source in inputs:
+        if source is None or not os.path.lexists(source):
+            continue
+        src = Path(os.path.realpath(source))
+        if out == src or out in src.parents or src in out.parents:
+            how = "is" if out == src else "contains" if out in src.parents else "lies inside"
+            raise DiffExportError(f"output {output} {how} the input {source}: write it elsewhere (an input is never "
+                                  "replaced, with or without --force)")
+
+
+def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",), replace: bool | None = None,
+                      inputs=()) -> None:
     """Validate, before any work, an output path: its folder (check_output_folder), a name that
     ONNX and TensorRT can take (UTF-8), and every file name it will be written as (path + each
     suffix, e.g. ".data") within the file-name limit. replace: the one rule for outputs that are
     already there (files, folders, engines, their sidecars): refused unless replace is True
     (--force); a symbolic link is never written through or replaced. None leaves the rule to the
-    caller (check's scratch folder, which holds only its own files)."""
+    caller (check's scratch folder, which holds only its own files). inputs: the command's inputs,
+    which the output may not be, contain or lie inside (refuse_output_over_inputs)."""
     path = Path(path)
+    if path.name in ("", ".", ".."):
+        raise DiffExportError(f"output {str(path) or '.'!r} names no file or folder of its own: give a new name")
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:
@@ -68,6 +87,7 @@ def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",), replace: bo
             raise DiffExportError(f"output name {path.name[:40]}...{suffix} is longer than {NAME_MAX} bytes: "
                                   f"choose a shorter name")
     check_output_folder(path.parent)
+    refuse_output_over_inputs(path, inputs)
     if replace is not None:
         for suffix in suffixes:
             target = path.with_name(path.name + suffix)
@@ -81,13 +101,16 @@ def check_output_path(path: Path, suffixes: tuple[str, ...] = ("",), replace: bo
 
 def atomic_write(path: Path, write) -> None:
     """Write through a temporary file in the same folder, then rename: no half-written output.
-    The result gets the permissions a plain open() would give (mkstemp's are owner-only)."""
+    The result keeps the mode of the file it replaces, or gets the permissions a plain open()
+    would give (mkstemp's are owner-only)."""
     make_output_folder(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
+        # a file rewritten keeps its mode (a 0600 card stays 0600); a new one gets what open() would give
+        mode = path.stat().st_mode & 0o7777 if path.is_file() and not path.is_symlink() else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -423,9 +423,9 @@ def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, 
     output, model_path = Path(output), Path(model_path)
     if output.suffix not in names.ENGINE_SUFFIXES:
         raise DiffExportError(f"-o {output}: name the engine *.engine (or .plan/.trt)")
-    check_output_path(output, ("", ".json"), replace=options.force)
+    check_output_path(output, ("", ".json"), replace=options.force, inputs=[model_path])
     if options.save_onnx:
-        check_output_path(Path(options.save_onnx), ("", ".data"), replace=options.force)
+        check_output_path(Path(options.save_onnx), ("", ".data"), replace=options.force, inputs=[model_path])
     if model_path.is_dir():  # a KV-cache decoder folder: its graph, past lengths up to the context length
         from diffexport.format.decoder_folder import read_decoder_folder
 

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from diffexport.errors import DiffExportError  # light: no torch
+from diffexport.files import refuse_output_over_inputs  # light: os and pathlib
 from diffexport.format import decoders  # light too: the decoder formats' registry
 from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line, require_model_source
 
@@ -62,6 +63,8 @@ def cmd_onnx(args) -> int:
 
     require_model_source(args)  # the model is asked for before the output is looked at
     options = _export_options(args)
+    output_name = ("model-kv" if args.kv_cache else "model.onnx") if args.output is None else args.output
+    refuse_output_over_inputs(output_name, [args.ckpt, args.tokenizer, args.config])  # before anything is loaded
     if args.kv_cache:
         from diffexport.export.decoder import check_target as check_folder
         from diffexport.passes.decoder_formats import export_decoder

@@ -33,7 +33,7 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
-from diffexport.files import check_output_path, is_hub_cache_link, staging_folder
+from diffexport.files import check_output_path, is_hub_cache_link, refuse_output_over_inputs, staging_folder
 from diffexport.format import decoders, model_card
 from diffexport.format.decoder_folder import (GENAI_PROVIDERS, cache_heads, cache_width, check_tokenizer,
                                               default_provider, genai_config, has_tokenizer, hf_search, hf_values)
@@ -163,6 +163,7 @@ def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: Exp
     options = options or ExportOptions()
     out_dir = Path(out_dir)
     check_target(out_dir, options, context_length, threads, attention, provider)
+    refuse_output_over_inputs(out_dir, [loaded.path, tokenizer])
     provider = provider or default_provider(options.dtype)
     cfg = loaded.config
     if cfg.family not in KV_FAMILIES:

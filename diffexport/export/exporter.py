@@ -28,7 +28,7 @@ from diffexport import contract, fingerprint
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.export import function_body
-from diffexport.files import check_output_path, staging_model_file
+from diffexport.files import check_output_path, refuse_output_over_inputs, staging_model_file
 from diffexport.format.names import DTYPES, META_PREFIX, LOGITS
 from diffexport.format.nodes import plugin_selectors
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
@@ -341,6 +341,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     options = options or ExportOptions()
     out_path = Path(out_path)
     check_target(out_path, options)
+    refuse_output_over_inputs(out_path, [loaded.path])
     check_family(loaded)
     start = time.monotonic()
     model, weights_id = model_in_dtype(loaded, options.dtype)

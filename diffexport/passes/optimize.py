@@ -94,7 +94,7 @@ def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: 
     from diffexport.passes.lowering import lower_diff_attention
 
     src, dst = Path(src), Path(dst)
-    check_output_path(dst, replace=force)
+    check_output_path(dst, replace=force, inputs=[src])
     model = load_onnx(src)
     already = sum(n.op_type == contract.OP_NAME and n.domain == contract.ONNX_DOMAIN for n in model.graph.node)
     if already and lower:  # an export of ours: nothing to fuse, only lower

@@ -283,14 +283,14 @@ def resolve_paths(src: Path, dst: Path, force: bool = False) -> tuple[bool, Path
             raise DiffExportError(f"-o {dst} is the input folder: write the quantised folder elsewhere")
         if dst.exists() and not dst.is_dir() and not dst.is_symlink():
             raise DiffExportError(f"{dst} is a file: a folder is quantised into a folder, give a folder name")
-        check_output_path(dst, replace=force)
+        check_output_path(dst, replace=force, inputs=[src])
         return True, model_path
     require_file(src, "give an exported .onnx file or a --kv-cache folder")
     if dst.suffix != ".onnx":
         raise DiffExportError(f"-o {dst}: name the quantised model *.onnx")
     if dst.resolve() == src.resolve() or dst.with_name(dst.name + ".data").resolve() == src.resolve():
         raise DiffExportError(f"-o {dst} would overwrite the input: write the quantised model elsewhere")
-    check_output_path(dst, ("", ".data"), replace=force)
+    check_output_path(dst, ("", ".data"), replace=force, inputs=[src])
     return False, src
 
 

@@ -45,7 +45,7 @@ def write_report(artifact: str | os.PathLike, load_model: Callable[[dict], Loade
     output = Path(output) if output is not None else default_output(artifact)
     if output.suffix.lower() not in (".html", ".htm"):
         raise DiffExportError(f"the report is an HTML page: give an output name ending in .html, got {output.name}")
-    check_output_path(output, replace=force)
+    check_output_path(output, replace=force, inputs=[artifact])
     if report_kind(artifact) == "decoder":
         from diffexport.format.decoder_folder import read_decoder_folder
         from diffexport.validation.decoder import DECODE_STEPS

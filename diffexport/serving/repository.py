@@ -100,7 +100,7 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
     name = name or folder.resolve().name
     check_settings(name, max_batch, instances)
     out = Path(out)
-    check_output_path(out, replace=force)
+    check_output_path(out, replace=force, inputs=[folder])
     with staging_folder(out, force) as tmp:  # an existing REPO is replaced only with force
         version = tmp / name / "1"
         (version / DECODER_DIR).mkdir(parents=True)
