@@ -19,6 +19,7 @@ import torch
 from diffexport import hub
 from diffexport.errors import DiffExportError
 from diffexport.files import is_hub_cache_link, read_text_input
+from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
 
 
 # A checkpoint's task record for next-token training on a text file's UTF-8 bytes
@@ -41,8 +42,6 @@ def tokenizer_folder(tokenizer: str) -> Path:
     model), a link in the folder is refused unless it is huggingface_hub's own link into that
     repository's blobs/, and tokenizer.json's patterns pass the regular-expression guard. A name that
     is neither a folder here nor a Hub id org/name is refused (transformers would fetch it by itself)."""
-    from diffexport.format.tokenizer_rules import check_tokenizer_json
-
     folder = hub.resolve(tokenizer, what="tokenizer")
     if not folder.is_dir():
         raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: it is not a folder here"
@@ -68,8 +67,6 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
         from transformers import AutoTokenizer
     except ImportError:
         raise DiffExportError("--tokenizer needs transformers: pip install 'diffexport[hf]'") from None
-    from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
-
     folder = tokenizer_folder(tokenizer)
     try:
         with tokenizer_library_call(f"loading tokenizer {tokenizer!r}"):
