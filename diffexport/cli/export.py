@@ -64,7 +64,7 @@ def cmd_onnx(args) -> int:
     require_model_source(args)  # the model is asked for before the output is looked at
     options = _export_options(args)
     output_name = ("model-kv" if args.kv_cache else "model.onnx") if args.output is None else args.output
-    refuse_output_over_inputs(output_name, [args.ckpt, args.tokenizer, args.config])  # before anything is loaded
+    refuse_output_over_inputs(output_name, [args.ckpt, args.config] + ([args.tokenizer] if args.kv_cache else []))
     if args.kv_cache:
         from diffexport.export.decoder import check_target as check_folder
         from diffexport.passes.decoder_formats import export_decoder
