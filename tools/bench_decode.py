@@ -93,7 +93,6 @@ def hf_models(root: Path):
 def profile_step(folder: Path, past: int, threads: int, steps: int = 30) -> tuple[float, int, list]:
     """onnxruntime's own profile of one decode step (1 new token, `past` cached): (us per step, nodes per
     step, [(op type, us per step, nodes per step)] sorted by time)."""
-    import collections
     import onnxruntime as ort
 
     config = json.loads((folder / "genai_config.json").read_text())  # ours or the builder's: no metadata check
@@ -111,14 +110,7 @@ def profile_step(folder: Path, past: int, threads: int, steps: int = 30) -> tupl
             feeds[f"past_key_values.{i}.{name}"] = rng.standard_normal(shape, np.float32)
     for _ in range(steps):
         session.run(None, feeds)
-    events = json.loads(Path(session.end_profiling()).read_text())
-    times, counts = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            times[e["args"]["op_name"]] += e["dur"]
-            counts[e["args"]["op_name"]] += 1
-    total = sum(times.values()) / steps
-    return total, sum(counts.values()) // steps, [(op, t / steps, counts[op] // steps) for op, t in times.most_common()]
+    return benchdoc.op_profile(session, steps)
 
 
 def time_genai(folder, prompt, new):

@@ -242,14 +242,7 @@ def profile_step(folder: Path, past: int, threads: int, new: int, steps: int = 2
     feeds = {k: v for k, v in feeds.items() if k in inputs}
     for _ in range(steps):
         session.run(None, feeds)
-    events = json.loads(Path(session.end_profiling()).read_text())
-    times, counts = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            times[e["args"]["op_name"]] += e["dur"]
-            counts[e["args"]["op_name"]] += 1
-    total = sum(times.values()) / steps
-    return total, sum(counts.values()) // steps, [(op, t / steps, counts[op] // steps) for op, t in times.most_common()]
+    return benchdoc.op_profile(session, steps)
 
 
 def folder_bytes(folder: Path) -> int:
