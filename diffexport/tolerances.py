@@ -207,17 +207,23 @@ def _record(text: str, what: str) -> dict:
     return record
 
 
-def weight_quant_budget(record: str | None) -> QuantBudget | None:
-    """The budget for an export's `weight_quant` metadata (None: not weight-quantised)."""
+def _bits_budget(record: str | None, what: str, budgets: dict, writes: str) -> QuantBudget | None:
+    """The budget in `budgets` for the bits of a quantisation record (None: no record)."""
     if record is None:
         return None
     try:
-        bits = int(_record(record, "weight_quant")["bits"])
+        bits = int(_record(record, what)["bits"])
     except (ValueError, KeyError, TypeError):
-        raise DiffExportError("the weight_quant metadata is not a quantisation record") from None
-    if bits not in WEIGHT_QUANT_BUDGETS:
-        raise DiffExportError(f"no accuracy budget for int{bits} weights (diffexport quantize writes int4 and int8)")
-    return WEIGHT_QUANT_BUDGETS[bits]
+        raise DiffExportError(f"the {what} metadata is not a quantisation record") from None
+    if bits not in budgets:
+        raise DiffExportError(f"no accuracy budget for {what.replace('_', ' ')} of int{bits} (diffexport quantize "
+                              f"writes {writes})")
+    return budgets[bits]
+
+
+def weight_quant_budget(record: str | None) -> QuantBudget | None:
+    """The budget for an export's `weight_quant` metadata (None: not weight-quantised)."""
+    return _bits_budget(record, "weight_quant", WEIGHT_QUANT_BUDGETS, "int4 and int8 weights")
 
 
 def qdq_budget(record: str | None) -> QuantBudget | None:
@@ -235,7 +241,7 @@ def quant_budget(meta: dict[str, str]) -> QuantBudget | None:
     neither its weights nor its activations were quantised by `diffexport quantize`."""
     weights, qdq = weight_quant_budget(meta.get("weight_quant")), qdq_budget(meta.get("qdq"))
     if weights is not None and qdq is not None:
-            raise DiffExportError("the export declares both weight-only and Q/DQ quantisation; diffexport quantize "
+        raise DiffExportError("the export declares both weight-only and Q/DQ quantisation; diffexport quantize "
                               "writes one or the other: re-quantise the unquantised export")
     cache = kv_cache_budget(meta.get("kv_cache_quant"))
     if cache is None or (weights or qdq) is None:
@@ -247,12 +253,4 @@ def quant_budget(meta: dict[str, str]) -> QuantBudget | None:
 
 def kv_cache_budget(record: str | None) -> QuantBudget | None:
     """The budget for an export's `kv_cache_quant` metadata (None: a float cache)."""
-    if record is None:
-        return None
-    try:
-        bits = int(_record(record, "kv_cache_quant")["bits"])
-    except (ValueError, KeyError, TypeError):
-        raise DiffExportError("the kv_cache_quant metadata is not a quantisation record") from None
-    if bits not in KV_CACHE_BUDGETS:
-        raise DiffExportError(f"no accuracy budget for an int{bits} KV cache (diffexport quantize writes int8)")
-    return KV_CACHE_BUDGETS[bits]
+    return _bits_budget(record, "kv_cache_quant", KV_CACHE_BUDGETS, "an int8 KV cache")

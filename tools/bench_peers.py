@@ -289,9 +289,16 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=1024, help="cached tokens for the per-op profile (0: none)")
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    prompts = [int(p) for p in args.prompts.split(",")]
+    try:
+        prompts = [int(p) for p in args.prompts.split(",")]
+    except ValueError:
+        parser.exit(2, f"error: --prompts {args.prompts!r}: give token counts separated by commas\n")
+    if min(prompts) < 1 or min(args.new, args.rounds, args.threads) < 1 or args.profile < 0:
+        parser.exit(2, "error: prompts, --new, --rounds and --threads must be at least 1, --profile at least 0\n")
     if max(prompts) + args.new > SHAPE["max_position_embeddings"]:
-        parser.error(f"prompt + new tokens past the context ({SHAPE['max_position_embeddings']})")
+        parser.exit(2, f"error: prompt + new tokens past the context ({SHAPE['max_position_embeddings']})\n")
+    if args.work and (Path(args.work).is_symlink() or (Path(args.work).exists() and not Path(args.work).is_dir())):
+        parser.exit(2, f"error: --work {args.work} is not a folder (links are not followed)\n")
     only = set(args.only.split(",")) if args.only else None
     og = genai.import_genai()
     with tempfile.TemporaryDirectory() as tmp:

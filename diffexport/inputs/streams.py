@@ -18,8 +18,9 @@ import torch
 
 from diffexport import hub
 from diffexport.errors import DiffExportError
-from diffexport.files import is_hub_cache_link, read_text_input
-from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
+from diffexport.files import read_text_input
+from diffexport.format.decoder_folder import tokenizer_files
+from diffexport.format.tokenizer_rules import tokenizer_library_call
 
 
 # A checkpoint's task record for next-token training on a text file's UTF-8 bytes
@@ -46,11 +47,7 @@ def tokenizer_folder(tokenizer: str) -> Path:
     if not folder.is_dir():
         raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: it is not a folder here"
                               + ("" if os.path.lexists(folder) else ", nor a Hugging Face Hub id org/name"))
-    for path in sorted(folder.iterdir()):
-        if path.is_symlink() and not is_hub_cache_link(path):
-            raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: {path.name} is a symbolic link (links are not "
-                                  "followed: copy the file into the folder)")
-    check_tokenizer_json(folder / "tokenizer.json")  # its patterns are read before a library matches them
+    tokenizer_files(folder)  # the export's rules for a tokenizer folder: links, sizes, the pattern guard
     return folder
 
 

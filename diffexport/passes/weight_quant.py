@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from diffexport.errors import DiffExportError
-from diffexport.format import model_card
 from diffexport.files import check_output_path, load_onnx, require_file, staging_folder, staging_model_file
-from diffexport.format import names as names_module
+from diffexport.format import model_card, names as format_names
 from diffexport.onnxruntime_session import open_session
 from diffexport.passes import calibration, kv_cache_quant
 from diffexport.progress import Progress
@@ -247,7 +246,7 @@ def _calibrate_cache(model, model_path: Path, options: WeightQuantOptions, log) 
     nodes = kv_cache_quant.check_quantisable(model, model_path)
     data, source = calibration.batches(options, calibration.vocab_size(model, model_path))
     log(f"calibrating   the KV cache on {source}")
-    past = next(i for i in model.graph.input if i.name == names_module.PAST_KEY % 0)
+    past = next(i for i in model.graph.input if i.name == format_names.PAST_KEY % 0)
     head_size = past.type.tensor_type.shape.dim[3].dim_value
     session = open_session(model_path, "cpu", None)
     feeds = [calibration.feeds(model, ids) for ids in data]
@@ -279,8 +278,6 @@ def resolve_paths(src: Path, dst: Path, force: bool = False) -> tuple[bool, Path
         from diffexport.format.decoder_folder import read_decoder_folder
 
         model_path, _, _ = read_decoder_folder(src)
-        if dst.exists() and dst.resolve() == src.resolve():
-            raise DiffExportError(f"-o {dst} is the input folder: write the quantised folder elsewhere")
         if dst.exists() and not dst.is_dir() and not dst.is_symlink():
             raise DiffExportError(f"{dst} is a file: a folder is quantised into a folder, give a folder name")
         check_output_path(dst, replace=force, inputs=[src])
