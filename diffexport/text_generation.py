@@ -14,6 +14,32 @@ from typing import Callable
 from diffexport.errors import DiffExportError
 from diffexport.format import decoder_folder
 from diffexport.generation import Sampling
+from diffexport.stoppable import call_bounded, cpu_seconds_for
+
+
+class BoundedTokenizer:
+    """onnxruntime-genai's tokenizer of a folder, its encoding bounded: a text longer than the
+    context could hold (its tokens times the longest token's characters) is refused before it is
+    tokenized, and encoding runs in a child process under a CPU-time limit (stoppable.py), since a
+    tokenizer's regular expressions can take minutes on a short hostile text in native code nothing
+    interrupts. Everything else (decode, create_stream) is the tokenizer's own."""
+
+    def __init__(self, tokenizer, context: int, token_chars: int):
+        self._tokenizer, self.max_chars = tokenizer, context * token_chars
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) > self.max_chars:
+            raise DiffExportError(f"the text is {len(text):,} characters, more than the context could hold "
+                                  f"({self.max_chars:,}: its tokens times the longest token's characters)")
+        return call_bounded(self._encode, text, cpu_seconds=cpu_seconds_for(len(text)),
+                            what=f"tokenizing {len(text):,} characters")
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer.encode(text)]
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
 
 def folder_tokenizer(folder: Path):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
@@ -26,10 +52,10 @@ def folder_tokenizer(folder: Path):
     read = read_decoder_folder(folder)  # og.Model below reads it: nothing it would load, write or run, and its graph
     tokenizer_files(folder)  # nor a link, an oversized file or a pattern that never finishes
     # nor ids past the graph's vocabulary (a prompt's would reach onnxruntime's Gather)
-    check_tokenizer_json(folder / "tokenizer.json", read.vocab_size)
+    token_chars = check_tokenizer_json(folder / "tokenizer.json", read.vocab_size)
     og = import_genai()
     try:
-        return og.Tokenizer(og.Model(str(folder)))
+        return BoundedTokenizer(og.Tokenizer(og.Model(str(folder))), read.context_length, token_chars)
     except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
         raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
 
@@ -58,7 +84,7 @@ def encode(tokenizer, folder: Path, text: str, chat: bool = False, system: str |
         ids = [int(t) for t in tokenizer.encode(text)]
     except DiffExportError:
         raise
-    except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer
+    except Exception as exc:  # onnxruntime-genai's own errors on a broken tokenizer (ChildError: in the child)
         raise DiffExportError(f"the tokenizer in {folder} failed: {str(exc).splitlines()[0][:160]}") from None
     if not ids:
         raise DiffExportError("the prompt encodes to no tokens")

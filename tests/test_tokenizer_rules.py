@@ -88,6 +88,37 @@ def test_a_hostile_pattern_is_refused_before_any_library_matches_it(artifacts, t
     assert_one_line_error(check, "could run without end")
 
 
+POLYNOMIAL = r"\s*\s*\s*$"  # no repeated group: the guard passes it, yet it is about n^4 on a run of spaces
+
+
+@pytest.mark.slow
+def test_a_polynomial_pattern_is_stopped_in_cpu_time_and_long_text_before_tokenizing(artifacts, tmp_path):
+    """`\\s*\\s*\\s*$` passes the guard (polynomial, not exponential), but onnxruntime-genai's tokenizer
+    spends about 28 s of CPU on 100 spaces before an x, and minutes on 150, in native code that no
+    signal interrupts. Encoding runs in a child under a CPU-time limit (stoppable.call_bounded), so
+    `generate` is one line after a few CPU seconds, as are the analyses' texts (transformers'
+    tokenizer: eight runs of 250 spaces, about 2 s each, each under the regex library's own retry
+    limit); a prompt longer than the context could hold is refused before it is tokenized; and an
+    ordinary prompt on the same folder still runs."""
+    from diffexport.format.decoder_folder import read_decoder_folder
+
+    hf = artifacts.hf_diffllama()
+    folder = shutil.copytree(artifacts.cli_output("onnx", hf, "--kv-cache", output="kv"), tmp_path / "kv")
+    _with_split(folder / "tokenizer.json", POLYNOMIAL)
+    token_chars = check_tokenizer_json(folder / "tokenizer.json")  # the guard lets it through
+    stuck = cli_main("generate", folder, "--prompt", " " * 100 + "x", "--max-new-tokens", "2")
+    assert_one_line_error(stuck, "s of CPU time: the tokenizer's regular expressions backtrack on this text")
+    assert cli_main("generate", folder, "--prompt", "the cat", "--max-new-tokens", "2").returncode == 0
+    most = read_decoder_folder(folder).context_length * token_chars
+    long = cli_main("generate", folder, "--prompt", "a" * (most + 1), "--max-new-tokens", "2")
+    assert_one_line_error(long, f"more than the context could hold ({most:,}")
+    text = tmp_path / "text.txt"
+    text.write_text((" " * 250 + "x") * 8)
+    stats = cli_main("stats", "--preset", "diff-v1-tiny", "--text", text, "--tokenizer", folder, "--tokens", "256",
+                     "--seq-len", "64")
+    assert_one_line_error(stats, "s of CPU time: the tokenizer's regular expressions backtrack")
+
+
 def test_a_panic_inside_the_tokenizers_library_is_one_line(capfd):
     """A Rust panic in the tokenizers library (pyo3's PanicException is no Exception, so it went
     through as a traceback, with the panic hook's lines on stderr) is one DiffExportError line; the

@@ -6,15 +6,20 @@ bad requests and gone clients refused or dropped while the server keeps serving,
 
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from diffexport.errors import DiffExportError
 from diffexport.generation import Sampling
-from helpers import assert_one_line_error, cli_main
+from helpers import assert_one_line_error, checkout_env, cli_main
 
 pytestmark = pytest.mark.slow  # an export, and a server start: see README (quick loop)
 
@@ -340,3 +345,117 @@ def test_server_grpc_streaming(server, alone):
         client.stop_stream()
         client.close()
     assert ids == alone[PROMPTS[3]][0]
+
+
+# ---------------------------------------------------------------- the server's lifecycle
+
+
+def _tritonserver_of(pid: int) -> int | None:
+    """The tritonserver process a `diffexport triton --serve` process started, else None."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                name, rest = stat.read().rsplit(")", 1)
+        except OSError:
+            continue
+        if name.endswith("(tritonserver") and int(rest.split()[1]) == pid:
+            return int(entry)
+    return None
+
+
+def _gone(pid: int, polls: int = 600) -> bool:
+    """Whether process `pid` ends (or is a zombie) within `polls` looks 0.05 s apart."""
+    for _ in range(polls):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _serve(folder, repo):
+    command = [sys.executable, "-m", "diffexport", "triton", str(folder), "-o", str(repo), "--serve",
+               "--http-port", str(_free_port()), "--grpc-port", str(_free_port())]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=checkout_env(),
+                            stdin=subprocess.DEVNULL)
+
+
+def _until(process, word: str) -> None:
+    for line in process.stdout:
+        if line.startswith(word):
+            return
+    pytest.fail(f"no {word!r} line: {process.stderr.read()}")
+
+
+def test_the_server_never_outlives_its_supervisor_and_a_crash_is_an_error(folder, tmp_path):
+    """SIGTERM while the model loads stops the server and exits 130; a supervisor killed outright
+    (SIGKILL runs no handler) takes its server along (the server gets SIGTERM when its parent dies);
+    a server that crashes makes `--serve` exit non-zero with one line naming the log. A second
+    server on a taken port is refused before anything is written."""
+    from diffexport.serving import server as triton_server
+
+    try:
+        binary = triton_server.find_tritonserver()
+        triton_server.check_bundled_numpy() if binary.bundled_root else None
+    except DiffExportError as exc:
+        pytest.skip(f"no Triton server to test against: {exc}")
+    loading = _serve(folder, tmp_path / "r1")
+    _until(loading, "starting")
+    for _ in range(600):
+        if (started := _tritonserver_of(loading.pid)) is not None:
+            break
+        time.sleep(0.05)
+    loading.send_signal(signal.SIGTERM)
+    assert loading.wait(timeout=60) == 130 and _gone(started)
+
+    supervised = _serve(folder, tmp_path / "r2")
+    _until(supervised, "ready")
+    serving = _tritonserver_of(supervised.pid)
+    supervised.kill()
+    supervised.wait()
+    assert serving is not None and _gone(serving)
+
+    crashing = _serve(folder, tmp_path / "r3")
+    _until(crashing, "ready")
+    port = int(next(a for a in crashing.args if a.isdigit()))
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        assert taken.connect_ex(("127.0.0.1", port)) == 0  # the running server holds it
+    assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r4", "--serve", "--http-port", str(port)),
+                          f"port {port} on 127.0.0.1 is taken")
+    assert not (tmp_path / "r4").exists()
+    os.kill(_tritonserver_of(crashing.pid), signal.SIGSEGV)
+    out, err = crashing.communicate(timeout=60)
+    result = subprocess.CompletedProcess(crashing.args, crashing.returncode, out, err)
+    assert_one_line_error(result, "tritonserver ended on its own (killed by signal 11)")
+    assert "(log: " in err
+
+
+def test_a_stalling_tokenizer_is_refused_and_the_model_keeps_serving(folder, tmp_path, alone):
+    """A folder whose tokenizer pattern is polynomial (`\\\\s*\\\\s*\\\\s*$`: minutes of native matching
+    on 150 spaces, which held every other request of the model) refuses such a text_input in a
+    few CPU seconds, and a text longer than the context could hold at once; the next request is
+    answered as before."""
+    import shutil
+
+    from diffexport.serving.triton_model import DecoderService
+
+    hostile = shutil.copytree(folder, tmp_path / "kv")
+    tree = json.loads((hostile / "tokenizer.json").read_text())
+    tree["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\s*\s*\s*$"}, "behavior": "Isolated", "invert": False},
+        tree["pre_tokenizer"]]}
+    (hostile / "tokenizer.json").write_text(json.dumps(tree))
+    service = DecoderService(hostile, max_batch=2)
+    try:
+        with pytest.raises(DiffExportError, match="s of CPU time: the tokenizer's regular expressions backtrack"):
+            service.prompt((" " * 100 + "x").encode(), None)
+        with pytest.raises(DiffExportError, match="more than the context could hold"):
+            service.prompt(b"a" * (service.tokenizer.max_chars + 1), None)
+        answer = _ask(service, PROMPTS[1])
+        assert answer.done.wait(60) and answer.error is None and answer.ids == alone[PROMPTS[1]][0]
+    finally:
+        service.stop()

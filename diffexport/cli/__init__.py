@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminate_like_interrupt)
     except ValueError:  # main() called from a thread other than the main one: leave signals alone
         pass
+    if argv is None:  # a process of its own (not main() called by a program): it ends within seconds
+        from diffexport.stoppable import end_within_seconds
+
+        end_within_seconds()
     if args.version:
         from diffexport import __version__
 

@@ -5,8 +5,10 @@ options and printing.
 from __future__ import annotations
 
 import argparse
+import signal
 
 from diffexport.cli.common import add_force
+from diffexport.errors import DiffExportError
 
 
 def cmd_triton(args) -> int:
@@ -14,9 +16,10 @@ def cmd_triton(args) -> int:
     from diffexport.serving.repository import write_repository
 
     if args.serve:  # before the repository is written
-        from diffexport.serving.server import check_ports
+        from diffexport.serving.server import check_ports, check_ports_free
 
         check_ports(args.http_port, args.grpc_port)
+        check_ports_free(args.http_port, args.grpc_port)
     repo = write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force)
     prompt = "text_input (or input_ids)" if repo.text else "input_ids"
     print(f"wrote         {repo.path}/{repo.name}/ (config.pbtxt, 1/model.py, 1/decoder/): "
@@ -29,6 +32,7 @@ def cmd_triton(args) -> int:
         return 0
     from diffexport.serving.server import start_server
 
+    signal.signal(signal.SIGHUP, _hang_up)  # the terminal closed: stop the server as Ctrl-C does
     print("starting      tritonserver (127.0.0.1 only)", flush=True)
     server = start_server(repo.path, args.http_port, args.grpc_port)
     print(f"log           {server.log}")
@@ -38,9 +42,18 @@ def cmd_triton(args) -> int:
         server.process.wait()
     except KeyboardInterrupt:
         pass
+    crashed = server.ended_on_its_own()
     status = server.stop()
-    print(f"stopped       tritonserver (exit {status})")
+    if crashed:
+        raise DiffExportError(crashed)
+    if status not in (0, -signal.SIGKILL):  # SIGKILL: ours, after STOP_SECONDS
+        raise DiffExportError(f"tritonserver failed while stopping (exit {status}) (log: {server.log})")
+    print(f"stopped       tritonserver{' (killed: it did not end in time)' if status else ''}")
     return 0
+
+
+def _hang_up(signum, frame):
+    raise KeyboardInterrupt
 
 
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:

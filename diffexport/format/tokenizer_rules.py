@@ -12,7 +12,9 @@ and refused where their structure allows exponential backtracking:
 "Repeated" is any quantifier that allows more than one match (`*`, `+`, `{n,m}` with m > 1); an
 optional group `(...)?` repeats nothing. The patterns of the tokenizers in use (GPT-2, Llama 3,
 Qwen2, GPT-4o's) pass: each repeats only single characters and classes (tests/test_tokenizer_rules.py).
-What is left is polynomial at worst (`\\s*\\s*$`), over a prompt the context bounds.
+What is left is polynomial at worst (`\\s*\\s*$`): a prompt's text is bounded by the context
+before it is tokenized (the context's tokens times the longest token's characters), and encoding
+runs in a child process under a CPU-time limit (stoppable.call_bounded), where it can be stopped.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from diffexport.files import is_hub_cache_link
 
 MAX_PATTERN_CHARS = 4096  # the patterns in use are under 300 characters
 MAX_COUNT = 1000  # {n,m}: the patterns in use count to 3
+# A tokenizer.model (SentencePiece) alone lists no vocabulary we read: its pieces are short (Llama 2's
+# longest is 16 characters).
+DEFAULT_TOKEN_CHARS = 64
 MAX_TOKENIZER_JSON_BYTES = 256 * 1024**2  # as the tokenizer files' bound (export/decoder.py)
 
 
@@ -175,14 +180,32 @@ def _largest_id(tree) -> int | None:
     return max(ids) if ids else None
 
 
-def check_tokenizer_json(path: str | Path, vocab_size: int | None = None) -> None:
+def longest_token_chars(tree) -> int:
+    """The most characters one token of a tokenizer.json stands for: its vocabulary's and added
+    tokens' longest text (byte-level pieces count a character per byte, so a text's characters are
+    at most its tokens times this). DEFAULT_TOKEN_CHARS where the file lists no vocabulary."""
+    pieces: list = []
+    model = tree.get("model") if isinstance(tree, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, dict):
+        pieces += list(vocab)
+    elif isinstance(vocab, list):  # Unigram: [piece, score] pairs
+        pieces += [p[0] for p in vocab if isinstance(p, list) and p and isinstance(p[0], str)]
+    added = tree.get("added_tokens") if isinstance(tree, dict) else None
+    if isinstance(added, list):
+        pieces += [t["content"] for t in added if isinstance(t, dict) and isinstance(t.get("content"), str)]
+    return max((len(p) for p in pieces), default=DEFAULT_TOKEN_CHARS) or 1
+
+
+def check_tokenizer_json(path: str | Path, vocab_size: int | None = None) -> int:
     """Refuse, in one line, a tokenizer.json whose regular expressions could run without end
     (regex_risk), before a tokenizer library opens it; with vocab_size, one that can give an id at
-    or past the model's vocabulary (read from the file, no tokenizer library needed). A missing file
-    passes (nothing to run)."""
+    or past the model's vocabulary (read from the file, no tokenizer library needed). -> the most
+    characters a token stands for (longest_token_chars), which bounds a prompt's text before it is
+    tokenized. A missing file passes (nothing to run; DEFAULT_TOKEN_CHARS)."""
     path = Path(path)
     if not path.is_file() or (path.is_symlink() and not is_hub_cache_link(path)):
-        return  # other links are refused by the tokenizer folder's own rules (decoder_folder.tokenizer_files)
+        return DEFAULT_TOKEN_CHARS  # other links are refused by the tokenizer folder's rules (tokenizer_files)
     if path.stat().st_size > MAX_TOKENIZER_JSON_BYTES:
         raise DiffExportError(f"{path} is larger than {MAX_TOKENIZER_JSON_BYTES >> 20} MiB: not a tokenizer file")
     try:
@@ -199,6 +222,7 @@ def check_tokenizer_json(path: str | Path, vocab_size: int | None = None) -> Non
     if vocab_size is not None and largest is not None and largest >= vocab_size:
         raise DiffExportError(f"{path} gives token ids up to {largest}, past the model's vocabulary of {vocab_size}: "
                               "it is not this model's tokenizer")
+    return longest_token_chars(tree)
 
 
 @contextlib.contextmanager

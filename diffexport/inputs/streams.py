@@ -21,6 +21,7 @@ from diffexport.errors import DiffExportError
 from diffexport.files import read_text_input
 from diffexport.format.decoder_folder import tokenizer_files
 from diffexport.format.tokenizer_rules import tokenizer_library_call
+from diffexport.stoppable import call_bounded, cpu_seconds_for
 
 
 # A checkpoint's task record for next-token training on a text file's UTF-8 bytes
@@ -72,9 +73,9 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
         raise
     except Exception as exc:  # transformers raises many types for missing/bad tokenizers
         raise DiffExportError(f"cannot load tokenizer {tokenizer!r}: {str(exc).splitlines()[0]}") from None
-    try:
-        with tokenizer_library_call(f"tokenizing {path} with {tokenizer!r}"):
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+    what = f"tokenizing {path} with {tokenizer!r}"
+    try:  # in a child under a CPU-time limit: a tokenizer's patterns can backtrack for minutes (stoppable.py)
+        ids = call_bounded(_hf_encode, tok, text, what, cpu_seconds=cpu_seconds_for(len(text)), what=what)
     except DiffExportError:
         raise
     except Exception as exc:  # a tokenizer's own errors on this text
@@ -84,6 +85,11 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
         raise DiffExportError(f"tokenizer {tokenizer!r} gives ids up to {max(too_big)}, beyond this model's "
                               f"vocabulary of {vocab_size}: it is not this model's tokenizer")
     return ids
+
+
+def _hf_encode(tok, text: str, what: str) -> list[int]:
+    with tokenizer_library_call(what):
+        return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def synthetic_ids(vocab_size: int, n_tokens: int, seq_len: int, seed: int) -> tuple[list[int], list[bool] | None, str]:

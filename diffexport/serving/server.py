@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -22,7 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
+from diffexport.stoppable import die_with_parent
 
+# Seconds between SIGTERM and SIGKILL when the server is stopped (Triton's own exit timeout is one
+# less): diffexport itself ends within stoppable.GRACE_SECONDS of a signal, and its server with it.
+STOP_SECONDS = 4.0
 INSTALL_HINT = ('no Triton server: `pip install -e ".[serve]"` (nvidia-pytriton\'s bundled tritonserver), or run in '
                 "NVIDIA's tritonserver container")
 
@@ -88,7 +93,16 @@ class TritonServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def ended_on_its_own(self) -> str | None:
+        """Why the server ended without being stopped here (a crash, a failed bind), in one line with
+        its log's path; None while it runs or after stop()."""
+        status = self.process.poll()
+        if status is None or self.stopped:
+            return None
+        how = f"killed by signal {-status}" if status < 0 else f"exit {status}"
+        return f"tritonserver ended on its own ({how}): {_log_tail(self.log)} (log: {self.log})"
+
+    def stop(self, timeout: float = STOP_SECONDS) -> int:
         """SIGTERM (Triton unloads its models and ends), SIGKILL after timeout; -> its exit status."""
         if not self.stopped:
             self.stopped = True
@@ -127,15 +141,45 @@ def check_ports(http_port: int, grpc_port: int) -> None:
         raise DiffExportError(f"the HTTP and gRPC ports must differ, both are {http_port}")
 
 
+def check_ports_free(http_port: int, grpc_port: int) -> None:
+    """Both ports can be bound on 127.0.0.1 now: another server there would answer in our place."""
+    for flag, port in (("--http-port", http_port), ("--grpc-port", grpc_port)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # as servers bind: a closed connection's TIME_WAIT does not hold the port, a listener does
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as exc:
+                raise DiffExportError(f"port {port} on 127.0.0.1 is taken ({exc.strerror or exc}): another server "
+                                      f"runs there; stop it or give {flag}") from None
+
+
+def repository_models(repository: Path) -> list[str]:
+    """The models of a repository: its folders holding a config.pbtxt."""
+    return sorted(p.name for p in repository.iterdir() if (p / "config.pbtxt").is_file() and not p.is_symlink())
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
 def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port: int = 8001,
                  log: str | os.PathLike | None = None, ready_timeout: float = 120.0) -> TritonServer:
     """tritonserver over `repository`, listening on 127.0.0.1, its log in `log` (default: a file
-    in a fresh temporary folder); returns once every model is ready, or raises with the log's
-    last error line (the process stopped)."""
+    in a fresh temporary folder); returns once it answers that every model of the repository is
+    ready while it runs, or raises with the log's last error line (the process stopped). The server
+    ends with this process (it gets SIGTERM when its parent dies, however that happens), and is
+    stopped when anything, Ctrl-C included, interrupts the wait."""
     repository = Path(repository)
     if not repository.is_dir():
         raise DiffExportError(f"{repository} is not a folder: give the repository `diffexport triton` wrote")
     check_ports(http_port, grpc_port)
+    check_ports_free(http_port, grpc_port)
+    models = repository_models(repository)
     binary = find_tritonserver()
     if binary.bundled_root is not None:
         check_bundled_numpy()
@@ -143,29 +187,33 @@ def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port
     log = Path(log) if log is not None else scratch / "tritonserver.log"
     args = [str(binary.path), "--model-repository", str(repository.resolve()), "--http-address", "127.0.0.1",
             "--grpc-address", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-            "--allow-metrics", "false", "--exit-timeout-secs", "20", "--strict-readiness", "true"]
+            "--allow-metrics", "false", "--exit-timeout-secs", str(int(STOP_SECONDS) - 1),
+            "--strict-readiness", "true"]
     env = dict(os.environ)
     if binary.bundled_root is not None:
         args += ["--backend-directory", str(python_backend_dir(binary.bundled_root, scratch / "backends"))]
         libdir = sysconfig.get_config_var("LIBDIR") or ""
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     with open(log, "wb") as out:
+        # Its own session (Ctrl-C in the terminal reaches diffexport, which stops it), and SIGTERM when
+        # diffexport ends, even by SIGKILL: the server never outlives its supervisor.
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     server = TritonServer(process, http_port, grpc_port, log, scratch)
+    urls = [f"{server.url}/v2/health/ready", *(f"{server.url}/v2/models/{name}/ready" for name in models)]
     deadline = time.monotonic() + ready_timeout
-    while True:
-        if process.poll() is not None:
-            server.stop()
-            raise DiffExportError(f"tritonserver stopped (exit {process.returncode}): {_log_tail(log)} (log: {log})")
-        try:
-            with urllib.request.urlopen(f"{server.url}/v2/health/ready", timeout=2) as reply:
-                if reply.status == 200:
-                    return server
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            server.stop()
-            raise DiffExportError(f"tritonserver was not ready within {ready_timeout:.0f} s: {_log_tail(log)} "
-                                  f"(log: {log})")
-        time.sleep(0.25)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise DiffExportError(f"tritonserver stopped (exit {process.returncode}): {_log_tail(log)} "
+                                      f"(log: {log})")
+            # ready only while our process runs: a server that took the port meanwhile is not ours
+            if all(_ready(url) for url in urls) and process.poll() is None:
+                return server
+            if time.monotonic() > deadline:
+                raise DiffExportError(f"tritonserver was not ready within {ready_timeout:.0f} s: {_log_tail(log)} "
+                                      f"(log: {log})")
+            time.sleep(0.25)
+    except BaseException:  # a refusal, Ctrl-C or SIGTERM while the models load: the server goes too
+        server.stop()
+        raise

@@ -1,0 +1,93 @@
+"""Native work on strangers' input where it can be stopped (diffexport/stoppable.py): a call in a
+forked child bounded in CPU time (not wall-clock time), and a diffexport process that ends within
+seconds of SIGTERM even while native code holds the interpreter (issue 59, item 1)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from diffexport.errors import DiffExportError
+from diffexport.stoppable import GRACE_SECONDS, ChildError, call_bounded
+from helpers import checkout_env
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, prctl and RLIMIT_CPU: Linux")
+
+
+def _spin(seconds_of_cpu_asked):
+    while True:  # pure CPU, as a backtracking regular expression is
+        pass
+
+
+def _refuse(message):
+    raise DiffExportError(message)
+
+
+def _fail():
+    raise ValueError("broken tokenizer\nsecond line")
+
+
+def test_a_bounded_call_returns_its_result_and_carries_errors_back():
+    parent = os.getpid()
+    assert call_bounded(lambda n: [os.getpid() != parent, n * 2], 21, cpu_seconds=5, what="x") == [True, 42]
+    with pytest.raises(DiffExportError, match="^the child's own words$"):
+        call_bounded(_refuse, "the child's own words", cpu_seconds=5, what="x")
+    with pytest.raises(ChildError, match="^ValueError: broken tokenizer$"):
+        call_bounded(_fail, cpu_seconds=5, what="x")
+
+
+def test_a_bounded_call_is_stopped_by_its_cpu_time():
+    """One CPU second, however long the machine takes to give it: the child is killed by SIGXCPU,
+    one line here, and this process goes on."""
+    with pytest.raises(DiffExportError, match=r"^tokenizing 9 characters took more than 1 s of CPU time"):
+        call_bounded(_spin, 1, cpu_seconds=1, what="tokenizing 9 characters")
+    assert call_bounded(lambda: "still here", cpu_seconds=1, what="x") == "still here"
+
+
+def test_sigterm_ends_a_process_stuck_in_native_code():
+    """A diffexport process whose main thread is inside native code that holds the interpreter (PBKDF2
+    with a billion rounds: minutes, no signal check, as a tokenizer's regex is) cannot run its Python
+    SIGTERM handler; the watchdog kills it GRACE_SECONDS after the signal. Without the watchdog it
+    would end only when the hash was done (and then by the handler's KeyboardInterrupt, not SIGKILL)."""
+    script = textwrap.dedent("""
+        import hashlib, signal, sys
+        from diffexport.stoppable import end_within_seconds
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, interrupt)
+        assert end_within_seconds()
+        print("armed", flush=True)
+        hashlib.pbkdf2_hmac("sha256", b"x", b"salt", 10**9)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=checkout_env(), text=True)
+    try:
+        assert child.stdout.readline().strip() == "armed", child.stderr.read()
+        child.send_signal(signal.SIGTERM)
+        status = child.wait(timeout=GRACE_SECONDS + 60)  # a safety net for a broken watchdog, not a measurement
+    finally:
+        child.kill()
+        child.wait()
+    assert status == -signal.SIGKILL
+
+
+def test_a_process_that_ends_leaves_no_watchdog_behind():
+    script = "import diffexport.stoppable as s; assert s.end_within_seconds(); print(s._watchdog.pid, flush=True)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=checkout_env(),
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    helper = int(out.stdout.strip())
+    for _ in range(400):  # the helper reads end-of-file when the process is gone
+        try:
+            with open(f"/proc/{helper}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the watchdog {helper} outlived its process")
