@@ -101,3 +101,43 @@ def test_quantize_writes_its_own_card_and_carries_a_users(folder, artifacts, tmp
 def test_a_card_names_a_hub_base_model_only_for_a_hub_id(tmp_path):
     assert model_card.HUB_ID.match("org/name") and not model_card.HUB_ID.match("diffllama")
     assert not model_card.HUB_ID.match("../x") and not model_card.HUB_ID.match("/abs/path")
+
+
+HOSTILE_TEXT = {  # metadata a stranger's checkpoint or graph can carry into a card
+    "source": "<script>alert(1)</script>",
+    "source_name": "x`<img src=x onerror=alert(1)>`|y\n---\npipeline_tag: evil",
+    "source_revision": "a**b**[link](javascript:alert(1))\n# heading",
+}
+
+
+def test_strangers_metadata_reaches_the_card_as_text(folder, tmp_path):
+    """Every metadata string of the graph that the card shows is written as text: HTML's < and >
+    as entities or inside a code span, no newline (so no --- that ends the front matter, no heading),
+    no emphasis or link, no | that splits a table; the YAML header is exactly the one a clean folder
+    gets. A check report line with a code fence stays inside the results' fence."""
+    import shutil
+
+    import onnx
+
+    from diffexport.format.metadata import META_PREFIX
+
+    copy = shutil.copytree(folder, tmp_path / "kv")
+    model = onnx.load(copy / "model.onnx", load_external_data=False)
+    props = {p.key: p for p in model.metadata_props}
+    for key, value in HOSTILE_TEXT.items():
+        if META_PREFIX + key in props:
+            props[META_PREFIX + key].value = value
+        else:
+            model.metadata_props.add(key=META_PREFIX + key, value=value)
+    onnx.save(model, copy / "model.onnx")
+    card = model_card.decoder_card(copy, "model.onnx", "kv")
+    clean = model_card.decoder_card(folder, "model.onnx", "kv")
+    assert _header(card) == _header(clean)
+    assert card.count("\n---\n") == clean.count("\n---\n") and "\n# heading" not in card
+    assert "<script" not in card and "<img" not in card.replace("`<img", "")  # only inside a code span
+    line = next(line for line in card.splitlines() if line.startswith("Exported by"))
+    assert line.startswith("Exported by diffexport") and "from &lt;script&gt;alert(1)&lt;/script&gt; " in line
+    assert "``x`<img src=x onerror=alert(1)>`\\|y --- pipeline_tag: evil``" in line  # a code span: text
+    assert "(revision `a**b**[link](javascript:alert(1)) # heading`)" in line
+    results = model_card.results_lines("FAIL", ["```", "<b>not bold</b>"], "diffexport check x")
+    assert results[2] == results[-1] == "````" and results[3:5] == ["```", "<b>not bold</b>"]

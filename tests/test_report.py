@@ -240,3 +240,16 @@ def test_a_quantised_folder_of_random_weights_says_why_agreement_is_low(artifact
     text = " ".join(PageParts(path.read_text(encoding="utf-8")).text)
     assert "lowest top-1 agreement" in text and "why agreement is not judged" in text
     assert "this model has random weights" in text
+
+
+def test_plot_text_from_strangers_is_shown_not_read_as_mathematics():
+    """Matplotlib reads `$...$` as mathematics: a folder or output named `q$^^$x` or
+    `m$\\undefinedcmd$x` made it raise and `report` exit with a traceback. Our plots show text as it is."""
+    from diffexport.report.page import _prefill_plot, _speed_plot
+
+    names = ["q$^^$x", "m$\\undefinedcmd$x", "$$", "a$b"]
+    comparisons = [(None, types.SimpleNamespace(name=n, max_abs=1e-6, bound=1e-4)) for n in names]
+    assert _prefill_plot(comparisons).startswith(b"\x89PNG")
+    speed = types.SimpleNamespace(prompt_tokens_per_s=100.0, decode_tokens_per_s=float("nan"),
+                                  runtime="q$^^$x $\\undefinedcmd$", rounds=3)
+    assert _speed_plot(speed).startswith(b"\x89PNG")

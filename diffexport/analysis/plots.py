@@ -14,6 +14,9 @@ def pyplot():
     except ImportError:
         raise DiffExportError("plots need matplotlib: pip install 'diffexport[plots]'") from None
     matplotlib.use("Agg")  # files only, no display
+    # Text in our plots comes from strangers' files (folder, output and model names): shown as it is,
+    # never read as mathematics (`q$^^$x` and `$\\undefinedcmd$` made matplotlib raise).
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     return plt

@@ -57,27 +57,30 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
     tokenizer = any((folder / name).is_file() for name in TOKENIZER_MODELS)
     base = source_name if HUB_ID.match(source_name or "") else None
     header = ["---", "library_name: onnxruntime-genai", "pipeline_tag: text-generation", "tags:", "- diffexport",
-              "- differential-transformer", "- onnx", "- onnxruntime-genai", f"- {family}"]
+              "- differential-transformer", "- onnx", "- onnxruntime-genai", f"- {yaml_scalar(family)}"]
     if base:
-        header.append(f"base_model: {base}")
+        header.append(f"base_model: {yaml_scalar(base)}")
     header.append("---")
     prompt = '--prompt "Hello"' if tokenizer else "--ids 1,2,3"
     layers = model_cfg.get("n_layers", model_cfg.get("num_hidden_layers", "?"))
     heads = model_cfg.get("n_heads", model_cfg.get("num_attention_heads", "?"))
     width = model_cfg.get("d_model", model_cfg.get("hidden_size", "?"))
+    # Every value read from the graph's metadata or the folder is a stranger's text: written as plain
+    # Markdown text or a code span, never as markup (a source name of `<script>` or a newline and ---).
     body = [
         MARKER, "",
-        f"# {name or folder.name}: a {family} KV-cache decoder for onnxruntime-genai", "",
-        f"Exported by diffexport {__version__} from {source or 'a model'}"
-        f"{f' `{source_name}`' if source_name else ''}"
-        f"{f' (revision `{revision}`)' if revision else ''}: {layers} layers, {heads} {'differential ' if family != 'transformer' else ''}heads, width {width}, "
-        f"vocabulary {config['model']['vocab_size']}.", "",
+        f"# {markdown_text(name or folder.name)}: a {markdown_text(family)} KV-cache decoder for onnxruntime-genai", "",
+        f"Exported by diffexport {__version__} from {markdown_text(source) or 'a model'}"
+        f"{f' {code_span(source_name)}' if source_name else ''}"
+        f"{f' (revision {code_span(revision)})' if revision else ''}: {markdown_text(layers)} layers, "
+        f"{markdown_text(heads)} {'differential ' if family != 'transformer' else ''}heads, width {markdown_text(width)}, "
+        f"vocabulary {markdown_text(config['model']['vocab_size'])}.", "",
         "| | |", "|---|---|",
-        f"| attention | `{fmt.name}` ({form}) |",
-        f"| dtype | {meta['dtype']} |",
-        f"| weights | {weights} |",
-        f"| context length | {context} tokens |",
-        f"| execution provider | {', '.join(providers)} |",
+        f"| attention | {code_span(fmt.name)} ({form}) |",
+        f"| dtype | {markdown_text(meta['dtype'])} |",
+        f"| weights | {markdown_text(weights)} |",
+        f"| context length | {markdown_text(context)} tokens |",
+        f"| execution provider | {markdown_text(', '.join(map(str, providers)))} |",
         f"| tokenizer | {'included' if tokenizer else 'none: prompts are token ids'} |", "",
         "## Run it", "",
         "```python",
@@ -140,5 +143,40 @@ def results_lines(verdict: bool | str, report_lines: list[str], command: str) ->
 
     shown = report_lines[:60]
     verdict = verdict if isinstance(verdict, str) else "PASS" if verdict else "FAIL"
-    return [f"**{verdict}** on {datetime.date.today().isoformat()}, diffexport {__version__}: "
-            f"`{command}`", "", "```", *shown, *(["..."] if len(report_lines) > len(shown) else []), "```"]
+    fence = "`" * max(3, 1 + max((len(run) for line in shown for run in re.findall(r"`+", line)), default=0))
+    return [f"**{markdown_text(verdict)}** on {datetime.date.today().isoformat()}, diffexport {__version__}: "
+            f"{code_span(command)}", "", fence, *shown, *(["..."] if len(report_lines) > len(shown) else []), fence]
+
+
+# -- a stranger's text in a card -------------------------------------------------------------------
+
+# what can start markup inside a line (emphasis, links, code, a table's cell); the rest of Markdown's
+# punctuation matters only at a line's start, where no value of a card stands
+MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]|])")
+
+
+def _one_line(value) -> str:
+    return " ".join(str(value).split())
+
+
+def markdown_text(value) -> str:
+    """`value` as literal Markdown text inside a line: HTML's <, > and & as entities, the punctuation
+    that starts markup there backslash-escaped (a table's | included)."""
+    text = _one_line(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return MARKDOWN_SPECIAL.sub(r"\\\1", text)
+
+
+def code_span(value) -> str:
+    """`value` as a Markdown code span on one line (where HTML is not read): fenced by more backticks
+    than any run inside it, padded where it starts or ends with one. A table's | is escaped as
+    GitHub's tables need even inside code."""
+    text = _one_line(value).replace("|", "\\|")
+    fence = "`" * (1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def yaml_scalar(value) -> str:
+    """`value` as one YAML double-quoted scalar (JSON's string syntax, which YAML reads as such): a
+    newline, a `---` or a `: ` in it cannot end the value or the front matter."""
+    return json.dumps(str(value), ensure_ascii=True)
