@@ -32,8 +32,8 @@ from diffexport.errors import DiffExportError
 
 GRACE_SECONDS = 6  # between SIGTERM (or Ctrl-C) and SIGKILL, for a process that cannot run its handler
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# CPU time a tokenisation may take: a floor for loading and short texts, then time per character
-# 50x what the slowest tokenizer here needs (onnxruntime-extensions' BPE, about 2 us a character).
+# CPU time a tokenisation may take: a floor for short texts, then time per character, over 100x what
+# the tokenizers here need (0.4 us a character for onnxruntime-genai's BPE, 0.8 for transformers').
 CPU_SECONDS_FLOOR = 2.0
 CPU_SECONDS_PER_CHAR = 1e-4
 
