@@ -14,6 +14,7 @@ import sys
 
 from diffexport.cli import analysis, check, export, generate, gpu, serve
 from diffexport.cli.generate import sampling_options as _sampling  # noqa: F401 (tests' old name)
+from diffexport.stoppable import end_within_seconds
 
 # Command -> its function, in the help's order; and the module that adds its options.
 COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "report": check.cmd_report, "generate": generate.cmd_generate,
@@ -113,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:  # main() called from a thread other than the main one: leave signals alone
         pass
     if argv is None:  # a process of its own (not main() called by a program): it ends within seconds
-        from diffexport.stoppable import end_within_seconds
-
         end_within_seconds()
     if args.version:
         from diffexport import __version__
