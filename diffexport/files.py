@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from diffexport.errors import DiffExportError
+from diffexport.stoppable import interrupts_held
 
 
 # Text inputs (--text, --calib, --prompts-file) are read whole and tokenised at once; the tools use
@@ -104,16 +105,19 @@ def atomic_write(path: Path, write) -> None:
     The result keeps the mode of the file it replaces, or gets the permissions a plain open()
     would give (mkstemp's are owner-only)."""
     make_output_folder(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
-    os.close(fd)
+    tmp = None
     try:
+        with interrupts_held():  # the file made and its name bound, or neither
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path.name), suffix=".tmp")
+            os.close(fd)
         write(tmp)
         # a file rewritten keeps its mode (a 0600 card stays 0600); a new one gets what open() would give
         mode = path.stat().st_mode & 0o7777 if path.is_file() and not path.is_symlink() else 0o666 & ~_umask()
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -124,14 +128,24 @@ def rename_into_place(tmp_dir: Path, dst: Path, replace: bool = False) -> None:
     if not (replace and dst.is_dir() and not dst.is_symlink()):
         os.rename(tmp_dir, dst)
         return
-    old = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".old")) / dst.name
-    os.rename(dst, old)
+    swapped, aside = False, None
     try:
-        os.rename(tmp_dir, dst)
-    except BaseException:
-        os.rename(old, dst)
-        raise
-    shutil.rmtree(old.parent, ignore_errors=True)
+        with interrupts_held():  # the swap is done or undone whole, never left half-way
+            aside = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".old"))
+            old = aside / dst.name
+            os.rename(dst, old)
+            try:
+                os.rename(tmp_dir, dst)
+            except BaseException:
+                os.rename(old, dst)
+                raise
+            swapped = True
+    finally:  # an interrupt held back is raised as the block ends: the old folder still goes
+        if swapped:
+            shutil.rmtree(aside, ignore_errors=True)
+        elif aside is not None:
+            with contextlib.suppress(OSError):
+                aside.rmdir()  # only when empty: the user's folder is never removed here
 
 
 @contextlib.contextmanager
@@ -143,15 +157,18 @@ def staging_folder(dst: Path, replace: bool = False):
     existing is replaced without replace."""
     dst = Path(dst)
     make_output_folder(dst.parent)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".tmp"))
+    tmp = None
     try:
+        with interrupts_held():  # the folder made and its name bound, or neither
+            tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=temp_prefix(dst.name), suffix=".tmp"))
         yield tmp
         for path in [tmp, *tmp.rglob("*")]:
             if path.is_dir() and not path.is_symlink():
                 os.chmod(path, 0o777 & ~_umask())
         rename_into_place(tmp, dst, replace)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -163,12 +180,18 @@ def staging_model_file(out_path: Path):
     the scratch folder is removed however the block ends."""
     out_path = Path(out_path)
     make_output_folder(out_path.parent)
-    with tempfile.TemporaryDirectory(dir=out_path.parent, prefix=temp_prefix(out_path.name), suffix=".tmp") as tmp:
-        yield Path(tmp)
-        data = Path(tmp) / (out_path.name + ".data")
+    tmp = None
+    try:
+        with interrupts_held():  # the folder made and its name bound, or neither
+            tmp = Path(tempfile.mkdtemp(dir=out_path.parent, prefix=temp_prefix(out_path.name), suffix=".tmp"))
+        yield tmp
+        data = tmp / (out_path.name + ".data")
         if data.exists():
             os.replace(data, out_path.with_name(data.name))
-        os.replace(Path(tmp) / out_path.name, out_path)
+        os.replace(tmp / out_path.name, out_path)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_output_folder(folder: Path) -> None:

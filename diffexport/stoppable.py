@@ -18,6 +18,7 @@ process GRACE_SECONDS to clean up and exit, then kills it. The helper leaves whe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -139,6 +140,46 @@ def call_bounded(fn: Callable, *args, cpu_seconds: float, what: str):
     if kind == "error":
         raise ChildError(value)
     return value
+
+
+# -- interrupts held back while a temporary file is made -----------------------------------------
+_held = 0  # nesting depth of interrupts_held()
+_pending = False  # an interrupt came while held
+
+
+def interrupt(signum=None, frame=None):
+    """The handler of SIGTERM (and Ctrl-C): KeyboardInterrupt, so every cleanup runs; inside
+    interrupts_held() it is raised when the block ends instead."""
+    global _pending
+    if _held:
+        _pending = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """A block an interrupt does not cut in two: a temporary file or folder made and its name bound
+    for cleanup. (Masking the signal would not do: Python runs its handlers in the main thread at
+    its next check whichever thread the signal reached.) The interrupt is raised when the block ends."""
+    global _held, _pending
+    _held += 1
+    try:
+        yield
+    finally:
+        _held -= 1
+        if not _held and _pending:
+            _pending = False
+            raise KeyboardInterrupt
+
+
+def install_interrupt_handlers() -> None:
+    """SIGTERM and SIGINT through interrupt() (main thread only; elsewhere signals are left alone)."""
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, interrupt)
+    except ValueError:  # not the main thread
+        pass
 
 
 # -- ending within seconds ---------------------------------------------------------------------

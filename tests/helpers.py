@@ -122,7 +122,7 @@ def cli_main(*args, cwd=None, stdin: str | bytes | None = None):
     (argparse); stdout and stderr are captured at the file descriptors, so what a C library prints
     counts as it would in a child; stdin is the bytes given, else empty. Warnings show as in a fresh
     interpreter (its default filters, printed to stderr), and the environment, working directory and
-    SIGTERM handler are restored afterwards. For what needs a process of its own (signals, resource
+    SIGTERM and SIGINT handlers are restored afterwards. For what needs a process of its own (signals, resource
     limits, broken pipes, which modules an entry point imports) use run_cli."""
     import contextlib
     import io
@@ -139,7 +139,7 @@ def cli_main(*args, cwd=None, stdin: str | bytes | None = None):
     if isinstance(stdin, str):
         stdin = stdin.encode()
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    saved_sigterm = signal.getsignal(signal.SIGTERM)
+    saved_sigterm, saved_sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     saved_streams = sys.stdin, sys.stdout, sys.stderr
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(3)]
@@ -188,6 +188,7 @@ def cli_main(*args, cwd=None, stdin: str | bytes | None = None):
             os.environ.clear()
             os.environ.update(saved_env)
             signal.signal(signal.SIGTERM, saved_sigterm)
+            signal.signal(signal.SIGINT, saved_sigint)
         out, err = files[1], files[2]
         out.seek(0)
         err.seek(0)

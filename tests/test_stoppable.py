@@ -67,12 +67,58 @@ def test_sigterm_ends_a_process_stuck_in_native_code():
                              env=checkout_env(), text=True)
     try:
         assert child.stdout.readline().strip() == "armed", child.stderr.read()
+        _until_busy_in_native_code(child.pid)  # the signal must find it inside the hash, not before
         child.send_signal(signal.SIGTERM)
         status = child.wait(timeout=GRACE_SECONDS + 60)  # a safety net for a broken watchdog, not a measurement
     finally:
         child.kill()
         child.wait()
     assert status == -signal.SIGKILL
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _until_busy_in_native_code(pid: int) -> None:
+    """Wait until the process has spent 0.3 s of CPU after printing "armed": only the hash runs then."""
+    start = _cpu_seconds(pid)
+    for _ in range(2000):
+        if _cpu_seconds(pid) - start >= 0.3:
+            return
+        time.sleep(0.01)
+    pytest.fail("the child never got busy")
+
+
+def test_an_interrupt_waits_for_the_held_block_and_no_temporary_stays(tmp_path, monkeypatch):
+    """An interrupt inside interrupts_held() is raised when the block ends, so a temporary folder is
+    either not made or made and known to its cleanup: SIGTERM at the wrong instant left
+    `.m.onnx.XXXX.tmp` behind under load."""
+    from diffexport import stoppable
+    from diffexport.files import staging_folder
+
+    with pytest.raises(KeyboardInterrupt):
+        with stoppable.interrupts_held():
+            stoppable.interrupt()  # what SIGTERM calls
+            reached = True
+    assert reached and not stoppable._pending
+    import tempfile
+
+    real_mkdtemp = tempfile.mkdtemp
+
+    def interrupted_mkdtemp(*args, **kwargs):  # the signal lands just as the folder is made
+        made = real_mkdtemp(*args, **kwargs)
+        stoppable.interrupt()
+        return made
+
+    monkeypatch.setattr(tempfile, "mkdtemp", interrupted_mkdtemp)
+    with pytest.raises(KeyboardInterrupt):
+        with staging_folder(tmp_path / "out"):
+            pytest.fail("the block ran after the interrupt")
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_process_that_ends_leaves_no_watchdog_behind():

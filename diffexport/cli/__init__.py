@@ -14,7 +14,7 @@ import sys
 
 from diffexport.cli import analysis, check, export, generate, gpu, serve
 from diffexport.cli.generate import sampling_options as _sampling  # noqa: F401 (tests' old name)
-from diffexport.stoppable import end_within_seconds
+from diffexport.stoppable import end_within_seconds, install_interrupt_handlers
 
 # Command -> its function, in the help's order; and the module that adds its options.
 COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "report": check.cmd_report, "generate": generate.cmd_generate,
@@ -96,23 +96,13 @@ def check_inputs_exist(args) -> None:
         raise DiffExportError(MISSING_MODEL.get(args.command, "{} does not exist: give an .onnx file").format(model))
 
 
-def _terminate_like_interrupt(signum, frame):
-    """SIGTERM takes the same way out as Ctrl-C, so every cleanup (temporary files) runs."""
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
-    import signal
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # one error line, as the subcommand's parser words it
         sub = parser._subcommands.get(args.command, parser) if args.command else parser
         sub.error(f"unrecognized argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}")
-    try:
-        signal.signal(signal.SIGTERM, _terminate_like_interrupt)
-    except ValueError:  # main() called from a thread other than the main one: leave signals alone
-        pass
+    install_interrupt_handlers()  # SIGTERM takes Ctrl-C's way out, so every cleanup runs
     if argv is None:  # a process of its own (not main() called by a program): it ends within seconds
         end_within_seconds()
     if args.version:

@@ -176,7 +176,13 @@ def code_span(value) -> str:
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
+YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "~", "y", "n"}  # read as other types
+PLAIN_YAML = re.compile(r"^[A-Za-z][A-Za-z0-9_./-]*$")  # a name YAML reads as that string, unquoted
+
+
 def yaml_scalar(value) -> str:
-    """`value` as one YAML double-quoted scalar (JSON's string syntax, which YAML reads as such): a
-    newline, a `---` or a `: ` in it cannot end the value or the front matter."""
-    return json.dumps(str(value), ensure_ascii=True)
+    """`value` as one YAML scalar: a plain name (an org/name id, a family) as it is, anything else
+    double-quoted (JSON's string syntax, which YAML reads as such), so that a newline, a `---` or a
+    `: ` in it cannot end the value or the front matter."""
+    text = str(value)
+    return text if PLAIN_YAML.match(text) and text.lower() not in YAML_WORDS else json.dumps(text, ensure_ascii=True)
