@@ -1,4 +1,4 @@
-"""A decoder folder's chat template, rendered within bounds (issue 43 item 7).
+"""A decoder folder's chat template, rendered within bounds.
 
 A chat template is a Jinja program from whoever made the folder. Rendered by onnxruntime-genai's
 native engine, `{% for i in range(10**8) %}` took 3 GB and a nested loop with no output never

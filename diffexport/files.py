@@ -279,7 +279,7 @@ _ELEMENT_BITS = {"FLOAT": 32, "UINT8": 8, "INT8": 8, "UINT16": 16, "INT16": 16, 
 def check_declared_sizes(model, path: Path) -> None:
     """Every initializer's shape must match the bytes it holds, inline or in its external file,
     before anything reads or allocates from the shape: a weight declaring [2**31, 2**31] over 64
-    bytes reached onnxruntime's quantizer as a failed reshape (issue 43)."""
+    bytes reached onnxruntime's quantizer as a failed reshape."""
     import math
 
     from onnx import TensorProto

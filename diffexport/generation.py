@@ -225,7 +225,7 @@ class StopText:
         return out
 
 
-MAX_BEAMS = 256  # searches run 1 to 64 beams; 10**5 beams ran past 2 minutes on a tiny model (issue 43)
+MAX_BEAMS = 256  # searches run 1 to 64 beams; 10**5 beams ran past 2 minutes on a tiny model
 
 
 @dataclasses.dataclass

@@ -392,7 +392,7 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
 
 
 def test_chi_square_of_draws():
-    from diffexport.check import _chi_square
+    from diffexport.validation.search import _chi_square
 
     expected = torch.full((10,), 100.0, dtype=torch.float64)
     statistic, bins, p_value = _chi_square(expected.clone(), expected)
@@ -415,7 +415,8 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
     another temperature than eager draws with (the chi-square test, no token outside)."""
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import genai
-    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.validation.options import CheckOptions
+    from diffexport.validation.decoder import run_decoder_check
     from diffexport.generation import Sampling
 
     loaded, folders = model_and_folders

@@ -309,7 +309,8 @@ def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, 
     genai's own search still passes."""
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import decoding
-    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.validation.options import CheckOptions
+    from diffexport.validation.decoder import run_decoder_check
     from diffexport.checkpoint import load_model
 
     model, root, ckpt = folders["diff-v1-tiny"]
@@ -393,9 +394,11 @@ def test_check_hf_folder_beams_against_transformers(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     import numpy as np
 
-    from diffexport.check import CheckOptions, run_decoder_check
+    from diffexport.validation.options import CheckOptions
+
+    from diffexport.validation.decoder import run_decoder_check
     from diffexport.checkpoint import load_model
-    from diffexport.export.decoder import export_decoder
+    from diffexport.export.decoder import export_decoder_graph as export_decoder
 
     _hf_diffllama().save_pretrained(tmp_path / "hf")
     loaded = load_model(tmp_path / "hf")

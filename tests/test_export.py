@@ -14,7 +14,8 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
 from diffexport import contract  # noqa: E402
-from diffexport.check import CheckOptions, run_check  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
+from diffexport.validation.prefill import run_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402

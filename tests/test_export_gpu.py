@@ -7,7 +7,9 @@ pytestmark = pytest.mark.gpu
 
 ort = pytest.importorskip("onnxruntime")
 
-from diffexport.check import CheckOptions, run_check  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
+
+from diffexport.validation.prefill import run_check  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 

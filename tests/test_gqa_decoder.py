@@ -16,7 +16,8 @@ pytest.importorskip("onnxruntime")
 
 from diffexport import contract  # noqa: E402
 from diffexport.backends import decoding, genai  # noqa: E402
-from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
+from diffexport.validation.decoder import run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_safetensors  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402

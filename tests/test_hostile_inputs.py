@@ -31,7 +31,7 @@ def test_engine_sidecar_cannot_make_check_load_a_library(exported, tmp_path, mon
                    f' FILE* f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
     evil = tmp_path / "libevil.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(evil), str(src)], check=True)
-    from diffexport.check import read_export_metadata
+    from diffexport.format.metadata import read_export_metadata
 
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"not really an engine")
@@ -211,7 +211,7 @@ def test_check_against_and_plugin_lib_bad_inputs(exported, tmp_path):
     assert_one_line_error(cli_main("check", exported, "--against", tmp_path / "other.onnx"), "take different inputs")
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"x")
-    from diffexport.check import read_export_metadata
+    from diffexport.format.metadata import read_export_metadata
 
     (tmp_path / "m.engine.json").write_text(json.dumps({
         "onnx_metadata": read_export_metadata(exported), "module": "tensorrt", "attention": "plugin",
@@ -412,7 +412,7 @@ def test_malformed_export_metadata_is_one_line(exported, tmp_path, key, value):
     else:
         assert_one_line_error(checked, "")
         # the same metadata recorded in an engine's sidecar: refused before anything runs
-        from diffexport.check import read_export_metadata
+        from diffexport.format.metadata import read_export_metadata
 
         meta = read_export_metadata(exported)
         meta[key] = value

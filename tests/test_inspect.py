@@ -75,7 +75,7 @@ def test_text_report_and_missing_external_data(external_export, tmp_path):
 
 
 def test_a_kv_cache_folder_is_inspected_through_its_decoder(tmp_path):
-    from diffexport.export.decoder import export_decoder
+    from diffexport.export.decoder import export_decoder_graph as export_decoder
 
     folder = tmp_path / "kv"
     export_decoder(load_model(None, preset="diff-v2-tiny"), folder, context_length=64, log=lambda _: None)

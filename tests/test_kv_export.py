@@ -15,11 +15,12 @@ pytest.importorskip("onnxruntime")
 
 from diffexport import contract  # noqa: E402
 from diffexport.backends import base, decoding, genai  # noqa: E402
-from diffexport.check import CheckOptions, run_decoder_check  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
+from diffexport.validation.decoder import run_decoder_check  # noqa: E402
 from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
 from diffexport.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
-from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.export.decoder import export_decoder_graph as export_decoder  # noqa: E402
 from diffexport.format.decoder_folder import cache_width  # noqa: E402
 from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
@@ -760,7 +761,8 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     transformers' tokens, the folder's sampling is used unless --greedy, the options override it."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.cli import _sampling, build_parser
+    from diffexport.cli import build_parser
+    from diffexport.cli.generate import sampling_options
     from diffexport.format.decoder_folder import SEARCH_DEFAULTS
 
     torch.manual_seed(12)
@@ -803,7 +805,7 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
 
     def sampling(*flags):
         args = build_parser().parse_args(["generate", str(tmp_path / "kv"), "--ids", "1", *flags])
-        return _sampling(args, config)
+        return sampling_options(args, config)
 
     folder = sampling()
     assert (folder.greedy, folder.temperature, folder.top_k, folder.top_p, folder.repetition_penalty) == \
@@ -988,7 +990,9 @@ def kv_engine(v1_folder, tmp_path_factory):
 
 def _engine_check(engine, folder, loaded, tmp_path, runner, steps=12, text=None, max_sequence=None, beams=None):
     from diffexport.backends.tensorrt import EngineDecoder, read_engine_record
-    from diffexport.check import TextIds, _decode_check, check_export_metadata
+    from diffexport.validation.options import TextIds
+    from diffexport.validation.decoder import decode_check as _decode_check
+    from diffexport.format.metadata import check_export_metadata
 
     record = read_engine_record(engine)
     stepper = EngineDecoder(engine, record, check_export_metadata(record["onnx_metadata"], engine), runner)

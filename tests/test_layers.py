@@ -131,10 +131,10 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     """The checks above can fail: a planted cycle and a planted upward import are found."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     table = layer_table()
-    assert rank_of("diffexport.cli", table) > rank_of("diffexport.check", table) > rank_of("diffexport.format.names",
+    assert rank_of("diffexport.cli", table) > rank_of("diffexport.validation", table) > rank_of("diffexport.format.names",
                                                                                               table)
     assert rank_of("diffexport.format.names", table) > rank_of("diffexport.contract", table)
-    assert rank_of("diffexport.validation.decoder", table) == rank_of("diffexport.check", table)
+    assert rank_of("diffexport.validation.decoder", table) == rank_of("diffexport.inspect_onnx", table)
 
 
 MODULE_LINES = 800  # docs/ARCHITECTURE.md, "Module sizes"

@@ -459,3 +459,21 @@ def test_a_stalling_tokenizer_is_refused_and_the_model_keeps_serving(folder, tmp
         assert answer.done.wait(60) and answer.error is None and answer.ids == alone[PROMPTS[1]][0]
     finally:
         service.stop()
+
+
+def test_bench_triton_exports_the_format_it_names(tmp_path):
+    """tools/bench_triton.py called the export step that refuses a format with a pass, so its own
+    default (--attention gqa) was refused: it now calls the export every format goes through."""
+    import importlib.util
+    from pathlib import Path
+
+    from diffexport.checkpoint import load_model
+    from diffexport.format.decoder_folder import read_decoder_folder
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "bench_triton.py"
+    spec = importlib.util.spec_from_file_location("bench_triton", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    folder = tool.export_decoder(load_model(None, preset="diff-v1-tiny", seed=0), tmp_path / "kv", threads=1,
+                                 attention="gqa", log=lambda _: None).folder
+    assert read_decoder_folder(folder).format.name == "gqa"

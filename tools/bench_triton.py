@@ -35,7 +35,7 @@ import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
 from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.serving.repository import write_repository  # noqa: E402
 from diffexport.serving.server import start_server  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffexport.backends import genai  # noqa: E402
 from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export.decoder import export_decoder  # noqa: E402
+from diffexport.export.decoder import export_decoder_graph  # noqa: E402
 from diffexport.generation import Sampling, next_token_probs  # noqa: E402
 
 ROWS = 32  # genai 0.18 takes at most 32 rows to a generator; each row draws on its own
@@ -106,7 +106,7 @@ def main() -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "folder"
-        export_decoder(loaded, folder, log=lambda *a: None)
+        export_decoder_graph(loaded, folder, log=lambda *a: None)
         config = genai._genai_config(folder)
         for index in range(args.prompts):
             prompt = rng.integers(0, vocab, size=7).tolist()

@@ -13,7 +13,6 @@ import os
 import sys
 
 from diffexport.cli import analysis, check, export, generate, gpu, serve
-from diffexport.cli.generate import sampling_options as _sampling  # noqa: F401 (tests' old name)
 from diffexport.stoppable import end_within_seconds, install_interrupt_handlers
 
 # Command -> its function, in the help's order; and the module that adds its options.

@@ -212,7 +212,7 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
     from diffexport import text_generation
     from diffexport.backends import decoding, genai
     from diffexport.validation import CheckOptions, run_decoder_check
-    from diffexport.export.decoder import export_decoder
+    from diffexport.export.decoder import export_decoder_graph
     from diffexport.format import decoder_folder, names
     from diffexport.generation import Sampling, generate
 
@@ -223,7 +223,7 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
         if folder.is_symlink() or not folder.is_dir() or not {p.name for p in folder.iterdir()} <= ours:
             raise DiffExportError(f"{folder} exists and is not an earlier demo's output: move it or pick --out-dir")
         shutil.rmtree(folder)
-    summary = export_decoder(loaded, folder, log=log_line)
+    summary = export_decoder_graph(loaded, folder, log=log_line)
     print(summary.report())
     tokenizer = None
     if decoder_folder.has_tokenizer(folder):

@@ -40,8 +40,7 @@ from diffexport.format.decoder_folder import (GENAI_PROVIDERS, cache_heads, cach
 from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
-from diffexport.format.names import TOKENIZER_MODELS  # noqa: F401 (its old home)
-from diffexport.format.names import decoder_input_names as input_names  # noqa: F401 (their old home)
+from diffexport.format.names import decoder_input_names as input_names
 from diffexport.format.names import decoder_output_names as output_names  # noqa: F401
 KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
 # How a decoder folder's attention runs: format/decoders.py (its registry; kept here by name for the API).
@@ -151,7 +150,7 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
         raise DiffExportError(f"--threads must be in 1..{MAX_THREADS}, got {threads}")
 
 
-def export_decoder(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
+def export_decoder_graph(loaded: LoadedModel, out_dir: str | os.PathLike, options: ExportOptions | None = None, *,
                    tokenizer: str | os.PathLike | None = None, context_length: int | None = None,
                    threads: int | None = None, attention: str = decoders.DEFAULT, provider: str | None = None,
                    rewrite: DecoderRewrite | None = None,

@@ -413,7 +413,7 @@ def _check_config_describes_the_graph(config: dict, meta: dict, fmt, config_path
     """The numbers genai_config.json gives onnxruntime-genai (vocabulary, layers, cache heads and
     width, hidden size, query maps) must be the ones the graph's own metadata implies: a folder
     edited to say otherwise (vocab_size 2**24 against a 512-id graph: buffers sized from the
-    config) is refused before anything allocates from them (issue 43)."""
+    config) is refused before anything allocates from them."""
     from diffexport.modeling import config_from_dict
 
     cfg = config_from_dict(meta["family"], json.loads(meta["config"]))  # validated by read_export_metadata

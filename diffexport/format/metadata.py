@@ -45,7 +45,7 @@ VARIANTS = {"diff_v1": contract.VARIANT_V1, "diff_v2": contract.VARIANT_V2}
 def _check_nodes_match_config(nodes: list, meta: dict[str, str], path: Path) -> None:
     """Every DiffAttention node has the shape the metadata's config gives its attention: a node
     edited to other heads (num_heads doubled) would otherwise reach a runtime's reshape as an
-    internal error, or run on weights laid out for other heads (issue 43)."""
+    internal error, or run on weights laid out for other heads."""
     cfg = config_from_dict(meta["family"], json.loads(meta["config"]))  # validated just above
     expected = {"variant": VARIANTS.get(cfg.family), "num_heads": cfg.n_heads, "num_kv_heads": cfg.n_kv_heads,
                 "head_dim": cfg.head_dim}

@@ -3,7 +3,7 @@
 
 The tokenizer libraries (Hugging Face tokenizers, onnxruntime-extensions under onnxruntime-genai)
 match these patterns in native code that nothing can interrupt: `(a+)+$` over a 40-character
-prompt never finishes (issue 43). So the patterns are read, before either library opens the file,
+prompt never finishes. So the patterns are read, before either library opens the file,
 and refused where their structure allows exponential backtracking:
 - a repeated group that itself holds a repetition of varying count, `(a+)+`, `(?:\\s*x)*` (a fixed
   count, `(\\d{3})+`, cannot split the same text two ways);

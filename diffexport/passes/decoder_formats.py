@@ -30,11 +30,12 @@ def rewrite_for(attention: str) -> decoder.DecoderRewrite | None:
 
 def export_decoder(loaded, out_dir: str | os.PathLike, options=None, *, attention: str | None = None,
                    **kwargs) -> decoder.DecoderExportSummary:
-    """export.decoder.export_decoder in any format, the format's pass handed in (same arguments).
+    """A KV-cache decoder folder in any format: export.decoder.export_decoder_graph with the format's pass
+    handed in (same arguments).
     attention None: the default for the folder's provider and dtype (decoders.default_format: gqa
     for the CPU)."""
     if attention is None:
         dtype = options.dtype if options is not None else ExportOptions().dtype
         attention = decoders.default_format(kwargs.get("provider"), dtype, loaded.config.family in DIFF_FAMILIES)
-    return decoder.export_decoder(loaded, out_dir, options, attention=attention, rewrite=rewrite_for(attention),
+    return decoder.export_decoder_graph(loaded, out_dir, options, attention=attention, rewrite=rewrite_for(attention),
                                   **kwargs)
