@@ -28,6 +28,8 @@ from diffexport.files import atomic_write
 from diffexport.modeling import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict
 from diffexport.modeling.common import DecoderLM, ModelConfig
 from diffexport.progress import Progress
+from diffexport.presets import preset_config, preset_weights
+from diffexport import hub
 
 FORMAT = "diffexport.checkpoint"
 FORMAT_VERSION = 1
@@ -411,7 +413,6 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
                dtype: torch.dtype | None = None, device: str = "cpu") -> LoadedModel:
     """Load any supported checkpoint (or build a seeded preset when only `preset` is given;
     device="meta" then builds shapes only, for summaries of presets too big to materialise)."""
-    from diffexport.presets import preset_config, preset_weights
 
     if layout not in LAYOUTS:
         raise DiffExportError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -427,7 +428,6 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
         model = build_model(given_cfg, seed=seed, dtype=dtype or torch.float32, device=device)
         return LoadedModel(model, given_cfg, "preset" if device != "meta" else "preset (shapes only)")
 
-    from diffexport import hub
 
     repo = hub.hub_repo(path)
     path = hub.resolve(path)  # a Hugging Face Hub id (org/name[@revision]) becomes its local snapshot

@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from diffexport.contract import DiffAttentionAttrs
 
 TIMEOUT_S = 90.0  # the child's CUDA start-up takes seconds; a working path's launches take milliseconds
 MIN_COSINE = 0.999  # bf16 kernel output against the float32 reference (the GPU tests' bf16 floor)
@@ -110,7 +111,6 @@ def run_child(name: str) -> int:
     import torch
 
     from diffexport import kernels, reference
-    from diffexport.contract import DiffAttentionAttrs
     from diffexport.quantization import LogitQuant
 
     check = CHECKS[name]

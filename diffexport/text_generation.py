@@ -15,6 +15,18 @@ from diffexport.errors import DiffExportError
 from diffexport.format import decoder_folder
 from diffexport.generation import Sampling
 from diffexport.stoppable import call_bounded, cpu_seconds_for
+from diffexport.backends.genai import import_genai
+from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder, tokenizer_files
+from diffexport.format.tokenizer_rules import check_tokenizer_json
+from diffexport.chat_template import render_chat
+from diffexport.format.decoder_folder import folder_search
+from diffexport.backends import decoding
+from diffexport.backends.tensorrt import open_decoder_engine
+from diffexport.onnxruntime_session import resolve_provider
+from diffexport.format.decoder_folder import eos_token_ids
+from diffexport.generation import StopText
+from diffexport.generation import BeamSearch
+from diffexport import prompts as prompts_file
 
 
 class BoundedTokenizer:
@@ -43,9 +55,6 @@ class BoundedTokenizer:
 
 def folder_tokenizer(folder: Path):
     """onnxruntime-genai's tokenizer of a decoder folder (one line when the folder has none)."""
-    from diffexport.backends.genai import import_genai
-    from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder, tokenizer_files
-    from diffexport.format.tokenizer_rules import check_tokenizer_json
 
     if not has_tokenizer(folder):
         raise DiffExportError(f"{folder} has no tokenizer: give token ids, or re-export with --tokenizer DIR")
@@ -65,7 +74,6 @@ def conversation_text(tokenizer, folder: Path, messages: list[dict]) -> str:
     answer: chat_template.jinja or tokenizer_config.json's chat_template, rendered within bounds of
     time, memory and output (chat_template.py). `tokenizer` is kept for the callers' sake: the
     rendered text is what they encode with it."""
-    from diffexport.chat_template import render_chat
 
     return render_chat(folder, messages)
 
@@ -133,7 +141,6 @@ def folder_sampling(config: dict, *, greedy: bool = False, sample: bool = False,
     (do_sample true, from its checkpoint's generation_config.json) samples with its temperature, top-k
     and top-p unless `greedy`; its repetition penalty applies either way. Otherwise greedy, or with
     `sample` temperature 1, no top-k or top-p cut. What came from the folder is said through `log`."""
-    from diffexport.format.decoder_folder import folder_search
 
     search = folder_search(config)
     folder_samples = search["do_sample"] and not greedy and num_beams == 1
@@ -169,16 +176,13 @@ def open_backend(folder: Path, backend: str, provider: str = "auto", engine: str
       onnxruntime  an OrtDecoder on the resolved provider (step_runner=False: no runner, the caller's
                    batch loop opens its own), and that provider;
       genai        no runner (genai keeps its own loop), and the provider to name (None: the folder's own)."""
-    from diffexport.backends import decoding
 
     if backend not in BACKENDS:
         raise DiffExportError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
     if backend == "tensorrt":
-        from diffexport.backends.tensorrt import open_decoder_engine
 
         return open_decoder_engine(engine, folder, plugin_lib), None
     if backend == "onnxruntime":
-        from diffexport.onnxruntime_session import resolve_provider
 
         resolved = resolve_provider(provider)
         return (decoding.OrtDecoder(folder, provider=resolved) if step_runner else None), resolved
@@ -230,7 +234,6 @@ class ChatSession:
                  system: str | None = None, stop: list[str] | tuple = (), backend: str = "genai",
                  provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None,
                  log: Callable[[str], None] | None = None):
-        from diffexport.format.decoder_folder import eos_token_ids
 
         self.folder, self.config, self.sampling, self.max_new_tokens = folder, config, sampling, max_new_tokens
         self.stop, self.backend, self.log = list(stop), backend, log or (lambda _: None)
@@ -247,7 +250,6 @@ class ChatSession:
         import time
 
         from diffexport.backends import decoding, genai
-        from diffexport.generation import StopText
 
         ids = self.history.ask(text)
         if ids is None:
@@ -296,7 +298,6 @@ def beam_search_options(num_beams: int = 1, num_return_sequences: int | None = N
                         interactive: bool = False, batched: bool = False):
     """The beam search asked for, as a BeamSearch (None: num_beams 1, no beam search), refusing what
     beam search does not combine with here (batched: a batch size or length sorting was asked)."""
-    from diffexport.generation import BeamSearch
 
     given = [flag for flag, value in (("--num-return-sequences", num_return_sequences),
                                       ("--length-penalty", length_penalty),
@@ -361,7 +362,6 @@ def read_prompt_rows(folder: Path, config: dict, path: Path, max_new_tokens: int
                      system: str | None = None, stop: list[str] | tuple = ()) -> PromptRows:
     """Every prompt of a prompts file (diffexport/prompts.py) as token ids within the context, with
     its own max_new_tokens and stop strings where the line gives them, else the caller's."""
-    from diffexport import prompts as prompts_file
 
     lines = prompts_file.read_prompts(path, decoder_folder.vocab_size(config))
     texts = any(p.text is not None for p in lines)
@@ -422,9 +422,6 @@ def _answer_in_batches(folder, config, rows: PromptRows, sampling, backend, prov
                        sort_by_length, log):
     import time
 
-    from diffexport.backends import decoding
-    from diffexport.format.decoder_folder import eos_token_ids
-    from diffexport.generation import StopText
 
     if batch_size < 1:
         raise DiffExportError(f"the batch size must be >= 1, got {batch_size}")

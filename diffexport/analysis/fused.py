@@ -20,6 +20,8 @@ import torch
 from diffexport.errors import DiffExportError
 from diffexport.modeling import DIFF_FAMILIES
 from diffexport.quantization import UNQUANTISED_BITS, LogitQuant
+from diffexport import kernels
+from diffexport.analysis.probe import AttentionProbe
 
 ATTENTIONS = ("reference", "kernel")
 
@@ -27,7 +29,6 @@ ATTENTIONS = ("reference", "kernel")
 def quant_unsupported(quant: LogitQuant | None) -> str | None:
     """Why the fused kernel cannot quantise logits as `quant` says, or None when it can (no model needed:
     the CLI asks before it loads one)."""
-    from diffexport import kernels
 
     if quant is not None and quant.active:
         if quant.scheme != "qk":
@@ -41,7 +42,6 @@ def quant_unsupported(quant: LogitQuant | None) -> str | None:
 def kernel_unsupported(model, quant: LogitQuant | None = None) -> str | None:
     """Why the fused kernel cannot run this model's attention with `quant`, or None when it can
     (the library and the device are the launcher's to check)."""
-    from diffexport import kernels
 
     config = model.config
     if config.family not in DIFF_FAMILIES:
@@ -61,7 +61,6 @@ class FusedAttention:
         if reason:
             raise DiffExportError(reason)
         if launch is None:
-            from diffexport import kernels
 
             launch = kernels.diff_attention
         self.model, self.launch = model, launch
@@ -106,7 +105,6 @@ class Attention:
         """The context manager that runs `model` with this attention and `quant`."""
         if self.name == "kernel":
             return FusedAttention(model, quant, launch=self.launch)
-        from diffexport.analysis.probe import AttentionProbe
 
         return AttentionProbe(model, quant=quant)
 
@@ -119,7 +117,6 @@ def choose(requested: str, model, quants: list[LogitQuant], device: torch.device
 
     auto: the kernel when the model is on CUDA, the kernel takes the model and every setting, and
     the library loads; else the reference. kernel: the same, or an error saying what is missing."""
-    from diffexport import kernels
 
     if requested not in ("auto", *ATTENTIONS):
         raise DiffExportError(f"unknown attention {requested!r}; choose auto, {', '.join(ATTENTIONS)}")

@@ -13,6 +13,8 @@ import torch
 from diffexport.errors import DiffExportError
 from diffexport.inputs.needle_task import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES, Sample, check_vocab,
                                            collate, grid, make_sample)
+from diffexport.analysis.fused import REFERENCE
+from diffexport.analysis.probe import AttentionProbe
 
 
 @dataclass
@@ -81,7 +83,6 @@ def accuracy(model, *, needles=DEFAULT_NEEDLES, queries=DEFAULT_QUERIES, depths=
     """Mean accuracy over the grid's cells: evaluate()'s accuracy on the same documents, with
     `attention` (diffexport.analysis.fused.Attention: the torch reference by default, or the fused
     kernel, which has no maps to observe) running the quantised logits."""
-    from diffexport.analysis.fused import REFERENCE
 
     device = _check(model, samples)
     attention = attention or REFERENCE
@@ -106,7 +107,6 @@ def evaluate(model, *, needles=DEFAULT_NEEDLES, queries=DEFAULT_QUERIES, depths=
     the rest of the document (noise), averaged over heads and layers. A Transformer row sums to 1,
     a DIFF V1 row to 1 - lambda.
     """
-    from diffexport.analysis.probe import AttentionProbe
 
     device = _check(model, samples)
     cells: list[CellResult] = []

@@ -11,6 +11,7 @@ from diffexport.analysis import needles
 from diffexport.inputs import needle_task
 from diffexport.inputs.streams import TEXT_TASK_NAME, stream_batches, task_context_len
 from diffexport.errors import DiffExportError
+from diffexport.progress import Progress
 
 
 @dataclasses.dataclass
@@ -25,7 +26,6 @@ class StreamOptions:
 
 def progress_bar(label: str, total: int):
     """(a Progress to enter, advance(done) that moves it to `done`)."""
-    from diffexport.progress import Progress
 
     progress = Progress(label, total)
     return progress, (lambda done: progress.advance(done - progress.done))

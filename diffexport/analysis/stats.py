@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from diffexport.analysis.probe import AttentionProbe
 
 TOP_RANKS = (1, 2, 3, 10, 100)
 _KEEP = max(TOP_RANKS)
@@ -91,7 +92,6 @@ class MagnitudeStats:
 @torch.no_grad()
 def collect(model, batches, progress=None) -> MagnitudeStats:
     """Run `model` on each input_ids batch [B, T] and gather the magnitudes."""
-    from diffexport.analysis.probe import AttentionProbe
 
     n_layers = len(model.layers)
     logits = [MagnitudeTracker() for _ in range(n_layers)]

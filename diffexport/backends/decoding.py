@@ -23,6 +23,9 @@ from diffexport.backends.genai import generate_batch_genai, genai_pad_for, open_
 from diffexport.errors import DiffExportError
 from diffexport.format import decoder_folder, names
 from diffexport.generation import BeamSearch, Sampling, search_beams
+from diffexport.onnxruntime_session import open_session
+from diffexport.generation import choose_next, left_pad, seen_tokens
+from diffexport.modeling import host_memory_bytes
 
 
 def empty_cache(batch: int, layers: int, heads: int, width: int, dtype) -> dict[str, np.ndarray]:
@@ -47,7 +50,6 @@ class OrtDecoder:
     max_sequence = None  # any call up to the context length
 
     def __init__(self, folder: str | Path, provider: str = "cpu", threads: int | None = None):
-        from diffexport.onnxruntime_session import open_session
 
         read = decoder_folder.read_decoder_folder(folder)
         self.model_path, self.config, self.meta = read
@@ -124,7 +126,6 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
     a row that reaches it stops there ("length")."""
     import torch
 
-    from diffexport.generation import choose_next, left_pad, seen_tokens
 
     eos = set(decoder_folder.eos_token_ids(runner.config))
     generator = None if sampling.greedy else torch.Generator().manual_seed(sampling.seed)
@@ -189,7 +190,6 @@ def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens:
 def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None:
     """Refuse, before the search starts, beams whose KV caches at `length` tokens (prompt and new
     tokens) would not fit in this machine's memory (a slip such as --num-beams 4000)."""
-    from diffexport.modeling import host_memory_bytes
 
     layers, heads, head_size = decoder_folder.cache_shape(config)
     per_token = 2 * layers * heads * head_size * (4 if dtype == "float32" else 2)

@@ -23,6 +23,8 @@ from diffexport.errors import DiffExportError
 from diffexport.format import decoder_folder
 from diffexport.format.genai_config import MAX_THREADS
 from diffexport.generation import BeamSearch, Sampling
+from diffexport.format.genai_config import read_genai_config
+from diffexport.generation import penalize_repeats, seen_tokens
 
 
 def import_genai():
@@ -69,7 +71,6 @@ def _search_options(sampling: Sampling, max_length: int, config: dict, min_lengt
 def _genai_config(folder) -> dict:
     """The folder's genai_config.json, held to what diffexport writes (a caller's folder: a
     benchmark's has no diffexport metadata, but nothing genai would load, write or run either)."""
-    from diffexport.format.genai_config import read_genai_config
 
     return read_genai_config(folder)
 
@@ -327,7 +328,6 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
     if penalty != 1.0:
         import torch
 
-        from diffexport.generation import penalize_repeats, seen_tokens
 
         real = torch.arange(width)[None, :] < torch.tensor([len(p) for p in prompts])[:, None]  # right padding
         seen = seen_tokens(torch.from_numpy(ids), real, decoder_folder.vocab_size(config))

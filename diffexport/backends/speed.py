@@ -21,6 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from diffexport.generation import Sampling
+from diffexport.backends.base import machine_threads
+from diffexport.format.genai_config import MAX_THREADS
+from diffexport.format.names import PREFILL_INPUT_NAMES
 
 
 def cpu_name() -> str:
@@ -111,9 +114,7 @@ def measure_decoder(folder: str | os.PathLike, prompt_tokens: int = 64, new_toke
     random prompt of `prompt_tokens` ids, exactly `new_tokens` greedy tokens, `rounds` rounds after
     a warm-up. progress(done, total) is called after each round."""
     from diffexport.backends.genai import generate_genai, open_genai_model
-    from diffexport.backends.base import machine_threads
     from diffexport.format.decoder_folder import read_decoder_folder
-    from diffexport.format.genai_config import MAX_THREADS
 
     read = read_decoder_folder(folder)
     vocab, context = read.vocab_size, read.context_length
@@ -143,9 +144,7 @@ def measure_prefill(onnx_path: str | os.PathLike, vocab: int, prompt_tokens: int
     random prompt of `prompt_tokens` ids, `rounds` times after a warm-up. A prefill file has no
     cache, so there is no decode rate: its decode fields are NaN and the bound is the one a decode
     step of the same weights would have."""
-    from diffexport.backends.base import machine_threads
     from diffexport.onnxruntime_session import open_session
-    from diffexport.format.names import PREFILL_INPUT_NAMES
 
     session = open_session(onnx_path, "cpu")
     ids = np.random.default_rng(seed).integers(0, vocab, size=(1, prompt_tokens), dtype=np.int64)

@@ -28,6 +28,14 @@ from diffexport.errors import DiffExportError
 from diffexport.files import require_file
 from diffexport.format import decoder_folder, decoders, names
 from diffexport.format.nodes import is_diff_attention, node_attrs, plugin_selectors
+from diffexport.passes.cleanup import cleanup
+from diffexport.passes.lowering import lower_diff_attention
+from diffexport.files import atomic_write
+from diffexport.files import check_output_path, load_onnx
+from diffexport.format.metadata import read_export_metadata
+from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.backends.decoding import empty_cache
+from diffexport.backends.decoding import step_feeds
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"
@@ -172,8 +180,6 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
     if options.attention == "function":
         return model, len(nodes)
     if options.attention == "native":
-        from diffexport.passes.cleanup import cleanup
-        from diffexport.passes.lowering import lower_diff_attention
 
         return (cleanup(lower_diff_attention(model).model) if nodes else model), len(nodes)
     if not nodes:
@@ -212,7 +218,6 @@ def _serialized_size(model: onnx.ModelProto) -> int:
 
 def save_graph(model: onnx.ModelProto, path: Path) -> None:
     """Write a graph atomically, weights in path.data when it is past the protobuf limit."""
-    from diffexport.files import atomic_write
 
     large = _serialized_size(model) > PROTOBUF_LIMIT
     data = path.with_name(path.name + ".data")
@@ -398,7 +403,6 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
         raise DiffExportError(f"{name} parsed the graph but failed to build an engine: {detail}")
     seconds = time.monotonic() - start
     if cache_path is not None:
-        from diffexport.files import atomic_write
 
         data = bytes(config.get_timing_cache().serialize())
         atomic_write(cache_path, lambda tmp: Path(tmp).write_bytes(data))
@@ -417,8 +421,6 @@ def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, 
     maximum is 4 x min(512, context/4), and the past goes up to the context less the sequence
     (max_past: a shorter one). Without opt_given, the optimum is cut to the maximum. The format is
     checked before the weights load."""
-    from diffexport.files import check_output_path, load_onnx
-    from diffexport.format.metadata import read_export_metadata
 
     output, model_path = Path(output), Path(model_path)
     if output.suffix not in names.ENGINE_SUFFIXES:
@@ -427,7 +429,6 @@ def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, 
     if options.save_onnx:
         check_output_path(Path(options.save_onnx), ("", ".data"), replace=options.force, inputs=[model_path])
     if model_path.is_dir():  # a KV-cache decoder folder: its graph, past lengths up to the context length
-        from diffexport.format.decoder_folder import read_decoder_folder
 
         read = read_decoder_folder(model_path)
         model_path, context = read.model_path, read.context_length
@@ -461,7 +462,6 @@ def write_engine(engine_path: Path, result: BuildResult, onnx_path: Path, onnx_m
     """The engine and, beside it, what it was built from and how (read by `diffexport check model.engine`)."""
     import json
 
-    from diffexport.files import atomic_write
 
     record = {
         "onnx": str(onnx_path), "onnx_metadata": onnx_metadata, "module": result.module, "version": result.version,
@@ -611,13 +611,11 @@ class EngineDecoder:
             self.context = min(self.context, decoder_folder.context_length(config))
 
     def empty_cache(self, batch: int) -> dict:
-        from diffexport.backends.decoding import empty_cache
 
         return empty_cache(batch, self.layers, self.heads, self.width, self.dtype)
 
     def step(self, ids, mask, cache):
         """-> (logits [B, S, V] fp32, the new cache keyed by present names)."""
-        from diffexport.backends.decoding import step_feeds
 
         problem = decoder_profile_problem(self._record, self.model_path, ids.shape[0], ids.shape[1],
                                           mask.shape[1] - ids.shape[1])
@@ -633,7 +631,6 @@ def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLik
     """The engine `diffexport trt FOLDER` built, ready to step on the GPU with the folder's genai
     config (end-of-text id, tokenizer) and the context its profile allows: a runner for
     decoding.generate_onnxruntime's loop. The engine's record must name the folder's model."""
-    from diffexport.format.decoder_folder import read_decoder_folder
 
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)

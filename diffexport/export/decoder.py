@@ -42,6 +42,8 @@ from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LO
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
 from diffexport.format.names import decoder_input_names as input_names
 from diffexport.format.names import decoder_output_names as output_names  # noqa: F401
+from diffexport.export.op_schema import register_schema, translation_table
+from diffexport import hub
 KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
 # How a decoder folder's attention runs: format/decoders.py (its registry; kept here by name for the API).
 ATTENTION_OPS = tuple(decoders.FORMATS)
@@ -100,7 +102,6 @@ class _DecoderStep(torch.nn.Module):
 
 
 def _trace(model, options: ExportOptions, dtype: torch.dtype):
-    from diffexport.export.op_schema import register_schema, translation_table
 
     register_schema()
     cfg = model.config
@@ -179,7 +180,6 @@ def export_decoder_graph(loaded: LoadedModel, out_dir: str | os.PathLike, option
                               "(export it without --attention)")
     source_dir = Path(loaded.path) if layouts.hf_import_of(loaded.source) and loaded.path else None
     if tokenizer is not None:  # named by the user (a folder or a Hub id): a tokenizer of this vocabulary
-        from diffexport import hub
 
         tokenizer = hub.resolve(tokenizer, what="tokenizer")
         tok_files = check_tokenizer(Path(tokenizer), cfg.vocab_size)

@@ -34,6 +34,10 @@ from diffexport.format.nodes import plugin_selectors
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.modeling import DIFF_FAMILIES
 from diffexport.progress import Progress
+from diffexport.export.op_schema import register_schema, translation_table
+from diffexport.export.norm_form import divide_by_root
+from diffexport import __version__
+from diffexport.checkpoint import check_range
 
 HIDDEN = "last_hidden_state"
 PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx protobuf cannot exceed 2 GiB
@@ -156,7 +160,6 @@ def _example_ids(model) -> torch.Tensor:
 
 
 def _trace_dynamo(model, options: ExportOptions):
-    from diffexport.export.op_schema import register_schema, translation_table
 
     register_schema()
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
@@ -209,7 +212,6 @@ def norms_for_onnxruntime(model_ir, log: Callable[[str], None]) -> None:
     """RMSNorms as Div(x, Sqrt(...)), the form onnxruntime fuses at load (export/norm_form.py);
     run before attach_diff_attention adds the DiffAttention function, whose body stays as the
     contract writes it."""
-    from diffexport.export.norm_form import divide_by_root
 
     if model_ir.functions:
         raise DiffExportError("internal: the traced graph already holds functions; norms are rewritten before any")
@@ -250,7 +252,6 @@ def attach_diff_attention(model_ir, loaded: LoadedModel, options: ExportOptions,
 def stamp_metadata(model_ir, loaded: LoadedModel, options: ExportOptions, weights_id: str, outputs: list[str],
                    extra_meta: dict[str, str]) -> None:
     """Producer, IR version and what was exported (read back by `diffexport check`)."""
-    from diffexport import __version__
 
     model_ir.ir_version = IR_VERSION
     model_ir.producer_name, model_ir.producer_version = "diffexport", __version__
@@ -275,7 +276,6 @@ def model_in_dtype(loaded: LoadedModel, dtype_name: str):
     """(the model in eval mode and the export dtype, the fingerprint of its weights in that dtype)."""
     model = loaded.model.eval()
     if next(model.parameters()).dtype != DTYPES[dtype_name]:
-        from diffexport.checkpoint import check_range
 
         check_range(model.state_dict().items(), DTYPES[dtype_name], "the model")
         model = model.to(DTYPES[dtype_name])

@@ -24,6 +24,9 @@ from diffexport.format.genai_config import MAX_CONTEXT, check_genai_config, load
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,
                                      PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, TOKENIZER_MODELS)
+from diffexport.format.tokenizer_rules import check_tokenizer_json
+from diffexport.format.tokenizer_rules import tokenizer_library_call
+from diffexport.modeling import config_from_dict
 
 GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)
 
@@ -231,7 +234,6 @@ def tokenizer_files(folder: Path) -> list[Path]:
     """The tokenizer files of a folder (regular files, or the links of a Hugging Face cache snapshot
     into its own blobs/; no other link is followed); a tokenizer.json whose regular expressions could
     run without end is refused (format/tokenizer_rules.py)."""
-    from diffexport.format.tokenizer_rules import check_tokenizer_json
 
     files = []
     for name in TOKENIZER_FILES:
@@ -259,7 +261,6 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
             from tokenizers import Tokenizer
         except ImportError:
             raise DiffExportError("checking a tokenizer needs the tokenizers package: pip install tokenizers") from None
-        from diffexport.format.tokenizer_rules import tokenizer_library_call
 
         try:
             with tokenizer_library_call(f"reading {tok_json}"):
@@ -414,7 +415,6 @@ def _check_config_describes_the_graph(config: dict, meta: dict, fmt, config_path
     width, hidden size, query maps) must be the ones the graph's own metadata implies: a folder
     edited to say otherwise (vocab_size 2**24 against a 512-id graph: buffers sized from the
     config) is refused before anything allocates from them."""
-    from diffexport.modeling import config_from_dict
 
     cfg = config_from_dict(meta["family"], json.loads(meta["config"]))  # validated by read_export_metadata
     heads = decoders.cache_heads(fmt, cfg.n_kv_heads)

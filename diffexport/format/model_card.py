@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from diffexport.format import decoders
+from diffexport import __version__
 
 CARD = "README.md"
 MARKER = "<!-- diffexport model card: written by diffexport; remove this line to keep the file as your own -->"
@@ -29,7 +30,6 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
     """The card of a decoder folder written by export or quantize (its graph's metadata and its
     genai_config.json, both read as diffexport wrote them); name: the folder's final name (the
     card is written in a temporary folder before the rename)."""
-    from diffexport import __version__
     from diffexport.format.genai_config import load_genai_config
     from diffexport.format.metadata import read_export_metadata
     from diffexport.format.names import TOKENIZER_MODELS
@@ -139,7 +139,6 @@ def results_lines(verdict: bool | str, report_lines: list[str], command: str) ->
     PASS, FAIL, INCONCLUSIVE)."""
     import datetime
 
-    from diffexport import __version__
 
     shown = report_lines[:60]
     verdict = verdict if isinstance(verdict, str) else "PASS" if verdict else "FAIL"

@@ -22,6 +22,7 @@ from diffexport.files import read_text_input
 from diffexport.format.decoder_folder import tokenizer_files
 from diffexport.format.tokenizer_rules import tokenizer_library_call
 from diffexport.stoppable import call_bounded, cpu_seconds_for
+from diffexport.inputs import needle_task
 
 
 # A checkpoint's task record for next-token training on a text file's UTF-8 bytes
@@ -97,7 +98,6 @@ def synthetic_ids(vocab_size: int, n_tokens: int, seq_len: int, seed: int) -> tu
 
     With needle-task documents, flags[i] is True where the next token is an answer.
     """
-    from diffexport.inputs import needle_task
 
     rng = random.Random(seed)
     context = needle_task.stream_context_len(seq_len)  # one document with up to two questions per sequence

@@ -53,7 +53,6 @@ def host_memory_bytes() -> int:
 
 def check_fits_in_memory(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
     """Refuse, before allocating, a model larger than this machine's memory (CPU) or the GPU's."""
-    from diffexport.errors import DiffExportError
 
     params = sum(p.numel() for p in model.parameters())
     need = params * max(4, torch.empty(0, dtype=dtype).element_size())  # fp32 while initialising

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from diffexport.errors import DiffExportError
+from diffexport.progress import Progress
 
 
 def swiglu_hidden(d_model: int, multiple_of: int = 256) -> int:
@@ -397,7 +398,6 @@ class DecoderLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Seeded init in place (works after to_empty on a meta-built model)."""
-        from diffexport.progress import Progress
 
         gen = torch.Generator().manual_seed(seed)
         with Progress("initialising weights", self.num_parameters(), min_total=1e8) as progress:

@@ -56,6 +56,7 @@ from diffexport.contract import VARIANT_V1
 from diffexport.errors import DiffExportError
 from diffexport.format import names
 from diffexport.passes.lowering import is_diff_attention, node_attrs
+from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
 GQA_DOMAIN = "com.microsoft"
 RMS_NORM_OPSET = 23  # RMSNormalization entered the default domain at opset 23
@@ -209,7 +210,6 @@ def rewrite_decoder_file(model_path: Path, external: bool, context_length: int,
     """The gqa format's post-export rewrite (export.decoder.DecoderRewrite): the checked DiffAttention
     graph at model_path, rewritten and fused for onnxruntime in place, inside the export's temporary
     folder, then checked again."""
-    from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
     model = onnx.load(str(model_path))  # weights too: they are written again below
     result = rewrite_decoder(model, rotary_positions=context_length)

@@ -21,6 +21,7 @@ from diffexport.export.function_body import DEFAULT_BODY_STYLE, build_function
 from diffexport.files import atomic_write, check_output_path, load_onnx
 from diffexport.passes import fusion
 from diffexport.passes.cleanup import cleanup
+from diffexport.passes.lowering import lower_diff_attention
 
 
 @dataclasses.dataclass
@@ -91,7 +92,6 @@ def _verify(base: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[float, int]:
 
 def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: int | None = None,
                   lower: bool = False, body: str = DEFAULT_BODY_STYLE, force: bool = False) -> OptimizeResult:
-    from diffexport.passes.lowering import lower_diff_attention
 
     src, dst = Path(src), Path(dst)
     check_output_path(dst, replace=force, inputs=[src])

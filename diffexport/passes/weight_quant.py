@@ -25,6 +25,9 @@ from diffexport.format import model_card, names as format_names
 from diffexport.onnxruntime_session import open_session
 from diffexport.passes import calibration, kv_cache_quant
 from diffexport.progress import Progress
+from diffexport.export import exporter
+from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.passes.onnxruntime_fusions import pack_shared_input_matmuls
 
 BITS = (4, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -265,7 +268,6 @@ def stamp(model, key: str, record: dict) -> None:
 def _write(model, tmp_model: Path, log) -> None:
     import onnx_ir as ir
 
-    from diffexport.export import exporter
 
     model_ir = ir.serde.deserialize_model(model)
     exporter.save_checked(model_ir, tmp_model, exporter.wants_external(model_ir, exporter.ExportOptions()), log)
@@ -275,7 +277,6 @@ def resolve_paths(src: Path, dst: Path, force: bool = False) -> tuple[bool, Path
     """(is a KV-cache folder, the model file inside) for a quantiser's input; the output is refused
     here, before any work, when it would overwrite anything (unless force) or the input itself."""
     if src.is_dir():
-        from diffexport.format.decoder_folder import read_decoder_folder
 
         model_path, _, _ = read_decoder_folder(src)
         if dst.exists() and not dst.is_dir() and not dst.is_symlink():
@@ -347,7 +348,6 @@ def quantize_weights(src: str | os.PathLike, dst: str | os.PathLike, options: We
         log("transposed    a tied LM head's weight into its own constant, so that it is quantised too")
     # one weight stream and one MatMulNBits call per shared input (q/k/v, gate/up): MatMulNBits graphs
     # are onnxruntime-only anyway, and each column quantises on its own, so the values are the same
-    from diffexport.passes.onnxruntime_fusions import pack_shared_input_matmuls
 
     packed = pack_shared_input_matmuls(model)
     names, skipped = check_input(model, model_path)

@@ -13,6 +13,12 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.files import atomic_write, check_output_path
 from diffexport.report.build import Report, artifact_facts, build_report
 from diffexport.validation.options import CheckOptions
+from diffexport.errors import DiffExportError
+from diffexport.format.metadata import read_export_metadata
+from diffexport.report.build import report_kind
+from diffexport.validation.options import check_decode_options
+from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.validation.decoder import DECODE_STEPS
 
 __all__ = ["Report", "artifact_facts", "build_report", "default_output", "render_html", "write_report"]
 
@@ -36,10 +42,6 @@ def write_report(artifact: str | os.PathLike, load_model: Callable[[dict], Loade
     output is validated first (an existing page is replaced only with force, never through a link);
     load_model(the export's metadata) loads the reference model once the artifact was read. The
     page is written whole or not at all. -> (the page's path, the report)."""
-    from diffexport.errors import DiffExportError
-    from diffexport.format.metadata import read_export_metadata
-    from diffexport.report.build import report_kind
-    from diffexport.validation.options import check_decode_options
 
     artifact = Path(artifact)
     output = Path(output) if output is not None else default_output(artifact)
@@ -47,8 +49,6 @@ def write_report(artifact: str | os.PathLike, load_model: Callable[[dict], Loade
         raise DiffExportError(f"the report is an HTML page: give an output name ending in .html, got {output.name}")
     check_output_path(output, replace=force, inputs=[artifact])
     if report_kind(artifact) == "decoder":
-        from diffexport.format.decoder_folder import read_decoder_folder
-        from diffexport.validation.decoder import DECODE_STEPS
 
         meta = read_decoder_folder(artifact)[2]  # not a decoder folder: said before the checkpoint loads
         check_decode_options(options or CheckOptions(), DECODE_STEPS if steps is None else steps)

@@ -16,6 +16,13 @@ from diffexport import __version__
 from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.validation.options import CheckOptions, CheckReport
+from diffexport.validation.artifact import artifact_kind
+from diffexport.inspect_onnx import inspect_onnx
+from diffexport.backends.base import machine_threads
+from diffexport.summary import model_facts
+from diffexport.validation.decoder import DECODE_STEPS, run_decoder_check
+from diffexport.validation.prefill import run_check
+from diffexport.progress import Progress
 
 
 @dataclasses.dataclass
@@ -34,7 +41,6 @@ class Report:
 
 def report_kind(artifact: Path) -> str:
     """"decoder" or "onnx": what a report covers (an engine is refused in one line)."""
-    from diffexport.validation.artifact import artifact_kind
 
     kind = artifact_kind(artifact)
     if kind == "engine":
@@ -68,7 +74,6 @@ _FILE_ROLES = {"model.onnx": "the graph (ONNX)", ".onnx": "the graph (ONNX)", ".
 
 def artifact_facts(artifact: Path) -> dict:
     """inspect_onnx's description of the artifact, with its files, decoder format and quantisation."""
-    from diffexport.inspect_onnx import inspect_onnx
 
     info = inspect_onnx(artifact)
     meta = {key.removeprefix("diffexport."): value for key, value in info["metadata"].items()}
@@ -82,7 +87,6 @@ def artifact_facts(artifact: Path) -> dict:
 
 
 def _machine() -> str:
-    from diffexport.backends.base import machine_threads
     from diffexport.backends.speed import cpu_name
 
     return f"{cpu_name()}, {machine_threads()} cores, {platform.system()} {platform.machine()}"
@@ -116,9 +120,6 @@ def build_report(artifact: str | os.PathLike, loaded: LoadedModel, options: Chec
     """Run the check of `artifact` (a KV-cache folder or a prefill .onnx file) against `loaded`,
     measure its speed on this machine's CPU unless speed is False, and gather what the page
     shows. asked: the command line that made the report (shown on the page)."""
-    from diffexport.summary import model_facts
-    from diffexport.validation.decoder import DECODE_STEPS, run_decoder_check
-    from diffexport.validation.prefill import run_check
 
     artifact = Path(artifact)
     kind = report_kind(artifact)
@@ -132,7 +133,6 @@ def build_report(artifact: str | os.PathLike, loaded: LoadedModel, options: Chec
     measured = None
     if speed:
         from diffexport.backends import speed as speed_module
-        from diffexport.progress import Progress
 
         with Progress("speed", 3) as progress:
             step = lambda done, total: progress.advance(1)  # noqa: E731

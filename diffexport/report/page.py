@@ -9,6 +9,7 @@ import html
 import math
 
 from diffexport.report.build import Report
+from diffexport.analysis import plots
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 68em; color: #222; line-height: 1.4; }
@@ -64,7 +65,6 @@ def _rate(value: float) -> str:
 # ------------------------------------------------------------------------------------------ plots
 
 def _lambda_plot(lambdas) -> bytes:
-    from diffexport.analysis import plots
 
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.0), layout="constrained")
@@ -81,7 +81,6 @@ def _lambda_plot(lambdas) -> bytes:
 
 def _prefill_plot(comparisons) -> bytes:
     """One bar per comparison: the largest error beside its bound (or KL beside the budget)."""
-    from diffexport.analysis import plots
 
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(8.0, 0.35 * len(comparisons) + 1.2), layout="constrained")
@@ -102,7 +101,6 @@ def _prefill_plot(comparisons) -> bytes:
 
 
 def _speed_plot(speed) -> bytes:
-    from diffexport.analysis import plots
 
     plt = plots.pyplot()
     labels, values, colors = ["prompt (prefill)"], [speed.prompt_tokens_per_s], ["C0"]
@@ -196,7 +194,6 @@ def _check_section(report: Report) -> str:
     parts = ["<h2>Check against the eager reference</h2>", _table(rows)]
     steps = measures.get("decode_steps")
     if steps:
-        from diffexport.analysis import plots
 
         fig = plots.decode_steps_figure([c for _, c in comparisons[:steps]],
                                         f"{report.artifact.name}: every decode step against eager")

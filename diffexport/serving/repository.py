@@ -17,6 +17,8 @@ from pathlib import Path
 
 from diffexport.errors import DiffExportError
 from diffexport.format import decoder_folder
+from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
+from diffexport.files import check_output_path, staging_folder
 
 DECODER_DIR = "decoder"  # REPO/NAME/1/decoder: the copied folder
 MODEL_FILE = "model.py"
@@ -92,8 +94,6 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
     other graphs, a profile path, links) is refused here before anything is written. The
     repository is written beside its destination and renamed into place; an existing REPO is
     replaced only with force, never through a link."""
-    from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
-    from diffexport.files import check_output_path, staging_folder
 
     folder = Path(folder)
     _, config, _ = read_decoder_folder(folder)

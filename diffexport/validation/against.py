@@ -22,6 +22,8 @@ from diffexport.validation.options import (
     TextIds,
     save_dir_for,
 )
+from diffexport.onnxruntime_session import open_session, resolve_provider
+from diffexport.passes.fusion import probe_feeds
 
 # ---------------------------------------------------------------- one ONNX graph against another
 
@@ -35,7 +37,6 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     the fp32 rule; fp16/bf16: |model - other| <= atol(dtype) * max(1, |other|) and the cosine floor
     (two low-precision graphs leave no fp32 reference to measure rounding against); --atol/--rtol
     replace the rule."""
-    from diffexport.onnxruntime_session import open_session, resolve_provider
 
     options = options or CheckOptions()
     model_path, against_path = Path(model_path), Path(against_path)
@@ -64,7 +65,6 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
         text = TextIds(options, vocab, count_tokens(options.shapes))
     log(f"checking      {model_path.name} against {against_path.name} in onnxruntime {provider}, same inputs, "
         f"outputs {', '.join(outputs)} ({dtype})")
-    from diffexport.passes.fusion import probe_feeds
 
     graph = load_onnx(model_path, weights=False)
     # a weight-quantised model against its unquantised source: the budget, not the dtype rule

@@ -17,6 +17,8 @@ from diffexport.validation.decoder import run_decoder_check
 from diffexport.validation.engine import run_engine_check
 from diffexport.validation.options import DECODE_STEPS, CheckOptions, CheckReport, check_decode_options
 from diffexport.validation.prefill import run_check
+from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.backends.tensorrt import read_engine_record, sidecar_path
 
 # Options that need a decoder (a folder; all but --sample, its engine too), in the order they are
 # refused: each is said before anything loads.
@@ -63,7 +65,6 @@ def check_artifact(path: str | Path, options_for: Callable[[dict | None], CheckO
         meta = read_export_metadata(path)  # the model comparison needs diffexport's metadata
         return reports + [run_check(path, load_model(meta), options, log=log)]
     if kind == "decoder":
-        from diffexport.format.decoder_folder import read_decoder_folder
 
         _, folder_config, meta = read_decoder_folder(path)  # not a decoder folder: said before the checkpoint loads
         if shapes_given:
@@ -72,7 +73,6 @@ def check_artifact(path: str | Path, options_for: Callable[[dict | None], CheckO
         check_decode_options(options, steps)  # bad options fail before the checkpoint loads
         return [run_decoder_check(path, load_model(meta), options, log=log, steps=steps)]
     if kind == "engine":
-        from diffexport.backends.tensorrt import read_engine_record, sidecar_path
 
         record = read_engine_record(path)  # a missing record fails before the checkpoint loads
         if record.get("onnx_metadata", {}).get("kv_cache") == "1" and shapes_given:

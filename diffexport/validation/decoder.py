@@ -32,6 +32,13 @@ from diffexport.validation.options import (
 )
 from diffexport.validation.references import eager_models, hf_greedy
 from diffexport.validation.search import beam_check, sampling_check
+from diffexport.analysis import plots
+from diffexport.backends.decoding import OrtDecoder
+from diffexport.onnxruntime_session import resolve_provider
+from diffexport.format.decoder_folder import has_tokenizer
+from diffexport.backends.decoding import check_beam_memory
+from diffexport.analysis.probe import AttentionProbe
+from diffexport.generation import last_real, pad_batch
 
 
 def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
@@ -40,9 +47,6 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     (DECODE_PROMPTS), prefill then `steps` greedy decode steps. Both are fed the eager greedy tokens (so every step's
     logits are comparable) and each step's logits meet the dtype rule; onnxruntime's own argmax must
     pick the eager token at every step, and for HF checkpoints transformers' generate() must too."""
-    from diffexport.analysis import plots
-    from diffexport.backends.decoding import OrtDecoder
-    from diffexport.onnxruntime_session import resolve_provider
 
     options = options or CheckOptions()
     plots.check_plot_path(options.plot)
@@ -52,7 +56,6 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
     check_decode_options(options, steps)
     text = None
     if options.text is not None:  # read (and refused) before anything runs; the folder's tokenizer by default
-        from diffexport.format.decoder_folder import has_tokenizer
 
         own = str(folder) if has_tokenizer(folder) else None
         text = TextIds(options, loaded.config.vocab_size, 2, "a perplexity needs", tokenizer=own)
@@ -61,7 +64,6 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
         raise DiffExportError(f"--steps {steps} after a {max(DECODE_PROMPTS)}-token prompt passes the folder's context "
                               f"length {runner.context}: ask for at most {runner.context - max(DECODE_PROMPTS)} steps")
     if options.beams is not None:  # the beams' caches, before the greedy steps run
-        from diffexport.backends.decoding import check_beam_memory
 
         check_beam_memory(runner.config, runner.meta["dtype"], options.beams.num_beams, max(DECODE_PROMPTS) + steps)
     command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
@@ -83,9 +85,6 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
     With options.beams, beam search too (beam_check); genai: (folder, provider) where
     onnxruntime-genai's own search is checked beside the runner's; text: --text's windows too
     (_text_check)."""
-    from diffexport.analysis import plots
-    from diffexport.analysis.probe import AttentionProbe
-    from diffexport.generation import last_real, pad_batch
 
     meta, dtype = runner.meta, runner.meta["dtype"]
     check_same_model(meta, loaded, runner.model_path)

@@ -28,6 +28,13 @@ from diffexport.validation.options import (
     save_dir_for,
 )
 from diffexport.validation.references import eager_models, run_eager
+from diffexport.analysis import plots
+from diffexport.analysis.probe import AttentionProbe
+from diffexport.backends.tensorrt import open_engine, read_engine_record, sidecar_path
+from diffexport.backends.tensorrt import decoder_profile_problem
+from diffexport.backends.tensorrt import find_plugin_library
+from diffexport.backends.tensorrt import EngineDecoder
+from diffexport.quantization import LogitQuant
 
 
 def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
@@ -39,13 +46,6 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     An engine of a KV-cache folder is stepped as the folder's check steps it (`steps` decode steps,
     DECODE_STEPS when None); a prefill engine takes no `steps` (its calls are `options.shapes`).
     """
-    from diffexport.analysis import plots
-    from diffexport.analysis.probe import AttentionProbe
-    from diffexport.backends.tensorrt import (
-        open_engine,
-        read_engine_record,
-        sidecar_path,
-    )
 
     options = options or CheckOptions()
     engine_path = Path(engine_path)
@@ -69,7 +69,6 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     plots.check_plot_path(options.plot)
     check_same_model(meta, loaded, engine_path)
     if decoder:  # the calls the check will make, held against the profile before anything runs
-        from diffexport.backends.tensorrt import decoder_profile_problem
 
         batch, longest = len(DECODE_PROMPTS), max(DECODE_PROMPTS)
         calls = [(batch, longest, 0), (batch, 1, longest + steps - 1)]
@@ -85,7 +84,6 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     # where the user says (--plugin-lib, $DIFFEXPORT_PLUGIN_LIB) or from this install's own build.
     plugin_lib = None
     if record.get("attention") == "plugin":
-        from diffexport.backends.tensorrt import find_plugin_library
 
         plugin_lib = str(find_plugin_library(options.plugin_lib))
     if not torch.cuda.is_available():
@@ -94,7 +92,6 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     plugin = ["--plugins", shlex.quote(plugin_lib)] if plugin_lib else []
     runner = ["polygraphy run", shlex.quote(str(engine_path)), "--model-type", "engine", "--trt", *plugin]
     if decoder:
-        from diffexport.backends.tensorrt import EngineDecoder
 
         stepper = EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"],
                                                                        plugin_lib))
@@ -144,7 +141,6 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
 def _engine_logit_quant(record: dict, loaded: LoadedModel):
     """The attention-logit quantisation an engine was built with (None: 16 bits, or a model without
     DiffAttention, where the bits change nothing)."""
-    from diffexport.quantization import LogitQuant
 
     bits = int(record.get("logit_bits", 16))
     if bits >= 16 or loaded.config.family == "transformer":

@@ -15,6 +15,10 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.generation import BeamSearch, Sampling
 from diffexport.modeling import config_from_dict
+from diffexport.presets import match_preset
+from diffexport.files import check_output_path
+from diffexport.inputs.streams import text_ids
+from diffexport.analysis import plots
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
 
@@ -118,7 +122,6 @@ def check_same_config(meta: dict[str, str], config, onnx_path: Path) -> None:
 def name_the_source(meta: dict[str, str], onnx_path: Path) -> str:
     """What to pass when `check` was given no model: the checkpoint the export records (exports
     since 0.4 name its kind and file), and a preset only where the export's configuration is one."""
-    from diffexport.presets import match_preset
 
     source, name = meta.get("source", ""), meta.get("source_name", "")
     try:
@@ -147,7 +150,6 @@ def check_same_model(meta: dict[str, str], loaded: LoadedModel, onnx_path: Path)
 def save_dir_for(options: CheckOptions, default: Path) -> Path:
     """Where the polygraphy files go, validated before any work: a real folder (or one to create
     in a writable folder), never a symbolic link."""
-    from diffexport.files import check_output_path
 
     save_dir = Path(options.save_dir) if options.save_dir else default
     if save_dir.is_symlink() or (save_dir.exists() and not save_dir.is_dir()):
@@ -165,7 +167,6 @@ class TextIds:
 
     def __init__(self, options: CheckOptions, vocab: int, need: int, for_what: str = "the --shapes need",
                  tokenizer: str | None = None):
-        from diffexport.inputs.streams import text_ids
 
         tokenizer = tokenizer if options.tokenizer is None else options.tokenizer
         self.ids = text_ids(options.text, tokenizer, vocab)
@@ -222,7 +223,6 @@ def check_decode_options(options: CheckOptions, steps: int) -> None:
         if options.sampling.greedy:
             raise DiffExportError("the sampling check needs a sampling draw, not greedy decoding")
         if options.plot is not None:  # the draws' plot goes beside --plot under a name the user did not give
-            from diffexport.analysis import plots
 
             extra = plots.sampling_plot_path(options.plot)
             if extra.exists() or extra.is_symlink():

@@ -31,11 +31,11 @@ from diffexport.validation.references import (
     run_transformers,
     transformers_models,
 )
+from diffexport.onnxruntime_session import open_session, resolve_provider
 
 
 def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
               log: Callable[[str], None] = print) -> CheckReport:
-    from diffexport.onnxruntime_session import open_session, resolve_provider
 
     options = options or CheckOptions()
     onnx_path = Path(onnx_path)

@@ -17,6 +17,14 @@ from diffexport.checkpoint import LoadedModel
 from diffexport.errors import DiffExportError
 from diffexport.generation import BeamSearch, Sampling
 from diffexport.validation.references import hf_beams, hf_generator
+from diffexport.analysis.probe import AttentionProbe
+from diffexport.backends import decoding
+from diffexport.backends import genai as genai_backend
+from diffexport.format import decoder_folder
+from diffexport.generation import beam_search, hypothesis_score
+from diffexport.progress import Progress
+from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
+from diffexport.analysis import plots
 
 
 def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, quant, search: BeamSearch,
@@ -30,12 +38,6 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
     parted at a near-tie (a gap of ~0) or the runtime found a worse one. Judged for float32 graphs;
     reduced precision or quantised weights may part beams at near-ties, so there they are reported.
     -> (report lines, failure names)."""
-    from diffexport.analysis.probe import AttentionProbe
-    from diffexport.backends import decoding
-    from diffexport.backends import genai as genai_backend  # `genai` is the (folder, provider) argument
-    from diffexport.format import decoder_folder
-    from diffexport.generation import beam_search, hypothesis_score
-    from diffexport.progress import Progress
 
     def on_eager(fn):
         if quant is None:
@@ -144,9 +146,6 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
     many draws (or what temperature) would make it a test.
     plot: check's --plot; the draws then go to plots.sampling_plot_path(plot).
     -> (lines, no draw failed, every prompt was judged)."""
-    from diffexport.backends import genai as genai_backend  # `genai` is the (folder, provider) argument
-    from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
-    from diffexport.progress import Progress
 
     folder, provider = genai
     try:
@@ -194,7 +193,6 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
                      f"chi-square {statistic:.1f} over {bins} bins, p {p_value:.2g}  {verdict}")
     progress.close()
     if plot is not None:
-        from diffexport.analysis import plots
 
         title = (f"{Path(folder).name}: genai's draws vs eager (temperature {sampling.temperature:g}, "
                  f"top-k {sampling.top_k}, top-p {sampling.top_p:g})")
