@@ -144,8 +144,10 @@ def test_v1_lambda_reparameterisation():
     attn = model.layers[2].attn
     assert attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * 2))
     with torch.no_grad():
-        attn.lambda_q1.fill_(0.5); attn.lambda_k1.fill_(0.25)
-        attn.lambda_q2.fill_(-0.5); attn.lambda_k2.fill_(0.125)
+        attn.lambda_q1.fill_(0.5)
+        attn.lambda_k1.fill_(0.25)
+        attn.lambda_q2.fill_(-0.5)
+        attn.lambda_k2.fill_(0.125)
     d = cfg.head_dim
     expected = math.exp(0.125 * d) - math.exp(-0.0625 * d) + attn.lambda_init  # + lambda_init, never -
     assert float(attn.lambda_full().detach()) == pytest.approx(expected, rel=1e-6)
@@ -204,7 +206,9 @@ def test_training_step_through_the_op(rng):
     losses = []
     for _ in range(3):
         loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad(); loss.backward(); opt.step()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
         losses.append(loss.item())
     assert model.layers[0].attn.lambda_q1.grad is not None
     assert losses[-1] < losses[0]
