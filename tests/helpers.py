@@ -295,3 +295,18 @@ def byte_bpe_tokenizer(folder):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(folder)
     return fast
+
+
+def process_ends(pid: int, polls: int = 600) -> bool:
+    """Whether process `pid` ends (gone, or a zombie) within `polls` looks 0.05 s apart (Linux /proc)."""
+    import time
+
+    for _ in range(polls):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False

@@ -13,7 +13,7 @@ import pytest
 
 from diffexport.errors import DiffExportError
 from diffexport.stoppable import GRACE_SECONDS, ChildError, call_bounded
-from helpers import checkout_env
+from helpers import checkout_env, process_ends
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, prctl and RLIMIT_CPU: Linux")
 
@@ -127,13 +127,5 @@ def test_a_process_that_ends_leaves_no_watchdog_behind():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     helper = int(out.stdout.strip())
-    for _ in range(400):  # the helper reads end-of-file when the process is gone
-        try:
-            with open(f"/proc/{helper}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-        except FileNotFoundError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the watchdog {helper} outlived its process")
+    # the helper reads end-of-file when the process is gone
+    assert process_ends(helper, polls=400), f"the watchdog {helper} outlived its process"

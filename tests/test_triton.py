@@ -19,7 +19,7 @@ import pytest
 
 from diffexport.errors import DiffExportError
 from diffexport.generation import Sampling
-from helpers import assert_one_line_error, checkout_env, cli_main
+from helpers import assert_one_line_error, checkout_env, cli_main, process_ends
 
 pytestmark = pytest.mark.slow  # an export, and a server start: see README (quick loop)
 
@@ -363,19 +363,6 @@ def _tritonserver_of(pid: int) -> int | None:
     return None
 
 
-def _gone(pid: int, polls: int = 600) -> bool:
-    """Whether process `pid` ends (or is a zombie) within `polls` looks 0.05 s apart."""
-    for _ in range(polls):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _serve(folder, repo):
     command = [sys.executable, "-m", "diffexport", "triton", str(folder), "-o", str(repo), "--serve",
                "--http-port", str(_free_port()), "--grpc-port", str(_free_port())]
@@ -409,14 +396,14 @@ def test_the_server_never_outlives_its_supervisor_and_a_crash_is_an_error(folder
             break
         time.sleep(0.05)
     loading.send_signal(signal.SIGTERM)
-    assert loading.wait(timeout=60) == 130 and _gone(started)
+    assert loading.wait(timeout=60) == 130 and process_ends(started)
 
     supervised = _serve(folder, tmp_path / "r2")
     _until(supervised, "ready")
     serving = _tritonserver_of(supervised.pid)
     supervised.kill()
     supervised.wait()
-    assert serving is not None and _gone(serving)
+    assert serving is not None and process_ends(serving)
 
     crashing = _serve(folder, tmp_path / "r3")
     _until(crashing, "ready")

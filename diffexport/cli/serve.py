@@ -9,6 +9,7 @@ import signal
 
 from diffexport.cli.common import add_force
 from diffexport.errors import DiffExportError
+from diffexport.stoppable import interrupt
 
 
 def cmd_triton(args) -> int:
@@ -32,7 +33,7 @@ def cmd_triton(args) -> int:
         return 0
     from diffexport.serving.server import start_server
 
-    signal.signal(signal.SIGHUP, _hang_up)  # the terminal closed: stop the server as Ctrl-C does
+    signal.signal(signal.SIGHUP, interrupt)  # the terminal closed: stop the server as Ctrl-C does
     print("starting      tritonserver (127.0.0.1 only)", flush=True)
     server = start_server(repo.path, args.http_port, args.grpc_port)
     print(f"log           {server.log}")
@@ -50,10 +51,6 @@ def cmd_triton(args) -> int:
         raise DiffExportError(f"tritonserver failed while stopping (exit {status}) (log: {server.log})")
     print(f"stopped       tritonserver{' (killed: it did not end in time)' if status else ''}")
     return 0
-
-
-def _hang_up(signum, frame):
-    raise KeyboardInterrupt
 
 
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
