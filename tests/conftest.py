@@ -103,10 +103,11 @@ class Artifacts:
     def checkpoint(self, recipe: str) -> Path:
         """ckpt.pt of a RECIPES model."""
         def build(folder):
-            from diffexport.checkpoint import save_checkpoint
-            from diffexport.modeling import build_model
-            from diffexport.presets import preset_config
             from helpers import perturb_norm_weights
+
+            from diffexport.modeling import build_model
+            from diffexport.modeling.checkpoint import save_checkpoint
+            from diffexport.modeling.presets import preset_config
 
             preset, overrides, seed = RECIPES[recipe]
             cfg = preset_config(preset)
@@ -118,9 +119,10 @@ class Artifacts:
     def decoder(self, recipe: str, attention: str = "diffattention") -> Path:
         """The KV-cache decoder folder of a RECIPES model (export_decoder's defaults otherwise)."""
         def build(folder):
-            from diffexport.checkpoint import load_model
-            from diffexport.passes.decoder_formats import export_decoder
             from helpers import quiet
+
+            from diffexport.modeling.checkpoint import load_model
+            from diffexport.passes.decoder_formats import export_decoder
 
             summary = export_decoder(load_model(self.checkpoint(recipe)), folder / attention, attention=attention,
                                      log=quiet)
@@ -141,7 +143,6 @@ class Artifacts:
         """An HF DiffLlama folder with GQA (8 maps over 4 kv heads) and a byte-level BPE tokenizer."""
         def build(folder):
             import transformers
-
             from helpers import byte_bpe_tokenizer
 
             torch.manual_seed(8)

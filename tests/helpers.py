@@ -2,8 +2,8 @@
 
 import torch
 
-from diffexport import reference
-from diffexport.contract import DiffAttentionAttrs
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.kernel import reference
 
 
 def make_inputs(attrs: DiffAttentionAttrs, batch, q_len, kv_len, *, dtype=torch.float32, rng=None,

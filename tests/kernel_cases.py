@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from diffexport import kernel_probe, kernels
-from diffexport.contract import DiffAttentionAttrs
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.kernel import kernel_probe, kernels
 
 CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, logit bits
     (1, 4, 2, 64, 1, 2, 17, 33, 0),
@@ -29,7 +29,7 @@ def paths() -> list[str]:
     """Every kernel this GPU and library run: auto (split-KV for decode-sized calls; above, the Hopper
     path on an sm_90 GPU whose library has it, else the mma.sync kernel) and, where auto takes the
     Hopper path, mma as well, so the mma.sync code is checked there too. On sm_90 the Hopper path is
-    probed first (diffexport/kernel_probe.py): a hang or fault must not hide the other results."""
+    probed first (diffexport/kernel/kernel_probe.py): a hang or fault must not hide the other results."""
     if kernel_probe.applicable("hopper"):  # not an sm_90 GPU, or a library without the path
         return ["auto"]
     reason = kernel_probe.probed("hopper") or kernel_probe.probed("hopper-int8")  # the cases hold both

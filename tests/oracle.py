@@ -1,6 +1,6 @@
 """An independent float64 oracle of the DiffAttention contract, in NumPy with explicit head loops.
 
-It shares no code with diffexport.reference: it re-reads the layout from the contract's words
+It shares no code with diffexport.kernel.reference: it re-reads the layout from the contract's words
 (maps 2h/2h+1 of diff-head h; V1 keys 2g/2g+1 of kv-group g; diff-head h reads g = h // (H/Hkv);
 bottom-right causal alignment).
 """

@@ -5,16 +5,16 @@ import math
 
 import pytest
 import torch
+from helpers import assert_one_line_error, cli_main
 
 from diffexport.analysis import stats, sweep
-from diffexport.inputs import streams
 from diffexport.analysis.probe import AttentionProbe
-from diffexport.checkpoint import save_checkpoint
-from diffexport.errors import DiffExportError
-from diffexport.files import MAX_TEXT_BYTES
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import MAX_TEXT_BYTES
+from diffexport.core.quantization import LogitQuant
+from diffexport.inputs import streams
 from diffexport.modeling import DiffV1Config, DiffV2Config, TransformerConfig, build_model
-from diffexport.quantization import LogitQuant
-from helpers import assert_one_line_error, cli_main
+from diffexport.modeling.checkpoint import save_checkpoint
 
 CONFIGS = {
     "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),
@@ -270,13 +270,13 @@ def test_analysis_cli_refuses_empty_text_and_foreign_checkpoints(tmp_path):
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert_one_line_error(cli_main("stats", str(gpt2)), "not a DIFF model")
     other = tmp_path / "other.pt"
-    torch.save({"format": "diffexport.checkpoint", "format_version": 1, "family": "mamba", "config": {},
+    torch.save({"format": "diffexport.modeling.checkpoint", "format_version": 1, "family": "mamba", "config": {},
                 "state_dict": {}}, other)
     assert_one_line_error(cli_main("quant-sweep", str(other)), "not a supported model family")
 
 
 def test_checkpoint_carries_its_training_task(tmp_path):
-    from diffexport.checkpoint import load_model
+    from diffexport.modeling.checkpoint import load_model
 
     model = build_model(CONFIGS["diff_v1"], seed=10)
     with_task = save_checkpoint(model, tmp_path / "a.pt", task={"name": "needles", "context_len": 64})
@@ -345,7 +345,7 @@ def test_a_tokenizer_folders_own_code_never_runs(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_quant_sweep_on_a_task_checkpoint_compares_answers_and_reports_accuracy(tmp_path):
-    from diffexport.presets import preset_config
+    from diffexport.modeling.presets import preset_config
 
     ckpt = save_checkpoint(build_model(preset_config("diff-v1-tiny"), seed=11), tmp_path / "task.pt",
                            task={"name": "needles", "context_len": 32})

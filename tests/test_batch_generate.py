@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
-
-from diffexport import prompts as prompts_file
-from diffexport.errors import DiffExportError
-from diffexport.files import MAX_TEXT_BYTES
 from helpers import assert_one_line_error, cli_main, quiet
+
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import MAX_TEXT_BYTES
+from diffexport.generation import prompts as prompts_file
 
 # ---------------------------------------------------------------- the prompts file (no model needed)
 
@@ -99,13 +99,13 @@ pytest.importorskip("onnxruntime")
 def model_and_folders(artifacts):
     """A V1 model (4 diff-heads on 2 kv-groups) and its DiffAttention and gqa folders (each exported
     when a test first looks it up)."""
-    from diffexport.checkpoint import load_model
+    from diffexport.modeling.checkpoint import load_model
 
     return load_model(artifacts.checkpoint("diff-v1-gqa")), artifacts.decoders("diff-v1-gqa")
 
 
 def _alone(model, prompt, n, eos, sampling=None):
-    from diffexport.generation import generate
+    from diffexport.core.eager_generation import generate
 
     return generate(model.eval(), torch.tensor([prompt]), max_new_tokens=n, eos_token_id=eos,
                     sampling=sampling).tokens[0].tolist()
@@ -118,7 +118,7 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
     import shutil
 
     from diffexport.backends import decoding, genai
-    from diffexport.generation import Sampling
+    from diffexport.core.eager_generation import Sampling
 
     loaded, folders = model_and_folders
     folder = tmp_path / attention
@@ -194,7 +194,7 @@ def test_genai_samples_from_the_eager_distribution(model_and_folders):
     top-k only among the k likeliest, and the likeliest token as often as its probability says."""
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import genai
-    from diffexport.generation import Sampling
+    from diffexport.core.eager_generation import Sampling
 
     loaded, folders = model_and_folders
     prompt = [5, 17, 42, 99, 3]
@@ -234,7 +234,7 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
     import shutil
 
     from diffexport.backends import decoding, genai
-    from diffexport.generation import Sampling
+    from diffexport.core.eager_generation import Sampling
 
     loaded, originals = model_and_folders
     penalised = Sampling(repetition_penalty=1.4)
@@ -275,7 +275,7 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
     import shutil
 
     from diffexport.backends import decoding, genai
-    from diffexport.generation import Sampling
+    from diffexport.core.eager_generation import Sampling
 
     loaded, folders = model_and_folders
     folder = shutil.copytree(folders[attention], tmp_path / attention)
@@ -320,7 +320,7 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
 def test_sampled_batches_are_reproducible(model_and_folders):
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import decoding
-    from diffexport.generation import Sampling
+    from diffexport.core.eager_generation import Sampling
 
     _, folders = model_and_folders
     prompts = [[5, 17, 42], [9, 8, 7, 6, 5]]
@@ -415,9 +415,9 @@ def test_check_sample_holds_genai_draws_to_the_eager_distribution(model_and_fold
     another temperature than eager draws with (the chi-square test, no token outside)."""
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import genai
-    from diffexport.validation.options import CheckOptions
+    from diffexport.core.eager_generation import Sampling
     from diffexport.validation.decoder import run_decoder_check
-    from diffexport.generation import Sampling
+    from diffexport.validation.options import CheckOptions
 
     loaded, folders = model_and_folders
 
@@ -530,7 +530,7 @@ def test_folder_search_with_top_p_alone_goes_through_genais_top_k_sampler():
     an app sampling with the folder's defaults in genai avoids genai's top-p-only sampler; other
     values are written as they are."""
     from diffexport.format.decoder_folder import SEARCH_DEFAULTS, genai_config
-    from diffexport.presets import preset_config
+    from diffexport.modeling.presets import preset_config
 
     cfg = preset_config("diff-v1-tiny")
 
@@ -542,7 +542,7 @@ def test_folder_search_with_top_p_alone_goes_through_genais_top_k_sampler():
     assert written({"top_k": 7, "top_p": 0.9})["top_k"] == 7
     assert written({"top_k": 100000})["top_k"] == cfg.vocab_size  # past the vocabulary: no cut (genai refuses it)
     from diffexport.backends.genai import _search_options
-    from diffexport.generation import Sampling
+    from diffexport.core.eager_generation import Sampling
 
     folder_config = {"model": {"vocab_size": cfg.vocab_size}}  # generate's and check's draws take the same route
     assert _search_options(Sampling(greedy=False, top_k=100000), 8, folder_config)["top_k"] == cfg.vocab_size

@@ -1,6 +1,6 @@
 """Beam search: `diffexport generate --num-beams` runs onnxruntime-genai's search over a KV-cache
-folder, or generation.search_beams (the same rule) over the onnxruntime loop and engines;
-generation.beam_search is the eager reference. The reference equals transformers'
+folder, or eager_generation.search_beams (the same rule) over the onnxruntime loop and engines;
+eager_generation.beam_search is the eager reference. The reference equals transformers'
 generate(num_beams=...) where the two libraries' rules coincide (length_penalty 0: transformers
 normalises by the new tokens, genai by the whole sequence); genai's hypotheses and the loop's equal
 the reference's, in rank order, for V1, V2 and the baseline Transformer, both attention kinds, with
@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 import torch
-
-from diffexport.errors import DiffExportError
-from diffexport.generation import BeamSearch, beam_search, generate
 from helpers import assert_one_line_error, cli_main, quiet
+
+from diffexport.core.eager_generation import BeamSearch, beam_search, generate
+from diffexport.core.errors import DiffExportError
 
 # ---------------------------------------------------------------- the eager reference
 
@@ -41,7 +41,7 @@ def _cut_at_end(row, end):
 def test_eager_beam_search_equals_transformers(early_stopping, tmp_path):
     """length_penalty 0 (sum of log-probabilities): transformers and genai rank alike, so the reference
     must give transformers' hypotheses, in order, also when some beams end early."""
-    from diffexport.checkpoint import load_model
+    from diffexport.modeling.checkpoint import load_model
 
     hf = _hf_diffllama()
     hf.save_pretrained(tmp_path / "hf")
@@ -65,7 +65,7 @@ def test_eager_beam_search_equals_transformers(early_stopping, tmp_path):
 
 def test_beam_search_of_one_beam_is_greedy():
     from diffexport.modeling import build_model
-    from diffexport.presets import preset_config
+    from diffexport.modeling.presets import preset_config
 
     model = build_model(preset_config("diff-v2-tiny"), seed=2).eval()
     prompt = [7, 300, 12, 45]
@@ -122,7 +122,7 @@ def folders(artifacts):
     """Each family's eager model (V1 with 4 diff-heads on 2 kv-groups and an affine head norm), its
     DiffAttention and gqa folders by attention, and its checkpoint; built when a test first asks
     for the family (the refusal tests need one folder, not five)."""
-    from diffexport.checkpoint import load_model
+    from diffexport.modeling.checkpoint import load_model
 
     class Families(dict):
         def __missing__(self, family):
@@ -146,7 +146,7 @@ def _with_end_ids(folder, tmp_path, ends):
 @pytest.mark.slow
 @pytest.mark.parametrize("family,attention", [(f, a) for f in FAMILIES for a in _attentions(f)])
 def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attention, tmp_path):
-    """genai's own search and generation.search_beams over the onnxruntime loop give the eager
+    """genai's own search and eager_generation.search_beams over the onnxruntime loop give the eager
     reference's hypotheses, in order."""
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import decoding, genai
@@ -222,9 +222,9 @@ def test_generate_num_beams_prompts_file_and_text(folders, artifacts, tmp_path):
     assert loop.stdout == result.stdout and "onnxruntime beam search" in loop.stderr
 
     # text: an HF DiffLlama with a tokenizer; the hypotheses are the reference's, decoded
-    from diffexport.checkpoint import load_model
-
     from transformers import AutoTokenizer
+
+    from diffexport.modeling.checkpoint import load_model
 
     hf = artifacts.hf_diffllama()
     tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -280,9 +280,9 @@ def test_beam_search_refuses_batches_and_chat(folders, tmp_path):
 def test_hypothesis_score_rescores_the_search_scores():
     """The eager rescoring `check` applies to a runtime's differing beams gives each reference
     hypothesis the score the search gave it, for ended and length-limited ones and any penalty."""
-    from diffexport.generation import hypothesis_score
+    from diffexport.core.eager_generation import hypothesis_score
     from diffexport.modeling import build_model
-    from diffexport.presets import preset_config
+    from diffexport.modeling.presets import preset_config
 
     model = build_model(preset_config("diff-v1-tiny"), seed=9).eval()
     prompt = [5, 77, 301, 12, 9]
@@ -309,9 +309,9 @@ def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, 
     genai's own search still passes."""
     pytest.importorskip("onnxruntime_genai")
     from diffexport.backends import decoding
-    from diffexport.validation.options import CheckOptions
+    from diffexport.modeling.checkpoint import load_model
     from diffexport.validation.decoder import run_decoder_check
-    from diffexport.checkpoint import load_model
+    from diffexport.validation.options import CheckOptions
 
     model, root, ckpt = folders["diff-v1-tiny"]
     loaded = load_model(ckpt)
@@ -394,11 +394,10 @@ def test_check_hf_folder_beams_against_transformers(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     import numpy as np
 
-    from diffexport.validation.options import CheckOptions
-
-    from diffexport.validation.decoder import run_decoder_check
-    from diffexport.checkpoint import load_model
     from diffexport.export.decoder import export_decoder_graph as export_decoder
+    from diffexport.modeling.checkpoint import load_model
+    from diffexport.validation.decoder import run_decoder_check
+    from diffexport.validation.options import CheckOptions
 
     _hf_diffllama().save_pretrained(tmp_path / "hf")
     loaded = load_model(tmp_path / "hf")

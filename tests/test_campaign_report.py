@@ -173,7 +173,7 @@ def test_sanitizer_sections_per_kernel_path_and_runs_that_did_not_finish(tmp_pat
         "--- memcheck\n========= COMPUTE-SANITIZER\nkernel cases ok (auto)\nkernel cases ok (mma)\n"
         "========= ERROR SUMMARY: 0 errors\nmemcheck: exit status 0\n"
         "--- initcheck\n========= COMPUTE-SANITIZER\nTraceback (most recent call last):\n"
-        "diffexport.errors.DiffExportError: fused kernel library not found\n========= ERROR SUMMARY: 0 errors\n"
+        "diffexport.core.errors.DiffExportError: fused kernel library not found\n========= ERROR SUMMARY: 0 errors\n"
         "initcheck: exit status 1\n"
         "--- racecheck (auto)\n========= COMPUTE-SANITIZER\nkernel cases ok (auto)\n"
         "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\nracecheck (auto): exit status 0\n"

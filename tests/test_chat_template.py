@@ -1,4 +1,4 @@
-"""A folder's chat template rendered within bounds (diffexport/chat_template.py, issue 43 item 7):
+"""A folder's chat template rendered within bounds (diffexport/generation/chat_template.py, issue 43 item 7):
 the same text transformers renders for real templates, and one line, in bounded time and memory,
 for templates that loop, grow or reach outside the sandbox."""
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from diffexport.chat_template import MAX_RENDER_CPU_SECONDS, render_chat
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
+from diffexport.generation.chat_template import MAX_RENDER_CPU_SECONDS, render_chat
 
 # a Llama-3-style template: special tokens, a system turn, raise_exception, loop controls, tojson
 LLAMA_STYLE = (
@@ -104,7 +104,7 @@ def test_the_bound_is_cpu_time_not_a_busy_machine(tmp_path, monkeypatch):
     before) refused it."""
     import time
 
-    from diffexport import chat_template
+    from diffexport.generation import chat_template
 
     own = chat_template._special_tokens
     monkeypatch.setattr(chat_template, "_special_tokens",

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from diffexport import layouts
-from diffexport.checkpoint import FORMAT, load_model, save_checkpoint, save_safetensors
-from diffexport.errors import DiffExportError
-from diffexport.modeling import DiffV1Config, build_model
-from diffexport.presets import preset_config
 from helpers import assert_one_line_error, cli_main, resave_checkpoint, run_cli
+
+from diffexport.core.errors import DiffExportError
+from diffexport.modeling import DiffV1Config, build_model, layouts
+from diffexport.modeling.checkpoint import FORMAT, load_model, save_checkpoint, save_safetensors
+from diffexport.modeling.presets import preset_config
 
 
 def _logits(model, rng, vocab, seq=13):
@@ -189,7 +188,7 @@ def test_unilm_state_dict_with_interleaved_rope(tmp_path, rng):
     torch.save(_to_unilm(official.state_dict(), cfg), path)
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps({"family": "diff_v1", "config": cfg.to_dict()}))
-    from diffexport.checkpoint import load_config_file
+    from diffexport.modeling.checkpoint import load_config_file
 
     loaded = load_model(path, config=load_config_file(cfg_file))
     assert loaded.source == "state-dict:unilm" and loaded.config.rope_interleaved is False
@@ -325,7 +324,7 @@ def _hf_llama(tmp_path, **extra):
 def test_hf_llama_imports_as_the_baseline_transformer(extra, tmp_path, rng):
     """The Llama a DiffLlama is commonly initialised from loads as the baseline family, so the
     analysis tools compare the two; its logits are transformers' own, and so is its default eps."""
-    from diffexport.checkpoint import from_module
+    from diffexport.modeling.checkpoint import from_module
 
     hf, path = _hf_llama(tmp_path, **extra)
     _edit_config(path, rms_norm_eps=None)  # missing: Llama's default is 1e-6, DiffLlama's 1e-5
@@ -384,7 +383,7 @@ def test_failed_save_leaves_nothing(tmp_path):
     class Boom(Exception):
         pass
 
-    import diffexport.checkpoint as ck
+    import diffexport.modeling.checkpoint as ck
     original = ck.torch.save
 
     def failing_save(obj, f):
@@ -402,8 +401,8 @@ def test_failed_save_leaves_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_from_module_takes_our_model_and_an_in_memory_diffllama(tmp_path, rng):
-    from diffexport.checkpoint import from_module
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
+    from diffexport.modeling.checkpoint import from_module
 
     hf, _ = _hf_model(tmp_path, 8, 4, False)
     loaded = from_module(hf)
@@ -474,7 +473,7 @@ def test_hf_config_values_transformers_would_read_differently_are_refused(change
 def test_config_values_are_validated_before_anything_is_built(changes, message, tmp_path):
     import time
 
-    from diffexport.checkpoint import load_config_file
+    from diffexport.modeling.checkpoint import load_config_file
 
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"family": "diff_v1", "config": {"vocab_size": 512, "d_model": 128, **changes}}))
@@ -485,7 +484,7 @@ def test_config_values_are_validated_before_anything_is_built(changes, message, 
 
 
 def test_a_model_larger_than_memory_is_refused_before_allocation(tmp_path):
-    from diffexport.checkpoint import load_config_file
+    from diffexport.modeling.checkpoint import load_config_file
 
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"family": "diff_v1", "config": {"vocab_size": 1 << 20, "d_model": 1 << 15,

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import cli_main, run_cli
 
 from diffexport.cli import main
@@ -60,9 +59,9 @@ def test_info_on_a_huge_preset_is_shape_only_and_quick():
 
 
 def test_info_shows_lambdas(tmp_path):
-    from diffexport.checkpoint import save_checkpoint
     from diffexport.modeling import build_model
-    from diffexport.presets import preset_config
+    from diffexport.modeling.checkpoint import save_checkpoint
+    from diffexport.modeling.presets import preset_config
 
     model = build_model(preset_config("diff-v1-tiny"), seed=3)
     path = save_checkpoint(model, tmp_path / "m.pt")
@@ -76,7 +75,7 @@ def test_info_shows_lambdas(tmp_path):
 def test_progress_only_on_a_terminal():
     import io
 
-    from diffexport.progress import Progress
+    from diffexport.core.progress import Progress
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -250,8 +249,9 @@ def test_a_decoder_check_shows_its_decode_steps_on_a_terminal(artifacts, monkeyp
     terminal a progress line moves with them, and the transformers reference is announced."""
     import io
 
-    from diffexport.checkpoint import load_model
-    from diffexport.validation import CheckOptions, run_decoder_check
+    from diffexport.modeling.checkpoint import load_model
+    from diffexport.validation.decoder import run_decoder_check
+    from diffexport.validation.options import CheckOptions
 
     class Tty(io.StringIO):
         def isatty(self):

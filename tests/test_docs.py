@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
@@ -69,7 +68,7 @@ def test_readme_api_example_runs(tmp_path):
 
 def test_export_page_decoder_example_runs(tmp_path):
     """docs/EXPORT.md's "From Python" block as written, on a saved preset checkpoint as its ckpt.pt."""
-    from diffexport.checkpoint import load_model, save_checkpoint
+    from diffexport.modeling.checkpoint import load_model, save_checkpoint
 
     save_checkpoint(load_model(None, preset="diff-v1-tiny").model, tmp_path / "ckpt.pt")
     (block,) = python_blocks("EXPORT.md")

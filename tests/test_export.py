@@ -13,14 +13,15 @@ import torch
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from diffexport import contract  # noqa: E402
-from diffexport.validation.options import CheckOptions  # noqa: E402
-from diffexport.validation.prefill import run_check  # noqa: E402
-from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from helpers import cli_main  # noqa: E402
+
+from diffexport.core import contract  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
-from diffexport.presets import preset_config  # noqa: E402
-from helpers import cli_main  # noqa: E402
+from diffexport.modeling.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.modeling.presets import preset_config  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
+from diffexport.validation.prefill import run_check  # noqa: E402
 
 QUICK_SHAPES = ((1, 1), (2, 17), (3, 30))
 
@@ -119,7 +120,7 @@ def test_polygraphy_command_printed_by_check_passes(v1_export):
 
 def test_printed_tolerances_round_up():
     """A bound printed for polygraphy is never below the one computed (3 significant digits, up)."""
-    from diffexport.tolerances import elementwise_atol, format_at_least
+    from diffexport.core.tolerances import elementwise_atol, format_at_least
 
     for x in (0.30824, 0.308, 1e-5, 0.99951, 123456.0, 2.5e-7, 7.0000001):
         assert float(format_at_least(x)) >= x and len(format_at_least(x).replace(".", "").lstrip("0")) <= 3 + 4
@@ -139,7 +140,7 @@ def test_the_printed_atol_covers_every_element_polygraphy_compares(tmp_path):
     pytest.importorskip("polygraphy")
     import re
 
-    from diffexport.tolerances import compare
+    from diffexport.core.tolerances import compare
     from diffexport.validation.compare import finish_report
 
     rng = np.random.default_rng(0)
@@ -261,7 +262,7 @@ def test_reported_numbers_read_as_numbers():
     """Perplexity prints without a dangling point ("2100." read as a typo), and a KL is never
     negative (rounding below 0 is reported as the 0 it is)."""
     from diffexport.analysis.sweep import Damage
-    from diffexport.tolerances import QuantBudget, compare_distributions
+    from diffexport.core.tolerances import QuantBudget, compare_distributions
     from diffexport.validation.options import TextIds
 
     text = TextIds.__new__(TextIds)  # only what line() reads

@@ -7,11 +7,10 @@ pytestmark = pytest.mark.gpu
 
 ort = pytest.importorskip("onnxruntime")
 
-from diffexport.validation.options import CheckOptions  # noqa: E402
-
-from diffexport.validation.prefill import run_check  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
+from diffexport.validation.prefill import run_check  # noqa: E402
 
 
 def _needs_cuda_provider():

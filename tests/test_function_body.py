@@ -10,13 +10,13 @@ import torch
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from onnx import TensorProto, helper  # noqa: E402
-
-from diffexport import contract  # noqa: E402
-from diffexport.contract import DiffAttentionAttrs  # noqa: E402
-from diffexport.export import function_body, op_schema  # noqa: E402
 from helpers import make_inputs, padding_mask  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 from oracle import diff_attention_oracle  # noqa: E402
+
+from diffexport.core import contract  # noqa: E402
+from diffexport.core.contract import DiffAttentionAttrs  # noqa: E402
+from diffexport.export import function_body, op_schema  # noqa: E402
 
 ELEM = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 
@@ -97,7 +97,7 @@ def test_body_with_key_mask_matches_oracle(style, variant, hkv, q_len, kv_len, p
     if pads[0] == kv_len:  # a sequence of padding only
         assert not out[0].any()
     # the eager references and the op agree with the oracle too
-    from diffexport import op, reference
+    from diffexport.kernel import op, reference
 
     inputs = [tensors[n] for n in contract.INPUT_NAMES]
     for fn in (reference.naive_diff_attention, reference.flash_diff_attention_1):
@@ -133,7 +133,7 @@ def test_contract_defaults_apply_when_the_node_omits_them(rng):
 
 
 def test_attention_body_needs_opset_23():
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
 
     with pytest.raises(DiffExportError, match="opset >= 23"):
         function_body.build_function("attention", opset=18)

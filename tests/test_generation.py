@@ -4,11 +4,11 @@ transformers' generate() for imported DiffLlama checkpoints, sampling is seeded 
 import pytest
 import torch
 
-from diffexport.checkpoint import load_model
-from diffexport.errors import DiffExportError
-from diffexport.generation import Sampling, choose_next, generate, left_pad
+from diffexport.core.eager_generation import Sampling, choose_next, generate, left_pad
+from diffexport.core.errors import DiffExportError
 from diffexport.modeling import build_model
-from diffexport.presets import preset_config
+from diffexport.modeling.checkpoint import load_model
+from diffexport.modeling.presets import preset_config
 
 PRESETS = ("diff-v1-tiny", "diff-v2-tiny", "transformer-tiny")
 
@@ -85,7 +85,7 @@ def test_repetition_penalty_equals_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from diffexport.generation import penalize_repeats, seen_tokens
+    from diffexport.core.eager_generation import penalize_repeats, seen_tokens
 
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 50, (3, 9), generator=gen)
@@ -138,7 +138,7 @@ def test_extreme_temperatures_and_nucleus_still_give_a_distribution():
     top-p of 1e-300 (0 in float32) dropped every token (issue 43: a traceback on the onnxruntime
     loop while genai answered): both now give the limit, the most likely token, and a moderate
     temperature gives softmax(logits / T) as before."""
-    from diffexport.generation import next_token_probs
+    from diffexport.core.eager_generation import next_token_probs
 
     logits = torch.randn(3, 97, generator=torch.Generator().manual_seed(5)) * 4
     best = logits.argmax(-1)
@@ -152,7 +152,7 @@ def test_extreme_temperatures_and_nucleus_still_give_a_distribution():
 
 
 def test_stop_text_holds_back_what_could_begin_a_stop_string():
-    from diffexport.generation import StopText
+    from diffexport.core.eager_generation import StopText
 
     pieces = ["Hel", "lo", " wor", "ld", "\n", "\n", "Next"]
     text = StopText(["\n\n", "world!"], pieces.__getitem__)

@@ -30,7 +30,7 @@ PYTHON_STUB = """#!/usr/bin/env bash
 echo "python $*" >> "$STUB_LOG"
 if [[ -n "${STUB_HANG:-}" && " $* " == *"$STUB_HANG"* ]]; then sleep 1000; exit 0; fi
 case " $* " in
-  *" -m diffexport.kernel_probe "*)
+  *" -m diffexport.kernel.kernel_probe "*)
     if [[ -n "${STUB_BAD_LIB:-}" && "$DIFFEXPORT_KERNEL_LIB" == *"$STUB_BAD_LIB"* ]]; then echo "failed: stand-in disagrees"
     else echo "${STUB_PROBE:-unavailable: stand-in}"; fi ;;
   *" -m diffexport kernels --check "*) echo "result: ok" ;;

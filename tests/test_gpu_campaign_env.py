@@ -75,7 +75,7 @@ def test_the_campaign_command_lines_start_without_the_extras(image_env, tmp_path
                  ["-m", "diffexport", "kernels"]):
         out = run(image_env, *argv)
         assert out.returncode == 0, (argv, out.stderr[-2000:])
-    probe = run(image_env, "-m", "diffexport.kernel_probe", "hopper")  # prints a verdict, never a traceback
+    probe = run(image_env, "-m", "diffexport.kernel.kernel_probe", "hopper")  # prints a verdict, never a traceback
     assert "Traceback" not in probe.stderr and probe.stdout.strip(), probe.stderr[-2000:]
 
     # What the GPU tests launch as subprocesses, on the CPU: analysis commands, a short training

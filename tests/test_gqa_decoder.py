@@ -14,21 +14,22 @@ import torch
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from diffexport import contract  # noqa: E402
+from helpers import assert_one_line_error, cli_main, perturb_norm_weights, quiet  # noqa: E402
+
 from diffexport.backends import decoding, genai  # noqa: E402
-from diffexport.validation.options import CheckOptions  # noqa: E402
-from diffexport.validation.decoder import run_decoder_check  # noqa: E402
-from diffexport.checkpoint import load_model, save_safetensors  # noqa: E402
-from diffexport.errors import DiffExportError  # noqa: E402
+from diffexport.core import contract  # noqa: E402
+from diffexport.core.eager_generation import Sampling, generate, pad_batch  # noqa: E402
+from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.format import decoders  # noqa: E402
-from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
-from diffexport.generation import Sampling, generate, pad_batch  # noqa: E402
-from diffexport.inspect_onnx import inspect_onnx  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
+from diffexport.modeling.checkpoint import load_model, save_safetensors  # noqa: E402
+from diffexport.modeling.presets import preset_config  # noqa: E402
+from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.group_query_attention import rewrite_decoder  # noqa: E402
-from diffexport.presets import preset_config  # noqa: E402
-from helpers import assert_one_line_error, cli_main, perturb_norm_weights, quiet  # noqa: E402
+from diffexport.validation.decoder import run_decoder_check  # noqa: E402
+from diffexport.validation.inspect_onnx import inspect_onnx  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports: see README (quick loop)
 

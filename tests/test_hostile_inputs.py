@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from helpers import assert_one_line_error, cli_main, resave_checkpoint, run_cli
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
@@ -224,7 +223,7 @@ def test_check_against_and_plugin_lib_bad_inputs(exported, tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from diffexport.checkpoint import load_model, save_checkpoint
+    from diffexport.modeling.checkpoint import load_model, save_checkpoint
 
     return save_checkpoint(load_model(preset="diff-v1-tiny").model, tmp_path_factory.mktemp("ckpt") / "good.pt")
 
@@ -264,7 +263,7 @@ def test_onnx_weights_are_checked_against_their_declared_shapes(tmp_path):
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight])
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
-    from diffexport.files import load_onnx
+    from diffexport.core.files import load_onnx
 
     honest = model_with(numpy_helper.from_array(np.ones((4, 4), np.float32), "w"))
     onnx.save(honest, str(tmp_path / "honest.onnx"))

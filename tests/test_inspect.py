@@ -6,9 +6,10 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 
-from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from helpers import assert_one_line_error, cli_main  # noqa: E402
+
+from diffexport.export import ExportOptions, export_onnx  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -104,7 +105,7 @@ def test_folders_and_devices_are_told_apart_from_missing_files(tmp_path):
     ]:
         assert_one_line_error(cli_main(*argv), message)
     from diffexport.backends.tensorrt import read_engine_record
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
 
     (tmp_path / "dir.engine").mkdir()
     with pytest.raises(DiffExportError, match="dir.engine is a folder: give an engine built by `diffexport trt`"):

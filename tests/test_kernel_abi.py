@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from diffexport import contract, kernel_probe, kernels
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.errors import DiffExportError
 from helpers import run_cli
+
+from diffexport.core import contract
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.errors import DiffExportError
+from diffexport.kernel import kernel_probe, kernels
 
 HEADER = Path(__file__).resolve().parent.parent / "plugins" / "kernels" / "diff_attention.h"
 FAKE = 1 << 24  # a 16-byte-aligned address the check never dereferences

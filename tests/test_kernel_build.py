@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from diffexport import kernels
+from diffexport.kernel import kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import kernel_resources  # noqa: E402

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_close_lowprec, host_library, lowprec_baseline, make_inputs, padding_mask
+from oracle import diff_attention_oracle
 
-from diffexport import kernels, reference
 from diffexport.analysis import sweep
 from diffexport.analysis.fused import Attention
 from diffexport.analysis.probe import AttentionProbe
-from diffexport.contract import DiffAttentionAttrs
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.quantization import LogitQuant
+from diffexport.kernel import kernels, reference
 from diffexport.modeling import DiffV1Config, DiffV2Config, build_model
-from diffexport.quantization import LogitQuant
-from helpers import assert_close_lowprec, host_library, lowprec_baseline, make_inputs, padding_mask
-from oracle import diff_attention_oracle
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 

@@ -1,4 +1,4 @@
-"""The fused kernel on a CUDA GPU, through its C ABI (diffexport.kernels), against the float64
+"""The fused kernel on a CUDA GPU, through its C ABI (diffexport.kernel.kernels), against the float64
 oracle with the flash-attention rule (NUMERICS.md), and the INT8-logits variant against the
 reference that applies the same quantisation. Marked gpu: skipped without CUDA. Skipped too when
 the library is not built, unless DIFFEXPORT_REQUIRE_KERNELS=1 (GPU sessions set it: a missing
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from diffexport import kernel_probe, kernels, reference
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.quantization import LogitQuant
 from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
+
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.quantization import LogitQuant
+from diffexport.kernel import kernel_probe, kernels, reference
 
 pytestmark = pytest.mark.gpu
 POISON = float("nan")
@@ -44,7 +44,7 @@ def require_hopper(probe: str = "hopper"):
     # Tried first in a child process: a hang or a fault there must not take this worker's other tests.
     reason = kernel_probe.probed(probe)
     if reason:
-        pytest.fail(f"the Hopper path ({probe}) failed its probe (diffexport/kernel_probe.py), not launched here: {reason}")
+        pytest.fail(f"the Hopper path ({probe}) failed its probe (diffexport/kernel/kernel_probe.py), not launched here: {reason}")
 
 
 def min_cosine(dtype):
@@ -157,7 +157,7 @@ def test_rows_that_see_no_key_are_zero_not_nan(rng):
 
 
 def test_op_uses_the_fused_kernel_on_cuda(rng, monkeypatch):
-    from diffexport import op
+    from diffexport.kernel import op
 
     attrs = DiffAttentionAttrs(variant=1, num_heads=4, num_kv_heads=2, head_dim=64, causal=1)
     inputs = [t.cuda() for t in make_inputs(attrs, 2, 33, 33, dtype=torch.bfloat16, rng=rng)]
@@ -340,9 +340,10 @@ def test_quant_sweep_runs_the_int8_logits_kernel_on_cuda(tmp_path):
     its damage per bit width matches the torch reference of the same quantisation on the CPU."""
     import json
 
-    from diffexport.checkpoint import save_checkpoint
-    from diffexport.modeling import DiffV1Config, build_model
     from helpers import run_cli
+
+    from diffexport.modeling import DiffV1Config, build_model
+    from diffexport.modeling.checkpoint import save_checkpoint
 
     config = DiffV1Config(vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64)
     ckpt = save_checkpoint(build_model(config, seed=5), tmp_path / "d64.pt")

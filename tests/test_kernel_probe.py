@@ -1,4 +1,4 @@
-"""The kernel-path probe (diffexport/kernel_probe.py) on the CPU: what the parent reports for a child
+"""The kernel-path probe (diffexport/kernel/kernel_probe.py) on the CPU: what the parent reports for a child
 that hangs, dies of a signal, fails or succeeds, the answer kept for child processes, and the
 child's own comparison run on CPU tensors with the torch reference standing in for the kernels
 (the real launches run on the GPU machine, tools/gpu_campaign.sh)."""
@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-
-from diffexport import kernel_probe, kernels, reference
-from diffexport.quantization import LogitQuant
 from helpers import assert_one_line_error, cli_main
+
+from diffexport.core.quantization import LogitQuant
+from diffexport.kernel import kernel_probe, kernels, reference
 
 
 def unset_for_this_test(monkeypatch, name: str):

@@ -25,9 +25,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from diffexport.kernels import DECODE_MAX_QUERY  # calls this short take the split-KV decode kernels
 from kernel_cases import CASES
+
+from diffexport.kernel.kernels import DECODE_MAX_QUERY  # calls this short take the split-KV decode kernels
 
 pytestmark = pytest.mark.slow
 

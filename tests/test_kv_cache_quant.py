@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 
 from helpers import cli_main  # noqa: E402
 
-from diffexport import tolerances  # noqa: E402
+from diffexport.core import tolerances  # noqa: E402
 from diffexport.format import names  # noqa: E402
 from diffexport.passes import kv_cache_quant  # noqa: E402
 

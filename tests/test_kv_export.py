@@ -13,20 +13,27 @@ import torch
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from diffexport import contract  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_one_line_error,
+    byte_bpe_tokenizer,
+    cli_main,
+    perturb_norm_weights,
+    quiet,
+    run_printed_polygraphy,
+)
+
 from diffexport.backends import base, decoding, genai  # noqa: E402
-from diffexport.validation.options import CheckOptions  # noqa: E402
-from diffexport.validation.decoder import run_decoder_check  # noqa: E402
-from diffexport.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
-from diffexport.errors import DiffExportError  # noqa: E402
+from diffexport.core import contract  # noqa: E402
+from diffexport.core.eager_generation import BeamSearch, Sampling, generate  # noqa: E402
+from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.export.decoder import export_decoder_graph as export_decoder  # noqa: E402
 from diffexport.format.decoder_folder import cache_width  # noqa: E402
-from diffexport.generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.modeling import build_model  # noqa: E402
-from diffexport.presets import preset_config  # noqa: E402
-from helpers import (  # noqa: E402
-    assert_one_line_error, byte_bpe_tokenizer, cli_main, perturb_norm_weights, quiet, run_printed_polygraphy)
+from diffexport.modeling.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.modeling.presets import preset_config  # noqa: E402
+from diffexport.validation.decoder import run_decoder_check  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 
@@ -320,13 +327,13 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
     """genai_config.json keys onnxruntime-genai acts on and diffexport never writes (a library to
     load, a profile to write, another graph to run, thousands of threads, a huge vocabulary), links
     and nesting bombs: one line, exit 2, before onnxruntime-genai is imported, for every command."""
-    import diffexport.text_generation
+    import diffexport.generation.text_generation
 
     def genai_reached(*_):
         raise AssertionError("onnxruntime-genai was reached")
 
     monkeypatch.setattr(genai, "import_genai", genai_reached)
-    monkeypatch.setattr(diffexport.text_generation, "folder_tokenizer", genai_reached, raising=False)
+    monkeypatch.setattr(diffexport.generation.text_generation, "folder_tokenizer", genai_reached, raising=False)
     config = json.loads((v1_folder / "genai_config.json").read_text())
 
     def folder_with(name, edit=None, text=None):
@@ -990,9 +997,9 @@ def kv_engine(v1_folder, tmp_path_factory):
 
 def _engine_check(engine, folder, loaded, tmp_path, runner, steps=12, text=None, max_sequence=None, beams=None):
     from diffexport.backends.tensorrt import EngineDecoder, read_engine_record
-    from diffexport.validation.options import TextIds
-    from diffexport.validation.decoder import decode_check as _decode_check
     from diffexport.format.metadata import check_export_metadata
+    from diffexport.validation.decoder import decode_check as _decode_check
+    from diffexport.validation.options import TextIds
 
     record = read_engine_record(engine)
     stepper = EngineDecoder(engine, record, check_export_metadata(record["onnx_metadata"], engine), runner)
@@ -1078,8 +1085,8 @@ def test_engine_check_of_a_decoder_refuses_before_the_gpu(kv_engine, v1_folder, 
 def test_probe_quantises_cached_calls_with_a_key_mask(v1_ckpt):
     """The eager reference of an INT8-logits decoder engine: AttentionProbe on cached, padded calls."""
     from diffexport.analysis.probe import AttentionProbe
-    from diffexport.generation import left_pad
-    from diffexport.quantization import LogitQuant
+    from diffexport.core.eager_generation import left_pad
+    from diffexport.core.quantization import LogitQuant
 
     model = load_model(v1_ckpt).model.eval()
     ids, mask = left_pad([[5, 6, 7], [8, 9, 10, 11, 12]], pad_token_id=0)

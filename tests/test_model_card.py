@@ -5,9 +5,9 @@ fills in the results section of our card only, atomically; its Python runs as wr
 import re
 
 import pytest
+from helpers import cli_main
 
 from diffexport.format import model_card
-from helpers import cli_main
 
 pytestmark = pytest.mark.slow  # exports: see README (quick loop)
 

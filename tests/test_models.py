@@ -6,12 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffexport import layouts
-from diffexport.errors import DiffExportError
-from diffexport.modeling import (DiffV1Config, DiffV2Config, TransformerConfig, baseline_for, build_model,
-                                 config_from_dict)
+from diffexport.core.errors import DiffExportError
+from diffexport.modeling import (
+    DiffV1Config,
+    DiffV2Config,
+    TransformerConfig,
+    baseline_for,
+    build_model,
+    config_from_dict,
+    layouts,
+)
 from diffexport.modeling.common import apply_rope, rope_cos_sin
-from diffexport.presets import all_presets, match_preset, preset_config
+from diffexport.modeling.presets import all_presets, match_preset, preset_config
 
 
 def _ids(cfg, rng, batch=2, seq=11):

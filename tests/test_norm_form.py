@@ -82,8 +82,8 @@ def test_a_reciprocal_read_elsewhere_stays():
 
 
 def test_exports_divide_their_norms_but_not_the_function_body(tmp_path):
-    from diffexport.checkpoint import load_model
     from diffexport.export.exporter import ExportOptions, export_onnx
+    from diffexport.modeling.checkpoint import load_model
 
     lines = []
     export_onnx(load_model(preset="diff-v2-tiny"), tmp_path / "m.onnx", ExportOptions(), log=lines.append)

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-
-from diffexport import contract, op, reference
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.errors import DiffExportError
 from helpers import assert_close_fp32, make_inputs
 from oracle import diff_attention_oracle
+
+from diffexport.core import contract
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.errors import DiffExportError
+from diffexport.kernel import op, reference
 
 
 def test_schema_follows_the_contract():
@@ -23,7 +24,7 @@ def test_registered_once_and_reimport_is_harmless():
     import importlib
 
     before = torch.ops.diffexport.diff_attention.default
-    importlib.import_module("diffexport.op")
+    importlib.import_module("diffexport.kernel.op")
     assert torch.ops.diffexport.diff_attention.default is before
 
 

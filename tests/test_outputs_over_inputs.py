@@ -7,11 +7,10 @@ import os
 import stat
 
 import pytest
-
 from helpers import assert_one_line_error, cli_main
 
-from diffexport.files import atomic_write, refuse_output_over_inputs
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write, refuse_output_over_inputs
 from diffexport.format import model_card
 
 

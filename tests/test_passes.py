@@ -5,13 +5,14 @@ import pytest
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from diffexport import contract  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.errors import DiffExportError  # noqa: E402
+from helpers import assert_same_logits  # noqa: E402
+
+from diffexport.core import contract  # noqa: E402
+from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import export_onnx  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.cleanup import cleanup  # noqa: E402
 from diffexport.passes.lowering import lower_diff_attention  # noqa: E402
-from helpers import assert_same_logits  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 

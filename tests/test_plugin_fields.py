@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-
-from diffexport import contract
 from helpers import host_library
+
+from diffexport.core import contract
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "plugins" / "tensorrt"

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from diffexport import reference
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.quantization import LogitQuant
 from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
+
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.quantization import LogitQuant
+from diffexport.kernel import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_ENV, LIB_ENV = "DIFFEXPORT_PLUGIN_HARNESS", "DIFFEXPORT_PLUGIN_LIB"

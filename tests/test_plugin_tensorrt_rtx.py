@@ -17,7 +17,7 @@ import pytest
 trt = pytest.importorskip("tensorrt_rtx")
 np = pytest.importorskip("numpy")
 
-from diffexport import contract  # noqa: E402
+from diffexport.core import contract  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = Path(os.environ.get("DIFFEXPORT_PLUGIN_LIB", ROOT / "build" / "plugins" / "tensorrt" / "libdiffexport_plugins.so"))
@@ -117,9 +117,10 @@ def parse_with_plugin(onnx_path, graph, logit_bits=16):
 
 @pytest.fixture(scope="module")
 def head_dim_64_models(tmp_path_factory):
-    from diffexport.checkpoint import save_checkpoint
-    from diffexport.modeling import build_model, config_from_dict
     from helpers import run_cli
+
+    from diffexport.modeling import build_model, config_from_dict
+    from diffexport.modeling.checkpoint import save_checkpoint
 
     folder = tmp_path_factory.mktemp("rtx_plugin")
     paths = {}
@@ -166,9 +167,10 @@ def test_version_2_creator_takes_the_same_fields(creator):
 @pytest.mark.parametrize("graph", ["exported", "staged"])
 def test_parser_gives_kv_cache_nodes_to_the_version_2_plugin(tmp_path, graph):
     """A KV-cache decoder (fp16, head dim 64): its six-input nodes reach the version-2 creator."""
-    from diffexport.checkpoint import save_checkpoint
-    from diffexport.modeling import build_model, config_from_dict
     from helpers import run_cli
+
+    from diffexport.modeling import build_model, config_from_dict
+    from diffexport.modeling.checkpoint import save_checkpoint
 
     cfg = config_from_dict("diff_v1", dict(vocab_size=256, d_model=256, n_layers=2, ffn_hidden=256, n_heads=2,
                                            n_kv_heads=1, head_dim=64))

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import assert_one_line_error, cli_main
 
 onnx = pytest.importorskip("onnx")
@@ -38,8 +37,8 @@ def _initializers(model):
 
 @pytest.mark.parametrize("source,fmt", [("m18", "int8"), ("m16", "int8"), ("m19", "fp8")])
 def test_qdq_graph_quantises_every_weight_matmul_and_meets_its_budget(exports, tmp_path, source, fmt):
+    from diffexport.core.tolerances import QDQ_BUDGETS
     from diffexport.passes.qdq import QDQOptions, quantize_qdq
-    from diffexport.tolerances import QDQ_BUDGETS
 
     src, out = exports / f"{source}.onnx", tmp_path / "q.onnx"
     summary = quantize_qdq(src, out, QDQOptions(format=fmt, calib="synthetic", samples=8, seq_len=64),
@@ -126,7 +125,7 @@ def test_qdq_graphs_build_with_tensorrt_rtx(exports, tmp_path):
     targets that have FP8 tensor cores."""
     pytest.importorskip("tensorrt_rtx")
     from diffexport.backends.tensorrt import EngineOptions, build_engine
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
     from diffexport.passes.qdq import QDQOptions, quantize_qdq
 
     for source, fmt, targets in (("m16", "int8", ("SM80", "SM89")), ("m19", "fp8", ("SM89",))):

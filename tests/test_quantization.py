@@ -1,11 +1,21 @@
-"""The logit quantiser (diffexport.quantization) against hand-computed cases: the definition the kernel mirrors."""
+"""The logit quantiser (diffexport.core.quantization) against hand-computed cases: the definition the kernel mirrors."""
 
 import pytest
 import torch
 
-from diffexport.errors import DiffExportError
-from diffexport.quantization import (KEY_BLOCK, QUERY_BLOCK, LogitQuant, absmax_codes, check_bits, qk_int_logits,
-                                     qmax_for, quantise_logit_rows, quantise_tokens, smooth_keys)
+from diffexport.core.errors import DiffExportError
+from diffexport.core.quantization import (
+    KEY_BLOCK,
+    QUERY_BLOCK,
+    LogitQuant,
+    absmax_codes,
+    check_bits,
+    qk_int_logits,
+    qmax_for,
+    quantise_logit_rows,
+    quantise_tokens,
+    smooth_keys,
+)
 
 
 def test_integer_ranges():

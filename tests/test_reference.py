@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
-
-from diffexport import reference
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.modeling.diff_v1 import lambda_init_schedule
 from helpers import assert_close_fp32, assert_close_lowprec, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
+
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.kernel import reference
+from diffexport.modeling.diff_v1 import lambda_init_schedule
 
 REFS = sorted(reference.REFERENCES)
 # (q_len, kv_len): single token, odd, decode-style q_len < kv_len, a non-multiple-of-tile length
@@ -107,8 +107,8 @@ def test_lambda_init_schedule_and_sign():
 
 
 def test_causal_longer_query_than_keys_is_refused(rng):
-    from diffexport import contract
-    from diffexport.errors import DiffExportError
+    from diffexport.core import contract
+    from diffexport.core.errors import DiffExportError
 
     attrs = attrs_for(1, 1, 1)
     q, k, v, lam, w = make_inputs(attrs, 1, 9, 4, rng=rng)

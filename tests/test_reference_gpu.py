@@ -3,11 +3,11 @@ when importable, in fp16/bf16, against the float64 oracle. Marked gpu: skipped w
 
 import pytest
 import torch
-
-from diffexport import reference
-from diffexport.contract import DiffAttentionAttrs
 from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
+
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.kernel import reference
 
 pytestmark = pytest.mark.gpu
 

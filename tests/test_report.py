@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from diffexport.checkpoint import load_model
-from diffexport.errors import DiffExportError
-from diffexport.report import render_html, write_report
-from diffexport.validation import CheckOptions
 from helpers import assert_one_line_error, cli_main, quiet
+
+from diffexport.core.errors import DiffExportError
+from diffexport.modeling.checkpoint import load_model
+from diffexport.report import render_html, write_report
+from diffexport.validation.options import CheckOptions
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Native work on strangers' input where it can be stopped (diffexport/stoppable.py): a call in a
+"""Native work on strangers' input where it can be stopped (diffexport/core/stoppable.py): a call in a
 forked child bounded in CPU time (not wall-clock time), and a diffexport process that ends within
 seconds of SIGTERM even while native code holds the interpreter (issue 59, item 1)."""
 
@@ -10,10 +10,10 @@ import textwrap
 import time
 
 import pytest
-
-from diffexport.errors import DiffExportError
-from diffexport.stoppable import GRACE_SECONDS, ChildError, call_bounded
 from helpers import checkout_env, process_ends
+
+from diffexport.core.errors import DiffExportError
+from diffexport.core.stoppable import GRACE_SECONDS, ChildError, call_bounded
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, prctl and RLIMIT_CPU: Linux")
 
@@ -55,7 +55,7 @@ def test_sigterm_ends_a_process_stuck_in_native_code():
     would end only when the hash was done (and then by the handler's KeyboardInterrupt, not SIGKILL)."""
     script = textwrap.dedent("""
         import hashlib, signal, sys
-        from diffexport.stoppable import end_within_seconds
+        from diffexport.core.stoppable import end_within_seconds
         def interrupt(signum, frame):
             raise KeyboardInterrupt
         signal.signal(signal.SIGTERM, interrupt)
@@ -96,8 +96,8 @@ def test_an_interrupt_waits_for_the_held_block_and_no_temporary_stays(tmp_path, 
     """An interrupt inside interrupts_held() is raised when the block ends, so a temporary folder is
     either not made or made and known to its cleanup: SIGTERM at the wrong instant left
     `.m.onnx.XXXX.tmp` behind under load."""
-    from diffexport import stoppable
-    from diffexport.files import staging_folder
+    from diffexport.core import stoppable
+    from diffexport.core.files import staging_folder
 
     with pytest.raises(KeyboardInterrupt):
         with stoppable.interrupts_held():
@@ -122,7 +122,7 @@ def test_an_interrupt_waits_for_the_held_block_and_no_temporary_stays(tmp_path, 
 
 
 def test_a_process_that_ends_leaves_no_watchdog_behind():
-    script = "import diffexport.stoppable as s; assert s.end_within_seconds(); print(s._watchdog.pid, flush=True)"
+    script = "import diffexport.core.stoppable as s; assert s.end_within_seconds(); print(s._watchdog.pid, flush=True)"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=checkout_env(),
                          timeout=60)
     assert out.returncode == 0, out.stderr

@@ -12,9 +12,9 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("tensorrt_rtx")
 
 from diffexport.backends.tensorrt import EngineOptions, build_engine  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.errors import DiffExportError  # noqa: E402
+from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import export_onnx  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.cleanup import cleanup  # noqa: E402
 from diffexport.passes.lowering import lower_diff_attention  # noqa: E402
 

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import assert_one_line_error, cli_main
 
-from diffexport.checkpoint import load_model, save_hf_folder
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 from diffexport.modeling import DiffV1Config, baseline_for, build_model, config_from_dict
-from diffexport.presets import get_preset, preset_weights
+from diffexport.modeling.checkpoint import load_model, save_hf_folder
+from diffexport.modeling.presets import get_preset, preset_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT_PRESET = "diff-text-tiny"

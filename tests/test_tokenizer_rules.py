@@ -6,10 +6,10 @@ import json
 import shutil
 
 import pytest
-
-from diffexport.errors import DiffExportError
-from diffexport.format.tokenizer_rules import check_tokenizer_json, regex_risk
 from helpers import assert_one_line_error, cli_main, run_cli
+
+from diffexport.core.errors import DiffExportError
+from diffexport.format.tokenizer_rules import check_tokenizer_json, regex_risk
 
 IN_USE = {  # pre-tokenizer patterns of published tokenizers (tokenizer.json, pre_tokenizer Split)
     "gpt2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
@@ -189,7 +189,7 @@ def test_hub_cache_links_are_read_and_guarded_and_no_other_link_is(artifacts, tm
     """huggingface_hub's cache holds a snapshot's files as links into the repository's blobs/: such a
     link is read (and its tokenizer.json guarded like a file); a link out of blobs/, into another
     repository's blobs/, or outside any snapshot is not."""
-    from diffexport.files import is_hub_cache_link
+    from diffexport.core.files import is_hub_cache_link
 
     hf = artifacts.hf_diffllama()
     hostile = tmp_path / "hostile.json"

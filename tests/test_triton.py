@@ -16,10 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from diffexport.errors import DiffExportError
-from diffexport.generation import Sampling
 from helpers import assert_one_line_error, checkout_env, cli_main, process_ends
+
+from diffexport.core.eager_generation import Sampling
+from diffexport.core.errors import DiffExportError
 
 pytestmark = pytest.mark.slow  # an export, and a server start: see README (quick loop)
 
@@ -38,7 +38,7 @@ def alone(folder):
     """prompt text -> what `diffexport generate --greedy` gives it alone: (new ids, the end id left
     out; their text; their text through the tokenizer's stream decoder)."""
     from diffexport.format.decoder_folder import eos_token_ids, read_decoder_folder
-    from diffexport.text_generation import encode, folder_tokenizer, generate_once
+    from diffexport.generation.text_generation import encode, folder_tokenizer, generate_once
 
     config = read_decoder_folder(folder)[1]
     tokenizer, eos = folder_tokenizer(folder), set(eos_token_ids(config))
@@ -320,8 +320,9 @@ def test_server_survives_a_client_that_leaves_mid_stream(server, alone):
 def test_server_grpc_streaming(server, alone):
     """The gRPC stream (tritonclient, as Triton's LLM clients use it) gives the unary call's tokens."""
     grpcclient = pytest.importorskip("tritonclient.grpc")
-    import numpy as np
     import queue
+
+    import numpy as np
 
     answers = queue.Queue()
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
@@ -454,8 +455,8 @@ def test_bench_triton_exports_the_format_it_names(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from diffexport.checkpoint import load_model
     from diffexport.format.decoder_folder import read_decoder_folder
+    from diffexport.modeling.checkpoint import load_model
 
     path = Path(__file__).resolve().parent.parent / "tools" / "bench_triton.py"
     spec = importlib.util.spec_from_file_location("bench_triton", path)

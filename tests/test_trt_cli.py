@@ -7,12 +7,12 @@ import os
 
 import onnx
 import pytest
-
-from diffexport import contract
-from diffexport.backends.tensorrt import EngineOptions, find_plugin_library, graph_precision, prepare_graph
-from diffexport.errors import DiffExportError
-from diffexport.passes.lowering import node_attrs
 from helpers import assert_one_line_error, cli_main
+
+from diffexport.backends.tensorrt import EngineOptions, find_plugin_library, graph_precision, prepare_graph
+from diffexport.core import contract
+from diffexport.core.errors import DiffExportError
+from diffexport.format.nodes import node_attrs
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 

@@ -5,7 +5,6 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import assert_one_line_error, cli_main, run_printed_polygraphy
 
 onnx = pytest.importorskip("onnx")
@@ -36,8 +35,8 @@ def _mean_kl(ref, out):
 
 @pytest.mark.parametrize("bits,block,method", [(4, 32, "rtn"), (8, 128, "rtn"), (4, 64, "hqq")])
 def test_quantised_export_keeps_diff_attention_and_meets_its_budget(exported, tmp_path, bits, block, method):
+    from diffexport.core.tolerances import WEIGHT_QUANT_BUDGETS
     from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
-    from diffexport.tolerances import WEIGHT_QUANT_BUDGETS
 
     out = tmp_path / "q.onnx"
     summary = quantize_weights(exported, out, WeightQuantOptions(bits=bits, block_size=block, method=method),
@@ -138,7 +137,7 @@ def test_bad_quantize_requests_are_one_line_and_write_nothing(exported, tmp_path
 
 
 def test_options_are_validated_in_the_python_api():
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
     from diffexport.passes.weight_quant import WeightQuantOptions
 
     for options, message in [(WeightQuantOptions(bits=2), "int4 or int8"), (WeightQuantOptions(block_size=0), "use one"),
@@ -201,8 +200,8 @@ def test_a_tied_head_read_through_transpose_gets_its_own_quantised_copy(tmp_path
 def test_gptq_calibrates_and_meets_the_int4_budget(exported, tmp_path):
     """onnxruntime's GPTQ on calibration batches: the prefill file and a KV-cache folder (fed an
     empty cache) both come out as MatMulNBits within the int4 budget."""
+    from diffexport.core.tolerances import WEIGHT_QUANT_BUDGETS
     from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights
-    from diffexport.tolerances import WEIGHT_QUANT_BUDGETS
 
     out = tmp_path / "gptq.onnx"
     options = WeightQuantOptions(method="gptq", calib="synthetic", samples=8, seq_len=64)

@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchdoc  # noqa: E402
 
-from diffexport import kernel_probe, kernels, reference  # noqa: E402
-from diffexport.contract import DiffAttentionAttrs  # noqa: E402
-from diffexport.errors import DiffExportError  # noqa: E402
+from diffexport.core.contract import DiffAttentionAttrs  # noqa: E402
+from diffexport.core.errors import DiffExportError  # noqa: E402
+from diffexport.kernel import kernel_probe, kernels, reference  # noqa: E402
 
 TOKENS_PER_BATCH = 16384  # B * N: keeps B*H*N/64 CTAs (work per launch) the same at every N
 NAIVE_MAX_BYTES = 24 * 2**30

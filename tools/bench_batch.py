@@ -46,9 +46,9 @@ import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
 from diffexport.backends import decoding, genai  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.core.eager_generation import Sampling  # noqa: E402
 from diffexport.format.decoder_folder import cache_width  # noqa: E402
-from diffexport.generation import Sampling  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 PRESET = "diff-v1-110m"
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"

@@ -7,8 +7,8 @@ Model: diff-v1-110m with seeded random weights, fp32, its DiffAttention and --at
 folders, onnxruntime with intra_op_num_threads = the machine's cores. One prompt of --prompt random
 ids; every search runs --new steps (no end id is reachable: the end id is moved to one the model
 never picks, so every run does the same work). Runtimes: onnxruntime-genai's own search
-(genai.beam_search_genai), generation.search_beams over the onnxruntime loop
-(decoding.beam_search_onnxruntime) and over the eager model (generation.beam_search); 1 beam is
+(genai.beam_search_genai), eager_generation.search_beams over the onnxruntime loop
+(decoding.beam_search_onnxruntime) and over the eager model (eager_generation.beam_search); 1 beam is
 greedy decoding through the same code. All runtimes must return the same hypotheses (checked).
 Cells: median seconds of --rounds interleaved rounds after a warm-up, and beam tokens/s (beams x
 new tokens / s). --write replaces the section in docs/BENCHMARKS.md.
@@ -34,8 +34,8 @@ import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
 from diffexport.backends import decoding, genai  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.generation import BeamSearch, beam_search  # noqa: E402
+from diffexport.core.eager_generation import BeamSearch, beam_search  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 PRESET = "diff-v1-110m"
 

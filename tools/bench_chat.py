@@ -30,8 +30,8 @@ import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
 from diffexport.backends import genai  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
-from diffexport.generation import Sampling  # noqa: E402
+from diffexport.core.eager_generation import Sampling  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 PRESET = "diff-v1-110m"
 WAYS = ("session (cache kept)", "new generator per turn")

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.format.decoder_folder import cache_width  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
 

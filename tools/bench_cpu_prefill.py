@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchdoc  # noqa: E402
 
-from diffexport.onnxruntime_session import open_session  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.core.onnxruntime_session import open_session  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 
 def forward_flops(cfg, seq: int) -> float:

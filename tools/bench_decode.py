@@ -40,9 +40,9 @@ import benchdoc  # noqa: E402
 
 from diffexport.backends import decoding, genai  # noqa: E402
 from diffexport.backends.speed import read_bandwidth, weight_bytes_per_token  # noqa: E402,F401 (the tools' names)
-from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.core.eager_generation import Sampling, generate  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
-from diffexport.generation import Sampling, generate  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, FFN = 768, 12, 32000, 2048
 

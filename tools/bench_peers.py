@@ -45,8 +45,8 @@ import benchdoc  # noqa: E402
 from bench_decode import tokenizer_folder  # noqa: E402
 
 from diffexport.backends import genai  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
 from diffexport.format import decoders  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
 

@@ -31,12 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.validation.options import CheckOptions  # noqa: E402
-
-from diffexport.validation.decoder import run_decoder_check  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
+from diffexport.validation.decoder import run_decoder_check  # noqa: E402
+from diffexport.validation.options import CheckOptions  # noqa: E402
 
 PRESET = "diff-v1-110m"
 TARGET_VS_FP32, TARGET_VS_BUILDER = 3.0, 0.85  # issue 18's targets for our int4 folder

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.serving.repository import write_repository  # noqa: E402
 from diffexport.serving.server import start_server  # noqa: E402

@@ -1,4 +1,4 @@
-"""Writes plugins/tensorrt/generated/contract_fields.h from diffexport/contract.py.
+"""Writes plugins/tensorrt/generated/contract_fields.h from diffexport/core/contract.py.
 
 The TensorRT plugin takes its name, version, namespace, input order and field list (names,
 types, defaults, ranges) from this header, so the plugin and the ONNX contract cannot drift:
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diffexport import contract  # noqa: E402
+from diffexport.core import contract  # noqa: E402
 
 OUTPUT = ROOT / "plugins" / "tensorrt" / "generated" / "contract_fields.h"
 
@@ -25,7 +25,7 @@ def _c_number(value) -> str:
 
 def render() -> str:
     lines = [
-        "// Generated from diffexport/contract.py by tools/gen_plugin_fields.py. Do not edit: rerun the tool.",
+        "// Generated from diffexport/core/contract.py by tools/gen_plugin_fields.py. Do not edit: rerun the tool.",
         "#pragma once",
         "",
         "namespace diffx::contract {",

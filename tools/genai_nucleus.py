@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffexport.backends import genai  # noqa: E402
-from diffexport.checkpoint import load_model  # noqa: E402
+from diffexport.core.eager_generation import Sampling, next_token_probs  # noqa: E402
 from diffexport.export.decoder import export_decoder_graph  # noqa: E402
-from diffexport.generation import Sampling, next_token_probs  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 ROWS = 32  # genai 0.18 takes at most 32 rows to a generator; each row draws on its own
 
@@ -61,7 +61,7 @@ def bound_nucleus(logits: np.ndarray, p: float, temperature: float) -> np.ndarra
 
 
 def exact_nucleus(logits: np.ndarray, p: float, temperature: float) -> np.ndarray:
-    """transformers' nucleus, the support of eager generate's draw (generation.next_token_probs)."""
+    """transformers' nucleus, the support of eager generate's draw (eager_generation.next_token_probs)."""
     probs = next_token_probs(torch.from_numpy(logits)[None], Sampling(greedy=False, temperature=temperature, top_p=p))
     return torch.nonzero(probs[0] > 0).flatten().numpy()
 

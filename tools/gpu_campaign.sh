@@ -134,7 +134,7 @@ part_build() {
 # CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "slack8:-DDIFFX_SM90_RESCALE_SLACK=8"),
 # and the bench times each beside this checkout's build, with any CAMPAIGN_COMPARE="name=path"
 # (e.g. a carried build of the previous commit). The suite runs only on this checkout's build, so each
-# variant's Hopper paths are probed against the float32 reference first (diffexport/kernel_probe.py,
+# variant's Hopper paths are probed against the float32 reference first (diffexport/kernel/kernel_probe.py,
 # a child process each); a variant that fails its probe is left out of the bench, reported.
 # (Parts run in subshells: a dropped variant is a file in its build folder, probe-failed.)
 part_variants() {
@@ -152,7 +152,7 @@ part_variants() {
     echo "variant $name ($flags) built" | tee -a "$OUT_DIR/build.log"
     for probe in hopper hopper-int8; do
       verdict=$(DIFFEXPORT_KERNEL_LIB="$dir/plugins/kernels/libdiffexport_kernels.so" \
-        timed 90 5 "variant $name $probe probe" "$PY" -m diffexport.kernel_probe "$probe" 2>&1 | tail -1)
+        timed 90 5 "variant $name $probe probe" "$PY" -m diffexport.kernel.kernel_probe "$probe" 2>&1 | tail -1)
       note "variant $name, $probe probe: ${verdict:-failed: the probe printed nothing}"
       if [[ "$verdict" != ok* && "$verdict" != *"needs an sm_90 GPU"* ]]; then  # (not an sm_90 GPU: nothing to probe)
         echo "$probe: $verdict" > "$dir/probe-failed"; rc=1; break
@@ -311,7 +311,7 @@ part_profile() {
 }
 
 probe_hopper() {
-  # Once per call, after the build: a few Hopper-path launches in a child process (diffexport/kernel_probe.py),
+  # Once per call, after the build: a few Hopper-path launches in a child process (diffexport/kernel/kernel_probe.py),
   # fp logits (hopper) and INT8 logits (hopper-int8). The verdicts, exported, tell the tests, kernel_cases.py
   # and the bench whether to launch that path at all: a hang or fault in their own process would cost every
   # result after it. Probed here, not under a sanitizer: kernel_cases.py's own probe would run there, torch
@@ -321,7 +321,7 @@ probe_hopper() {
   for name in hopper hopper-int8; do
     var="DIFFEXPORT_PROBE_$(echo "$name" | tr 'a-z-' 'A-Z_')"
     [[ -n "${!var:-}" ]] && continue
-    out=$(timed 90 5 "$name probe" "$PY" -m diffexport.kernel_probe "$name" 2>&1)
+    out=$(timed 90 5 "$name probe" "$PY" -m diffexport.kernel.kernel_probe "$name" 2>&1)
     echo "$out" >> "$OUT_DIR/campaign.log"
     verdict=$(echo "$out" | tail -1)
     export "$var=${verdict:-failed: the probe printed nothing}"

@@ -39,12 +39,11 @@ from pathlib import Path
 import torch
 
 from diffexport.analysis import needles
-from diffexport.errors import DiffExportError
-from diffexport.files import atomic_write, check_output_path
-from diffexport.files import read_text_input
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write, check_output_path, read_text_input
 from diffexport.inputs import needle_task, streams
-from diffexport.checkpoint import save_checkpoint, save_hf_folder
 from diffexport.modeling import DiffV1Config, baseline_for, build_model
+from diffexport.modeling.checkpoint import save_checkpoint, save_hf_folder
 
 SIZES = {
     # d_model, layers, DIFF heads (the baseline gets twice as many), head_dim

@@ -1,8 +1,8 @@
 """Which attention the analysis runs with low-bit logits: the torch reference or the fused kernel.
 
-`Attention("reference")` is AttentionProbe: the quantisation of diffexport.quantization written
+`Attention("reference")` is AttentionProbe: the quantisation of diffexport.core.quantization written
 out in fp32 torch ops, for every family and scheme, on any device. `Attention("kernel")` swaps
-every DIFF layer's attention for the fused CUDA kernel (diffexport.kernels) with its INT8-logits
+every DIFF layer's attention for the fused CUDA kernel (diffexport.kernel.kernels) with its INT8-logits
 path: the arithmetic a deployed engine runs, fp16 accumulation and ex2 included. The kernel
 implements the "qk" scheme only (Q and K quantised per block to 2..8 bits, K-smoothing optional),
 head dims 64 and 128, DIFF V1 and V2; `kernel_unsupported` says why a model or setting is not
@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch
 
-from diffexport.errors import DiffExportError
-from diffexport.modeling import DIFF_FAMILIES
-from diffexport.quantization import UNQUANTISED_BITS, LogitQuant
-from diffexport import kernels
 from diffexport.analysis.probe import AttentionProbe
+from diffexport.core.errors import DiffExportError
+from diffexport.core.quantization import UNQUANTISED_BITS, LogitQuant
+from diffexport.kernel import kernels
+from diffexport.modeling import DIFF_FAMILIES
 
 ATTENTIONS = ("reference", "kernel")
 

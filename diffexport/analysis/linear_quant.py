@@ -23,7 +23,7 @@ import types
 import torch
 
 from diffexport.analysis.sweep import Damage
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 SCHEMES = ("int8", "int4", "w8a8")
 BLOCK_SIZES = (16, 32, 64, 128, 256)

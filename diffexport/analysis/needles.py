@@ -10,11 +10,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffexport.errors import DiffExportError
-from diffexport.inputs.needle_task import (DEFAULT_DEPTHS, DEFAULT_NEEDLES, DEFAULT_QUERIES, Sample, check_vocab,
-                                           collate, grid, make_sample)
 from diffexport.analysis.fused import REFERENCE
 from diffexport.analysis.probe import AttentionProbe
+from diffexport.core.errors import DiffExportError
+from diffexport.inputs.needle_task import (
+    DEFAULT_DEPTHS,
+    DEFAULT_NEEDLES,
+    DEFAULT_QUERIES,
+    Sample,
+    check_vocab,
+    collate,
+    grid,
+    make_sample,
+)
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
-from diffexport.files import atomic_write
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write
 
 
 def pyplot():

@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from diffexport import reference
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
+from diffexport.core.quantization import LogitQuant
+from diffexport.kernel import reference
+from diffexport.kernel.reference import attention_logits, masked_softmax
 from diffexport.modeling import FAMILIES
-from diffexport.quantization import LogitQuant
-from diffexport.reference import attention_logits, masked_softmax
 
 
 class AttentionProbe:

@@ -8,10 +8,10 @@ import dataclasses
 from typing import Callable
 
 from diffexport.analysis import needles
+from diffexport.core.errors import DiffExportError
+from diffexport.core.progress import Progress
 from diffexport.inputs import needle_task
 from diffexport.inputs.streams import TEXT_TASK_NAME, stream_batches, task_context_len
-from diffexport.errors import DiffExportError
-from diffexport.progress import Progress
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from diffexport.analysis.probe import AttentionProbe
 
 TOP_RANKS = (1, 2, 3, 10, 100)

@@ -1,7 +1,7 @@
 """The low-bit attention-logits sweep (the paper's Figure 8): quantise, then measure what changed.
 
 For each bit width, every attention of the model runs with logits quantised as
-diffexport.quantization defines them (the kernel's "qk" scheme by default). Against the
+diffexport.core.quantization defines them (the kernel's "qk" scheme by default). Against the
 unquantised model (bits 16) on the same tokens it reports the cosine similarity of the output
 logits (mean and worst over tokens) and the KL divergence KL(p_16 || p_bits) of the next-token
 distributions (mean over tokens); and, when the checkpoint was trained on the needle task, the
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from diffexport.analysis.fused import REFERENCE, Attention
-from diffexport.errors import DiffExportError
-from diffexport.quantization import UNQUANTISED_BITS, LogitQuant
+from diffexport.core.errors import DiffExportError
+from diffexport.core.quantization import UNQUANTISED_BITS, LogitQuant
 
 
 @dataclass

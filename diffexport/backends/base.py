@@ -19,9 +19,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from diffexport.errors import DiffExportError
+from diffexport.core.eager_generation import Sampling
+from diffexport.core.errors import DiffExportError
 from diffexport.format.genai_config import MAX_THREADS
-from diffexport.generation import Sampling
 
 
 @runtime_checkable

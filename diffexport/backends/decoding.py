@@ -17,14 +17,20 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from diffexport.backends.base import (INTRA_OP_THREADS, BatchRun, BeamRun, DecodeRun, DecoderRunner, batch_sampling,
-                                      shared_prefix)
-from diffexport.backends.genai import generate_batch_genai, genai_pad_for, open_genai_model
-from diffexport.errors import DiffExportError
+from diffexport.backends.base import (
+    INTRA_OP_THREADS,
+    BatchRun,
+    BeamRun,
+    DecoderRunner,
+    DecodeRun,
+    batch_sampling,
+    shared_prefix,
+)
+from diffexport.backends.genai import genai_pad_for, generate_batch_genai, open_genai_model
+from diffexport.core.eager_generation import BeamSearch, Sampling, choose_next, left_pad, search_beams, seen_tokens
+from diffexport.core.errors import DiffExportError
+from diffexport.core.onnxruntime_session import open_session
 from diffexport.format import decoder_folder, names
-from diffexport.generation import BeamSearch, Sampling, search_beams
-from diffexport.onnxruntime_session import open_session
-from diffexport.generation import choose_next, left_pad, seen_tokens
 from diffexport.modeling import host_memory_bytes
 
 
@@ -202,7 +208,7 @@ def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None
 
 def beam_search_onnxruntime(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
                             runner: OrtDecoder | None = None, provider: str = "cpu") -> BeamRun:
-    """generation.search_beams over the onnxruntime loop (or an engine's runner: `--backend
+    """eager_generation.search_beams over the onnxruntime loop (or an engine's runner: `--backend
     tensorrt`): the prompt runs once and its cache is copied to every beam; each step takes the
     cache rows in the beams' order. The length limit is genai's: the prompt and the new tokens
     stop at the context."""

@@ -17,14 +17,11 @@ from typing import Callable
 
 import numpy as np
 
-from diffexport.backends.base import (INTRA_OP_THREADS, BatchRun, BeamRun, DecodeRun, machine_threads,
-                                      shared_prefix)
-from diffexport.errors import DiffExportError
+from diffexport.backends.base import INTRA_OP_THREADS, BatchRun, BeamRun, DecodeRun, machine_threads, shared_prefix
+from diffexport.core.eager_generation import BeamSearch, Sampling, penalize_repeats, seen_tokens
+from diffexport.core.errors import DiffExportError
 from diffexport.format import decoder_folder
-from diffexport.format.genai_config import MAX_THREADS
-from diffexport.generation import BeamSearch, Sampling
-from diffexport.format.genai_config import read_genai_config
-from diffexport.generation import penalize_repeats, seen_tokens
+from diffexport.format.genai_config import MAX_THREADS, read_genai_config
 
 
 def import_genai():
@@ -194,7 +191,7 @@ def check_genai_beams(num_beams: int, remedy: str = "") -> None:
 
 def beam_search_genai(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
                       provider: str | None = None, model=None) -> BeamRun:
-    """onnxruntime-genai's beam search over the folder (generation.beam_search is its eager
+    """onnxruntime-genai's beam search over the folder (eager_generation.beam_search is its eager
     reference): the prompt runs once per beam, every step reorders the cache. A sequence shorter
     than the length limit ended with an end token (genai returns it without that token)."""
     check_genai_beams(search.num_beams)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from diffexport.generation import Sampling
 from diffexport.backends.base import machine_threads
+from diffexport.core.eager_generation import Sampling
 from diffexport.format.genai_config import MAX_THREADS
 from diffexport.format.names import PREFILL_INPUT_NAMES
 
@@ -144,7 +144,7 @@ def measure_prefill(onnx_path: str | os.PathLike, vocab: int, prompt_tokens: int
     random prompt of `prompt_tokens` ids, `rounds` times after a warm-up. A prefill file has no
     cache, so there is no decode rate: its decode fields are NaN and the bound is the one a decode
     step of the same weights would have."""
-    from diffexport.onnxruntime_session import open_session
+    from diffexport.core.onnxruntime_session import open_session
 
     session = open_session(onnx_path, "cpu")
     ids = np.random.default_rng(seed).integers(0, vocab, size=(1, prompt_tokens), dtype=np.int64)

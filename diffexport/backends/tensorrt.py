@@ -23,19 +23,16 @@ from pathlib import Path
 
 import onnx
 
-from diffexport import contract
-from diffexport.errors import DiffExportError
-from diffexport.files import require_file
+from diffexport.backends.decoding import empty_cache, step_feeds
+from diffexport.core import contract
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write, check_output_path, load_onnx, require_file
 from diffexport.format import decoder_folder, decoders, names
+from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.format.metadata import read_export_metadata
 from diffexport.format.nodes import is_diff_attention, node_attrs, plugin_selectors
 from diffexport.passes.cleanup import cleanup
 from diffexport.passes.lowering import lower_diff_attention
-from diffexport.files import atomic_write
-from diffexport.files import check_output_path, load_onnx
-from diffexport.format.metadata import read_export_metadata
-from diffexport.format.decoder_folder import read_decoder_folder
-from diffexport.backends.decoding import empty_cache
-from diffexport.backends.decoding import step_feeds
 
 DEFAULT_RTX_TARGETS = ("SM80", "SM89")
 PLUGIN_LIBRARY = "libdiffexport_plugins.so"

@@ -13,7 +13,7 @@ import os
 import sys
 
 from diffexport.cli import analysis, check, export, generate, gpu, serve
-from diffexport.stoppable import end_within_seconds, install_interrupt_handlers
+from diffexport.core.stoppable import end_within_seconds, install_interrupt_handlers
 
 # Command -> its function, in the help's order; and the module that adds its options.
 COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "report": check.cmd_report, "generate": generate.cmd_generate,
@@ -82,8 +82,8 @@ def check_inputs_exist(args) -> None:
     """A missing checkpoint, model or folder is refused here, before a command imports torch, onnx or
     transformers (1.5-2 s on a fast machine, for a typo). The loaders keep their own checks: this
     is only the fast way out, in their words. (A Hugging Face Hub id names no path: it passes.)"""
-    from diffexport.errors import DiffExportError
-    from diffexport.hub import is_hub_id
+    from diffexport.core.errors import DiffExportError
+    from diffexport.modeling.hub import is_hub_id
 
     for ckpt in [getattr(args, "ckpt", None), *(getattr(args, "ckpts", None) or [])]:
         if isinstance(ckpt, str) and not os.path.exists(ckpt) and not is_hub_id(ckpt):
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
 
     try:
         check_inputs_exist(args)

@@ -32,7 +32,7 @@ def _analysis_device(args):
     """--device (stats, quant-sweep, retrieval): auto = CUDA when torch sees a GPU, else the CPU."""
     import torch
 
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
 
     wanted = getattr(args, "device", "cpu")
     if wanted == "auto":
@@ -47,8 +47,8 @@ def _load_models(args) -> dict:
     """label -> LoadedModel for every CKPT and --preset (on --device); the default preset when none is named."""
     from pathlib import Path
 
-    from diffexport.checkpoint import load_model
-    from diffexport.presets import DEFAULT_PRESET
+    from diffexport.modeling.checkpoint import load_model
+    from diffexport.modeling.presets import DEFAULT_PRESET
 
     device = _analysis_device(args)  # before any model loads: a missing GPU fails first
     models = {}
@@ -64,7 +64,7 @@ def _load_models(args) -> dict:
 
 def _random_weights_note(args) -> None:
     """Printed on stderr just before the results of stats/quant-sweep/retrieval run on presets alone."""
-    from diffexport.presets import DEFAULT_PRESET, preset_weights
+    from diffexport.modeling.presets import DEFAULT_PRESET, preset_weights
 
     untrained = [] if args.ckpts else [name for name in args.preset or [DEFAULT_PRESET] if preset_weights(name) is None]
     if untrained:
@@ -132,8 +132,8 @@ def _print_sweep(args, results: dict, key: str, describe, text: str, plot) -> No
 def cmd_quant_sweep(args) -> int:
     """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
     from diffexport.analysis import fused, plots, sweep
-    from diffexport.errors import DiffExportError
-    from diffexport.quantization import LogitQuant
+    from diffexport.core.errors import DiffExportError
+    from diffexport.core.quantization import LogitQuant
 
     for bits in args.bits:
         LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
@@ -185,10 +185,10 @@ def cmd_retrieval(args) -> int:
     import json
 
     from diffexport.analysis import needles, plots
+    from diffexport.analysis.runs import progress_bar
+    from diffexport.core.quantization import LogitQuant
     from diffexport.inputs import needle_task
     from diffexport.inputs.streams import task_context_len
-    from diffexport.analysis.runs import progress_bar
-    from diffexport.quantization import LogitQuant
 
     quant = LogitQuant(args.logit_bits, args.scheme)
     plots.check_plot_path(args.plot)

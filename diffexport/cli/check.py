@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from diffexport.errors import DiffExportError  # light: no torch
 from diffexport.cli.common import add_model_source, load_named_model, log_line
+from diffexport.core.errors import DiffExportError  # light: no torch
 
 
 def _check_options(args, folder_config: dict | None = None):
     from pathlib import Path
 
-    from diffexport.validation import DEFAULT_SHAPES, CheckOptions, parse_shapes
-
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
+    from diffexport.validation.options import DEFAULT_SHAPES, CheckOptions, parse_shapes
 
     for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
         if value is not None and not (value >= 0 and value != float("inf")):
@@ -29,8 +28,8 @@ def _check_options(args, folder_config: dict | None = None):
 def _check_sampling(args, folder_config: dict | None) -> dict:
     """check's --sample: CheckOptions' sampling and draws. A folder whose search samples (its
     checkpoint's generation_config) gives the defaults, as it does to generate; the options override."""
+    from diffexport.core.eager_generation import Sampling
     from diffexport.format.decoder_folder import folder_search
-    from diffexport.generation import Sampling
 
     given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                       ("--top-p", args.top_p), ("--repetition-penalty", args.repetition_penalty),
@@ -60,7 +59,7 @@ def _check_sampling(args, folder_config: dict | None) -> dict:
 
 def _check_beams(args):
     """check's --num-beams: every hypothesis of N beams is compared (as many returned as beams)."""
-    from diffexport.generation import BeamSearch
+    from diffexport.core.eager_generation import BeamSearch
 
     if args.num_beams is None:
         if args.length_penalty is not None or args.no_early_stopping:
@@ -77,8 +76,7 @@ def _load_for_check(args, meta: dict, path) -> object:
     (a 13B preset would not even fit this machine's memory to find that out)."""
     from pathlib import Path
 
-    from diffexport.validation import check_same_config
-    from diffexport.validation.options import name_the_source
+    from diffexport.validation.options import check_same_config, name_the_source
 
     if args.ckpt is None and args.preset is None and args.config is None:
         raise DiffExportError(name_the_source(meta, Path(path)))
@@ -108,7 +106,7 @@ def cmd_report(args) -> int:
     from pathlib import Path
 
     from diffexport.report import write_report
-    from diffexport.validation import CheckOptions
+    from diffexport.validation.options import CheckOptions
 
     options = CheckOptions(provider="cpu", seed=args.seed, save_dir=Path(args.save_dir) if args.save_dir else None,
                            text=args.text, tokenizer=args.tokenizer)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffexport.errors import DiffExportError  # light, as the zoo's index: --help stays fast
-from diffexport.presets import DEFAULT_PRESET
-
+from diffexport.core.errors import DiffExportError  # light, as the zoo's index: --help stays fast
+from diffexport.modeling.presets import DEFAULT_PRESET
 
 
 def add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -29,7 +28,7 @@ def load_named_model(args, device: str = "cpu", dtype: str | None = None, defaul
     DEFAULT_PRESET), or an error where a silent random model would surprise (export and check)."""
     import torch
 
-    from diffexport.checkpoint import load_config_file, load_model
+    from diffexport.modeling.checkpoint import load_config_file, load_model
 
     if not default_model:
         require_model_source(args)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diffexport.errors import DiffExportError  # light: no torch
-from diffexport.files import refuse_output_over_inputs  # light: os and pathlib
-from diffexport.format import decoders  # light too: the decoder formats' registry
 from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line, require_model_source
+from diffexport.core.errors import DiffExportError  # light: no torch
+from diffexport.core.files import refuse_output_over_inputs  # light: os and pathlib
+from diffexport.format import decoders  # light too: the decoder formats' registry
 
 DEMO_PRESET = "diff-text-tiny"  # the demo's model when none is named: the zoo's trained text model
 DEMO_PROMPT = "def fibonacci(n):"  # it was trained on Python source
@@ -18,7 +18,7 @@ DEMO_NEW_TOKENS = 24
 
 def cmd_info(args) -> int:
     """Family, preset match, parameter count, layers, heads and lambda values of a checkpoint."""
-    from diffexport.summary import describe
+    from diffexport.modeling.summary import describe
 
     given = Path(args.ckpt) if args.ckpt else None
     if given is not None and (given.suffix in (".onnx", ".engine", ".plan") or (given / "genai_config.json").is_file()):
@@ -33,7 +33,7 @@ def cmd_info(args) -> int:
 
 def cmd_presets(args) -> int:
     """List the model zoo's presets; `presets NAME -o DIR` writes a trained one as a Hugging Face folder."""
-    from diffexport.presets import all_presets, write_preset_folder
+    from diffexport.modeling.presets import all_presets, write_preset_folder
 
     if args.name is not None or args.output is not None:
         if args.name is None or args.output is None:
@@ -152,7 +152,7 @@ def cmd_quantize(args) -> int:
 
 def cmd_inspect(args) -> int:
     """Describe an ONNX file: opsets, I/O shapes, node histogram, DiffAttention nodes, weights, runnable where."""
-    from diffexport.inspect_onnx import inspect_onnx, render, to_json
+    from diffexport.validation.inspect_onnx import inspect_onnx, render, to_json
 
     info = inspect_onnx(args.model)
     print(to_json(info) if args.json else render(info))
@@ -168,9 +168,10 @@ def cmd_demo(args) -> int:
     """
     from pathlib import Path
 
-    from diffexport.validation import CheckOptions, run_check
     from diffexport.export import ExportOptions, export_onnx
-    from diffexport.summary import describe, self_check
+    from diffexport.modeling.summary import describe, self_check
+    from diffexport.validation.options import CheckOptions
+    from diffexport.validation.prefill import run_check
 
     loaded = load_named_model(args, default_preset=DEMO_PRESET)
     print(describe(loaded))
@@ -209,12 +210,13 @@ def _demo_generation(loaded, out_dir, seed: int) -> bool:
 
     import torch
 
-    from diffexport import text_generation
     from diffexport.backends import decoding, genai
-    from diffexport.validation import CheckOptions, run_decoder_check
+    from diffexport.core.eager_generation import Sampling, generate
     from diffexport.export.decoder import export_decoder_graph
     from diffexport.format import decoder_folder, names
-    from diffexport.generation import Sampling, generate
+    from diffexport.generation import text_generation
+    from diffexport.validation.decoder import run_decoder_check
+    from diffexport.validation.options import CheckOptions
 
     folder = out_dir / "model-kv"
     if folder.exists():  # replaced only when it holds nothing but an earlier demo's files

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffexport.errors import DiffExportError  # light: no torch
 from diffexport.cli.common import log_line
+from diffexport.core.errors import DiffExportError  # light: no torch
 
 
 def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
-    from diffexport.text_generation import prompt_ids
+    from diffexport.generation.text_generation import prompt_ids
 
     return prompt_ids(folder, config, args.max_new_tokens, ids=args.ids, prompt=args.prompt, chat=args.chat,
                       system=args.system)
@@ -21,7 +21,7 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
 def sampling_options(args, config: dict):
     """The draw: the command line's options over the folder's genai_config search values
     (text_generation.folder_sampling); what came from the folder is said on stderr."""
-    from diffexport.text_generation import folder_sampling
+    from diffexport.generation.text_generation import folder_sampling
 
     return folder_sampling(config, greedy=args.greedy, sample=args.sample, num_beams=args.num_beams,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -30,7 +30,7 @@ def sampling_options(args, config: dict):
 
 def _beam_search_options(args):
     """--num-beams and its options as a BeamSearch (None: no beam search)."""
-    from diffexport.text_generation import beam_search_options
+    from diffexport.generation.text_generation import beam_search_options
 
     return beam_search_options(args.num_beams, args.num_return_sequences, args.length_penalty,
                                not args.no_early_stopping, sample=args.sample,
@@ -45,7 +45,7 @@ def _backend_options(args) -> dict:
 
 def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
     """One prompt's beam search: the hypotheses once it ends, best first."""
-    from diffexport.text_generation import beam_answers, beam_searcher
+    from diffexport.generation.text_generation import beam_answers, beam_searcher
 
     searcher = beam_searcher(folder, search, [ids], len(ids) + args.max_new_tokens, **_backend_options(args))
     run = searcher(ids, search, args.max_new_tokens)
@@ -66,7 +66,7 @@ def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
     and every earlier one are done (text_generation.answer_prompt_rows)."""
     import json
 
-    from diffexport.text_generation import answer_prompt_rows, read_prompt_rows
+    from diffexport.generation.text_generation import answer_prompt_rows, read_prompt_rows
 
     rows = read_prompt_rows(folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
                             system=args.system, stop=args.stop)
@@ -97,7 +97,7 @@ def _stdin_turn(number: int) -> str | None:
 def _generate_interactive(args, folder, config: dict, sampling) -> int:
     """--interactive: a chat session on stdin (text_generation.ChatSession). Every line is a user
     turn, and its answer streams to stdout."""
-    from diffexport.text_generation import ChatSession
+    from diffexport.generation.text_generation import ChatSession
 
     session = ChatSession(folder, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
                           log=log_line, **_backend_options(args))
@@ -136,8 +136,8 @@ def _generate(args) -> int:
     from pathlib import Path
 
     from diffexport.backends import genai
+    from diffexport.core.eager_generation import StopText
     from diffexport.format.decoder_folder import read_decoder_folder
-    from diffexport.generation import StopText
 
     folder = Path(args.folder)
     _, config, _ = read_decoder_folder(folder)
@@ -188,7 +188,7 @@ def _generate(args) -> int:
         return text.done
 
     shown = dict(on_token=show) if text is None else dict(stop_after=show_until_stop)
-    from diffexport.text_generation import generate_once
+    from diffexport.generation.text_generation import generate_once
 
     run = generate_once(folder, ids, args.max_new_tokens, sampling, **_backend_options(args), **shown)
     if text is not None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 
 from diffexport.cli.common import add_force
-from diffexport.errors import DiffExportError  # light: no torch
+from diffexport.core.errors import DiffExportError  # light: no torch
 
 
 def _shape_pair(text: str, flag: str) -> tuple[int, int]:
-    from diffexport.errors import DiffExportError
+    from diffexport.core.errors import DiffExportError
 
     try:
         batch, seq = (int(x) for x in text.lower().split("x"))
@@ -45,7 +45,7 @@ def cmd_kernels(args) -> int:
     """Where the fused CUDA kernel library is, what it was built for, and whether this machine can run it."""
     import torch
 
-    from diffexport import kernels
+    from diffexport.kernel import kernels
 
     if kernels.library_path() is None:  # informational: not built is a state, not a failure
         if args.check:
@@ -74,7 +74,7 @@ def cmd_kernels(args) -> int:
 
 def check_kernels() -> int:
     """Every kernel path this GPU and library have, each in a child process, against the torch reference."""
-    from diffexport import kernel_probe
+    from diffexport.kernel import kernel_probe
 
     failed = 0
     for name, check in kernel_probe.CHECKS.items():

@@ -8,8 +8,8 @@ import argparse
 import signal
 
 from diffexport.cli.common import add_force
-from diffexport.errors import DiffExportError
-from diffexport.stoppable import interrupt
+from diffexport.core.errors import DiffExportError
+from diffexport.core.stoppable import interrupt
 
 
 def cmd_triton(args) -> int:

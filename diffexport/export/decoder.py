@@ -28,22 +28,34 @@ from typing import Callable
 
 import torch
 
-from diffexport import contract, layouts
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
+from diffexport.core import contract
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import check_output_path, is_hub_cache_link, refuse_output_over_inputs, staging_folder
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
-from diffexport.files import check_output_path, is_hub_cache_link, refuse_output_over_inputs, staging_folder
-from diffexport.format import decoders, model_card
-from diffexport.format.decoder_folder import (GENAI_PROVIDERS, cache_heads, cache_width, check_tokenizer,
-                                              default_provider, genai_config, has_tokenizer, hf_search, hf_values)
-from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS
-from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,  # noqa: F401
-                                     PAST_VALUE, PRESENT_KEY, PRESENT_VALUE)
-from diffexport.format.names import decoder_input_names as input_names
-from diffexport.format.names import decoder_output_names as output_names  # noqa: F401
 from diffexport.export.op_schema import register_schema, translation_table
-from diffexport import hub
+from diffexport.format import decoders, model_card
+from diffexport.format.decoder_folder import (
+    GENAI_PROVIDERS,
+    cache_heads,
+    cache_width,
+    check_tokenizer,
+    default_provider,
+    genai_config,
+    has_tokenizer,
+    hf_search,
+    hf_values,
+)
+from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS
+from diffexport.format.names import (
+    GENAI_CONFIG,
+    MODEL_FILE,
+)
+from diffexport.format.names import decoder_input_names as input_names
+from diffexport.format.names import decoder_output_names as output_names
+from diffexport.modeling import hub, layouts
+from diffexport.modeling.checkpoint import LoadedModel
+
 KV_FAMILIES = ("diff_v1", "diff_v2", "transformer")
 # How a decoder folder's attention runs: format/decoders.py (its registry; kept here by name for the API).
 ATTENTION_OPS = tuple(decoders.FORMATS)

@@ -24,20 +24,19 @@ from typing import Callable
 
 import torch
 
-from diffexport import contract, fingerprint
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
-from diffexport.export import function_body
-from diffexport.files import check_output_path, refuse_output_over_inputs, staging_model_file
-from diffexport.format.names import DTYPES, META_PREFIX, LOGITS
-from diffexport.format.nodes import plugin_selectors
-from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
-from diffexport.modeling import DIFF_FAMILIES
-from diffexport.progress import Progress
-from diffexport.export.op_schema import register_schema, translation_table
-from diffexport.export.norm_form import divide_by_root
 from diffexport import __version__
-from diffexport.checkpoint import check_range
+from diffexport.core import contract, fingerprint
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import check_output_path, refuse_output_over_inputs, staging_model_file
+from diffexport.core.progress import Progress
+from diffexport.export import function_body
+from diffexport.export.norm_form import divide_by_root
+from diffexport.export.op_schema import register_schema, translation_table
+from diffexport.format.names import DTYPES, LOGITS, META_PREFIX
+from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
+from diffexport.format.nodes import plugin_selectors
+from diffexport.modeling import DIFF_FAMILIES
+from diffexport.modeling.checkpoint import LoadedModel, check_range
 
 HIDDEN = "last_hidden_state"
 PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx protobuf cannot exceed 2 GiB

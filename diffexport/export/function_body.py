@@ -31,9 +31,9 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from diffexport import contract
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.errors import DiffExportError
+from diffexport.core import contract
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.errors import DiffExportError
 
 BODY_STYLES = ("decomposed", "attention")
 DEFAULT_BODY_STYLE = "decomposed"

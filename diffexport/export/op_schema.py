@@ -11,7 +11,7 @@ import onnx
 import onnx.defs
 from onnx.defs import OpSchema
 
-from diffexport import contract
+from diffexport.core import contract
 
 _FLOAT_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
@@ -57,7 +57,7 @@ def translation_table() -> dict:
     import onnxscript
     import torch
 
-    import diffexport.op  # noqa: F401  (registers torch.ops.diffexport.diff_attention)
+    import diffexport.kernel.op  # noqa: F401  (registers torch.ops.diffexport.diff_attention)
 
     v1 = onnxscript.values.Opset(contract.ONNX_DOMAIN, contract.OP_VERSION)
     v2 = onnxscript.values.Opset(contract.ONNX_DOMAIN, contract.KEY_MASK_VERSION)

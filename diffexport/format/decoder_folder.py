@@ -17,15 +17,24 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-from diffexport.errors import DiffExportError
-from diffexport.files import is_hub_cache_link
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import is_hub_cache_link
 from diffexport.format import decoders
 from diffexport.format.genai_config import MAX_CONTEXT, check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
-from diffexport.format.names import (ATTENTION_MASK, GENAI_CONFIG, INPUT_IDS, LOGITS, MODEL_FILE, PAST_KEY,
-                                     PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, TOKENIZER_MODELS)
-from diffexport.format.tokenizer_rules import check_tokenizer_json
-from diffexport.format.tokenizer_rules import tokenizer_library_call
+from diffexport.format.names import (
+    ATTENTION_MASK,
+    GENAI_CONFIG,
+    INPUT_IDS,
+    LOGITS,
+    MODEL_FILE,
+    PAST_KEY,
+    PAST_VALUE,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+    TOKENIZER_MODELS,
+)
+from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
 from diffexport.modeling import config_from_dict
 
 GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 from diffexport.format.names import GENAI_CONFIG
 
 MAX_BYTES = 1024**2  # what diffexport writes is about 1 kB

@@ -7,9 +7,9 @@ import json
 import os
 from pathlib import Path
 
-from diffexport import contract
-from diffexport.errors import DiffExportError
-from diffexport.files import load_onnx
+from diffexport.core import contract
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import load_onnx
 from diffexport.format.names import DTYPES, META_PREFIX
 from diffexport.format.nodes import is_diff_attention, node_attrs
 from diffexport.modeling import config_from_dict

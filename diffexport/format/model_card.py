@@ -14,8 +14,8 @@ import os
 import re
 from pathlib import Path
 
-from diffexport.format import decoders
 from diffexport import __version__
+from diffexport.format import decoders
 
 CARD = "README.md"
 MARKER = "<!-- diffexport model card: written by diffexport; remove this line to keep the file as your own -->"
@@ -117,7 +117,7 @@ def is_ours(path: Path) -> bool:
 def update_results(folder: str | os.PathLike, lines: list[str]) -> bool:
     """Put `lines` in the results section of the folder's card, atomically; False (nothing written)
     when the folder has no card of ours or its results markers are gone."""
-    from diffexport.files import atomic_write
+    from diffexport.core.files import atomic_write
 
     path = Path(folder) / CARD
     if not is_ours(path):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import onnx
 
-from diffexport import contract
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.errors import DiffExportError
+from diffexport.core import contract
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.errors import DiffExportError
 
 # Node attributes that select or configure the TensorRT plugin, not the contract's math.
 PLUGIN_FIELDS = contract.PLUGIN_SELECTOR_ATTRIBUTES + tuple(a.name for a in contract.PLUGIN_ONLY_ATTRIBUTES)

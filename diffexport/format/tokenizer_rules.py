@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
-from diffexport.files import is_hub_cache_link
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import is_hub_cache_link
 
 MAX_PATTERN_CHARS = 4096  # the patterns in use are under 300 characters
 MAX_COUNT = 1000  # {n,m}: the patterns in use count to 3

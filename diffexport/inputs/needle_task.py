@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 PAD, BOS, DOT, ASK = 0, 1, 3, 4
 CITY_FIRST, N_CITIES = 8, 32  # ids 8..71 are reserved for cities, 32 in use

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
-from diffexport import hub
-from diffexport.errors import DiffExportError
-from diffexport.files import read_text_input
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import read_text_input
+from diffexport.core.stoppable import call_bounded, cpu_seconds_for
 from diffexport.format.decoder_folder import tokenizer_files
 from diffexport.format.tokenizer_rules import tokenizer_library_call
-from diffexport.stoppable import call_bounded, cpu_seconds_for
 from diffexport.inputs import needle_task
-
+from diffexport.modeling import hub
 
 # A checkpoint's task record for next-token training on a text file's UTF-8 bytes
 # (tools/train_tiny.py --text): {"name": TEXT_TASK_NAME, "context_len": tokens per training window, ...}.

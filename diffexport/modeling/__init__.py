@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 from diffexport.modeling.common import DecoderLM, ModelConfig
 from diffexport.modeling.diff_v1 import DiffV1Config, DiffV1LM
 from diffexport.modeling.diff_v2 import DiffV2Config, DiffV2LM

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from diffexport.errors import DiffExportError
-from diffexport.progress import Progress
+from diffexport.core.errors import DiffExportError
+from diffexport.core.progress import Progress
 
 
 def swiglu_hidden(d_model: int, multiple_of: int = 256) -> int:

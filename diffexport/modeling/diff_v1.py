@@ -4,9 +4,9 @@ Per layer l (1-based): lambda = exp(lq1.lk1) - exp(lq2.lk2) + lambda_init,
 lambda_init = 0.8 - 0.6*exp(-0.3*(l-1)) (or a constant). Each diff-head output is RMS-normed
 over 2D (optionally with a weight) and scaled by (1 - lambda_init).
 
-Weights are kept in the canonical layout of diffexport.contract: query maps 2h and 2h+1 belong
+Weights are kept in the canonical layout of diffexport.core.contract: query maps 2h and 2h+1 belong
 to diff-head h ("pairs"), K likewise per kv-group, V of width 2D per kv-group. Checkpoints in
-other layouts are permuted into this one when loaded (diffexport.layouts).
+other layouts are permuted into this one when loaded (diffexport.modeling.layouts).
 """
 
 from __future__ import annotations
@@ -17,10 +17,17 @@ import math
 import torch
 import torch.nn as nn
 
-from diffexport import op, reference
-from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
-from diffexport.modeling.common import (DecoderLM, ModelConfig, RMSNorm, apply_rope, extend_cache, resolve_heads,
-                                        with_key_mask)
+from diffexport.core.contract import VARIANT_V1, DiffAttentionAttrs
+from diffexport.kernel import op, reference
+from diffexport.modeling.common import (
+    DecoderLM,
+    ModelConfig,
+    RMSNorm,
+    apply_rope,
+    extend_cache,
+    resolve_heads,
+    with_key_mask,
+)
 
 
 def lambda_init_schedule(layer_index: int) -> float:

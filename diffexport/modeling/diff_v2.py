@@ -13,8 +13,8 @@ import dataclasses
 import torch
 import torch.nn as nn
 
-from diffexport import op, reference
-from diffexport.contract import VARIANT_V2, DiffAttentionAttrs
+from diffexport.core.contract import VARIANT_V2, DiffAttentionAttrs
+from diffexport.kernel import op, reference
 from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, extend_cache, resolve_heads, with_key_mask
 
 

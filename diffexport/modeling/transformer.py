@@ -11,7 +11,7 @@ import dataclasses
 
 import torch.nn as nn
 
-from diffexport import reference
+from diffexport.kernel import reference
 from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, extend_cache, resolve_heads, with_key_mask
 
 

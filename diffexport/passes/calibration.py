@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
+from diffexport.core.progress import Progress
 from diffexport.format import names
-from diffexport.progress import Progress
 
 SYNTHETIC = "synthetic"
 BATCH = 8  # sequences per calibration forward pass (ranges and Hessians do not depend on it)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import onnx
 
-from diffexport.errors import DiffExportError
-
+from diffexport.core.errors import DiffExportError
 
 # onnxscript rules left out of the cleanup, with the reason.
 SKIPPED_REWRITE_RULES = {

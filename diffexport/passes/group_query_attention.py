@@ -51,11 +51,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from diffexport import contract
-from diffexport.contract import VARIANT_V1
-from diffexport.errors import DiffExportError
+from diffexport.core import contract
+from diffexport.core.contract import VARIANT_V1
+from diffexport.core.errors import DiffExportError
 from diffexport.format import names
-from diffexport.passes.lowering import is_diff_attention, node_attrs
+from diffexport.format.nodes import is_diff_attention, node_attrs
 from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
 GQA_DOMAIN = "com.microsoft"

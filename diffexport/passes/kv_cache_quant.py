@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 from diffexport.format import names
 
 BITS = (8,)

@@ -11,10 +11,10 @@ import dataclasses
 import onnx
 import onnx.inliner
 
-from diffexport import contract
-from diffexport.errors import DiffExportError
+from diffexport.core import contract
+from diffexport.core.errors import DiffExportError
 from diffexport.export.function_body import BODY_STYLES, MIN_OPSET, build_specialised_function
-from diffexport.format.nodes import PLUGIN_FIELDS, is_diff_attention, node_attrs  # noqa: F401 (their old home)
+from diffexport.format.nodes import is_diff_attention, node_attrs
 
 _LOWERED_DOMAIN = "diffexport.lowered"  # private: gone again once inlined
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from diffexport import contract
-from diffexport.onnxruntime_session import open_session
-from diffexport.errors import DiffExportError
+from diffexport.core import contract
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write, check_output_path, load_onnx
+from diffexport.core.onnxruntime_session import open_session
 from diffexport.export.exporter import IR_VERSION, META_PREFIX
 from diffexport.export.function_body import DEFAULT_BODY_STYLE, build_function
-from diffexport.files import atomic_write, check_output_path, load_onnx
 from diffexport.passes import fusion
 from diffexport.passes.cleanup import cleanup
 from diffexport.passes.lowering import lower_diff_attention

@@ -20,12 +20,19 @@ from typing import Callable
 
 import numpy as np
 
-from diffexport.errors import DiffExportError
-from diffexport.files import load_onnx
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import load_onnx
 from diffexport.passes import calibration
-from diffexport.passes.weight_quant import (_log_default, check_input, initializer_bytes,
-                                            materialise_transposed_weights, publish, quantisable_matmuls,
-                                            resolve_paths, stamp)
+from diffexport.passes.weight_quant import (
+    _log_default,
+    check_input,
+    initializer_bytes,
+    materialise_transposed_weights,
+    publish,
+    quantisable_matmuls,
+    resolve_paths,
+    stamp,
+)
 
 FORMATS = ("int8", "fp8")
 META_KEY = "diffexport.qdq"

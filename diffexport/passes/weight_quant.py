@@ -19,14 +19,15 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from diffexport.errors import DiffExportError
-from diffexport.files import check_output_path, load_onnx, require_file, staging_folder, staging_model_file
-from diffexport.format import model_card, names as format_names
-from diffexport.onnxruntime_session import open_session
-from diffexport.passes import calibration, kv_cache_quant
-from diffexport.progress import Progress
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import check_output_path, load_onnx, require_file, staging_folder, staging_model_file
+from diffexport.core.onnxruntime_session import open_session
+from diffexport.core.progress import Progress
 from diffexport.export import exporter
+from diffexport.format import model_card
+from diffexport.format import names as format_names
 from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.passes import calibration, kv_cache_quant
 from diffexport.passes.onnxruntime_fusions import pack_shared_input_matmuls
 
 BITS = (4, 8)

@@ -9,16 +9,14 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from diffexport.checkpoint import LoadedModel
-from diffexport.files import atomic_write, check_output_path
-from diffexport.report.build import Report, artifact_facts, build_report
-from diffexport.validation.options import CheckOptions
-from diffexport.errors import DiffExportError
-from diffexport.format.metadata import read_export_metadata
-from diffexport.report.build import report_kind
-from diffexport.validation.options import check_decode_options
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write, check_output_path
 from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.format.metadata import read_export_metadata
+from diffexport.modeling.checkpoint import LoadedModel
+from diffexport.report.build import Report, artifact_facts, build_report, report_kind
 from diffexport.validation.decoder import DECODE_STEPS
+from diffexport.validation.options import CheckOptions, check_decode_options
 
 __all__ = ["Report", "artifact_facts", "build_report", "default_output", "render_html", "write_report"]
 

@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Callable
 
 from diffexport import __version__
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
-from diffexport.validation.options import CheckOptions, CheckReport
-from diffexport.validation.artifact import artifact_kind
-from diffexport.inspect_onnx import inspect_onnx
 from diffexport.backends.base import machine_threads
-from diffexport.summary import model_facts
+from diffexport.core.errors import DiffExportError
+from diffexport.core.progress import Progress
+from diffexport.modeling.checkpoint import LoadedModel
+from diffexport.modeling.summary import model_facts
+from diffexport.validation.artifact import artifact_kind
 from diffexport.validation.decoder import DECODE_STEPS, run_decoder_check
+from diffexport.validation.inspect_onnx import inspect_onnx
+from diffexport.validation.options import CheckOptions, CheckReport
 from diffexport.validation.prefill import run_check
-from diffexport.progress import Progress
 
 
 @dataclasses.dataclass

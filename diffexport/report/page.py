@@ -8,8 +8,8 @@ import base64
 import html
 import math
 
-from diffexport.report.build import Report
 from diffexport.analysis import plots
+from diffexport.report.build import Report
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 68em; color: #222; line-height: 1.4; }

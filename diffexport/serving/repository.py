@@ -15,10 +15,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import check_output_path, staging_folder
 from diffexport.format import decoder_folder
 from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
-from diffexport.files import check_output_path, staging_folder
 
 DECODER_DIR = "decoder"  # REPO/NAME/1/decoder: the copied folder
 MODEL_FILE = "model.py"

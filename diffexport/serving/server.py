@@ -22,8 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
-from diffexport.stoppable import die_with_parent
+from diffexport.core.errors import DiffExportError
+from diffexport.core.stoppable import die_with_parent
 
 # Seconds between SIGTERM and SIGKILL when the server is stopped (Triton's own exit timeout is one
 # less): diffexport itself ends within stoppable.GRACE_SECONDS of a signal, and its server with it.

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffexport.errors import DiffExportError
-from diffexport.generation import MAX_SEED, Sampling
+from diffexport.core.eager_generation import MAX_SEED, Sampling
+from diffexport.core.errors import DiffExportError
 
 DEFAULT_MAX_TOKENS = 64
 MAX_TEXT_BYTES = 1 << 20  # a prompt's text; the context bounds its tokens
@@ -50,7 +50,7 @@ class DecoderService:
     def __init__(self, folder: str | Path, max_batch: int = 8):
         from diffexport.backends.genai import import_genai
         from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
-        from diffexport.text_generation import folder_tokenizer
+        from diffexport.generation.text_generation import folder_tokenizer
 
         self.folder = Path(folder)
         read = read_decoder_folder(self.folder)
@@ -69,7 +69,7 @@ class DecoderService:
     # -- requests -------------------------------------------------------------------------------
     def prompt(self, text: bytes | str | None, ids) -> list[int]:
         """The prompt's ids from text (the folder's tokenizer) or ids; one-line refusals."""
-        from diffexport.text_generation import encode
+        from diffexport.generation.text_generation import encode
 
         if (text is None) == (ids is None):
             raise DiffExportError("give the prompt as text_input or as input_ids (one of them)")
@@ -100,7 +100,7 @@ class DecoderService:
     def draw(self, temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None) -> Sampling:
         """The request's draw over the folder's search defaults, as `diffexport generate` takes its
         options: temperature 0 is greedy, > 0 samples; what is not given comes from the folder."""
-        from diffexport.text_generation import folder_sampling
+        from diffexport.generation.text_generation import folder_sampling
 
         if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
             raise DiffExportError(f"temperature must be 0 (greedy) to {MAX_TEMPERATURE:g}, got {temperature}")
@@ -186,7 +186,7 @@ class DecoderService:
         return self._models[pad]
 
     def _run(self, batch: list[Request]) -> None:
-        from diffexport.backends.genai import generate_batch_genai, genai_pad_for
+        from diffexport.backends.genai import genai_pad_for, generate_batch_genai
 
         prompts = [r.ids for r in batch]
         pad = genai_pad_for(self.config, prompts)

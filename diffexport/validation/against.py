@@ -10,11 +10,13 @@ from typing import Callable
 
 import numpy as np
 
-from diffexport import tolerances
-from diffexport.errors import DiffExportError
-from diffexport.files import load_onnx
+from diffexport.core import tolerances
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import load_onnx
+from diffexport.core.onnxruntime_session import open_session, resolve_provider
 from diffexport.format.names import META_PREFIX
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
+from diffexport.passes.fusion import probe_feeds
 from diffexport.validation.compare import count_tokens, finish_report, judge
 from diffexport.validation.options import (
     CheckOptions,
@@ -22,8 +24,6 @@ from diffexport.validation.options import (
     TextIds,
     save_dir_for,
 )
-from diffexport.onnxruntime_session import open_session, resolve_provider
-from diffexport.passes.fusion import probe_feeds
 
 # ---------------------------------------------------------------- one ONNX graph against another
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
+from diffexport.backends.tensorrt import read_engine_record, sidecar_path
+from diffexport.core.errors import DiffExportError
+from diffexport.format.decoder_folder import read_decoder_folder
 from diffexport.format.metadata import check_export_metadata, read_export_metadata
 from diffexport.format.names import ENGINE_SUFFIXES
+from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.validation.against import run_against
 from diffexport.validation.decoder import run_decoder_check
 from diffexport.validation.engine import run_engine_check
 from diffexport.validation.options import DECODE_STEPS, CheckOptions, CheckReport, check_decode_options
 from diffexport.validation.prefill import run_check
-from diffexport.format.decoder_folder import read_decoder_folder
-from diffexport.backends.tensorrt import read_engine_record, sidecar_path
 
 # Options that need a decoder (a folder; all but --sample, its engine too), in the order they are
 # refused: each is said before anything loads.

@@ -1,4 +1,4 @@
-"""Judging outputs against the references under diffexport.tolerances, and saving the inputs and reference
+"""Judging outputs against the references under diffexport.core.tolerances, and saving the inputs and reference
 outputs in polygraphy's JSON formats with the command that repeats a comparison.
 """
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from diffexport import tolerances
-from diffexport.errors import DiffExportError
-from diffexport.files import atomic_write
+from diffexport.core import tolerances
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.validation.options import EAGER_RUNNER, CheckReport, TextIds
 

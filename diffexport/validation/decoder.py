@@ -12,12 +12,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from diffexport import tolerances
+from diffexport.analysis import plots
+from diffexport.analysis.probe import AttentionProbe
 from diffexport.backends.base import DecoderRunner
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
+from diffexport.backends.decoding import OrtDecoder, check_beam_memory
+from diffexport.core import tolerances
+from diffexport.core.eager_generation import last_real, pad_batch
+from diffexport.core.errors import DiffExportError
+from diffexport.core.onnxruntime_session import resolve_provider
+from diffexport.core.progress import Progress
 from diffexport.format import model_card, names
-from diffexport.progress import Progress
+from diffexport.format.decoder_folder import has_tokenizer
+from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.validation.compare import finish_report, judge, severity
 from diffexport.validation.options import (
     DECODE_PROMPTS,
@@ -32,13 +38,6 @@ from diffexport.validation.options import (
 )
 from diffexport.validation.references import eager_models, hf_greedy
 from diffexport.validation.search import beam_check, sampling_check
-from diffexport.analysis import plots
-from diffexport.backends.decoding import OrtDecoder
-from diffexport.onnxruntime_session import resolve_provider
-from diffexport.format.decoder_folder import has_tokenizer
-from diffexport.backends.decoding import check_beam_memory
-from diffexport.analysis.probe import AttentionProbe
-from diffexport.generation import last_real, pad_batch
 
 
 def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,

@@ -10,11 +10,22 @@ from typing import Callable
 
 import torch
 
-from diffexport import tolerances
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
+from diffexport.analysis import plots
+from diffexport.analysis.probe import AttentionProbe
+from diffexport.backends.tensorrt import (
+    EngineDecoder,
+    decoder_profile_problem,
+    find_plugin_library,
+    open_engine,
+    read_engine_record,
+    sidecar_path,
+)
+from diffexport.core import tolerances
+from diffexport.core.errors import DiffExportError
+from diffexport.core.quantization import LogitQuant
 from diffexport.format.metadata import check_export_metadata
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
+from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.validation.compare import compare_outputs, count_tokens, finish_report
 from diffexport.validation.decoder import decode_check
 from diffexport.validation.options import (
@@ -28,20 +39,13 @@ from diffexport.validation.options import (
     save_dir_for,
 )
 from diffexport.validation.references import eager_models, run_eager
-from diffexport.analysis import plots
-from diffexport.analysis.probe import AttentionProbe
-from diffexport.backends.tensorrt import open_engine, read_engine_record, sidecar_path
-from diffexport.backends.tensorrt import decoder_profile_problem
-from diffexport.backends.tensorrt import find_plugin_library
-from diffexport.backends.tensorrt import EngineDecoder
-from diffexport.quantization import LogitQuant
 
 
 def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
                      log: Callable[[str], None] = print, steps: int | None = None) -> CheckReport:
     """A TensorRT engine built by `diffexport trt` against the eager model, on the GPU.
 
-    With INT8 logits the reference applies the same quantisation (diffexport/quantization.py)
+    With INT8 logits the reference applies the same quantisation (diffexport/core/quantization.py)
     to the eager model's attention, and the unquantised agreement is reported beside it.
     An engine of a KV-cache folder is stepped as the folder's check steps it (`steps` decode steps,
     DECODE_STEPS when None); a prefill engine takes no `steps` (its calls are `options.shapes`).

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from diffexport import fingerprint
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
-from diffexport.generation import BeamSearch, Sampling
-from diffexport.modeling import config_from_dict
-from diffexport.presets import match_preset
-from diffexport.files import check_output_path
-from diffexport.inputs.streams import text_ids
 from diffexport.analysis import plots
+from diffexport.core import fingerprint
+from diffexport.core.eager_generation import BeamSearch, Sampling
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import check_output_path
+from diffexport.inputs.streams import text_ids
+from diffexport.modeling import config_from_dict
+from diffexport.modeling.checkpoint import LoadedModel
+from diffexport.modeling.presets import match_preset
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
 

@@ -10,12 +10,14 @@ from typing import Callable
 
 import torch
 
-from diffexport import reference, tolerances
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
+from diffexport.core import tolerances
+from diffexport.core.errors import DiffExportError
+from diffexport.core.onnxruntime_session import open_session, resolve_provider
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.names import DTYPES
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
+from diffexport.kernel import reference
+from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.validation.compare import compare_outputs, count_tokens, finish_report
 from diffexport.validation.options import (
     CheckOptions,
@@ -31,7 +33,6 @@ from diffexport.validation.references import (
     run_transformers,
     transformers_models,
 )
-from diffexport.onnxruntime_session import open_session, resolve_provider
 
 
 def run_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,

@@ -9,11 +9,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from diffexport import layouts
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
+from diffexport.core.eager_generation import BeamSearch
+from diffexport.core.errors import DiffExportError
 from diffexport.format.names import DTYPES
-from diffexport.generation import BeamSearch
+from diffexport.modeling import layouts
+from diffexport.modeling.checkpoint import LoadedModel
 
 
 def eager_models(loaded: LoadedModel, dtype: str, device: str):

@@ -5,33 +5,38 @@ onnxruntime-genai's sampling against the eager distribution (chi-square).
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from diffexport import layouts
-from diffexport.backends.base import DecoderRunner
-from diffexport.checkpoint import LoadedModel
-from diffexport.errors import DiffExportError
-from diffexport.generation import BeamSearch, Sampling
-from diffexport.validation.references import hf_beams, hf_generator
+from diffexport.analysis import plots
 from diffexport.analysis.probe import AttentionProbe
 from diffexport.backends import decoding
 from diffexport.backends import genai as genai_backend
+from diffexport.backends.base import DecoderRunner
+from diffexport.core.eager_generation import (
+    BeamSearch,
+    Sampling,
+    beam_search,
+    hypothesis_score,
+    next_token_probs,
+    penalize_repeats,
+    seen_tokens,
+)
+from diffexport.core.errors import DiffExportError
+from diffexport.core.progress import Progress
 from diffexport.format import decoder_folder
-from diffexport.generation import beam_search, hypothesis_score
-from diffexport.progress import Progress
-from diffexport.generation import next_token_probs, penalize_repeats, seen_tokens
-from diffexport.analysis import plots
+from diffexport.modeling import layouts
+from diffexport.modeling.checkpoint import LoadedModel
+from diffexport.validation.references import hf_beams, hf_generator
 
 
 def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, quant, search: BeamSearch,
                 prompts: list[list[int]], steps: int, dtype: str, budget, genai: tuple[Path, str] | None,
                 log: Callable[[str], None]) -> tuple[list[str], list[str]]:
     """Beam search on the runner (the loop `generate --backend onnxruntime|tensorrt` runs) and in
-    onnxruntime-genai's own search (folders) against generation.beam_search on the eager model,
+    onnxruntime-genai's own search (folders) against eager_generation.beam_search on the eager model,
     each prompt alone, every hypothesis compared in rank order; for HF checkpoints at length
     penalty 0, transformers' generate(num_beams=N) too. Where a runtime's hypothesis differs,
     the eager model rescores it: the gap to the eager hypothesis of that rank says whether the two
@@ -135,12 +140,12 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
                     prompts: list[list[int]], budget, log: Callable[[str], None],
                     plot: str | None = None) -> tuple[list[str], bool, bool]:
     """onnxruntime-genai's sampled first tokens after each prompt against the distribution eager
-    generate draws from (generation.next_token_probs: temperature, top-k, top-p, after the
+    generate draws from (eager_generation.next_token_probs: temperature, top-k, top-p, after the
     repetition penalty): no draw may fall outside the eager support, except a token at the cut
     within the logits' tolerance of the last kept one, and a chi-square test over the support (bins of
     at least SAMPLING_MIN_EXPECTED expected draws, the tail merged) must not reject at
     SAMPLING_P_VALUE. Draws are seeded, so a verdict repeats. Quantised folders are reported.
-    The onnxruntime loop draws with eager's own code (generation.choose_next), so only genai is tested.
+    The onnxruntime loop draws with eager's own code (eager_generation.choose_next), so only genai is tested.
     A prompt whose draws make fewer than two bins (a near-deterministic distribution, or too few
     draws) leaves the test nothing to judge: it is inconclusive, never a PASS, and its line says how
     many draws (or what temperature) would make it a test.

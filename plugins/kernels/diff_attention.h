@@ -4,7 +4,7 @@
  * element strides, sizes and scales, and functions returning a DiffxStatus. The TensorRT plugin,
  * the Python binding (ctypes) and the tests all call these same functions.
  *
- * Tensors follow the DiffAttention op contract (diffexport/contract.py, docs/OP_SPEC.md):
+ * Tensors follow the DiffAttention op contract (diffexport/core/contract.py, docs/OP_SPEC.md):
  *   query  [B, Sq, 2*H*D]   diff-head h owns maps 2h (map 1) and 2h+1 (map 2), each D wide
  *   key    [B, Skv, Kw]     V1: kv-group g owns key maps 2g, 2g+1 (Kw = 2*Hkv*D); V2: one head (Kw = Hkv*D)
  *   value  [B, Skv, Hkv*Dv] Dv = 2D (V1) or D (V2)
@@ -111,7 +111,7 @@ typedef struct DiffxAttentionParams {
   float norm_eps;
   float output_scale;
 
-  /* low-bit attention logits (diffexport/quantization.py, scheme "qk", is the definition):
+  /* low-bit attention logits (diffexport/core/quantization.py, scheme "qk", is the definition):
    * 0 or 16 = logits from fp16/bf16 Q and K; 2..8 = Q and K quantised per 64-token block with
    * absmax scales onto the grid +-(2^(bits-1)-1), S computed with INT8 tensor cores. */
   int32_t logit_bits;

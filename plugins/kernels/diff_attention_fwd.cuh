@@ -106,7 +106,7 @@ __device__ __forceinline__ void load_value_tile(char* sV, const KernelArgs& args
 }
 
 // Quantises this map's Q tile (ROWS tokens, fp16/bf16, swizzled) to int8 codes exactly as
-// diffexport/quantization.py does: one absmax over the block's tokens x D channels (padding
+// diffexport/core/quantization.py does: one absmax over the block's tokens x D channels (padding
 // rows are zeros), inv = qmax/absmax, code = clamp(rint(x*inv)), scale = absmax/qmax.
 // All 256 threads call it (it synchronises); each half of the CTA handles its own map.
 // ROWS = 64 (one-pass kernel) or 16 (decode: every query token of the call is in the first block).

@@ -1,5 +1,5 @@
 // INT8-logits pre-pass: K-smoothing mean (chunked sums, then their total) and per-tile K quantisation, exactly as
-// diffexport/quantization.py defines them (scheme "qk"). Q is quantised inside the attention
+// diffexport/core/quantization.py defines them (scheme "qk"). Q is quantised inside the attention
 // kernel (one query block per CTA); K is quantised once here because every query block reads it.
 #pragma once
 

@@ -21,7 +21,7 @@
 // INT8 logits (logit_bits 2..8, the instantiations with INT8 = true): K comes as the pre-pass's
 // codes (quantize_keys.cuh, TMA-loaded like K), each consumer quantises its Q map into codes in
 // shared memory once, S = Q8 K8^T runs on s8 wgmma into an int32 accumulator, and the logits are
-// fp32(integer sum) * (scale_q * scale_k), the mma.sync kernel's and diffexport/quantization.py's
+// fp32(integer sum) * (scale_q * scale_k), the mma.sync kernel's and diffexport/core/quantization.py's
 // arithmetic, so the mirrored-quantisation tests hold unchanged. float32 I/O is converted before.
 //
 // The accumulator of a 64 x N wgmma is the mma.sync m16n8 layout repeated (acc_row/acc_col in
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     gemm(mma_o, tOrP, tOrV(_, _, _, stage), acc_o);
     warpgroup_commit_batch();
   };
-  // INT8: this map's Q tile as codes, exactly as diffexport/quantization.py and the mma.sync
+  // INT8: this map's Q tile as codes, exactly as diffexport/core/quantization.py and the mma.sync
   // kernel's quantise_q_tile: one absmax over the block's 64 tokens x D channels (rows past q_len
   // are TMA's zeros), inv = qmax/absmax, code = clamp(rint(x*inv)); returns scale = absmax/qmax.
   auto quantise_q = [&]() -> float {

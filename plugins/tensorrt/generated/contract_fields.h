@@ -1,4 +1,4 @@
-// Generated from diffexport/contract.py by tools/gen_plugin_fields.py. Do not edit: rerun the tool.
+// Generated from diffexport/core/contract.py by tools/gen_plugin_fields.py. Do not edit: rerun the tool.
 #pragma once
 
 namespace diffx::contract {

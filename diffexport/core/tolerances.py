@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 FP32_RTOL_OF_SCALE = 1e-5
 LOWPREC_ATOL_OF_SCALE = {"float16": 1e-3, "bfloat16": 8e-3}

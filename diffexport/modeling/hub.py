@@ -13,7 +13,7 @@ import os
 import re
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})(?:@(?P<revision>[\w./-]{1,255}))?$")
 # What a DiffLlama (or Llama) folder holds that diffexport reads.
@@ -50,8 +50,7 @@ def resolve(source: str | os.PathLike, what: str = "checkpoint") -> Path:
     if not is_hub_id(source):
         return Path(source)
     try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub import errors
+        from huggingface_hub import errors, snapshot_download
     except ImportError:
         raise DiffExportError(f"{source} is not a path here, and reading it as a Hugging Face Hub id needs "
                               "huggingface_hub: pip install 'diffexport[hf]'") from None

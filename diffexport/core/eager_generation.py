@@ -21,8 +21,7 @@ from typing import Callable
 
 import torch
 
-from diffexport.errors import DiffExportError
-
+from diffexport.core.errors import DiffExportError
 
 MAX_SEED = 2**31 - 1
 

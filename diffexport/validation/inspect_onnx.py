@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from diffexport import contract
-from diffexport.files import external_file_state, load_onnx
+from diffexport.core import contract
+from diffexport.core.files import external_file_state, load_onnx
 
 
 def _dims(value) -> list[Any]:

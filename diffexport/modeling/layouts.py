@@ -1,6 +1,6 @@
 """Layout conversion: permute foreign DIFF weights once, at load time, into the canonical layout.
 
-Canonical (diffexport.contract): query maps of diff-head h at rows (h, map, D); V1 keys at
+Canonical (diffexport.core.contract): query maps of diff-head h at rows (h, map, D); V1 keys at
 (g, map, D); values (g, 2D); RoPE rotate-half. Everything here is a pure re-indexing of rows:
 attention logits q.k are unchanged when q and k get the same permutation inside a head, so the
 converted model computes exactly what the original computed.
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
 from typing import Callable, Mapping
 
 import torch
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 from diffexport.modeling.common import ROPE_SCALING_KEYS, yarn_attention_factor
 
 

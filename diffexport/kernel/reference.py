@@ -7,7 +7,7 @@ returns the contract's output [B, Sq, H*Dv]:
   naive_diff_attention   the paper's Eq. 1 written out: two explicit softmax maps, subtract, times V
   flash_diff_attention_1 the paper's FlashDiffAttn_1: two attention calls with V of width Dv
   flash_diff_attention_2 the paper's FlashDiffAttn_2: four attention calls with V halves
-  quantised_diff_attention  Eq. 1 with low-bit logits (diffexport/quantization.py): the mirror
+  quantised_diff_attention  Eq. 1 with low-bit logits (diffexport/core/quantization.py): the mirror
                          the INT8-logits kernel is tested against
 
 The attention calls go to flash_attn when it is importable and can take the call (CUDA,
@@ -21,8 +21,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
-from diffexport.quantization import LogitQuant, qk_int_logits, quantise_logit_rows
+from diffexport.core.contract import VARIANT_V1, DiffAttentionAttrs
+from diffexport.core.quantization import LogitQuant, qk_int_logits, quantise_logit_rows
 
 
 def split_maps(query, key, value, attrs: DiffAttentionAttrs):

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 MAX_TEMPLATE_BYTES = 1024**2  # chat templates are a few kB
 MAX_RENDER_CPU_SECONDS = 2.0  # a conversation renders in milliseconds

@@ -2,8 +2,8 @@
 
 Registered once, when this module is first imported. Arguments are the contract's inputs
 followed by its attributes, in contract order (a test checks the schema against
-diffexport.contract). The default implementation is the FlashDiffAttn_1 reference (two
-attention calls, flash_attn or SDPA); on CUDA the fused kernel (diffexport.kernels) takes over
+diffexport.core.contract). The default implementation is the FlashDiffAttn_1 reference (two
+attention calls, flash_attn or SDPA); on CUDA the fused kernel (diffexport.kernel.kernels) takes over
 when its library is built and supports the call ($DIFFEXPORT_ATTENTION chooses); the fake implementation gives export and torch.compile
 the output shape. Gradients come from re-running that reference under autograd, so models
 that call the op also train.
@@ -15,10 +15,11 @@ from typing import Optional
 
 import torch
 
-from diffexport import contract, kernels
-from diffexport.contract import DiffAttentionAttrs
-from diffexport.errors import DiffExportError
-from diffexport.reference import flash_diff_attention_1
+from diffexport.core import contract
+from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.errors import DiffExportError
+from diffexport.kernel import kernels
+from diffexport.kernel.reference import flash_diff_attention_1
 
 
 def attrs_from_args(variant, num_heads, num_kv_heads, head_dim, causal, scale, norm, norm_eps,

@@ -11,22 +11,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffexport.errors import DiffExportError
-from diffexport.format import decoder_folder
-from diffexport.generation import Sampling
-from diffexport.stoppable import call_bounded, cpu_seconds_for
-from diffexport.backends.genai import import_genai
-from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder, tokenizer_files
-from diffexport.format.tokenizer_rules import check_tokenizer_json
-from diffexport.chat_template import render_chat
-from diffexport.format.decoder_folder import folder_search
 from diffexport.backends import decoding
+from diffexport.backends.genai import import_genai
 from diffexport.backends.tensorrt import open_decoder_engine
-from diffexport.onnxruntime_session import resolve_provider
-from diffexport.format.decoder_folder import eos_token_ids
-from diffexport.generation import StopText
-from diffexport.generation import BeamSearch
-from diffexport import prompts as prompts_file
+from diffexport.core.eager_generation import BeamSearch, Sampling, StopText
+from diffexport.core.errors import DiffExportError
+from diffexport.core.onnxruntime_session import resolve_provider
+from diffexport.core.stoppable import call_bounded, cpu_seconds_for
+from diffexport.format import decoder_folder
+from diffexport.format.decoder_folder import (
+    eos_token_ids,
+    folder_search,
+    has_tokenizer,
+    read_decoder_folder,
+    tokenizer_files,
+)
+from diffexport.format.tokenizer_rules import check_tokenizer_json
+from diffexport.generation import prompts as prompts_file
+from diffexport.generation.chat_template import render_chat
 
 
 class BoundedTokenizer:
@@ -329,7 +331,7 @@ def beam_answers(tokenizer, run) -> list[dict]:
 def beam_searcher(folder: Path, search, prompts: list[list[int]], longest: int, *, backend: str = "genai",
                   provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None):
     """(prompt ids, search, max new tokens -> BeamRun) on `backend`: genai's own search, or
-    generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
+    eager_generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
     most tokens a search holds (its caches are checked against this machine's memory first)."""
     from diffexport.backends import decoding, genai
     from diffexport.format.decoder_folder import read_decoder_folder
@@ -360,7 +362,7 @@ class PromptRows:
 
 def read_prompt_rows(folder: Path, config: dict, path: Path, max_new_tokens: int, *, chat: bool = False,
                      system: str | None = None, stop: list[str] | tuple = ()) -> PromptRows:
-    """Every prompt of a prompts file (diffexport/prompts.py) as token ids within the context, with
+    """Every prompt of a prompts file (diffexport/generation/prompts.py) as token ids within the context, with
     its own max_new_tokens and stop strings where the line gives them, else the caller's."""
 
     lines = prompts_file.read_prompts(path, decoder_folder.vocab_size(config))

@@ -8,9 +8,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
-from diffexport.stoppable import interrupts_held
-
+from diffexport.core.errors import DiffExportError
+from diffexport.core.stoppable import interrupts_held
 
 # Text inputs (--text, --calib, --prompts-file) are read whole and tokenised at once; the tools use
 # at most a few million tokens of them, so a bigger file is refused before it is read.

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
-from diffexport.files import require_file
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import require_file
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 

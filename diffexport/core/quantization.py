@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 QUERY_BLOCK = 64  # query tokens per Q scale (the kernel's query tile)
 KEY_BLOCK = 64  # key tokens per K scale (the kernel's key tile)

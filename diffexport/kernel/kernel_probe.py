@@ -9,7 +9,7 @@ the torch reference on the same inputs. Users run all of them with `diffexport k
 the GPU tests, tests/kernel_cases.py and tools/bench_attention.py probe the Hopper path first and
 leave it out, saying why, when it fails, so that every other result is still collected.
 
-    python -m diffexport.kernel_probe hopper     # the launches, then "ok: ..." or "failed: <why>"; exit 0 or 1
+    python -m diffexport.kernel.kernel_probe hopper     # the launches, then "ok: ..." or "failed: <why>"; exit 0 or 1
 
 `probed(name)` keeps the answer in $DIFFEXPORT_PROBE_<NAME> so that child processes (pytest
 workers, the sanitizer runs of tools/gpu_campaign.sh) reuse it instead of probing again.
@@ -22,7 +22,8 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from diffexport.contract import DiffAttentionAttrs
+
+from diffexport.core.contract import DiffAttentionAttrs
 
 TIMEOUT_S = 90.0  # the child's CUDA start-up takes seconds; a working path's launches take milliseconds
 MIN_COSINE = 0.999  # bf16 kernel output against the float32 reference (the GPU tests' bf16 floor)
@@ -61,7 +62,7 @@ def applicable(name: str) -> str | None:
     """Why `name` cannot run on this GPU and library, or None (in the caller's process: no launch)."""
     import torch
 
-    from diffexport import kernels
+    from diffexport.kernel import kernels
 
     if CHECKS[name].kernel_path == "hopper":
         if torch.cuda.get_device_capability() != (9, 0):
@@ -72,7 +73,7 @@ def applicable(name: str) -> str | None:
 
 
 def child_command(name: str) -> list[str]:
-    return [sys.executable, "-m", "diffexport.kernel_probe", "--child", name]
+    return [sys.executable, "-m", "diffexport.kernel.kernel_probe", "--child", name]
 
 
 def probe(name: str, timeout: float = TIMEOUT_S) -> str | None:
@@ -110,8 +111,8 @@ def run_child(name: str) -> int:
     """The probe launches (in the child): every case of the check against the float32 reference."""
     import torch
 
-    from diffexport import kernels, reference
-    from diffexport.quantization import LogitQuant
+    from diffexport.core.quantization import LogitQuant
+    from diffexport.kernel import kernels, reference
 
     check = CHECKS[name]
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -160,7 +161,7 @@ def run_child(name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffexport.kernel_probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m diffexport.kernel.kernel_probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=list(CHECKS))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds the child may take")

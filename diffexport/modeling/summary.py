@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from diffexport import reference
-from diffexport.checkpoint import LoadedModel
+from diffexport.kernel import reference
 from diffexport.modeling import DiffV1LM, DiffV2LM
-from diffexport.presets import match_preset
+from diffexport.modeling.checkpoint import LoadedModel
+from diffexport.modeling.presets import match_preset
 
 
 @torch.no_grad()

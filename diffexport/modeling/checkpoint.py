@@ -6,7 +6,7 @@ Native formats:
   safetensors  model.safetensors (tensors only) + config.json {format, format_version, family, config}.
 Imports: Hugging Face DiffLlama directories (config.json + safetensors or .bin), and bare
 state dicts (unilm-named or ours) given a config or a preset. Foreign layouts are permuted
-into the canonical one here, once (diffexport.layouts).
+into the canonical one here, once (diffexport.modeling.layouts).
 """
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ from typing import Any, Mapping
 
 import torch
 
-from diffexport import layouts
-from diffexport.errors import DiffExportError
-from diffexport.files import atomic_write
-from diffexport.modeling import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import atomic_write
+from diffexport.core.progress import Progress
+from diffexport.modeling import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict, hub, layouts
 from diffexport.modeling.common import DecoderLM, ModelConfig
-from diffexport.progress import Progress
-from diffexport.presets import preset_config, preset_weights
-from diffexport import hub
+from diffexport.modeling.presets import preset_config, preset_weights
 
-FORMAT = "diffexport.checkpoint"
+FORMAT = "diffexport.modeling.checkpoint"
 FORMAT_VERSION = 1
 LAYOUTS = ("auto", "native", "unilm")
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from typing import Callable
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 GRACE_SECONDS = 6  # between SIGTERM (or Ctrl-C) and SIGKILL, for a process that cannot run its handler
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -18,8 +18,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
-from diffexport.files import read_text_input
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import read_text_input
 
 KEYS = frozenset({"prompt", "ids", "id", "max_new_tokens", "stop"})
 MAX_STOPS = 16  # stop strings per line, as many as --stop takes in practice and then some

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from diffexport.errors import DiffExportError
+from diffexport.core.errors import DiffExportError
 
 OP_NAME = "DiffAttention"
 ONNX_DOMAIN = "diffexport"
@@ -123,7 +123,7 @@ ATTRIBUTE_NAMES = tuple(a.name for a in ATTRIBUTES)
 
 # Fields the TensorRT plugin reads besides the op's attributes: how to compute, not what. The
 # ONNX function body (ONNX Runtime) ignores them and computes unquantised logits; `diffexport trt
-# --int8` stamps them on the nodes of the graph it builds. Values follow diffexport/quantization.py.
+# --int8` stamps them on the nodes of the graph it builds. Values follow diffexport/core/quantization.py.
 PLUGIN_ONLY_ATTRIBUTES: tuple[AttributeSpec, ...] = (
     AttributeSpec("logit_bits", "int", 16, "16: fp16/bf16 attention logits; 8, 6, 4: the INT8-logits kernel "
                   "with that integer range", choices=(16, 8, 6, 4)),

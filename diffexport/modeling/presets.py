@@ -12,8 +12,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from diffexport.errors import DiffExportError
-from diffexport.files import check_output_path, staging_folder
+from diffexport.core.errors import DiffExportError
+from diffexport.core.files import check_output_path, staging_folder
 
 DEFAULT_PRESET = "diff-v1-tiny"
 
@@ -22,7 +22,7 @@ def _zoo_root():
     try:
         return resources.files("diffexport._zoo")
     except ModuleNotFoundError:  # running from a source tree that was never installed
-        return Path(__file__).resolve().parent.parent / "models"
+        return Path(__file__).resolve().parents[2] / "models"
 
 
 def _zoo_files():

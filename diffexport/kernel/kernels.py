@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from diffexport import contract
-from diffexport.contract import VARIANT_V1, DiffAttentionAttrs
-from diffexport.errors import DiffExportError
-from diffexport.quantization import check_bits
+from diffexport.core import contract
+from diffexport.core.contract import VARIANT_V1, DiffAttentionAttrs
+from diffexport.core.errors import DiffExportError
+from diffexport.core.quantization import check_bits
 
 LIBRARY_NAME = "libdiffexport_kernels.so"
 ABI_VERSION = 3  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
@@ -74,7 +74,7 @@ def library_candidates() -> list[Path]:
     env = os.environ.get("DIFFEXPORT_KERNEL_LIB")
     if env:
         return [Path(env)]
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent
     return [package.parent / "build" / "plugins" / "kernels" / LIBRARY_NAME, package / "lib" / LIBRARY_NAME]
 
 
@@ -238,7 +238,7 @@ def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAtten
                    key_mask: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The fused kernel on contract inputs: output [B, Sq, H*Dv] in query's dtype.
 
-    logit_bits 0 or 16: fp16/bf16 logits; 2..8: INT8 logits (diffexport/quantization.py "qk").
+    logit_bits 0 or 16: fp16/bf16 logits; 2..8: INT8 logits (diffexport/core/quantization.py "qk").
     float32 tensors are converted to fp16 in the workspace, computed in fp16 and converted back.
     `out` (optional) is written in place: it must be [B, Sq, H*Dv] with contiguous rows.
     key_mask (op version 2): [B, Skv] int64, 0 = padding key. lib: another build (open_library).
