@@ -105,8 +105,8 @@ class Artifacts:
         def build(folder):
             from helpers import perturb_norm_weights
 
-            from diffexport.modeling import build_model
             from diffexport.modeling.checkpoint import save_checkpoint
+            from diffexport.modeling.families import build_model
             from diffexport.modeling.presets import preset_config
 
             preset, overrides, seed = RECIPES[recipe]

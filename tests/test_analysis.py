@@ -13,8 +13,8 @@ from diffexport.core.errors import DiffExportError
 from diffexport.core.files import MAX_TEXT_BYTES
 from diffexport.core.quantization import LogitQuant
 from diffexport.inputs import streams
-from diffexport.modeling import DiffV1Config, DiffV2Config, TransformerConfig, build_model
 from diffexport.modeling.checkpoint import save_checkpoint
+from diffexport.modeling.families import DiffV1Config, DiffV2Config, TransformerConfig, build_model
 
 CONFIGS = {
     "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),

@@ -1,5 +1,5 @@
 """Batched generation from KV-cache folders: `diffexport generate --prompts-file` and
-decoding.generate_in_batches. onnxruntime-genai pads a batch on the right (the new tokens follow the
+a runtime's generate_in_batches (backends/runtimes.py). onnxruntime-genai pads a batch on the right (the new tokens follow the
 padding), the onnxruntime loop on the left; greedy rows must give, token for token, what eager
 generate gives each prompt alone, for both attention kinds, a prompt that ends with the pad id and
 rows that stop at an end id included. The prompts file is an input from strangers: every refusal
@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import assert_one_line_error, cli_main, quiet
 
+from diffexport.backends.runtimes import open_runtime
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import MAX_TEXT_BYTES
 from diffexport.generation import prompts as prompts_file
@@ -117,7 +118,7 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
     pytest.importorskip("onnxruntime_genai")
     import shutil
 
-    from diffexport.backends import decoding, genai
+    from diffexport.backends import genai
     from diffexport.core.eager_generation import Sampling
 
     loaded, folders = model_and_folders
@@ -137,8 +138,8 @@ def test_batches_give_what_each_prompt_gives_alone(model_and_folders, attention,
 
     for backend in ("genai", "onnxruntime"):
         for size, by_length in ((5, False), (2, False), (2, True)):
-            runs = list(decoding.generate_in_batches(folder, prompts, 12, Sampling(), size, backend,
-                                                     sort_by_length=by_length))
+            runs = list(open_runtime(backend, folder).generate_in_batches(prompts, 12, Sampling(), size,
+                                                               sort_by_length=by_length))
             plan = [[3, 0], [2, 4], [1]] if by_length else [list(range(i, min(i + size, 5))) for i in range(0, 5, size)]
             assert [indices for indices, _ in runs] == plan
             tokens, stops = [None] * 5, [None] * 5
@@ -253,7 +254,7 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
     for attention, folder in folders.items():
         for backend in ("genai", "onnxruntime"):
             tokens = [None] * len(prompts)
-            for indices, run in decoding.generate_in_batches(folder, prompts, 14, penalised, 4, backend):
+            for indices, run in open_runtime(backend, folder).generate_in_batches(prompts, 14, penalised, 4):
                 for i, t in zip(indices, run.tokens):
                     tokens[i] = t
             assert tokens == expected, (attention, backend)
@@ -319,21 +320,19 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
 @pytest.mark.slow
 def test_sampled_batches_are_reproducible(model_and_folders):
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.backends import decoding
     from diffexport.core.eager_generation import Sampling
 
     _, folders = model_and_folders
     prompts = [[5, 17, 42], [9, 8, 7, 6, 5]]
     sampling = Sampling(greedy=False, temperature=1.5, top_k=50, seed=3)
     for backend in ("genai", "onnxruntime"):
-        first = list(decoding.generate_in_batches(folders["gqa"], prompts, 10, sampling, 2, backend))[0][1]
-        again = list(decoding.generate_in_batches(folders["gqa"], prompts, 10, sampling, 2, backend))[0][1]
+        first = list(open_runtime(backend, folders["gqa"]).generate_in_batches(prompts, 10, sampling, 2))[0][1]
+        again = list(open_runtime(backend, folders["gqa"]).generate_in_batches(prompts, 10, sampling, 2))[0][1]
         assert first.tokens == again.tokens and all(len(t) == 10 for t in first.tokens)
         # one prompt in three batches: each batch has its own draws (the first keeps the seed itself)
-        runs = [run.tokens[0] for _, run in decoding.generate_in_batches(folders["gqa"], [prompts[0]] * 3, 10,
-                                                                          sampling, 1, backend)]
-        assert runs[0] == list(decoding.generate_in_batches(folders["gqa"], [prompts[0]], 10, sampling, 1,
-                                                            backend))[0][1].tokens[0]
+        runs = [run.tokens[0] for _, run in open_runtime(backend, folders["gqa"]).generate_in_batches(
+                    [prompts[0]] * 3, 10, sampling, 1)]
+        assert runs[0] == list(open_runtime(backend, folders["gqa"]).generate_in_batches([prompts[0]], 10, sampling, 1))[0][1].tokens[0]
         assert len({tuple(r) for r in runs}) == 3, backend
 
 

@@ -64,7 +64,7 @@ def test_eager_beam_search_equals_transformers(early_stopping, tmp_path):
 
 
 def test_beam_search_of_one_beam_is_greedy():
-    from diffexport.modeling import build_model
+    from diffexport.modeling.families import build_model
     from diffexport.modeling.presets import preset_config
 
     model = build_model(preset_config("diff-v2-tiny"), seed=2).eval()
@@ -93,7 +93,7 @@ def test_bad_beam_search_options(kwargs, pattern):
 def test_beam_caches_are_held_to_the_machines_memory():
     """256 beams (the most a search takes) of a 70B-class model's cache at 128k tokens: refused
     before any search starts; a small model's fit."""
-    from diffexport.backends.decoding import check_beam_memory
+    from diffexport.backends.base import check_beam_memory
 
     big = {"model": {"decoder": {"num_hidden_layers": 80, "num_key_value_heads": 8, "head_size": 128}}}
     with pytest.raises(DiffExportError, match="256 beams of 131072 tokens need .* GiB of KV cache, more than the"):
@@ -281,7 +281,7 @@ def test_hypothesis_score_rescores_the_search_scores():
     """The eager rescoring `check` applies to a runtime's differing beams gives each reference
     hypothesis the score the search gave it, for ended and length-limited ones and any penalty."""
     from diffexport.core.eager_generation import hypothesis_score
-    from diffexport.modeling import build_model
+    from diffexport.modeling.families import build_model
     from diffexport.modeling.presets import preset_config
 
     model = build_model(preset_config("diff-v1-tiny"), seed=9).eval()

@@ -14,8 +14,9 @@ import torch
 from helpers import assert_one_line_error, cli_main, resave_checkpoint, run_cli
 
 from diffexport.core.errors import DiffExportError
-from diffexport.modeling import DiffV1Config, build_model, layouts
+from diffexport.modeling import layouts
 from diffexport.modeling.checkpoint import FORMAT, load_model, save_checkpoint, save_safetensors
+from diffexport.modeling.families import DiffV1Config, build_model
 from diffexport.modeling.presets import preset_config
 
 

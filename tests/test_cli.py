@@ -59,8 +59,8 @@ def test_info_on_a_huge_preset_is_shape_only_and_quick():
 
 
 def test_info_shows_lambdas(tmp_path):
-    from diffexport.modeling import build_model
     from diffexport.modeling.checkpoint import save_checkpoint
+    from diffexport.modeling.families import build_model
     from diffexport.modeling.presets import preset_config
 
     model = build_model(preset_config("diff-v1-tiny"), seed=3)

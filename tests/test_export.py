@@ -17,8 +17,8 @@ from helpers import cli_main  # noqa: E402
 
 from diffexport.core import contract  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
-from diffexport.modeling import build_model  # noqa: E402
 from diffexport.modeling.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.modeling.families import build_model  # noqa: E402
 from diffexport.modeling.presets import preset_config  # noqa: E402
 from diffexport.validation.options import CheckOptions  # noqa: E402
 from diffexport.validation.prefill import run_check  # noqa: E402

@@ -10,8 +10,8 @@ from helpers import assert_one_line_error, cli_main  # noqa: E402
 
 from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
-from diffexport.modeling import build_model  # noqa: E402
 from diffexport.modeling.checkpoint import load_model, save_checkpoint  # noqa: E402
+from diffexport.modeling.families import build_model  # noqa: E402
 from diffexport.modeling.presets import preset_config  # noqa: E402
 
 

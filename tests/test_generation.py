@@ -6,8 +6,8 @@ import torch
 
 from diffexport.core.eager_generation import Sampling, choose_next, generate, left_pad
 from diffexport.core.errors import DiffExportError
-from diffexport.modeling import build_model
 from diffexport.modeling.checkpoint import load_model
+from diffexport.modeling.families import build_model
 from diffexport.modeling.presets import preset_config
 
 PRESETS = ("diff-v1-tiny", "diff-v2-tiny", "transformer-tiny")

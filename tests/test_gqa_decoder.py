@@ -22,8 +22,8 @@ from diffexport.core.eager_generation import Sampling, generate, pad_batch  # no
 from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.format import decoders  # noqa: E402
-from diffexport.modeling import build_model  # noqa: E402
 from diffexport.modeling.checkpoint import load_model, save_safetensors  # noqa: E402
+from diffexport.modeling.families import build_model  # noqa: E402
 from diffexport.modeling.presets import preset_config  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.group_query_attention import rewrite_decoder  # noqa: E402

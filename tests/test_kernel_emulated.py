@@ -19,7 +19,7 @@ from diffexport.analysis.probe import AttentionProbe
 from diffexport.core.contract import DiffAttentionAttrs
 from diffexport.core.quantization import LogitQuant
 from diffexport.kernel import kernels, reference
-from diffexport.modeling import DiffV1Config, DiffV2Config, build_model
+from diffexport.modeling.families import DiffV1Config, DiffV2Config, build_model
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)
 

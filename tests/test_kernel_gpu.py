@@ -342,8 +342,8 @@ def test_quant_sweep_runs_the_int8_logits_kernel_on_cuda(tmp_path):
 
     from helpers import run_cli
 
-    from diffexport.modeling import DiffV1Config, build_model
     from diffexport.modeling.checkpoint import save_checkpoint
+    from diffexport.modeling.families import DiffV1Config, build_model
 
     config = DiffV1Config(vocab_size=512, d_model=256, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=64)
     ckpt = save_checkpoint(build_model(config, seed=5), tmp_path / "d64.pt")

@@ -29,8 +29,8 @@ from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.export.decoder import export_decoder_graph as export_decoder  # noqa: E402
 from diffexport.format.decoder_folder import cache_width  # noqa: E402
-from diffexport.modeling import build_model  # noqa: E402
 from diffexport.modeling.checkpoint import load_model, save_checkpoint, save_safetensors  # noqa: E402
+from diffexport.modeling.families import build_model  # noqa: E402
 from diffexport.modeling.presets import preset_config  # noqa: E402
 from diffexport.validation.decoder import run_decoder_check  # noqa: E402
 from diffexport.validation.options import CheckOptions  # noqa: E402

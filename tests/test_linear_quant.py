@@ -11,7 +11,7 @@ from helpers import assert_one_line_error, cli_main
 from diffexport.analysis import linear_quant
 from diffexport.analysis.linear_quant import ActivationRanges, LinearQuant, QuantisedLinears
 from diffexport.core.errors import DiffExportError
-from diffexport.modeling import DiffV1Config, TransformerConfig, build_model
+from diffexport.modeling.families import DiffV1Config, TransformerConfig, build_model
 
 CONFIGS = {
     "diff_v1": DiffV1Config(vocab_size=97, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1),

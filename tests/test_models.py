@@ -7,16 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from diffexport.core.errors import DiffExportError
-from diffexport.modeling import (
+from diffexport.modeling import layouts
+from diffexport.modeling.common import apply_rope, rope_cos_sin
+from diffexport.modeling.families import (
     DiffV1Config,
     DiffV2Config,
     TransformerConfig,
     baseline_for,
     build_model,
     config_from_dict,
-    layouts,
 )
-from diffexport.modeling.common import apply_rope, rope_cos_sin
 from diffexport.modeling.presets import all_presets, match_preset, preset_config
 
 

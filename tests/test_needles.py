@@ -13,8 +13,8 @@ import torch
 from diffexport.analysis import needles
 from diffexport.core.errors import DiffExportError
 from diffexport.inputs import needle_task
-from diffexport.modeling import build_model
 from diffexport.modeling.checkpoint import load_model
+from diffexport.modeling.families import build_model
 from diffexport.modeling.presets import preset_config
 
 pytestmark = pytest.mark.slow  # exports, emulation or training: see README (quick loop)

@@ -119,8 +119,8 @@ def parse_with_plugin(onnx_path, graph, logit_bits=16):
 def head_dim_64_models(tmp_path_factory):
     from helpers import run_cli
 
-    from diffexport.modeling import build_model, config_from_dict
     from diffexport.modeling.checkpoint import save_checkpoint
+    from diffexport.modeling.families import build_model, config_from_dict
 
     folder = tmp_path_factory.mktemp("rtx_plugin")
     paths = {}
@@ -169,8 +169,8 @@ def test_parser_gives_kv_cache_nodes_to_the_version_2_plugin(tmp_path, graph):
     """A KV-cache decoder (fp16, head dim 64): its six-input nodes reach the version-2 creator."""
     from helpers import run_cli
 
-    from diffexport.modeling import build_model, config_from_dict
     from diffexport.modeling.checkpoint import save_checkpoint
+    from diffexport.modeling.families import build_model, config_from_dict
 
     cfg = config_from_dict("diff_v1", dict(vocab_size=256, d_model=256, n_layers=2, ffn_hidden=256, n_heads=2,
                                            n_kv_heads=1, head_dim=64))

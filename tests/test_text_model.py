@@ -15,8 +15,8 @@ import torch
 from helpers import assert_one_line_error, cli_main
 
 from diffexport.core.errors import DiffExportError
-from diffexport.modeling import DiffV1Config, baseline_for, build_model, config_from_dict
 from diffexport.modeling.checkpoint import load_model, save_hf_folder
+from diffexport.modeling.families import DiffV1Config, baseline_for, build_model, config_from_dict
 from diffexport.modeling.presets import get_preset, preset_weights
 
 ROOT = Path(__file__).resolve().parent.parent

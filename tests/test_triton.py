@@ -37,14 +37,15 @@ def folder(artifacts):
 def alone(folder):
     """prompt text -> what `diffexport generate --greedy` gives it alone: (new ids, the end id left
     out; their text; their text through the tokenizer's stream decoder)."""
+    from diffexport.backends.runtimes import open_runtime
     from diffexport.format.decoder_folder import eos_token_ids, read_decoder_folder
-    from diffexport.generation.text_generation import encode, folder_tokenizer, generate_once
+    from diffexport.generation.text_generation import encode, folder_tokenizer
 
     config = read_decoder_folder(folder)[1]
     tokenizer, eos = folder_tokenizer(folder), set(eos_token_ids(config))
     answers = {}
     for prompt in PROMPTS:
-        run = generate_once(folder, encode(tokenizer, folder, prompt), 12, GREEDY)
+        run = open_runtime("genai", folder).generate(encode(tokenizer, folder, prompt), 12, GREEDY)
         ids = run.tokens[:-1] if run.tokens and run.tokens[-1] in eos else run.tokens
         stream = tokenizer.create_stream()
         answers[prompt] = (ids, tokenizer.decode(ids), "".join(stream.decode(t) for t in ids))

@@ -15,8 +15,8 @@ from helpers import run_cli  # noqa: E402
 from diffexport.backends.tensorrt import plugin_library_candidates  # noqa: E402
 from diffexport.export import export_onnx  # noqa: E402
 from diffexport.export.exporter import ExportOptions  # noqa: E402
-from diffexport.modeling import config_from_dict  # noqa: E402
 from diffexport.modeling.checkpoint import load_model, save_checkpoint  # noqa: E402
+from diffexport.modeling.families import config_from_dict  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

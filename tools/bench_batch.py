@@ -22,7 +22,7 @@ docs/BENCHMARKS.md and draws docs/img/decode-batch[-int4].png.
     python tools/bench_batch.py --mixed N [--batches 8] [--prompt 384] [--new 32] [--rounds 3] [--write]
 
 --mixed: N prompts of spread lengths (log-uniform in 16..--prompt, seeded) in the batches of
-decoding.batch_plan at the largest --batches, in the file's order and longest first
+base.batch_plan at the largest --batches, in the file's order and longest first
 (`generate --prompts-file --sort-by-length`), interleaved rounds; the whole file's seconds and its
 prefill seconds, the padding each order computes (exact, from the batch plan), and a check that
 both orders give every prompt the same tokens. Rows stop at their own end id or after --new.
@@ -45,7 +45,7 @@ import bench_context  # noqa: E402
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.backends import decoding, genai  # noqa: E402
+from diffexport.backends import base, genai  # noqa: E402
 from diffexport.core.eager_generation import Sampling  # noqa: E402
 from diffexport.format.decoder_folder import cache_width  # noqa: E402
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
@@ -153,7 +153,7 @@ def mixed_lengths(args) -> None:
     lengths = np.exp(rng.uniform(np.log(16), np.log(args.prompt), size=args.mixed)).astype(int).tolist()
     prompts = [rng.integers(3, bench_decode.VOCAB, size=n).tolist() for n in lengths]
     orders = {"file order": False, "longest first": True}
-    pads = {name: padding(prompts, decoding.batch_plan(prompts, batch, by_length)) for name, by_length in orders.items()}
+    pads = {name: padding(prompts, base.batch_plan(prompts, batch, by_length)) for name, by_length in orders.items()}
     loaded = load_model(None, preset=PRESET, seed=0)
     totals: dict[tuple[str, str], list[float]] = {}
     prefills: dict[tuple[str, str], list[float]] = {}
@@ -170,8 +170,8 @@ def mixed_lengths(args) -> None:
                     start = time.perf_counter()
                     tokens: list = [None] * len(prompts)
                     prefill = 0.0
-                    # generate_in_batches' loop, on the model opened once (the threads copies link their weights)
-                    for indices in decoding.batch_plan(prompts, batch, by_length):
+                    # a runtime's generate_in_batches loop, on the model opened once (the threads copies link their weights)
+                    for indices in base.batch_plan(prompts, batch, by_length):
                         run = genai.generate_batch_genai(folder, [prompts[i] for i in indices], args.new,
                                                          Sampling(), model=models[label])
                         prefill += run.prefill_seconds

@@ -3,7 +3,7 @@ or (--text FILE) as byte-level language models on a real text.
 
 Both models get the same data (same seed, same batches), the same recipe (AdamW, warm-up then
 cosine decay, gradient clipping) and the same parameter budget: the baseline is
-diffexport.modeling.baseline_for(diff config), i.e. twice the heads of the same head dim, so the
+diffexport.modeling.families.baseline_for(diff config), i.e. twice the heads of the same head dim, so the
 projections have identical shapes. Loss: cross-entropy on the answer tokens only; with --text,
 next-byte cross-entropy on every position of random windows of the file's first nine tenths,
 evaluated in bits per byte on its last tenth, which is written to OUT/heldout.txt for the analyses
@@ -42,8 +42,8 @@ from diffexport.analysis import needles
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import atomic_write, check_output_path, read_text_input
 from diffexport.inputs import needle_task, streams
-from diffexport.modeling import DiffV1Config, baseline_for, build_model
 from diffexport.modeling.checkpoint import save_checkpoint, save_hf_folder
+from diffexport.modeling.families import DiffV1Config, baseline_for, build_model
 
 SIZES = {
     # d_model, layers, DIFF heads (the baseline gets twice as many), head_dim

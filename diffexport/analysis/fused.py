@@ -21,7 +21,7 @@ from diffexport.analysis.probe import AttentionProbe
 from diffexport.core.errors import DiffExportError
 from diffexport.core.quantization import UNQUANTISED_BITS, LogitQuant
 from diffexport.kernel import kernels
-from diffexport.modeling import DIFF_FAMILIES
+from diffexport.modeling.families import DIFF_FAMILIES
 
 ATTENTIONS = ("reference", "kernel")
 

@@ -22,7 +22,7 @@ from diffexport.core.errors import DiffExportError
 from diffexport.core.quantization import LogitQuant
 from diffexport.kernel import reference
 from diffexport.kernel.reference import attention_logits, masked_softmax
-from diffexport.modeling import FAMILIES
+from diffexport.modeling.families import FAMILIES
 
 
 class AttentionProbe:

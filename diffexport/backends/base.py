@@ -1,11 +1,13 @@
-"""What every KV-cache decoder runner shares: the protocol the generation loop
-(backends/decoding.py), the searches and `check` rely on, whatever runs the graph; the records a
-run returns; the intra-op threads a run uses; how each batch of a plan draws.
-
-The protocol is implemented by the onnxruntime loop (`decoding.OrtDecoder`) and the TensorRT
-engine runner (`tensorrt.EngineDecoder`). onnxruntime-genai keeps its own cache behind its
-Generator API, so it is driven through backends/genai.py, not this protocol, and returns the same
-records.
+"""What every runtime shares. Two protocols:
+- DecoderRunner: one forward of a KV-cache graph with the cache it is handed, whatever runs it
+  (`decoding.OrtDecoder`, `tensorrt.EngineDecoder`); the step loop (backends/decoding.py), the
+  searches and `check` rely on nothing else.
+- Runtime: a decoder folder opened on one runtime, as text generation uses it (one answer,
+  batches, beam search, a chat session). `decoding.StepLoopRuntime` drives any DecoderRunner;
+  onnxruntime-genai keeps its cache behind its own Generator API, so `genai.GenaiRuntime` drives
+  it. backends/runtimes.py names them.
+Also the records a run returns, the intra-op threads a run uses, how each batch of a plan draws,
+and the memory a beam search's caches need.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import contextvars
 import dataclasses
 import os
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Callable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
-from diffexport.core.eager_generation import Sampling
+from diffexport.core.eager_generation import BeamSearch, Sampling
 from diffexport.core.errors import DiffExportError
+from diffexport.format import decoder_folder
 from diffexport.format.genai_config import MAX_THREADS
+from diffexport.modeling.families import host_memory_bytes
 
 
 @runtime_checkable
@@ -137,3 +141,84 @@ def batch_sampling(sampling: Sampling, number: int) -> Sampling:
         return sampling
     seed = int(np.random.SeedSequence([sampling.seed, number]).generate_state(1)[0]) & 0x7FFFFFFF  # genai: int32
     return dataclasses.replace(sampling, seed=seed)
+
+
+class ChatRuns(Protocol):
+    """A conversation on one runtime that keeps its cache between turns: each turn gives the whole
+    conversation's ids and reads only what the held sequence does not share with them."""
+
+    def turn(self, ids: list[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
+             stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+        ...
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A decoder folder on one runtime, opened once (what it loads is loaded at the first call, or
+    at open()); made by backends/runtimes.open_runtime, which refuses the options it does not take."""
+    name: str                 # its name in runtimes.RUNTIMES (the CLI's --backend)
+    folder: Path
+    provider: str | None      # the execution provider it runs on (None: the folder's own, or a GPU engine)
+
+    def open(self) -> "Runtime":
+        """Load what it runs (a session, a model, an engine) now, not at the first call -> itself."""
+        ...
+
+    def generate(self, ids: list[int], max_new_tokens: int, sampling: Sampling, *,
+                 on_token: Callable[[int], None] | None = None,
+                 stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+        """One prompt's answer; on_token(token), or stop_after(token) -> True to end it there."""
+        ...
+
+    def generate_in_batches(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                            batch_size: int = 8, *, sort_by_length: bool = False,
+                            stop_after: Callable[[int, int], bool] | None = None,
+                            limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
+        """Prompts batch_size at a time (batch_plan) -> (the batch's prompt indices, its run, row k
+        answering prompts[indices[k]]). stop_after(prompt index, token): True ends that prompt's
+        answer after the token. limits: each prompt's own max_new_tokens."""
+        ...
+
+    def beam_searcher(self, search: BeamSearch, prompts: list[list[int]],
+                      longest: int) -> Callable[[list[int], int], BeamRun]:
+        """(prompt ids, max new tokens -> BeamRun) for these prompts; longest: the most tokens a
+        search holds (its caches are checked against this machine's memory first)."""
+        ...
+
+    def chat_session(self, sampling: Sampling) -> ChatRuns:
+        ...
+
+
+def batch_plan(prompts: list[list[int]], batch_size: int, by_length: bool = False) -> list[list[int]]:
+    """The prompts' indices, batch_size at a time: in order, or by_length longest first (ties in
+    order), so that each batch pads its prompts to a length near their own (a batch costs its
+    longest prompt in every row)."""
+    if batch_size < 1:
+        raise DiffExportError(f"the batch size must be >= 1, got {batch_size}")
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if by_length else list(range(len(prompts)))
+    return [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
+
+
+def by_prompt(stop_after: Callable[[int, int], bool] | None, indices: list[int]):
+    """A batch's stop_after(row, token) over the caller's stop_after(prompt index, token)."""
+    return None if stop_after is None else lambda row, token: stop_after(indices[row], token)
+
+
+def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None:
+    """Refuse, before the search starts, beams whose KV caches at `length` tokens (prompt and new
+    tokens) would not fit in this machine's memory (a slip such as --num-beams 4000)."""
+
+    layers, heads, head_size = decoder_folder.cache_shape(config)
+    per_token = 2 * layers * heads * head_size * (4 if dtype == "float32" else 2)
+    need = beams * length * per_token
+    have = host_memory_bytes()
+    if need > have:
+        raise DiffExportError(f"{beams} beams of {length} tokens need {need / 2**30:.1f} GiB of KV cache, more than "
+                              f"the {have / 2**30:.0f} GiB here: lower --num-beams or --max-new-tokens")
+
+
+def refuse_engine(engine: str | None) -> None:
+    """An engine given to a runtime that runs the folder's ONNX graph."""
+    if engine is not None:
+        raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
+                              "--backend tensorrt and --engine ENGINE")

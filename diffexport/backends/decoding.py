@@ -4,9 +4,10 @@ engine's runner is driven through), batches padded on the left, beam search over
 session that keeps its cache between turns.
 
 It returns what onnxruntime-genai's functions (backends/genai.py) return, the records in
-backends/base.py, so `diffexport generate`, `check` and the benchmarks use either. Several prompts
-go as batches (generate_in_batches, either backend): genai pads them on the right, this loop on
-the left, and greedy rows give what each prompt gives alone.
+backends/base.py, so `diffexport generate`, `check` and the benchmarks use either. As a Runtime
+(StepLoopRuntime) it serves any DecoderRunner: the onnxruntime session here, an engine's runner
+(backends/tensorrt.py). Several prompts go as left-padded batches; greedy rows give what each
+prompt gives alone.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ from diffexport.backends.base import (
     BeamRun,
     DecoderRunner,
     DecodeRun,
+    batch_plan,
     batch_sampling,
+    by_prompt,
+    check_beam_memory,
+    refuse_engine,
     shared_prefix,
 )
-from diffexport.backends.genai import genai_pad_for, generate_batch_genai, open_genai_model
 from diffexport.core.eager_generation import BeamSearch, Sampling, choose_next, left_pad, search_beams, seen_tokens
 from diffexport.core.errors import DiffExportError
-from diffexport.core.onnxruntime_session import open_session
+from diffexport.core.onnxruntime_session import open_session, resolve_provider
 from diffexport.format import decoder_folder, names
-from diffexport.modeling import host_memory_bytes
 
 
 def empty_cache(batch: int, layers: int, heads: int, width: int, dtype) -> dict[str, np.ndarray]:
@@ -193,19 +196,6 @@ def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens:
                     timing["first"] - timing["start"])
 
 
-def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None:
-    """Refuse, before the search starts, beams whose KV caches at `length` tokens (prompt and new
-    tokens) would not fit in this machine's memory (a slip such as --num-beams 4000)."""
-
-    layers, heads, head_size = decoder_folder.cache_shape(config)
-    per_token = 2 * layers * heads * head_size * (4 if dtype == "float32" else 2)
-    need = beams * length * per_token
-    have = host_memory_bytes()
-    if need > have:
-        raise DiffExportError(f"{beams} beams of {length} tokens need {need / 2**30:.1f} GiB of KV cache, more than "
-                              f"the {have / 2**30:.0f} GiB here: lower --num-beams or --max-new-tokens")
-
-
 def beam_search_onnxruntime(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
                             runner: OrtDecoder | None = None, provider: str = "cpu") -> BeamRun:
     """eager_generation.search_beams over the onnxruntime loop (or an engine's runner: `--backend
@@ -277,47 +267,56 @@ class LoopSession:
                          timing["end"] - timing["first"], stops[0])
 
 
-def batch_plan(prompts: list[list[int]], batch_size: int, by_length: bool = False) -> list[list[int]]:
-    """The prompts' indices, batch_size at a time: in order, or by_length longest first (ties in
-    order), so that each batch pads its prompts to a length near their own (a batch costs its
-    longest prompt in every row)."""
-    if batch_size < 1:
-        raise DiffExportError(f"the batch size must be >= 1, got {batch_size}")
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i])) if by_length else list(range(len(prompts)))
-    return [order[first:first + batch_size] for first in range(0, len(order), batch_size)]
+class StepLoopRuntime:
+    """A Runtime (backends/base.py) over any DecoderRunner, stepped by this module's loop: the
+    onnxruntime session (`open_onnxruntime_runtime`) or a TensorRT engine (`tensorrt.open_engine_runtime`).
+    The runner is opened once, at open() or the first call, and serves every call after."""
+
+    def __init__(self, name: str, folder, provider: str | None, open_runner: Callable[[], DecoderRunner]):
+        self.name, self.folder, self.provider = name, Path(folder), provider
+        self._open_runner, self._runner = open_runner, None
+
+    @property
+    def runner(self) -> DecoderRunner:
+        return self.open()._runner
+
+    def open(self) -> "StepLoopRuntime":
+        if self._runner is None:
+            self._runner = self._open_runner()
+        return self
+
+    def generate(self, ids: list[int], max_new_tokens: int, sampling: Sampling, *,
+                 on_token: Callable[[int], None] | None = None,
+                 stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+        return generate_onnxruntime(self.folder, ids, max_new_tokens, sampling, runner=self.runner,
+                                    on_token=on_token, stop_after=stop_after)
+
+    def generate_in_batches(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                            batch_size: int = 8, *, sort_by_length: bool = False,
+                            stop_after: Callable[[int, int], bool] | None = None,
+                            limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
+        for number, indices in enumerate(batch_plan(prompts, batch_size, sort_by_length)):
+            rows = None if limits is None else [limits[i] for i in indices]
+            yield indices, generate_batch_onnxruntime(
+                self.folder, [prompts[i] for i in indices], max_new_tokens if rows is None else max(rows),
+                batch_sampling(sampling, number), runner=self.runner, stop_after=by_prompt(stop_after, indices),
+                limits=rows)
+
+    def beam_searcher(self, search: BeamSearch, prompts: list[list[int]],
+                      longest: int) -> Callable[[list[int], int], BeamRun]:
+        runner = self.runner
+        if runner.config is not None:
+            check_beam_memory(runner.config, runner.meta["dtype"], search.num_beams, longest)
+        return lambda ids, new: beam_search_onnxruntime(self.folder, ids, new, search, runner)
+
+    def chat_session(self, sampling: Sampling) -> "LoopSession":
+        return LoopSession(self.runner, sampling)
 
 
-def generate_in_batches(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                        batch_size: int = 8, backend: str = "genai", provider: str | None = None,
-                        runner: OrtDecoder | None = None, sort_by_length: bool = False,
-                        stop_after: Callable[[int, int], bool] | None = None,
-                        limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
-    """Prompts batch_size at a time (batch_plan: in order, or longest first with sort_by_length):
-    yields (the batch's prompt indices, its run, row k answering prompts[indices[k]]). backend
-    "genai" (provider None: the folder's) or "onnxruntime" (runner: an OrtDecoder, or an engine's
-    runner; else one on provider). stop_after(prompt index, token): True ends that prompt's answer
-    after the token (a stop string completed). limits: each prompt's own max_new_tokens (a batch
-    runs to its rows' longest, each row cut at its own)."""
-    plan = batch_plan(prompts, batch_size, sort_by_length)
-    if backend == "genai":
-        config = decoder_folder.read_decoder_folder(folder)[1]
-        pad = genai_pad_for(config, prompts)  # one model for every batch: a pad id that ends no prompt
-        model = open_genai_model(folder, provider, pad)
-    else:
-        runner = runner or OrtDecoder(folder, provider=provider or "cpu")
-    for number, indices in enumerate(plan):
-        batch, cut = [prompts[i] for i in indices], _by_prompt(stop_after, indices)
-        draws = batch_sampling(sampling, number)
-        rows = None if limits is None else [limits[i] for i in indices]
-        longest = max_new_tokens if rows is None else max(rows)
-        if backend == "genai":
-            yield indices, generate_batch_genai(folder, batch, longest, draws, model=model, pad_token_id=pad,
-                                                stop_after=cut, limits=rows)
-        else:
-            yield indices, generate_batch_onnxruntime(folder, batch, longest, draws, runner=runner,
-                                                      stop_after=cut, limits=rows)
-
-
-def _by_prompt(stop_after, indices: list[int]):
-    """A batch's stop_after(row, token) over the caller's stop_after(prompt index, token)."""
-    return None if stop_after is None else lambda row, token: stop_after(indices[row], token)
+def open_onnxruntime_runtime(folder, *, provider: str = "auto", engine: str | None = None,
+                     plugin_lib: str | None = None) -> StepLoopRuntime:
+    """The onnxruntime runtime: an OrtDecoder on the resolved provider ("auto": CUDA when
+    onnxruntime-gpu and a GPU are present), stepped by this module's loop."""
+    refuse_engine(engine)
+    resolved = resolve_provider(provider)
+    return StepLoopRuntime("onnxruntime", folder, resolved, lambda: OrtDecoder(folder, provider=resolved))

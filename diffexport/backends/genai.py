@@ -13,11 +13,23 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
-from diffexport.backends.base import INTRA_OP_THREADS, BatchRun, BeamRun, DecodeRun, machine_threads, shared_prefix
+from diffexport.backends.base import (
+    INTRA_OP_THREADS,
+    BatchRun,
+    BeamRun,
+    DecodeRun,
+    batch_plan,
+    batch_sampling,
+    by_prompt,
+    check_beam_memory,
+    machine_threads,
+    refuse_engine,
+    shared_prefix,
+)
 from diffexport.core.eager_generation import BeamSearch, Sampling, penalize_repeats, seen_tokens
 from diffexport.core.errors import DiffExportError
 from diffexport.format import decoder_folder
@@ -369,3 +381,74 @@ def generate_batch_genai(folder, prompts: list[list[int]], max_new_tokens: int, 
         tokens.append(new if end is None else new[:end + 1])
         stops.append("length" if end is None else "eos")
     return BatchRun(tokens, stops, sum(map(len, prompts)), finish - start, (first or finish) - start)
+
+
+class GenaiChat:
+    """A chat on onnxruntime-genai: one GenaiSession kept between turns, opened again only when a
+    conversation ends with the pad id the session was opened with (genai would read it as padding)."""
+
+    def __init__(self, folder, config: dict, sampling: Sampling, provider: str | None):
+        self.folder, self.config, self.sampling, self.provider = folder, config, sampling, provider
+        self.session: GenaiSession | None = None
+
+    def turn(self, ids: list[int], max_new_tokens: int, on_token: Callable[[int], None] | None = None,
+             stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+        if self.session is None or ids[-1] == self.session.pad:
+            self.session = GenaiSession(self.folder, self.sampling, provider=self.provider,
+                                        pad_token_id=genai_pad_for(self.config, [ids]))
+        return self.session.turn(ids, max_new_tokens, on_token=on_token, stop_after=stop_after)
+
+
+class GenaiRuntime:
+    """A Runtime (backends/base.py) on onnxruntime-genai: its own search, cache and batching. A model
+    is opened per call's prompts (genai reads a prompt's trailing pad ids as padding: genai_pad_for
+    picks a pad id that ends none of them)."""
+
+    name = "genai"
+
+    def __init__(self, folder, provider: str | None = None):
+        self.folder, self.provider = Path(folder), provider
+        self.config = decoder_folder.read_decoder_folder(folder)[1]
+
+    def open(self) -> "GenaiRuntime":
+        return self  # a model is opened per call: its pad id depends on the prompts
+
+    def generate(self, ids: list[int], max_new_tokens: int, sampling: Sampling, *,
+                 on_token: Callable[[int], None] | None = None,
+                 stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+        return generate_genai(self.folder, ids, max_new_tokens, sampling, provider=self.provider,
+                              on_token=on_token, stop_after=stop_after)
+
+    def generate_in_batches(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+                            batch_size: int = 8, *, sort_by_length: bool = False,
+                            stop_after: Callable[[int, int], bool] | None = None,
+                            limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
+        plan = batch_plan(prompts, batch_size, sort_by_length)
+        pad = genai_pad_for(self.config, prompts)  # one model for every batch: a pad id that ends no prompt
+        model = open_genai_model(self.folder, self.provider, pad)
+        for number, indices in enumerate(plan):
+            rows = None if limits is None else [limits[i] for i in indices]
+            yield indices, generate_batch_genai(
+                self.folder, [prompts[i] for i in indices], max_new_tokens if rows is None else max(rows),
+                batch_sampling(sampling, number), model=model, pad_token_id=pad,
+                stop_after=by_prompt(stop_after, indices), limits=rows)
+
+    def beam_searcher(self, search: BeamSearch, prompts: list[list[int]],
+                      longest: int) -> Callable[[list[int], int], BeamRun]:
+        meta = decoder_folder.read_decoder_folder(self.folder)[2]
+        check_beam_memory(self.config, meta["dtype"], search.num_beams, longest)
+        check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
+                                            "search over the onnxruntime loop has no such limit)")
+        model = open_genai_model(self.folder, self.provider, genai_pad_for(self.config, prompts))
+        return lambda ids, new: beam_search_genai(self.folder, ids, new, search, model=model)
+
+    def chat_session(self, sampling: Sampling) -> GenaiChat:
+        return GenaiChat(self.folder, self.config, sampling, self.provider)
+
+
+def open_genai_runtime(folder, *, provider: str = "auto", engine: str | None = None,
+                       plugin_lib: str | None = None) -> GenaiRuntime:
+    """The onnxruntime-genai runtime; provider "auto": the one the folder's genai_config names."""
+    import_genai()
+    refuse_engine(engine)
+    return GenaiRuntime(folder, None if provider == "auto" else provider)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import onnx
 
-from diffexport.backends.decoding import empty_cache, step_feeds
+from diffexport.backends.decoding import StepLoopRuntime, empty_cache, step_feeds
 from diffexport.core import contract
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import atomic_write, check_output_path, load_onnx, require_file
@@ -642,3 +642,15 @@ def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLik
                               f"{', '.join(differing)} differ): give the folder the engine was built from")
     lib = str(find_plugin_library(plugin_lib)) if record.get("attention") == "plugin" else None
     return EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"], lib), config)
+
+
+def open_engine_runtime(folder, *, provider: str = "auto", engine: str | None = None,
+                        plugin_lib: str | None = None) -> StepLoopRuntime:
+    """The TensorRT runtime: the engine `diffexport trt FOLDER` built (open_decoder_engine), on the
+    GPU, stepped by the onnxruntime loop's code."""
+    if engine is None:
+        raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
+                              "--backend tensorrt and --engine ENGINE")
+    if provider != "auto":
+        raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
+    return StepLoopRuntime("tensorrt", folder, None, lambda: open_decoder_engine(engine, folder, plugin_lib))

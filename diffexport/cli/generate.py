@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffexport.backends.runtimes import DEFAULT_RUNTIME, RUNTIMES
 from diffexport.cli.common import log_line
 from diffexport.core.errors import DiffExportError  # light: no torch
 
@@ -39,16 +40,11 @@ def _beam_search_options(args):
                                batched=args.batch_size is not None or args.sort_by_length)
 
 
-def _backend_options(args) -> dict:
-    return dict(backend=args.backend, provider=args.provider, engine=args.engine, plugin_lib=args.plugin_lib)
-
-
-def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
+def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
     """One prompt's beam search: the hypotheses once it ends, best first."""
-    from diffexport.generation.text_generation import beam_answers, beam_searcher
+    from diffexport.generation.text_generation import beam_answers
 
-    searcher = beam_searcher(folder, search, [ids], len(ids) + args.max_new_tokens, **_backend_options(args))
-    run = searcher(ids, search, args.max_new_tokens)
+    run = runtime.beam_searcher(search, [ids], len(ids) + args.max_new_tokens)(ids, args.max_new_tokens)
     for rank, answer in enumerate(beam_answers(tokenizer, run), 1):
         if search.num_return_sequences > 1:
             sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
@@ -56,22 +52,22 @@ def _generate_beams(args, folder, ids: list[int], tokenizer, search) -> int:
         sys.stdout.write("\n")
     sys.stdout.flush()
     rate = run.steps * search.num_beams / run.seconds if run.seconds > 0 else float("nan")
-    log_line(f"{args.backend} beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
+    log_line(f"{runtime.name} beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
          f"in {run.seconds:.2f} s ({rate:.1f} beam tokens/s; best stopped: {run.stops[0]})")
     return 0
 
 
-def _generate_file(args, folder, config: dict, sampling, search=None) -> int:
+def _generate_file(args, runtime, config: dict, sampling, search=None) -> int:
     """--prompts-file: one JSON line per prompt on stdout, in the file's order, each as soon as it
     and every earlier one are done (text_generation.answer_prompt_rows)."""
     import json
 
     from diffexport.generation.text_generation import answer_prompt_rows, read_prompt_rows
 
-    rows = read_prompt_rows(folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
+    rows = read_prompt_rows(runtime.folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
                             system=args.system, stop=args.stop)
-    for answer in answer_prompt_rows(folder, config, rows, sampling, search=search, batch_size=args.batch_size,
-                                     sort_by_length=args.sort_by_length, log=log_line, **_backend_options(args)):
+    for answer in answer_prompt_rows(runtime, config, rows, sampling, search=search, batch_size=args.batch_size,
+                                     sort_by_length=args.sort_by_length, log=log_line):
         sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
         sys.stdout.flush()
     return 0
@@ -94,13 +90,13 @@ def _stdin_turn(number: int) -> str | None:
         raise DiffExportError(f"stdin line {number} is not UTF-8 text") from None
 
 
-def _generate_interactive(args, folder, config: dict, sampling) -> int:
+def _generate_interactive(args, runtime, config: dict, sampling) -> int:
     """--interactive: a chat session on stdin (text_generation.ChatSession). Every line is a user
     turn, and its answer streams to stdout."""
     from diffexport.generation.text_generation import ChatSession
 
-    session = ChatSession(folder, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
-                          log=log_line, **_backend_options(args))
+    session = ChatSession(runtime, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
+                          log=log_line)
 
     def show(text: str) -> None:
         sys.stdout.write(text)
@@ -135,7 +131,7 @@ def cmd_generate(args) -> int:
 def _generate(args) -> int:
     from pathlib import Path
 
-    from diffexport.backends import genai
+    from diffexport.backends.runtimes import open_runtime
     from diffexport.core.eager_generation import StopText
     from diffexport.format.decoder_folder import read_decoder_folder
 
@@ -144,13 +140,7 @@ def _generate(args) -> int:
     if args.max_new_tokens < 1:
         raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = sampling_options(args, config)
-    if args.backend == "genai":
-        genai.import_genai()
-    if (args.backend == "tensorrt") != (args.engine is not None):
-        raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
-                              "--backend tensorrt and --engine ENGINE")
-    if args.backend == "tensorrt" and args.provider != "auto":
-        raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
+    runtime = open_runtime(args.backend, folder, provider=args.provider, engine=args.engine, plugin_lib=args.plugin_lib)
     if (args.chat or args.system is not None) and args.ids is not None:
         raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
     if args.system is not None and not (args.chat or args.interactive):
@@ -164,17 +154,17 @@ def _generate(args) -> int:
         raise DiffExportError("--interactive is a chat already (every line a user turn): drop --chat")
     search = _beam_search_options(args)
     if args.interactive:
-        return _generate_interactive(args, folder, config, sampling)
+        return _generate_interactive(args, runtime, config, sampling)
     if args.prompts_file is not None:
         args.batch_size = 8 if args.batch_size is None else args.batch_size
         if args.batch_size < 1:
             raise DiffExportError(f"the batch size must be >= 1, got {args.batch_size}")
-        return _generate_file(args, folder, config, sampling, search)
+        return _generate_file(args, runtime, config, sampling, search)
     if args.stop and args.ids is not None:
         raise DiffExportError("--stop matches generated text: give --prompt (the folder's tokenizer), not --ids")
     ids, tokenizer = _prompt_ids(args, folder, config)
     if search is not None:
-        return _generate_beams(args, folder, ids, tokenizer, search)
+        return _generate_beams(args, runtime, ids, tokenizer, search)
     stream = tokenizer.create_stream() if tokenizer is not None else None
     text = StopText(args.stop, stream.decode) if args.stop else None
 
@@ -188,13 +178,11 @@ def _generate(args) -> int:
         return text.done
 
     shown = dict(on_token=show) if text is None else dict(stop_after=show_until_stop)
-    from diffexport.generation.text_generation import generate_once
-
-    run = generate_once(folder, ids, args.max_new_tokens, sampling, **_backend_options(args), **shown)
+    run = runtime.generate(ids, args.max_new_tokens, sampling, **shown)
     if text is not None:
         sys.stdout.write(text.flush())
     sys.stdout.write("\n")
-    log_line(f"{args.backend}: prompt {run.prompt_tokens} tokens at {run.prompt_tokens_per_s:.1f} tokens/s, "
+    log_line(f"{runtime.name}: prompt {run.prompt_tokens} tokens at {run.prompt_tokens_per_s:.1f} tokens/s, "
          f"{len(run.tokens)} new tokens, decode {run.decode_tokens_per_s:.1f} tokens/s (stopped: {run.stop})")
     return 0
 
@@ -248,7 +236,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-early-stopping", action="store_true",
                        help="--num-beams: keep searching while a running beam could still beat the ended "
                             "ones (default: stop once N hypotheses have ended)")
-        p.add_argument("--backend", default="genai", choices=list(("genai", "onnxruntime", "tensorrt")),
+        p.add_argument("--backend", default=DEFAULT_RUNTIME, choices=list(RUNTIMES),
                        help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop; tensorrt: "
                             "the --engine built from this folder, on the GPU")
         p.add_argument("--engine", help="--backend tensorrt: the engine `diffexport trt FOLDER` built")

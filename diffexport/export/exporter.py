@@ -35,8 +35,8 @@ from diffexport.export.op_schema import register_schema, translation_table
 from diffexport.format.names import DTYPES, LOGITS, META_PREFIX
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.format.nodes import plugin_selectors
-from diffexport.modeling import DIFF_FAMILIES
 from diffexport.modeling.checkpoint import LoadedModel, check_range
+from diffexport.modeling.families import DIFF_FAMILIES
 
 HIDDEN = "last_hidden_state"
 PROTOBUF_LIMIT = 2 * 1024**3  # a single .onnx protobuf cannot exceed 2 GiB

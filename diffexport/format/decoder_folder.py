@@ -35,7 +35,7 @@ from diffexport.format.names import (
     TOKENIZER_MODELS,
 )
 from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
-from diffexport.modeling import config_from_dict
+from diffexport.modeling.families import config_from_dict
 
 GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)
 

@@ -12,7 +12,7 @@ from diffexport.core.errors import DiffExportError
 from diffexport.core.files import load_onnx
 from diffexport.format.names import DTYPES, META_PREFIX
 from diffexport.format.nodes import is_diff_attention, node_attrs
-from diffexport.modeling import config_from_dict
+from diffexport.modeling.families import config_from_dict
 
 
 def read_export_metadata(path: str | os.PathLike) -> dict[str, str]:

@@ -1,22 +1,22 @@
 """Text generation with a KV-cache decoder folder, as an API: the folder's tokenizer and chat
 template, prompts as token ids within the context, the draw (the caller's options over the
-folder's genai_config search values), the backend that runs the folder, one prompt's answer, a
-chat session, beam search, and a prompts file answered in batches. `diffexport generate` is a thin
-layer over these: it parses options and prints.
+folder's genai_config search values), a chat session and a prompts file answered in batches, on a
+runtime the caller opened (backends/runtimes.open_runtime; one answer and beam search are the
+runtime's own methods). `diffexport generate` is a thin layer over these: it parses options and
+prints.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from diffexport.backends import decoding
+from diffexport.backends.base import Runtime
 from diffexport.backends.genai import import_genai
-from diffexport.backends.tensorrt import open_decoder_engine
 from diffexport.core.eager_generation import BeamSearch, Sampling, StopText
 from diffexport.core.errors import DiffExportError
-from diffexport.core.onnxruntime_session import resolve_provider
 from diffexport.core.stoppable import call_bounded, cpu_seconds_for
 from diffexport.format import decoder_folder
 from diffexport.format.decoder_folder import (
@@ -168,29 +168,6 @@ def folder_sampling(config: dict, *, greedy: bool = False, sample: bool = False,
     return sampling
 
 
-BACKENDS = ("genai", "onnxruntime", "tensorrt")
-
-
-def open_backend(folder: Path, backend: str, provider: str = "auto", engine: str | None = None,
-                 plugin_lib: str | None = None, *, step_runner: bool = True) -> tuple[object | None, str | None]:
-    """What runs the folder for `backend` -> (runner, provider):
-      tensorrt     the engine `diffexport trt FOLDER` built (a DecoderRunner: backends/base.py), no provider;
-      onnxruntime  an OrtDecoder on the resolved provider (step_runner=False: no runner, the caller's
-                   batch loop opens its own), and that provider;
-      genai        no runner (genai keeps its own loop), and the provider to name (None: the folder's own)."""
-
-    if backend not in BACKENDS:
-        raise DiffExportError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
-    if backend == "tensorrt":
-
-        return open_decoder_engine(engine, folder, plugin_lib), None
-    if backend == "onnxruntime":
-
-        resolved = resolve_provider(provider)
-        return (decoding.OrtDecoder(folder, provider=resolved) if step_runner else None), resolved
-    return None, None if provider == "auto" else provider
-
-
 class ChatHistory:
     """A conversation's turns, put through the chat template as a whole each turn. When the
     conversation and the answer's room pass the context, the oldest turns are dropped (the system
@@ -228,31 +205,24 @@ class ChatHistory:
 
 
 class ChatSession:
-    """A chat with a decoder folder: every user turn goes through the chat template with the whole
-    conversation (ChatHistory), and is answered on one generator (genai) or KV cache (the
-    onnxruntime loop or the engine) kept between turns, so only what changed is read."""
+    """A chat with a decoder folder on one runtime: every user turn goes through the chat template
+    with the whole conversation (ChatHistory), and is answered on the runtime's chat session, which
+    keeps its cache between turns, so only what changed is read."""
 
-    def __init__(self, folder: Path, config: dict, sampling: Sampling, max_new_tokens: int, *,
-                 system: str | None = None, stop: list[str] | tuple = (), backend: str = "genai",
-                 provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None,
-                 log: Callable[[str], None] | None = None):
-
-        self.folder, self.config, self.sampling, self.max_new_tokens = folder, config, sampling, max_new_tokens
-        self.stop, self.backend, self.log = list(stop), backend, log or (lambda _: None)
-        self.tokenizer = folder_tokenizer(folder)
+    def __init__(self, runtime: Runtime, config: dict, sampling: Sampling, max_new_tokens: int, *,
+                 system: str | None = None, stop: list[str] | tuple = (), log: Callable[[str], None] | None = None):
+        self.runtime, self.folder, self.config = runtime.open(), runtime.folder, config
+        self.sampling, self.max_new_tokens = sampling, max_new_tokens
+        self.stop, self.log = list(stop), log or (lambda _: None)
+        self.tokenizer = folder_tokenizer(self.folder)
         self.eos = set(eos_token_ids(config))
-        self.history = ChatHistory(self.tokenizer, folder, decoder_folder.context_length(config), max_new_tokens,
+        self.history = ChatHistory(self.tokenizer, self.folder, decoder_folder.context_length(config), max_new_tokens,
                                    system, log=self.log)
-        self.runner, self.provider = open_backend(folder, backend, provider, engine, plugin_lib)
-        self.session = None  # GenaiSession or LoopSession, made at the first turn
+        self.session = runtime.chat_session(sampling)
 
     def turn(self, text: str, on_text: Callable[[str], None]):
         """Answer one user turn, streaming the answer's text to on_text -> the run (None: the turn
         does not fit the context with the answer's room, and was not answered)."""
-        import time
-
-        from diffexport.backends import decoding, genai
-
         ids = self.history.ask(text)
         if ids is None:
             return None
@@ -265,12 +235,6 @@ class ChatSession:
             return answer.done
 
         start = time.perf_counter()
-        if self.backend == "genai":
-            if self.session is None or ids[-1] == self.session.pad:  # (a new pad id: only if the template's end changed)
-                self.session = genai.GenaiSession(self.folder, self.sampling, provider=self.provider,
-                                                  pad_token_id=genai.genai_pad_for(self.config, [ids]))
-        else:  # the loop (or the engine) keeps its cache too; sampled turns draw from their own seeds
-            self.session = self.session or decoding.LoopSession(self.runner, self.sampling)
         run = self.session.turn(ids, self.max_new_tokens, stop_after=show)
         on_text(answer.flush())
         self.history.answered(answer.text)
@@ -278,20 +242,6 @@ class ChatSession:
                  f"({run.decode_tokens_per_s:.1f} tokens/s decode; conversation {len(ids)} tokens, "
                  f"{run.prompt_tokens} read this turn; stopped: {run.stop})")
         return run
-
-
-def generate_once(folder: Path, ids: list[int], max_new_tokens: int, sampling: Sampling, *, backend: str = "genai",
-                  provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None, **shown):
-    """One prompt's answer on `backend` -> the run; shown: on_token=(token -> None) or
-    stop_after=(token -> bool, True ends the answer), called as each token comes."""
-    from diffexport.backends import decoding, genai
-
-    runner, resolved = open_backend(folder, backend, provider, engine, plugin_lib, step_runner=False)
-    if backend == "genai":  # provider None: the one the folder's genai_config names
-        return genai.generate_genai(folder, ids, max_new_tokens, sampling, provider=resolved, **shown)
-    # the onnxruntime loop, or the engine on the GPU stepped by the loop's code
-    return decoding.generate_onnxruntime(folder, ids, max_new_tokens, sampling, runner=runner,
-                                         provider=resolved or "cpu", **shown)
 
 
 def beam_search_options(num_beams: int = 1, num_return_sequences: int | None = None,
@@ -326,26 +276,6 @@ def beam_answers(tokenizer, run) -> list[dict]:
     """A BeamRun's hypotheses as answers: the text (with a tokenizer), the new tokens, why each ended."""
     return [{**({} if tokenizer is None else {"completion": tokenizer.decode(tokens)}), "tokens": tokens, "stop": stop}
             for tokens, stop in zip(run.sequences, run.stops)]
-
-
-def beam_searcher(folder: Path, search, prompts: list[list[int]], longest: int, *, backend: str = "genai",
-                  provider: str = "auto", engine: str | None = None, plugin_lib: str | None = None):
-    """(prompt ids, search, max new tokens -> BeamRun) on `backend`: genai's own search, or
-    eager_generation.search_beams over the onnxruntime loop or the engine, for these prompts; longest: the
-    most tokens a search holds (its caches are checked against this machine's memory first)."""
-    from diffexport.backends import decoding, genai
-    from diffexport.format.decoder_folder import read_decoder_folder
-
-    _, config, meta = read_decoder_folder(folder)
-    decoding.check_beam_memory(config, meta["dtype"], search.num_beams, longest)
-    if backend == "genai":  # a pad id that ends no prompt: genai reads trailing pad ids as padding
-        genai.check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
-                                                  "search over the onnxruntime loop has no such limit)")
-        model = genai.open_genai_model(folder, None if provider == "auto" else provider,
-                                       genai.genai_pad_for(config, prompts))
-        return lambda ids, search, new: genai.beam_search_genai(folder, ids, new, search, model=model)
-    runner, _ = open_backend(folder, backend, provider, engine, plugin_lib)
-    return lambda ids, search, new: decoding.beam_search_onnxruntime(folder, ids, new, search, runner)
 
 
 @dataclass
@@ -383,33 +313,28 @@ def read_prompt_rows(folder: Path, config: dict, path: Path, max_new_tokens: int
     return PromptRows(Path(path), lines, ids, limits, stops, tokenizer)
 
 
-def answer_prompt_rows(folder: Path, config: dict, rows: PromptRows, sampling: Sampling, *, search=None,
-                       backend: str = "genai", provider: str = "auto", engine: str | None = None,
-                       plugin_lib: str | None = None, batch_size: int = 8, sort_by_length: bool = False,
-                       log: Callable[[str], None] | None = None):
-    """Answer every prompt -> each answer (line, id, completion with a tokenizer, tokens, stop), in the
-    file's order, each as soon as it and every earlier one are done. Prompts run batch_size at a time
-    (sort_by_length: longest first), or one at a time with a beam search; progress goes to log."""
+def answer_prompt_rows(runtime: Runtime, config: dict, rows: PromptRows, sampling: Sampling, *, search=None,
+                       batch_size: int = 8, sort_by_length: bool = False, log: Callable[[str], None] | None = None):
+    """Answer every prompt on `runtime` -> each answer (line, id, completion with a tokenizer, tokens,
+    stop), in the file's order, each as soon as it and every earlier one are done. Prompts run
+    batch_size at a time (sort_by_length: longest first), or one at a time with a beam search;
+    progress goes to log."""
     log = log or (lambda _: None)
     if search is not None:
-        yield from _answer_with_beams(folder, rows, search, backend, provider, engine, plugin_lib, log)
+        yield from _answer_with_beams(runtime, rows, search, log)
         return
-    yield from _answer_in_batches(folder, config, rows, sampling, backend, provider, engine, plugin_lib, batch_size,
-                                  sort_by_length, log)
+    yield from _answer_in_batches(runtime, config, rows, sampling, batch_size, sort_by_length, log)
 
 
-def _answer_with_beams(folder, rows: PromptRows, search, backend, provider, engine, plugin_lib, log):
-    import time
-
+def _answer_with_beams(runtime: Runtime, rows: PromptRows, search, log):
     if any(p.stop for p in rows.lines):
         line = next(p.line for p in rows.lines if p.stop)
         raise DiffExportError(f"{rows.path} line {line}: stop ends one streamed answer, beam search "
                               "ranks whole hypotheses: drop its stop")
-    searcher = beam_searcher(folder, search, rows.ids, max(len(r) + limit for r, limit in zip(rows.ids, rows.limits)),
-                             backend=backend, provider=provider, engine=engine, plugin_lib=plugin_lib)
+    searcher = runtime.beam_searcher(search, rows.ids, max(len(r) + limit for r, limit in zip(rows.ids, rows.limits)))
     start = time.perf_counter()
     for number, (p, row, limit) in enumerate(zip(rows.lines, rows.ids, rows.limits), 1):
-        run = searcher(row, search, limit)
+        run = searcher(row, limit)
         answers = beam_answers(rows.tokenizer, run)
         answer = {"line": p.line, **({} if p.id is None else {"id": p.id}), **answers[0]}
         if len(answers) > 1:
@@ -417,19 +342,13 @@ def _answer_with_beams(folder, rows: PromptRows, search, backend, provider, engi
         yield answer
         log(f"prompt {number}/{len(rows.ids)}: {len(row)} tokens, {run.steps} steps of {search.num_beams} beams "
             f"in {run.seconds:.1f} s (stopped: {run.stops[0]})")
-    log(f"{backend} beam search: {len(rows.ids)} prompts in {time.perf_counter() - start:.1f} s")
+    log(f"{runtime.name} beam search: {len(rows.ids)} prompts in {time.perf_counter() - start:.1f} s")
 
 
-def _answer_in_batches(folder, config, rows: PromptRows, sampling, backend, provider, engine, plugin_lib, batch_size,
-                       sort_by_length, log):
-    import time
-
-
+def _answer_in_batches(runtime: Runtime, config, rows: PromptRows, sampling, batch_size, sort_by_length, log):
     if batch_size < 1:
         raise DiffExportError(f"the batch size must be >= 1, got {batch_size}")
     eos, ids, tokenizer, stops = set(eos_token_ids(config)), rows.ids, rows.tokenizer, rows.stops
-    # tensorrt: the engine, stepped by the onnxruntime loop's code; the batch loop opens onnxruntime's itself
-    runner, resolved = open_backend(folder, backend, provider, engine, plugin_lib, step_runner=False)
     texts_by_prompt: dict[int, StopText] = {}  # stop strings: each answer's text, ended at one
 
     def stop_after(index: int, token: int) -> bool:
@@ -441,11 +360,9 @@ def _answer_in_batches(folder, config, rows: PromptRows, sampling, backend, prov
         return texts_by_prompt[index].done
 
     own_limits = any(p.max_new_tokens is not None for p in rows.lines)
-    batches = decoding.generate_in_batches(folder, ids, max(rows.limits), sampling, batch_size,
-                                           "genai" if backend == "genai" else "onnxruntime",
-                                           provider=resolved, runner=runner, sort_by_length=sort_by_length,
-                                           stop_after=stop_after if any(stops) else None,
-                                           limits=rows.limits if own_limits else None)
+    batches = runtime.generate_in_batches(ids, max(rows.limits), sampling, batch_size, sort_by_length=sort_by_length,
+                                          stop_after=stop_after if any(stops) else None,
+                                          limits=rows.limits if own_limits else None)
     count = -(-len(ids) // batch_size)
     new = seconds = 0
     start = time.perf_counter()
@@ -471,6 +388,6 @@ def _answer_in_batches(folder, config, rows: PromptRows, sampling, backend, prov
         log(f"batch {number}/{count}: {prompts} (longest {longest} token{'' if longest == 1 else 's'}), "
             f"{run.new_tokens} new tokens in "
             f"{run.seconds:.1f} s (prefill {run.prefill_seconds:.1f} s, then {run.decode_tokens_per_s:.1f} tokens/s)")
-    log(f"{backend}: {len(ids)} prompts ({sum(map(len, ids))} tokens) in {count} batches of up to "
+    log(f"{runtime.name}: {len(ids)} prompts ({sum(map(len, ids))} tokens) in {count} batches of up to "
         f"{batch_size}, {new} new tokens in {time.perf_counter() - start:.1f} s "
         f"({new / seconds if seconds > 0 else float('nan'):.1f} new tokens/s)")

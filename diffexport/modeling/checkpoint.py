@@ -25,8 +25,9 @@ import torch
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import atomic_write
 from diffexport.core.progress import Progress
-from diffexport.modeling import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict, hub, layouts
+from diffexport.modeling import hub, layouts
 from diffexport.modeling.common import DecoderLM, ModelConfig
+from diffexport.modeling.families import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict
 from diffexport.modeling.presets import preset_config, preset_weights
 
 FORMAT = "diffexport.modeling.checkpoint"

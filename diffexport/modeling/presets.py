@@ -61,7 +61,7 @@ def preset_weights(name: str) -> Path | None:
 
 
 def preset_config(name: str):
-    from diffexport.modeling import config_from_dict
+    from diffexport.modeling.families import config_from_dict
 
     entry = get_preset(name)
     return config_from_dict(entry["family"], entry["config"])
@@ -69,7 +69,7 @@ def preset_config(name: str):
 
 def match_preset(cfg) -> str | None:
     """The preset whose config equals cfg (vocab and all), or None."""
-    from diffexport.modeling import config_from_dict
+    from diffexport.modeling.families import config_from_dict
 
     for name, entry in all_presets().items():
         if entry["family"] == cfg.family and config_from_dict(entry["family"], entry["config"]) == cfg:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from diffexport.kernel import reference
-from diffexport.modeling import DiffV1LM, DiffV2LM
 from diffexport.modeling.checkpoint import LoadedModel
+from diffexport.modeling.families import DiffV1LM, DiffV2LM
 from diffexport.modeling.presets import match_preset
 
 

@@ -14,7 +14,7 @@ import os
 from diffexport.export import decoder
 from diffexport.export.exporter import ExportOptions
 from diffexport.format import decoders
-from diffexport.modeling import DIFF_FAMILIES
+from diffexport.modeling.families import DIFF_FAMILIES
 from diffexport.passes import group_query_attention
 
 REWRITES: dict[str, decoder.DecoderRewrite] = {

@@ -16,8 +16,8 @@ from diffexport.core.eager_generation import BeamSearch, Sampling
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import check_output_path
 from diffexport.inputs.streams import text_ids
-from diffexport.modeling import config_from_dict
 from diffexport.modeling.checkpoint import LoadedModel
+from diffexport.modeling.families import config_from_dict
 from diffexport.modeling.presets import match_preset
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
