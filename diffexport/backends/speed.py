@@ -21,7 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from diffexport.backends.base import machine_threads
+from diffexport.backends.genai import generate_genai, open_genai_model
 from diffexport.core.eager_generation import Sampling
+from diffexport.core.onnxruntime_session import open_session
+from diffexport.format.decoder_folder import read_decoder_folder
 from diffexport.format.genai_config import MAX_THREADS
 from diffexport.format.names import PREFILL_INPUT_NAMES
 
@@ -113,9 +116,6 @@ def measure_decoder(folder: str | os.PathLike, prompt_tokens: int = 64, new_toke
     """A decoder folder in onnxruntime-genai on the CPU, with the threads `generate` gives it: a seeded
     random prompt of `prompt_tokens` ids, exactly `new_tokens` greedy tokens, `rounds` rounds after
     a warm-up. progress(done, total) is called after each round."""
-    from diffexport.backends.genai import generate_genai, open_genai_model
-    from diffexport.format.decoder_folder import read_decoder_folder
-
     read = read_decoder_folder(folder)
     vocab, context = read.vocab_size, read.context_length
     prompt_tokens = max(1, min(prompt_tokens, context - new_tokens - 1))
@@ -144,8 +144,6 @@ def measure_prefill(onnx_path: str | os.PathLike, vocab: int, prompt_tokens: int
     random prompt of `prompt_tokens` ids, `rounds` times after a warm-up. A prefill file has no
     cache, so there is no decode rate: its decode fields are NaN and the bound is the one a decode
     step of the same weights would have."""
-    from diffexport.core.onnxruntime_session import open_session
-
     session = open_session(onnx_path, "cpu")
     ids = np.random.default_rng(seed).integers(0, vocab, size=(1, prompt_tokens), dtype=np.int64)
     feed = {PREFILL_INPUT_NAMES[0]: ids}

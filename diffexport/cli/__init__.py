@@ -12,8 +12,13 @@ import argparse
 import os
 import sys
 
+from diffexport import __version__
 from diffexport.cli import analysis, check, export, generate, gpu, serve
+from diffexport.core.errors import DiffExportError
+from diffexport.core.lazy import lazy_import
 from diffexport.core.stoppable import end_within_seconds, install_interrupt_handlers
+
+hub = lazy_import("diffexport.modeling.hub")
 
 # Command -> its function, in the help's order; and the module that adds its options.
 COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "report": check.cmd_report, "generate": generate.cmd_generate,
@@ -82,11 +87,8 @@ def check_inputs_exist(args) -> None:
     """A missing checkpoint, model or folder is refused here, before a command imports torch, onnx or
     transformers (1.5-2 s on a fast machine, for a typo). The loaders keep their own checks: this
     is only the fast way out, in their words. (A Hugging Face Hub id names no path: it passes.)"""
-    from diffexport.core.errors import DiffExportError
-    from diffexport.modeling.hub import is_hub_id
-
     for ckpt in [getattr(args, "ckpt", None), *(getattr(args, "ckpts", None) or [])]:
-        if isinstance(ckpt, str) and not os.path.exists(ckpt) and not is_hub_id(ckpt):
+        if isinstance(ckpt, str) and not os.path.exists(ckpt) and not hub.is_hub_id(ckpt):
             raise DiffExportError(f"checkpoint not found: {ckpt}")
     model = getattr(args, "model", None) if args.command != "generate" else getattr(args, "folder", None)
     if args.command == "check" and isinstance(model, str) and not model.endswith(".onnx"):
@@ -105,14 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a process of its own (not main() called by a program): it ends within seconds
         end_within_seconds()
     if args.version:
-        from diffexport import __version__
-
         print(__version__)
         return 0
     if args.command is None:
         parser.print_help()
         return 2
-    from diffexport.core.errors import DiffExportError
 
     try:
         check_inputs_exist(args)

@@ -6,6 +6,21 @@ from __future__ import annotations
 import argparse
 
 from diffexport.cli.common import log_line
+from diffexport.core.errors import DiffExportError
+from diffexport.core.lazy import lazy_import
+
+checkpoint = lazy_import("diffexport.modeling.checkpoint")
+fused = lazy_import("diffexport.analysis.fused")
+linear_quant = lazy_import("diffexport.analysis.linear_quant")
+needle_task = lazy_import("diffexport.inputs.needle_task")
+needles = lazy_import("diffexport.analysis.needles")
+plots = lazy_import("diffexport.analysis.plots")
+presets = lazy_import("diffexport.modeling.presets")
+quantization = lazy_import("diffexport.core.quantization")
+runs = lazy_import("diffexport.analysis.runs")
+stats = lazy_import("diffexport.analysis.stats")
+streams = lazy_import("diffexport.inputs.streams")
+sweep = lazy_import("diffexport.analysis.sweep")
 
 
 def _add_models(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +47,6 @@ def _analysis_device(args):
     """--device (stats, quant-sweep, retrieval): auto = CUDA when torch sees a GPU, else the CPU."""
     import torch
 
-    from diffexport.core.errors import DiffExportError
-
     wanted = getattr(args, "device", "cpu")
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,16 +60,14 @@ def _load_models(args) -> dict:
     """label -> LoadedModel for every CKPT and --preset (on --device); the default preset when none is named."""
     from pathlib import Path
 
-    from diffexport.modeling.checkpoint import load_model
-    from diffexport.modeling.presets import DEFAULT_PRESET
-
     device = _analysis_device(args)  # before any model loads: a missing GPU fails first
     models = {}
     for path in args.ckpts:
         label = Path(path).stem if Path(path).stem not in models else path
-        models[label] = load_model(path)
-    for preset in args.preset or ([] if args.ckpts else [DEFAULT_PRESET]):
-        models[preset if preset not in models else f"{preset}#{len(models)}"] = load_model(preset=preset, seed=args.seed)
+        models[label] = checkpoint.load_model(path)
+    for preset in args.preset or ([] if args.ckpts else [presets.DEFAULT_PRESET]):
+        name = preset if preset not in models else f"{preset}#{len(models)}"
+        models[name] = checkpoint.load_model(preset=preset, seed=args.seed)
     for loaded in models.values():
         loaded.model.to(device)
     return models
@@ -64,18 +75,15 @@ def _load_models(args) -> dict:
 
 def _random_weights_note(args) -> None:
     """Printed on stderr just before the results of stats/quant-sweep/retrieval run on presets alone."""
-    from diffexport.modeling.presets import DEFAULT_PRESET, preset_weights
-
-    untrained = [] if args.ckpts else [name for name in args.preset or [DEFAULT_PRESET] if preset_weights(name) is None]
+    untrained = [] if args.ckpts else [name for name in args.preset or [presets.DEFAULT_PRESET]
+                                       if presets.preset_weights(name) is None]
     if untrained:
         log_line(f"note: no checkpoint given: these results are for preset {', '.join(untrained)} with random weights "
              f"(seed {args.seed}); pass a trained CKPT for meaningful numbers")
 
 
 def _stream_options(args):
-    from diffexport.analysis.runs import StreamOptions
-
-    return StreamOptions(text=args.text, tokenizer=args.tokenizer, tokens=args.tokens, seq_len=args.seq_len,
+    return runs.StreamOptions(text=args.text, tokenizer=args.tokenizer, tokens=args.tokens, seq_len=args.seq_len,
                          batch=args.batch, seed=args.seed)
 
 
@@ -83,16 +91,13 @@ def cmd_stats(args) -> int:
     """Largest attention-logit and hidden-state magnitudes per layer (the paper's Table 5), for DIFF or baseline models."""
     import json
 
-    from diffexport.analysis import plots, stats
-    from diffexport.analysis.runs import model_stream, progress_bar
-
     plots.check_plot_path(args.plot)
     results, sources, families = {}, {}, {}
     for name, loaded in _load_models(args).items():
         families[name] = loaded.config.family
-        stream = model_stream(loaded, _stream_options(args))
+        stream = runs.model_stream(loaded, _stream_options(args))
         sources[name] = stream.source
-        progress, advance = progress_bar(f"{name}: statistics", len(stream.batches))
+        progress, advance = runs.progress_bar(f"{name}: statistics", len(stream.batches))
         with progress:
             results[name] = stats.collect(loaded.model, stream.batches, advance)
     _random_weights_note(args)
@@ -109,9 +114,7 @@ def cmd_stats(args) -> int:
 
 def _sweep_models(args, label: str, run, note: str = "") -> dict:
     """Every model of the command line through analysis.runs.sweep_models."""
-    from diffexport.analysis.runs import sweep_models
-
-    results = sweep_models(_load_models(args), label, run, _stream_options(args), positions=args.positions,
+    results = runs.sweep_models(_load_models(args), label, run, _stream_options(args), positions=args.positions,
                            task=args.task, samples=args.samples, log=log_line, note=note)
     _random_weights_note(args)
     return results
@@ -131,16 +134,12 @@ def _print_sweep(args, results: dict, key: str, describe, text: str, plot) -> No
 
 def cmd_quant_sweep(args) -> int:
     """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
-    from diffexport.analysis import fused, plots, sweep
-    from diffexport.core.errors import DiffExportError
-    from diffexport.core.quantization import LogitQuant
-
     for bits in args.bits:
-        LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
+        quantization.LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
     plots.check_plot_path(args.plot)
     bits_list = sorted(set(args.bits) | {16}, reverse=True)
-    describe = LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
-    settings = [LogitQuant(bits, args.scheme, not args.no_smooth_k) for bits in bits_list]
+    describe = quantization.LogitQuant(16, args.scheme, not args.no_smooth_k).recipe
+    settings = [quantization.LogitQuant(bits, args.scheme, not args.no_smooth_k) for bits in bits_list]
     if args.attention == "kernel":  # what needs no model is refused before any model loads
         reason = next(filter(None, map(fused.quant_unsupported, settings)), None)
         if reason is None and _analysis_device(args).type != "cuda":
@@ -162,8 +161,6 @@ def cmd_quant_sweep(args) -> int:
 
 def cmd_linear_sweep(args) -> int:
     """Quantise every linear layer (int8/int4 weights, or w8a8 weights and activations, as `quantize` deploys them) and report the damage, DIFF vs Transformer."""
-    from diffexport.analysis import linear_quant, plots
-
     quants = [linear_quant.LinearQuant(scheme, args.block_size) for scheme in dict.fromkeys(args.schemes)]
     plots.check_plot_path(args.plot)
 
@@ -184,19 +181,13 @@ def cmd_retrieval(args) -> int:
     """Multi-needle retrieval: accuracy per (needles, queries, depth) and the attention on the answer vs the rest."""
     import json
 
-    from diffexport.analysis import needles, plots
-    from diffexport.analysis.runs import progress_bar
-    from diffexport.core.quantization import LogitQuant
-    from diffexport.inputs import needle_task
-    from diffexport.inputs.streams import task_context_len
-
-    quant = LogitQuant(args.logit_bits, args.scheme)
+    quant = quantization.LogitQuant(args.logit_bits, args.scheme)
     plots.check_plot_path(args.plot)
     results = {}
     for name, loaded in _load_models(args).items():
-        context = args.context or task_context_len(loaded.task, needle_task.TASK_NAME) or 128
+        context = args.context or streams.task_context_len(loaded.task, needle_task.TASK_NAME) or 128
         cells = needle_task.grid(args.needles, args.queries, args.depths)
-        progress, advance = progress_bar(f"{name}: retrieval", len(cells))
+        progress, advance = runs.progress_bar(f"{name}: retrieval", len(cells))
         with progress:
             results[name] = needles.evaluate(
                 loaded.model, needles=tuple(args.needles), queries=tuple(args.queries), depths=tuple(args.depths),

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import argparse
 
-from diffexport.cli.common import add_model_source, load_named_model, log_line
+from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line
 from diffexport.core.errors import DiffExportError  # light: no torch
+from diffexport.core.lazy import lazy_import
+
+artifact_check = lazy_import("diffexport.validation.artifact")
+check_options = lazy_import("diffexport.validation.options")
+decoder_folder = lazy_import("diffexport.format.decoder_folder")
+eager_generation = lazy_import("diffexport.core.eager_generation")
+html_report = lazy_import("diffexport.report")
 
 
 def _check_options(args, folder_config: dict | None = None):
     from pathlib import Path
 
-    from diffexport.core.errors import DiffExportError
-    from diffexport.validation.options import DEFAULT_SHAPES, CheckOptions, parse_shapes
-
     for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
         if value is not None and not (value >= 0 and value != float("inf")):
             raise DiffExportError(f"{flag} must be a finite number >= 0, got {value}")
-    return CheckOptions(shapes=parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES,
-                        provider=args.provider, seed=args.seed,
+    shapes = check_options.parse_shapes(args.shapes) if args.shapes else check_options.DEFAULT_SHAPES
+    return check_options.CheckOptions(shapes=shapes, provider=args.provider, seed=args.seed,
                         save_dir=Path(args.save_dir) if args.save_dir else None, atol=args.atol, rtol=args.rtol,
                         reference=args.reference, plugin_lib=args.plugin_lib, text=args.text, tokenizer=args.tokenizer,
                         plot=args.plot, beams=_check_beams(args), **_check_sampling(args, folder_config))
@@ -28,9 +32,6 @@ def _check_options(args, folder_config: dict | None = None):
 def _check_sampling(args, folder_config: dict | None) -> dict:
     """check's --sample: CheckOptions' sampling and draws. A folder whose search samples (its
     checkpoint's generation_config) gives the defaults, as it does to generate; the options override."""
-    from diffexport.core.eager_generation import Sampling
-    from diffexport.format.decoder_folder import folder_search
-
     given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
                                       ("--top-p", args.top_p), ("--repetition-penalty", args.repetition_penalty),
                                       ("--draws", args.draws)) if value is not None]
@@ -39,7 +40,7 @@ def _check_sampling(args, folder_config: dict | None) -> dict:
             raise DiffExportError(f"{given[0]} shapes the sampling check: add --sample")
         return {}
     draws = 2000 if args.draws is None else args.draws  # checked with the other options (check_decode_options)
-    search = folder_search(folder_config) if folder_config is not None else {"do_sample": False}
+    search = decoder_folder.folder_search(folder_config) if folder_config is not None else {"do_sample": False}
     taken = []
 
     def pick(given, key: str, own):
@@ -49,7 +50,7 @@ def _check_sampling(args, folder_config: dict | None) -> dict:
             taken.append(f"{key.replace('_', ' ')} {search[key]}")
         return search[key]
 
-    sampling = Sampling(greedy=False, temperature=pick(args.temperature, "temperature", 1.0),
+    sampling = eager_generation.Sampling(greedy=False, temperature=pick(args.temperature, "temperature", 1.0),
                         top_k=pick(args.top_k, "top_k", 0), top_p=pick(args.top_p, "top_p", 1.0), seed=args.seed,
                         repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0))
     if taken:
@@ -59,13 +60,11 @@ def _check_sampling(args, folder_config: dict | None) -> dict:
 
 def _check_beams(args):
     """check's --num-beams: every hypothesis of N beams is compared (as many returned as beams)."""
-    from diffexport.core.eager_generation import BeamSearch
-
     if args.num_beams is None:
         if args.length_penalty is not None or args.no_early_stopping:
             raise DiffExportError("--length-penalty and --no-early-stopping shape a beam search: add --num-beams N")
         return None
-    return BeamSearch(num_beams=args.num_beams, num_return_sequences=args.num_beams,
+    return eager_generation.BeamSearch(num_beams=args.num_beams, num_return_sequences=args.num_beams,
                       length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
                       early_stopping=not args.no_early_stopping)
 
@@ -76,21 +75,18 @@ def _load_for_check(args, meta: dict, path) -> object:
     (a 13B preset would not even fit this machine's memory to find that out)."""
     from pathlib import Path
 
-    from diffexport.validation.options import check_same_config, name_the_source
-
     if args.ckpt is None and args.preset is None and args.config is None:
-        raise DiffExportError(name_the_source(meta, Path(path)))
+        raise DiffExportError(check_options.name_the_source(meta, Path(path)))
     if args.ckpt is None:
-        check_same_config(meta, load_named_model(args, device="meta", default_model=False).config, Path(path))
+        shape_only = load_named_model(args, device="meta", default_model=False)
+        check_options.check_same_config(meta, shape_only.config, Path(path))
     return load_named_model(args, default_model=False)
 
 
 def cmd_check(args) -> int:
     """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
-    from diffexport.validation.artifact import check_artifact
-
     with_model = not (args.against and args.ckpt is None and args.preset is None and args.config is None)
-    reports = check_artifact(args.model, lambda folder_config: _check_options(args, folder_config),
+    reports = artifact_check.check_artifact(args.model, lambda folder_config: _check_options(args, folder_config),
                              (lambda meta: _load_for_check(args, meta, args.model)) if with_model else None,
                              against=args.against, steps=args.steps, shapes_given=bool(args.shapes), plot=args.plot is not None,
                              sample=args.sample, num_beams=args.num_beams, log=log_line)
@@ -105,15 +101,13 @@ def cmd_report(args) -> int:
     import sys
     from pathlib import Path
 
-    from diffexport.report import write_report
-    from diffexport.validation.options import CheckOptions
-
-    options = CheckOptions(provider="cpu", seed=args.seed, save_dir=Path(args.save_dir) if args.save_dir else None,
-                           text=args.text, tokenizer=args.tokenizer)
+    options = check_options.CheckOptions(provider="cpu", seed=args.seed,
+                                         save_dir=Path(args.save_dir) if args.save_dir else None,
+                                         text=args.text, tokenizer=args.tokenizer)
     asked = "diffexport " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["report"] else ""
-    path, report = write_report(args.artifact, lambda meta: _load_for_check(args, meta, args.artifact), args.output,
-                                options, force=args.force, speed=not args.no_speed, steps=args.steps, asked=asked,
-                                log=log_line)
+    path, report = html_report.write_report(args.artifact, lambda meta: _load_for_check(args, meta, args.artifact),
+                                            args.output, options, force=args.force, speed=not args.no_speed,
+                                            steps=args.steps, asked=asked, log=log_line)
     print(f"report        {path} ({'PASS' if report.check.passed else 'FAIL'}; open it in a browser: "
           "one file, plots inlined, nothing fetched)")
     return 0 if report.check.passed else 1
@@ -122,8 +116,6 @@ def cmd_report(args) -> int:
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     """The options of command `name` (one of this module's)."""
     if name == "report":
-        from diffexport.cli.common import add_force
-
         p.add_argument("artifact", help="a --kv-cache folder or an exported .onnx file")
         p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
         add_model_source(p, positional=False)

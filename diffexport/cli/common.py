@@ -7,7 +7,10 @@ import argparse
 import sys
 
 from diffexport.core.errors import DiffExportError  # light, as the zoo's index: --help stays fast
+from diffexport.core.lazy import lazy_import
 from diffexport.modeling.presets import DEFAULT_PRESET
+
+checkpoint = lazy_import("diffexport.modeling.checkpoint")
 
 
 def add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -28,16 +31,14 @@ def load_named_model(args, device: str = "cpu", dtype: str | None = None, defaul
     DEFAULT_PRESET), or an error where a silent random model would surprise (export and check)."""
     import torch
 
-    from diffexport.modeling.checkpoint import load_config_file, load_model
-
     if not default_model:
         require_model_source(args)
-    config = load_config_file(args.config) if args.config else None
+    config = checkpoint.load_config_file(args.config) if args.config else None
     preset = args.preset
     if args.ckpt is None and preset is None and config is None:
         preset = default_preset or DEFAULT_PRESET
 
-    return load_model(args.ckpt, preset=preset, config=config, layout=args.layout, seed=args.seed,
+    return checkpoint.load_model(args.ckpt, preset=preset, config=config, layout=args.layout, seed=args.seed,
                       device=device, dtype=getattr(torch, dtype) if dtype else None)
 
 

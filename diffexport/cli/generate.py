@@ -6,34 +6,34 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffexport.backends.runtimes import DEFAULT_RUNTIME, RUNTIMES
+from diffexport.backends.runtimes import DEFAULT_RUNTIME, RUNTIMES, open_runtime
 from diffexport.cli.common import log_line
 from diffexport.core.errors import DiffExportError  # light: no torch
+from diffexport.core.lazy import lazy_import
+
+base = lazy_import("diffexport.backends.base")
+decoder_folder = lazy_import("diffexport.format.decoder_folder")
+eager_generation = lazy_import("diffexport.core.eager_generation")
+text_generation = lazy_import("diffexport.generation.text_generation")
 
 
 def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
-    from diffexport.generation.text_generation import prompt_ids
-
-    return prompt_ids(folder, config, args.max_new_tokens, ids=args.ids, prompt=args.prompt, chat=args.chat,
+    return text_generation.prompt_ids(folder, config, args.max_new_tokens, ids=args.ids, prompt=args.prompt, chat=args.chat,
                       system=args.system)
 
 
 def sampling_options(args, config: dict):
     """The draw: the command line's options over the folder's genai_config search values
     (text_generation.folder_sampling); what came from the folder is said on stderr."""
-    from diffexport.generation.text_generation import folder_sampling
-
-    return folder_sampling(config, greedy=args.greedy, sample=args.sample, num_beams=args.num_beams,
+    return text_generation.folder_sampling(config, greedy=args.greedy, sample=args.sample, num_beams=args.num_beams,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                            repetition_penalty=args.repetition_penalty, seed=args.seed, log=log_line)
 
 
 def _beam_search_options(args):
     """--num-beams and its options as a BeamSearch (None: no beam search)."""
-    from diffexport.generation.text_generation import beam_search_options
-
-    return beam_search_options(args.num_beams, args.num_return_sequences, args.length_penalty,
+    return text_generation.beam_search_options(args.num_beams, args.num_return_sequences, args.length_penalty,
                                not args.no_early_stopping, sample=args.sample,
                                repetition_penalty=args.repetition_penalty, stop=args.stop,
                                interactive=args.interactive,
@@ -42,10 +42,8 @@ def _beam_search_options(args):
 
 def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
     """One prompt's beam search: the hypotheses once it ends, best first."""
-    from diffexport.generation.text_generation import beam_answers
-
     run = runtime.beam_searcher(search, [ids], len(ids) + args.max_new_tokens)(ids, args.max_new_tokens)
-    for rank, answer in enumerate(beam_answers(tokenizer, run), 1):
+    for rank, answer in enumerate(text_generation.beam_answers(tokenizer, run), 1):
         if search.num_return_sequences > 1:
             sys.stdout.write(f"--- hypothesis {rank} of {search.num_return_sequences} (stopped: {answer['stop']})\n")
         sys.stdout.write(answer["completion"] if tokenizer is not None else " ".join(map(str, answer["tokens"])))
@@ -62,11 +60,9 @@ def _generate_file(args, runtime, config: dict, sampling, search=None) -> int:
     and every earlier one are done (text_generation.answer_prompt_rows)."""
     import json
 
-    from diffexport.generation.text_generation import answer_prompt_rows, read_prompt_rows
-
-    rows = read_prompt_rows(runtime.folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
+    rows = text_generation.read_prompt_rows(runtime.folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
                             system=args.system, stop=args.stop)
-    for answer in answer_prompt_rows(runtime, config, rows, sampling, search=search, batch_size=args.batch_size,
+    for answer in text_generation.answer_prompt_rows(runtime, config, rows, sampling, search=search, batch_size=args.batch_size,
                                      sort_by_length=args.sort_by_length, log=log_line):
         sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
         sys.stdout.flush()
@@ -93,9 +89,7 @@ def _stdin_turn(number: int) -> str | None:
 def _generate_interactive(args, runtime, config: dict, sampling) -> int:
     """--interactive: a chat session on stdin (text_generation.ChatSession). Every line is a user
     turn, and its answer streams to stdout."""
-    from diffexport.generation.text_generation import ChatSession
-
-    session = ChatSession(runtime, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
+    session = text_generation.ChatSession(runtime, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
                           log=log_line)
 
     def show(text: str) -> None:
@@ -122,8 +116,6 @@ def _generate_interactive(args, runtime, config: dict, sampling) -> int:
 
 def cmd_generate(args) -> int:
     """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime loop."""
-    from diffexport.backends import base
-
     with base.intra_op_threads(args.threads):  # --threads: over the folder's own, for every path below
         return _generate(args)
 
@@ -131,12 +123,8 @@ def cmd_generate(args) -> int:
 def _generate(args) -> int:
     from pathlib import Path
 
-    from diffexport.backends.runtimes import open_runtime
-    from diffexport.core.eager_generation import StopText
-    from diffexport.format.decoder_folder import read_decoder_folder
-
     folder = Path(args.folder)
-    _, config, _ = read_decoder_folder(folder)
+    _, config, _ = decoder_folder.read_decoder_folder(folder)
     if args.max_new_tokens < 1:
         raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = sampling_options(args, config)
@@ -166,7 +154,7 @@ def _generate(args) -> int:
     if search is not None:
         return _generate_beams(args, runtime, ids, tokenizer, search)
     stream = tokenizer.create_stream() if tokenizer is not None else None
-    text = StopText(args.stop, stream.decode) if args.stop else None
+    text = eager_generation.StopText(args.stop, stream.decode) if args.stop else None
 
     def show(token: int) -> None:
         sys.stdout.write(stream.decode(token) if stream is not None else f"{token} ")

@@ -7,11 +7,14 @@ import argparse
 
 from diffexport.cli.common import add_force
 from diffexport.core.errors import DiffExportError  # light: no torch
+from diffexport.core.lazy import lazy_import
+
+kernel_probe = lazy_import("diffexport.kernel.kernel_probe")
+kernels = lazy_import("diffexport.kernel.kernels")
+tensorrt = lazy_import("diffexport.backends.tensorrt")
 
 
 def _shape_pair(text: str, flag: str) -> tuple[int, int]:
-    from diffexport.core.errors import DiffExportError
-
     try:
         batch, seq = (int(x) for x in text.lower().split("x"))
     except ValueError:
@@ -23,19 +26,17 @@ def cmd_trt(args) -> int:
     """Build a TensorRT engine from an exported ONNX file: DiffAttention plugin (fp16/bf16, --int8 logits) or native layers."""
     from pathlib import Path
 
-    from diffexport.backends.tensorrt import EngineOptions, build_engine_file
-
     if args.int8 and args.logit_bits not in (None, 8):
         raise DiffExportError("--int8 means --logit-bits 8: pass one of them")
     bits = 8 if args.int8 else (args.logit_bits or 16)
-    options = EngineOptions(attention=args.attention, precision="fp16" if args.fp16 else "bf16" if args.bf16 else "auto",
+    options = tensorrt.EngineOptions(attention=args.attention, precision="fp16" if args.fp16 else "bf16" if args.bf16 else "auto",
                             logit_bits=bits, smooth_k=not args.no_smooth_k, plugin_lib=args.plugin_lib,
                             module={"auto": "auto", "tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[args.builder],
                             targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
                             opt_shape=_shape_pair(args.opt or "1x128", "--opt"),
                             max_shape=_shape_pair(args.max or "4x2048", "--max"), timing_cache=args.timing_cache,
                             save_onnx=args.save_onnx, opt_past=args.opt_past, force=args.force)
-    result = build_engine_file(args.model, args.output, options, max_given=args.max is not None,
+    result = tensorrt.build_engine_file(args.model, args.output, options, max_given=args.max is not None,
                                opt_given=args.opt is not None, max_past=args.max_past)
     print("\n".join(result.summary() + [f"wrote         {args.output} (+ {Path(args.output).name}.json)"]))
     return 0
@@ -44,8 +45,6 @@ def cmd_trt(args) -> int:
 def cmd_kernels(args) -> int:
     """Where the fused CUDA kernel library is, what it was built for, and whether this machine can run it."""
     import torch
-
-    from diffexport.kernel import kernels
 
     if kernels.library_path() is None:  # informational: not built is a state, not a failure
         if args.check:
@@ -74,8 +73,6 @@ def cmd_kernels(args) -> int:
 
 def check_kernels() -> int:
     """Every kernel path this GPU and library have, each in a child process, against the torch reference."""
-    from diffexport.kernel import kernel_probe
-
     failed = 0
     for name, check in kernel_probe.CHECKS.items():
         why_not = kernel_probe.applicable(name)

@@ -9,19 +9,20 @@ import signal
 
 from diffexport.cli.common import add_force
 from diffexport.core.errors import DiffExportError
+from diffexport.core.lazy import lazy_import
 from diffexport.core.stoppable import interrupt
+
+repository = lazy_import("diffexport.serving.repository")
+triton_server = lazy_import("diffexport.serving.server")
 
 
 def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for a --kv-cache folder (streamed, batched); --serve starts the server."""
-    from diffexport.serving.repository import write_repository
-
     if args.serve:  # before the repository is written
-        from diffexport.serving.server import check_ports, check_ports_free
 
-        check_ports(args.http_port, args.grpc_port)
-        check_ports_free(args.http_port, args.grpc_port)
-    repo = write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force)
+        triton_server.check_ports(args.http_port, args.grpc_port)
+        triton_server.check_ports_free(args.http_port, args.grpc_port)
+    repo = repository.write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force)
     prompt = "text_input (or input_ids)" if repo.text else "input_ids"
     print(f"wrote         {repo.path}/{repo.name}/ (config.pbtxt, 1/model.py, 1/decoder/): "
           f"{'a GPU' if repo.gpu else 'CPU'} instance x {args.instances}, batches of up to {args.max_batch}")
@@ -31,11 +32,10 @@ def cmd_triton(args) -> int:
         print(f"serve it      diffexport triton {args.folder} -o {args.output} --force --serve, or copy {repo.path} "
               "into a Triton container (docs/DEPLOYMENT.md)")
         return 0
-    from diffexport.serving.server import start_server
 
     signal.signal(signal.SIGHUP, interrupt)  # the terminal closed: stop the server as Ctrl-C does
     print("starting      tritonserver (127.0.0.1 only)", flush=True)
-    server = start_server(repo.path, args.http_port, args.grpc_port)
+    server = triton_server.start_server(repo.path, args.http_port, args.grpc_port)
     print(f"log           {server.log}")
     print(f"ready         {server.url}/v2/models/{repo.name}/generate (and generate_stream); gRPC on "
           f"127.0.0.1:{args.grpc_port}. Ctrl-C stops it.", flush=True)

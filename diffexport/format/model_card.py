@@ -15,7 +15,13 @@ import re
 from pathlib import Path
 
 from diffexport import __version__
+from diffexport.core.files import atomic_write
+from diffexport.core.lazy import lazy_import
 from diffexport.format import decoders
+
+genai_config = lazy_import("diffexport.format.genai_config")
+metadata = lazy_import("diffexport.format.metadata")
+names = lazy_import("diffexport.format.names")
 
 CARD = "README.md"
 MARKER = "<!-- diffexport model card: written by diffexport; remove this line to keep the file as your own -->"
@@ -30,13 +36,9 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
     """The card of a decoder folder written by export or quantize (its graph's metadata and its
     genai_config.json, both read as diffexport wrote them); name: the folder's final name (the
     card is written in a temporary folder before the rename)."""
-    from diffexport.format.genai_config import load_genai_config
-    from diffexport.format.metadata import read_export_metadata
-    from diffexport.format.names import TOKENIZER_MODELS
-
     folder = Path(folder)
-    meta = read_export_metadata(folder / model_file)
-    config = load_genai_config(folder)
+    meta = metadata.read_export_metadata(folder / model_file)
+    config = genai_config.load_genai_config(folder)
     model_cfg = json.loads(meta["config"])
     family = meta.get("family", "")
     source, source_name = meta.get("source", ""), meta.get("source_name", "")
@@ -54,7 +56,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
                   f"{record.get('method', '?')})"
     if "qdq" in meta:
         weights = "Q/DQ (calibrated, for TensorRT)"
-    tokenizer = any((folder / name).is_file() for name in TOKENIZER_MODELS)
+    tokenizer = any((folder / name).is_file() for name in names.TOKENIZER_MODELS)
     base = source_name if HUB_ID.match(source_name or "") else None
     header = ["---", "library_name: onnxruntime-genai", "pipeline_tag: text-generation", "tags:", "- diffexport",
               "- differential-transformer", "- onnx", "- onnxruntime-genai", f"- {yaml_scalar(family)}"]
@@ -117,8 +119,6 @@ def is_ours(path: Path) -> bool:
 def update_results(folder: str | os.PathLike, lines: list[str]) -> bool:
     """Put `lines` in the results section of the folder's card, atomically; False (nothing written)
     when the folder has no card of ours or its results markers are gone."""
-    from diffexport.core.files import atomic_write
-
     path = Path(folder) / CARD
     if not is_ours(path):
         return False

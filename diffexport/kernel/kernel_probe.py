@@ -24,6 +24,11 @@ import sys
 from dataclasses import dataclass
 
 from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.lazy import lazy_import
+
+kernels = lazy_import("diffexport.kernel.kernels")
+quantization = lazy_import("diffexport.core.quantization")
+reference = lazy_import("diffexport.kernel.reference")
 
 TIMEOUT_S = 90.0  # the child's CUDA start-up takes seconds; a working path's launches take milliseconds
 MIN_COSINE = 0.999  # bf16 kernel output against the float32 reference (the GPU tests' bf16 floor)
@@ -61,8 +66,6 @@ def env_name(name: str) -> str:
 def applicable(name: str) -> str | None:
     """Why `name` cannot run on this GPU and library, or None (in the caller's process: no launch)."""
     import torch
-
-    from diffexport.kernel import kernels
 
     if CHECKS[name].kernel_path == "hopper":
         if torch.cuda.get_device_capability() != (9, 0):
@@ -111,9 +114,6 @@ def run_child(name: str) -> int:
     """The probe launches (in the child): every case of the check against the float32 reference."""
     import torch
 
-    from diffexport.core.quantization import LogitQuant
-    from diffexport.kernel import kernels, reference
-
     check = CHECKS[name]
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("failed: no CUDA device")
@@ -145,7 +145,7 @@ def run_child(name: str) -> int:
             torch.cuda.synchronize()
         exact = [t.float() for t in (q, k, v, lam, weight)]
         if check.logit_bits:
-            want = reference.quantised_diff_attention(*exact, attrs, LogitQuant(check.logit_bits, "qk", True))
+            want = reference.quantised_diff_attention(*exact, attrs, quantization.LogitQuant(check.logit_bits, "qk", True))
         else:
             want = reference.naive_diff_attention(*exact, attrs)
         got, want = out.float().cpu(), want.float().cpu()

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import check_output_path, staging_folder
+from diffexport.core.lazy import lazy_import
+
+families = lazy_import("diffexport.modeling.families")
 
 DEFAULT_PRESET = "diff-v1-tiny"
 
@@ -61,18 +64,14 @@ def preset_weights(name: str) -> Path | None:
 
 
 def preset_config(name: str):
-    from diffexport.modeling.families import config_from_dict
-
     entry = get_preset(name)
-    return config_from_dict(entry["family"], entry["config"])
+    return families.config_from_dict(entry["family"], entry["config"])
 
 
 def match_preset(cfg) -> str | None:
     """The preset whose config equals cfg (vocab and all), or None."""
-    from diffexport.modeling.families import config_from_dict
-
     for name, entry in all_presets().items():
-        if entry["family"] == cfg.family and config_from_dict(entry["family"], entry["config"]) == cfg:
+        if entry["family"] == cfg.family and families.config_from_dict(entry["family"], entry["config"]) == cfg:
             return name
     return None
 

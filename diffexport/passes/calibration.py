@@ -12,8 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from diffexport.core.errors import DiffExportError
+from diffexport.core.lazy import lazy_import
 from diffexport.core.progress import Progress
 from diffexport.format import names
+
+streams = lazy_import("diffexport.inputs.streams")
 
 SYNTHETIC = "synthetic"
 BATCH = 8  # sequences per calibration forward pass (ranges and Hessians do not depend on it)
@@ -65,8 +68,6 @@ def vocab_size(model, path: Path) -> int:
 
 def batches(options: CalibrationFields, vocab: int) -> tuple[list[np.ndarray], str]:
     """Calibration inputs [batch, seq_len] int64, and where they came from."""
-    from diffexport.inputs import streams
-
     if options.calib == SYNTHETIC:
         ids, _, source = streams.synthetic_ids(vocab, options.samples * options.seq_len, options.seq_len,
                                                options.seed)

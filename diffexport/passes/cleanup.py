@@ -8,6 +8,9 @@ from __future__ import annotations
 import onnx
 
 from diffexport.core.errors import DiffExportError
+from diffexport.core.lazy import lazy_import
+
+op_schema = lazy_import("diffexport.export.op_schema")
 
 # onnxscript rules left out of the cleanup, with the reason.
 SKIPPED_REWRITE_RULES = {
@@ -47,9 +50,7 @@ def _optimize(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def cleanup(model: onnx.ModelProto) -> onnx.ModelProto:
     """Fold constants, drop unused nodes/initializers, infer shapes; the result passes onnx.checker's full check."""
-    from diffexport.export.op_schema import register_schema
-
-    register_schema()  # shape inference and the checker must know DiffAttention
+    op_schema.register_schema()  # shape inference and the checker must know DiffAttention
     metadata = list(model.metadata_props)
     folded = _optimize(model)
     inferred = onnx.shape_inference.infer_shapes(folded, check_type=True, data_prop=True)

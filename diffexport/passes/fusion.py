@@ -29,6 +29,7 @@ from onnx import helper, numpy_helper
 from diffexport.core import contract
 from diffexport.core.contract import VARIANT_V1, VARIANT_V2, DiffAttentionAttrs
 from diffexport.core.errors import DiffExportError
+from diffexport.core.onnxruntime_session import open_session
 from diffexport.format.nodes import plugin_selectors
 
 
@@ -392,8 +393,6 @@ def probe_feeds(model: onnx.ModelProto, batch: int, seq: int, vocab: int = 2,
 
 def probe(model: onnx.ModelProto, names: list[str], seq: int = 7) -> dict[str, np.ndarray]:
     """Values of intermediate tensors on a small seeded input, through onnxruntime."""
-    from diffexport.core.onnxruntime_session import open_session
-
     probe_model = onnx.ModelProto.FromString(model.SerializeToString())
     del probe_model.graph.output[:]
     probe_model.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)

@@ -15,6 +15,7 @@ from diffexport.format.decoder_folder import read_decoder_folder
 from diffexport.format.metadata import read_export_metadata
 from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.report.build import Report, artifact_facts, build_report, report_kind
+from diffexport.report.page import render_html as render
 from diffexport.validation.decoder import DECODE_STEPS
 from diffexport.validation.options import CheckOptions, check_decode_options
 
@@ -28,8 +29,6 @@ def default_output(artifact: str | os.PathLike) -> Path:
 
 
 def render_html(report: Report) -> str:
-    from diffexport.report.page import render_html as render
-
     return render(report)
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 from diffexport import __version__
+from diffexport.backends import speed as speed_module
 from diffexport.backends.base import machine_threads
+from diffexport.backends.speed import cpu_name
 from diffexport.core.errors import DiffExportError
 from diffexport.core.progress import Progress
 from diffexport.modeling.checkpoint import LoadedModel
@@ -87,8 +89,6 @@ def artifact_facts(artifact: Path) -> dict:
 
 
 def _machine() -> str:
-    from diffexport.backends.speed import cpu_name
-
     return f"{cpu_name()}, {machine_threads()} cores, {platform.system()} {platform.machine()}"
 
 
@@ -132,8 +132,6 @@ def build_report(artifact: str | os.PathLike, loaded: LoadedModel, options: Chec
         check = run_check(artifact, loaded, options, log=log)
     measured = None
     if speed:
-        from diffexport.backends import speed as speed_module
-
         with Progress("speed", 3) as progress:
             step = lambda done, total: progress.advance(1)  # noqa: E731
             if kind == "decoder":

@@ -27,6 +27,11 @@ from typing import Callable
 
 from diffexport.core.eager_generation import MAX_SEED, Sampling
 from diffexport.core.errors import DiffExportError
+from diffexport.core.lazy import lazy_import
+
+decoder_folder = lazy_import("diffexport.format.decoder_folder")
+genai = lazy_import("diffexport.backends.genai")
+text_generation = lazy_import("diffexport.generation.text_generation")
 
 DEFAULT_MAX_TOKENS = 64
 MAX_TEXT_BYTES = 1 << 20  # a prompt's text; the context bounds its tokens
@@ -48,16 +53,12 @@ class DecoderService:
     """A decoder folder's requests, decoded in batches by one worker thread."""
 
     def __init__(self, folder: str | Path, max_batch: int = 8):
-        from diffexport.backends.genai import import_genai
-        from diffexport.format.decoder_folder import has_tokenizer, read_decoder_folder
-        from diffexport.generation.text_generation import folder_tokenizer
-
         self.folder = Path(folder)
-        read = read_decoder_folder(self.folder)
-        import_genai()
+        read = decoder_folder.read_decoder_folder(self.folder)
+        genai.import_genai()
         self.config, self.context, self.vocab, self.eos = read.config, read.context_length, read.vocab_size, \
             set(read.eos_token_ids)
-        self.tokenizer = folder_tokenizer(self.folder) if has_tokenizer(self.folder) else None
+        self.tokenizer = text_generation.folder_tokenizer(self.folder) if decoder_folder.has_tokenizer(self.folder) else None
         self.max_batch = max_batch
         self._models: dict[int | None, object] = {}  # pad id -> genai model (genai_pad_for)
         self._waiting: deque[Request] = deque()
@@ -69,8 +70,6 @@ class DecoderService:
     # -- requests -------------------------------------------------------------------------------
     def prompt(self, text: bytes | str | None, ids) -> list[int]:
         """The prompt's ids from text (the folder's tokenizer) or ids; one-line refusals."""
-        from diffexport.generation.text_generation import encode
-
         if (text is None) == (ids is None):
             raise DiffExportError("give the prompt as text_input or as input_ids (one of them)")
         if ids is not None:
@@ -95,13 +94,11 @@ class DecoderService:
                 raise DiffExportError("text_input is not UTF-8") from None
         if len(text.encode()) > MAX_TEXT_BYTES:
             raise DiffExportError(f"text_input is larger than {MAX_TEXT_BYTES >> 20} MiB")
-        return encode(self.tokenizer, self.folder, text)
+        return text_generation.encode(self.tokenizer, self.folder, text)
 
     def draw(self, temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None) -> Sampling:
         """The request's draw over the folder's search defaults, as `diffexport generate` takes its
         options: temperature 0 is greedy, > 0 samples; what is not given comes from the folder."""
-        from diffexport.generation.text_generation import folder_sampling
-
         if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
             raise DiffExportError(f"temperature must be 0 (greedy) to {MAX_TEMPERATURE:g}, got {temperature}")
         if top_k is not None and not 0 <= top_k <= self.vocab:
@@ -111,7 +108,7 @@ class DecoderService:
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise DiffExportError(f"seed must be 0 to {MAX_SEED}, got {seed}")
         greedy, sample = temperature == 0, temperature is not None and temperature > 0
-        return folder_sampling(self.config, greedy=greedy, sample=sample,
+        return text_generation.folder_sampling(self.config, greedy=greedy, sample=sample,
                                temperature=temperature if sample else None, top_k=top_k, top_p=top_p,
                                seed=0 if seed is None else seed)
 
@@ -177,19 +174,15 @@ class DecoderService:
                     request.fail(f"generation failed: {message}")
 
     def _model(self, pad: int | None):
-        from diffexport.backends.genai import open_genai_model
-
         if pad not in self._models:
             if len(self._models) >= 2:  # a substitute pad id is rare: keep the folder's and the latest
                 self._models.pop(next(k for k in self._models if k is not None))
-            self._models[pad] = open_genai_model(self.folder, None, pad)
+            self._models[pad] = genai.open_genai_model(self.folder, None, pad)
         return self._models[pad]
 
     def _run(self, batch: list[Request]) -> None:
-        from diffexport.backends.genai import genai_pad_for, generate_batch_genai
-
         prompts = [r.ids for r in batch]
-        pad = genai_pad_for(self.config, prompts)
+        pad = genai.genai_pad_for(self.config, prompts)
         streams = [self.tokenizer.create_stream() if self.tokenizer is not None and r.stream else None
                    for r in batch]
 
@@ -200,7 +193,7 @@ class DecoderService:
             return request.cancelled()
 
         limits = [r.max_tokens for r in batch]
-        run = generate_batch_genai(self.folder, prompts, max(limits), batch[0].sampling, model=self._model(pad),
+        run = genai.generate_batch_genai(self.folder, prompts, max(limits), batch[0].sampling, model=self._model(pad),
                                    pad_token_id=pad, stop_after=on_token, limits=limits)
         for request, tokens, stop in zip(batch, run.tokens, run.stops):
             ids = tokens[:-1] if stop == "eos" and tokens and tokens[-1] in self.eos else tokens

@@ -10,6 +10,9 @@ from typing import Any
 
 from diffexport.core import contract
 from diffexport.core.files import external_file_state, load_onnx
+from diffexport.core.lazy import lazy_import
+
+decoder_folder = lazy_import("diffexport.format.decoder_folder")
 
 
 def _dims(value) -> list[Any]:
@@ -76,9 +79,7 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
 
     path, folder = Path(path), None
     if path.is_dir():
-        from diffexport.format.decoder_folder import read_decoder_folder
-
-        read = read_decoder_folder(path)
+        read = decoder_folder.read_decoder_folder(path)
         path, folder = read.model_path, {"context_length": read.context_length, "providers": read.providers}
     model = load_onnx(path, weights=False)
     histogram = collections.Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node)
