@@ -14,22 +14,19 @@ import sys
 
 from diffexport import __version__
 from diffexport.cli import analysis, check, export, generate, gpu, serve
+from diffexport.cli.common import Command
 from diffexport.core.errors import DiffExportError
 from diffexport.core.lazy import lazy_import
 from diffexport.core.stoppable import end_within_seconds, install_interrupt_handlers
 
 hub = lazy_import("diffexport.modeling.hub")
 
-# Command -> its function, in the help's order; and the module that adds its options.
-COMMANDS = {"onnx": export.cmd_onnx, "trt": gpu.cmd_trt, "check": check.cmd_check, "report": check.cmd_report, "generate": generate.cmd_generate,
-            "optimize": export.cmd_optimize, "quantize": export.cmd_quantize, "inspect": export.cmd_inspect,
-            "demo": export.cmd_demo, "info": export.cmd_info, "presets": export.cmd_presets,
-            "stats": analysis.cmd_stats, "quant-sweep": analysis.cmd_quant_sweep,
-            "linear-sweep": analysis.cmd_linear_sweep, "retrieval": analysis.cmd_retrieval, "kernels": gpu.cmd_kernels,
-            "triton": serve.cmd_triton}
-OPTIONS = {"onnx": export, "trt": gpu, "check": check, "report": check, "generate": generate, "optimize": export, "quantize": export,
-           "inspect": export, "demo": export, "info": export, "presets": export, "stats": analysis,
-           "quant-sweep": analysis, "linear-sweep": analysis, "retrieval": analysis, "kernels": gpu, "triton": serve}
+# Every subcommand's record (cli/common.Command), in the help's order.
+HELP_ORDER = ("onnx", "trt", "check", "report", "generate", "optimize", "quantize", "inspect", "demo", "info", "presets",
+              "stats", "quant-sweep", "linear-sweep", "retrieval", "kernels", "triton")
+COMMANDS: dict[str, Command] = {c.name: c for c in sorted(
+    [*export.COMMANDS, *gpu.COMMANDS, *check.COMMANDS, *generate.COMMANDS, *analysis.COMMANDS, *serve.COMMANDS],
+    key=lambda c: HELP_ORDER.index(c.name))}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -69,18 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser._subcommands = {}
-    for name, fn in COMMANDS.items():
-        p = sub.add_parser(name, help=fn.__doc__.splitlines()[0], description=fn.__doc__)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.run.__doc__.splitlines()[0], description=command.run.__doc__)
         parser._subcommands[name] = p
-        if hasattr(OPTIONS[name], "add_arguments"):
-            OPTIONS[name].add_arguments(name, p)
-        p.set_defaults(func=fn)
+        command.options(p)
+        p.set_defaults(func=command.run)
     return parser
-
-
-# What a missing input is called, per command, in the words the loaders use once they run.
-MISSING_MODEL = {"quantize": "{} does not exist: give an exported .onnx file or a --kv-cache folder",
-                 "generate": "{} is not a folder: give the folder `diffexport onnx --kv-cache -o` wrote"}
 
 
 def check_inputs_exist(args) -> None:
@@ -90,11 +81,12 @@ def check_inputs_exist(args) -> None:
     for ckpt in [getattr(args, "ckpt", None), *(getattr(args, "ckpts", None) or [])]:
         if isinstance(ckpt, str) and not os.path.exists(ckpt) and not hub.is_hub_id(ckpt):
             raise DiffExportError(f"checkpoint not found: {ckpt}")
-    model = getattr(args, "model", None) if args.command != "generate" else getattr(args, "folder", None)
+    command = COMMANDS[args.command]
+    model = getattr(args, command.input_arg, None)
     if args.command == "check" and isinstance(model, str) and not model.endswith(".onnx"):
         model = None  # an engine or a folder: the loader words it (what to give depends on the kind)
     if isinstance(model, str) and not os.path.exists(model):
-        raise DiffExportError(MISSING_MODEL.get(args.command, "{} does not exist: give an .onnx file").format(model))
+        raise DiffExportError(command.missing_input.format(model))
 
 
 def main(argv: list[str] | None = None) -> int:

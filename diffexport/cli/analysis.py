@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from diffexport.cli.common import log_line
+from diffexport.cli.common import Command, log_line
 from diffexport.core.errors import DiffExportError
 from diffexport.core.lazy import lazy_import
 
@@ -204,47 +204,73 @@ def cmd_retrieval(args) -> int:
     return 0
 
 
-def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    """The options of command `name` (one of this module's)."""
-    if name in ("stats", "quant-sweep", "linear-sweep", "retrieval"):
-        _add_models(p)
-    if name in ("stats", "quant-sweep", "linear-sweep"):
-        _add_stream(p, tokens=16384 if name == "stats" else 8192)
-    if name in ("stats", "quant-sweep", "retrieval"):
-        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                       help="where the models run (auto: CUDA when torch sees a GPU, else the CPU)")
-    if name == "quant-sweep":
-        p.add_argument("--attention", default="auto", choices=["auto", "reference", "kernel"],
-                       help="what computes the quantised attention: the torch reference (any model, both "
-                            "schemes) or the fused CUDA kernel's INT8-logits path (DIFF, head_dim 64/128, "
-                            "scheme qk, bits 2..8; needs --device cuda and the built kernel library); auto: "
-                            "the kernel where it applies, else the reference (stderr says which and why)")
-    if name in ("quant-sweep", "retrieval"):
-        p.add_argument("--scheme", default="qk", choices=["qk", "logits"],
-                       help="qk: Q and K quantised per block, as the INT8 kernel (default); "
-                            "logits: each row of logits quantised (the paper's study)")
-    if name == "quant-sweep":
-        p.add_argument("--bits", type=int, nargs="+", default=[16, 8, 6, 4],
-                       help="logit bit widths, 2..16 (16 = not quantised, always the reference)")
-        p.add_argument("--no-smooth-k", action="store_true", help="qk scheme without K-smoothing")
-    if name == "linear-sweep":
-        p.add_argument("--schemes", nargs="+", default=["int8", "int4", "w8a8"], choices=["int8", "int4", "w8a8"],
-                       help="int8/int4: weights only, RTN in blocks; w8a8: int8 weights per channel and "
-                            "int8 activations per tensor (default: all three)")
-        p.add_argument("--block-size", type=int, default=32, help="int8/int4 block (default 32)")
-    if name in ("quant-sweep", "linear-sweep"):
-        p.add_argument("--task", default="auto", choices=["auto", "needles", "none"],
-                       help="task metric: auto = what the checkpoint was trained on")
-        p.add_argument("--samples", type=int, default=32, help="task documents per (needles, queries, depth) cell")
-        p.add_argument("--positions", default="auto", choices=["auto", "all", "answers"],
-                       help="where cosine/KL are measured: every position, or only the needle task's answers "
-                            "(auto: answers for a checkpoint trained on the task)")
-    if name == "retrieval":
-        p.add_argument("--needles", type=int, nargs="+", default=[1, 2, 4, 6], help="needle counts N")
-        p.add_argument("--queries", type=int, nargs="+", default=[1, 2], help="asked needles R (R <= N)")
-        p.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100],
-                       help="depth of the first asked needle, percent of the document")
-        p.add_argument("--context", type=int, help="document tokens (default: the checkpoint's training "
-                                                   "context, else 128)")
-        p.add_argument("--samples", type=int, default=32, help="documents per cell (default 32)")
-        p.add_argument("--logit-bits", type=int, default=16, help="run with quantised logits (16 = not)")
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the models run (auto: CUDA when torch sees a GPU, else the CPU)")
+
+
+def _add_scheme(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scheme", default="qk", choices=["qk", "logits"],
+                   help="qk: Q and K quantised per block, as the INT8 kernel (default); "
+                        "logits: each row of logits quantised (the paper's study)")
+
+
+def _add_task_metric(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="auto", choices=["auto", "needles", "none"],
+                   help="task metric: auto = what the checkpoint was trained on")
+    p.add_argument("--samples", type=int, default=32, help="task documents per (needles, queries, depth) cell")
+    p.add_argument("--positions", default="auto", choices=["auto", "all", "answers"],
+                   help="where cosine/KL are measured: every position, or only the needle task's answers "
+                        "(auto: answers for a checkpoint trained on the task)")
+
+
+def _stats_arguments(p: argparse.ArgumentParser) -> None:
+    _add_models(p)
+    _add_stream(p, tokens=16384)
+    _add_device(p)
+
+
+def _quant_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    _add_models(p)
+    _add_stream(p, tokens=8192)
+    _add_device(p)
+    p.add_argument("--attention", default="auto", choices=["auto", "reference", "kernel"],
+                   help="what computes the quantised attention: the torch reference (any model, both "
+                        "schemes) or the fused CUDA kernel's INT8-logits path (DIFF, head_dim 64/128, "
+                        "scheme qk, bits 2..8; needs --device cuda and the built kernel library); auto: "
+                        "the kernel where it applies, else the reference (stderr says which and why)")
+    _add_scheme(p)
+    p.add_argument("--bits", type=int, nargs="+", default=[16, 8, 6, 4],
+                   help="logit bit widths, 2..16 (16 = not quantised, always the reference)")
+    p.add_argument("--no-smooth-k", action="store_true", help="qk scheme without K-smoothing")
+    _add_task_metric(p)
+
+
+def _linear_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    _add_models(p)
+    _add_stream(p, tokens=8192)
+    p.add_argument("--schemes", nargs="+", default=["int8", "int4", "w8a8"], choices=["int8", "int4", "w8a8"],
+                   help="int8/int4: weights only, RTN in blocks; w8a8: int8 weights per channel and "
+                        "int8 activations per tensor (default: all three)")
+    p.add_argument("--block-size", type=int, default=32, help="int8/int4 block (default 32)")
+    _add_task_metric(p)
+
+
+def _retrieval_arguments(p: argparse.ArgumentParser) -> None:
+    _add_models(p)
+    _add_device(p)
+    _add_scheme(p)
+    p.add_argument("--needles", type=int, nargs="+", default=[1, 2, 4, 6], help="needle counts N")
+    p.add_argument("--queries", type=int, nargs="+", default=[1, 2], help="asked needles R (R <= N)")
+    p.add_argument("--depths", type=float, nargs="+", default=[0, 25, 50, 75, 100],
+                   help="depth of the first asked needle, percent of the document")
+    p.add_argument("--context", type=int, help="document tokens (default: the checkpoint's training "
+                                               "context, else 128)")
+    p.add_argument("--samples", type=int, default=32, help="documents per cell (default 32)")
+    p.add_argument("--logit-bits", type=int, default=16, help="run with quantised logits (16 = not)")
+
+
+COMMANDS = [Command("stats", cmd_stats, _stats_arguments),
+            Command("quant-sweep", cmd_quant_sweep, _quant_sweep_arguments),
+            Command("linear-sweep", cmd_linear_sweep, _linear_sweep_arguments),
+            Command("retrieval", cmd_retrieval, _retrieval_arguments)]

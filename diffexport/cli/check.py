@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line
+from diffexport.cli.common import Command, add_force, add_model_source, load_named_model, log_line
 from diffexport.core.errors import DiffExportError  # light: no torch
 from diffexport.core.lazy import lazy_import
 
@@ -113,65 +113,67 @@ def cmd_report(args) -> int:
     return 0 if report.check.passed else 1
 
 
-def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    """The options of command `name` (one of this module's)."""
-    if name == "report":
-        p.add_argument("artifact", help="a --kv-cache folder or an exported .onnx file")
-        p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
-        add_model_source(p, positional=False)
-        p.add_argument("-o", "--output", help="the page (default ARTIFACT.report.html beside it)")
-        add_force(p)
-        p.add_argument("--text", help="a UTF-8 text whose tokens the check also runs (perplexity on the page)")
-        p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (default: a folder's own)")
-        p.add_argument("--steps", type=int, help="decode steps checked for a folder (default 32)")
-        p.add_argument("--save-dir", help="where the check's polygraphy files go (default ARTIFACT.check/)")
-        p.add_argument("--no-speed", action="store_true", help="skip the speed measurement (a few seconds)")
-        return
-    if name == "check":
-        p.add_argument("model", help="the exported .onnx file, a --kv-cache folder, or an .engine built by "
-                                     "`diffexport trt` (GPU)")
-        p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
-        add_model_source(p, positional=False)
-        p.add_argument("--shapes", help="BATCHxSEQ list (default 1x1,1x17,2x33,3x64)")
-        p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
-                       help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
-        p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
-        p.add_argument("--steps", type=int, help="decode steps checked for a --kv-cache folder or its engine "
-                                                 "(default 32)")
-        p.add_argument("--num-beams", type=int,
-                       help="--kv-cache folders and their engines: also beam search with N beams, on the "
-                            "onnxruntime loop (or the engine) and in onnxruntime-genai, against eager beam "
-                            "search, every hypothesis in rank order")
-        p.add_argument("--length-penalty", type=float, help="--num-beams: as generate's (default 1.0)")
-        p.add_argument("--no-early-stopping", action="store_true", help="--num-beams: as generate's")
-        p.add_argument("--sample", action="store_true",
-                       help="--kv-cache folders: also onnxruntime-genai's sampled tokens against the eager "
-                            "distribution (--temperature, --top-k, --top-p, --repetition-penalty as generate's; "
-                            "draws seeded by --seed)")
-        p.add_argument("--temperature", type=float, help="--sample: default 1.0")
-        p.add_argument("--top-k", type=int, help="--sample: default 0 (no cut)")
-        p.add_argument("--top-p", type=float, help="--sample: default 1.0 (no cut)")
-        p.add_argument("--repetition-penalty", type=float, help="--sample: default 1.0 (none)")
-        p.add_argument("--draws", type=int, help="--sample: draws per prompt (default 2000)")
-        p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
-                       help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
-                            "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
-                            "when transformers is installed, else diffexport)")
-        p.add_argument("--against", metavar="OTHER.onnx",
-                       help="compare with another ONNX file on the same inputs (e.g. optimize's input); with "
-                            "--ckpt also against the model")
-        p.add_argument("--plugin-lib", help="engines: libdiffexport_plugins.so to load (default: "
-                                            "$DIFFEXPORT_PLUGIN_LIB or this install's build; never the path an "
-                                            "engine's .json names)")
-        p.add_argument("--atol", type=float, help="your own bound: |out - ref| <= atol + rtol*|ref| elementwise "
-                                                  "(polygraphy's rule) instead of the automatic dtype rule")
-        p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")
-        p.add_argument("--text", help="a UTF-8 text whose tokens replace the random ids (prefill files, engines, "
-                                      "--against); KV-cache folders also run its first 4096 tokens through their "
-                                      "cache (windows of half prefill, half decode steps) against eager; the "
-                                      "perplexity of both sides is reported")
-        p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it a "
-                                           "folder's own tokenizer, else the text's bytes are the token ids")
-        p.add_argument("--plot", help="KV-cache folders and their engines: a PNG of KL (or error) and cosine per "
-                                      "decode step (with --sample, also P-sampling.png: genai's draws against "
-                                      "the eager probabilities)")
+def _check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the exported .onnx file, a --kv-cache folder, or an .engine built by "
+                                 "`diffexport trt` (GPU)")
+    p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
+    add_model_source(p, positional=False)
+    p.add_argument("--shapes", help="BATCHxSEQ list (default 1x1,1x17,2x33,3x64)")
+    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="onnxruntime provider (auto: CUDA when onnxruntime-gpu and a GPU are present)")
+    p.add_argument("--save-dir", help="where the polygraphy inputs/outputs go (default MODEL.check/)")
+    p.add_argument("--steps", type=int, help="decode steps checked for a --kv-cache folder or its engine "
+                                             "(default 32)")
+    p.add_argument("--num-beams", type=int,
+                   help="--kv-cache folders and their engines: also beam search with N beams, on the "
+                        "onnxruntime loop (or the engine) and in onnxruntime-genai, against eager beam "
+                        "search, every hypothesis in rank order")
+    p.add_argument("--length-penalty", type=float, help="--num-beams: as generate's (default 1.0)")
+    p.add_argument("--no-early-stopping", action="store_true", help="--num-beams: as generate's")
+    p.add_argument("--sample", action="store_true",
+                   help="--kv-cache folders: also onnxruntime-genai's sampled tokens against the eager "
+                        "distribution (--temperature, --top-k, --top-p, --repetition-penalty as generate's; "
+                        "draws seeded by --seed)")
+    p.add_argument("--temperature", type=float, help="--sample: default 1.0")
+    p.add_argument("--top-k", type=int, help="--sample: default 0 (no cut)")
+    p.add_argument("--top-p", type=float, help="--sample: default 1.0 (no cut)")
+    p.add_argument("--repetition-penalty", type=float, help="--sample: default 1.0 (none)")
+    p.add_argument("--draws", type=int, help="--sample: draws per prompt (default 2000)")
+    p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
+                   help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
+                        "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
+                        "when transformers is installed, else diffexport)")
+    p.add_argument("--against", metavar="OTHER.onnx",
+                   help="compare with another ONNX file on the same inputs (e.g. optimize's input); with "
+                        "--ckpt also against the model")
+    p.add_argument("--plugin-lib", help="engines: libdiffexport_plugins.so to load (default: "
+                                        "$DIFFEXPORT_PLUGIN_LIB or this install's build; never the path an "
+                                        "engine's .json names)")
+    p.add_argument("--atol", type=float, help="your own bound: |out - ref| <= atol + rtol*|ref| elementwise "
+                                              "(polygraphy's rule) instead of the automatic dtype rule")
+    p.add_argument("--rtol", type=float, help="see --atol (default 0 when only --atol is given)")
+    p.add_argument("--text", help="a UTF-8 text whose tokens replace the random ids (prefill files, engines, "
+                                  "--against); KV-cache folders also run its first 4096 tokens through their "
+                                  "cache (windows of half prefill, half decode steps) against eager; the "
+                                  "perplexity of both sides is reported")
+    p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (folder or hub name); without it a "
+                                       "folder's own tokenizer, else the text's bytes are the token ids")
+    p.add_argument("--plot", help="KV-cache folders and their engines: a PNG of KL (or error) and cosine per "
+                                  "decode step (with --sample, also P-sampling.png: genai's draws against "
+                                  "the eager probabilities)")
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("artifact", help="a --kv-cache folder or an exported .onnx file")
+    p.add_argument("--ckpt", dest="ckpt", help="the checkpoint it was exported from (or --preset)")
+    add_model_source(p, positional=False)
+    p.add_argument("-o", "--output", help="the page (default ARTIFACT.report.html beside it)")
+    add_force(p)
+    p.add_argument("--text", help="a UTF-8 text whose tokens the check also runs (perplexity on the page)")
+    p.add_argument("--tokenizer", help="--text: Hugging Face tokenizer (default: a folder's own)")
+    p.add_argument("--steps", type=int, help="decode steps checked for a folder (default 32)")
+    p.add_argument("--save-dir", help="where the check's polygraphy files go (default ARTIFACT.check/)")
+    p.add_argument("--no-speed", action="store_true", help="skip the speed measurement (a few seconds)")
+
+
+COMMANDS = [Command("check", cmd_check, _check_arguments), Command("report", cmd_report, _report_arguments)]

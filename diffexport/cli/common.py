@@ -5,12 +5,30 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 from diffexport.core.errors import DiffExportError  # light, as the zoo's index: --help stays fast
 from diffexport.core.lazy import lazy_import
 from diffexport.modeling.presets import DEFAULT_PRESET
 
 checkpoint = lazy_import("diffexport.modeling.checkpoint")
+
+
+def no_options(parser: argparse.ArgumentParser) -> None:
+    """A command that takes no options."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand, registered once: its name, the function that runs it (whose docstring is its
+    help), the options it takes, and the argument naming its input file or folder with the words a
+    missing one is refused in ("{}" is the path), before anything heavy loads."""
+    name: str
+    run: Callable[[argparse.Namespace], int]
+    options: Callable[[argparse.ArgumentParser], None] = no_options
+    input_arg: str = "model"
+    missing_input: str = "{} does not exist: give an .onnx file"
 
 
 def add_model_source(parser: argparse.ArgumentParser, positional: bool = True) -> None:

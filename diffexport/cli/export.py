@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diffexport.cli.common import add_force, add_model_source, load_named_model, log_line, require_model_source
+from diffexport.cli.common import Command, add_force, add_model_source, load_named_model, log_line, require_model_source
 from diffexport.core.errors import DiffExportError  # light: no torch
 from diffexport.core.files import refuse_output_over_inputs  # light: os and pathlib
 from diffexport.core.lazy import lazy_import
@@ -165,89 +165,109 @@ def cmd_demo(args) -> int:
     return 0 if passed else 1
 
 
-def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    """The options of command `name` (one of this module's)."""
-    if name in ('optimize', 'quantize', 'onnx'):
-        add_force(p)
-    if name == "optimize":
-        p.add_argument("model", help="input .onnx")
-        p.add_argument("-o", "--output", required=True, help="output .onnx")
-        p.add_argument("--expect-fused", type=int, help="exit non-zero when fewer attentions are fused")
-        p.add_argument("--verbose", action="store_true", help="say why each candidate was not fused")
-        p.add_argument("--lower", action="store_true",
-                       help="then replace DiffAttention nodes by standard ops (runtimes without functions)")
-        p.add_argument("--body", default="decomposed", choices=["decomposed", "attention"],
-                       help="function body / lowering style (attention needs opset 23)")
-    if name == "quantize":
-        p.add_argument("model", help="an .onnx file written by `diffexport onnx`, or a --kv-cache folder")
-        p.add_argument("-o", "--output", help="the quantised .onnx, or a new folder for a folder (default: beside "
-                                              "the model, named after it and the recipe: model-int4.onnx, kv-int4)")
-        p.add_argument("--weights", choices=["int4", "int8"], help="weight-only bits (the default: int4)")
-        p.add_argument("--block-size", type=int, help="--weights: weights per scale: 16, 32 (default), 64, "
-                                                      "128 or 256")
-        p.add_argument("--method", choices=["rtn", "hqq", "gptq"],
-                       help="--weights: rtn, round to nearest (default); hqq, half-quadratic; gptq, calibrated "
-                            "on --calib (hqq and gptq: int4 only)")
-        p.add_argument("--asymmetric", action="store_true", help="--weights: a zero point per block")
-        p.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4],
-                       help="--weights: MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU "
-                            "path (default); 0 = its default (fp32)")
-        p.add_argument("--kv-cache", choices=["int8"],
-                       help="with --weights, on a gqa folder (the CPU default): GroupQueryAttention's cache as int8, "
-                            "one calibrated scale per channel (needs --calib); a quarter of a float32 cache's bytes")
-        p.add_argument("--qdq", choices=["int8", "fp8"],
-                       help="instead: a calibrated Q/DQ graph for TensorRT (weights and matmul activations)")
-        p.add_argument("--calib", metavar="TEXTFILE|synthetic",
-                       help="calibration data of --qdq and --method gptq: a UTF-8 text file, or 'synthetic' "
-                            "(seeded token ids)")
-        p.add_argument("--tokenizer", help="--calib: Hugging Face tokenizer (folder or hub name); without it "
-                                           "the text's bytes are the token ids")
-        p.add_argument("--calib-samples", type=int, default=32, help="--calib: sequences (default 32)")
-        p.add_argument("--calib-seq-len", type=int, default=128, help="--calib: tokens per sequence (default 128)")
-        p.add_argument("--seed", type=int, default=0, help="--calib synthetic: seed of the token ids")
-    if name == "presets":
-        p.add_argument("name", nargs="?", help="with -o: a trained preset to write out")
-        p.add_argument("-o", "--output", help="write the trained preset NAME to this new folder, as a Hugging "
-                                              "Face DiffLlama folder (config, safetensors, tokenizer, chat template)")
-        add_force(p)
-    if name == "inspect":
-        p.add_argument("model", help="an .onnx file or a --kv-cache folder (weights are not loaded)")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-    if name in ("info", "demo", "onnx"):
-        add_model_source(p)
-    if name == "onnx":
-        p.add_argument("-o", "--output", help="output .onnx path (default model.onnx), or with --kv-cache "
-                                              "a new folder (default model-kv)")
-        p.add_argument("--kv-cache", action="store_true",
-                       help="KV-cache decoder folder for onnxruntime-genai: model.onnx with past/present, "
-                            "genai_config.json, tokenizer")
-        p.add_argument("--tokenizer", help="with --kv-cache: tokenizer folder to copy (HF folders: their own)")
-        p.add_argument("--context-length", type=int,
-                       help="with --kv-cache: context length for genai (default: the HF config's, else 2048)")
-        p.add_argument("--threads", type=int,
-                       help="with --kv-cache: intra-op threads written into genai_config.json (default: none "
-                            "written; diffexport's generate and check then use the machine's physical cores, "
-                            "where onnxruntime-genai alone would use one thread)")
-        p.add_argument("--attention", choices=list(decoders.FORMATS),
-                       help="with --kv-cache: gqa (onnxruntime's GroupQueryAttention on a shared cache buffer: the "
-                            "faster decode in onnxruntime; the default for the CPU provider) or diffattention (one "
-                            "DiffAttention node per layer, runs in onnxruntime and TensorRT; the default for "
-                            "--provider cuda and --bf16, and what `diffexport trt` builds from)")
-        p.add_argument("--provider", choices=["cpu", "cuda"],
-                       help="with --kv-cache: the execution provider genai_config.json names for onnxruntime-genai "
-                            "(default: cpu; cuda for --bf16, which the CPU provider cannot run)")
-        precision = p.add_mutually_exclusive_group()
-        precision.add_argument("--fp16", action="store_true", help="float16 weights and activations")
-        precision.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations")
-        p.add_argument("--body", default="decomposed", choices=["decomposed", "attention"],
-                       help="DiffAttention function body for ONNX Runtime: decomposed MatMul/Softmax "
-                            "(opset 18, default) or opset-23 Attention")
-        p.add_argument("--opset", type=int, help="default-domain opset (default: 18, or 23 for --body attention)")
-        p.add_argument("--hidden", action="store_true", help="also output last_hidden_state")
-        p.add_argument("--external-data", action="store_true",
-                       help="weights in model.onnx.data (automatic above the 2 GiB protobuf limit)")
-        p.add_argument("--legacy", action="store_true",
-                       help="fallback: torch's deprecated TorchScript exporter instead of dynamo")
-    if name == "demo":
-        p.add_argument("--out-dir", default="diffexport-demo",
-                       help="folder for the demo's files, kept so the commands it prints run (default diffexport-demo)")
+def _onnx_arguments(p: argparse.ArgumentParser) -> None:
+    add_force(p)
+    add_model_source(p)
+    p.add_argument("-o", "--output", help="output .onnx path (default model.onnx), or with --kv-cache "
+                                          "a new folder (default model-kv)")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="KV-cache decoder folder for onnxruntime-genai: model.onnx with past/present, "
+                        "genai_config.json, tokenizer")
+    p.add_argument("--tokenizer", help="with --kv-cache: tokenizer folder to copy (HF folders: their own)")
+    p.add_argument("--context-length", type=int,
+                   help="with --kv-cache: context length for genai (default: the HF config's, else 2048)")
+    p.add_argument("--threads", type=int,
+                   help="with --kv-cache: intra-op threads written into genai_config.json (default: none "
+                        "written; diffexport's generate and check then use the machine's physical cores, "
+                        "where onnxruntime-genai alone would use one thread)")
+    p.add_argument("--attention", choices=list(decoders.FORMATS),
+                   help="with --kv-cache: gqa (onnxruntime's GroupQueryAttention on a shared cache buffer: the "
+                        "faster decode in onnxruntime; the default for the CPU provider) or diffattention (one "
+                        "DiffAttention node per layer, runs in onnxruntime and TensorRT; the default for "
+                        "--provider cuda and --bf16, and what `diffexport trt` builds from)")
+    p.add_argument("--provider", choices=["cpu", "cuda"],
+                   help="with --kv-cache: the execution provider genai_config.json names for onnxruntime-genai "
+                        "(default: cpu; cuda for --bf16, which the CPU provider cannot run)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="float16 weights and activations")
+    precision.add_argument("--bf16", action="store_true", help="bfloat16 weights and activations")
+    p.add_argument("--body", default="decomposed", choices=["decomposed", "attention"],
+                   help="DiffAttention function body for ONNX Runtime: decomposed MatMul/Softmax "
+                        "(opset 18, default) or opset-23 Attention")
+    p.add_argument("--opset", type=int, help="default-domain opset (default: 18, or 23 for --body attention)")
+    p.add_argument("--hidden", action="store_true", help="also output last_hidden_state")
+    p.add_argument("--external-data", action="store_true",
+                   help="weights in model.onnx.data (automatic above the 2 GiB protobuf limit)")
+    p.add_argument("--legacy", action="store_true",
+                   help="fallback: torch's deprecated TorchScript exporter instead of dynamo")
+
+
+def _optimize_arguments(p: argparse.ArgumentParser) -> None:
+    add_force(p)
+    p.add_argument("model", help="input .onnx")
+    p.add_argument("-o", "--output", required=True, help="output .onnx")
+    p.add_argument("--expect-fused", type=int, help="exit non-zero when fewer attentions are fused")
+    p.add_argument("--verbose", action="store_true", help="say why each candidate was not fused")
+    p.add_argument("--lower", action="store_true",
+                   help="then replace DiffAttention nodes by standard ops (runtimes without functions)")
+    p.add_argument("--body", default="decomposed", choices=["decomposed", "attention"],
+                   help="function body / lowering style (attention needs opset 23)")
+
+
+def _quantize_arguments(p: argparse.ArgumentParser) -> None:
+    add_force(p)
+    p.add_argument("model", help="an .onnx file written by `diffexport onnx`, or a --kv-cache folder")
+    p.add_argument("-o", "--output", help="the quantised .onnx, or a new folder for a folder (default: beside "
+                                          "the model, named after it and the recipe: model-int4.onnx, kv-int4)")
+    p.add_argument("--weights", choices=["int4", "int8"], help="weight-only bits (the default: int4)")
+    p.add_argument("--block-size", type=int, help="--weights: weights per scale: 16, 32 (default), 64, "
+                                                  "128 or 256")
+    p.add_argument("--method", choices=["rtn", "hqq", "gptq"],
+                   help="--weights: rtn, round to nearest (default); hqq, half-quadratic; gptq, calibrated "
+                        "on --calib (hqq and gptq: int4 only)")
+    p.add_argument("--asymmetric", action="store_true", help="--weights: a zero point per block")
+    p.add_argument("--accuracy-level", type=int, choices=[0, 1, 2, 3, 4],
+                   help="--weights: MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU "
+                        "path (default); 0 = its default (fp32)")
+    p.add_argument("--kv-cache", choices=["int8"],
+                   help="with --weights, on a gqa folder (the CPU default): GroupQueryAttention's cache as int8, "
+                        "one calibrated scale per channel (needs --calib); a quarter of a float32 cache's bytes")
+    p.add_argument("--qdq", choices=["int8", "fp8"],
+                   help="instead: a calibrated Q/DQ graph for TensorRT (weights and matmul activations)")
+    p.add_argument("--calib", metavar="TEXTFILE|synthetic",
+                   help="calibration data of --qdq and --method gptq: a UTF-8 text file, or 'synthetic' "
+                        "(seeded token ids)")
+    p.add_argument("--tokenizer", help="--calib: Hugging Face tokenizer (folder or hub name); without it "
+                                       "the text's bytes are the token ids")
+    p.add_argument("--calib-samples", type=int, default=32, help="--calib: sequences (default 32)")
+    p.add_argument("--calib-seq-len", type=int, default=128, help="--calib: tokens per sequence (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="--calib synthetic: seed of the token ids")
+
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an .onnx file or a --kv-cache folder (weights are not loaded)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_source(p)
+    p.add_argument("--out-dir", default="diffexport-demo",
+                   help="folder for the demo's files, kept so the commands it prints run (default diffexport-demo)")
+
+
+def _info_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_source(p)
+
+
+def _presets_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", help="with -o: a trained preset to write out")
+    p.add_argument("-o", "--output", help="write the trained preset NAME to this new folder, as a Hugging "
+                                          "Face DiffLlama folder (config, safetensors, tokenizer, chat template)")
+    add_force(p)
+
+
+COMMANDS = [Command("onnx", cmd_onnx, _onnx_arguments), Command("optimize", cmd_optimize, _optimize_arguments),
+            Command("quantize", cmd_quantize, _quantize_arguments,
+                    missing_input="{} does not exist: give an exported .onnx file or a --kv-cache folder"),
+            Command("inspect", cmd_inspect, _inspect_arguments), Command("demo", cmd_demo, _demo_arguments),
+            Command("info", cmd_info, _info_arguments), Command("presets", cmd_presets, _presets_arguments)]

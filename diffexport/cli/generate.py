@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from diffexport.backends.runtimes import DEFAULT_RUNTIME, RUNTIMES, open_runtime
-from diffexport.cli.common import log_line
+from diffexport.cli.common import Command, log_line
 from diffexport.core.errors import DiffExportError  # light: no torch
 from diffexport.core.lazy import lazy_import
 
@@ -175,64 +175,66 @@ def _generate(args) -> int:
     return 0
 
 
-def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    """The options of command `name` (one of this module's)."""
-    if name == "generate":
-        p.add_argument("folder", help="a folder written by `diffexport onnx CKPT --kv-cache -o FOLDER`")
-        prompt = p.add_mutually_exclusive_group(required=True)
-        prompt.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
-        prompt.add_argument("--ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
-        prompt.add_argument("--interactive", action="store_true",
-                            help="a chat session: every line of stdin is a user turn, answered in the chat "
-                                 "template with the conversation so far (--system: a system turn first)")
-        prompt.add_argument("--prompts-file", help='JSON Lines, one prompt per line: {"prompt": "text"} or '
-                                                   '{"ids": [1, 2, 3]}, optionally with "id"; answers go to '
-                                                   "stdout as JSON Lines, in order")
-        p.add_argument("--batch-size", type=int, help="--prompts-file: prompts run together (default 8)")
-        p.add_argument("--sort-by-length", action="store_true",
-                       help="--prompts-file: batch the prompts longest first, so each batch pads little "
-                            "(answers still come in the file's order, each once every earlier one is done)")
-        p.add_argument("--chat", action="store_true",
-                       help="put --prompt into the tokenizer's chat template as a user turn (chat models)")
-        p.add_argument("--system", help="with --chat: a system turn before the prompt")
-        p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-        mode = p.add_mutually_exclusive_group()
-        mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
-        mode.add_argument("--sample", action="store_true", help="sample with --temperature/--top-k/--top-p")
-        p.add_argument("--temperature", type=float,
-                       help="sampling temperature (default 1.0, or the folder's when its search samples)")
-        p.add_argument("--top-k", type=int, help="sample among the k most likely (0: all; default 0, or the "
-                                                 "folder's when its search samples)")
-        p.add_argument("--top-p", type=float,
-                       help="nucleus sampling mass (default 1.0: all, or the folder's when its search samples)")
-        p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-        p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                       help="end an answer where its text first holds TEXT (repeatable; the answer stops "
-                            "before it); text prompts only")
-        p.add_argument("--repetition-penalty", type=float,
-                       help="greedy or sampled: the logit of every id a row already holds, prompt included, "
-                            "divided by P (times P when negative); 1.0: none, 1.1-1.3: usual (default: the "
-                            "folder's search value, 1.0 unless its checkpoint named one)")
-        p.add_argument("--num-beams", type=int, default=1,
-                       help="beam search with N beams (genai's own, or the same rule on the onnxruntime loop "
-                            "and engines): printed once the search ends (default 1: no beam search)")
-        p.add_argument("--num-return-sequences", type=int,
-                       help="--num-beams: how many of the best hypotheses to print, best first (default 1)")
-        p.add_argument("--length-penalty", type=float,
-                       help="--num-beams: an ended hypothesis scores sum(log p) / length^L, length counting "
-                            "the prompt (genai's rule); > 0 favours longer answers (default 1.0)")
-        p.add_argument("--no-early-stopping", action="store_true",
-                       help="--num-beams: keep searching while a running beam could still beat the ended "
-                            "ones (default: stop once N hypotheses have ended)")
-        p.add_argument("--backend", default=DEFAULT_RUNTIME, choices=list(RUNTIMES),
-                       help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop; tensorrt: "
-                            "the --engine built from this folder, on the GPU")
-        p.add_argument("--engine", help="--backend tensorrt: the engine `diffexport trt FOLDER` built")
-        p.add_argument("--plugin-lib", help="--backend tensorrt: libdiffexport_plugins.so for plugin engines "
-                                            "(default: $DIFFEXPORT_PLUGIN_LIB or this install's build)")
-        p.add_argument("--threads", type=int,
-                       help="intra-op threads for onnxruntime(-genai) (default: the folder's genai_config, else "
-                            "this machine's physical cores)")
-        p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
-                       help="execution provider (auto: genai, the one the folder's genai_config.json names; the "
-                            "onnxruntime loop, CUDA when onnxruntime-gpu and a GPU are present)")
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", help="a folder written by `diffexport onnx CKPT --kv-cache -o FOLDER`")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
+    prompt.add_argument("--ids", help="prompt token ids, comma-separated (e.g. 1,2,3)")
+    prompt.add_argument("--interactive", action="store_true",
+                        help="a chat session: every line of stdin is a user turn, answered in the chat "
+                             "template with the conversation so far (--system: a system turn first)")
+    prompt.add_argument("--prompts-file", help='JSON Lines, one prompt per line: {"prompt": "text"} or '
+                                               '{"ids": [1, 2, 3]}, optionally with "id"; answers go to '
+                                               "stdout as JSON Lines, in order")
+    p.add_argument("--batch-size", type=int, help="--prompts-file: prompts run together (default 8)")
+    p.add_argument("--sort-by-length", action="store_true",
+                   help="--prompts-file: batch the prompts longest first, so each batch pads little "
+                        "(answers still come in the file's order, each once every earlier one is done)")
+    p.add_argument("--chat", action="store_true",
+                   help="put --prompt into the tokenizer's chat template as a user turn (chat models)")
+    p.add_argument("--system", help="with --chat: a system turn before the prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="greedy decoding (the default)")
+    mode.add_argument("--sample", action="store_true", help="sample with --temperature/--top-k/--top-p")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature (default 1.0, or the folder's when its search samples)")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely (0: all; default 0, or the "
+                                             "folder's when its search samples)")
+    p.add_argument("--top-p", type=float,
+                   help="nucleus sampling mass (default 1.0: all, or the folder's when its search samples)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end an answer where its text first holds TEXT (repeatable; the answer stops "
+                        "before it); text prompts only")
+    p.add_argument("--repetition-penalty", type=float,
+                   help="greedy or sampled: the logit of every id a row already holds, prompt included, "
+                        "divided by P (times P when negative); 1.0: none, 1.1-1.3: usual (default: the "
+                        "folder's search value, 1.0 unless its checkpoint named one)")
+    p.add_argument("--num-beams", type=int, default=1,
+                   help="beam search with N beams (genai's own, or the same rule on the onnxruntime loop "
+                        "and engines): printed once the search ends (default 1: no beam search)")
+    p.add_argument("--num-return-sequences", type=int,
+                   help="--num-beams: how many of the best hypotheses to print, best first (default 1)")
+    p.add_argument("--length-penalty", type=float,
+                   help="--num-beams: an ended hypothesis scores sum(log p) / length^L, length counting "
+                        "the prompt (genai's rule); > 0 favours longer answers (default 1.0)")
+    p.add_argument("--no-early-stopping", action="store_true",
+                   help="--num-beams: keep searching while a running beam could still beat the ended "
+                        "ones (default: stop once N hypotheses have ended)")
+    p.add_argument("--backend", default=DEFAULT_RUNTIME, choices=list(RUNTIMES),
+                   help="genai: onnxruntime-genai (default); onnxruntime: a plain session loop; tensorrt: "
+                        "the --engine built from this folder, on the GPU")
+    p.add_argument("--engine", help="--backend tensorrt: the engine `diffexport trt FOLDER` built")
+    p.add_argument("--plugin-lib", help="--backend tensorrt: libdiffexport_plugins.so for plugin engines "
+                                        "(default: $DIFFEXPORT_PLUGIN_LIB or this install's build)")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads for onnxruntime(-genai) (default: the folder's genai_config, else "
+                        "this machine's physical cores)")
+    p.add_argument("--provider", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="execution provider (auto: genai, the one the folder's genai_config.json names; the "
+                        "onnxruntime loop, CUDA when onnxruntime-gpu and a GPU are present)")
+
+
+COMMANDS = [Command("generate", cmd_generate, _generate_arguments, input_arg="folder",
+                    missing_input="{} is not a folder: give the folder `diffexport onnx --kv-cache -o` wrote")]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from diffexport.cli.common import add_force
+from diffexport.cli.common import Command, add_force
 from diffexport.core.errors import DiffExportError  # light: no torch
 from diffexport.core.lazy import lazy_import
 
@@ -88,45 +88,47 @@ def check_kernels() -> int:
     return 1 if failed else 0
 
 
-def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    """The options of command `name` (one of this module's)."""
-    if name in ('trt',):
-        add_force(p)
-    if name == "kernels":
-        p.add_argument("--check", action="store_true",
-                       help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper fp and INT8) "
-                            "on small shapes, each in a child process, against the torch reference")
-    if name == "trt":
-        p.add_argument("model", help="an .onnx file written by `diffexport onnx` (fp16/bf16 for the plugin), "
-                                     "or a --kv-cache folder")
-        p.add_argument("-o", "--output", default="model.engine", help="engine path (default model.engine)")
-        precision = p.add_mutually_exclusive_group()
-        precision.add_argument("--fp16", action="store_true",
-                               help="the graph must already be fp16 (export it with `diffexport onnx --fp16`): "
-                                    "the network is strongly typed, TensorRT takes its types from the ONNX. Not "
-                                    "trtexec's --fp16, which lets TensorRT pick fp16 kernels for an fp32 graph")
-        precision.add_argument("--bf16", action="store_true",
-                               help="the graph must already be bf16 (`diffexport onnx --bf16`); see --fp16")
-        p.add_argument("--int8", action="store_true", help="INT8 attention logits in every DiffAttention (= --logit-bits 8)")
-        p.add_argument("--logit-bits", type=int, choices=[8, 6, 4], help="low-bit attention logits (plugin only)")
-        p.add_argument("--no-smooth-k", action="store_true", help="INT8 logits without K-smoothing")
-        p.add_argument("--attention", default="plugin", choices=["plugin", "native", "function"],
-                       help="plugin: our CUDA plugin (default); native: lowered to TensorRT's own layers; "
-                            "function: the ONNX function body, inlined by the parser")
-        p.add_argument("--plugin-lib", help="libdiffexport_plugins.so (default: $DIFFEXPORT_PLUGIN_LIB or build/)")
-        p.add_argument("--min", default="1x1", help="profile minimum BATCHxSEQ (default 1x1)")
-        p.add_argument("--opt", help="profile optimum BATCHxSEQ (default 1x128, at most --max)")
-        p.add_argument("--max", help="profile maximum BATCHxSEQ (default 4x2048; KV-cache folders: "
-                                     "4x(context/4, at most 512))")
-        p.add_argument("--opt-past", type=int, default=128,
-                       help="KV-cache graphs: past length the profile optimises for (default 128)")
-        p.add_argument("--max-past", type=int,
-                       help="KV-cache graphs: longest past (default: the folder's context length - 1, else 2048)")
-        p.add_argument("--timing-cache", help="timing cache file: read if present, written after the build")
-        p.add_argument("--save-onnx", help="also write the graph given to the parser (plugin fields stamped and "
-                                           "no function body, or lowered): what trtexec/polygraphy need for "
-                                           "the same engine on any TensorRT 10.1+")
-        p.add_argument("--builder", default="auto", choices=["auto", "tensorrt", "tensorrt-rtx"],
-                       help="which TensorRT (auto: tensorrt, else tensorrt-rtx)")
-        p.add_argument("--targets", nargs="+", default=["SM80", "SM89"],
-                       help="TensorRT-RTX ahead-of-time GPU targets (default SM80 SM89)")
+def _trt_arguments(p: argparse.ArgumentParser) -> None:
+    add_force(p)
+    p.add_argument("model", help="an .onnx file written by `diffexport onnx` (fp16/bf16 for the plugin), "
+                                 "or a --kv-cache folder")
+    p.add_argument("-o", "--output", default="model.engine", help="engine path (default model.engine)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true",
+                           help="the graph must already be fp16 (export it with `diffexport onnx --fp16`): "
+                                "the network is strongly typed, TensorRT takes its types from the ONNX. Not "
+                                "trtexec's --fp16, which lets TensorRT pick fp16 kernels for an fp32 graph")
+    precision.add_argument("--bf16", action="store_true",
+                           help="the graph must already be bf16 (`diffexport onnx --bf16`); see --fp16")
+    p.add_argument("--int8", action="store_true", help="INT8 attention logits in every DiffAttention (= --logit-bits 8)")
+    p.add_argument("--logit-bits", type=int, choices=[8, 6, 4], help="low-bit attention logits (plugin only)")
+    p.add_argument("--no-smooth-k", action="store_true", help="INT8 logits without K-smoothing")
+    p.add_argument("--attention", default="plugin", choices=["plugin", "native", "function"],
+                   help="plugin: our CUDA plugin (default); native: lowered to TensorRT's own layers; "
+                        "function: the ONNX function body, inlined by the parser")
+    p.add_argument("--plugin-lib", help="libdiffexport_plugins.so (default: $DIFFEXPORT_PLUGIN_LIB or build/)")
+    p.add_argument("--min", default="1x1", help="profile minimum BATCHxSEQ (default 1x1)")
+    p.add_argument("--opt", help="profile optimum BATCHxSEQ (default 1x128, at most --max)")
+    p.add_argument("--max", help="profile maximum BATCHxSEQ (default 4x2048; KV-cache folders: "
+                                 "4x(context/4, at most 512))")
+    p.add_argument("--opt-past", type=int, default=128,
+                   help="KV-cache graphs: past length the profile optimises for (default 128)")
+    p.add_argument("--max-past", type=int,
+                   help="KV-cache graphs: longest past (default: the folder's context length - 1, else 2048)")
+    p.add_argument("--timing-cache", help="timing cache file: read if present, written after the build")
+    p.add_argument("--save-onnx", help="also write the graph given to the parser (plugin fields stamped and "
+                                       "no function body, or lowered): what trtexec/polygraphy need for "
+                                       "the same engine on any TensorRT 10.1+")
+    p.add_argument("--builder", default="auto", choices=["auto", "tensorrt", "tensorrt-rtx"],
+                   help="which TensorRT (auto: tensorrt, else tensorrt-rtx)")
+    p.add_argument("--targets", nargs="+", default=["SM80", "SM89"],
+                   help="TensorRT-RTX ahead-of-time GPU targets (default SM80 SM89)")
+
+
+def _kernels_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check", action="store_true",
+                   help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper fp and INT8) "
+                        "on small shapes, each in a child process, against the torch reference")
+
+
+COMMANDS = [Command("trt", cmd_trt, _trt_arguments), Command("kernels", cmd_kernels, _kernels_arguments)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-from diffexport.cli.common import add_force
+from diffexport.cli.common import Command, add_force
 from diffexport.core.errors import DiffExportError
 from diffexport.core.lazy import lazy_import
 from diffexport.core.stoppable import interrupt
@@ -53,8 +53,7 @@ def cmd_triton(args) -> int:
     return 0
 
 
-def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    """The options of command `name` (one of this module's)."""
+def _triton_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", help="a folder `diffexport onnx --kv-cache -o` (or quantize) wrote")
     p.add_argument("-o", "--output", required=True, help="the model repository folder to write")
     p.add_argument("--name", help="the model's name in the repository and its URLs (default: the folder's name)")
@@ -66,3 +65,6 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="then start tritonserver on it (the one on PATH, else nvidia-pytriton's) until Ctrl-C")
     p.add_argument("--http-port", type=int, default=8000, help="--serve: HTTP port on 127.0.0.1 (default 8000)")
     p.add_argument("--grpc-port", type=int, default=8001, help="--serve: gRPC port on 127.0.0.1 (default 8001)")
+
+
+COMMANDS = [Command("triton", cmd_triton, _triton_arguments)]
