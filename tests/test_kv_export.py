@@ -769,7 +769,7 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("onnxruntime_genai")
     from diffexport.cli import build_parser
-    from diffexport.cli.generate import sampling_options
+    from diffexport.cli.generate import generate_request
     from diffexport.format.decoder_folder import SEARCH_DEFAULTS
 
     torch.manual_seed(12)
@@ -812,7 +812,7 @@ def test_generation_config_becomes_the_folders_search_defaults(tmp_path):
 
     def sampling(*flags):
         args = build_parser().parse_args(["generate", str(tmp_path / "kv"), "--ids", "1", *flags])
-        return sampling_options(args, config)
+        return generate_request(args).sampling(config)
 
     folder = sampling()
     assert (folder.greedy, folder.temperature, folder.top_k, folder.top_p, folder.repetition_penalty) == \

@@ -23,23 +23,6 @@ def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
                       system=args.system)
 
 
-def sampling_options(args, config: dict):
-    """The draw: the command line's options over the folder's genai_config search values
-    (text_generation.folder_sampling); what came from the folder is said on stderr."""
-    return text_generation.folder_sampling(config, greedy=args.greedy, sample=args.sample, num_beams=args.num_beams,
-                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           repetition_penalty=args.repetition_penalty, seed=args.seed, log=log_line)
-
-
-def _beam_search_options(args):
-    """--num-beams and its options as a BeamSearch (None: no beam search)."""
-    return text_generation.beam_search_options(args.num_beams, args.num_return_sequences, args.length_penalty,
-                               not args.no_early_stopping, sample=args.sample,
-                               repetition_penalty=args.repetition_penalty, stop=args.stop,
-                               interactive=args.interactive,
-                               batched=args.batch_size is not None or args.sort_by_length)
-
-
 def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
     """One prompt's beam search: the hypotheses once it ends, best first."""
     run = runtime.beam_searcher(search, [ids], len(ids) + args.max_new_tokens)(ids, args.max_new_tokens)
@@ -55,14 +38,14 @@ def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
     return 0
 
 
-def _generate_file(args, runtime, config: dict, sampling, search=None) -> int:
+def _generate_file(args, runtime, config: dict, sampling, search, batch_size: int) -> int:
     """--prompts-file: one JSON line per prompt on stdout, in the file's order, each as soon as it
     and every earlier one are done (text_generation.answer_prompt_rows)."""
     import json
 
     rows = text_generation.read_prompt_rows(runtime.folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
                             system=args.system, stop=args.stop)
-    for answer in text_generation.answer_prompt_rows(runtime, config, rows, sampling, search=search, batch_size=args.batch_size,
+    for answer in text_generation.answer_prompt_rows(runtime, config, rows, sampling, search=search, batch_size=batch_size,
                                      sort_by_length=args.sort_by_length, log=log_line):
         sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
         sys.stdout.flush()
@@ -120,36 +103,31 @@ def cmd_generate(args) -> int:
         return _generate(args)
 
 
+def generate_request(args):
+    """The command line's options as the API's request (text_generation.GenerateRequest), which
+    refuses their clashes."""
+    return text_generation.GenerateRequest(
+        prompt=args.prompt, ids=args.ids, interactive=args.interactive or False, prompts_file=args.prompts_file,
+        max_new_tokens=args.max_new_tokens, chat=args.chat, system=args.system, stop=tuple(args.stop),
+        batch_size=args.batch_size, sort_by_length=args.sort_by_length, greedy=args.greedy, sample=args.sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+        seed=args.seed, num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
+        length_penalty=args.length_penalty, early_stopping=not args.no_early_stopping)
+
+
 def _generate(args) -> int:
     from pathlib import Path
 
     folder = Path(args.folder)
     _, config, _ = decoder_folder.read_decoder_folder(folder)
-    if args.max_new_tokens < 1:
-        raise DiffExportError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    sampling = sampling_options(args, config)
+    request = generate_request(args)
+    sampling = request.sampling(config, log=log_line)
     runtime = open_runtime(args.backend, folder, provider=args.provider, engine=args.engine, plugin_lib=args.plugin_lib)
-    if (args.chat or args.system is not None) and args.ids is not None:
-        raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
-    if args.system is not None and not (args.chat or args.interactive):
-        raise DiffExportError("--system is a turn of the chat template: add --chat")
-    if any(not stop for stop in args.stop):
-        raise DiffExportError("--stop needs non-empty text")
-    if (args.batch_size is not None or args.sort_by_length) and args.prompts_file is None:
-        raise DiffExportError(f"{'--batch-size' if args.batch_size is not None else '--sort-by-length'} "
-                              "groups the prompts of --prompts-file")
-    if args.interactive and args.chat:
-        raise DiffExportError("--interactive is a chat already (every line a user turn): drop --chat")
-    search = _beam_search_options(args)
-    if args.interactive:
+    search = request.search
+    if request.interactive:
         return _generate_interactive(args, runtime, config, sampling)
-    if args.prompts_file is not None:
-        args.batch_size = 8 if args.batch_size is None else args.batch_size
-        if args.batch_size < 1:
-            raise DiffExportError(f"the batch size must be >= 1, got {args.batch_size}")
-        return _generate_file(args, runtime, config, sampling, search)
-    if args.stop and args.ids is not None:
-        raise DiffExportError("--stop matches generated text: give --prompt (the folder's tokenizer), not --ids")
+    if request.prompts_file is not None:
+        return _generate_file(args, runtime, config, sampling, search, request.batch)
     ids, tokenizer = _prompt_ids(args, folder, config)
     if search is not None:
         return _generate_beams(args, runtime, ids, tokenizer, search)

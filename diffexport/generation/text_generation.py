@@ -168,6 +168,80 @@ def folder_sampling(config: dict, *, greedy: bool = False, sample: bool = False,
     return sampling
 
 
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What one `generate` asks of a folder: exactly one of a prompt (text), token ids, an
+    interactive chat or a prompts file, with the options that go with it. Made whole or not at all:
+    every clash between the options is refused in one line on creation (as `diffexport generate`
+    words it), before a folder is read or a runtime opened."""
+    prompt: str | None = None
+    ids: str | None = None  # comma-separated token ids
+    interactive: bool = False
+    prompts_file: str | None = None
+    max_new_tokens: int = 64
+    chat: bool = False
+    system: str | None = None
+    stop: tuple[str, ...] = ()
+    batch_size: int | None = None  # a prompts file's (None: 8)
+    sort_by_length: bool = False
+    greedy: bool = False
+    sample: bool = False
+    temperature: float | None = None  # None: not given (the folder's search, else the default)
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int = 0
+    num_beams: int = 1
+    num_return_sequences: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple(self.stop))
+        given = [name for name, value in (("prompt", self.prompt), ("ids", self.ids),
+                                          ("interactive", self.interactive or None),
+                                          ("prompts_file", self.prompts_file)) if value is not None]
+        if len(given) != 1:
+            raise DiffExportError(f"give one of a prompt, ids, an interactive chat or a prompts file, not "
+                                  f"{' and '.join(given) or 'none'}")
+        if self.max_new_tokens < 1:
+            raise DiffExportError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if (self.chat or self.system is not None) and self.ids is not None:
+            raise DiffExportError("--chat and --system template a text prompt: give --prompt, not --ids")
+        if self.system is not None and not (self.chat or self.interactive):
+            raise DiffExportError("--system is a turn of the chat template: add --chat")
+        if any(not stop for stop in self.stop):
+            raise DiffExportError("--stop needs non-empty text")
+        if (self.batch_size is not None or self.sort_by_length) and self.prompts_file is None:
+            raise DiffExportError(f"{'--batch-size' if self.batch_size is not None else '--sort-by-length'} "
+                                  "groups the prompts of --prompts-file")
+        if self.interactive and self.chat:
+            raise DiffExportError("--interactive is a chat already (every line a user turn): drop --chat")
+        self.search  # the beam search's own clashes
+        if self.prompts_file is not None and self.batch < 1:
+            raise DiffExportError(f"the batch size must be >= 1, got {self.batch}")
+        if self.stop and self.ids is not None:
+            raise DiffExportError("--stop matches generated text: give --prompt (the folder's tokenizer), not --ids")
+
+    @property
+    def batch(self) -> int:
+        return 8 if self.batch_size is None else self.batch_size
+
+    @property
+    def search(self) -> BeamSearch | None:
+        """The beam search asked for (None: none), refused where it clashes (beam_search_options)."""
+        return beam_search_options(self.num_beams, self.num_return_sequences, self.length_penalty,
+                                   self.early_stopping, sample=self.sample, repetition_penalty=self.repetition_penalty,
+                                   stop=self.stop, interactive=self.interactive,
+                                   batched=self.batch_size is not None or self.sort_by_length)
+
+    def sampling(self, config: dict, log: Callable[[str], None] | None = None) -> Sampling:
+        """The draw over the folder's genai_config search values (folder_sampling)."""
+        return folder_sampling(config, greedy=self.greedy, sample=self.sample, num_beams=self.num_beams,
+                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                               repetition_penalty=self.repetition_penalty, seed=self.seed, log=log)
+
+
 class ChatHistory:
     """A conversation's turns, put through the chat template as a whole each turn. When the
     conversation and the answer's room pass the context, the oldest turns are dropped (the system
