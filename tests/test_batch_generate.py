@@ -234,7 +234,7 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
     pytest.importorskip("onnxruntime_genai")
     import shutil
 
-    from diffexport.backends import decoding, genai
+    from diffexport.backends import genai, step_loop
     from diffexport.core.eager_generation import Sampling
 
     loaded, originals = model_and_folders
@@ -259,7 +259,7 @@ def test_repetition_penalty_in_batches_and_alone_equals_eager(model_and_folders,
                     tokens[i] = t
             assert tokens == expected, (attention, backend)
         assert genai.generate_genai(folder, prompts[1], 14, penalised).tokens == expected[1]
-        assert decoding.generate_onnxruntime(folder, prompts[1], 14, penalised).tokens == expected[1]
+        assert step_loop.generate_stepped(folder, prompts[1], 14, penalised).tokens == expected[1]
 
 
 @pytest.mark.slow
@@ -270,12 +270,12 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
     (ended by its end id, or by the length: then genai's own append would count the unfed last
     token), keep part of it (a stop string cut it) or start over read only what they do not share
     with the session's sequence (and a token or two of it: genai is rewound before every append)
-    and answer with the greedy tokens generate_genai / generate_onnxruntime give from scratch, with
+    and answer with the greedy tokens generate_genai / generate_stepped give from scratch, with
     a repetition penalty too, on both cache kinds."""
     pytest.importorskip("onnxruntime_genai")
     import shutil
 
-    from diffexport.backends import decoding, genai
+    from diffexport.backends import genai, step_loop
     from diffexport.core.eager_generation import Sampling
 
     loaded, folders = model_and_folders
@@ -287,10 +287,10 @@ def test_sessions_keep_their_cache_and_answer_as_from_scratch(model_and_folders,
     config["model"]["eos_token_id"] = [end]
     (folder / "genai_config.json").write_text(json.dumps(config))
     stops = []
-    scratch = genai.generate_genai if kind == "genai" else decoding.generate_onnxruntime
+    scratch = genai.generate_genai if kind == "genai" else step_loop.generate_stepped
     for sampling in (Sampling(), Sampling(repetition_penalty=1.3)):
         session = genai.GenaiSession(folder, sampling) if kind == "genai" else \
-            decoding.LoopSession(decoding.OrtDecoder(folder), sampling)
+            step_loop.LoopSession(step_loop.OrtDecoder(folder), sampling)
         held: list[int] = []
         turns = [lambda ids, answer: first,
                  lambda ids, answer: ids + answer + [300, 301, 302],  # the whole answer kept

@@ -149,7 +149,7 @@ def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attenti
     """genai's own search and eager_generation.search_beams over the onnxruntime loop give the eager
     reference's hypotheses, in order."""
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.backends import decoding, genai
+    from diffexport.backends import genai, step_loop
 
     model, root, _ = folders[family]
     prompt = [11, 250, 3, 97, 40, 8]
@@ -162,11 +162,11 @@ def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attenti
     stops = set()
     for ends in end_sets:
         folder = _with_end_ids(root[attention], tmp_path, ends)
-        genai_model, runner = genai.open_genai_model(folder), decoding.OrtDecoder(folder)
+        genai_model, runner = genai.open_genai_model(folder), step_loop.OrtDecoder(folder)
         for search in searches:
             expected = beam_search(model, prompt, search, 16, eos_token_id=ends)
             for run in (genai.beam_search_genai(folder, prompt, 16, search, model=genai_model),
-                        decoding.beam_search_onnxruntime(folder, prompt, 16, search, runner)):
+                        step_loop.beam_search_stepped(folder, prompt, 16, search, runner)):
                 assert run.sequences == [h.tokens for h in expected], (ends, search)
                 assert run.stops == [h.stop for h in expected], (ends, search)
                 stops |= set(run.stops)
@@ -177,17 +177,17 @@ def test_genai_and_loop_beams_equal_the_eager_reference(folders, family, attenti
 def test_loop_beams_take_a_long_prompt_in_chunks(folders):
     """An engine's profile caps one call's tokens: the loop's search then reads the prompt in chunks
     (as `generate --backend tensorrt` does) and finds the same hypotheses."""
-    from diffexport.backends import decoding
+    from diffexport.backends import step_loop
 
     model, root, ckpt = folders["diff-v1-tiny"]
     prompt = list(range(40, 51))
     search = BeamSearch(3, 3, 1.0, False)
-    runner = decoding.OrtDecoder(root["gqa"])
+    runner = step_loop.OrtDecoder(root["gqa"])
     runner.max_sequence = 4  # chunks of 4, 4 and 3
     calls = []
     step = runner.step
     runner.step = lambda ids, mask, cache: calls.append(ids.shape) or step(ids, mask, cache)
-    run = decoding.beam_search_onnxruntime(root["gqa"], prompt, 9, search, runner)
+    run = step_loop.beam_search_stepped(root["gqa"], prompt, 9, search, runner)
     assert calls[:4] == [(1, 4), (1, 4), (1, 3), (3, 1)]
     assert run.sequences == [h.tokens for h in beam_search(model, prompt, search, 9)]
     assert run.steps == 9 and run.stops == ["length"] * 3
@@ -308,7 +308,7 @@ def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, 
     not follow their beams fails it, with the gap its worse hypotheses have under eager, while
     genai's own search still passes."""
     pytest.importorskip("onnxruntime_genai")
-    from diffexport.backends import decoding
+    from diffexport.backends import step_loop
     from diffexport.modeling.checkpoint import load_model
     from diffexport.validation.decoder import run_decoder_check
     from diffexport.validation.options import CheckOptions
@@ -330,11 +330,11 @@ def test_check_folder_with_beams_and_a_broken_cache_reorder(folders, attention, 
     assert any(f"end ids {end}" in line for line in lines)
 
     def reordered_wrongly(step, *args, **kwargs):  # every cache row of the previous step's order, reversed
-        return decoding.search_beams.__wrapped__(
+        return step_loop.search_beams.__wrapped__(
             lambda ids, order: step(ids, None if order is None else order[::-1]), *args, **kwargs)
 
-    reordered_wrongly.__wrapped__ = decoding.search_beams
-    monkeypatch.setattr(decoding, "search_beams", reordered_wrongly)
+    reordered_wrongly.__wrapped__ = step_loop.search_beams
+    monkeypatch.setattr(step_loop, "search_beams", reordered_wrongly)
     report = run_decoder_check(folder, loaded, options, log=quiet, steps=12)
     assert not report.passed
     text = report.text()

@@ -21,7 +21,7 @@ from diffexport.modeling.checkpoint import load_model, save_checkpoint, save_saf
 from diffexport.modeling.families import build_model  # noqa: E402
 from diffexport.modeling.presets import preset_config  # noqa: E402
 from diffexport.validation.options import CheckOptions  # noqa: E402
-from diffexport.validation.prefill import run_check  # noqa: E402
+from diffexport.validation.prefill import run_prefill_check  # noqa: E402
 
 QUICK_SHAPES = ((1, 1), (2, 17), (3, 30))
 
@@ -33,7 +33,7 @@ def _diff_nodes(path):
 
 def _export_and_check(loaded, path, **options):
     summary = export_onnx(loaded, path, ExportOptions(**options), log=lambda _: None)
-    report = run_check(path, loaded, CheckOptions(shapes=QUICK_SHAPES, provider="cpu"), log=lambda _: None)
+    report = run_prefill_check(path, loaded, CheckOptions(shapes=QUICK_SHAPES, provider="cpu"), log=lambda _: None)
     return summary, report
 
 

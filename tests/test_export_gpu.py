@@ -10,7 +10,7 @@ ort = pytest.importorskip("onnxruntime")
 from diffexport.export import ExportOptions, export_onnx  # noqa: E402
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.validation.options import CheckOptions  # noqa: E402
-from diffexport.validation.prefill import run_check  # noqa: E402
+from diffexport.validation.prefill import run_prefill_check  # noqa: E402
 
 
 def _needs_cuda_provider():
@@ -24,7 +24,7 @@ def test_check_on_the_cuda_provider(preset, dtype, tmp_path):
     _needs_cuda_provider()
     loaded = load_model(None, preset=preset, seed=3, dtype=getattr(torch, dtype))
     export_onnx(loaded, tmp_path / "m.onnx", ExportOptions(dtype=dtype), log=lambda _: None)
-    report = run_check(tmp_path / "m.onnx", load_model(None, preset=preset, seed=3),
+    report = run_prefill_check(tmp_path / "m.onnx", load_model(None, preset=preset, seed=3),
                        CheckOptions(provider="cuda", shapes=((1, 1), (2, 33), (1, 1023))), log=lambda _: None)
     assert report.passed, report.text()
     assert "--providers cuda" in report.polygraphy_command

@@ -16,7 +16,7 @@ pytest.importorskip("onnxruntime")
 
 from helpers import assert_one_line_error, cli_main, perturb_norm_weights, quiet  # noqa: E402
 
-from diffexport.backends import decoding, genai  # noqa: E402
+from diffexport.backends import genai, step_loop  # noqa: E402
 from diffexport.core import contract  # noqa: E402
 from diffexport.core.eager_generation import Sampling, generate, pad_batch  # noqa: E402
 from diffexport.core.errors import DiffExportError  # noqa: E402
@@ -97,7 +97,7 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
 def _steps(folder, rows, chunks, right_padded=frozenset()):
     """Logits of a padded batch (left, or right for the rows in right_padded, as onnxruntime-genai
     pads): the prompt, then `chunks` (token counts) fed in turn."""
-    runner = decoding.OrtDecoder(folder)
+    runner = step_loop.OrtDecoder(folder)
     ids, mask = (t.numpy() for t in pad_batch(rows, pad_token_id=0, right_padded=right_padded))
     cache = runner.empty_cache(len(rows))
     out = []
@@ -154,11 +154,11 @@ def test_generation_stops_at_the_context_length(tmp_path):
     loaded = load_model(None, preset="diff-v1-tiny", seed=2)
     export_decoder(loaded, tmp_path / "kv", attention="gqa", context_length=16, log=quiet)
     prompt = list(range(1, 10))
-    ort = decoding.generate_onnxruntime(tmp_path / "kv", prompt, 20, Sampling(), ignore_eos=True)
+    ort = step_loop.generate_stepped(tmp_path / "kv", prompt, 20, Sampling(), ignore_eos=True)
     assert len(ort.tokens) == 16 - len(prompt) and ort.stop == "length"
     genai_run = genai.generate_genai(tmp_path / "kv", prompt, 20, Sampling(), min_new_tokens=20)
     assert genai_run.tokens == ort.tokens and genai_run.stop == "length"
-    runner = decoding.OrtDecoder(tmp_path / "kv")
+    runner = step_loop.OrtDecoder(tmp_path / "kv")
     with pytest.raises(DiffExportError, match="exceed the folder's context length 16"):
         runner.step(np.ones((1, 17), np.int64), np.ones((1, 17), np.int64), runner.empty_cache(1))
     with pytest.raises(DiffExportError, match="prompt's 17 tokens exceed"):
@@ -194,7 +194,7 @@ def test_gqa_folder_decodes_in_genai_like_eager(v1_pair):
     expected = generate(loaded.model.eval(), torch.tensor([PROMPT]), max_new_tokens=36, eos_token_id=eos).tokens[0]
     tokens = genai.generate_genai(folder, PROMPT, 36, Sampling()).tokens
     assert len(tokens) >= 32 and tokens == expected.tolist()
-    assert decoding.generate_onnxruntime(folder, PROMPT, 36, Sampling()).tokens == tokens
+    assert step_loop.generate_stepped(folder, PROMPT, 36, Sampling()).tokens == tokens
     report = run_decoder_check(folder, loaded, CheckOptions(provider="cpu"), log=quiet)
     assert report.passed, report.text()
 
@@ -290,7 +290,7 @@ def test_the_onnxruntime_loop_is_a_decoder_runner(artifacts):
     from diffexport.backends.base import DecoderRunner
     from diffexport.backends.tensorrt import EngineDecoder
 
-    runner = decoding.OrtDecoder(artifacts.decoder("diff-v1-gqa", "gqa"))
+    runner = step_loop.OrtDecoder(artifacts.decoder("diff-v1-gqa", "gqa"))
     assert isinstance(runner, DecoderRunner) and runner.max_sequence is None and runner.layers > 0
     cache = runner.empty_cache(2)
     logits, cache = runner.step(np.array([[1, 2], [3, 4]]), np.ones((2, 2), dtype=np.int64), cache)

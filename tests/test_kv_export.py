@@ -22,7 +22,7 @@ from helpers import (  # noqa: E402
     run_printed_polygraphy,
 )
 
-from diffexport.backends import base, decoding, genai  # noqa: E402
+from diffexport.backends import base, genai, step_loop  # noqa: E402
 from diffexport.core import contract  # noqa: E402
 from diffexport.core.eager_generation import BeamSearch, Sampling, generate  # noqa: E402
 from diffexport.core.errors import DiffExportError  # noqa: E402
@@ -95,7 +95,7 @@ def test_v1_genai_and_onnxruntime_loop_equal_eager_tokens(v1_folder, v1_ckpt):
     eos = json.loads((v1_folder / "genai_config.json").read_text())["model"]["eos_token_id"]
     expected = _eager_tokens(loaded, eos=eos)
     assert _genai_tokens(v1_folder) == expected
-    run = decoding.generate_onnxruntime(v1_folder, PROMPT, NEW_TOKENS, Sampling())
+    run = step_loop.generate_stepped(v1_folder, PROMPT, NEW_TOKENS, Sampling())
     assert run.tokens == expected and len(expected) >= 32
 
 
@@ -160,7 +160,7 @@ def test_check_scores_a_text_through_the_folders_cache(v1_folder, v1_ckpt, tmp_p
     assert "(UTF-8 bytes)" in line  # the folder has no tokenizer
     assert len(json.loads((tmp_path / "c" / "inputs.json").read_text())) == 2  # polygraphy: greedy steps only
 
-    step = decoding.OrtDecoder.step
+    step = step_loop.OrtDecoder.step
 
     def forgetful(self, ids, mask, cache):  # one-row calls with a past lose their oldest cached token's value
         if ids.shape[0] == 1 and mask.shape[1] > ids.shape[1]:
@@ -170,7 +170,7 @@ def test_check_scores_a_text_through_the_folders_cache(v1_folder, v1_ckpt, tmp_p
                     cache[name][:, :, 0] = 0
         return step(self, ids, mask, cache)
 
-    monkeypatch.setattr(decoding.OrtDecoder, "step", forgetful)
+    monkeypatch.setattr(step_loop.OrtDecoder, "step", forgetful)
     broken = run_decoder_check(v1_folder, loaded, CheckOptions(provider="cpu", save_dir=tmp_path / "b",
                                                                text=str(text)), log=quiet, steps=4)
     assert not broken.passed, broken.text()
@@ -911,7 +911,7 @@ def test_several_end_ids_all_stop_generation(tmp_path):
     expected = free[:stop_at + 1]
     assert _eager_tokens(loaded, prompt, n=12, eos=config["eos_token_id"]) == expected
     assert genai.generate_genai(tmp_path / "kv", prompt, 12, Sampling()).tokens == expected
-    looped = decoding.generate_onnxruntime(tmp_path / "kv", prompt, 12, Sampling())
+    looped = step_loop.generate_stepped(tmp_path / "kv", prompt, 12, Sampling())
     assert looped.tokens == expected and looped.stop == "eos"
 
 
@@ -1117,12 +1117,12 @@ def test_generate_through_a_decoder_engine(kv_engine, v1_folder, monkeypatch, tm
     monkeypatch.setattr(tensorrt, "open_engine", lambda data, module, lib=None: _OrtAsEngine(v1_folder / "model.onnx"))
     runner = tensorrt.open_decoder_engine(kv_engine, v1_folder)
     assert runner.context == 65 and runner.config["model"]["eos_token_id"] == 511  # --max-past 64
-    run = decoding.generate_onnxruntime(v1_folder, PROMPT, 100, Sampling(), runner=runner, ignore_eos=True)
-    plain = decoding.generate_onnxruntime(v1_folder, PROMPT, 100, Sampling(), ignore_eos=True)
+    run = step_loop.generate_stepped(v1_folder, PROMPT, 100, Sampling(), runner=runner, ignore_eos=True)
+    plain = step_loop.generate_stepped(v1_folder, PROMPT, 100, Sampling(), ignore_eos=True)
     assert len(run.tokens) == 65 - len(PROMPT) and run.tokens == plain.tokens[:len(run.tokens)]
     runner.max_sequence = 3  # a prompt longer than the profile's sequence goes in chunks of 3, 3 and 1
     runner._run.calls.clear()
-    chunked = decoding.generate_onnxruntime(v1_folder, PROMPT, 20, Sampling(), runner=runner, ignore_eos=True)
+    chunked = step_loop.generate_stepped(v1_folder, PROMPT, 20, Sampling(), runner=runner, ignore_eos=True)
     assert [c["input_ids"][0] for c in runner._run.calls[:4]] == [(1, 3), (1, 3), (1, 1), (1, 1)]
     assert runner._run.calls[2]["attention_mask"][0] == (1, 7) and chunked.tokens == plain.tokens[:20]
     monkeypatch.undo()
@@ -1190,7 +1190,7 @@ def test_generate_threads_overrides_the_folder(v1_folder, tmp_path):
     folder_says = threads_started(lambda: genai.open_genai_model(own))
     with base.intra_op_threads(6):
         user_says = threads_started(lambda: genai.open_genai_model(own))
-        loop = decoding.OrtDecoder(own)
+        loop = step_loop.OrtDecoder(own)
     assert user_says >= folder_says + 5, (folder_says, user_says)
     assert loop.session.get_session_options().intra_op_num_threads == 6
     assert base.INTRA_OP_THREADS.get() is None  # only within

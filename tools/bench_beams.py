@@ -8,7 +8,7 @@ folders, onnxruntime with intra_op_num_threads = the machine's cores. One prompt
 ids; every search runs --new steps (no end id is reachable: the end id is moved to one the model
 never picks, so every run does the same work). Runtimes: onnxruntime-genai's own search
 (genai.beam_search_genai), eager_generation.search_beams over the onnxruntime loop
-(decoding.beam_search_onnxruntime) and over the eager model (eager_generation.beam_search); 1 beam is
+(step_loop.beam_search_stepped) and over the eager model (eager_generation.beam_search); 1 beam is
 greedy decoding through the same code. All runtimes must return the same hypotheses (checked).
 Cells: median seconds of --rounds interleaved rounds after a warm-up, and beam tokens/s (beams x
 new tokens / s). --write replaces the section in docs/BENCHMARKS.md.
@@ -33,7 +33,7 @@ import bench_context  # noqa: E402
 import bench_decode  # noqa: E402
 import benchdoc  # noqa: E402
 
-from diffexport.backends import decoding, genai  # noqa: E402
+from diffexport.backends import genai, step_loop  # noqa: E402
 from diffexport.core.eager_generation import BeamSearch, beam_search  # noqa: E402
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
@@ -78,11 +78,11 @@ def main() -> None:
         runtimes = {}
         for label, folder in folders.items():
             genai_model = genai.open_genai_model(folder)
-            runner = decoding.OrtDecoder(plain[label], threads=cores)
+            runner = step_loop.OrtDecoder(plain[label], threads=cores)
             runtimes[f"onnxruntime-genai, {label}"] = \
                 lambda s, f=folder, m=genai_model: genai.beam_search_genai(f, prompt, args.new, s, model=m).sequences
             runtimes[f"onnxruntime loop, {label}"] = \
-                lambda s, f=folder, r=runner: decoding.beam_search_onnxruntime(f, prompt, args.new, s, r).sequences
+                lambda s, f=folder, r=runner: step_loop.beam_search_stepped(f, prompt, args.new, s, r).sequences
         runtimes["eager PyTorch"] = lambda s: [h.tokens for h in beam_search(model, prompt, s, args.new, end)]
         expected = {n: [h.tokens for h in beam_search(model, prompt, s, args.new, end)] for n, s in searches.items()}
         for label, run in runtimes.items():  # warm-up, and every runtime's hypotheses checked

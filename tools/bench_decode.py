@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchdoc  # noqa: E402
 
-from diffexport.backends import decoding, genai  # noqa: E402
+from diffexport.backends import genai, step_loop  # noqa: E402
 from diffexport.backends.speed import read_bandwidth, weight_bytes_per_token  # noqa: E402,F401 (the tools' names)
 from diffexport.core.eager_generation import Sampling, generate  # noqa: E402
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
@@ -121,9 +121,9 @@ def time_genai(folder, prompt, new):
 
 
 def time_ort(folder, prompt, new, threads=None):
-    runner = decoding.OrtDecoder(folder, threads=threads)
-    decoding.generate_onnxruntime(folder, prompt[:16], 8, Sampling(), runner=runner)
-    return decoding.generate_onnxruntime(folder, prompt, new, Sampling(), runner=runner, ignore_eos=True)
+    runner = step_loop.OrtDecoder(folder, threads=threads)
+    step_loop.generate_stepped(folder, prompt[:16], 8, Sampling(), runner=runner)
+    return step_loop.generate_stepped(folder, prompt, new, Sampling(), runner=runner, ignore_eos=True)
 
 
 def time_eager(model, prompt, new):

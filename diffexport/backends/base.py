@@ -1,9 +1,9 @@
 """What every runtime shares. Two protocols:
 - DecoderRunner: one forward of a KV-cache graph with the cache it is handed, whatever runs it
-  (`decoding.OrtDecoder`, `tensorrt.EngineDecoder`); the step loop (backends/decoding.py), the
+  (`step_loop.OrtDecoder`, `tensorrt.EngineDecoder`); the step loop (backends/step_loop.py), the
   searches and `check` rely on nothing else.
 - Runtime: a decoder folder opened on one runtime, as text generation uses it (one answer,
-  batches, beam search, a chat session). `decoding.StepLoopRuntime` drives any DecoderRunner;
+  batches, beam search, a chat session). `step_loop.StepLoopRuntime` drives any DecoderRunner;
   onnxruntime-genai keeps its cache behind its own Generator API, so `genai.GenaiRuntime` drives
   it. backends/runtimes.py names them.
 Also the records a run returns, the intra-op threads a run uses, how each batch of a plan draws,

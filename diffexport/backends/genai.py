@@ -4,7 +4,7 @@ chat session that keeps it between turns, right-padded batches, beam search), an
 here: genai reads a prompt's trailing pad ids as padding (genai_pad_for), takes at most 32 beams,
 applies its repetition penalty to padding (batches apply it themselves), and needs a top_k for a
 top-p draw (format/decoder_folder.genai_top_k). Every folder is validated whole before genai reads
-it. The onnxruntime step loop over the same folders is backends/decoding.py.
+it. The onnxruntime step loop over the same folders is backends/step_loop.py.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 RUNTIMES: dict[str, str] = {
     # onnxruntime-genai: its own loop, cache and search (the default)
     "genai": "diffexport.backends.genai:open_genai_runtime",
-    # a plain onnxruntime session, stepped by backends/decoding.py
-    "onnxruntime": "diffexport.backends.decoding:open_onnxruntime_runtime",
+    # a plain onnxruntime session, stepped by backends/step_loop.py
+    "onnxruntime": "diffexport.backends.step_loop:open_onnxruntime_runtime",
     # the engine `diffexport trt FOLDER` built, on the GPU, stepped by the same loop
     "tensorrt": "diffexport.backends.tensorrt:open_engine_runtime",
 }

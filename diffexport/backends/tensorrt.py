@@ -23,7 +23,7 @@ from pathlib import Path
 
 import onnx
 
-from diffexport.backends.decoding import StepLoopRuntime, empty_cache, step_feeds
+from diffexport.backends.step_loop import StepLoopRuntime, empty_cache, step_feeds
 from diffexport.core import contract
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import atomic_write, check_output_path, load_onnx, require_file
@@ -581,7 +581,7 @@ def decoder_profile_problem(record: dict, engine_path: Path, batch: int, sequenc
 
 
 class EngineDecoder:
-    """A KV-cache decoder engine (`diffexport trt FOLDER`) stepped the way decoding.OrtDecoder steps
+    """A KV-cache decoder engine (`diffexport trt FOLDER`) stepped the way step_loop.OrtDecoder steps
     the folder (both are DecoderRunners: backends/base.py), so `check` runs one loop for both: the
     cache stays on the host between steps in the model dtype, and each call is held against the
     engine's profile before it runs.
@@ -627,7 +627,7 @@ class EngineDecoder:
 def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLike, plugin_lib: str | None = None):
     """The engine `diffexport trt FOLDER` built, ready to step on the GPU with the folder's genai
     config (end-of-text id, tokenizer) and the context its profile allows: a runner for
-    decoding.generate_onnxruntime's loop. The engine's record must name the folder's model."""
+    step_loop.generate_stepped's loop. The engine's record must name the folder's model."""
 
     engine_path = Path(engine_path)
     record = read_engine_record(engine_path)

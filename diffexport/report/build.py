@@ -24,7 +24,7 @@ from diffexport.validation.artifact import artifact_kind
 from diffexport.validation.decoder import DECODE_STEPS, run_decoder_check
 from diffexport.validation.inspect_onnx import inspect_onnx
 from diffexport.validation.options import CheckOptions, CheckReport
-from diffexport.validation.prefill import run_check
+from diffexport.validation.prefill import run_prefill_check
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ def build_report(artifact: str | os.PathLike, loaded: LoadedModel, options: Chec
     if kind == "decoder":
         check = run_decoder_check(artifact, loaded, options, log=log, steps=DECODE_STEPS if steps is None else steps)
     else:
-        check = run_check(artifact, loaded, options, log=log)
+        check = run_prefill_check(artifact, loaded, options, log=log)
     measured = None
     if speed:
         with Progress("speed", 3) as progress:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from diffexport.backends import decoding, genai
+from diffexport.backends import genai, step_loop
 from diffexport.core import eager_generation
 from diffexport.core.errors import DiffExportError
 from diffexport.export import ExportOptions, export_onnx
@@ -26,7 +26,7 @@ from diffexport.modeling import summary
 from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.validation.decoder import run_decoder_check
 from diffexport.validation.options import CheckOptions
-from diffexport.validation.prefill import run_check
+from diffexport.validation.prefill import run_prefill_check
 
 DEMO_PRESET = "diff-text-tiny"  # the demo's model when none is named: the zoo's trained text model
 DEMO_PROMPT = "def fibonacci(n):"  # it was trained on Python source
@@ -43,7 +43,7 @@ def run_demo(loaded: LoadedModel, out_dir: str | Path, *, seed: int = 0, show: C
     show(op_report)
     exported = export_onnx(loaded, out_dir / "model.onnx", ExportOptions(force=earlier_demo_export(out_dir)), log=log)
     show(exported.report())
-    report = run_check(exported.path, loaded, CheckOptions(provider="cpu", seed=seed), log=log)
+    report = run_prefill_check(exported.path, loaded, CheckOptions(provider="cpu", seed=seed), log=log)
     show(report.text())
     kv_ok = demo_generation(loaded, out_dir, seed, show, log)
     return report.passed and op_ok and kv_ok
@@ -83,7 +83,7 @@ def demo_generation(loaded: LoadedModel, out_dir: Path, seed: int, show: Callabl
         run = genai.generate_genai(folder, prompt, DEMO_NEW_TOKENS, eager_generation.Sampling())
         backend = "onnxruntime-genai"
     except DiffExportError:  # onnxruntime-genai missing: the plain loop, said so
-        run = decoding.generate_onnxruntime(folder, prompt, DEMO_NEW_TOKENS, eager_generation.Sampling())
+        run = step_loop.generate_stepped(folder, prompt, DEMO_NEW_TOKENS, eager_generation.Sampling())
         backend = "onnxruntime loop (onnxruntime-genai not installed)"
     eager = eager_generation.generate(loaded.model, torch.tensor([prompt]), max_new_tokens=len(run.tokens))
     same = eager.tokens[0].tolist() == run.tokens

@@ -18,7 +18,7 @@ from diffexport.validation.against import run_against
 from diffexport.validation.decoder import run_decoder_check
 from diffexport.validation.engine import run_engine_check
 from diffexport.validation.options import DECODE_STEPS, CheckOptions, CheckReport, check_decode_options
-from diffexport.validation.prefill import run_check
+from diffexport.validation.prefill import run_prefill_check
 
 # Options that need a decoder (a folder; all but --sample, its engine too), in the order they are
 # refused: each is said before anything loads.
@@ -63,7 +63,7 @@ def check_artifact(path: str | Path, options_for: Callable[[dict | None], CheckO
             return reports
         options.save_dir = Path(str(options.save_dir or path.with_suffix(".check")) + "-model")
         meta = read_export_metadata(path)  # the model comparison needs diffexport's metadata
-        return reports + [run_check(path, load_model(meta), options, log=log)]
+        return reports + [run_prefill_check(path, load_model(meta), options, log=log)]
     if kind == "decoder":
 
         _, folder_config, meta = read_decoder_folder(path)  # not a decoder folder: said before the checkpoint loads
@@ -83,4 +83,4 @@ def check_artifact(path: str | Path, options_for: Callable[[dict | None], CheckO
         return [run_engine_check(path, load_model(meta), options, log=log, steps=steps)]
     meta = read_export_metadata(path)  # a corrupt or foreign file fails before the checkpoint loads
     options = options_for(None)
-    return [run_check(path, load_model(meta), options, log=log)]
+    return [run_prefill_check(path, load_model(meta), options, log=log)]

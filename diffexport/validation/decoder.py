@@ -15,7 +15,7 @@ import torch
 from diffexport.analysis import plots
 from diffexport.analysis.probe import AttentionProbe
 from diffexport.backends.base import DecoderRunner
-from diffexport.backends.decoding import OrtDecoder, check_beam_memory
+from diffexport.backends.step_loop import OrtDecoder, check_beam_memory
 from diffexport.core import tolerances
 from diffexport.core.eager_generation import last_real, pad_batch
 from diffexport.core.errors import DiffExportError

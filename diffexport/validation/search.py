@@ -12,8 +12,8 @@ import torch
 
 from diffexport.analysis import plots
 from diffexport.analysis.probe import AttentionProbe
-from diffexport.backends import decoding
 from diffexport.backends import genai as genai_backend
+from diffexport.backends import step_loop
 from diffexport.backends.base import DecoderRunner
 from diffexport.core.eager_generation import (
     BeamSearch,
@@ -52,7 +52,7 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
 
     ends = None if runner.config is None else decoder_folder.eos_token_ids(runner.config)
     new = min(steps, min(runner.context - len(p) for p in prompts))
-    runtimes = {short: lambda prompt: decoding.beam_search_onnxruntime(None, prompt, new, search, runner=runner)}
+    runtimes = {short: lambda prompt: step_loop.beam_search_stepped(None, prompt, new, search, runner=runner)}
     lines = []
     if genai is not None:
         folder, provider = genai

@@ -96,7 +96,7 @@ class OrtDecoder:
         return out[0], dict(zip(self.outputs[1:], out[1:]))
 
 
-def generate_onnxruntime(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
+def generate_stepped(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
                          on_token: Callable[[int], None] | None = None, threads: int | None = None,
                          runner: OrtDecoder | None = None, ignore_eos: bool = False, provider: str = "cpu",
                          stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
@@ -181,7 +181,7 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
     return tokens, stops
 
 
-def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+def generate_batch_stepped(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                                runner: OrtDecoder | None = None, provider: str = "cpu",
                                threads: int | None = None, stop_after: Callable[[int, int], bool] | None = None,
                                limits: list[int] | None = None) -> BatchRun:
@@ -196,7 +196,7 @@ def generate_batch_onnxruntime(folder, prompts: list[list[int]], max_new_tokens:
                     timing["first"] - timing["start"])
 
 
-def beam_search_onnxruntime(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
+def beam_search_stepped(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
                             runner: OrtDecoder | None = None, provider: str = "cpu") -> BeamRun:
     """eager_generation.search_beams over the onnxruntime loop (or an engine's runner: `--backend
     tensorrt`): the prompt runs once and its cache is copied to every beam; each step takes the
@@ -240,7 +240,7 @@ class LoopSession:
     """GenaiSession's turns on the onnxruntime loop or an engine's runner (`--backend onnxruntime`,
     `tensorrt`): the cache of the conversation so far is kept, cut back to what the next
     conversation shares with the tokens it holds, and only the rest is run. Sampled turns draw from
-    their own seeds (batch_sampling); greedy answers are generate_onnxruntime's from scratch."""
+    their own seeds (batch_sampling); greedy answers are generate_stepped's from scratch."""
 
     def __init__(self, runner, sampling: Sampling):
         self.runner, self.sampling = runner, sampling
@@ -288,7 +288,7 @@ class StepLoopRuntime:
     def generate(self, ids: list[int], max_new_tokens: int, sampling: Sampling, *,
                  on_token: Callable[[int], None] | None = None,
                  stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
-        return generate_onnxruntime(self.folder, ids, max_new_tokens, sampling, runner=self.runner,
+        return generate_stepped(self.folder, ids, max_new_tokens, sampling, runner=self.runner,
                                     on_token=on_token, stop_after=stop_after)
 
     def generate_in_batches(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
@@ -297,7 +297,7 @@ class StepLoopRuntime:
                             limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
         for number, indices in enumerate(batch_plan(prompts, batch_size, sort_by_length)):
             rows = None if limits is None else [limits[i] for i in indices]
-            yield indices, generate_batch_onnxruntime(
+            yield indices, generate_batch_stepped(
                 self.folder, [prompts[i] for i in indices], max_new_tokens if rows is None else max(rows),
                 batch_sampling(sampling, number), runner=self.runner, stop_after=by_prompt(stop_after, indices),
                 limits=rows)
@@ -307,7 +307,7 @@ class StepLoopRuntime:
         runner = self.runner
         if runner.config is not None:
             check_beam_memory(runner.config, runner.meta["dtype"], search.num_beams, longest)
-        return lambda ids, new: beam_search_onnxruntime(self.folder, ids, new, search, runner)
+        return lambda ids, new: beam_search_stepped(self.folder, ids, new, search, runner)
 
     def chat_session(self, sampling: Sampling) -> "LoopSession":
         return LoopSession(self.runner, sampling)
