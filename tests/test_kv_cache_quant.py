@@ -98,9 +98,9 @@ def test_pair_lengths_bound_every_rotation():
 
 
 def test_the_budget_adds_the_cache_to_the_weights():
-    both = tolerances.quant_budget({"weight_quant": json.dumps({"bits": 4}), "kv_cache_quant": json.dumps({"bits": 8})})
+    both = tolerances.quant_budget(weights=json.dumps({"bits": 4}), kv_cache=json.dumps({"bits": 8}))
     assert both.max_kl == pytest.approx(0.055) and both.min_cosine == pytest.approx(0.945)
-    assert tolerances.quant_budget({"kv_cache_quant": json.dumps({"bits": 8})}).max_kl == pytest.approx(0.005)
+    assert tolerances.quant_budget(kv_cache=json.dumps({"bits": 8})).max_kl == pytest.approx(0.005)
 
 
 def test_refusals(artifacts, tmp_path):

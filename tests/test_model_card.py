@@ -119,7 +119,7 @@ def test_strangers_metadata_reaches_the_card_as_text(folder, tmp_path):
 
     import onnx
 
-    from diffexport.format.metadata import META_PREFIX
+    from diffexport.format.metadata_keys import META_PREFIX
 
     copy = shutil.copytree(folder, tmp_path / "kv")
     model = onnx.load(copy / "model.onnx", load_external_data=False)

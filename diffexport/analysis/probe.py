@@ -32,12 +32,12 @@ class AttentionProbe:
         if family not in FAMILIES:
             raise DiffExportError(f"cannot probe attention of {type(model).__name__}: not a supported model "
                                   f"family ({', '.join(sorted(FAMILIES))})")
-        self.model, self.family = model, family
+        self.model, self.family, self.differential = model, family, model.config.differential
         self.quant, self.on_logits, self.on_map = quant, on_logits, on_map
         self._saved: list = []
 
     def __enter__(self) -> "AttentionProbe":
-        explicit = self._transformer if self.family == "transformer" else self._diff
+        explicit = self._diff if self.differential else self._transformer
         for index, layer in enumerate(self.model.layers):
             self._saved.append(layer.attn.impl)
             layer.attn.impl = functools.partial(explicit, index)

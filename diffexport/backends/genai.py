@@ -34,6 +34,7 @@ from diffexport.core.eager_generation import BeamSearch, Sampling, penalize_repe
 from diffexport.core.errors import DiffExportError
 from diffexport.format import decoder_folder
 from diffexport.format.genai_config import MAX_THREADS, read_genai_config
+from diffexport.format.metadata_keys import DTYPE
 
 
 def import_genai():
@@ -436,7 +437,7 @@ class GenaiRuntime:
     def beam_searcher(self, search: BeamSearch, prompts: list[list[int]],
                       longest: int) -> Callable[[list[int], int], BeamRun]:
         meta = decoder_folder.read_decoder_folder(self.folder)[2]
-        check_beam_memory(self.config, meta["dtype"], search.num_beams, longest)
+        check_beam_memory(self.config, meta[DTYPE], search.num_beams, longest)
         check_genai_beams(search.num_beams, ": lower --num-beams, or use --backend onnxruntime (diffexport's "
                                             "search over the onnxruntime loop has no such limit)")
         model = open_genai_model(self.folder, self.provider, genai_pad_for(self.config, prompts))

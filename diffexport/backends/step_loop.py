@@ -35,6 +35,7 @@ from diffexport.core.eager_generation import BeamSearch, Sampling, choose_next, 
 from diffexport.core.errors import DiffExportError
 from diffexport.core.onnxruntime_session import open_session, resolve_provider
 from diffexport.format import decoder_folder, names
+from diffexport.format.metadata_keys import DTYPE
 
 
 def empty_cache(batch: int, layers: int, heads: int, width: int, dtype) -> dict[str, np.ndarray]:
@@ -62,14 +63,14 @@ class OrtDecoder:
 
         read = decoder_folder.read_decoder_folder(folder)
         self.model_path, self.config, self.meta = read
-        if self.meta["dtype"] == "bfloat16":  # numpy, which this loop feeds the cache as, has no bfloat16
+        if self.meta[DTYPE] == "bfloat16":  # numpy, which this loop feeds the cache as, has no bfloat16
             raise DiffExportError(f"{Path(folder).name} is a bfloat16 folder, which the onnxruntime loop cannot feed "
                                   "(numpy has no bfloat16): run it with onnxruntime-genai on CUDA (`generate --backend "
                                   "genai`), or build it with `diffexport trt` and check the engine")
         self.session = open_session(self.model_path, provider, threads or INTRA_OP_THREADS.get())
         self.layers, self.heads, self.width = read.layers, read.cache_heads, read.head_size  # heads 1: token-major
         self.context = read.context_length
-        self.dtype = np.float16 if self.meta["dtype"] == "float16" else np.float32
+        self.dtype = np.float16 if self.meta[DTYPE] == "float16" else np.float32
         past_type = next((i.type for i in self.session.get_inputs() if i.name == names.PAST_KEY % 0), "")
         self.cache_dtype = np.int8 if past_type == "tensor(int8)" else self.dtype  # `quantize --kv-cache int8`
         self.outputs = [o.name for o in self.session.get_outputs()]
@@ -306,7 +307,7 @@ class StepLoopRuntime:
                       longest: int) -> Callable[[list[int], int], BeamRun]:
         runner = self.runner
         if runner.config is not None:
-            check_beam_memory(runner.config, runner.meta["dtype"], search.num_beams, longest)
+            check_beam_memory(runner.config, runner.meta[DTYPE], search.num_beams, longest)
         return lambda ids, new: beam_search_stepped(self.folder, ids, new, search, runner)
 
     def chat_session(self, sampling: Sampling) -> "LoopSession":

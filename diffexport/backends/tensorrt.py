@@ -30,6 +30,7 @@ from diffexport.core.files import atomic_write, check_output_path, load_onnx, re
 from diffexport.format import decoder_folder, decoders, names
 from diffexport.format.decoder_folder import read_decoder_folder
 from diffexport.format.metadata import read_export_metadata
+from diffexport.format.metadata_keys import ATTENTION, DTYPE, KV_CACHE, stored_metadata
 from diffexport.format.nodes import is_diff_attention, node_attrs, plugin_selectors
 from diffexport.passes.cleanup import cleanup
 from diffexport.passes.lowering import lower_diff_attention
@@ -335,7 +336,7 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     """Parse and build; parse errors name the failing node, build errors say what TensorRT said."""
     options = options or EngineOptions()
     _check_profile(options)
-    check_decoder_format(next((p.value for p in model.metadata_props if p.key == names.META_PREFIX + "attention"), None))
+    check_decoder_format(stored_metadata(model).get(ATTENTION))
     if options.attention == "plugin":  # before TensorRT loads, not inside its parser (the plugin's creator refuses it there)
         refusal = next(filter(None, (contract.plugin_refusal(node_attrs(n).head_dim) for n in model.graph.node
                                      if is_diff_attention(n))), None)
@@ -444,7 +445,7 @@ def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, 
     if not opt_given:  # the default optimum never exceeds the maximum
         options.opt_shape = tuple(min(o, m) for o, m in zip(options.opt_shape, options.max_shape))
     meta = read_export_metadata(model_path)
-    check_decoder_format(meta.get("attention"), str(model_path))  # before the weights load (build_engine asks too)
+    check_decoder_format(meta.get(ATTENTION), str(model_path))  # before the weights load (build_engine asks too)
     result = build_engine(load_onnx(model_path), options)  # TensorRT's build phases show on stderr while it runs
     write_engine(output, result, model_path, meta, options)
     return result
@@ -466,7 +467,7 @@ def write_engine(engine_path: Path, result: BuildResult, onnx_path: Path, onnx_m
         "smooth_k": bool(options.smooth_k), "precision": result.precision,
         "profile": {"min": list(options.min_shape), "opt": list(options.opt_shape), "max": list(options.max_shape),
                     **({"opt_past": options.opt_past, "max_past": options.max_past}
-                       if onnx_metadata.get("kv_cache") == "1" else {})},
+                       if onnx_metadata.get(KV_CACHE) == "1" else {})},
         "plugin_lib": str(find_plugin_library(options.plugin_lib)) if result.attention == "plugin" else None,
     }
     atomic_write(engine_path, lambda tmp: Path(tmp).write_bytes(result.engine))
@@ -598,7 +599,7 @@ class EngineDecoder:
             raise DiffExportError(f"{self.model_path.name} takes no KV cache like a decoder folder's "
                                   f"({names.PAST_KEY % 0}: {shape}): rebuild it from the folder with `diffexport trt`")
         self.heads, self.width = int(shape[1]), int(shape[3])
-        self.dtype = np.float16 if meta["dtype"] == "float16" else np.float32
+        self.dtype = np.float16 if meta[DTYPE] == "float16" else np.float32
         self._record = record
         decoder_profile_problem(record, self.model_path, 1, 1, 0)  # a record without past lengths fails here
         self.max_sequence = int(record["profile"]["max"][1])  # the longest call: generate feeds prompts in such chunks
@@ -633,7 +634,7 @@ def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLik
     record = read_engine_record(engine_path)
     _, config, meta = read_decoder_folder(folder)
     built_from = record["onnx_metadata"] if isinstance(record["onnx_metadata"], dict) else {}
-    if built_from.get("kv_cache") != "1":
+    if built_from.get(KV_CACHE) != "1":
         raise DiffExportError(f"{engine_path.name} is a prefill engine: generation needs an engine built from a "
                               "KV-cache folder (`diffexport trt FOLDER`)")
     differing = [key for key in ("family", "config", "weights", "dtype") if built_from.get(key) != meta.get(key)]

@@ -236,14 +236,16 @@ def qdq_budget(record: str | None) -> QuantBudget | None:
     return QDQ_BUDGETS[fmt]
 
 
-def quant_budget(meta: dict[str, str]) -> QuantBudget | None:
-    """The budget an export's diffexport metadata (keys without the prefix) calls for: None when
-    neither its weights nor its activations were quantised by `diffexport quantize`."""
-    weights, qdq = weight_quant_budget(meta.get("weight_quant")), qdq_budget(meta.get("qdq"))
+def quant_budget(*, weights: str | None = None, qdq: str | None = None,
+                 kv_cache: str | None = None) -> QuantBudget | None:
+    """The budget an export's quantisation records (as stored: JSON text, None where absent) call
+    for: None when neither its weights, its activations nor its cache were quantised by
+    `diffexport quantize`. format/metadata.quant_budget reads them from an export's metadata."""
+    weights, qdq = weight_quant_budget(weights), qdq_budget(qdq)
     if weights is not None and qdq is not None:
         raise DiffExportError("the export declares both weight-only and Q/DQ quantisation; diffexport quantize "
                               "writes one or the other: re-quantise the unquantised export")
-    cache = kv_cache_budget(meta.get("kv_cache_quant"))
+    cache = kv_cache_budget(kv_cache)
     if cache is None or (weights or qdq) is None:
         return weights or qdq or cache
     both = weights or qdq

@@ -47,10 +47,8 @@ from diffexport.format.decoder_folder import (
     hf_values,
 )
 from diffexport.format.genai_config import MAX_CONTEXT, MAX_THREADS
-from diffexport.format.names import (
-    GENAI_CONFIG,
-    MODEL_FILE,
-)
+from diffexport.format.metadata_keys import ATTENTION, CACHE_WIDTH, KV_CACHE, stored_key
+from diffexport.format.names import GENAI_CONFIG, MODEL_FILE
 from diffexport.format.names import decoder_input_names as input_names
 from diffexport.format.names import decoder_output_names as output_names
 from diffexport.modeling import hub, layouts
@@ -187,7 +185,7 @@ def export_decoder_graph(loaded: LoadedModel, out_dir: str | os.PathLike, option
                               f"--attention {fmt.name}`")
     if rewrite is not None and not fmt.rewrite:
         raise DiffExportError(f"the {fmt.name} format has no post-export rewrite, but one was handed in")
-    if fmt.rewrite and cfg.family == "transformer":
+    if fmt.rewrite and not cfg.differential:
         raise DiffExportError(f"--attention {fmt.name} rewrites DiffAttention nodes; the baseline Transformer has none "
                               "(export it without --attention)")
     source_dir = Path(loaded.path) if layouts.hf_import_of(loaded.source) and loaded.path else None
@@ -228,9 +226,8 @@ def export_decoder_graph(loaded: LoadedModel, out_dir: str | os.PathLike, option
         model_ir = _trace(model, options, dtype)
     if not fmt.fuses_norms:  # else the format's own fusion writes the fused norms (onnxruntime_fusions)
         exporter.norms_for_onnxruntime(model_ir, log)
-    is_diff = cfg.family != "transformer"
-    meta = {exporter.META_PREFIX + "kv_cache": "1", exporter.META_PREFIX + "cache_width": str(cache_width(cfg)),
-            exporter.META_PREFIX + "attention": attention}
+    is_diff = cfg.differential
+    meta = {stored_key(KV_CACHE): "1", stored_key(CACHE_WIDTH): str(cache_width(cfg)), stored_key(ATTENTION): attention}
     if is_diff:
         count = exporter.attach_diff_attention(model_ir, loaded, options, weights_id, key_mask=True,
                                  outputs=output_names(cfg.n_layers), extra_meta=meta)

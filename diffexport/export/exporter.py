@@ -32,7 +32,20 @@ from diffexport.core.progress import Progress
 from diffexport.export import function_body
 from diffexport.export.norm_form import divide_by_root
 from diffexport.export.op_schema import register_schema, translation_table
-from diffexport.format.names import DTYPES, LOGITS, META_PREFIX
+from diffexport.format.metadata_keys import (
+    BODY_STYLE,
+    CONFIG,
+    DTYPE,
+    FAMILY,
+    OP_VERSION,
+    OUTPUTS,
+    SOURCE,
+    SOURCE_NAME,
+    SOURCE_REVISION,
+    WEIGHTS,
+    stored_key,
+)
+from diffexport.format.names import DTYPES, LOGITS
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.format.nodes import plugin_selectors
 from diffexport.modeling.checkpoint import LoadedModel, check_range
@@ -244,7 +257,7 @@ def attach_diff_attention(model_ir, loaded: LoadedModel, options: ExportOptions,
     if count != expected:
         raise DiffExportError(f"internal: expected {expected} {contract.OP_NAME} nodes, the trace has {count}")
     stamp_metadata(model_ir, loaded, options, weights_id, outputs or ([LOGITS, HIDDEN] if options.hidden else [LOGITS]),
-                   {META_PREFIX + "op_version": str(contract.op_version(key_mask)), **(extra_meta or {})})
+                   {stored_key(OP_VERSION): str(contract.op_version(key_mask)), **(extra_meta or {})})
     return count
 
 
@@ -255,18 +268,18 @@ def stamp_metadata(model_ir, loaded: LoadedModel, options: ExportOptions, weight
     model_ir.ir_version = IR_VERSION
     model_ir.producer_name, model_ir.producer_version = "diffexport", __version__
     model_ir.metadata_props.update({
-        META_PREFIX + "family": loaded.config.family,
-        META_PREFIX + "config": json.dumps(loaded.config.to_dict(), sort_keys=True),
-        META_PREFIX + "dtype": options.dtype,
-        META_PREFIX + "body_style": options.body_style,
-        META_PREFIX + "outputs": ",".join(outputs),
-        META_PREFIX + "weights": weights_id,
+        stored_key(FAMILY): loaded.config.family,
+        stored_key(CONFIG): json.dumps(loaded.config.to_dict(), sort_keys=True),
+        stored_key(DTYPE): options.dtype,
+        stored_key(BODY_STYLE): options.body_style,
+        stored_key(OUTPUTS): ",".join(outputs),
+        stored_key(WEIGHTS): weights_id,
         # What `check` asks for when no model is named: the kind of source and its file or folder
         # name (not its path: an export is shared, the machine's layout is not), or its Hub id
         # and commit (the model card's base_model).
-        META_PREFIX + "source": loaded.source,
-        META_PREFIX + "source_name": loaded.hub_id or (Path(loaded.path).name if loaded.path else ""),
-        **({META_PREFIX + "source_revision": loaded.hub_revision} if loaded.hub_revision else {}),
+        stored_key(SOURCE): loaded.source,
+        stored_key(SOURCE_NAME): loaded.hub_id or (Path(loaded.path).name if loaded.path else ""),
+        **({stored_key(SOURCE_REVISION): loaded.hub_revision} if loaded.hub_revision else {}),
         **extra_meta,
     })
 

@@ -6,7 +6,10 @@ Modules:
   names            I/O and KV-cache names of a decoder graph, the folder's file names, the export
                    dtypes, the metadata key prefix
   nodes            DiffAttention nodes in an ONNX graph: recognising one, reading its contract attributes
+  metadata_keys    the keys of that metadata, each named once (light: no imports)
   metadata         the metadata an export stamps into its ONNX file: read and validated in one place
+                   into a typed record (ExportMetadata: the stored strings, and .model_config,
+                   .dtype, .is_decoder, .attention, .record(WEIGHT_QUANT) ...)
   decoders         the decoder-format registry (diffattention, gqa): everything that differs between them
   genai_config     a folder's genai_config.json read with bounds and held to the keys diffexport writes
   decoder_folder   a decoder folder: the genai_config writer and the typed reader (DecoderFolder)

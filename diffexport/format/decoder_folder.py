@@ -22,6 +22,7 @@ from diffexport.core.files import is_hub_cache_link
 from diffexport.format import decoders
 from diffexport.format.genai_config import MAX_CONTEXT, check_genai_config, load_genai_config
 from diffexport.format.metadata import read_export_metadata
+from diffexport.format.metadata_keys import ATTENTION, KV_CACHE
 from diffexport.format.names import (
     ATTENTION_MASK,
     GENAI_CONFIG,
@@ -35,7 +36,6 @@ from diffexport.format.names import (
     TOKENIZER_MODELS,
 )
 from diffexport.format.tokenizer_rules import check_tokenizer_json, tokenizer_library_call
-from diffexport.modeling.families import config_from_dict
 
 GENAI_PROVIDERS = ("cpu", "cuda")  # what genai_config.json may name (onnxruntime-genai's CPU and CUDA builds)
 
@@ -54,13 +54,9 @@ def has_tokenizer(folder: Path) -> bool:
 
 
 def cache_width(cfg) -> int:
-    """W: the per-token width of a layer's key cache (equal to its value cache)."""
-    if cfg.family == "diff_v1":
-        key, value = 2 * cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * 2 * cfg.head_dim
-    else:
-        key = value = cfg.n_kv_heads * cfg.head_dim
-    assert key == value
-    return key
+    """W: the per-token width of a layer's key cache, equal to its value cache's in every family (a
+    DIFF V1 kv head keeps two key maps of head_dim and one value of 2 x head_dim)."""
+    return cfg.n_kv_heads * cfg.value_dim
 
 
 def cache_heads(cfg, attention: str) -> int:
@@ -81,7 +77,7 @@ def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: i
     session = {"log_id": "onnxruntime-genai", "provider_options": [] if provider == "cpu" else [{provider: {}}]}
     if threads:
         session["intra_op_num_threads"] = threads
-    maps = 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads
+    maps = cfg.attention_maps
     eos = special.get("eos_token_id", cfg.vocab_size - 1)
     search = {**SEARCH_DEFAULTS, **(search or {})}
     search["top_k"] = genai_top_k(search["top_k"], search["top_p"], cfg.vocab_size)  # for apps' own sampling
@@ -337,7 +333,7 @@ class DecoderFolder(NamedTuple):
 
     @property
     def format(self) -> decoders.DecoderFormat:
-        return decoders.decoder_format(self.meta.get("attention"))
+        return decoders.decoder_format(self.meta.get(ATTENTION))
 
     @property
     def vocab_size(self) -> int:
@@ -398,11 +394,11 @@ def read_decoder_folder(folder: str | os.PathLike) -> DecoderFolder:
     if model_path.is_symlink():
         raise DiffExportError(f"{model_path} is a symbolic link: a decoder folder holds its model file itself")
     meta = read_export_metadata(model_path)
-    if meta.get("kv_cache") != "1":
+    if meta.get(KV_CACHE) != "1":
         raise DiffExportError(f"{model_path} is a prefill-only export, not a KV-cache decoder: "
                               "re-export with `diffexport onnx CKPT --kv-cache -o FOLDER`")
     check_genai_config(config, config_path)  # only what diffexport writes: nothing genai would load, write or run
-    fmt = decoders.decoder_format(meta.get("attention"))
+    fmt = decoders.decoder_format(meta.get(ATTENTION))
     shared = config.get("search", {}).get("past_present_share_buffer", False)
     if shared is not fmt.shared_buffer:  # genai would lay the cache out unlike the graph's
         raise DiffExportError(f"{config_path}: search.past_present_share_buffer must be "
@@ -425,12 +421,12 @@ def _check_config_describes_the_graph(config: dict, meta: dict, fmt, config_path
     edited to say otherwise (vocab_size 2**24 against a 512-id graph: buffers sized from the
     config) is refused before anything allocates from them."""
 
-    cfg = config_from_dict(meta["family"], json.loads(meta["config"]))  # validated by read_export_metadata
+    cfg = meta.model_config  # validated by read_export_metadata
     heads = decoders.cache_heads(fmt, cfg.n_kv_heads)
     expected = {("model", "vocab_size"): cfg.vocab_size, ("decoder", "num_hidden_layers"): cfg.n_layers,
                 ("decoder", "num_key_value_heads"): heads, ("decoder", "head_size"): cache_width(cfg) // heads,
                 ("decoder", "hidden_size"): cfg.d_model,
-                ("decoder", "num_attention_heads"): 2 * cfg.n_heads if cfg.family != "transformer" else cfg.n_heads}
+                ("decoder", "num_attention_heads"): cfg.attention_maps}
     for (section, key), value in expected.items():
         given = (config["model"] if section == "model" else config["model"]["decoder"]).get(key)
         if given != value:

@@ -18,6 +18,14 @@ from diffexport import __version__
 from diffexport.core.files import atomic_write
 from diffexport.core.lazy import lazy_import
 from diffexport.format import decoders
+from diffexport.format.metadata_keys import (
+    ATTENTION,
+    QDQ,
+    SOURCE,
+    SOURCE_NAME,
+    SOURCE_REVISION,
+    WEIGHT_QUANT,
+)
 
 genai_config = lazy_import("diffexport.format.genai_config")
 metadata = lazy_import("diffexport.format.metadata")
@@ -39,22 +47,22 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
     folder = Path(folder)
     meta = metadata.read_export_metadata(folder / model_file)
     config = genai_config.load_genai_config(folder)
-    model_cfg = json.loads(meta["config"])
-    family = meta.get("family", "")
-    source, source_name = meta.get("source", ""), meta.get("source_name", "")
-    revision = meta.get("source_revision")  # the Hub snapshot's commit, for an export from a hub id
+    model_cfg = meta.model_config
+    family = meta.family
+    source, source_name = meta.get(SOURCE, ""), meta.get(SOURCE_NAME, "")
+    revision = meta.get(SOURCE_REVISION)  # the Hub snapshot's commit, for an export from a hub id
     context = config["model"]["context_length"]
     providers = [k for p in config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
                  for k in p] or ["cpu"]
-    fmt = decoders.decoder_format(meta.get("attention"))
+    fmt = decoders.decoder_format(meta.get(ATTENTION))
     form = "one DiffAttention node per layer; onnxruntime and TensorRT run it" if fmt.tensorrt else \
         f"{fmt.summary}; onnxruntime only: for TensorRT, export with `--attention {decoders.DEFAULT}`"
     weights = "the export dtype"
-    if "weight_quant" in meta:
-        record = json.loads(meta["weight_quant"])
+    record = meta.record(WEIGHT_QUANT)
+    if record is not None:
         weights = f"int{record.get('bits', '?')} MatMulNBits (block {record.get('block_size', '?')}, " \
                   f"{record.get('method', '?')})"
-    if "qdq" in meta:
+    if meta.record(QDQ) is not None:
         weights = "Q/DQ (calibrated, for TensorRT)"
     tokenizer = any((folder / name).is_file() for name in names.TOKENIZER_MODELS)
     base = source_name if HUB_ID.match(source_name or "") else None
@@ -64,9 +72,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
         header.append(f"base_model: {yaml_scalar(base)}")
     header.append("---")
     prompt = '--prompt "Hello"' if tokenizer else "--ids 1,2,3"
-    layers = model_cfg.get("n_layers", model_cfg.get("num_hidden_layers", "?"))
-    heads = model_cfg.get("n_heads", model_cfg.get("num_attention_heads", "?"))
-    width = model_cfg.get("d_model", model_cfg.get("hidden_size", "?"))
+    layers, heads, width = model_cfg.n_layers, model_cfg.n_heads, model_cfg.d_model
     # Every value read from the graph's metadata or the folder is a stranger's text: written as plain
     # Markdown text or a code span, never as markup (a source name of `<script>` or a newline and ---).
     body = [
@@ -75,7 +81,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
         f"Exported by diffexport {__version__} from {markdown_text(source) or 'a model'}"
         f"{f' {code_span(source_name)}' if source_name else ''}"
         f"{f' (revision {code_span(revision)})' if revision else ''}: {markdown_text(layers)} layers, "
-        f"{markdown_text(heads)} {'differential ' if family != 'transformer' else ''}heads, width {markdown_text(width)}, "
+        f"{markdown_text(heads)} {'differential ' if model_cfg.differential else ''}heads, width {markdown_text(width)}, "
         f"vocabulary {markdown_text(config['model']['vocab_size'])}.", "",
         "| | |", "|---|---|",
         f"| attention | {code_span(fmt.name)} ({form}) |",

@@ -22,10 +22,6 @@ PREFILL_INPUT_NAMES = (INPUT_IDS,)
 # The dtypes an export is written in, by the name its metadata records.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# diffexport's keys in an ONNX file's metadata_props: "diffexport.config", "diffexport.dtype", ...
-META_PREFIX = "diffexport."
-
-
 PAST_PREFIX, PRESENT_PREFIX = PAST_KEY.split("%")[0], PRESENT_KEY.split("%")[0]  # "past_key_values.", "present."
 
 

@@ -27,7 +27,7 @@ from diffexport.core.files import atomic_write
 from diffexport.core.progress import Progress
 from diffexport.modeling import hub, layouts
 from diffexport.modeling.common import DecoderLM, ModelConfig
-from diffexport.modeling.families import DIFF_FAMILIES, FAMILIES, build_model, config_from_dict
+from diffexport.modeling.families import FAMILIES, build_model, config_from_dict
 from diffexport.modeling.presets import preset_config, preset_weights
 
 FORMAT = "diffexport.modeling.checkpoint"
@@ -482,7 +482,7 @@ def _load_bare_state(state: dict, cfg: ModelConfig | None, layout: str, where: s
     if cfg is None:
         raise DiffExportError(f"{where} is a bare state dict without a config: give --preset NAME or --config "
                               f"FILE (and --layout unilm for official-code names)")
-    if cfg.family in DIFF_FAMILIES:
+    if cfg.differential:
         _require_diff(state, where)
     if layout == "auto":
         layout = "unilm" if layouts.looks_unilm(state) else "native"

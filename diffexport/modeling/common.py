@@ -28,6 +28,12 @@ class ModelConfig:
     """Base of the family configs: dict round-trip with one-line errors on bad values."""
 
     family: ClassVar[str] = ""
+    # What the family's attention is, for every layer that exports, runs or checks it (optimum's
+    # NormalizedConfig is the model): set once by each family, never rederived from its name.
+    differential: ClassVar[bool] = False  # two softmax maps per head, subtracted (DIFF V1, V2)
+    maps_per_head: ClassVar[int] = 1  # attention maps (query/key maps) per head
+    values_per_head: ClassVar[int] = 1  # a head's value width in head_dim units (DIFF V1: 2)
+    contract_variant: ClassVar[int | None] = None  # the DiffAttention variant it exports as (None: no such node)
 
     vocab_size: int = 512
     d_model: int = 128
@@ -88,6 +94,16 @@ class ModelConfig:
                     next(k for k in ("bool", "int", "float") if k in kinds)]
                 raise DiffExportError(f"{self.family} config: {field.name} must be {want}"
                                       f"{' or null' if 'None' in kinds else ''}, got {value!r}")
+
+    @property
+    def attention_maps(self) -> int:
+        """The attention maps of a layer: 2 x n_heads for a DIFF model, n_heads for the baseline."""
+        return self.maps_per_head * self.n_heads
+
+    @property
+    def value_dim(self) -> int:
+        """A head's value (and output) width: 2 x head_dim for DIFF V1, head_dim otherwise."""
+        return self.values_per_head * self.head_dim
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

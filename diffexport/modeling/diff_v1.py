@@ -38,6 +38,7 @@ def lambda_init_schedule(layer_index: int) -> float:
 @dataclasses.dataclass
 class DiffV1Config(ModelConfig):
     family = "diff_v1"
+    differential, maps_per_head, values_per_head, contract_variant = True, 2, 2, VARIANT_V1
 
     n_heads: int = 2  # H differential heads (half of the matching Transformer's heads)
     n_kv_heads: int | None = None  # kv-groups (GQA); default n_heads

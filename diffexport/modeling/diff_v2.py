@@ -21,6 +21,7 @@ from diffexport.modeling.common import DecoderLM, ModelConfig, apply_rope, exten
 @dataclasses.dataclass
 class DiffV2Config(ModelConfig):
     family = "diff_v2"
+    differential, maps_per_head, values_per_head, contract_variant = True, 2, 1, VARIANT_V2
 
     n_heads: int = 4  # H output heads; the attention runs 2H query maps
     n_kv_heads: int | None = None  # default n_heads

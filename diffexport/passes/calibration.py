@@ -15,6 +15,7 @@ from diffexport.core.errors import DiffExportError
 from diffexport.core.lazy import lazy_import
 from diffexport.core.progress import Progress
 from diffexport.format import names
+from diffexport.format.metadata_keys import CONFIG, stored_metadata
 
 streams = lazy_import("diffexport.inputs.streams")
 
@@ -58,9 +59,8 @@ class CalibrationFields:
 
 def vocab_size(model, path: Path) -> int:
     """The export's vocabulary, from its diffexport config (calibration ids must lie below it)."""
-    meta = {p.key: p.value for p in model.metadata_props}
     try:
-        return int(json.loads(meta["diffexport.config"])["vocab_size"])
+        return int(json.loads(stored_metadata(model)[CONFIG])["vocab_size"])
     except (KeyError, ValueError, TypeError, RecursionError):
         raise DiffExportError(f"{path} carries no diffexport config, so calibration cannot choose token ids: "
                               "quantise an export written by `diffexport onnx`") from None

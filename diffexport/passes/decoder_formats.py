@@ -14,7 +14,6 @@ import os
 from diffexport.export import decoder
 from diffexport.export.exporter import ExportOptions
 from diffexport.format import decoders
-from diffexport.modeling.families import DIFF_FAMILIES
 from diffexport.passes import group_query_attention
 
 REWRITES: dict[str, decoder.DecoderRewrite] = {
@@ -36,6 +35,6 @@ def export_decoder(loaded, out_dir: str | os.PathLike, options=None, *, attentio
     for the CPU)."""
     if attention is None:
         dtype = options.dtype if options is not None else ExportOptions().dtype
-        attention = decoders.default_format(kwargs.get("provider"), dtype, loaded.config.family in DIFF_FAMILIES)
+        attention = decoders.default_format(kwargs.get("provider"), dtype, loaded.config.differential)
     return decoder.export_decoder_graph(loaded, out_dir, options, attention=attention, rewrite=rewrite_for(attention),
                                   **kwargs)

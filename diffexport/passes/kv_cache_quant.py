@@ -24,9 +24,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from diffexport.core.errors import DiffExportError
 from diffexport.format import names
+from diffexport.format.metadata_keys import KV_CACHE_QUANT, stored_key
 
 BITS = (8,)
-META_KEY = "diffexport.kv_cache_quant"
+META_KEY = stored_key(KV_CACHE_QUANT)
 QMAX = 127.0
 _TINY = 1e-8  # the scale of a channel calibration saw at zero: any positive number quantises 0 to 0
 K_SCALE_INPUT, V_SCALE_INPUT = 12, 13  # GroupQueryAttention's input slots

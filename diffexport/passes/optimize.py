@@ -17,8 +17,9 @@ from diffexport.core import contract
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import atomic_write, check_output_path, load_onnx
 from diffexport.core.onnxruntime_session import open_session
-from diffexport.export.exporter import IR_VERSION, META_PREFIX
+from diffexport.export.exporter import IR_VERSION
 from diffexport.export.function_body import DEFAULT_BODY_STYLE, build_function
+from diffexport.format.metadata_keys import OPTIMIZE_REPORT, OPTIMIZED_FROM, stored_key
 from diffexport.passes import fusion
 from diffexport.passes.cleanup import cleanup
 from diffexport.passes.lowering import lower_diff_attention
@@ -120,8 +121,8 @@ def record_provenance(result: OptimizeResult, source: onnx.ModelProto, src: Path
     kept = {p.key: p.value for p in source.metadata_props}
     kept.update({p.key: p.value for p in result.model.metadata_props})
     report = result.report
-    kept[f"{META_PREFIX}optimized_from"] = src.name
-    kept[f"{META_PREFIX}optimize_report"] = json.dumps({
+    kept[stored_key(OPTIMIZED_FROM)] = src.name
+    kept[stored_key(OPTIMIZE_REPORT)] = json.dumps({
         "fused": report.total, "rules": dict(report.fired), "absorbed_epilogues": result.absorbed,
         "lowered": result.lowered, "body": body, "verified_max_abs": result.max_abs,
         "verified_batch": result.verified_batch, "not_fused": len(report.misses)}, sort_keys=True)

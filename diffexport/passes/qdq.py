@@ -22,6 +22,7 @@ import numpy as np
 
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import load_onnx
+from diffexport.format.metadata_keys import DTYPE, QDQ, stored_key, stored_metadata
 from diffexport.passes import calibration
 from diffexport.passes.weight_quant import (
     _log_default,
@@ -35,7 +36,7 @@ from diffexport.passes.weight_quant import (
 )
 
 FORMATS = ("int8", "fp8")
-META_KEY = "diffexport.qdq"
+META_KEY = stored_key(QDQ)
 # FP8 QuantizeLinear, and fp16/bf16 scales, exist from opset 19; onnxruntime's own upgrade of older
 # graphs drops model-local functions (our DiffAttention body), so the export must already be 19+.
 MIN_OPSET_19 = 19
@@ -119,7 +120,7 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
     model = load_onnx(model_path, weights=False)
     _, skipped = check_input(model, model_path)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    dtype = {p.key: p.value for p in model.metadata_props}.get("diffexport.dtype", "float32")
+    dtype = stored_metadata(model).get(DTYPE, "float32")
     if dtype == "bfloat16":
         raise DiffExportError("--qdq calibrates in onnxruntime, whose CPU provider does not run bfloat16 graphs: "
                               "quantise the fp16 (opset 19+) or fp32 export")

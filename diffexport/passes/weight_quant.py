@@ -27,14 +27,15 @@ from diffexport.export import exporter
 from diffexport.format import model_card
 from diffexport.format import names as format_names
 from diffexport.format.decoder_folder import read_decoder_folder
+from diffexport.format.metadata_keys import WEIGHT_QUANT, WEIGHT_RECORDS, stored_key
 from diffexport.passes import calibration, kv_cache_quant
 from diffexport.passes.onnxruntime_fusions import pack_shared_input_matmuls
 
 BITS = (4, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 METHODS = ("rtn", "hqq", "gptq")  # gptq calibrates on --calib batches
-META_KEY = "diffexport.weight_quant"
-QUANT_META_KEYS = (META_KEY, "diffexport.qdq")  # weight-only here, Q/DQ in passes/qdq.py
+META_KEY = stored_key(WEIGHT_QUANT)
+QUANT_META_KEYS = tuple(map(stored_key, WEIGHT_RECORDS))  # weight-only here, Q/DQ in passes/qdq.py
 # Ops that mean a graph already holds quantised weights: quantising again would stack two errors.
 QUANTISED_OPS = {"MatMulNBits", "DequantizeLinear", "QuantizeLinear", "MatMulInteger", "QLinearMatMul",
                  "GatherBlockQuantized", "DynamicQuantizeLinear"}

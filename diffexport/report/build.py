@@ -18,6 +18,7 @@ from diffexport.backends.base import machine_threads
 from diffexport.backends.speed import cpu_name
 from diffexport.core.errors import DiffExportError
 from diffexport.core.progress import Progress
+from diffexport.format.metadata_keys import ATTENTION, DTYPE, OP_VERSION, WEIGHT_RECORDS
 from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.modeling.summary import model_facts
 from diffexport.validation.artifact import artifact_kind
@@ -80,10 +81,10 @@ def artifact_facts(artifact: Path) -> dict:
     info = inspect_onnx(artifact)
     meta = {key.removeprefix("diffexport."): value for key, value in info["metadata"].items()}
     info["files"] = _files(artifact)
-    info["dtype"] = meta.get("dtype", "?")
-    info["op_version"] = meta.get("op_version", "?")
-    info["decoder_format"] = meta.get("attention") if artifact.is_dir() else None
-    quant = [f"{key}: {meta[key]}" for key in ("weight_quant", "qdq") if key in meta]
+    info["dtype"] = meta.get(DTYPE, "?")
+    info["op_version"] = meta.get(OP_VERSION, "?")
+    info["decoder_format"] = meta.get(ATTENTION) if artifact.is_dir() else None
+    quant = [f"{key}: {meta[key]}" for key in WEIGHT_RECORDS if key in meta]
     info["quantisation"] = quant or ["none (weights in " + info["dtype"] + ")"]
     return info
 

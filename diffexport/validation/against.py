@@ -10,11 +10,10 @@ from typing import Callable
 
 import numpy as np
 
-from diffexport.core import tolerances
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import load_onnx
 from diffexport.core.onnxruntime_session import open_session, resolve_provider
-from diffexport.format.names import META_PREFIX
+from diffexport.format import metadata, metadata_keys
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.passes.fusion import probe_feeds
 from diffexport.validation.compare import count_tokens, finish_report, judge
@@ -68,12 +67,11 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
 
     graph = load_onnx(model_path, weights=False)
     # a weight-quantised model against its unquantised source: the budget, not the dtype rule
-    def quant_records(model) -> dict[str, str]:
-        return {p.key[len(META_PREFIX):]: p.value for p in model.metadata_props
-                if p.key in (META_PREFIX + "weight_quant", META_PREFIX + "qdq")}
+    def weight_records(model) -> dict[str, str]:
+        return {key: value for key, value in metadata_keys.stored_metadata(model).items() if key in metadata_keys.WEIGHT_RECORDS}
 
-    theirs_quantised = bool(quant_records(load_onnx(against_path, weights=False)))
-    budget = None if theirs_quantised else tolerances.quant_budget(quant_records(graph))
+    theirs_quantised = bool(weight_records(load_onnx(against_path, weights=False)))
+    budget = None if theirs_quantised else metadata.quant_budget(weight_records(graph))
     if budget is not None:
         log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule")
     rng = np.random.default_rng(options.seed)

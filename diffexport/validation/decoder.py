@@ -16,13 +16,13 @@ from diffexport.analysis import plots
 from diffexport.analysis.probe import AttentionProbe
 from diffexport.backends.base import DecoderRunner
 from diffexport.backends.step_loop import OrtDecoder, check_beam_memory
-from diffexport.core import tolerances
 from diffexport.core.eager_generation import last_real, pad_batch
 from diffexport.core.errors import DiffExportError
 from diffexport.core.onnxruntime_session import resolve_provider
 from diffexport.core.progress import Progress
-from diffexport.format import model_card, names
+from diffexport.format import metadata, model_card, names
 from diffexport.format.decoder_folder import has_tokenizer
+from diffexport.format.metadata_keys import DTYPE
 from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.validation.compare import finish_report, judge, severity
 from diffexport.validation.options import (
@@ -64,7 +64,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
                               f"length {runner.context}: ask for at most {runner.context - max(DECODE_PROMPTS)} steps")
     if options.beams is not None:  # the beams' caches, before the greedy steps run
 
-        check_beam_memory(runner.config, runner.meta["dtype"], options.beams.num_beams, max(DECODE_PROMPTS) + steps)
+        check_beam_memory(runner.config, runner.meta[DTYPE], options.beams.num_beams, max(DECODE_PROMPTS) + steps)
     command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
     report = decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
                           save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu",
@@ -85,9 +85,9 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
     onnxruntime-genai's own search is checked beside the runner's; text: --text's windows too
     (_text_check)."""
 
-    meta, dtype = runner.meta, runner.meta["dtype"]
+    meta, dtype = runner.meta, runner.meta[DTYPE]
     check_same_model(meta, loaded, runner.model_path)
-    budget = tolerances.quant_budget(meta)
+    budget = metadata.quant_budget(meta)
     low, ref32 = eager_models(loaded, dtype, device)
     if budget is not None:
         log(f"budget        {budget.what}: {budget.describe()} per step, not the {dtype} rule; greedy "

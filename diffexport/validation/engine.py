@@ -23,7 +23,9 @@ from diffexport.backends.tensorrt import (
 from diffexport.core import tolerances
 from diffexport.core.errors import DiffExportError
 from diffexport.core.quantization import LogitQuant
+from diffexport.format import metadata
 from diffexport.format.metadata import check_export_metadata
+from diffexport.format.metadata_keys import DTYPE, KV_CACHE, OUTPUTS
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.validation.compare import compare_outputs, count_tokens, finish_report
@@ -56,8 +58,8 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     record = read_engine_record(engine_path)
     save_dir = save_dir_for(options, engine_path.with_suffix(".check"))
     meta = check_export_metadata(record["onnx_metadata"], sidecar_path(engine_path))
-    dtype = meta["dtype"]
-    decoder = meta.get("kv_cache") == "1"
+    dtype = meta[DTYPE]
+    decoder = meta.get(KV_CACHE) == "1"
     if options.plot is not None and not decoder:
         raise DiffExportError("--plot draws a KV-cache check step by step: this engine is a prefill graph")
     if steps is not None and not decoder:
@@ -110,12 +112,12 @@ def run_engine_check(engine_path: str | os.PathLike, loaded: LoadedModel, option
     if not shapes:
         raise DiffExportError(f"no --shapes inside the engine's profile (batch {low_min}..{low_max}, "
                               f"sequence {seq_min}..{seq_max})")
-    outputs = meta.get("outputs", "logits").split(",")
+    outputs = meta.get(OUTPUTS, "logits").split(",")
     low, ref32 = eager_models(loaded, dtype, "cuda")
     log(f"checking      {engine_path.name} ({dtype}, attention {record['attention']}"
         f"{'' if quant is None else ', ' + quant.describe() + ' logits'}) against eager PyTorch"
         f"{'' if quant is None else ' with the same logit quantisation'} (cuda)")
-    budget = tolerances.quant_budget(meta)  # Q/DQ matmuls (or quantised weights) change the function
+    budget = metadata.quant_budget(meta)  # Q/DQ matmuls (or quantised weights) change the function
     if budget is not None:
         log(f"budget        {budget.what}: {budget.describe()}, not the {dtype} rule (docs/QUANTIZATION.md)")
 
@@ -147,6 +149,6 @@ def _engine_logit_quant(record: dict, loaded: LoadedModel):
     DiffAttention, where the bits change nothing)."""
 
     bits = int(record.get("logit_bits", 16))
-    if bits >= 16 or loaded.config.family == "transformer":
+    if bits >= 16 or not loaded.config.differential:
         return None
     return LogitQuant(bits, "qk", bool(record.get("smooth_k", True)))

@@ -11,6 +11,7 @@ from typing import Any
 from diffexport.core import contract
 from diffexport.core.files import external_file_state, load_onnx
 from diffexport.core.lazy import lazy_import
+from diffexport.format.metadata_keys import CONFIG, DTYPE, FAMILY, stored_key
 
 decoder_folder = lazy_import("diffexport.format.decoder_folder")
 
@@ -119,16 +120,16 @@ def inspect_onnx(path: str | os.PathLike) -> dict:
 def _describe_exported_model(metadata: dict) -> str | None:
     """What diffexport's export metadata says the model is (family, dtype, sizes, RoPE), in one line;
     None without it. The metadata comes from the file: shown, not trusted (anything odd is shown as is)."""
-    family = metadata.get("diffexport.family")
+    family = metadata.get(stored_key(FAMILY))
     if family is None:
         return None
     try:
-        config = json.loads(metadata.get("diffexport.config", "{}"))
+        config = json.loads(metadata.get(stored_key(CONFIG), "{}"))
     except ValueError:
         config = None
     if not isinstance(config, dict):
-        return f"{family} {metadata.get('diffexport.dtype', '?')} (its config metadata is not readable)"
-    text = (f"{family} {metadata.get('diffexport.dtype', '?')}, {config.get('n_layers', '?')} layers, "
+        return f"{family} {metadata.get(stored_key(DTYPE), '?')} (its config metadata is not readable)"
+    text = (f"{family} {metadata.get(stored_key(DTYPE), '?')}, {config.get('n_layers', '?')} layers, "
             f"d_model {config.get('d_model', '?')}, vocab {config.get('vocab_size', '?')}; "
             f"rope theta {config.get('rope_theta', '?')}")
     scaling = config.get("rope_scaling")

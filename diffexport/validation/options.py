@@ -15,9 +15,10 @@ from diffexport.core import fingerprint
 from diffexport.core.eager_generation import BeamSearch, Sampling
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import check_output_path
+from diffexport.format.metadata import ExportMetadata
+from diffexport.format.metadata_keys import CONFIG, DTYPE, FAMILY, SOURCE, SOURCE_NAME, WEIGHTS
 from diffexport.inputs.streams import text_ids
 from diffexport.modeling.checkpoint import LoadedModel
-from diffexport.modeling.families import config_from_dict
 from diffexport.modeling.presets import match_preset
 
 DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
@@ -107,9 +108,9 @@ def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
 def check_same_config(meta: dict[str, str], config, onnx_path: Path) -> None:
     """The model's configuration must be the one the ONNX file was exported from: say which field
     differs (a preset's shapes are known before any weight is built: cli's check asks this first)."""
-    exported = json.loads(meta["config"])
-    if meta.get("family") != config.family:
-        raise DiffExportError(f"{onnx_path.name} holds a {meta.get('family')} model but the checkpoint is "
+    exported = json.loads(meta[CONFIG])  # the stored dict: a field of another version shows as differing
+    if meta.get(FAMILY) != config.family:
+        raise DiffExportError(f"{onnx_path.name} holds a {meta.get(FAMILY)} model but the checkpoint is "
                               f"{config.family}: pass the checkpoint it was exported from")
     ours = config.to_dict()
     differing = [f"{k} {exported.get(k)!r} vs {ours.get(k)!r}" for k in sorted(set(exported) | set(ours))
@@ -123,9 +124,9 @@ def name_the_source(meta: dict[str, str], onnx_path: Path) -> str:
     """What to pass when `check` was given no model: the checkpoint the export records (exports
     since 0.4 name its kind and file), and a preset only where the export's configuration is one."""
 
-    source, name = meta.get("source", ""), meta.get("source_name", "")
+    source, name = meta.get(SOURCE, ""), meta.get(SOURCE_NAME, "")
     try:
-        preset = match_preset(config_from_dict(meta.get("family", ""), json.loads(meta["config"])))
+        preset = match_preset(ExportMetadata(meta).model_config)
     except (KeyError, ValueError, DiffExportError):
         preset = None
     hint = f"name the model {onnx_path.name} was exported from: "
@@ -142,7 +143,7 @@ def name_the_source(meta: dict[str, str], onnx_path: Path) -> str:
 def check_same_model(meta: dict[str, str], loaded: LoadedModel, onnx_path: Path) -> None:
     """The checkpoint must be the one the ONNX file was exported from: its configuration, then its weights."""
     check_same_config(meta, loaded.config, onnx_path)
-    if fingerprint.weights_fingerprint(loaded.model, meta["dtype"]) != meta.get("weights"):
+    if fingerprint.weights_fingerprint(loaded.model, meta[DTYPE]) != meta.get(WEIGHTS):
         raise DiffExportError(f"{onnx_path.name} was exported from other weights than this checkpoint "
                               "(same configuration, different values): pass the checkpoint it was exported from")
 

@@ -10,10 +10,11 @@ from typing import Callable
 
 import torch
 
-from diffexport.core import tolerances
 from diffexport.core.errors import DiffExportError
 from diffexport.core.onnxruntime_session import open_session, resolve_provider
+from diffexport.format import metadata
 from diffexport.format.metadata import read_export_metadata
+from diffexport.format.metadata_keys import DTYPE, OUTPUTS
 from diffexport.format.names import DTYPES
 from diffexport.format.names import PREFILL_INPUT_NAMES as INPUT_NAMES
 from diffexport.kernel import reference
@@ -43,18 +44,18 @@ def run_prefill_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options
     port, library, reference_line = resolve_reference(options.reference, loaded)
     save_dir = save_dir_for(options, onnx_path.with_suffix(".check"))
     meta = read_export_metadata(onnx_path)
-    dtype = meta["dtype"]
+    dtype = meta[DTYPE]
     check_same_model(meta, loaded, onnx_path)
     provider = resolve_provider(options.provider)
     session = open_session(onnx_path, provider)
     outputs = [o.name for o in session.get_outputs()]
-    if outputs != meta.get("outputs", "").split(","):
+    if outputs != meta.get(OUTPUTS, "").split(","):
         raise DiffExportError(f"{onnx_path.name} outputs {outputs} differ from its metadata: re-export it")
     device = "cuda" if provider == "cuda" else "cpu"
-    budget = tolerances.quant_budget(meta)
+    budget = metadata.quant_budget(meta)
     low, ref32 = eager_models(loaded, dtype, device)
     head_dim = loaded.config.head_dim  # which library the attention calls reach, for the report
-    value_dim = 2 * head_dim if loaded.config.family == "diff_v1" else head_dim
+    value_dim = loaded.config.value_dim
     probe_q = torch.empty(1, 1, 1, head_dim, device=device, dtype=DTYPES[dtype])
     probe_v = torch.empty(1, 1, 1, value_dim, device=device, dtype=DTYPES[dtype])
     eager_name = f"eager PyTorch ({reference.attention_backend(probe_q, probe_v)}, {device})"
