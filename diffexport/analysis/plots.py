@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from diffexport.core.errors import DiffExportError
@@ -31,8 +32,6 @@ def _png_path(path) -> Path:
 
 def figure_png(fig) -> bytes:
     """The figure as PNG bytes (for a page that inlines it), closed whatever happens."""
-    import io
-
     try:
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")

@@ -16,8 +16,11 @@ plugin layer, so we refuse that combination).
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,8 +48,6 @@ ONNX_FLOAT = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", 
 
 def import_tensorrt(module: str = "auto"):
     """('tensorrt' | 'tensorrt_rtx', module); 'auto' prefers the full TensorRT."""
-    import importlib
-
     names = ["tensorrt", "tensorrt_rtx"] if module == "auto" else [module]
     for name in names:
         try:
@@ -241,7 +242,6 @@ def _parse(parser, graph: onnx.ModelProto, save_to: Path | None) -> bool:
     if save_to is not None:
         save_graph(graph, save_to)
         return parser.parse_from_file(str(save_to))
-    import tempfile
 
     with tempfile.TemporaryDirectory(prefix="diffexport-trt-") as folder:
         path = Path(folder) / "model.onnx"
@@ -458,8 +458,6 @@ def sidecar_path(engine_path: Path) -> Path:
 def write_engine(engine_path: Path, result: BuildResult, onnx_path: Path, onnx_metadata: dict[str, str],
                  options: EngineOptions) -> Path:
     """The engine and, beside it, what it was built from and how (read by `diffexport check model.engine`)."""
-    import json
-
 
     record = {
         "onnx": str(onnx_path), "onnx_metadata": onnx_metadata, "module": result.module, "version": result.version,
@@ -477,8 +475,6 @@ def write_engine(engine_path: Path, result: BuildResult, onnx_path: Path, onnx_m
 
 
 def read_engine_record(engine_path: Path) -> dict:
-    import json
-
     require_file(engine_path, "give an engine built by `diffexport trt`")
     side = sidecar_path(engine_path)
     if not side.is_file():

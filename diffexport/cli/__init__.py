@@ -9,7 +9,9 @@ Set DIFFEXPORT_DEBUG=1 to see tracebacks.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 
 from diffexport import __version__
@@ -39,9 +41,6 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
     def suggestion(self, message: str) -> str:
-        import difflib
-        import re
-
         def closest(typed: str, names) -> str | None:
             close = difflib.get_close_matches(typed, list(names), n=1, cutoff=0.6)
             return close[0] if close else None

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from diffexport.cli.common import Command, log_line
 from diffexport.core.errors import DiffExportError
@@ -58,8 +60,6 @@ def _analysis_device(args):
 
 def _load_models(args) -> dict:
     """label -> LoadedModel for every CKPT and --preset (on --device); the default preset when none is named."""
-    from pathlib import Path
-
     device = _analysis_device(args)  # before any model loads: a missing GPU fails first
     models = {}
     for path in args.ckpts:
@@ -89,8 +89,6 @@ def _stream_options(args):
 
 def cmd_stats(args) -> int:
     """Largest attention-logit and hidden-state magnitudes per layer (the paper's Table 5), for DIFF or baseline models."""
-    import json
-
     plots.check_plot_path(args.plot)
     results, sources, families = {}, {}, {}
     for name, loaded in _load_models(args).items():
@@ -121,8 +119,6 @@ def _sweep_models(args, label: str, run, note: str = "") -> dict:
 
 
 def _print_sweep(args, results: dict, key: str, describe, text: str, plot) -> None:
-    import json
-
     if args.json:
         print(json.dumps({key: describe, "models": {n: [vars(p) for p in pts] for n, pts in results.items()}},
                          indent=2))
@@ -179,8 +175,6 @@ def cmd_linear_sweep(args) -> int:
 
 def cmd_retrieval(args) -> int:
     """Multi-needle retrieval: accuracy per (needles, queries, depth) and the attention on the answer vs the rest."""
-    import json
-
     quant = quantization.LogitQuant(args.logit_bits, args.scheme)
     plots.check_plot_path(args.plot)
     results = {}

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+from pathlib import Path
 
 from diffexport.cli.common import Command, add_force, add_model_source, load_named_model, log_line
 from diffexport.core.errors import DiffExportError  # light: no torch
@@ -17,8 +20,6 @@ html_report = lazy_import("diffexport.report")
 
 
 def _check_options(args, folder_config: dict | None = None):
-    from pathlib import Path
-
     for flag, value in (("--atol", args.atol), ("--rtol", args.rtol)):
         if value is not None and not (value >= 0 and value != float("inf")):
             raise DiffExportError(f"{flag} must be a finite number >= 0, got {value}")
@@ -73,8 +74,6 @@ def _load_for_check(args, meta: dict, path) -> object:
     """check's model. A preset or --config without a checkpoint is first held to the export's
     configuration on shapes alone: a wrong preset is one line before its random weights are built
     (a 13B preset would not even fit this machine's memory to find that out)."""
-    from pathlib import Path
-
     if args.ckpt is None and args.preset is None and args.config is None:
         raise DiffExportError(check_options.name_the_source(meta, Path(path)))
     if args.ckpt is None:
@@ -97,10 +96,6 @@ def cmd_check(args) -> int:
 
 def cmd_report(args) -> int:
     """Write one self-contained HTML page about an exported folder or .onnx file: the model, the artifact, its check against eager, its speed on this machine, and the commands that reproduce them."""
-    import shlex
-    import sys
-    from pathlib import Path
-
     options = check_options.CheckOptions(provider="cpu", seed=args.seed,
                                          save_dir=Path(args.save_dir) if args.save_dir else None,
                                          text=args.text, tokenizer=args.tokenizer)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from diffexport.backends.runtimes import DEFAULT_RUNTIME, RUNTIMES, open_runtime
 from diffexport.cli.common import Command, log_line
@@ -41,8 +43,6 @@ def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
 def _generate_file(args, runtime, config: dict, sampling, search, batch_size: int) -> int:
     """--prompts-file: one JSON line per prompt on stdout, in the file's order, each as soon as it
     and every earlier one are done (text_generation.answer_prompt_rows)."""
-    import json
-
     rows = text_generation.read_prompt_rows(runtime.folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
                             system=args.system, stop=args.stop)
     for answer in text_generation.answer_prompt_rows(runtime, config, rows, sampling, search=search, batch_size=batch_size,
@@ -116,8 +116,6 @@ def generate_request(args):
 
 
 def _generate(args) -> int:
-    from pathlib import Path
-
     folder = Path(args.folder)
     _, config, _ = decoder_folder.read_decoder_folder(folder)
     request = generate_request(args)

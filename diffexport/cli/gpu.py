@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from diffexport.cli.common import Command, add_force
 from diffexport.core.errors import DiffExportError  # light: no torch
@@ -24,8 +25,6 @@ def _shape_pair(text: str, flag: str) -> tuple[int, int]:
 
 def cmd_trt(args) -> int:
     """Build a TensorRT engine from an exported ONNX file: DiffAttention plugin (fp16/bf16, --int8 logits) or native layers."""
-    from pathlib import Path
-
     if args.int8 and args.logit_bits not in (None, 8):
         raise DiffExportError("--int8 means --logit-bits 8: pass one of them")
     bits = 8 if args.int8 else (args.logit_bits or 16)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -279,8 +280,6 @@ def check_declared_sizes(model, path: Path) -> None:
     """Every initializer's shape must match the bytes it holds, inline or in its external file,
     before anything reads or allocates from the shape: a weight declaring [2**31, 2**31] over 64
     bytes reached onnxruntime's quantizer as a failed reshape."""
-    import math
-
     from onnx import TensorProto
 
     for init in model.graph.initializer:

@@ -11,6 +11,7 @@ NaN or inf never passes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -196,8 +197,6 @@ def compare_distributions(name: str, out: np.ndarray, ref: np.ndarray, budget: Q
 
 
 def _record(text: str, what: str) -> dict:
-    import json
-
     try:
         record = json.loads(text)
     except (ValueError, RecursionError):

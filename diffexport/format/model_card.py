@@ -9,6 +9,7 @@ leaves it alone. The results section lies between RESULTS_START and RESULTS_END.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -143,8 +144,6 @@ def update_results(folder: str | os.PathLike, lines: list[str]) -> bool:
 def results_lines(verdict: bool | str, report_lines: list[str], command: str) -> list[str]:
     """The results section for a check's report (verdict: passed or not, or the check's own word:
     PASS, FAIL, INCONCLUSIVE)."""
-    import datetime
-
 
     shown = report_lines[:60]
     verdict = verdict if isinstance(verdict, str) else "PASS" if verdict else "FAIL"

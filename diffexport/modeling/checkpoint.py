@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import pickle
+import pickletools
 import warnings
 import zipfile
 from pathlib import Path
@@ -124,8 +125,6 @@ def _check_zip_crc(path: Path) -> None:
 def _is_wellformed_pickle(path: Path, is_zip: bool) -> bool:
     """Parse (never run) the pickle opcodes, streaming (a big file is never read whole): tells a
     foreign-but-valid pickle from garbage."""
-    import pickletools
-
     try:
         if is_zip:
             with zipfile.ZipFile(path) as archive:

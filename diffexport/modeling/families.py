@@ -3,6 +3,8 @@ they need."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from diffexport.core.errors import DiffExportError
@@ -47,8 +49,6 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", seed: i
 
 def host_memory_bytes() -> int:
     """This machine's physical memory."""
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

@@ -7,6 +7,7 @@ function body -> cleanup -> compare with the input graph in onnxruntime -> write
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -116,8 +117,6 @@ def optimize_file(src: str | os.PathLike, dst: str | os.PathLike, expect_fused: 
 def record_provenance(result: OptimizeResult, source: onnx.ModelProto, src: Path, body: str) -> None:
     """The output says where it came from and what was done: the input's metadata (a diffexport
     export stays checkable against its checkpoint), the input file, and the fusion report."""
-    import json
-
     kept = {p.key: p.value for p in source.metadata_props}
     kept.update({p.key: p.value for p in result.model.metadata_props})
     report = result.report

@@ -173,7 +173,6 @@ def _scales_in(model, dtype: str) -> None:
     refused before calibration)."""
     if dtype != "float16":
         return
-    import numpy as np
     import onnx
     from onnx import numpy_helper
 

@@ -9,11 +9,13 @@ genai_config.json and the tokenizer carried over, so onnxruntime-genai runs the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -96,8 +98,6 @@ class WeightQuantSummary:
 
 
 def _log_default(message: str) -> None:
-    import sys
-
     print(message, file=sys.stderr)
 
 
@@ -210,9 +210,6 @@ def _quantise(model, names: list[str], options: WeightQuantOptions, data=None):
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     if options.method == "gptq":
-        import contextlib
-        import sys
-
         config = mnq.GPTQWeightOnlyQuantConfig(calibration_data_reader=calibration.reader(model, data, "calibrating"))
         quantiser = mnq.MatMulNBitsQuantizer(model, bits=4, block_size=options.block_size,
                                              is_symmetric=options.symmetric,

@@ -8,6 +8,7 @@ others (docs/DEPLOYMENT.md).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -52,8 +53,6 @@ class ServerBinary:
 
 def find_tritonserver() -> ServerBinary:
     """The server: `tritonserver` on PATH first (a container's own), else nvidia-pytriton's."""
-    import importlib.util
-
     on_path = shutil.which("tritonserver")
     if on_path:
         return ServerBinary(Path(on_path))

@@ -18,6 +18,7 @@ was written: a folder changed since is refused again.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections import deque
@@ -207,8 +208,6 @@ class TritonPythonModel:
     """Triton's Python-backend interface over DecoderService."""
 
     def initialize(self, args: dict) -> None:
-        import json
-
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         folder = Path(args["model_repository"]) / str(args["model_version"]) / params.get("decoder_folder", "decoder")

@@ -4,6 +4,8 @@ Hugging Face checkpoints, transformers' own model and its generate().
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 from typing import Callable
 
 import numpy as np
@@ -22,7 +24,6 @@ def eager_models(loaded: LoadedModel, dtype: str, device: str):
     low = model.to(device=device, dtype=DTYPES[dtype])
     if dtype == "float32":
         return low, None
-    import copy
 
     return low, copy.deepcopy(low).float()
 
@@ -44,7 +45,6 @@ def resolve_reference(choice: str, loaded: LoadedModel) -> tuple[bool, bool, str
     imported = layouts.hf_import_of(loaded.source)
     is_hf = imported is not None and loaded.path is not None
     library_model = f"transformers' {imported.transformers_class}" if imported else ""  # named only when used
-    import importlib.util
 
     have = importlib.util.find_spec("transformers") is not None
     if choice in ("transformers", "both"):
@@ -83,7 +83,6 @@ def transformers_models(loaded: LoadedModel, dtype: str):
     hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32, trust_remote_code=False).eval()
     if dtype == "float32":
         return hf, None
-    import copy
 
     low = hf.to(DTYPES[dtype])
     return low, copy.deepcopy(low).float()
