@@ -222,3 +222,33 @@ def artifacts(tmp_path_factory):
     yield made
     changed = made.changed()
     assert not changed, f"tests wrote into shared artifacts (use artifacts.copy): {changed}"
+
+
+# The decoder folders several test files share (built once per session by `artifacts`).
+@pytest.fixture(scope="module")
+def v1_ckpt(artifacts):
+    """A native ckpt.pt of a V1 model with GQA and an affine head norm that is not all ones."""
+    return artifacts.checkpoint("diff-v1-gqa")
+
+
+@pytest.fixture(scope="module")
+def v1_folder(artifacts):
+    return artifacts.decoder("diff-v1-gqa")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(artifacts):
+    """An HF DiffLlama folder with GQA (8 maps over 4 kv heads) and its tokenizer files."""
+    return artifacts.hf_diffllama()
+
+
+@pytest.fixture(scope="module")
+def hf_kv(artifacts, hf_dir):
+    """`diffexport onnx HF --kv-cache`: the folder with the HF checkpoint's tokenizer."""
+    return artifacts.cli_output("onnx", hf_dir, "--kv-cache", output="kv")
+
+
+@pytest.fixture(scope="module")
+def hf_chat_kv(artifacts):
+    """The same export of the HF folder with a chat_template.jinja, which the export copies."""
+    return artifacts.cli_output("onnx", artifacts.hf_diffllama_with_chat_template(), "--kv-cache", output="kv")
