@@ -363,7 +363,7 @@ def export_onnx(loaded: LoadedModel, out_path: str | os.PathLike, options: Expor
     with torch.no_grad():
         model_ir = (_trace_legacy if options.legacy else _trace_dynamo)(model, options)
     norms_for_onnxruntime(model_ir, log)
-    if loaded.config.family == BASELINE_FAMILY:  # the summary's graph line says so
+    if not loaded.config.differential:  # the baseline: the summary's graph line says so
         count = 0
         stamp_metadata(model_ir, loaded, options, weights_id, [LOGITS, HIDDEN] if options.hidden else [LOGITS], {})
     else:

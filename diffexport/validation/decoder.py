@@ -14,8 +14,8 @@ import torch
 
 from diffexport.analysis import plots
 from diffexport.analysis.probe import AttentionProbe
-from diffexport.backends.base import DecoderRunner
-from diffexport.backends.step_loop import OrtDecoder, check_beam_memory
+from diffexport.backends.base import DecoderRunner, check_beam_memory
+from diffexport.backends.step_loop import open_onnxruntime_runtime
 from diffexport.core.eager_generation import last_real, pad_batch
 from diffexport.core.errors import DiffExportError
 from diffexport.core.onnxruntime_session import resolve_provider
@@ -58,7 +58,8 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
 
         own = str(folder) if has_tokenizer(folder) else None
         text = TextIds(options, loaded.config.vocab_size, 2, "a perplexity needs", tokenizer=own)
-    runner = OrtDecoder(folder, provider)
+    runtime = open_onnxruntime_runtime(folder, provider=provider)  # the step loop's runtime: its runner is stepped
+    runner = runtime.runner
     if max(DECODE_PROMPTS) + steps > runner.context:
         raise DiffExportError(f"--steps {steps} after a {max(DECODE_PROMPTS)}-token prompt passes the folder's context "
                               f"length {runner.context}: ask for at most {runner.context - max(DECODE_PROMPTS)} steps")
@@ -66,7 +67,7 @@ def run_decoder_check(folder: str | os.PathLike, loaded: LoadedModel, options: C
 
         check_beam_memory(runner.config, runner.meta[DTYPE], options.beams.num_beams, max(DECODE_PROMPTS) + steps)
     command = ["polygraphy run", shlex.quote(str(runner.model_path)), "--onnxrt", "--providers", provider]
-    report = decode_check(runner, f"{folder}/", f"onnxruntime {provider}", "onnxruntime", command, loaded, options,
+    report = decode_check(runner, f"{folder}/", f"{runtime.name} {provider}", runtime.name, command, loaded, options,
                           save_dir, log, steps, device="cuda" if provider == "cuda" else "cpu",
                           genai=(folder, provider), text=text)
     # the folder's model card (ours only: a README.md the user wrote is never touched) records the verdict
