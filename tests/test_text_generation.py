@@ -65,3 +65,25 @@ def test_a_prompts_file_is_answered_on_a_runtime_in_its_order(artifacts, tmp_pat
     for answer, prompt, limit in zip(answers, prompts, rows.limits):
         assert answer["tokens"] == runtime.generate(prompt, limit, Sampling()).tokens
     assert any(line.startswith("onnxruntime: 4 prompts") for line in logged), logged
+
+
+def test_a_chat_session_on_a_runtime_answers_each_turn_as_a_fresh_prompt(hf_chat_kv):
+    """ChatSession called as Python: each turn's answer is what the whole templated conversation gives
+    as one prompt from scratch, and the second turn reads only what the cache does not hold."""
+    pytest.importorskip("onnxruntime_genai")
+    from diffexport.generation.text_generation import ChatSession, conversation_text, folder_tokenizer
+
+    _, config, _ = read_decoder_folder(hf_chat_kv)
+    runtime = open_runtime("onnxruntime", hf_chat_kv, provider="cpu")
+    tokenizer = folder_tokenizer(hf_chat_kv)
+    session = ChatSession(runtime, config, Sampling(), 8, system="be brief")
+    messages = [{"role": "system", "content": "be brief"}]
+    for turn in ("the cat sat", "on a mat"):
+        shown = []
+        run = session.turn(turn, shown.append)
+        messages.append({"role": "user", "content": turn})
+        ids = [int(t) for t in tokenizer.encode(conversation_text(tokenizer, hf_chat_kv, messages))]
+        assert run.tokens == runtime.generate(ids, 8, Sampling()).tokens
+        messages.append({"role": "assistant", "content": "".join(shown)})
+        assert session.history.turns[-1] == messages[-1]
+    assert run.prompt_tokens < len(ids)  # the second turn: the cache of the first was kept
