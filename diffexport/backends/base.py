@@ -204,6 +204,16 @@ def by_prompt(stop_after: Callable[[int, int], bool] | None, indices: list[int])
     return None if stop_after is None else lambda row, token: stop_after(indices[row], token)
 
 
+def planned_batches(prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, batch_size: int,
+                    sort_by_length: bool, stop_after: Callable[[int, int], bool] | None, limits: list[int] | None):
+    """Each batch of a plan (batch_plan) as a runtime runs it: (its prompt indices, its prompts, its
+    token limit, its draws (batch_sampling), its rows' stop_after, its rows' own limits or None)."""
+    for number, indices in enumerate(batch_plan(prompts, batch_size, sort_by_length)):
+        rows = None if limits is None else [limits[i] for i in indices]
+        yield (indices, [prompts[i] for i in indices], max_new_tokens if rows is None else max(rows),
+               batch_sampling(sampling, number), by_prompt(stop_after, indices), rows)
+
+
 def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None:
     """Refuse, before the search starts, beams whose KV caches at `length` tokens (prompt and new
     tokens) would not fit in this machine's memory (a slip such as --num-beams 4000)."""

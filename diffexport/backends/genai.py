@@ -22,11 +22,9 @@ from diffexport.backends.base import (
     BatchRun,
     BeamRun,
     DecodeRun,
-    batch_plan,
-    batch_sampling,
-    by_prompt,
     check_beam_memory,
     machine_threads,
+    planned_batches,
     refuse_engine,
     shared_prefix,
 )
@@ -424,15 +422,12 @@ class GenaiRuntime:
                             batch_size: int = 8, *, sort_by_length: bool = False,
                             stop_after: Callable[[int, int], bool] | None = None,
                             limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
-        plan = batch_plan(prompts, batch_size, sort_by_length)
         pad = genai_pad_for(self.config, prompts)  # one model for every batch: a pad id that ends no prompt
         model = open_genai_model(self.folder, self.provider, pad)
-        for number, indices in enumerate(plan):
-            rows = None if limits is None else [limits[i] for i in indices]
-            yield indices, generate_batch_genai(
-                self.folder, [prompts[i] for i in indices], max_new_tokens if rows is None else max(rows),
-                batch_sampling(sampling, number), model=model, pad_token_id=pad,
-                stop_after=by_prompt(stop_after, indices), limits=rows)
+        for indices, batch, longest, draws, cut, rows in planned_batches(prompts, max_new_tokens, sampling, batch_size,
+                                                                         sort_by_length, stop_after, limits):
+            yield indices, generate_batch_genai(self.folder, batch, longest, draws, model=model, pad_token_id=pad,
+                                                stop_after=cut, limits=rows)
 
     def beam_searcher(self, search: BeamSearch, prompts: list[list[int]],
                       longest: int) -> Callable[[list[int], int], BeamRun]:

@@ -24,10 +24,9 @@ from diffexport.backends.base import (
     BeamRun,
     DecoderRunner,
     DecodeRun,
-    batch_plan,
     batch_sampling,
-    by_prompt,
     check_beam_memory,
+    planned_batches,
     refuse_engine,
     shared_prefix,
 )
@@ -296,12 +295,10 @@ class StepLoopRuntime:
                             batch_size: int = 8, *, sort_by_length: bool = False,
                             stop_after: Callable[[int, int], bool] | None = None,
                             limits: list[int] | None = None) -> Iterator[tuple[list[int], BatchRun]]:
-        for number, indices in enumerate(batch_plan(prompts, batch_size, sort_by_length)):
-            rows = None if limits is None else [limits[i] for i in indices]
-            yield indices, generate_batch_stepped(
-                self.folder, [prompts[i] for i in indices], max_new_tokens if rows is None else max(rows),
-                batch_sampling(sampling, number), runner=self.runner, stop_after=by_prompt(stop_after, indices),
-                limits=rows)
+        for indices, batch, longest, draws, cut, rows in planned_batches(prompts, max_new_tokens, sampling, batch_size,
+                                                                         sort_by_length, stop_after, limits):
+            yield indices, generate_batch_stepped(self.folder, batch, longest, draws, runner=self.runner,
+                                                  stop_after=cut, limits=rows)
 
     def beam_searcher(self, search: BeamSearch, prompts: list[list[int]],
                       longest: int) -> Callable[[list[int], int], BeamRun]:
