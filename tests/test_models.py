@@ -230,7 +230,8 @@ def test_building_allocates_the_weights_once(tmp_path):
     # long session's would hide the build's growth)
     code = """
 import torch
-from diffexport.modeling import DiffV1Config, build_model
+from diffexport.modeling.diff_v1 import DiffV1Config
+from diffexport.modeling.families import build_model
 def peak_kb():
     return int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 cfg = DiffV1Config(vocab_size=32000, d_model=1024, n_layers=8, n_heads=4)

@@ -128,7 +128,7 @@ part_build() {
   echo "build: $((SECONDS - start)) s for $ARCH" | tee -a "$OUT_DIR/build.log"
   # Registers, shared memory and stack frames per kernel (spills show as a non-zero STACK).
   cuobjdump --dump-resource-usage "$DIFFEXPORT_KERNEL_LIB" 2>&1 | grep -E "Function|REG" >> "$OUT_DIR/build.log"
-  "$PY" -c "from diffexport import kernels; print(kernels.build_info())" | tee -a "$OUT_DIR/build.log"
+  "$PY" -c "from diffexport.kernel import kernels; print(kernels.build_info())" | tee -a "$OUT_DIR/build.log"
 }
 
 # CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "slack8:-DDIFFX_SM90_RESCALE_SLACK=8"),
