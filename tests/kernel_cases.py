@@ -1,7 +1,8 @@
 """A few fused-kernel launches for compute-sanitizer (tests/test_kernel_gpu.py runs this under
 memcheck and racecheck, tools/gpu_campaign.sh under all four tools): short and odd lengths, GQA,
 both variants, the INT8 path, the split-KV decode kernels, key masks, and (on sm_90) the Hopper
-path with fp and INT8 logits. Outputs are checked after a copy to the host: under initcheck that copy proves every output byte was written by our kernels (a device-side
+path with fp and INT8 logits. Outputs are checked after a copy to the host: under initcheck that copy proves every
+output byte was written by our kernels (a device-side
 torch reduction would read through kernels the sanitizer was told to leave alone)."""
 
 import os

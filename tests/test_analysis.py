@@ -155,7 +155,8 @@ def test_stream_sizes_are_bounded_before_any_id_is_drawn(tokens, seq_len, batch,
 def test_calibration_tokens_are_bounded():
     from diffexport.passes.calibration import CalibrationFields
 
-    with pytest.raises(DiffExportError, match="4096 x --calib-seq-len 65536 is 268,435,456 tokens; calibration takes at "
+    with pytest.raises(DiffExportError, match="4096 x --calib-seq-len 65536 is 268,435,456 tokens; calibration takes "
+                                              "at "
                                               "most 1,048,576"):
         CalibrationFields(calib="synthetic", samples=4096, seq_len=65536).validate_calibration("--method gptq")
     CalibrationFields(calib="synthetic", samples=128, seq_len=2048).validate_calibration("--method gptq")
@@ -228,7 +229,8 @@ def test_kernel_attention_is_chosen_only_where_it_applies():
     }
     assert "DIFF attention only" in reasons["transformer"] and "head_dim 64 or 128" in reasons["head dim"]
     assert "scheme qk" in reasons["scheme"] and "2..8 bits" in reasons["bits"]
-    assert fused.kernel_unsupported(d64, LogitQuant(4)) is None and fused.kernel_unsupported(d64, LogitQuant(16)) is None
+    assert fused.kernel_unsupported(d64, LogitQuant(4)) is None
+    assert fused.kernel_unsupported(d64, LogitQuant(16)) is None
     cpu = torch.device("cpu")
     attention, why = fused.choose("auto", d64, [LogitQuant(8)], cpu)
     assert attention.name == "reference" and "CUDA tensors" in why

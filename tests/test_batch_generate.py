@@ -1,5 +1,6 @@
 """Batched generation from KV-cache folders: `diffexport generate --prompts-file` and
-a runtime's generate_in_batches (backends/runtimes.py). onnxruntime-genai pads a batch on the right (the new tokens follow the
+a runtime's generate_in_batches (backends/runtimes.py). onnxruntime-genai pads a batch on the right (the new tokens
+follow the
 padding), the onnxruntime loop on the left; greedy rows must give, token for token, what eager
 generate gives each prompt alone, for both attention kinds, a prompt that ends with the pad id and
 rows that stop at an end id included. The prompts file is an input from strangers: every refusal
@@ -332,7 +333,8 @@ def test_sampled_batches_are_reproducible(model_and_folders):
         # one prompt in three batches: each batch has its own draws (the first keeps the seed itself)
         runs = [run.tokens[0] for _, run in open_runtime(backend, folders["gqa"]).generate_in_batches(
                     [prompts[0]] * 3, 10, sampling, 1)]
-        assert runs[0] == list(open_runtime(backend, folders["gqa"]).generate_in_batches([prompts[0]], 10, sampling, 1))[0][1].tokens[0]
+        alone = list(open_runtime(backend, folders["gqa"]).generate_in_batches([prompts[0]], 10, sampling, 1))
+        assert runs[0] == alone[0][1].tokens[0]
         assert len({tuple(r) for r in runs}) == 3, backend
 
 
@@ -365,7 +367,8 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
     _, folders = model_and_folders
     folder = folders["diffattention"]
     ok = _write(tmp_path, '{"ids": [1, 2]}\n')
-    assert_one_line_error(cli_main("generate", folder, "--prompts-file", _write(tmp_path, '{"ids": [1]}\n{"ids": [1, 99999]}\n',
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", _write(tmp_path, '{"ids": [1]}\n{"ids": [1, '
+                                                                                          '99999]}\n',
                                                                                 "bad.jsonl")),
                           "bad.jsonl line 2: ids must be")
     assert_one_line_error(cli_main("generate", folder, "--prompts-file", tmp_path / "missing.jsonl"),
@@ -380,7 +383,8 @@ def test_generate_prompts_file_refusals(model_and_folders, tmp_path):
                           "repetition penalty must be a finite number > 0")
     assert_one_line_error(cli_main("generate", folder, "--prompts-file", ok, "--chat"),
                           "gives token ids only")
-    assert_one_line_error(cli_main("generate", folder, "--prompts-file", _write(tmp_path, '{"prompt": "hi"}\n', "t.jsonl")),
+    text_prompts = _write(tmp_path, '{"prompt": "hi"}\n', "t.jsonl")
+    assert_one_line_error(cli_main("generate", folder, "--prompts-file", text_prompts),
                           "has no tokenizer")
     long = _write(tmp_path, '{"ids": [1]}\n' + json.dumps({"ids": [1] * 2040}) + "\n", "long.jsonl")
     assert_one_line_error(cli_main("generate", folder, "--prompts-file", long, "--max-new-tokens", "16"),

@@ -45,7 +45,8 @@ def test_the_first_h100_run_reads_as_it_was():
     assert line(out.stdout, "memcheck").endswith("ERROR SUMMARY: 0 errors")
     assert "sanitize FAILED" in line(out.stdout, "parts")
     assert line(out.stdout, "decode") == "decode         decode.json missing"
-    assert line(out.stdout, "profile") == ("profile        fused kernel, N=4096: time 7.62 ms, SM 46.17%, memory 51.68%, "
+    assert line(out.stdout, "profile") == ("profile        fused kernel, N=4096: time 7.62 ms, SM 46.17%, memory "
+                                           "51.68%, "
                                            "DRAM 2.12%, issue slots 46.17%, cycles/issue 4.15 cycle, registers 249, "
                                            "occupancy 12.40%")
 
@@ -60,7 +61,8 @@ def made_up(tmp_path):
         "== 10:00:00 budget: 480 s for env test\n== 10:00:01 Hopper path probe: ok: 2 launches\n"
         "== 10:00:02 part test FAILED\n== 10:08:00 done: 1 part(s) failed in 478 s of a 480 s budget\n")
     (tmp_path / "pytest.log").write_text(
-        "check one-pass  ok       3 shapes  (x)\ncheck hopper    FAILED   disagrees  (y)\nresult       FAIL: 1 kernel path(s)\n"
+        "check one-pass  ok       3 shapes  (x)\ncheck hopper    FAILED   disagrees  (y)\nresult       FAIL: 1 kernel "
+        "path(s)\n"
         "[gw0] [ 50%] PASSED tests/test_kernel_gpu.py::test_a\n"
         "FAILED tests/test_kernel_gpu.py::test_b - assert 0\n"
         "========================= 1 failed, 1 passed in 400.10s ==========================\n"
@@ -106,7 +108,8 @@ def test_a_made_up_run_reads_target_by_target(made_up):
     assert line(text, "racecheck").endswith("no summary (crashed)")
     assert line(text, "synccheck").endswith("not run")
     assert line(text, "Hopper probe") == "Hopper probe   ok: 2 launches"
-    assert line(text, "bench") == "bench          3 cases of 6 (stopped at its time limit); bf16 matmul peak 700 TFLOP/s"
+    assert line(text, "bench") == ("bench          3 cases of 6 (stopped at its time limit); "
+                                   "bf16 matmul peak 700 TFLOP/s")
     # N=4096: 3.0/2.0 = 1.5x (met); N=16384: 9/8 = 1.125x (not); N=1024 is not a target case.
     assert "1.12x-1.50x" in line(text, "fused vs best") and "met in 1 of 2 cases" in line(text, "fused vs best")
     # INT8: 2x cos .9995 (met), 2x cos .998 (cosine fails), 8/7 = 1.14x (speed fails).
@@ -120,7 +123,8 @@ def test_a_made_up_run_reads_target_by_target(made_up):
     assert text.splitlines()[-5:] == [
         "profile        fused kernel, N=4096: time 7.50 ms, registers 168",
         "profile        selected raw metrics",
-        "               tensor pipe 41.2%; top stalls (cycles per issue) long_scoreboard 1.52, math_pipe_throttle 0.80, "
+        "               tensor pipe 41.2%; top stalls (cycles per issue) long_scoreboard 1.52, math_pipe_throttle "
+        "0.80, "
         "barrier 0.31; shared bank conflicts st 2,097,152",
         "profile        split-KV decode kernel, Sq=1, 32768 keys: time 41.18 us, DRAM 83.10%",
         "profile        Hopper path profile FAILED: nothing measured",
@@ -183,7 +187,8 @@ def test_sanitizer_sections_per_kernel_path_and_runs_that_did_not_finish(tmp_pat
     text = report(tmp_path).stdout
     assert line(text, "memcheck") == "memcheck       ERROR SUMMARY: 0 errors"
     assert line(text, "initcheck") == "initcheck      ERROR SUMMARY: 0 errors, but it exited with status 1"
-    assert line(text, "racecheck") == ("racecheck      auto: RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings); "
+    assert line(text, "racecheck") == ("racecheck      auto: RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 "
+                                       "warnings); "
                                        "mma: stopped at its time limit of 200 s")
     assert line(text, "synccheck") == "synccheck      ERROR SUMMARY: 0 errors, but the cases did not finish"
 
@@ -229,7 +234,8 @@ def test_a_run_that_passed_everything_meets_the_correctness_rows(made_up):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     table = out.stdout.splitlines()
-    assert "| 4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine) | 2 passed | yes |  |" in table
+    assert ("| 4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine) | 2 passed | yes |  |"
+            in table)
     assert "| GPU suite | 2 passed, 3 skipped in 100.00s | yes |  |" in table
     assert any(line.startswith("| sanitizers") and line.endswith("| yes |  |") for line in table), table
     # the made-up bench: the Hopper path at 3x and 2.25x the best composition, no INT8 on it; decode.json
@@ -257,7 +263,8 @@ def test_a_run_without_a_profile_takes_an_earlier_runs_and_says_so(tmp_path):
     link = tmp_path / "profile.txt"
     link.symlink_to(earlier)
     for options in (["--profile", str(earlier)], ["--targets", "--profile", str(link)],
-                    ["--targets", "--profile", str(tmp_path)], ["--targets", "--profile", str(tmp_path / "absent.txt")]):
+                    ["--targets", "--profile", str(tmp_path)],
+                    ["--targets", "--profile", str(tmp_path / "absent.txt")]):
         bad = report(run, *options)
         assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1
         assert bad.stderr.startswith("error: --profile")

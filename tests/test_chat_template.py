@@ -12,7 +12,8 @@ from diffexport.generation.chat_template import MAX_RENDER_CPU_SECONDS, render_c
 # a Llama-3-style template: special tokens, a system turn, raise_exception, loop controls, tojson
 LLAMA_STYLE = (
     "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% "
+    "endif %}"
     "{% if m['content'] == 'skip' %}{% continue %}{% endif %}"
     "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>"
     "{% endfor %}"

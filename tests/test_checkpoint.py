@@ -86,12 +86,14 @@ YARN_SCALINGS = [  # head_dim 16 over a context of 64: the ramp covers pairs 0..
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2,
      "truncate": False},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+     "mscale_all_dim": 1.0},
     {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "attention_factor": 1.3},
 ]
 
 
-@pytest.mark.parametrize("scaling,older_json", [({"rope_type": "linear", "factor": 4.0}, False), (LLAMA3_SCALING, False),
+@pytest.mark.parametrize("scaling,older_json", [({"rope_type": "linear", "factor": 4.0}, False),
+                                                (LLAMA3_SCALING, False),
                                                 ({"rope_type": "linear", "factor": 2.0}, True),
                                                 *((yarn, False) for yarn in YARN_SCALINGS)])
 def test_hf_diffllama_rope_scaling_matches_transformers(scaling, older_json, tmp_path, rng):

@@ -207,7 +207,8 @@ def test_a_missing_input_fails_before_the_heavy_imports():
     import sys
 
     code = ("import sys\nfrom diffexport.cli import main\n"
-            "codes = [main(a) for a in (['info', 'missing.pt'], ['onnx', 'missing.pt'], ['stats', 'a.pt', 'missing.pt'],"
+            "codes = [main(a) for a in (['info', 'missing.pt'], ['onnx', 'missing.pt'], ['stats', 'a.pt', "
+            "'missing.pt'],"
             " ['check', 'missing.onnx', '--preset', 'diff-v1-tiny'], ['generate', 'missing-kv', '--prompt', 'hi'],"
             " ['quantize', 'missing.onnx'], ['trt', 'missing.onnx'])]\n"
             "print(codes, 'torch' in sys.modules, 'onnx' in sys.modules, 'transformers' in sys.modules)")

@@ -176,7 +176,8 @@ def test_hf_llama_baseline_folder_checks_against_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(4)
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256)
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "llama")
     assert cli_main("onnx", tmp_path / "llama", "--kv-cache", "-o", tmp_path / "kv").returncode == 0
     assert json.loads((tmp_path / "kv" / "genai_config.json").read_text())["model"]["context_length"] == 256

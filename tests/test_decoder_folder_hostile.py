@@ -47,7 +47,8 @@ def test_a_strangers_genai_config_asks_for_nothing_genai_would_load_write_or_run
 
     session = lambda key, value: lambda c: c["model"]["decoder"]["session_options"].__setitem__(key, value)  # noqa: E731
     cases = [
-        ("custom-ops", session("custom_ops_library", "libevil.so"), "custom_ops_library is not a key diffexport writes"),
+        ("custom-ops", session("custom_ops_library", "libevil.so"),
+         "custom_ops_library is not a key diffexport writes"),
         ("profiling", session("enable_profiling", str(tmp_path / "outside" / "p")), "enable_profiling is not a key"),
         ("log-level", session("log_severity_level", 0), "log_severity_level is not a key"),
         ("threads", session("intra_op_num_threads", 20000), "intra_op_num_threads must be an integer in 1..1024"),

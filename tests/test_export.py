@@ -148,7 +148,8 @@ def test_the_printed_atol_covers_every_element_polygraphy_compares(tmp_path):
     got = ref.copy()
     got[1, :2] += 0.25  # padding rows: far off, and not judged
     judged = compare("logits", got[0], ref[0], "float32")
-    report = finish_report(["polygraphy run", "m.onnx", "--onnxrt"], tmp_path, [{"input_ids": np.zeros((2, 5), np.int64)}],
+    feeds = [{"input_ids": np.zeros((2, 5), np.int64)}]
+    report = finish_report(["polygraphy run", "m.onnx", "--onnxrt"], tmp_path, feeds,
                            [{"logits": ref}], [("logits", judged)], [], ["logits"], "float32",
                            observed=[{"logits": got}])
     atol = float(re.search(r"--atol logits:(\S+)", report.polygraphy_command).group(1))

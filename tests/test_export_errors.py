@@ -81,7 +81,8 @@ def test_foreign_onnx_without_metadata(tmp_path):
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     onnx.save(helper.make_model(graph), tmp_path / "neg.onnx")
-    assert_one_line_error(cli_main("check", tmp_path / "neg.onnx", "--preset", "diff-v1-tiny"), "no diffexport metadata")
+    assert_one_line_error(cli_main("check", tmp_path / "neg.onnx", "--preset", "diff-v1-tiny"),
+                          "no diffexport metadata")
 
 
 @pytest.mark.slow

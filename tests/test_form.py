@@ -19,15 +19,16 @@ def test_the_code_passes_the_projects_linter():
 
 
 def test_the_linter_catches_what_its_configuration_names():
-    planted = "import os\nx = 1; y = 2\nprint(undefined_name)\n"
+    planted = "import os\nx = 1; y = 2\nprint(undefined_name)\n" + f"z = {'1 + ' * 40}1\n"
     result = _ruff("check", "--stdin-filename", "planted.py", "--output-format", "concise", "-", stdin=planted)
     assert result.returncode == 1
-    assert {"F401", "E702", "F821"} <= {part for line in result.stdout.splitlines() for part in line.split()}
+    assert {"F401", "E702", "F821", "E501"} <= {part for line in result.stdout.splitlines() for part in line.split()}
 
 
 def test_the_linter_holds_imports_order_and_complexity():
     planted = ("import sys\nimport os\n\n\ndef f(x):\n    import json\n\n    return json.dumps(x)\n\n\n"
-               "def g(x):\n" + "".join(f"    if x == {i}:\n        return {i}\n" for i in range(26)) + "    return -1\n")
+               "def g(x):\n" + "".join(f"    if x == {i}:\n        return {i}\n" for i in range(26))
+               + "    return -1\n")
     result = _ruff("check", "--stdin-filename", "diffexport/planted.py", "--output-format", "concise", "-",
                    stdin=planted)
     assert {"I001", "PLC0415", "C901"} <= {part for line in result.stdout.splitlines() for part in line.split()}

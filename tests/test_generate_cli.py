@@ -215,7 +215,8 @@ def test_generate_stops_at_stop_strings(hf_kv, tmp_path):
             if stop in text:
                 assert answer["stop"] == "stop_string" and answer["completion"] == text[:text.index(stop)]
                 assert tokens[:len(answer["tokens"])] == answer["tokens"]
-                assert stop in tokenizer.decode(answer["tokens"]) and stop not in tokenizer.decode(answer["tokens"][:-1])
+                assert stop in tokenizer.decode(answer["tokens"])
+                assert stop not in tokenizer.decode(answer["tokens"][:-1])
             else:
                 assert answer["stop"] != "stop_string" and answer["tokens"] == tokens[:len(answer["tokens"])]
     # each line's own "stop" in place of --stop's ([] for none), on both backends
@@ -298,4 +299,5 @@ def test_generate_threads_overrides_the_folder(v1_folder, tmp_path):
     assert base.INTRA_OP_THREADS.get() is None  # only within
     result = cli_main("generate", own, "--ids", "1,2,3", "--max-new-tokens", "2", "--threads", "3")
     assert result.returncode == 0, result.stderr
-    assert_one_line_error(cli_main("generate", own, "--ids", "1,2", "--threads", "0"), "--threads must be 1 to 1024, got 0")
+    assert_one_line_error(cli_main("generate", own, "--ids", "1,2", "--threads", "0"), "--threads must be 1 to 1024, "
+                                                                                       "got 0")

@@ -31,7 +31,8 @@ echo "python $*" >> "$STUB_LOG"
 if [[ -n "${STUB_HANG:-}" && " $* " == *"$STUB_HANG"* ]]; then sleep 1000; exit 0; fi
 case " $* " in
   *" -m diffexport.kernel.kernel_probe "*)
-    if [[ -n "${STUB_BAD_LIB:-}" && "$DIFFEXPORT_KERNEL_LIB" == *"$STUB_BAD_LIB"* ]]; then echo "failed: stand-in disagrees"
+    if [[ -n "${STUB_BAD_LIB:-}" && "$DIFFEXPORT_KERNEL_LIB" == *"$STUB_BAD_LIB"* ]]; then
+      echo "failed: stand-in disagrees"
     else echo "${STUB_PROBE:-unavailable: stand-in}"; fi ;;
   *" -m diffexport kernels --check "*) echo "result: ok" ;;
   *" -m pytest "*) echo "1 passed in 0.01s" ;;
@@ -42,7 +43,8 @@ TOOL_STUB = """#!/usr/bin/env bash
 echo "$(basename "$0") $*" >> "$STUB_LOG"
 [[ "$(basename "$0")" == nvidia-smi ]] && sleep "${STUB_SMI_SLEEP:-0}"
 if [[ "$(basename "$0")" == compute-sanitizer ]]; then
-  sleep "${STUB_SANITIZER_SLEEP:-0}"; echo "$(basename "$0") $* ended" >> "$STUB_LOG"; echo "========= ERROR SUMMARY: 0 errors"
+  sleep "${STUB_SANITIZER_SLEEP:-0}"; echo "$(basename "$0") $* ended" >> "$STUB_LOG"
+  echo "========= ERROR SUMMARY: 0 errors"
 fi
 exit 0
 """
@@ -230,7 +232,8 @@ def test_the_closing_call_in_tools_readme_runs_every_part(stubs):
     stand-ins): a typo in it would cost a GPU session its run."""
     env, tmp_path = stubs
     text = (ROOT / "tools" / "README.md").read_text()
-    block = re.search(r"^    (CAMPAIGN_TEST_WORKERS=\d+ [^\n]*\\\n(?:      [^\n]*\\\n)*      [^\n]*env build\+variants[^\n]*)$",
+    block = re.search(r"^    (CAMPAIGN_TEST_WORKERS=\d+ [^\n]*\\\n(?:      [^\n]*\\\n)*      [^\n]*env "
+                      r"build\+variants[^\n]*)$",
                       text, re.M).group(1)
     command = re.sub(r"\\\n\s*", "", block)
     env.update(OUT=str(tmp_path / "out"), STUB_PROBE="ok: stand-in")

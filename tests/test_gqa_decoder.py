@@ -179,7 +179,8 @@ def test_the_export_layer_needs_the_formats_pass_handed_in(tmp_path):
     with pytest.raises(DiffExportError, match="written by a pass after the export: call diffexport.passes"):
         decoder.export_decoder_graph(loaded, tmp_path / "kv", attention="gqa", log=quiet)
     with pytest.raises(DiffExportError, match="has no post-export rewrite"):
-        decoder.export_decoder_graph(loaded, tmp_path / "kv", rewrite=group_query_attention.rewrite_decoder_file, log=quiet)
+        decoder.export_decoder_graph(loaded, tmp_path / "kv", rewrite=group_query_attention.rewrite_decoder_file,
+                                     log=quiet)
     assert not (tmp_path / "kv").exists() and list(tmp_path.iterdir()) == []
     assert decoder_formats.rewrite_for("gqa") is group_query_attention.rewrite_decoder_file
     assert decoder_formats.rewrite_for("diffattention") is None

@@ -307,7 +307,8 @@ def test_decode_sized_calls_plan_the_split_kv_kernels(lib, monkeypatch):
 
 def test_decode_workspace_is_a_growing_bound(lib, monkeypatch):
     """The decode partials: min(B*H*q*tiles, B*H*q + 256*min(ratio*q, 16)) rows x 2 maps (one part per
-    split: the CTA merges its warps) of Dv + 2 floats, reserved whatever DIFFEXPORT_KERNEL_PATH says, and never shrinking as batch, heads,
+    split: the CTA merges its warps) of Dv + 2 floats, reserved whatever DIFFEXPORT_KERNEL_PATH says, and never
+    shrinking as batch, heads,
     keys or q_len grow (a TensorRT plugin sizes it once at its profile's maximum)."""
     up = lambda x: -(-x // 256) * 256  # noqa: E731
 

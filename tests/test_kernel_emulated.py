@@ -224,7 +224,8 @@ DECODE_CASES = [  # variant, head dim, causal, GQA ratio, heads, batch, q_len, k
     (2, 64, 1, 2, 2, 2, 3, 65, torch.bfloat16),        # speculative-decoding-sized step
     (2, 128, 1, 1, 2, 1, 16, 16, torch.float16),       # causal square: the triangle inside one tile
     (2, 64, 0, 4, 4, 1, 7, 777, torch.float16),
-    (1, 64, 1, 1, 1, 1, 2, 16_400, torch.float16),     # a long cache: 129 splits of 2 tiles, the last ragged (one K/V stage)
+    # a long cache: 129 splits of 2 tiles, the last ragged (one K/V stage)
+    (1, 64, 1, 1, 1, 1, 2, 16_400, torch.float16),
     (2, 128, 1, 8, 8, 2, 2, 300, torch.bfloat16),      # GQA 8 x 2 tokens: one CTA fills all 16 rows
 ]
 

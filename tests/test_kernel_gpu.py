@@ -44,7 +44,8 @@ def require_hopper(probe: str = "hopper"):
     # Tried first in a child process: a hang or a fault there must not take this worker's other tests.
     reason = kernel_probe.probed(probe)
     if reason:
-        pytest.fail(f"the Hopper path ({probe}) failed its probe (diffexport/kernel/kernel_probe.py), not launched here: {reason}")
+        pytest.fail(f"the Hopper path ({probe}) failed its probe (diffexport/kernel/kernel_probe.py), not launched "
+                    f"here: {reason}")
 
 
 def min_cosine(dtype):

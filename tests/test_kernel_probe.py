@@ -79,7 +79,8 @@ def kernels_on_the_cpu(monkeypatch, broken: str | None = None):
     """The child's launches on CPU tensors, the torch reference standing in for every kernel path
     (path `broken` with a wrong lambda) and each path planning its own kernel."""
     monkeypatch.setattr(kernel_probe, "DEVICE", "cpu")
-    monkeypatch.setattr(kernels, "kernel_plan", lambda params, lib=None: (PLANS[os.environ[kernels.KERNEL_PATH_ENV]], 1))
+    monkeypatch.setattr(kernels, "kernel_plan",
+                        lambda params, lib=None: (PLANS[os.environ[kernels.KERNEL_PATH_ENV]], 1))
     monkeypatch.setattr(kernels, "make_params", lambda *args, **kw: None)
 
     def fake_kernel(q, k, v, lam, w, attrs, *, logit_bits, out):

@@ -84,7 +84,8 @@ def builds(tmp_path_factory):
         exe, log = folder / "sanitize_cases", folder / "build.log"
         with open(log, "w") as out:
             started[name] = (subprocess.Popen(
-                [compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_DECODE_TARGET_CTAS=4", "-DDIFFX_MERGE_THREADS=64",
+                [compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_DECODE_TARGET_CTAS=4",
+                 "-DDIFFX_MERGE_THREADS=64",
                  f"-DDIFFX_KEY_SUM_CHUNK={KEY_SUM_CHUNK}", f"-I{KERNELS}", *flags, *map(str, SOURCES), "-lpthread",
                  "-o", str(exe)], stdout=out, stderr=subprocess.STDOUT), exe, log)
     yield started

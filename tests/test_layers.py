@@ -36,9 +36,9 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 module = node.module or ""
             for alias in node.names:
                 found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module)
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_import" and node.args \
-                and isinstance(node.args[0], ast.Constant):  # core/lazy.py: imported at first use, an import all the same
-            found.add(node.args[0].value)
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_import" and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            found.add(node.args[0].value)  # core/lazy.py: imported at first use, an import all the same
     return {m for m in found if m in known and m != name}
 
 
@@ -134,15 +134,16 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
     """The checks above can fail: a planted cycle and a planted upward import are found."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     table = layer_table()
-    assert rank_of("diffexport.cli", table) > rank_of("diffexport.validation", table) > rank_of("diffexport.format.names",
-                                                                                              table)
+    assert rank_of("diffexport.cli", table) > rank_of("diffexport.validation", table)
+    assert rank_of("diffexport.validation", table) > rank_of("diffexport.format.names", table)
     assert rank_of("diffexport.format.names", table) > rank_of("diffexport.core.contract", table)
     assert rank_of("diffexport.validation.decoder", table) == rank_of("diffexport.validation.inspect_onnx", table)
 
 
 def test_a_lazy_import_is_an_import(tmp_path):
     planted = tmp_path / "planted.py"
-    planted.write_text('from diffexport.core.lazy import lazy_import\n\nnames = lazy_import("diffexport.format.names")\n')
+    planted.write_text('from diffexport.core.lazy import lazy_import\n\nnames = '
+                       'lazy_import("diffexport.format.names")\n')
     known = modules()
     assert imports_of("diffexport.planted", planted, known) == {"diffexport.core.lazy", "diffexport.format.names"}
 

@@ -20,9 +20,11 @@ def test_each_family_states_its_attention():
     v1 = DiffV1Config(d_model=96, n_heads=3, n_kv_heads=1, head_dim=16)
     v2 = DiffV2Config(d_model=96, n_heads=6, n_kv_heads=2, head_dim=16)
     base = TransformerConfig(d_model=96, n_heads=6, n_kv_heads=3, head_dim=16)
-    assert (v1.differential, v1.attention_maps, v1.value_dim, v1.contract_variant) == (True, 6, 32, contract.VARIANT_V1)
-    assert (v2.differential, v2.attention_maps, v2.value_dim, v2.contract_variant) == (True, 12, 16, contract.VARIANT_V2)
-    assert (base.differential, base.attention_maps, base.value_dim, base.contract_variant) == (False, 6, 16, None)
+    def facts(cfg):
+        return cfg.differential, cfg.attention_maps, cfg.value_dim, cfg.contract_variant
+
+    assert facts(v1) == (True, 6, 32, contract.VARIANT_V1) and facts(v2) == (True, 12, 16, contract.VARIANT_V2)
+    assert facts(base) == (False, 6, 16, None)
     # the KV cache's width per token: one kv head's keys (two maps in V1) equal its value's width
     assert [cache_width(c) for c in (v1, v2, base)] == [1 * 32, 2 * 16, 3 * 16]
     assert set(FAMILIES) == {c.family for c in (v1, v2, base)}

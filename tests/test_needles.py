@@ -245,7 +245,8 @@ def test_train_tiny_refuses_bad_settings_and_links_in_one_line(tmp_path, capsys,
     (tmp_path / "link").symlink_to(tmp_path / "linked-folder")
     (tmp_path / "out-with-link").mkdir()
     (tmp_path / "out-with-link" / "heldout.txt").symlink_to(victim)
-    names = {"T": text, "FILE": tmp_path / "file", "LINK": tmp_path / "link", "HELDOUT_LINK": tmp_path / "out-with-link"}
+    names = {"T": text, "FILE": tmp_path / "file", "LINK": tmp_path / "link",
+             "HELDOUT_LINK": tmp_path / "out-with-link"}
     argv = [str(names.get(a, a)) for a in args]
     if "--out-dir" not in argv:
         argv += ["--out-dir", str(tmp_path / "never")]

@@ -132,7 +132,8 @@ def test_bad_fields_are_refused_with_one_line(parser, fields, message):
 
 
 @pytest.mark.parametrize("fields,message", [
-    ([field("num_heads", 4), field("num_kv_heads", 3), field("head_dim", 64)], "num_kv_heads=3 must divide num_heads=4"),
+    ([field("num_heads", 4), field("num_kv_heads", 3), field("head_dim", 64)],
+     "num_kv_heads=3 must divide num_heads=4"),
     (REQUIRED + [field("variant", 2)], "variant 2 (DIFF V2) has no per-head norm"),
     ([field("num_heads", 4), field("num_kv_heads", 2), field("head_dim", 96)], "head_dim=96 is not supported"),
 ])
@@ -170,7 +171,8 @@ def test_fuzzed_field_collections_never_crash_and_explain_every_refusal(parser):
                 if ftype == INT16:
                     value = max(-32768, min(32767, value))
             elif ftype in (FLOAT32, FLOAT64) and rng.random() < 0.8:
-                value = rng.choice([0.0, 1e-5, 0.125, 1.0, -0.5, math.nan, math.inf, 1e39 if ftype == FLOAT64 else 3e38])
+                huge = 1e39 if ftype == FLOAT64 else 3e38
+                value = rng.choice([0.0, 1e-5, 0.125, 1.0, -0.5, math.nan, math.inf, huge])
             else:  # raw bytes, possibly shorter than the type: TensorRT passes pointers, we copy by type size
                 value = bytes(rng.randrange(256) for _ in range(8))
                 ftype = rng.choice(types)

@@ -20,7 +20,8 @@ np = pytest.importorskip("numpy")
 from diffexport.core import contract  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PLUGIN = Path(os.environ.get("DIFFEXPORT_PLUGIN_LIB", ROOT / "build" / "plugins" / "tensorrt" / "libdiffexport_plugins.so"))
+PLUGIN = Path(os.environ.get("DIFFEXPORT_PLUGIN_LIB",
+                            ROOT / "build" / "plugins" / "tensorrt" / "libdiffexport_plugins.so"))
 
 pytestmark = pytest.mark.skipif(not PLUGIN.is_file(), reason=f"plugin library not built ({PLUGIN}): configure "
                                 "CMake with -DTensorRT_ROOT=<TensorRT with include/>")

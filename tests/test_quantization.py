@@ -90,7 +90,8 @@ def test_qk_logits_hand_computed():
 
 def test_smoothing_leaves_softmax_unchanged():
     torch.manual_seed(1)
-    q, k = torch.randn(2, 3, 17, 16).double(), torch.randn(2, 3, 33, 16).double() + 4.0  # keys with a large common offset
+    # keys with a large common offset
+    q, k = torch.randn(2, 3, 17, 16).double(), torch.randn(2, 3, 33, 16).double() + 4.0
     exact = (q @ k.transpose(-1, -2)).softmax(-1)
     smoothed = k - k.mean(dim=2, keepdim=True)
     torch.testing.assert_close((q @ smoothed.transpose(-1, -2)).softmax(-1), exact, atol=1e-12, rtol=0)

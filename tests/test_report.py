@@ -150,7 +150,8 @@ def test_chromium_renders_the_page_without_errors(decoder_page, tmp_path):
             chromium.close()
     assert messages == []
     assert title == "diffexport report: kv"
-    assert len(images) == 3 and all(done and natural > 100 and shown > 100 for _, done, natural, shown in images), images
+    assert len(images) == 3, images
+    assert all(done and natural > 100 and shown > 100 for _, done, natural, shown in images), images
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 50_000
 
 

@@ -87,7 +87,8 @@ def test_presets_writes_the_trained_folder_and_refuses_what_it_cannot(tmp_path):
     assert_one_line_error(cli_main("presets", "diff-v1-tiny", "-o", tmp_path / "random"), "has no trained weights")
     assert not (tmp_path / "random").exists()
     assert_one_line_error(cli_main("presets", TEXT_PRESET), "give both the preset and the folder")
-    assert_one_line_error(cli_main("presets", "no-such-preset", "-o", tmp_path / "x"), "unknown preset 'no-such-preset'")
+    assert_one_line_error(cli_main("presets", "no-such-preset", "-o", tmp_path / "x"),
+                          "unknown preset 'no-such-preset'")
     # a link at the output's name is never written through, even with --force; the target stays as it was
     victim = tmp_path / "victim"
     victim.mkdir()

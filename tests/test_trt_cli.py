@@ -80,7 +80,8 @@ def test_plugin_graphs_are_refused_where_the_plugin_cannot_run(exported):
     for node in model.graph.node:
         if node.op_type == contract.OP_NAME:
             next(a for a in node.attribute if a.name == "head_dim").i = 64
-    with pytest.raises(DiffExportError, match="TensorRT-RTX cannot build graphs with plugin layers.*--attention native"):
+    refusal = "TensorRT-RTX cannot build graphs with plugin layers.*--attention native"
+    with pytest.raises(DiffExportError, match=refusal):
         build_engine(model, EngineOptions(module="tensorrt_rtx"))
 
 
@@ -194,7 +195,8 @@ def qdq_export(exported):
             return next(self.feeds, None)
 
     path = exported / "m_qdq.onnx"
-    quantization.quantize_static(str(exported / "m.onnx"), str(path), Tokens(), quant_format=quantization.QuantFormat.QDQ,
+    quantization.quantize_static(str(exported / "m.onnx"), str(path), Tokens(),
+                                 quant_format=quantization.QuantFormat.QDQ,
                                  op_types_to_quantize=["MatMul"], per_channel=True,
                                  activation_type=quantization.QuantType.QInt8, weight_type=quantization.QuantType.QInt8,
                                  extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})

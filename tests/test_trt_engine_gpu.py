@@ -64,7 +64,8 @@ def test_decoder_engine_steps_like_its_folder(model_dir, extra):
     """A KV-cache folder's engine (plugin version 2, key_mask) stepped 32 times against eager."""
     folder = model_dir / "kv-fp16"
     if not folder.exists():
-        exported = run_cli("onnx", model_dir / "ckpt.pt", "--kv-cache", "--fp16", "--context-length", "512", "-o", folder)
+        exported = run_cli("onnx", model_dir / "ckpt.pt", "--kv-cache", "--fp16", "--context-length", "512",
+                           "-o", folder)
         assert exported.returncode == 0, exported.stderr
     engine = model_dir / f"kv{'_'.join(extra).replace('--', '_')}.engine"
     built = run_cli("trt", folder, "-o", engine, "--max", "2x64", "--max-past", "128", *extra)

@@ -140,7 +140,8 @@ def test_options_are_validated_in_the_python_api():
     from diffexport.core.errors import DiffExportError
     from diffexport.passes.weight_quant import WeightQuantOptions
 
-    for options, message in [(WeightQuantOptions(bits=2), "int4 or int8"), (WeightQuantOptions(block_size=0), "use one"),
+    for options, message in [(WeightQuantOptions(bits=2), "int4 or int8"),
+                             (WeightQuantOptions(block_size=0), "use one"),
                              (WeightQuantOptions(method="awq"), "use one of rtn, hqq, gptq"),
                              (WeightQuantOptions(method="gptq"), "--method gptq needs calibration data"),
                              (WeightQuantOptions(method="gptq", bits=8, calib="synthetic"), "int4 only"),

@@ -60,7 +60,8 @@ def _clean_env(venv: Path) -> dict:
 
 def _run(args, **kwargs) -> subprocess.CompletedProcess:
     out = subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=600, **kwargs)
-    assert out.returncode == 0, f"{' '.join(map(str, args))} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (f"{' '.join(map(str, args))} exited {out.returncode}:\n{out.stdout[-3000:]}\n"
+                                 f"{out.stderr[-3000:]}")
     return out
 
 

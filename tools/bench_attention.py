@@ -181,7 +181,8 @@ def table(rows: list[dict], peak: float) -> str:
         return "-" if r is None else f"{r['ms']:.3f} ({r['tflops']:.0f})"
 
     lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | Hopper path | Hopper INT8 | best composition "
-             "| which | fused vs best | Hopper vs best | INT8 vs fused | Hopper INT8 vs Hopper | fused % of matmul peak "
+             "| which | fused vs best | Hopper vs best | INT8 vs fused | Hopper INT8 vs Hopper | fused % of matmul "
+             "peak "
              "| INT8 cosine |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -287,7 +288,8 @@ def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto", lib=
 
     def run(workspace=workspace):
         os.environ[kernels.KERNEL_PATH_ENV] = path
-        status = lib.diffx_attention_forward(ctypes.byref(params), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        status = lib.diffx_attention_forward(ctypes.byref(params), stream)
         if status != kernels.STATUS_OK:
             raise kernels.status_error(lib, status)
     return run, plan
@@ -338,7 +340,8 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
 
     builds = sorted({name.split("@", 1)[1] for row in rows for name in row["timings"] if "@" in name})
 
-    lines = ["| dtype | d (V) | Sq | keys | B x H (kv) | splits | split-KV | one-pass | split-KV INT8 | best composition "
+    lines = ["| dtype | d (V) | Sq | keys | B x H (kv) | splits | split-KV | one-pass | split-KV INT8 | best "
+             "composition "
              "| which | split-KV vs best | vs one-pass | % of copy GB/s |"
              + "".join(f" split-KV @{b} | this vs @{b} |" for b in builds),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(builds)]
@@ -352,7 +355,8 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
         lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['q_len']} | {row['kv_len']} "
                      f"| {row['batch']} x {row['heads']} ({row['kv_heads']}) | {row['splits']} | {cell(ours)} "
                      f"| {cell(t.get('one_pass'))} | {cell(t.get('split_kv_int8'))} "
-                     f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} |"
+                     f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} "
+                     "|"
                      + "".join(f" {cell(t.get(f'split_kv@{b}'))} | "
                                f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
                                else " - | - |" for b in builds))
@@ -436,7 +440,8 @@ def main() -> int:
                         help="--profile: 8 launches INT8 logits (K pre-pass kernels, then the attention kernel)")
     parser.add_argument("--profile-decode", type=int, metavar="KEYS",
                         help="only launch the split-KV decode kernel 4 times against KEYS keys (for ncu)")
-    parser.add_argument("--render", type=Path, metavar="JSON", help="print (or --write) the tables of a saved --json run")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="print (or --write) the tables of a saved --json "
+                                                                    "run")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/BENCHMARKS.md")
     parser.add_argument("--decode", action="store_true",
                         help="decode steps instead: --queries tokens against --keys cached keys, in GB/s")

@@ -170,7 +170,8 @@ def mixed_lengths(args) -> None:
                     start = time.perf_counter()
                     tokens: list = [None] * len(prompts)
                     prefill = 0.0
-                    # a runtime's generate_in_batches loop, on the model opened once (the threads copies link their weights)
+                    # a runtime's generate_in_batches loop, on the model opened once (the threads copies link
+                    # their weights)
                     for indices in base.batch_plan(prompts, batch, by_length):
                         run = genai.generate_batch_genai(folder, [prompts[i] for i in indices], args.new,
                                                          Sampling(), model=models[label])
@@ -195,7 +196,8 @@ def mixed_lengths(args) -> None:
         file_p, sorted_p = (statistics.median(prefills[(label, n)]) for n in orders)
         same = "yes" if answers[(label, "file order")] == answers[(label, "longest first")] else "no"
         table.append(f"| {label} ({new_tokens[label]} new tokens) | {file_s:.2f} ({file_p:.2f}) | "
-                     f"{sorted_s:.2f} ({sorted_p:.2f}) | {file_s / sorted_s:.2f}x | {file_p / sorted_p:.2f}x | {same} |")
+                     f"{sorted_s:.2f} ({sorted_p:.2f}) | {file_s / sorted_s:.2f}x | {file_p / sorted_p:.2f}x | "
+                     f"{same} |")
     body = "\n".join([
         f"## Length-sorted batches on CPU ({'' if args.weights == 'fp32' else args.weights + ' weights; '}"
         "onnxruntime-genai, greedy)", "",

@@ -155,7 +155,8 @@ def main() -> None:
                          f"{args.weights} weights (ours: diffexport quantize, block 32, RTN; the builder: -p int4)")
         + f", onnxruntime-genai with intra_op_num_threads = {cores}; {args.new} new tokens after each "
         f"prompt; medians of {args.rounds} interleaved rounds. Read bandwidth measured by the tool (the median of "
-        f"{len(probes)} probes, before the first round and after each): {bandwidth / 1e9:.1f} GB/s; bound = that / (weight bytes a step reads, {weights / 1e6:.0f} MB, + "
+        f"{len(probes)} probes, before the first round and after each): {bandwidth / 1e9:.1f} GB/s; bound = that / "
+        f"(weight bytes a step reads, {weights / 1e6:.0f} MB, + "
         f"{per_token_cache / 1e3:.1f} kB of cache per cached token at the run's mean past length).", "",
         *table, "", f"![decode against context length](img/decode-context{suffix}.png)"])
     print(body)

@@ -11,7 +11,8 @@ Models (batch 1, greedy, seeded random weights, every runtime on the same weight
   llama-100m      with --anchor: a plain Llama of the same size exported by onnxruntime-genai's own
                   model builder (`python -m onnxruntime_genai.models.builder -p fp32 -e cpu`)
 Decode tokens/s counts the tokens after the first (prefill excluded); each runtime runs once per
-round after a warm-up generation of 8 tokens, rounds interleaved, medians reported. onnxruntime-genai folders run twice: with the session options their
+round after a warm-up generation of 8 tokens, rounds interleaved, medians reported. onnxruntime-genai folders run
+twice: with the session options their
 writer put in genai_config.json (neither ours nor the builder's sets threads) and with
 intra_op_num_threads = the machine's cores written into both (`diffexport onnx --kv-cache --threads`).
 Bound: weight bytes each decode step reads (every initializer except an embedding table that only a

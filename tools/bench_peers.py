@@ -65,7 +65,8 @@ def hf_checkpoints(work: Path) -> None:
     import torch
     import transformers
 
-    for name, model_class, config_class in (("diffllama", transformers.DiffLlamaForCausalLM, transformers.DiffLlamaConfig),
+    for name, model_class, config_class in (("diffllama", transformers.DiffLlamaForCausalLM,
+                                             transformers.DiffLlamaConfig),
                                             ("llama-hf", transformers.LlamaForCausalLM, transformers.LlamaConfig)):
         if (work / name / "config.json").is_file():
             continue
@@ -84,7 +85,8 @@ def run_quiet(command: list[str], log: Path) -> None:
 def build_llama(work: Path, precision: str) -> Path:
     out = work / f"llama-{precision}"
     if not (out / "genai_config.json").is_file():
-        run_quiet([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(work / "llama-hf"), "-o", str(out),
+        run_quiet([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(work / "llama-hf"),
+                   "-o", str(out),
                    "-p", precision, "-e", "cpu", "-c", str(work / "builder-cache")], work / f"llama-{precision}.log")
     return out
 
@@ -317,7 +319,8 @@ def main() -> None:
             for name in ("ours", ANCHOR):
                 if (name, "int4") in built:
                     title = "ours, int4 (the default folder)" if name == "ours" else "the builder's Llama, int4"
-                    profiles += profile_lines(title, profile_step(built[(name, "int4")], args.profile, args.threads, args.new),
+                    step = profile_step(built[(name, "int4")], args.profile, args.threads, args.new)
+                    profiles += profile_lines(title, step,
                                               args.profile, args.threads)
         del opened
     body = "\n".join([

@@ -163,7 +163,8 @@ def main() -> None:
             f"- `--attention {attention}`: >= {TARGET_VS_FP32:g}x our fp32 decode tokens/s: **{vs_fp32:.2f}x, "
             f"{'met' if vs_fp32 >= TARGET_VS_FP32 else 'missed'}**; >= {TARGET_VS_BUILDER:g}x the builder's int4 "
             f"Llama: **{vs_builder:.2f}x, {'met' if vs_builder >= TARGET_VS_BUILDER else 'missed'}**.")
-    check_table = ["| attention | weights | worst step KL (nats) | worst step cosine | greedy tokens == eager | verdict |",
+    check_table = ["| attention | weights | worst step KL (nats) | worst step cosine | greedy tokens == eager | "
+                   "verdict |",
                    "|---|---|---:|---:|---|---|"]
     check_table += [f"| {attention} | {name} | {line} |" for (attention, name), line in checks.items()]
     body = "\n".join([

@@ -339,7 +339,8 @@ def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
         shares = [r["timings"][method]["tflops"] / record["peak_tflops"] for _, r in at_target]
         over = sum(x >= PEAK_SHARE_TARGET for x in shares)
         tflops = [r["timings"][method]["tflops"] for _, r in at_target]
-        rows.append((f"1. >= {PEAK_SHARE_TARGET:.0%} of the bf16 matmul peak ({record['peak_tflops']:.0f} TFLOP/s here)",
+        rows.append((f"1. >= {PEAK_SHARE_TARGET:.0%} of the bf16 matmul peak "
+                     f"({record['peak_tflops']:.0f} TFLOP/s here)",
                      (f"{min(tflops):.0f}-{max(tflops):.0f} TFLOP/s ({min(shares):.0%}-{max(shares):.0%}), "
                       f">= {PEAK_SHARE_TARGET:.0%} in {over} of {len(shares)}"),
                      "yes" if over == len(shares) else "no", limits))
@@ -360,7 +361,8 @@ def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
     else:
         rows.append((f"2. INT8 logits ({quant}) against the fp path", "not measured in this run", "-", ""))
     decode_record = saved_run(folder, "decode.json")
-    long = [r for r in (decode_record or {}).get("rows", []) if "split_kv" in r["timings"] and r["kv_len"] >= COPY_FROM_KEYS]
+    long = [r for r in (decode_record or {}).get("rows", [])
+            if "split_kv" in r["timings"] and r["kv_len"] >= COPY_FROM_KEYS]
     if long:
         share = {d: [r["timings"]["split_kv"]["gbs"] / decode_record["copy_gbs"] for r in long if r["d"] == d]
                  for d in sorted({r["d"] for r in long})}

@@ -40,7 +40,8 @@ def render() -> str:
         "enum InputIndex : int {",
     ]
     lines += [f"  kInput_{t.name} = {i}," for i, t in enumerate(contract.ALL_INPUTS)]
-    lines += [f"  kNumInputs = {len(contract.INPUTS)},", f"  kNumInputsKeyMask = {len(contract.ALL_INPUTS)}", "};", f"constexpr int kNumOutputs = {len(contract.OUTPUTS)};",
+    lines += [f"  kNumInputs = {len(contract.INPUTS)},", f"  kNumInputsKeyMask = {len(contract.ALL_INPUTS)}", "};",
+              f"constexpr int kNumOutputs = {len(contract.OUTPUTS)};",
               "", "enum class FieldKind { kInt, kFloat };", "",
               "struct FieldSpec {",
               "  const char* name;",

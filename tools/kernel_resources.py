@@ -112,7 +112,8 @@ def main() -> int:
     for r in sorted(rows, key=lambda r: r["kernel"]):
         found = markers.get(r["kernel"], collections.Counter())
         marks = " ".join(f"{k}:{found[k]}" for k in MARKERS if found[k])
-        print(f"  REG {r['reg']:3d}  STACK {r['stack']:3d}  SHARED {r['shared']:5d}  {short(r['kernel'])[:90]}  {marks}")
+        print(f"  REG {r['reg']:3d}  STACK {r['stack']:3d}  SHARED {r['shared']:5d}  {short(r['kernel'])[:90]}  "
+              f"{marks}")
     return 0
 
 

@@ -216,7 +216,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=64, help="document tokens per sample (needles included); "
                                                                     "with --text, bytes per training window")
     parser.add_argument("--text", help="train byte-level language models on this UTF-8 file instead of the needle task")
-    parser.add_argument("--bpe-vocab", type=int, help="with --text: tokens from a byte-level BPE of this many ids learnt "
+    parser.add_argument("--bpe-vocab", type=int, help="with --text: tokens from a byte-level BPE of this many ids "
+                                                      "learnt "
                                                       "on the training part, and the pair written as Hugging Face "
                                                       "DiffLlama/Llama folders OUT/diff, OUT/transformer (tokenizer, "
                                                       "chat template; needs transformers)")
@@ -240,7 +241,8 @@ def main(argv=None) -> int:
 
     shape = SIZES[args.size]
     for flag, value, low, high in (("--batch", args.batch, 1, MAX_BATCH), ("--threads", args.threads, 1, MAX_THREADS),
-                                   ("--steps", args.steps, 1, 10_000_000), ("--log-every", args.log_every, 1, 10_000_000),
+                                   ("--steps", args.steps, 1, 10_000_000),
+                                   ("--log-every", args.log_every, 1, 10_000_000),
                                    ("--warmup", args.warmup, 0, 10_000_000), ("--max-needles", args.max_needles, 1, 64),
                                    ("--max-queries", args.max_queries, 1, 64)):
         if not low <= value <= high:

@@ -92,5 +92,6 @@ def render(named: dict[str, list[SweepPoint]], describe: str) -> str:
     for name, points in named.items():
         for p in points:
             acc = "-" if p.task_accuracy is None else f"{p.task_accuracy:.3f}"
-            lines.append(f"  {name:20s} {p.bits:4d} {p.cosine_mean:9.6f} {p.cosine_min:9.6f} {p.kl_mean:9.2e} {acc:>9s}")
+            lines.append(f"  {name:20s} {p.bits:4d} {p.cosine_mean:9.6f} {p.cosine_min:9.6f} {p.kl_mean:9.2e} "
+                         f"{acc:>9s}")
     return "\n".join(lines)

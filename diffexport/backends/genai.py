@@ -140,8 +140,8 @@ def generate_genai(folder, prompt: list[int], max_new_tokens: int, sampling: Sam
     generator = og.Generator(model, params)
     start = time.perf_counter()
     generator.append_tokens(np.asarray(prompt, np.int32))
-    tokens, first, stop = _genai_tokens(generator, total - len(prompt), set(decoder_folder.eos_token_ids(config)), on_token,
-                                        stop_after)
+    ends = set(decoder_folder.eos_token_ids(config))
+    tokens, first, stop = _genai_tokens(generator, total - len(prompt), ends, on_token, stop_after)
     end = time.perf_counter()
     return DecodeRun(tokens, len(prompt), (first or end) - start, end - (first or end), stop)
 

@@ -110,7 +110,8 @@ def generate_stepped(folder, prompt: list[int], max_new_tokens: int, sampling: S
                      stops[0])
 
 
-def _prefill_chunks(runner: DecoderRunner, ids: np.ndarray, mask: np.ndarray, cache: dict, done: int) -> tuple[dict, int]:
+def _prefill_chunks(runner: DecoderRunner, ids: np.ndarray, mask: np.ndarray, cache: dict,
+                    done: int) -> tuple[dict, int]:
     """Run all but the last chunk of the prompt's tokens after the first `done` (a runner with a
     longest call, an engine's profile, takes a longer prompt in such chunks: the graph's causal mask
     is bottom-right, so each chunk sees the cache and itself as one long call would) -> (the cache,
@@ -230,7 +231,8 @@ def beam_search_stepped(folder, prompt: list[int], max_new_tokens: int, search: 
         return torch.from_numpy(logits[:, -1].astype(np.float32))
 
     start = time.perf_counter()
-    ends = None if runner.config is None else decoder_folder.eos_token_ids(runner.config)  # an engine checked alone: none
+    # an engine checked alone: none
+    ends = None if runner.config is None else decoder_folder.eos_token_ids(runner.config)
     found = search_beams(step, prompt, search, new_tokens, ends)
     return BeamRun([h.tokens for h in found], [h.stop for h in found], len(prompt), time.perf_counter() - start,
                    state["steps"] + 1)

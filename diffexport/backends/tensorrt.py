@@ -189,7 +189,8 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
     for node in staged.graph.node:
         if node.op_type != contract.OP_NAME or node.domain != contract.ONNX_DOMAIN:
             continue
-        keep = [a for a in node.attribute if a.name not in ("logit_bits", "smooth_k", *contract.PLUGIN_SELECTOR_ATTRIBUTES)]
+        dropped = ("logit_bits", "smooth_k", *contract.PLUGIN_SELECTOR_ATTRIBUTES)
+        keep = [a for a in node.attribute if a.name not in dropped]
         del node.attribute[:]
         node.attribute.extend(keep)
         # Every plugin-only field is written, also at its default: the parser warns about creator
@@ -337,7 +338,8 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     options = options or EngineOptions()
     _check_profile(options)
     check_decoder_format(stored_metadata(model).get(ATTENTION))
-    if options.attention == "plugin":  # before TensorRT loads, not inside its parser (the plugin's creator refuses it there)
+    # before TensorRT loads, not inside its parser (the plugin's creator refuses it there)
+    if options.attention == "plugin":
         refusal = next(filter(None, (contract.plugin_refusal(node_attrs(n).head_dim) for n in model.graph.node
                                      if is_diff_attention(n))), None)
         if refusal:
@@ -350,7 +352,8 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
     precision = graph_precision(model)
     if options.precision not in ("auto", precision):
         raise DiffExportError(f"the ONNX file is {precision} and TensorRT builds strongly typed networks: export it "
-                              f"with `diffexport onnx --{options.precision}` (fp32 = no flag) to get {options.precision}")
+                              f"with `diffexport onnx --{options.precision}` (fp32 = no flag) to get "
+                              f"{options.precision}")
     graph, n_attention = prepare_graph(model, options)
     if options.attention == "plugin":
         key_mask = any(has_key_mask(n) for n in graph.graph.node if n.op_type == contract.OP_NAME)
@@ -433,7 +436,8 @@ def build_engine_file(model_path: str | os.PathLike, output: str | os.PathLike, 
         if not max_given:
             options.max_shape = (4, max(1, min(512, context // 4)))
         elif options.max_shape[1] > context:
-            raise DiffExportError(f"--max sequence {options.max_shape[1]} exceeds the folder's context length {context}: "
+            raise DiffExportError(f"--max sequence {options.max_shape[1]} exceeds the folder's context length "
+                                  f"{context}: "
                                   f"give at most {context}")
         options.max_past = max_past if max_past is not None else context - options.max_shape[1]
         if options.max_past + options.max_shape[1] > context:
@@ -638,7 +642,8 @@ def open_decoder_engine(engine_path: str | os.PathLike, folder: str | os.PathLik
         raise DiffExportError(f"{engine_path.name} was built from another model than {Path(folder).name} (its "
                               f"{', '.join(differing)} differ): give the folder the engine was built from")
     lib = str(find_plugin_library(plugin_lib)) if record.get("attention") == "plugin" else None
-    return EngineDecoder(engine_path, record, meta, open_engine(engine_path.read_bytes(), record["module"], lib), config)
+    engine = open_engine(engine_path.read_bytes(), record["module"], lib)
+    return EngineDecoder(engine_path, record, meta, engine, config)
 
 
 def open_engine_runtime(folder, *, provider: str = "auto", engine: str | None = None,

@@ -24,8 +24,8 @@ from diffexport.core.stoppable import end_within_seconds, install_interrupt_hand
 hub = lazy_import("diffexport.modeling.hub")
 
 # Every subcommand's record (cli/common.Command), in the help's order.
-HELP_ORDER = ("onnx", "trt", "check", "report", "generate", "optimize", "quantize", "inspect", "demo", "info", "presets",
-              "stats", "quant-sweep", "linear-sweep", "retrieval", "kernels", "triton")
+HELP_ORDER = ("onnx", "trt", "check", "report", "generate", "optimize", "quantize", "inspect", "demo", "info",
+              "presets", "stats", "quant-sweep", "linear-sweep", "retrieval", "kernels", "triton")
 COMMANDS: dict[str, Command] = {c.name: c for c in sorted(
     [*export.COMMANDS, *gpu.COMMANDS, *check.COMMANDS, *generate.COMMANDS, *analysis.COMMANDS, *serve.COMMANDS],
     key=lambda c: HELP_ORDER.index(c.name))}
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser._subcommands = {}
     for name, command in COMMANDS.items():
-        p = sub.add_parser(name, help=command.run.__doc__.splitlines()[0], description=command.run.__doc__)
+        summary = " ".join(command.run.__doc__.split("\n\n")[0].split())  # the first paragraph, on one line
+        p = sub.add_parser(name, help=summary, description=command.run.__doc__)
         parser._subcommands[name] = p
         command.options(p)
         p.set_defaults(func=command.run)

@@ -1,4 +1,5 @@
-"""`diffexport stats`, `quant-sweep`, `linear-sweep` and `retrieval`: their options and printing (the loops are analysis.runs).
+"""`diffexport stats`, `quant-sweep`, `linear-sweep` and `retrieval`: their options and printing (the loops are
+analysis.runs).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _add_models(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ckpts", nargs="*", metavar="CKPT",
                         help="checkpoints (DIFF or baseline Transformer), compared side by side")
     parser.add_argument("--preset", action="append", default=[],
-                        help="a zoo preset with seeded random weights (repeatable); no model at all: the default preset")
+                        help="a zoo preset with seeded random weights (repeatable); no model at all: the default "
+                             "preset")
     parser.add_argument("--seed", type=int, default=0, help="seed for preset weights and synthetic inputs")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--plot", help="also write a PNG plot here (needs matplotlib: diffexport[plots])")
@@ -88,7 +90,8 @@ def _stream_options(args):
 
 
 def cmd_stats(args) -> int:
-    """Largest attention-logit and hidden-state magnitudes per layer (the paper's Table 5), for DIFF or baseline models."""
+    """Largest attention-logit and hidden-state magnitudes per layer (the paper's Table 5), for DIFF or baseline
+    models."""
     plots.check_plot_path(args.plot)
     results, sources, families = {}, {}, {}
     for name, loaded in _load_models(args).items():
@@ -129,7 +132,8 @@ def _print_sweep(args, results: dict, key: str, describe, text: str, plot) -> No
 
 
 def cmd_quant_sweep(args) -> int:
-    """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the damage."""
+    """Quantise attention logits to each --bits width (dynamic absmax, the kernel's definition) and report the
+    damage."""
     for bits in args.bits:
         quantization.LogitQuant(bits, args.scheme)  # a bad value fails before any model loads
     plots.check_plot_path(args.plot)
@@ -156,7 +160,8 @@ def cmd_quant_sweep(args) -> int:
 
 
 def cmd_linear_sweep(args) -> int:
-    """Quantise every linear layer (int8/int4 weights, or w8a8 weights and activations, as `quantize` deploys them) and report the damage, DIFF vs Transformer."""
+    """Quantise every linear layer (int8/int4 weights, or w8a8 weights and activations, as `quantize` deploys them) and
+    report the damage, DIFF vs Transformer."""
     quants = [linear_quant.LinearQuant(scheme, args.block_size) for scheme in dict.fromkeys(args.schemes)]
     plots.check_plot_path(args.plot)
 

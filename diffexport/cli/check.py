@@ -1,4 +1,5 @@
-"""`diffexport check`: its options, the model it loads, and the reports it prints (validation.check_artifact routes the path).
+"""`diffexport check`: its options, the model it loads, and the reports it prints (validation.check_artifact routes the
+path).
 """
 
 from __future__ import annotations
@@ -83,19 +84,21 @@ def _load_for_check(args, meta: dict, path) -> object:
 
 
 def cmd_check(args) -> int:
-    """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model; non-zero exit on mismatch."""
+    """Run an exported ONNX model in ONNX Runtime (or a TensorRT .engine on the GPU) against the eager PyTorch model;
+    non-zero exit on mismatch."""
     with_model = not (args.against and args.ckpt is None and args.preset is None and args.config is None)
     reports = artifact_check.check_artifact(args.model, lambda folder_config: _check_options(args, folder_config),
                              (lambda meta: _load_for_check(args, meta, args.model)) if with_model else None,
-                             against=args.against, steps=args.steps, shapes_given=bool(args.shapes), plot=args.plot is not None,
-                             sample=args.sample, num_beams=args.num_beams, log=log_line)
+                             against=args.against, steps=args.steps, shapes_given=bool(args.shapes),
+                             plot=args.plot is not None, sample=args.sample, num_beams=args.num_beams, log=log_line)
     for report in reports:
         print(report.text())
     return 0 if all(report.passed for report in reports) else 1
 
 
 def cmd_report(args) -> int:
-    """Write one self-contained HTML page about an exported folder or .onnx file: the model, the artifact, its check against eager, its speed on this machine, and the commands that reproduce them."""
+    """Write one self-contained HTML page about an exported folder or .onnx file: the model, the artifact, its check
+    against eager, its speed on this machine, and the commands that reproduce them."""
     options = check_options.CheckOptions(provider="cpu", seed=args.seed,
                                          save_dir=Path(args.save_dir) if args.save_dir else None,
                                          text=args.text, tokenizer=args.tokenizer)
@@ -136,7 +139,8 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draws", type=int, help="--sample: draws per prompt (default 2000)")
     p.add_argument("--reference", default="auto", choices=["auto", "diffexport", "transformers", "both"],
                    help="what the ONNX file is compared with: diffexport's port of the model, transformers' "
-                        "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF checkpoints "
+                        "own DiffLlamaForCausalLM or LlamaForCausalLM (HF checkpoints), or both (auto: both for HF "
+                        "checkpoints "
                         "when transformers is installed, else diffexport)")
     p.add_argument("--against", metavar="OTHER.onnx",
                    help="compare with another ONNX file on the same inputs (e.g. optimize's input); with "

@@ -30,7 +30,8 @@ def cmd_info(args) -> int:
     """Family, preset match, parameter count, layers, heads and lambda values of a checkpoint."""
     given = Path(args.ckpt) if args.ckpt else None
     if given is not None and (given.suffix in (".onnx", ".engine", ".plan") or (given / "genai_config.json").is_file()):
-        what, model = ("a KV-cache export folder", given / "model.onnx") if given.is_dir() else ("an exported model", given)
+        what, model = (("a KV-cache export folder", given / "model.onnx") if given.is_dir()
+                       else ("an exported model", given))
         raise DiffExportError(f"{given} is {what}, not a checkpoint: `diffexport inspect {model}` describes it "
                               "(info describes checkpoints and presets)")
     # A preset alone is described from shapes (meta device): no need to allocate 13B random weights.
@@ -69,7 +70,8 @@ def cmd_onnx(args) -> int:
     if args.kv_cache:
         output = "model-kv" if args.output is None else args.output
         decoder_export.check_target(Path(output), options, args.context_length, args.threads,
-                     args.attention or decoders.default_format(args.provider, options.dtype), args.provider)  # before loading
+                     # before loading
+                     args.attention or decoders.default_format(args.provider, options.dtype), args.provider)
         loaded = load_named_model(args, dtype=options.dtype, default_model=False)
         summary = decoder_formats.export_decoder(loaded, output, options, tokenizer=args.tokenizer,
                                                  context_length=args.context_length, threads=args.threads,
@@ -77,7 +79,8 @@ def cmd_onnx(args) -> int:
         print(summary.report())
         return 0
     if args.tokenizer or args.context_length or args.threads or args.attention or args.provider:
-        raise DiffExportError("--tokenizer, --context-length, --threads, --attention and --provider belong to --kv-cache "
+        raise DiffExportError("--tokenizer, --context-length, --threads, --attention and --provider belong to "
+                              "--kv-cache "
                               "exports")
     output = "model.onnx" if args.output is None else args.output
     exporter.check_target(Path(output), options)  # before loading a possibly big checkpoint
@@ -118,7 +121,8 @@ def quantized_output(model: str, recipe: str) -> Path:
 
 
 def cmd_quantize(args) -> int:
-    """Quantise an export: INT4/INT8 MatMulNBits weights for ONNX Runtime and onnxruntime-genai (--weights), or a calibrated INT8/FP8 Q/DQ graph for TensorRT (--qdq)."""
+    """Quantise an export: INT4/INT8 MatMulNBits weights for ONNX Runtime and onnxruntime-genai (--weights), or a
+    calibrated INT8/FP8 Q/DQ graph for TensorRT (--qdq)."""
     if args.output is None:
         args.output = quantized_output(args.model, f"qdq-{args.qdq}" if args.qdq else
                                        (args.weights or "int4") + ("-kv8" if args.kv_cache else ""))
@@ -153,7 +157,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The main job on the built-in model (the zoo's trained diff-text-tiny): export to ONNX, run it in ONNX Runtime (CPU), check against eager.
+    """The main job on the built-in model (the zoo's trained diff-text-tiny): export to ONNX, run it in ONNX Runtime
+    (CPU), check against eager.
 
     Prints the model summary, the op-vs-Eq.-1 self-check, the export summary and the check report,
     then exports the KV-cache decoder folder, generates from a text prompt and checks the folder.

@@ -21,8 +21,8 @@ text_generation = lazy_import("diffexport.generation.text_generation")
 
 def _prompt_ids(args, folder, config: dict) -> tuple[list[int], object]:
     """The prompt as token ids, and the tokenizer (None with --ids); config: the folder's genai config."""
-    return text_generation.prompt_ids(folder, config, args.max_new_tokens, ids=args.ids, prompt=args.prompt, chat=args.chat,
-                      system=args.system)
+    return text_generation.prompt_ids(folder, config, args.max_new_tokens, ids=args.ids, prompt=args.prompt,
+                                      chat=args.chat, system=args.system)
 
 
 def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
@@ -35,7 +35,8 @@ def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
         sys.stdout.write("\n")
     sys.stdout.flush()
     rate = run.steps * search.num_beams / run.seconds if run.seconds > 0 else float("nan")
-    log_line(f"{runtime.name} beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} steps "
+    log_line(f"{runtime.name} beam search, {search.num_beams} beams: prompt {run.prompt_tokens} tokens, {run.steps} "
+             "steps "
          f"in {run.seconds:.2f} s ({rate:.1f} beam tokens/s; best stopped: {run.stops[0]})")
     return 0
 
@@ -43,10 +44,11 @@ def _generate_beams(args, runtime, ids: list[int], tokenizer, search) -> int:
 def _generate_file(args, runtime, config: dict, sampling, search, batch_size: int) -> int:
     """--prompts-file: one JSON line per prompt on stdout, in the file's order, each as soon as it
     and every earlier one are done (text_generation.answer_prompt_rows)."""
-    rows = text_generation.read_prompt_rows(runtime.folder, config, args.prompts_file, args.max_new_tokens, chat=args.chat,
-                            system=args.system, stop=args.stop)
-    for answer in text_generation.answer_prompt_rows(runtime, config, rows, sampling, search=search, batch_size=batch_size,
-                                     sort_by_length=args.sort_by_length, log=log_line):
+    rows = text_generation.read_prompt_rows(runtime.folder, config, args.prompts_file, args.max_new_tokens,
+                                            chat=args.chat, system=args.system, stop=args.stop)
+    for answer in text_generation.answer_prompt_rows(runtime, config, rows, sampling, search=search,
+                                                     batch_size=batch_size, sort_by_length=args.sort_by_length,
+                                                     log=log_line):
         sys.stdout.write(json.dumps(answer, ensure_ascii=False) + "\n")
         sys.stdout.flush()
     return 0
@@ -72,8 +74,8 @@ def _stdin_turn(number: int) -> str | None:
 def _generate_interactive(args, runtime, config: dict, sampling) -> int:
     """--interactive: a chat session on stdin (text_generation.ChatSession). Every line is a user
     turn, and its answer streams to stdout."""
-    session = text_generation.ChatSession(runtime, config, sampling, args.max_new_tokens, system=args.system, stop=args.stop,
-                          log=log_line)
+    session = text_generation.ChatSession(runtime, config, sampling, args.max_new_tokens, system=args.system,
+                                          stop=args.stop, log=log_line)
 
     def show(text: str) -> None:
         sys.stdout.write(text)
@@ -98,7 +100,8 @@ def _generate_interactive(args, runtime, config: dict, sampling) -> int:
 
 
 def cmd_generate(args) -> int:
-    """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime loop."""
+    """Generate text (or token ids) with a KV-cache export folder, through onnxruntime-genai or a plain onnxruntime
+    loop."""
     with base.intra_op_threads(args.threads):  # --threads: over the folder's own, for every path below
         return _generate(args)
 

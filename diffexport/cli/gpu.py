@@ -24,19 +24,22 @@ def _shape_pair(text: str, flag: str) -> tuple[int, int]:
 
 
 def cmd_trt(args) -> int:
-    """Build a TensorRT engine from an exported ONNX file: DiffAttention plugin (fp16/bf16, --int8 logits) or native layers."""
+    """Build a TensorRT engine from an exported ONNX file: DiffAttention plugin (fp16/bf16, --int8 logits) or native
+    layers."""
     if args.int8 and args.logit_bits not in (None, 8):
         raise DiffExportError("--int8 means --logit-bits 8: pass one of them")
     bits = 8 if args.int8 else (args.logit_bits or 16)
-    options = tensorrt.EngineOptions(attention=args.attention, precision="fp16" if args.fp16 else "bf16" if args.bf16 else "auto",
-                            logit_bits=bits, smooth_k=not args.no_smooth_k, plugin_lib=args.plugin_lib,
-                            module={"auto": "auto", "tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[args.builder],
-                            targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
-                            opt_shape=_shape_pair(args.opt or "1x128", "--opt"),
-                            max_shape=_shape_pair(args.max or "4x2048", "--max"), timing_cache=args.timing_cache,
-                            save_onnx=args.save_onnx, opt_past=args.opt_past, force=args.force)
+    precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "auto"
+    module = {"auto": "auto", "tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}[args.builder]
+    options = tensorrt.EngineOptions(attention=args.attention, precision=precision, logit_bits=bits,
+                                     smooth_k=not args.no_smooth_k, plugin_lib=args.plugin_lib, module=module,
+                                     targets=tuple(args.targets), min_shape=_shape_pair(args.min, "--min"),
+                                     opt_shape=_shape_pair(args.opt or "1x128", "--opt"),
+                                     max_shape=_shape_pair(args.max or "4x2048", "--max"),
+                                     timing_cache=args.timing_cache, save_onnx=args.save_onnx, opt_past=args.opt_past,
+                                     force=args.force)
     result = tensorrt.build_engine_file(args.model, args.output, options, max_given=args.max is not None,
-                               opt_given=args.opt is not None, max_past=args.max_past)
+                                        opt_given=args.opt is not None, max_past=args.max_past)
     print("\n".join(result.summary() + [f"wrote         {args.output} (+ {Path(args.output).name}.json)"]))
     return 0
 
@@ -99,7 +102,8 @@ def _trt_arguments(p: argparse.ArgumentParser) -> None:
                                 "trtexec's --fp16, which lets TensorRT pick fp16 kernels for an fp32 graph")
     precision.add_argument("--bf16", action="store_true",
                            help="the graph must already be bf16 (`diffexport onnx --bf16`); see --fp16")
-    p.add_argument("--int8", action="store_true", help="INT8 attention logits in every DiffAttention (= --logit-bits 8)")
+    p.add_argument("--int8", action="store_true",
+                   help="INT8 attention logits in every DiffAttention (= --logit-bits 8)")
     p.add_argument("--logit-bits", type=int, choices=[8, 6, 4], help="low-bit attention logits (plugin only)")
     p.add_argument("--no-smooth-k", action="store_true", help="INT8 logits without K-smoothing")
     p.add_argument("--attention", default="plugin", choices=["plugin", "native", "function"],
@@ -126,7 +130,8 @@ def _trt_arguments(p: argparse.ArgumentParser) -> None:
 
 def _kernels_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
-                   help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper fp and INT8) "
+                   help="run every kernel path this GPU has (one-pass, INT8 logits, split-KV decode, Hopper fp and "
+                        "INT8) "
                         "on small shapes, each in a child process, against the torch reference")
 
 

@@ -17,7 +17,8 @@ triton_server = lazy_import("diffexport.serving.server")
 
 
 def cmd_triton(args) -> int:
-    """Write a Triton Inference Server model repository for a --kv-cache folder (streamed, batched); --serve starts the server."""
+    """Write a Triton Inference Server model repository for a --kv-cache folder (streamed, batched); --serve starts the
+    server."""
     if args.serve:  # before the repository is written
 
         triton_server.check_ports(args.http_port, args.grpc_port)

@@ -59,7 +59,8 @@ class LogitQuant:
     def __post_init__(self) -> None:
         check_bits(self.bits)
         if self.scheme not in SCHEMES:
-            raise DiffExportError(f"unknown logit quantisation scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+            raise DiffExportError(f"unknown logit quantisation scheme {self.scheme!r}; choose one of "
+                                  f"{', '.join(SCHEMES)}")
 
     @property
     def active(self) -> bool:

@@ -171,7 +171,8 @@ class DistributionComparison:
 
     def line(self) -> str:
         verdict = "PASS" if self.passed else ("FAIL (non-finite)" if not self.finite else "FAIL")
-        kl = "" if self.mean_kl is None else f"  KL {self.mean_kl:.2e} (budget {self.budget.max_kl:g})  top-1 {self.top1:.1%}"
+        kl = "" if self.mean_kl is None else \
+            f"  KL {self.mean_kl:.2e} (budget {self.budget.max_kl:g})  top-1 {self.top1:.1%}"
         return (f"{self.name:<18s} max abs {self.max_abs:.2e}  cosine {self.cosine:.7f} (floor "
                 f"{self.budget.min_cosine:g}){kl}  {verdict}")
 

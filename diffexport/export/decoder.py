@@ -121,7 +121,8 @@ def _trace(model, options: ExportOptions, dtype: torch.dtype):
     mask = torch.ones(B, P + S, dtype=torch.int64)
     width = cache_width(cfg)
     past = [torch.zeros(B, 1, P, width, dtype=dtype) for _ in range(2 * cfg.n_layers)]
-    batch, seq, total, past_len = (torch.export.Dim(n) for n in ("batch", "sequence", "total_sequence", "past_sequence"))
+    batch, seq, total, past_len = (torch.export.Dim(n)
+                                   for n in ("batch", "sequence", "total_sequence", "past_sequence"))
     # torch.export groups *past_flat into one entry of the input structure
     shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, tuple({0: batch, 2: past_len} for _ in past))
     with exporter.quiet_exporter():
@@ -139,7 +140,8 @@ def check_target(out_dir: Path, options: ExportOptions, context_length: int | No
     if options.dtype not in ("float32", "float16", "bfloat16"):
         raise DiffExportError(f"--kv-cache exports float32, float16 or bfloat16, not {options.dtype}")
     if provider not in (None, *GENAI_PROVIDERS):
-        raise DiffExportError(f"unknown provider {provider!r} for genai_config.json; choose one of {list(GENAI_PROVIDERS)}")
+        raise DiffExportError(f"unknown provider {provider!r} for genai_config.json; choose one of "
+                              f"{list(GENAI_PROVIDERS)}")
     if options.dtype == "bfloat16" and provider == "cpu":
         raise DiffExportError("a bfloat16 folder cannot name the CPU provider: onnxruntime's CPU provider has no "
                               "bfloat16 kernels (export --fp16 or fp32 for the CPU; bf16 is for CUDA and TensorRT)")
@@ -207,7 +209,8 @@ def export_decoder_graph(loaded: LoadedModel, out_dir: str | os.PathLike, option
                                   "file; nothing was written")
     search, skipped = hf_search(source_dir)
     if search:
-        log("search        from generation_config.json: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in search.items()))
+        taken = ", ".join(f"{k} {json.dumps(v)}" for k, v in search.items())
+        log(f"search        from generation_config.json: {taken}")
     for note in skipped:
         log(f"search        generation_config.json: passed over {note}")
     if context_length is None:

@@ -273,7 +273,8 @@ def check_tokenizer(folder: Path, vocab_size: int) -> list[Path]:
         except DiffExportError:
             raise
         except Exception as exc:  # the tokenizers library's own parse errors
-            raise DiffExportError(f"{tok_json} is not a readable tokenizer ({str(exc).splitlines()[0][:120]})") from None
+            why = str(exc).splitlines()[0][:120]
+            raise DiffExportError(f"{tok_json} is not a readable tokenizer ({why})") from None
         if size > vocab_size:
             raise DiffExportError(f"tokenizer {folder} has {size} tokens but the model's vocabulary is {vocab_size}: "
                                   "it is not this model's tokenizer")
@@ -411,7 +412,8 @@ def read_decoder_folder(folder: str | os.PathLike) -> DecoderFolder:
     eos_token_ids(config)
     context = config["model"].get("context_length")  # how far the ORT loop may go (gqa: the rotary caches' rows)
     if not isinstance(context, int) or isinstance(context, bool) or not 2 <= context <= MAX_CONTEXT:
-        raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{MAX_CONTEXT}, got {context!r}")
+        raise DiffExportError(f"{config_path}: model.context_length must be an integer in 2..{MAX_CONTEXT}, got "
+                              f"{context!r}")
     return DecoderFolder(model_path, config, meta)
 
 

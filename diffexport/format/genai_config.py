@@ -45,7 +45,8 @@ def _keys(where: str, obj, allowed: set[str], path: Path) -> dict:
         raise DiffExportError(f"{path} is not a readable genai config ({where} is not an object)")
     unknown = sorted(set(obj) - allowed)
     if unknown:
-        raise DiffExportError(f"{path}: {where}.{unknown[0]} is not a key diffexport writes: refused (onnxruntime-genai "
+        raise DiffExportError(f"{path}: {where}.{unknown[0]} is not a key diffexport writes: refused "
+                              "(onnxruntime-genai "
                               "would act on it; re-export the folder with `diffexport onnx --kv-cache`)")
     return obj
 

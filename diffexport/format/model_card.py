@@ -82,7 +82,8 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
         f"Exported by diffexport {__version__} from {markdown_text(source) or 'a model'}"
         f"{f' {code_span(source_name)}' if source_name else ''}"
         f"{f' (revision {code_span(revision)})' if revision else ''}: {markdown_text(layers)} layers, "
-        f"{markdown_text(heads)} {'differential ' if model_cfg.differential else ''}heads, width {markdown_text(width)}, "
+        f"{markdown_text(heads)} {'differential ' if model_cfg.differential else ''}heads, width "
+        f"{markdown_text(width)}, "
         f"vocabulary {markdown_text(config['model']['vocab_size'])}.", "",
         "| | |", "|---|---|",
         f"| attention | {code_span(fmt.name)} ({form}) |",
@@ -103,7 +104,7 @@ def decoder_card(folder: str | os.PathLike, model_file: str, name: str | None = 
         "generator.append_tokens(ids)",
         "while not generator.is_done():",
         "    generator.generate_next_token()",
-        *(["print(tokenizer.decode(generator.get_sequence(0)))"] if tokenizer else ["print(generator.get_sequence(0))"]),
+        "print(tokenizer.decode(generator.get_sequence(0)))" if tokenizer else "print(generator.get_sequence(0))",
         "```", "",
         "```",
         f"diffexport generate FOLDER {prompt} --max-new-tokens 32",

@@ -217,7 +217,8 @@ def check_tokenizer_json(path: str | Path, vocab_size: int | None = None) -> int
         if risk:
             shown = pattern if len(pattern) <= 60 else pattern[:57] + "..."
             raise DiffExportError(f"{path} has a regular expression {shown!r} with {risk}: it could run without end "
-                                  "on a short text, so it is not opened (tokenizers of GPT-2, Llama and Qwen have none)")
+                                  "on a short text, so it is not opened (tokenizers of GPT-2, Llama and Qwen have "
+                                  "none)")
     largest = _largest_id(tree)
     if vocab_size is not None and largest is not None and largest >= vocab_size:
         raise DiffExportError(f"{path} gives token ids up to {largest}, past the model's vocabulary of {vocab_size}: "

@@ -127,9 +127,11 @@ def _environment():
                 _check_percent_format(left)
                 _check_counts([right])
             sized = (str, list, tuple)
-            if operator == "*" and isinstance(left, sized) and isinstance(right, int) and len(left) * right > MAX_RENDER_CHARS:
+            if (operator == "*" and isinstance(left, sized) and isinstance(right, int)
+                    and len(left) * right > MAX_RENDER_CHARS):
                 raise _Stop(f"a product of {len(left) * right:,} items")
-            if operator == "*" and isinstance(right, sized) and isinstance(left, int) and len(right) * left > MAX_RENDER_CHARS:
+            if (operator == "*" and isinstance(right, sized) and isinstance(left, int)
+                    and len(right) * left > MAX_RENDER_CHARS):
                 raise _Stop(f"a product of {len(right) * left:,} items")
             if operator == "+" and isinstance(left, sized) and isinstance(right, sized) and \
                     len(left) + len(right) > MAX_RENDER_CHARS:
@@ -174,7 +176,8 @@ def folder_chat_template(folder: Path) -> str:
                               "chat_template or chat_template.jinja): drop --chat and give the prompt as it is "
                               "to be read")
     if len(value.encode()) > MAX_TEMPLATE_BYTES:
-        raise DiffExportError(f"{folder / 'tokenizer_config.json'}'s chat_template is larger than 1 MiB: not a chat template")
+        raise DiffExportError(f"{folder / 'tokenizer_config.json'}'s chat_template is larger than 1 MiB: not a chat "
+                              "template")
     return value
 
 

@@ -265,7 +265,8 @@ class ChatHistory:
         ids = self._ids()
         while len(ids) + self.max_new_tokens > self.context and len(self.turns) > 1:
             self.turns = self.turns[2:]  # the oldest user turn and its answer
-            self.log(f"dropped the oldest turn: the conversation and --max-new-tokens passed the context {self.context}")
+            self.log(f"dropped the oldest turn: the conversation and --max-new-tokens passed the context "
+                     f"{self.context}")
             ids = self._ids()
         if len(ids) + self.max_new_tokens > self.context:
             self.log(f"error: this turn ({len(ids)} tokens with the template) + --max-new-tokens {self.max_new_tokens} "
@@ -338,7 +339,8 @@ def beam_search_options(num_beams: int = 1, num_return_sequences: int | None = N
                (repetition_penalty not in (None, 1.0), "--repetition-penalty is not combined with --num-beams here"),
                (bool(stop), "--stop ends one streamed answer: beam search ranks whole hypotheses, drop --stop"),
                (interactive, "--interactive streams a chat: drop --num-beams"),
-               (batched, "--batch-size/--sort-by-length: beam search runs one prompt at a time (its beams are the batch)")]
+               (batched, "--batch-size/--sort-by-length: beam search runs one prompt at a time (its beams are the "
+                         "batch)")]
     for clash, message in clashes:
         if clash:
             raise DiffExportError(message)

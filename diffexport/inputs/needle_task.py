@@ -120,7 +120,8 @@ def grid(needles, queries, depths) -> list[tuple[int, int, float]]:
         raise DiffExportError(f"needle and question counts must be in 1..{N_CITIES}, got {bad[0]}")
     cells = [(n, r, d) for n in needles for r in queries if r <= n for d in depths]
     if not cells:
-        raise DiffExportError(f"no cell to evaluate: every question count ({', '.join(map(str, queries))}) exceeds every "
+        raise DiffExportError(f"no cell to evaluate: every question count ({', '.join(map(str, queries))}) exceeds "
+                              "every "
                               f"needle count ({', '.join(map(str, needles))}), or no depth was given")
     return cells
 
@@ -138,7 +139,8 @@ def collate(samples: list[Sample]):
 
 
 def training_batch(rng: random.Random, batch: int, context_len: int, max_needles: int = 6, max_queries: int = 4):
-    """A batch with random needle counts (R..max_needles), questions R (1..max_queries, one per batch), random places."""
+    """A batch with random needle counts (R..max_needles), questions R (1..max_queries, one per batch), random
+    places."""
     n_queries = rng.randint(1, max_queries)
     samples = [make_sample(rng, context_len, rng.randint(n_queries, max(n_queries, max_needles)), n_queries)
                for _ in range(batch)]

@@ -79,7 +79,8 @@ def text_ids(path: str, tokenizer: str | None, vocab_size: int) -> list[int]:
     except DiffExportError:
         raise
     except Exception as exc:  # a tokenizer's own errors on this text
-        raise DiffExportError(f"tokenizer {tokenizer!r} cannot tokenize {path}: {str(exc).splitlines()[0][:160]}") from None
+        why = str(exc).splitlines()[0][:160]
+        raise DiffExportError(f"tokenizer {tokenizer!r} cannot tokenize {path}: {why}") from None
     too_big = [i for i in ids if i >= vocab_size]
     if too_big:
         raise DiffExportError(f"tokenizer {tokenizer!r} gives ids up to {max(too_big)}, beyond this model's "
@@ -148,8 +149,8 @@ MAX_STREAM_BATCH = 1024
 def check_stream(tokens: int, seq_len: int, batch: int) -> None:
     """The analyses' --tokens, --seq-len and --batch, before any model runs or any id is drawn (a
     slip such as --tokens 10**12 otherwise runs without end)."""
-    for flag, value, low, high in (("--tokens", tokens, 1, MAX_STREAM_TOKENS), ("--seq-len", seq_len, 2, MAX_STREAM_SEQ),
-                                   ("--batch", batch, 1, MAX_STREAM_BATCH)):
+    for flag, value, low, high in (("--tokens", tokens, 1, MAX_STREAM_TOKENS),
+                                   ("--seq-len", seq_len, 2, MAX_STREAM_SEQ), ("--batch", batch, 1, MAX_STREAM_BATCH)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise DiffExportError(f"{flag} must be {low:,} to {high:,}, got {value}")
 

@@ -145,7 +145,8 @@ def run_child(name: str) -> int:
             torch.cuda.synchronize()
         exact = [t.float() for t in (q, k, v, lam, weight)]
         if check.logit_bits:
-            want = reference.quantised_diff_attention(*exact, attrs, quantization.LogitQuant(check.logit_bits, "qk", True))
+            quant = quantization.LogitQuant(check.logit_bits, "qk", True)
+            want = reference.quantised_diff_attention(*exact, attrs, quant)
         else:
             want = reference.naive_diff_attention(*exact, attrs)
         got, want = out.float().cpu(), want.float().cpu()
@@ -161,7 +162,8 @@ def run_child(name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m diffexport.kernel.kernel_probe", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m diffexport.kernel.kernel_probe",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("name", choices=list(CHECKS))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds the child may take")

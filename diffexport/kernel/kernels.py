@@ -113,7 +113,8 @@ def open_library(path: Path, *, prefill_only: bool = False) -> ctypes.CDLL:
         try:
             declare_plan(lib)
         except AttributeError as exc:
-            raise DiffExportError(f"{path} lacks a kernel ABI function ({exc}): rebuild it from this checkout") from None
+            raise DiffExportError(f"{path} lacks a kernel ABI function ({exc}): rebuild it from this "
+                                  "checkout") from None
     if lib.diffx_params_size() != ctypes.sizeof(DiffxAttentionParams):
         raise DiffExportError(f"{path}: params struct is {lib.diffx_params_size()} bytes, the binding's "
                               f"{ctypes.sizeof(DiffxAttentionParams)}: rebuild the library from this checkout")
@@ -206,7 +207,8 @@ def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAtt
     if key_mask is not None:
         p.key_mask, p.mask_batch_stride = key_mask.data_ptr(), key_mask.stride(0)
     p.dtype = DTYPE_CODES.get(query.dtype, 0)
-    p.variant, p.num_heads, p.num_kv_heads, p.head_dim = attrs.variant, attrs.num_heads, attrs.num_kv_heads, attrs.head_dim
+    p.variant, p.num_heads = attrs.variant, attrs.num_heads
+    p.num_kv_heads, p.head_dim = attrs.num_kv_heads, attrs.head_dim
     p.batch, p.q_len, p.kv_len = query.shape[0], query.shape[1], key.shape[1]
     p.causal, p.norm = attrs.causal, attrs.norm
     p.scale, p.norm_eps, p.output_scale = attrs.effective_scale, attrs.norm_eps, attrs.output_scale

@@ -4,7 +4,8 @@ Registered once, when this module is first imported. Arguments are the contract'
 followed by its attributes, in contract order (a test checks the schema against
 diffexport.core.contract). The default implementation is the FlashDiffAttn_1 reference (two
 attention calls, flash_attn or SDPA); on CUDA the fused kernel (diffexport.kernel.kernels) takes over
-when its library is built and supports the call ($DIFFEXPORT_ATTENTION chooses); the fake implementation gives export and torch.compile
+when its library is built and supports the call ($DIFFEXPORT_ATTENTION chooses); the fake implementation gives export
+and torch.compile
 the output shape. Gradients come from re-running that reference under autograd, so models
 that call the op also train.
 """

@@ -40,7 +40,8 @@ LAYOUTS = ("auto", "native", "unilm")
 class LoadedModel:
     model: DecoderLM
     config: ModelConfig
-    source: str  # "native", "safetensors", "hf-diffllama", "hf-llama", "state-dict:native", "state-dict:unilm", "preset"
+    # "native", "safetensors", "hf-diffllama", "hf-llama", "state-dict:native", "state-dict:unilm", "preset"
+    source: str
     path: str | None = None
     task: dict | None = None  # what the weights were trained on, when the checkpoint says (tools/train_tiny.py)
     hub_id: str | None = None  # org/name when loaded from a Hugging Face Hub id (path: its cache snapshot)
@@ -288,7 +289,8 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise DiffExportError(f"{path} not found: a checkpoint directory or .safetensors file needs its config.json") from None
+        raise DiffExportError(f"{path} not found: a checkpoint directory or .safetensors file needs its "
+                              "config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DiffExportError(f"{path} is not valid JSON: {exc}") from None
     except RecursionError:
@@ -434,7 +436,8 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
     if not path.exists():
         raise DiffExportError(f"checkpoint not found: {path}")
     if not path.is_dir() and not path.is_file():  # a FIFO would hang, /dev/zero grow without end
-        raise DiffExportError(f"{path} is not a regular file or folder (a device, FIFO or socket): give a checkpoint file")
+        raise DiffExportError(f"{path} is not a regular file or folder (a device, FIFO or socket): give a checkpoint "
+                              "file")
     if path.is_dir():
         return _load_directory(path, dtype)
     if path.suffix == ".safetensors":
@@ -462,7 +465,8 @@ def load_model(path: str | os.PathLike | None = None, *, preset: str | None = No
 def from_module(model: torch.nn.Module, dtype: torch.dtype | None = None) -> LoadedModel:
     """An in-memory model as a LoadedModel: one of ours (diffexport.modeling), or transformers'
     DiffLlamaForCausalLM (or LlamaForCausalLM, the baseline) converted exactly as an HF folder is
-    (its weights copied, the module left as it was). Without a folder on disk, `check` compares with diffexport's port only."""
+    (its weights copied, the module left as it was). Without a folder on disk, `check` compares with
+    diffexport's port only."""
     if isinstance(model, DecoderLM):
         return LoadedModel(model, model.config, "in-memory")
     hf_config = getattr(model, "config", None)
@@ -474,7 +478,8 @@ def from_module(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Loa
         return LoadedModel(model_from_state(cfg, imported.state(state, cfg), where, dtype), cfg,
                            f"{imported.source} (in memory)")
     raise DiffExportError(f"{type(model).__name__} is not a model diffexport knows: pass a diffexport model "
-                          "(diffexport.modeling), a transformers DiffLlamaForCausalLM or (the baseline) LlamaForCausalLM")
+                          "(diffexport.modeling), a transformers DiffLlamaForCausalLM or (the baseline) "
+                          "LlamaForCausalLM")
 
 
 def _load_bare_state(state: dict, cfg: ModelConfig | None, layout: str, where: str, dtype) -> LoadedModel:

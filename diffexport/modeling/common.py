@@ -41,7 +41,8 @@ class ModelConfig:
     ffn_hidden: int | None = None
     rope_theta: float = 10000.0
     rope_interleaved: bool = False  # False: rotate-half (Llama/NeoX), True: adjacent pairs (GPT-J)
-    rope_scaling: dict | None = None  # None: plain RoPE; else {"rope_type": "linear" | "llama3" | "yarn", ...} (ROPE_SCALING_KEYS)
+    # None: plain RoPE; else {"rope_type": "linear" | "llama3" | "yarn", ...} (ROPE_SCALING_KEYS)
+    rope_scaling: dict | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -237,7 +238,8 @@ def check_rope_scaling(family: str, value: Any) -> dict | None:
         elif key == "truncate":
             if not isinstance(number, bool):
                 raise DiffExportError(f"{where}: truncate must be true or false, got {number!r}")
-        elif isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
+        elif (isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number)
+              or number <= 0):
             raise DiffExportError(f"{where}: {key} must be a finite number > 0, got {number!r}")
         out[key] = number if key in ("original_max_position_embeddings", "truncate") else float(number)
     if kind == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
@@ -265,7 +267,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None,
         return inv_freq / factor
     if scaling["rope_type"] == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, theta ** exponents)
-    context, low, high = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"))
+    context, low, high = (scaling[k]
+                          for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"))
     wavelength = 2 * math.pi / inv_freq
     long_waves = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
     s = (context / wavelength - low) / (high - low)
@@ -285,7 +288,8 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: Mapping, wavelengths: t
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # a ramp of no width would divide by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=wavelengths.device) - low) / (high - low)).clamp(0, 1)
+    pairs = torch.arange(head_dim // 2, dtype=torch.float32, device=wavelengths.device)
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)
     kept = 1 - ramp  # 1: the pair keeps its frequency (extrapolation), 0: divided by factor
     return 1.0 / (scaling["factor"] * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
 

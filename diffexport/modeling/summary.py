@@ -34,7 +34,8 @@ def model_facts(loaded: LoadedModel) -> dict:
                           f"head_dim {cfg.head_dim}")
         facts["lambda_note"] = "per token and head: sigmoid(lambda_proj(x))"
     else:
-        facts["heads"] = f"{cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim} (baseline Transformer)"
+        facts["heads"] = (f"{cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, head_dim {cfg.head_dim} "
+                          "(baseline Transformer)")
     return facts
 
 

@@ -104,7 +104,8 @@ def feeds(model, ids: np.ndarray) -> dict[str, np.ndarray]:
             out[value.name] = np.ones((batch, seq), helper.tensor_dtype_to_np_dtype(t.elem_type))
         elif names.is_past(value.name) and len(t.shape.dim) == 4:
             dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-            out[value.name] = np.zeros((batch, dims[1] or 1, 0, dims[3] or 1), helper.tensor_dtype_to_np_dtype(t.elem_type))
+            dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+            out[value.name] = np.zeros((batch, dims[1] or 1, 0, dims[3] or 1), dtype)
         else:
             raise DiffExportError(f"calibration does not know how to feed the graph input {value.name!r}: quantise "
                                   "an export written by `diffexport onnx`")

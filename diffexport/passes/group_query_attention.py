@@ -158,7 +158,8 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
                       "none: its folder runs as it is)")
     dtype = _value_type(model.graph, names.PAST_KEY % 0)
     if dtype not in PAD_BIAS:
-        raise _refuse(f"cache type {TensorProto.DataType.Name(dtype)}: GroupQueryAttention here takes float32 or float16")
+        raise _refuse(f"cache type {TensorProto.DataType.Name(dtype)}: GroupQueryAttention here takes float32 or "
+                      "float16")
 
     new_nodes: list[onnx.NodeProto] = []
     lengths, bias, row_scale, past_shape = _shared_inputs(g, new_nodes, dtype)
@@ -372,8 +373,8 @@ def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, l
     outputs = [g.fresh("maps"), names.PRESENT_KEY % layer, names.PRESENT_VALUE % layer]
     n, (maps, _, _) = g.node(
         "GroupQueryAttention", [query, new_key, new_value, names.PAST_KEY % layer, names.PAST_VALUE % layer,
-                                seqlens_k, total_length, cos_cache, sin_cache, position_ids if rope else "", bias, "", "", "", "", "",
-                                query_seqlens],
+                                seqlens_k, total_length, cos_cache, sin_cache, position_ids if rope else "", bias,
+                                "", "", "", "", "", query_seqlens],
         outputs, domain=GQA_DOMAIN, num_heads=2 * H, kv_num_heads=attrs.num_kv_heads,
         scale=attrs.effective_scale, do_rotary=int(rope is not None), rotary_interleaved=0)
     nodes.append(n)

@@ -52,7 +52,8 @@ def check_quantisable(model: onnx.ModelProto, path) -> list[onnx.NodeProto]:
     return nodes
 
 
-def cache_ranges(session, feeds_list: list[dict], layers: int, rotary_half: int | None) -> tuple[np.ndarray, np.ndarray]:
+def cache_ranges(session, feeds_list: list[dict], layers: int,
+                 rotary_half: int | None) -> tuple[np.ndarray, np.ndarray]:
     """Per layer and channel [layers, kv heads * head size]: the largest key (pair length, see the
     module) and value magnitudes over the calibration runs."""
     keys = values = None
@@ -91,7 +92,7 @@ def quantise_cache(model: onnx.ModelProto, key_max: np.ndarray, value_max: np.nd
     """In place: every GroupQueryAttention keeps an int8 cache with these per-channel scales, and the
     graph's past/present caches are int8."""
     nodes = attention_nodes(model)
-    cache_names = {names.PAST_KEY % i: i for i in range(len(nodes))} | {names.PAST_VALUE % i: i for i in range(len(nodes))}
+    cache_names = {name % i: i for i in range(len(nodes)) for name in (names.PAST_KEY, names.PAST_VALUE)}
     layer_of = {}
     for node in nodes:
         layer = cache_names.get(node.input[3])

@@ -204,7 +204,8 @@ def _single_reader_chain(graph_nodes, start: str, producers: dict, readers: dict
     return chain[::-1], name
 
 
-def _token_shape(shape_name: str, width: int, inits: dict, producers: dict, zero_copies: bool = True) -> list[int] | None:
+def _token_shape(shape_name: str, width: int, inits: dict, producers: dict,
+                 zero_copies: bool = True) -> list[int] | None:
     """The per-token shape a Reshape gives `width` columns: [1, 1, ...] from a constant shape that
     keeps batch and sequence (0, 0, ... without allowzero), or from Concat(batch, sequence, constants...) whose
     trailing constants hold exactly `width` columns (the exporter's head views); else None."""

@@ -79,7 +79,8 @@ class QDQSummary:
                f"weights       {self.bytes_before / 1e6:,.1f} MB -> {self.bytes_after / 1e6:,.1f} MB (stored "
                f"{'as int8' if self.options.format == 'int8' else 'as fp8'}, dequantised by TensorRT's fused matmuls)"]
         if self.skipped:
-            out.append(f"kept          {len(self.skipped)} MatMul weight(s) as they were: {'; '.join(self.skipped[:3])}")
+            out.append(f"kept          {len(self.skipped)} MatMul weight(s) as they were: "
+                       f"{'; '.join(self.skipped[:3])}")
         out.append(f"wrote         {self.output} in {self.seconds:.1f}s; build it with `diffexport trt "
                    f"{self.output}{' --targets SM89' if self.options.format == 'fp8' else ''}`")
         return out
@@ -130,7 +131,8 @@ def quantize_qdq(src: str | os.PathLike, dst: str | os.PathLike, options: QDQOpt
     why = ("FP8 QuantizeLinear" if options.format == "fp8" else
            f"{dtype} scales on QuantizeLinear" if dtype != "float32" else None)
     if why and opset < MIN_OPSET_19:
-        raise DiffExportError(f"--qdq {options.format} of a {dtype} export needs opset {MIN_OPSET_19} or newer ({why}); "
+        raise DiffExportError(f"--qdq {options.format} of a {dtype} export needs opset {MIN_OPSET_19} or newer "
+                              f"({why}); "
                               f"{model_path.name} is opset {opset}: re-export it with `diffexport onnx ... "
                               f"--opset {MIN_OPSET_19}`")
     batches, source = calibration.batches(options, calibration.vocab_size(model, model_path))

@@ -73,7 +73,8 @@ class WeightQuantOptions(calibration.CalibrationFields):
             raise DiffExportError(f"accuracy level {self.accuracy_level}: use 0..4")
 
     def describe(self) -> str:
-        return (f"int{self.bits}, block {self.block_size}, {self.method}, {'symmetric' if self.symmetric else 'asymmetric'}"
+        return (f"int{self.bits}, block {self.block_size}, {self.method}, "
+                f"{'symmetric' if self.symmetric else 'asymmetric'}"
                 + (f"; {self.kv_cache} KV cache" if self.kv_cache else ""))
 
 
@@ -90,9 +91,11 @@ class WeightQuantSummary:
     def lines(self) -> list[str]:
         ratio = self.bytes_before / max(self.bytes_after, 1)
         out = [f"quantised     {self.quantised} MatMul weights to MatMulNBits ({self.options.describe()})",
-               f"weights       {self.bytes_before / 1e6:,.1f} MB -> {self.bytes_after / 1e6:,.1f} MB ({ratio:.2f}x smaller)"]
+               f"weights       {self.bytes_before / 1e6:,.1f} MB -> {self.bytes_after / 1e6:,.1f} MB ({ratio:.2f}x "
+               "smaller)"]
         if self.skipped:
-            out.append(f"kept          {len(self.skipped)} MatMul weight(s) as they were: {'; '.join(self.skipped[:3])}")
+            out.append(f"kept          {len(self.skipped)} MatMul weight(s) as they were: "
+                       f"{'; '.join(self.skipped[:3])}")
         out.append(f"wrote         {self.output} in {self.seconds:.1f}s")
         return out
 

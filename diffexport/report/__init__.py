@@ -32,7 +32,8 @@ def render_html(report: Report) -> str:
     return render(report)
 
 
-def write_report(artifact: str | os.PathLike, load_model: Callable[[dict], LoadedModel], output: str | os.PathLike | None = None,
+def write_report(artifact: str | os.PathLike, load_model: Callable[[dict], LoadedModel],
+                 output: str | os.PathLike | None = None,
                  options: CheckOptions | None = None, *, force: bool = False, speed: bool = True,
                  steps: int | None = None, asked: str = "", log: Callable[[str], None] = print) -> tuple[Path, Report]:
     """Check `artifact`, measure it and write the page to `output` (default: default_output). The

@@ -66,12 +66,14 @@ def _files(artifact: Path) -> list[tuple[str, int, str]]:
 
 
 # what each file of an artifact is, by name or suffix (the Files table's "what" column)
-_FILE_ROLES = {"model.onnx": "the graph (ONNX)", ".onnx": "the graph (ONNX)", ".data": "the weights (ONNX external data)",
+_FILE_ROLES = {"model.onnx": "the graph (ONNX)", ".onnx": "the graph (ONNX)", ".data": "the weights (ONNX external "
+                                                                                       "data)",
                "genai_config.json": "onnxruntime-genai's configuration", "tokenizer.json": "the tokenizer",
                "tokenizer_config.json": "the tokenizer's settings", "special_tokens_map.json": "the special tokens",
                "tokenizer.model": "the tokenizer (SentencePiece)", "vocab.json": "the tokenizer's vocabulary",
                "merges.txt": "the tokenizer's merges", "added_tokens.json": "tokens added to the vocabulary",
-               "generation_config.json": "the checkpoint's generation defaults", "chat_template.jinja": "the chat template",
+               "generation_config.json": "the checkpoint's generation defaults",
+               "chat_template.jinja": "the chat template",
                "README.md": "the model card"}
 
 
@@ -144,5 +146,6 @@ def build_report(artifact: str | os.PathLike, loaded: LoadedModel, options: Chec
                f"(memory-bandwidth estimate {measured.decode_bound:.1f})"))
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return Report(artifact, kind, model, facts, check, measured,
-                  _commands(artifact, kind, loaded, model["preset"], check, options, asked or f"diffexport report {artifact}"),
+                  _commands(artifact, kind, loaded, model["preset"], check, options, asked or "diffexport report "
+                                                                                              f"{artifact}"),
                   created, _machine())

@@ -89,8 +89,10 @@ def _prefill_plot(comparisons) -> bytes:
     got = [(c.mean_kl if quantised and c.mean_kl is not None else c.max_abs) for _, c in comparisons]
     bound = [(c.budget.max_kl if quantised and c.mean_kl is not None else c.bound) for _, c in comparisons]
     rows = range(len(comparisons))
-    ax.barh([r + 0.2 for r in rows], [max(g, 1e-30) for g in got], height=0.4, label="KL" if quantised else "max |error|")
-    ax.barh([r - 0.2 for r in rows], [max(b, 1e-30) for b in bound], height=0.4, label="budget" if quantised else "bound",
+    ax.barh([r + 0.2 for r in rows], [max(g, 1e-30) for g in got], height=0.4,
+            label="KL" if quantised else "max |error|")
+    ax.barh([r - 0.2 for r in rows], [max(b, 1e-30) for b in bound], height=0.4,
+            label="budget" if quantised else "bound",
             color="C3", alpha=0.6)
     ax.set_yticks(list(rows), names, fontsize=7)
     ax.invert_yaxis()
@@ -215,8 +217,10 @@ def _speed_section(report: Report) -> str:
         share = speed.decode_tokens_per_s / speed.decode_bound if speed.decode_bound else float("nan")
         rows += [("decode", _e(f"{speed.new_tokens} tokens at {_rate(speed.decode_tokens_per_s)} tokens/s "
                                f"(rounds {_rate(speed.decode_spread[0])} to {_rate(speed.decode_spread[1])})")),
-                 ("memory-bandwidth estimate", _e(f"{_rate(speed.decode_bound)} tokens/s: {speed.weight_bytes / 1e6:.1f} MB "
-                                                 f"of weights read per token at the probe's {speed.read_bytes_per_s / 1e9:.1f} "
+                 ("memory-bandwidth estimate", _e(f"{_rate(speed.decode_bound)} tokens/s: "
+                                                  f"{speed.weight_bytes / 1e6:.1f} MB "
+                                                 "of weights read per token at the probe's "
+                                                 f"{speed.read_bytes_per_s / 1e9:.1f} "
                                                  f"GB/s; decode runs at {share:.0%} of it"))]
     else:
         rows.append(("memory-bandwidth estimate", _e(f"a prefill file has no decode; its weights "

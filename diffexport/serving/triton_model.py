@@ -59,7 +59,8 @@ class DecoderService:
         genai.import_genai()
         self.config, self.context, self.vocab, self.eos = read.config, read.context_length, read.vocab_size, \
             set(read.eos_token_ids)
-        self.tokenizer = text_generation.folder_tokenizer(self.folder) if decoder_folder.has_tokenizer(self.folder) else None
+        has_tokenizer = decoder_folder.has_tokenizer(self.folder)
+        self.tokenizer = text_generation.folder_tokenizer(self.folder) if has_tokenizer else None
         self.max_batch = max_batch
         self._models: dict[int | None, object] = {}  # pad id -> genai model (genai_pad_for)
         self._waiting: deque[Request] = deque()
@@ -234,7 +235,8 @@ class TritonPythonModel:
                     return
                 tensors = [pb_utils.Tensor("output_ids", np.asarray(ids, np.int64))]
                 if service.tokenizer is not None:
-                    tensors.append(pb_utils.Tensor("text_output", np.asarray([(text or "").encode()], dtype=np.object_)))
+                    encoded = np.asarray([(text or "").encode()], dtype=np.object_)
+                    tensors.append(pb_utils.Tensor("text_output", encoded))
                 sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=final if last else 0)
 
             def value(name, kind):

@@ -68,7 +68,8 @@ def run_against(model_path: str | os.PathLike, against_path: str | os.PathLike, 
     graph = load_onnx(model_path, weights=False)
     # a weight-quantised model against its unquantised source: the budget, not the dtype rule
     def weight_records(model) -> dict[str, str]:
-        return {key: value for key, value in metadata_keys.stored_metadata(model).items() if key in metadata_keys.WEIGHT_RECORDS}
+        stored = metadata_keys.stored_metadata(model)
+        return {key: value for key, value in stored.items() if key in metadata_keys.WEIGHT_RECORDS}
 
     theirs_quantised = bool(weight_records(load_onnx(against_path, weights=False)))
     budget = None if theirs_quantised else metadata.quant_budget(weight_records(graph))

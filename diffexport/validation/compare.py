@@ -113,8 +113,8 @@ def finish_report(runner: list[str], save_dir: Path, feeds, saved, comparisons, 
         atols = []
         for name in outputs:
             ref_max = max(float(np.abs(r[name]).max()) for r in saved)
-            seen = max((float(np.abs(np.asarray(o[name], np.float64) - np.asarray(r[name], np.float64)).max(initial=0.0))
-                        for o, r in zip(observed or [], saved)), default=0.0)
+            seen = max((float(np.abs(np.asarray(o[name], np.float64) - np.asarray(r[name], np.float64))
+                              .max(initial=0.0)) for o, r in zip(observed or [], saved)), default=0.0)
             atol = tolerances.elementwise_atol([c for n, c in (atol_comparisons or comparisons) if n == name], dtype,
                                                ref_max, seen if math.isfinite(seen) else 0.0)  # NaN fails regardless
             atols.append(f"{name}:{tolerances.format_at_least(atol)}")

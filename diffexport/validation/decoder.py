@@ -209,8 +209,8 @@ TEXT_TOKENS = 4096  # the most of a --text that a decoder check scores (2,048 de
 TEXT_WINDOW = 1024  # tokens per window (the context, when shorter), each from an empty cache
 
 
-def _text_check(runner: DecoderRunner, short: str, text: TextIds, eager, low, ref32, dtype: str, options: CheckOptions, budget,
-                log: Callable[[str], None]) -> tuple[list[str], list]:
+def _text_check(runner: DecoderRunner, short: str, text: TextIds, eager, low, ref32, dtype: str, options: CheckOptions,
+                budget, log: Callable[[str], None]) -> tuple[list[str], list]:
     """--text through a decoder as generation feeds it: consecutive windows of the text, each
     from an empty cache, its first half as a prefill (in the runner's longest calls) and the rest
     one decode step a token. Every position's logits are held to the eager model's over the whole

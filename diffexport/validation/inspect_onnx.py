@@ -54,14 +54,16 @@ def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int, contrib: lis
     if not nodes:
         return {"onnxruntime": "yes (standard ops only)", "tensorrt_plugin": "not needed (no DiffAttention)",
                 "tensorrt_native": "yes if TensorRT supports every op"}
-    refusal = next(filter(None, (contract.plugin_refusal(int(n["attributes"].get("head_dim", 0))) for n in nodes)), None)
+    refusals = (contract.plugin_refusal(int(n["attributes"].get("head_dim", 0))) for n in nodes)
+    refusal = next(filter(None, refusals), None)
     return {
         "onnxruntime": "yes: inlines the DiffAttention function body" if has_body else
                        "no: DiffAttention nodes without a function body (re-export with `diffexport onnx`)",
         "tensorrt_plugin": f"no: {refusal}; build with `diffexport trt --attention native`" if refusal else
                            (f"ready: {plugin_nodes}/{len(nodes)} nodes carry plugin_namespace for the "
                             f"DiffAttention plugin (namespace {contract.PLUGIN_NAMESPACE}, version "
-                            f"{', '.join(versions)}{' with key_mask' if contract.KEY_MASK_PLUGIN_VERSION in versions else ''}"
+                            f"{', '.join(versions)}"
+                            f"{' with key_mask' if contract.KEY_MASK_PLUGIN_VERSION in versions else ''}"
                             f", libdiffexport_plugins.so); "
                             + ("TensorRT >= 10.7 picks it over the function body, 10.1-10.6 import the body "
                                "instead: use `diffexport trt` or the graph its --save-onnx writes"

@@ -21,10 +21,8 @@ from diffexport.inputs.streams import text_ids
 from diffexport.modeling.checkpoint import LoadedModel
 from diffexport.modeling.presets import match_preset
 
-DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))
-
-
-MAX_CHECK_SHAPE = (64, 16384)  # batch, sequence: beyond, the references' N x N maps outgrow a workstation  # batch x sequence: 1, odd lengths, batch > 1
+DEFAULT_SHAPES = ((1, 1), (1, 17), (2, 33), (3, 64))  # batch x sequence: 1, odd lengths, batch > 1
+MAX_CHECK_SHAPE = (64, 16384)  # batch, sequence: beyond, the references' N x N maps outgrow a workstation
 
 
 EAGER_RUNNER = "eager-pytorch"

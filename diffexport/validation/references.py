@@ -50,7 +50,8 @@ def resolve_reference(choice: str, loaded: LoadedModel) -> tuple[bool, bool, str
     if choice in ("transformers", "both"):
         if not is_hf:
             raise DiffExportError(f"--reference {choice}: the checkpoint is {loaded.source}, not a Hugging Face "
-                                  "DiffLlama (or Llama) folder; no library model exists for it, diffexport's port is its "
+                                  "DiffLlama (or Llama) folder; no library model exists for it, diffexport's port is "
+                                  "its "
                                   "reference (--reference diffexport)")
         if not have:
             raise DiffExportError(f"--reference {choice} needs transformers: pip install 'diffexport[hf]'")
@@ -80,7 +81,8 @@ def transformers_models(loaded: LoadedModel, dtype: str):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # its loading bars would land in our report
-    hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32, trust_remote_code=False).eval()
+    hf = _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32,
+                                                     trust_remote_code=False).eval()
     if dtype == "float32":
         return hf, None
 
@@ -106,7 +108,8 @@ def hf_generator(loaded: LoadedModel):
     except ImportError:
         return None
     transformers.utils.logging.disable_progress_bar()
-    return _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32, trust_remote_code=False).eval()
+    return _transformers_class(loaded).from_pretrained(loaded.path, torch_dtype=torch.float32,
+                                                       trust_remote_code=False).eval()
 
 
 def _plain_generation_config(hf, eos_token_id):

@@ -194,7 +194,8 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
         else:
             verdict = "PASS" if passed else "FAIL"
         lines.append(f"sampled tokens genai prompt {index + 1}: {draws} draws over {int((probs > 0).sum())} eager "
-                     f"candidates, {strays} outside them{f' ({int(counts[at_cut].sum())} at the cut)' if at_cut.any() else ''}; "
+                     f"candidates, {strays} outside "
+                     f"them{f' ({int(counts[at_cut].sum())} at the cut)' if at_cut.any() else ''}; "
                      f"chi-square {statistic:.1f} over {bins} bins, p {p_value:.2g}  {verdict}")
     progress.close()
     if plot is not None:
