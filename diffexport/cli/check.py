@@ -42,19 +42,13 @@ def _check_sampling(args, folder_config: dict | None) -> dict:
             raise DiffExportError(f"{given[0]} shapes the sampling check: add --sample")
         return {}
     draws = 2000 if args.draws is None else args.draws  # checked with the other options (check_decode_options)
-    search = decoder_folder.folder_search(folder_config) if folder_config is not None else {"do_sample": False}
-    taken = []
-
-    def pick(given, key: str, own):
-        if given is not None or not search["do_sample"]:
-            return own if given is None else given
-        if search[key] != own:
-            taken.append(f"{key.replace('_', ' ')} {search[key]}")
-        return search[key]
-
-    sampling = eager_generation.Sampling(greedy=False, temperature=pick(args.temperature, "temperature", 1.0),
-                        top_k=pick(args.top_k, "top_k", 0), top_p=pick(args.top_p, "top_p", 1.0), seed=args.seed,
-                        repetition_penalty=pick(args.repetition_penalty, "repetition_penalty", 1.0))
+    config = folder_config if folder_config is not None else {}
+    # the folder's penalty only where its search samples: a greedy folder's draws are checked without one
+    folder_samples = decoder_folder.folder_search(config)["do_sample"]
+    penalty = 1.0 if args.repetition_penalty is None and not folder_samples else args.repetition_penalty
+    sampling, taken, _ = decoder_folder.search_sampling(config, sample=True, temperature=args.temperature,
+                                                        top_k=args.top_k, top_p=args.top_p,
+                                                        repetition_penalty=penalty, seed=args.seed)
     if taken:
         log_line(f"from the folder's genai_config.json search: {', '.join(taken)} (the options override it)")
     return {"sampling": sampling, "draws": draws}

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
+from diffexport.core.eager_generation import Sampling
 from diffexport.core.errors import DiffExportError
 from diffexport.core.files import is_hub_cache_link
 from diffexport.format import decoders
@@ -186,6 +187,37 @@ def folder_search(config: dict) -> dict:
             raise DiffExportError(f"{GENAI_CONFIG}: search.{key} must be {what}, got {value!r}")
         values[key] = value
     return values
+
+
+def search_sampling(config: dict, *, greedy: bool = False, sample: bool = False, num_beams: int = 1,
+                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                    repetition_penalty: float | None = None, seed: int = 0) -> tuple[Sampling, list[str], bool]:
+    """The draw: the caller's options (None: not given) over the folder's genai_config search values,
+    as transformers' generate() takes a checkpoint's generation_config. A folder whose search samples
+    (do_sample true, from its checkpoint's generation_config.json) samples with its temperature, top-k
+    and top-p unless `greedy`; its repetition penalty applies either way. Otherwise greedy, or with
+    `sample` temperature 1, no top-k or top-p cut. -> (the draw, what came from
+    the folder, in words, for the caller to say; whether the folder's search samples)."""
+
+    search = folder_search(config)
+    folder_samples = search["do_sample"] and not greedy and num_beams == 1
+    draws_greedily = not (sample or folder_samples)
+    taken = []
+
+    def pick(given, key: str, own):
+        if given is not None:
+            return given
+        value = search[key] if folder_samples or key == "repetition_penalty" else own
+        if value != own and not (draws_greedily and key != "repetition_penalty") and num_beams == 1:
+            taken.append(f"{key.replace('_', ' ')} {value}")
+        return value
+
+    sampling = Sampling(greedy=draws_greedily, temperature=pick(temperature, "temperature", 1.0),
+                        top_k=pick(top_k, "top_k", 0), top_p=pick(top_p, "top_p", 1.0), seed=seed,
+                        repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0))
+    if folder_samples and not sample:
+        taken.insert(0, "sampling")
+    return sampling, taken, folder_samples
 
 
 def small_json_object(path: Path) -> dict | None:

@@ -21,9 +21,9 @@ from diffexport.core.stoppable import call_bounded, cpu_seconds_for
 from diffexport.format import decoder_folder
 from diffexport.format.decoder_folder import (
     eos_token_ids,
-    folder_search,
     has_tokenizer,
     read_decoder_folder,
+    search_sampling,
     tokenizer_files,
 )
 from diffexport.format.tokenizer_rules import check_tokenizer_json
@@ -138,30 +138,11 @@ def folder_sampling(config: dict, *, greedy: bool = False, sample: bool = False,
                     temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                     repetition_penalty: float | None = None, seed: int = 0,
                     log: Callable[[str], None] | None = None) -> Sampling:
-    """The draw: the caller's options (None: not given) over the folder's genai_config search values,
-    as transformers' generate() takes a checkpoint's generation_config. A folder whose search samples
-    (do_sample true, from its checkpoint's generation_config.json) samples with its temperature, top-k
-    and top-p unless `greedy`; its repetition penalty applies either way. Otherwise greedy, or with
-    `sample` temperature 1, no top-k or top-p cut. What came from the folder is said through `log`."""
-
-    search = folder_search(config)
-    folder_samples = search["do_sample"] and not greedy and num_beams == 1
-    draws_greedily = not (sample or folder_samples)
-    taken = []
-
-    def pick(given, key: str, own):
-        if given is not None:
-            return given
-        value = search[key] if folder_samples or key == "repetition_penalty" else own
-        if value != own and not (draws_greedily and key != "repetition_penalty") and num_beams == 1:
-            taken.append(f"{key.replace('_', ' ')} {value}")
-        return value
-
-    sampling = Sampling(greedy=draws_greedily, temperature=pick(temperature, "temperature", 1.0),
-                        top_k=pick(top_k, "top_k", 0), top_p=pick(top_p, "top_p", 1.0), seed=seed,
-                        repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0))
-    if folder_samples and not sample:
-        taken.insert(0, "sampling")
+    """The draw generate makes (decoder_folder.search_sampling: the caller's options over the folder's
+    genai_config search values); what came from the folder is said through `log`."""
+    sampling, taken, folder_samples = search_sampling(
+        config, greedy=greedy, sample=sample, num_beams=num_beams, temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, seed=seed)
     if taken and log:
         log(f"from the folder's genai_config.json search: {', '.join(taken)} (the options override it"
             f"{'; --greedy decodes greedily' if folder_samples else ''})")
