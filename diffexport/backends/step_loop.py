@@ -110,7 +110,7 @@ def generate_stepped(folder, prompt: list[int], max_new_tokens: int, sampling: S
                      stops[0])
 
 
-def _prefill_chunks(runner: DecoderRunner, ids: np.ndarray, mask: np.ndarray, cache: dict,
+def prefill_chunks(runner: DecoderRunner, ids: np.ndarray, mask: np.ndarray, cache: dict,
                     done: int) -> tuple[dict, int]:
     """Run all but the last chunk of the prompt's tokens after the first `done` (a runner with a
     longest call, an engine's profile, takes a longer prompt in such chunks: the graph's causal mask
@@ -149,7 +149,7 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
     tokens = [[] for _ in prompts]
     stops, live = ["length"] * len(prompts), [True] * len(prompts)
     timing["start"] = time.perf_counter()
-    cache, done = _prefill_chunks(runner, ids, mask, cache, 0 if state is None else state["cached"])
+    cache, done = prefill_chunks(runner, ids, mask, cache, 0 if state is None else state["cached"])
     ids = ids[:, done:]
     seen = None
     for _ in range(max_new_tokens):
@@ -216,7 +216,7 @@ def beam_search_stepped(folder, prompt: list[int], max_new_tokens: int, search: 
         if order is None:
             first = np.asarray(ids[:1], np.int64)
             mask = np.ones_like(first)
-            cache, done = _prefill_chunks(runner, first, mask, runner.empty_cache(1), 0)
+            cache, done = prefill_chunks(runner, first, mask, runner.empty_cache(1), 0)
             logits, cache = runner.step(first[:, done:], mask, cache)
             copies = np.zeros(len(ids), np.int64)  # the prompt's cache, once per beam
             state["cache"] = {name: value[copies] for name, value in cache.items()}
