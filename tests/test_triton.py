@@ -74,6 +74,7 @@ def test_repository_layout_and_config(folder, tmp_path):
     for name, kind, _ in OUTPUTS:
         assert f'name: "{name}"\n    data_type: {kind}' in config
     assert "decoupled: true" in config and "count: 2\n    kind: KIND_CPU" in config and '"4"' in config
+    assert 'key: "scheduler"\n  value: { string_value: "inflight" }' in config  # the default
     copied = sorted(p.name for p in repo.folder.iterdir())
     assert copied == sorted(p.name for p in folder.iterdir() if p.is_file())
     assert "from diffexport.serving.triton_model import TritonPythonModel" in \
@@ -89,6 +90,8 @@ def test_repository_refusals(folder, tmp_path, artifacts):
         write_repository(folder, tmp_path / "r", max_batch=33)
     with pytest.raises(DiffExportError, match="--instances"):
         write_repository(folder, tmp_path / "r", instances=0)
+    with pytest.raises(DiffExportError, match="unknown --scheduler 'fifo'"):
+        write_repository(folder, tmp_path / "r", scheduler="fifo")
     with pytest.raises(DiffExportError, match="is not a folder"):
         write_repository(tmp_path / "nope", tmp_path / "r")
     (tmp_path / "r").mkdir()
@@ -113,6 +116,10 @@ def test_triton_command_line(folder, tmp_path):
     assert "wrote         " in result.stdout and (tmp_path / "repo" / "m" / "config.pbtxt").is_file()
     assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "repo", "--name", "m"), "already exists")
     assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--max-batch", "0"), "--max-batch")
+    assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--scheduler", "fifo"), "--scheduler")
+    result = cli_main("triton", folder, "-o", tmp_path / "batch", "--scheduler", "batch")
+    assert result.returncode == 0 and "(batch scheduler)" in result.stdout
+    assert 'string_value: "batch"' in next((tmp_path / "batch").glob("*/config.pbtxt")).read_text()
     for ports, pattern in ((("--http-port", "0"), "port 0 is not in 1..65535"),
                            (("--http-port", "9000", "--grpc-port", "9000"), "ports must differ")):
         assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--serve", *ports), pattern)
@@ -140,20 +147,21 @@ class Collected:
         self.done.set()
 
 
-@pytest.fixture(scope="module")
-def service(folder):
+@pytest.fixture(scope="module", params=["inflight", "batch"])
+def service(folder, request):
     from diffexport.serving.triton_model import DecoderService
 
-    service = DecoderService(folder, max_batch=4)
+    service = DecoderService(folder, max_batch=4, scheduler=request.param)
     yield service
     service.stop()
 
 
-def _ask(service, prompt, stream=False, max_tokens=12, sampling=GREEDY, cancelled=lambda: False):
+def _ask(service, prompt, stream=False, max_tokens=12, sampling=GREEDY, cancelled=lambda: False, ids=None):
+    """Submit a prompt (its ids when given: encoding takes a forked child's time) -> its responses."""
     from diffexport.serving.triton_model import Request
 
     out = Collected()
-    ids = service.prompt(prompt.encode(), None)
+    ids = service.prompt(prompt.encode(), None) if ids is None else ids
     service.submit(Request(ids, service.check_length(ids, max_tokens), sampling, stream, out.send, out.fail,
                            cancelled))
     return out
@@ -167,6 +175,37 @@ def test_batched_requests_answer_as_each_alone(service, alone):
         assert out.done.wait(60) and out.error is None and out.final
         want = streamed(alone[prompt]) if i % 2 else alone[prompt][:2]
         assert (out.ids, out.text) == want, prompt
+
+
+def test_a_request_joins_a_running_answer_and_does_not_wait_for_it(folder, alone):
+    """In-flight: a request that arrives while a long answer streams (submitted when that answer's
+    third token is sent, from the worker itself, so the timing is the schedule's and not the test
+    machine's) is answered before that one ends, and both answers are those of generate alone."""
+    from diffexport.backends.runtimes import open_runtime
+    from diffexport.serving.triton_model import DecoderService, Request
+
+    service = DecoderService(folder, max_batch=4, scheduler="inflight")
+    try:
+        long_ids, short_ids = (service.prompt(p.encode(), None) for p in (PROMPTS[3], PROMPTS[1]))
+        want = open_runtime("genai", folder).generate(long_ids, 40, GREEDY).tokens
+        assert len(want) == 40  # no end id before 40 tokens: the long answer runs on (this could fail)
+        short, long, streamed_when_short_ended = Collected(), Collected(), []
+
+        def long_send(ids, text, final):
+            Collected.send(long, ids, text, final)
+            if len(long.ids) == 3 and ids:
+                service.submit(Request(short_ids, 12, GREEDY, False, short_send, short.fail))
+
+        def short_send(ids, text, final):
+            streamed_when_short_ended.append(len(long.ids))
+            Collected.send(short, ids, text, final)
+
+        service.submit(Request(long_ids, 40, GREEDY, True, long_send, long.fail))
+        assert short.done.wait(60) and long.done.wait(60) and short.error is None and long.error is None
+        assert streamed_when_short_ended[-1] < 40  # the short answer ended while the long one ran
+        assert (short.ids, short.text) == alone[PROMPTS[1]][:2] and long.ids == want
+    finally:
+        service.stop()
 
 
 def test_a_gone_client_stops_its_row_only(service, alone):

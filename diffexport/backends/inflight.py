@@ -101,6 +101,11 @@ class InflightBatcher:
             ended += self._decode()
         return ended
 
+    def clear(self) -> None:
+        """Forget every request, running or waiting (after a failure the caller has told them of)."""
+        self.waiting.clear()
+        self.rows, self.cache, self.mask = [], None, None
+
     def run(self) -> None:
         """Step until nothing runs or waits."""
         while self.busy:

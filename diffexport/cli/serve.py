@@ -20,13 +20,14 @@ def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for a --kv-cache folder (streamed, batched); --serve starts the
     server."""
     if args.serve:  # before the repository is written
-
         triton_server.check_ports(args.http_port, args.grpc_port)
         triton_server.check_ports_free(args.http_port, args.grpc_port)
-    repo = repository.write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force)
+    repo = repository.write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force,
+                                       scheduler=args.scheduler)
     prompt = "text_input (or input_ids)" if repo.text else "input_ids"
     print(f"wrote         {repo.path}/{repo.name}/ (config.pbtxt, 1/model.py, 1/decoder/): "
-          f"{'a GPU' if repo.gpu else 'CPU'} instance x {args.instances}, batches of up to {args.max_batch}")
+          f"{'a GPU' if repo.gpu else 'CPU'} instance x {args.instances}, up to {args.max_batch} rows decoded together "
+          f"({args.scheduler} scheduler)")
     print(f"requests      {prompt}, max_tokens, temperature (0: greedy), top_k, top_p, seed, stream -> "
           "text_output, output_ids")
     if not args.serve:
@@ -59,7 +60,11 @@ def _triton_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, help="the model repository folder to write")
     p.add_argument("--name", help="the model's name in the repository and its URLs (default: the folder's name)")
     p.add_argument("--max-batch", type=int, default=8,
-                   help="requests decoded together in one batch (1-32, default 8)")
+                   help="requests decoded together (1-32, default 8); more wait for a free row")
+    p.add_argument("--scheduler", default="inflight",
+                   help="inflight (default): a request joins the running batch at the next decode step and leaves it "
+                        "when it ends; batch: waiting requests with the same draw run as one onnxruntime-genai batch, "
+                        "and requests that arrive meanwhile wait for the next")
     p.add_argument("--instances", type=int, default=1, help="model instances, each with its own copy (default 1)")
     add_force(p)
     p.add_argument("--serve", action="store_true",

@@ -24,6 +24,8 @@ DECODER_DIR = "decoder"  # REPO/NAME/1/decoder: the copied folder
 MODEL_FILE = "model.py"
 MAX_INSTANCES = 64
 MAX_BATCH = 32  # onnxruntime-genai 0.18 takes at most 32 rows per generator
+# How the model batches its requests (serving/triton_model.py): rows join at the next step, or wait for a batch
+SCHEDULERS = ("inflight", "batch")
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 # (name, Triton type, dims, what it is): every input optional but the prompt (one of the first two)
@@ -52,9 +54,10 @@ class Repository:
     gpu: bool  # the folder's genai_config names a GPU provider: a GPU instance
 
 
-def config_pbtxt(name: str, max_batch: int, instances: int, gpu: bool) -> str:
+def config_pbtxt(name: str, max_batch: int, instances: int, gpu: bool, scheduler: str = "inflight") -> str:
     """config.pbtxt: the Python backend, decoupled (tokens stream as they come), no batch dimension
-    (the model batches the requests that wait, up to max_batch, into one genai generator)."""
+    (the model batches the requests itself, up to max_batch rows, with its scheduler:
+    serving/triton_model.py)."""
     def tensor(n, t, dims, optional=None):
         return "  {\n" + f'    name: "{n}"\n    data_type: {t}\n    dims: {dims}\n' + \
                ("    optional: true\n" if optional else "") + "  }"
@@ -67,6 +70,7 @@ def config_pbtxt(name: str, max_batch: int, instances: int, gpu: bool) -> str:
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
             f"instance_group [\n  {{\n    count: {instances}\n    kind: {kind}\n  }}\n]\n"
             'parameters: {\n  key: "max_batch"\n  value: { string_value: "' + str(max_batch) + '" }\n}\n'
+            'parameters: {\n  key: "scheduler"\n  value: { string_value: "' + scheduler + '" }\n}\n'
             'parameters: {\n  key: "decoder_folder"\n  value: { string_value: "' + DECODER_DIR + '" }\n}\n')
 
 
@@ -88,7 +92,8 @@ def folder_uses_gpu(config: dict) -> bool:
 
 
 def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: str | None = None,
-                     max_batch: int = 8, instances: int = 1, force: bool = False) -> Repository:
+                     max_batch: int = 8, instances: int = 1, force: bool = False,
+                     scheduler: str = "inflight") -> Repository:
     """REPO (`out`) holding the decoder folder as model `name` (default: the folder's name). The
     folder is read by the reader `generate` uses: what it refuses (a library to load, a pipeline of
     other graphs, a profile path, links) is refused here before anything is written. The
@@ -96,9 +101,14 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
     replaced only with force, never through a link."""
 
     folder = Path(folder)
-    _, config, _ = read_decoder_folder(folder)
+    _, config, meta = read_decoder_folder(folder)
     name = name or folder.resolve().name
     check_settings(name, max_batch, instances)
+    if scheduler not in SCHEDULERS:
+        raise DiffExportError(f"unknown --scheduler {scheduler!r}; choose one of {list(SCHEDULERS)}")
+    if scheduler == "inflight" and meta.dtype == "bfloat16":
+        raise DiffExportError("--scheduler inflight steps the folder in an onnxruntime session, which cannot feed a "
+                              "bfloat16 cache: use --scheduler batch (onnxruntime-genai) for this folder")
     out = Path(out)
     check_output_path(out, replace=force, inputs=[folder])
     with staging_folder(out, force) as tmp:  # an existing REPO is replaced only with force
@@ -109,6 +119,6 @@ def write_repository(folder: str | os.PathLike, out: str | os.PathLike, name: st
                 continue
             shutil.copyfile(item, version / DECODER_DIR / item.name, follow_symlinks=False)
         gpu = folder_uses_gpu(config)
-        (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, max_batch, instances, gpu))
+        (tmp / name / "config.pbtxt").write_text(config_pbtxt(name, max_batch, instances, gpu, scheduler))
         (version / MODEL_FILE).write_text(MODEL_ENTRY)
     return Repository(out, name, out / name / "1" / DECODER_DIR, has_tokenizer(folder), gpu)

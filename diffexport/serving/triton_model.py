@@ -1,13 +1,17 @@
 """The model Triton's Python backend runs for a decoder folder (REPO/NAME/1/model.py imports
 TritonPythonModel from here). Two parts:
 
-- DecoderService: the requests that wait, decoded together. A worker thread takes the oldest
-  request and every waiting one with the same draw (greedy, or the same sampling options), up to
-  max_batch, and runs them as one onnxruntime-genai batch (backends.genai.generate_batch_genai,
-  what `diffexport generate --prompts-file` runs): greedy rows give what each prompt gives alone.
-  genai 0.18 cannot add rows to a running generator, so requests that arrive meanwhile wait for
-  the next batch; a row that ends (its end token, its own max_tokens, its client gone) stops
-  sending while the others go on. Nothing here imports Triton: tests drive it in-process.
+- DecoderService: the requests, decoded together by one worker thread, with one of two schedulers.
+  "inflight" (the default): a request joins the running batch at the next decode step and leaves
+  it the moment it ends (backends.inflight.InflightBatcher over the folder's onnxruntime session),
+  so an answer never waits for someone else's; each row draws with its own options and seed.
+  "batch": the oldest request and every waiting one with the same draw, up to max_batch, run as one
+  onnxruntime-genai batch (backends.genai.generate_batch_genai, what `diffexport generate
+  --prompts-file` runs); genai 0.18 cannot add rows to a running generator, so requests that arrive
+  meanwhile wait for the next batch (kept for comparison: docs/BENCHMARKS.md). Either way greedy
+  rows give what each prompt gives alone, and a row that ends (its end token, its own max_tokens,
+  its client gone) stops sending while the others go on. Nothing here imports Triton: tests drive
+  it in-process.
 - TritonPythonModel: Triton's side. It reads each request's tensors, refuses a bad one with a
   one-line error response, and answers through the request's response sender (decoupled: one
   response per token when stream is true, then the final flag; else one response).
@@ -29,9 +33,12 @@ from typing import Callable
 from diffexport.core.eager_generation import MAX_SEED, Sampling
 from diffexport.core.errors import DiffExportError
 from diffexport.core.lazy import lazy_import
+from diffexport.serving.repository import SCHEDULERS
 
 decoder_folder = lazy_import("diffexport.format.decoder_folder")
 genai = lazy_import("diffexport.backends.genai")
+inflight = lazy_import("diffexport.backends.inflight")
+step_loop = lazy_import("diffexport.backends.step_loop")
 text_generation = lazy_import("diffexport.generation.text_generation")
 
 DEFAULT_MAX_TOKENS = 64
@@ -51,12 +58,14 @@ class Request:
 
 
 class DecoderService:
-    """A decoder folder's requests, decoded in batches by one worker thread."""
+    """A decoder folder's requests, decoded together by one worker thread (the module says how)."""
 
-    def __init__(self, folder: str | Path, max_batch: int = 8):
+    def __init__(self, folder: str | Path, max_batch: int = 8, scheduler: str = "inflight"):
+        if scheduler not in SCHEDULERS:
+            raise DiffExportError(f"unknown scheduler {scheduler!r}; choose one of {list(SCHEDULERS)}")
         self.folder = Path(folder)
         read = decoder_folder.read_decoder_folder(self.folder)
-        genai.import_genai()
+        genai.import_genai()  # its tokenizer, and the batch scheduler's generator
         self.config, self.context, self.vocab, self.eos = read.config, read.context_length, read.vocab_size, \
             set(read.eos_token_ids)
         has_tokenizer = decoder_folder.has_tokenizer(self.folder)
@@ -66,7 +75,13 @@ class DecoderService:
         self._waiting: deque[Request] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._worker = threading.Thread(target=self._loop, name="diffexport-decoder", daemon=True)
+        self.scheduler = scheduler
+        loop = self._loop
+        if scheduler == "inflight":  # the session opens now: a folder it cannot run fails the model's load
+            provider = "cuda" if "cuda" in read.providers else "cpu"
+            self._batcher = inflight.InflightBatcher(step_loop.OrtDecoder(self.folder, provider=provider), max_batch)
+            loop = self._loop_inflight
+        self._worker = threading.Thread(target=loop, name="diffexport-decoder", daemon=True)
         self._worker.start()
 
     # -- requests -------------------------------------------------------------------------------
@@ -135,7 +150,8 @@ class DecoderService:
             self._cond.notify()
 
     def stop(self) -> None:
-        """Ends the worker after its running batch; requests still waiting get an error."""
+        """Ends the worker after its running batch (in-flight: its running step, and the rows still
+        running get an error); requests still waiting get an error."""
         with self._cond:
             self._stopping = True
             left = list(self._waiting)
@@ -175,6 +191,54 @@ class DecoderService:
                 for request in batch:
                     request.fail(f"generation failed: {message}")
 
+    def _loop_inflight(self) -> None:
+        batcher, live = self._batcher, {}  # id(the batcher's request) -> ours
+        while True:
+            with self._cond:
+                while not self._waiting and not batcher.busy and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    for request in live.values():
+                        request.fail("the model is shutting down")
+                    return
+                arrived = list(self._waiting)
+                self._waiting.clear()
+            for request in arrived:
+                if request.cancelled():  # its client left while it waited
+                    request.fail("the request was cancelled")
+                    continue
+                handle = inflight.InflightRequest(request.ids, request.max_tokens, request.sampling,
+                                                  on_token=self._sender(request))
+                live[id(batcher.submit(handle))] = request
+            try:
+                ended = batcher.step()
+            except Exception as exc:  # the session's own failure: every running request hears it
+                message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                for request in live.values():
+                    request.fail(f"generation failed: {message}")
+                live.clear()
+                batcher.clear()
+                continue
+            for handle in ended:
+                self._finish(live.pop(id(handle)), handle.tokens, handle.stop)
+
+    def _sender(self, request: Request) -> Callable[[int], bool]:
+        """The row's on_token: each new token streamed (end ids excepted) -> whether the client has gone."""
+        stream = self.tokenizer.create_stream() if self.tokenizer is not None and request.stream else None
+
+        def on_token(token: int) -> bool:
+            if request.stream:
+                request.send([token], None if stream is None else stream.decode(token), False)
+            return request.cancelled()
+        return on_token
+
+    def _finish(self, request: Request, tokens: list[int], stop: str) -> None:
+        ids = tokens[:-1] if stop == "eos" and tokens and tokens[-1] in self.eos else tokens
+        if request.stream:
+            request.send([], None, True)
+        else:
+            request.send(ids, None if self.tokenizer is None else self.tokenizer.decode(ids), True)
+
     def _model(self, pad: int | None):
         if pad not in self._models:
             if len(self._models) >= 2:  # a substitute pad id is rare: keep the folder's and the latest
@@ -185,24 +249,16 @@ class DecoderService:
     def _run(self, batch: list[Request]) -> None:
         prompts = [r.ids for r in batch]
         pad = genai.genai_pad_for(self.config, prompts)
-        streams = [self.tokenizer.create_stream() if self.tokenizer is not None and r.stream else None
-                   for r in batch]
+        senders = [self._sender(r) for r in batch]
 
         def on_token(row: int, token: int) -> bool:  # each running row's new token (end ids excepted)
-            request = batch[row]
-            if request.stream:
-                request.send([token], None if streams[row] is None else streams[row].decode(token), False)
-            return request.cancelled()
+            return senders[row](token)
 
         limits = [r.max_tokens for r in batch]
         run = genai.generate_batch_genai(self.folder, prompts, max(limits), batch[0].sampling, model=self._model(pad),
                                    pad_token_id=pad, stop_after=on_token, limits=limits)
         for request, tokens, stop in zip(batch, run.tokens, run.stops):
-            ids = tokens[:-1] if stop == "eos" and tokens and tokens[-1] in self.eos else tokens
-            if request.stream:
-                request.send([], None, True)
-            else:
-                request.send(ids, None if self.tokenizer is None else self.tokenizer.decode(ids), True)
+            self._finish(request, tokens, stop)
 
 
 class TritonPythonModel:
@@ -213,7 +269,8 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         folder = Path(args["model_repository"]) / str(args["model_version"]) / params.get("decoder_folder", "decoder")
         try:
-            self.service = DecoderService(folder, int(params.get("max_batch", "8")))
+            # a repository written before the scheduler was a choice ran the batch scheduler
+            self.service = DecoderService(folder, int(params.get("max_batch", "8")), params.get("scheduler", "batch"))
         except DiffExportError as exc:  # the model fails to load with the reader's line
             raise RuntimeError(f"diffexport: {exc}") from None
 
