@@ -1,17 +1,19 @@
-"""Serving throughput with Triton Inference Server: concurrent clients against `diffexport triton`
-repositories of one folder that batch up to B waiting requests, B = 1 (requests in turn) and more.
+"""Serving with Triton Inference Server: concurrent streaming clients against `diffexport triton`
+repositories of one folder, one per scheduler (in-flight batching, and the per-batch scheduler).
 
-    python tools/bench_triton.py [--max-batch 1 8] [--clients 8] [--requests 2] [--prompt 128]
-                                 [--new 64] [--attention gqa|diffattention] [--write]
+    python tools/bench_triton.py [--schedulers inflight batch] [--clients 1 8 16] [--requests 2]
+                                 [--prompt 64 512] [--new 16 256] [--max-batch 8]
+                                 [--attention gqa|diffattention] [--write]
 
-Model: diff-v1-110m (seeded random weights), exported with --kv-cache (--attention as given; gqa is
-the faster folder for batches, docs/BENCHMARKS.md "Batched decode on CPU"), intra_op_num_threads =
-the machine's cores. For each B a repository is written and served by the real tritonserver (the
-`serve` extra) on 127.0.0.1; after a warm-up request, `--clients` threads each send `--requests`
-greedy /generate requests of a different `--prompt`-token prompt (input_ids) for `--new` tokens
-(rows may stop earlier at an end id: every received id is counted). Reported: new tokens/s over the
-whole wall time (prompts included, as a server's user sees it), and the median and slowest request
-latency. --write replaces the section in docs/BENCHMARKS.md.
+Model: diff-v1-110m (seeded random weights), exported with --kv-cache (--attention as given),
+intra_op_num_threads = the machine's cores. For each scheduler a repository is written and served
+by the real tritonserver (the `serve` extra) on 127.0.0.1; after a warm-up request, C clients (each
+C of --clients) send --requests greedy /generate_stream requests each, one after another: prompts of
+a length drawn in --prompt's range (input_ids) for a number of new tokens drawn in --new's range, the
+same draws for every scheduler (rows may stop earlier at an end id: every received id counts).
+Reported per run: requests/s and output tokens/s over the wall time, time to first token (request
+sent -> first streamed id) and inter-token latency (the gaps between a request's later ids), p50
+and p99. --write replaces the section in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import http.client
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +37,7 @@ import benchdoc  # noqa: E402
 
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
-from diffexport.serving.repository import write_repository  # noqa: E402
+from diffexport.serving.repository import SCHEDULERS, write_repository  # noqa: E402
 from diffexport.serving.server import start_server  # noqa: E402
 
 PRESET = "diff-v1-110m"
@@ -48,73 +49,121 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ask(port: int, ids: list[int], new: int) -> tuple[int, float]:
-    """One greedy /generate request -> (new ids received, seconds)."""
+def ask(port: int, ids: list[int], new: int) -> tuple[int, float, float | None, list[float]]:
+    """One greedy /generate_stream request -> (new ids received, seconds, time to first id, gaps between
+    the later ids)."""
     start = time.perf_counter()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    arrivals, count = [], 0
     try:
-        connection.request("POST", "/v2/models/diff/generate",
-                           json.dumps({"input_ids": ids, "max_tokens": new, "temperature": 0}))
+        connection.request("POST", "/v2/models/diff/generate_stream",
+                           json.dumps({"input_ids": ids, "max_tokens": new, "temperature": 0, "stream": True}))
         reply = connection.getresponse()
-        body = json.loads(reply.read())
+        if reply.status != 200:
+            raise SystemExit(f"error: the server answered {reply.status}: {reply.read()[:300]!r}")
+        for line in reply:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[len(b"data: "):])
+            if "error" in event:
+                raise SystemExit(f"error: the server answered: {event['error']}")
+            ids = event.get("output_ids", [])
+            got = len(ids) if isinstance(ids, list) else 1  # one id comes as a number
+            if got:
+                arrivals.append(time.perf_counter())
+                count += got
     finally:
         connection.close()
-    if reply.status != 200:
-        raise SystemExit(f"error: the server answered {reply.status}: {body}")
-    return len(body["output_ids"]), time.perf_counter() - start
+    end = time.perf_counter()
+    first = arrivals[0] - start if arrivals else None
+    return count, end - start, first, list(np.diff(arrivals))
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_clients(port: int, jobs: list[tuple[list[int], int]], clients: int) -> dict:
+    """The jobs through `clients` concurrent clients -> the run's numbers."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda job: ask(port, *job), jobs))
+    wall = time.perf_counter() - start
+    firsts = [first for _, _, first, _ in results if first is not None]
+    gaps = [gap for *_, later in results for gap in later]
+    return {"requests": len(jobs), "tokens": sum(n for n, *_ in results), "wall": wall,
+            "ttft50": percentile(firsts, 50), "ttft99": percentile(firsts, 99),
+            "itl50": percentile(gaps, 50), "itl99": percentile(gaps, 99)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=2, help="requests per client")
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--schedulers", nargs="+", default=list(SCHEDULERS), choices=list(SCHEDULERS))
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    parser.add_argument("--prompt", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"))
+    parser.add_argument("--new", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--attention", default="gqa", choices=["gqa", "diffattention"])
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    if min(args.max_batch) < 1 or max(args.max_batch) > 32 or args.clients < 1 or args.requests < 1 \
-            or args.prompt < 1 or args.new < 1 or args.prompt + args.new > 2048:
-        parser.error("--max-batch 1..32, --clients/--requests >= 1, prompt + new within the 2048-token context")
+    if not 1 <= args.max_batch <= 32 or min(args.clients) < 1 or args.requests < 1 or min(args.prompt) < 1 \
+            or min(args.new) < 1 or args.prompt[0] > args.prompt[1] or args.new[0] > args.new[1] \
+            or args.prompt[1] + args.new[1] > 2048:
+        parser.error("--max-batch 1..32, --clients/--requests >= 1, MIN <= MAX, prompt + new within the 2048-token "
+                     "context")
     cores = os.cpu_count() or 1
     rng = np.random.default_rng(0)
-    jobs = rng.integers(3, bench_decode.VOCAB, size=(args.clients * args.requests, args.prompt)).tolist()
+    draws = {clients: [(rng.integers(3, bench_decode.VOCAB, size=int(rng.integers(args.prompt[0], args.prompt[1] + 1)))
+                        .tolist(), int(rng.integers(args.new[0], args.new[1] + 1)))
+                       for _ in range(clients * args.requests)] for clients in args.clients}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         print(f"exporting {PRESET} ({args.attention}) in {root}", flush=True)
         folder = export_decoder(load_model(None, preset=PRESET, seed=0), root / "kv", threads=cores,
                                 attention=args.attention, log=lambda _: None).folder
-        for batch in args.max_batch:
-            repo = write_repository(folder, root / f"repo-{batch}", name="diff", max_batch=batch)
+        for scheduler in args.schedulers:
+            repo = write_repository(folder, root / f"repo-{scheduler}", name="diff", max_batch=args.max_batch,
+                                    scheduler=scheduler)
             with start_server(repo.path, free_port(), free_port()) as server:
-                ask(server.http_port, jobs[0], 4)  # warm-up: the model's first run
-                start = time.perf_counter()
-                with ThreadPoolExecutor(args.clients) as pool:
-                    results = list(pool.map(lambda ids: ask(server.http_port, ids, args.new), jobs))
-                wall = time.perf_counter() - start
-            tokens = sum(n for n, _ in results)
-            latencies = sorted(s for _, s in results)
-            rows.append((batch, tokens, wall, statistics.median(latencies), latencies[-1]))
-            print(f"max batch {batch:2d}: {tokens} new tokens in {wall:.1f} s = {tokens / wall:.1f} tok/s; "
-                  f"latency median {rows[-1][3]:.1f} s, slowest {rows[-1][4]:.1f} s", flush=True)
-    first = rows[0][1] / rows[0][2]
-    table = ["| max batch | new tokens | wall s | new tokens/s | vs max batch " + str(rows[0][0]) +
-             " | latency median s | slowest s |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    for batch, tokens, wall, median, slowest in rows:
-        table.append(f"| {batch} | {tokens} | {wall:.1f} | {tokens / wall:.1f} | {tokens / wall / first:.2f}x | "
-                     f"{median:.1f} | {slowest:.1f} |")
+                ask(server.http_port, draws[args.clients[0]][0][0], 4)  # warm-up: the model's first run
+                for clients in args.clients:
+                    run = run_clients(server.http_port, draws[clients], clients)
+                    rows.append((scheduler, clients, run))
+                    print(f"{scheduler:8s} {clients:2d} clients: {run['requests'] / run['wall']:.2f} req/s, "
+                          f"{run['tokens'] / run['wall']:.1f} tok/s; TTFT p50 {run['ttft50']:.2f} s p99 "
+                          f"{run['ttft99']:.2f} s; ITL p50 {run['itl50'] * 1e3:.0f} ms p99 {run['itl99'] * 1e3:.0f} ms",
+                          flush=True)
+    table = ["| scheduler | clients | requests | output tokens | wall s | requests/s | output tokens/s | "
+             "TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for scheduler, clients, run in rows:
+        table.append(f"| {scheduler} | {clients} | {run['requests']} | {run['tokens']} | {run['wall']:.1f} | "
+                     f"{run['requests'] / run['wall']:.2f} | {run['tokens'] / run['wall']:.1f} | {run['ttft50']:.2f} | "
+                     f"{run['ttft99']:.2f} | {run['itl50'] * 1e3:.0f} | {run['itl99'] * 1e3:.0f} |")
+    ratios = []
+    by = {(scheduler, clients): run for scheduler, clients, run in rows}
+    for clients in args.clients:
+        if ("inflight", clients) in by and ("batch", clients) in by:
+            new, old = by[("inflight", clients)], by[("batch", clients)]
+            ratios.append(f"| {clients} | {(new['tokens'] / new['wall']) / (old['tokens'] / old['wall']):.2f}x | "
+                          f"{new['ttft99'] / old['ttft99']:.2f}x |")
+    if ratios:
+        ratios = ["", "| clients | output tokens/s, inflight / batch (target >= 1.3x at 8, 16) | "
+                  "TTFT p99, inflight / batch (target <= 0.5x at 8, 16) |", "|---:|---:|---:|", *ratios]
     body = "\n".join([
-        "## Serving with Triton on CPU (concurrent clients, greedy)", "",
-        f"`python tools/bench_triton.py --max-batch {' '.join(map(str, args.max_batch))} --clients {args.clients} "
-        f"--requests {args.requests} --prompt {args.prompt} --new {args.new} --attention {args.attention} --write`",
+        "## Serving with Triton on CPU (concurrent streaming clients, greedy)", "",
+        f"`python tools/bench_triton.py --schedulers {' '.join(args.schedulers)} --clients "
+        f"{' '.join(map(str, args.clients))} --requests {args.requests} --prompt {args.prompt[0]} {args.prompt[1]} "
+        f"--new {args.new[0]} {args.new[1]} --max-batch {args.max_batch} --attention {args.attention} --write`",
         "", benchdoc.stamp(), "",
         f"{PRESET}, fp32, `--attention {args.attention}` folder, intra_op_num_threads = {cores}, served by "
-        f"tritonserver (nvidia-pytriton's) through `diffexport triton --max-batch B`; {args.clients} clients "
-        f"each send {args.requests} greedy /generate requests of a different {args.prompt}-token prompt for "
-        f"{args.new} new tokens at most, all at once. New tokens/s over the whole wall time (prompts "
-        "included); latency per request, queueing included.", "", *table])
+        f"tritonserver (nvidia-pytriton's) through `diffexport triton --max-batch {args.max_batch} --scheduler S`; "
+        f"C clients each send {args.requests} greedy /generate_stream requests one after another, prompts of "
+        f"{args.prompt[0]}-{args.prompt[1]} tokens for {args.new[0]}-{args.new[1]} new tokens (drawn once, the same "
+        "for both schedulers). Wall time from the first request sent to the last id received; TTFT: request "
+        "sent -> its first id; ITL: the gaps between its later ids.", "", *table, *ratios])
     print(body)
     if args.write:
         print(f"wrote {benchdoc.write_section('serve-triton', body)}")
