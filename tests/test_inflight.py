@@ -13,7 +13,7 @@ from diffexport.core.errors import DiffExportError  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [9, 8, 7], [300, 12, 77, 8, 1, 2, 3, 4, 5, 6, 7, 200], [64, 2, 9, 11, 5],
            [1, 2, 3, 4, 5, 6, 7, 8, 9]]
-LIMITS = [12, 5, 20, 8, 3]
+LIMITS = [10, 5, 14, 6, 3]
 
 
 @pytest.mark.parametrize("attention", ["diffattention", "gqa"])
