@@ -25,6 +25,6 @@ def test_check_on_the_cuda_provider(preset, dtype, tmp_path):
     loaded = load_model(None, preset=preset, seed=3, dtype=getattr(torch, dtype))
     export_onnx(loaded, tmp_path / "m.onnx", ExportOptions(dtype=dtype), log=lambda _: None)
     report = run_prefill_check(tmp_path / "m.onnx", load_model(None, preset=preset, seed=3),
-                       CheckOptions(provider="cuda", shapes=((1, 1), (2, 33), (1, 1023))), log=lambda _: None)
+                               CheckOptions(provider="cuda", shapes=((1, 1), (2, 33), (1, 1023))), log=lambda _: None)
     assert report.passed, report.text()
     assert "--providers cuda" in report.polygraphy_command

@@ -97,9 +97,9 @@ class OrtDecoder:
 
 
 def generate_stepped(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,
-                         on_token: Callable[[int], None] | None = None, threads: int | None = None,
-                         runner: OrtDecoder | None = None, ignore_eos: bool = False, provider: str = "cpu",
-                         stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
+                     on_token: Callable[[int], None] | None = None, threads: int | None = None,
+                     runner: OrtDecoder | None = None, ignore_eos: bool = False, provider: str = "cpu",
+                     stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
     """stop_after(token): True ends generation after that token (a stop string completed)."""
     runner = runner or OrtDecoder(folder, provider=provider, threads=threads)
     timing = {}
@@ -183,9 +183,9 @@ def _step_loop(runner, prompts: list[list[int]], max_new_tokens: int, sampling: 
 
 
 def generate_batch_stepped(folder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
-                               runner: OrtDecoder | None = None, provider: str = "cpu",
-                               threads: int | None = None, stop_after: Callable[[int, int], bool] | None = None,
-                               limits: list[int] | None = None) -> BatchRun:
+                           runner: OrtDecoder | None = None, provider: str = "cpu",
+                           threads: int | None = None, stop_after: Callable[[int, int], bool] | None = None,
+                           limits: list[int] | None = None) -> BatchRun:
     """Several prompts as one left-padded batch through the onnxruntime loop (or an engine's runner).
     Greedy rows give what each prompt gives alone; sampled rows draw from one generator, so a batch
     is reproducible, not equal to its prompts sampled one at a time."""
@@ -198,7 +198,7 @@ def generate_batch_stepped(folder, prompts: list[list[int]], max_new_tokens: int
 
 
 def beam_search_stepped(folder, prompt: list[int], max_new_tokens: int, search: BeamSearch,
-                            runner: OrtDecoder | None = None, provider: str = "cpu") -> BeamRun:
+                        runner: OrtDecoder | None = None, provider: str = "cpu") -> BeamRun:
     """eager_generation.search_beams over the onnxruntime loop (or an engine's runner: `--backend
     tensorrt`): the prompt runs once and its cache is copied to every beam; each step takes the
     cache rows in the beams' order. The length limit is genai's: the prompt and the new tokens
@@ -291,7 +291,7 @@ class StepLoopRuntime:
                  on_token: Callable[[int], None] | None = None,
                  stop_after: Callable[[int], bool] | None = None) -> DecodeRun:
         return generate_stepped(self.folder, ids, max_new_tokens, sampling, runner=self.runner,
-                                    on_token=on_token, stop_after=stop_after)
+                                on_token=on_token, stop_after=stop_after)
 
     def generate_in_batches(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
                             batch_size: int = 8, *, sort_by_length: bool = False,

@@ -37,7 +37,7 @@ from diffexport.validation.references import (
 
 
 def run_prefill_check(onnx_path: str | os.PathLike, loaded: LoadedModel, options: CheckOptions | None = None,
-              log: Callable[[str], None] = print) -> CheckReport:
+                      log: Callable[[str], None] = print) -> CheckReport:
 
     options = options or CheckOptions()
     onnx_path = Path(onnx_path)
