@@ -7,6 +7,7 @@ bad requests and gone clients refused or dropped while the server keeps serving,
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,7 +82,7 @@ def test_repository_layout_and_config(folder, tmp_path):
         (tmp_path / "repo" / "diff" / "1" / "model.py").read_text()
 
 
-def test_repository_refusals(folder, tmp_path, artifacts):
+def test_repository_refusals(folder, tmp_path, artifacts, monkeypatch):
     from diffexport.serving.repository import write_repository
 
     with pytest.raises(DiffExportError, match="model name"):
@@ -92,6 +93,19 @@ def test_repository_refusals(folder, tmp_path, artifacts):
         write_repository(folder, tmp_path / "r", instances=0)
     with pytest.raises(DiffExportError, match="unknown --scheduler 'fifo'"):
         write_repository(folder, tmp_path / "r", scheduler="fifo")
+    # a bfloat16 folder (read here as one): the in-flight scheduler's onnxruntime loop cannot feed its cache
+    from diffexport.format.metadata import ExportMetadata
+    from diffexport.serving import repository
+
+    real = repository.read_decoder_folder(folder)
+    bf16 = ExportMetadata({**real[2], "dtype": "bfloat16"})
+    monkeypatch.setattr(repository, "read_decoder_folder", lambda path: (real[0], real[1], bf16))
+    with pytest.raises(DiffExportError, match="--scheduler inflight .* use --scheduler batch"):
+        write_repository(folder, tmp_path / "r")
+    batch = write_repository(folder, tmp_path / "bf16-batch", scheduler="batch").path
+    assert 'string_value: "batch"' in next(batch.glob("*/config.pbtxt")).read_text()
+    shutil.rmtree(batch)
+    monkeypatch.undo()
     with pytest.raises(DiffExportError, match="is not a folder"):
         write_repository(tmp_path / "nope", tmp_path / "r")
     (tmp_path / "r").mkdir()

@@ -227,8 +227,12 @@ def check_beam_memory(config: dict, dtype: str, beams: int, length: int) -> None
                               f"the {have / 2**30:.0f} GiB here: lower --num-beams or --max-new-tokens")
 
 
+# An engine without --backend tensorrt, or --backend tensorrt without an engine
+ENGINE_PAIRING = ("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both --backend tensorrt "
+                  "and --engine ENGINE")
+
+
 def refuse_engine(engine: str | None) -> None:
     """An engine given to a runtime that runs the folder's ONNX graph."""
     if engine is not None:
-        raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
-                              "--backend tensorrt and --engine ENGINE")
+        raise DiffExportError(ENGINE_PAIRING)

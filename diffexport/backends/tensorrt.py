@@ -26,6 +26,7 @@ from pathlib import Path
 
 import onnx
 
+from diffexport.backends.base import ENGINE_PAIRING
 from diffexport.backends.step_loop import StepLoopRuntime, empty_cache, step_feeds
 from diffexport.core import contract
 from diffexport.core.errors import DiffExportError
@@ -651,8 +652,7 @@ def open_engine_runtime(folder, *, provider: str = "auto", engine: str | None = 
     """The TensorRT runtime: the engine `diffexport trt FOLDER` built (open_decoder_engine), on the
     GPU, stepped by the onnxruntime loop's code."""
     if engine is None:
-        raise DiffExportError("--backend tensorrt runs the engine `diffexport trt FOLDER` built: give both "
-                              "--backend tensorrt and --engine ENGINE")
+        raise DiffExportError(ENGINE_PAIRING)
     if provider != "auto":
         raise DiffExportError("--provider chooses onnxruntime's execution provider: a TensorRT engine runs on the GPU")
     return StepLoopRuntime("tensorrt", folder, None, lambda: open_decoder_engine(engine, folder, plugin_lib))
