@@ -19,7 +19,6 @@ its own, seeded by its sampling's seed, so its answer does not depend on what ru
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import deque
 from typing import Callable
 
@@ -44,9 +43,6 @@ class InflightRequest:
     on_token: Callable[[int], bool] | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     stop: str | None = None
-    submitted: float = 0.0  # perf_counter times: submitted, first token, last token
-    first_token: float | None = None
-    finished: float | None = None
 
 
 @dataclasses.dataclass
@@ -81,7 +77,6 @@ class InflightBatcher:
             raise DiffExportError(f"a prompt's ids must lie in [0, {self.vocab})")
         if request.max_new_tokens < 1:
             raise DiffExportError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        request.submitted = time.perf_counter()
         self.waiting.append(request)
         return request
 
@@ -119,7 +114,6 @@ class InflightBatcher:
         """Record a chosen token -> whether the row has ended."""
         request = row.request
         request.tokens.append(token)
-        request.first_token = request.first_token or time.perf_counter()
         if row.seen is not None:
             row.seen[0, token] = True
         if token in self.eos:
@@ -132,7 +126,6 @@ class InflightBatcher:
         else:
             row.pending = token
             return False
-        request.finished = time.perf_counter()
         return True
 
     def _admit(self, request: InflightRequest) -> bool:
