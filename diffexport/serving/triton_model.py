@@ -209,7 +209,10 @@ class DecoderService:
                     continue
                 handle = inflight.InflightRequest(request.ids, request.max_tokens, request.sampling,
                                                   on_token=self._sender(request))
-                live[id(batcher.submit(handle))] = request
+                try:  # checked when it was taken; a refusal here must still not end the worker
+                    live[id(batcher.submit(handle))] = request
+                except DiffExportError as exc:
+                    request.fail(str(exc))
             try:
                 ended = batcher.step()
             except Exception as exc:  # the session's own failure: every running request hears it
