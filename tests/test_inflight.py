@@ -39,7 +39,32 @@ def test_rows_that_join_and_leave_answer_as_alone(artifacts, attention):
     assert 3 in widths and 1 in widths and widths[-1] == 0  # a full batch, rows that left, then none
     for request, run in zip(requests, alone):
         assert (request.tokens, request.stop) == (run.tokens, run.stop)
-    assert batcher.cache is None and batcher.mask is None  # every row gone, nothing held
+    assert batcher.cache.held == 0 and batcher.mask is None  # every row gone, nothing held
+
+
+@pytest.mark.parametrize("attention", ["diffattention", "gqa"])
+def test_long_prompts_join_a_chunk_per_step(artifacts, attention):
+    """While rows run, a joining prompt is prefilled a few tokens per step and the running rows keep
+    decoding meanwhile; answers stay those of each prompt alone. The gqa folder's rows live in
+    buffers written in place, which grow past their first capacity here (prompts of 70+ tokens)."""
+    folder = artifacts.decoder("diff-v1-gqa", attention)
+    runner = OrtDecoder(folder)
+    prompts = [PROMPTS[1], [(7 * i + 3) % 500 for i in range(75)], [(11 * i + 1) % 500 for i in range(41)]]
+    limits = [12, 5, 6]
+    alone = [generate_stepped(folder, p, n, Sampling(), runner=runner) for p, n in zip(prompts, limits)]
+    batcher = InflightBatcher(runner, max_rows=3, prefill_chunk=16)
+    requests = [batcher.submit(InflightRequest(p, n)) for p, n in zip(prompts, limits)]
+    batcher.step()
+    # the first prompt prefilled whole (nothing ran), then the second's first chunk, then a decode step
+    assert [len(r.tokens) for r in requests] == [2, 0, 0] and batcher.joining.done == 16
+    batcher.step()
+    assert batcher.joining.done == 32 and len(requests[0].tokens) == 3
+    batcher.run()
+    for request, run in zip(requests, alone):
+        assert (request.tokens, request.stop) == (run.tokens, run.stop)
+    assert runner.writes_in_place is (attention == "gqa")
+    if attention == "gqa":
+        assert batcher.cache.capacity >= 75 + 5 and batcher.cache.held == 0
 
 
 def test_a_sampled_answer_depends_on_its_own_seed_only(artifacts):

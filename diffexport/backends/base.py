@@ -36,6 +36,9 @@ class DecoderRunner(Protocol):
     layers: int               # decoder layers, each with a past key and value
     context: int              # the longest sequence, past and new tokens, a step may see
     max_sequence: int | None  # the most new tokens one step takes (an engine's profile); None: up to context
+    # step_in_place exists: the graph writes a step's keys and values into the past it reads (the
+    # shared past/present buffer of GroupQueryAttention folders), so a cache is never copied
+    writes_in_place: bool
 
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
         """The cache before the first step, keyed by present names (format/names.py), past length 0."""
@@ -45,6 +48,12 @@ class DecoderRunner(Protocol):
              cache: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One forward: ids [B, S], mask [B, P+S] (0 = padding), last step's cache -> (logits
         [B, S, V], the new cache keyed by present names)."""
+        ...
+
+    def step_in_place(self, ids: np.ndarray, mask: np.ndarray, buffers: dict[str, np.ndarray]) -> np.ndarray:
+        """One forward (writes_in_place runners only): ids [B, S], mask [B, P+S], buffers keyed by
+        present names, contiguous [B, heads, capacity >= P+S, width] holding the past in their first
+        P columns -> logits [B, S, V]; the step's keys and values are written into columns P..P+S-1."""
         ...
 
 

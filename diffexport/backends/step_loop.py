@@ -32,7 +32,7 @@ from diffexport.backends.base import (
 )
 from diffexport.core.eager_generation import BeamSearch, Sampling, choose_next, left_pad, search_beams, seen_tokens
 from diffexport.core.errors import DiffExportError
-from diffexport.core.onnxruntime_session import open_session, resolve_provider
+from diffexport.core.onnxruntime_session import open_session, ortvalue_over, resolve_provider
 from diffexport.format import decoder_folder, names
 from diffexport.format.metadata_keys import DTYPE
 
@@ -73,6 +73,7 @@ class OrtDecoder:
         past_type = next((i.type for i in self.session.get_inputs() if i.name == names.PAST_KEY % 0), "")
         self.cache_dtype = np.int8 if past_type == "tensor(int8)" else self.dtype  # `quantize --kv-cache int8`
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.writes_in_place = read.format.shared_buffer
         expected = names.decoder_output_names(self.layers)
         if self.outputs != expected:
             raise DiffExportError(f"{self.model_path.name} outputs {self.outputs[:3]}... are not a KV-cache "
@@ -94,6 +95,32 @@ class OrtDecoder:
         feeds = step_feeds(ids.astype(np.int64), mask.astype(np.int64), cache, self.layers)
         out = self.session.run(self.outputs, feeds)
         return out[0], dict(zip(self.outputs[1:], out[1:]))
+
+    def step_in_place(self, ids: np.ndarray, mask: np.ndarray, buffers: dict[str, np.ndarray]) -> np.ndarray:
+        """-> logits [B, S, V]; the step's keys and values land in `buffers` (DecoderRunner says how).
+        Each past and its present are bound to one buffer, as onnxruntime-genai binds its shared
+        buffer: GroupQueryAttention then appends in place instead of copying the past."""
+        if not self.writes_in_place:
+            raise DiffExportError(f"{self.model_path.name} has no shared past/present buffer (a "
+                                  f"{self.meta.attention} folder): step it with step()")
+        if mask.shape[1] > self.context:
+            raise DiffExportError(f"{mask.shape[1]} tokens exceed the folder's context length {self.context}")
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(names.INPUT_IDS, np.ascontiguousarray(ids, np.int64))
+        binding.bind_cpu_input(names.ATTENTION_MASK, np.ascontiguousarray(mask, np.int64))
+        binding.bind_output(self.outputs[0])  # bound first: the outputs come back in binding order
+        for i in range(self.layers):
+            for past, present in ((names.PAST_KEY % i, names.PRESENT_KEY % i),
+                                  (names.PAST_VALUE % i, names.PRESENT_VALUE % i)):
+                buffer = buffers[present]
+                if not buffer.flags.c_contiguous or buffer.shape[2] < mask.shape[1] or buffer.shape[0] != ids.shape[0]:
+                    raise DiffExportError(f"internal: {present}'s buffer {buffer.shape} cannot hold batch "
+                                          f"{ids.shape[0]} x {mask.shape[1]} tokens in place")
+                value = ortvalue_over(buffer)
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()  # the logits only: copy_outputs_to_cpu would copy the cache too
 
 
 def generate_stepped(folder, prompt: list[int], max_new_tokens: int, sampling: Sampling,

@@ -590,6 +590,8 @@ class EngineDecoder:
     `run`: an EngineRunner (anything with its call, input_shapes and input_dtypes). For generation:
     `config`, the folder's genai config, and `context`, the longest sequence the profile allows."""
 
+    writes_in_place = False
+
     def __init__(self, engine_path: Path, record: dict, meta: dict[str, str], run, config: dict | None = None):
         import numpy as np
 

@@ -21,6 +21,12 @@ def _import_ort():
     return onnxruntime
 
 
+def ortvalue_over(array):
+    """An OrtValue over a contiguous numpy array's own memory (no copy): what a session writes into
+    it through an IOBinding lands in the array."""
+    return _import_ort().OrtValue.ortvalue_from_numpy(array)
+
+
 def resolve_provider(provider: str = "auto") -> str:
     """'auto': the CUDA provider when onnxruntime-gpu and a GPU are present, else the CPU one."""
     ort = _import_ort()
