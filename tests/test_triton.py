@@ -134,10 +134,12 @@ def test_triton_command_line(folder, tmp_path):
     result = cli_main("triton", folder, "-o", tmp_path / "batch", "--scheduler", "batch")
     assert result.returncode == 0 and "(batch scheduler)" in result.stdout
     assert 'string_value: "batch"' in next((tmp_path / "batch").glob("*/config.pbtxt")).read_text()
-    for ports, pattern in ((("--http-port", "0"), "port 0 is not in 1..65535"),
-                           (("--http-port", "9000", "--grpc-port", "9000"), "ports must differ")):
+    for ports, pattern in ((("--http-port", "0"), "--http-port 0 is not in 1..65535"),
+                           (("--http-port", "9000", "--grpc-port", "9000"), "--grpc-port must differ"),
+                           (("--metrics-port", "8001"), "--grpc-port and --metrics-port must differ")):
         assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--serve", *ports), pattern)
     assert not (tmp_path / "r").exists()  # refused before the repository was written
+    assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--metrics-port", "9100"), "for --serve")
 
 
 # ---------------------------------------------------------------- the model in-process (no server)
@@ -170,25 +172,75 @@ def service(folder, request):
     service.stop()
 
 
-def _ask(service, prompt, stream=False, max_tokens=12, sampling=GREEDY, cancelled=lambda: False, ids=None):
+def _ask(service, prompt, stream=False, max_tokens=12, sampling=GREEDY, cancelled=lambda: False, ids=None,
+         stops=(), echo=None):
     """Submit a prompt (its ids when given: encoding takes a forked child's time) -> its responses."""
     from diffexport.serving.triton_model import Request
 
     out = Collected()
     ids = service.prompt(prompt.encode(), None) if ids is None else ids
     service.submit(Request(ids, service.check_length(ids, max_tokens), sampling, stream, out.send, out.fail,
-                           cancelled))
+                           cancelled, stops=service.stop_words(stops), echo=service.echoed(echo, prompt, ids)))
     return out
+
+
+def _stop_word(text: str) -> tuple[str, str]:
+    """A stop word from the middle of an answer's text -> (it, the text before its first occurrence)."""
+    word = next((text[k:k + 2] for k in range(len(text) // 2, len(text) - 1)
+                 if text[k:k + 2].strip() and text.find(text[k:k + 2]) > 0), None)
+    assert word is not None, text  # a stop that cuts the answer inside it (this could fail)
+    return word, text[:text.find(word)]
 
 
 def test_batched_requests_answer_as_each_alone(service, alone):
     """Requests submitted together are decoded as one batch; greedy rows give what each prompt gives
-    alone, streamed or not."""
+    alone, streamed or not. The service's metrics count what it sent: a first token per request, a
+    gap per later token, every token, and the gauges back at zero once all have ended."""
+    metrics = service.metrics
+    before = (metrics.first_tokens, metrics.token_gaps, metrics.tokens)
     answers = [_ask(service, p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS)]
     for i, (prompt, out) in enumerate(zip(PROMPTS, answers)):
         assert out.done.wait(60) and out.error is None and out.final
         want = streamed(alone[prompt]) if i % 2 else alone[prompt][:2]
         assert (out.ids, out.text) == want, prompt
+    sent = [len(out.ids) for out in answers]
+    assert min(sent) > 0  # every answer has a first token (this could fail)
+    assert (metrics.first_tokens, metrics.token_gaps, metrics.tokens) == \
+        (before[0] + len(sent), before[1] + sum(sent) - len(sent), before[2] + sum(sent))
+    assert 0 < metrics.first_token_seconds and 0 < metrics.token_gap_seconds
+    deadline = time.monotonic() + 10
+    while (metrics.waiting, metrics.rows) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker reports after it has answered
+    assert (metrics.waiting, metrics.rows) == (0, 0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_words_and_echo_as_the_llm_contract_names_them(service, alone, stream):
+    """stop_words: the answer's text ends before the first of them (streamed text is held back while
+    it could still begin one), and the row stops there; exclude_input_in_output false: the prompt
+    comes first, ids and text."""
+    prompt = PROMPTS[1]
+    ids, _, pieces = alone[prompt]
+    word, before = _stop_word(pieces)
+    cut = _ask(service, prompt, stream=stream, stops=[word.encode(), b""])
+    echoed = _ask(service, prompt, stream=stream, echo=False)
+    assert cut.done.wait(60) and echoed.done.wait(60) and cut.error is None and echoed.error is None
+    assert cut.text == before and len(cut.ids) < len(ids) and cut.ids == ids[:len(cut.ids)]
+    prompt_ids = service.prompt(prompt.encode(), None)
+    assert echoed.ids == prompt_ids + ids
+    assert echoed.text == prompt + (pieces if stream else alone[prompt][1])
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda s: s.stop_words([b"x"] * 17), "at most 16"),
+    (lambda s: s.stop_words([b"x" * 300]), "longer than 256 bytes"),
+    (lambda s: s.stop_words([b"\xff"]), "not UTF-8"),
+    (lambda s: s.check_penalty("presence_penalty", 0.5), "presence_penalty is not supported"),
+])
+def test_bad_contract_inputs_are_one_line(service, call, pattern):
+    with pytest.raises(DiffExportError, match=pattern):
+        call(service)
+    assert service.stop_words([b""]) == () and service.check_penalty("frequency_penalty", 0.0) is None
 
 
 def test_a_request_joins_a_running_answer_and_does_not_wait_for_it(folder, alone):
@@ -294,7 +346,8 @@ def server(folder, tmp_path_factory):
     except DiffExportError as exc:
         pytest.skip(f"no Triton server to test against: {exc}")
     repo = write_repository(folder, tmp_path_factory.mktemp("triton") / "repo", name="diff", max_batch=8)
-    running = triton_server.start_server(repo.path, _free_port(), _free_port(), ready_timeout=90)
+    running = triton_server.start_server(repo.path, _free_port(), _free_port(), ready_timeout=90,
+                                         metrics_port=_free_port())
     yield running
     assert running.stop() == 0, running.log.read_text(errors="replace")[-2000:]
 
@@ -327,6 +380,47 @@ def test_server_greedy_and_streamed_answers_are_those_of_generate(server, alone)
         assert (ids, "".join(e["text_output"] for e in events)) == streamed(alone[prompt])
 
 
+def _scrape(server) -> dict[str, float]:
+    """The model's diffexport_* samples on Triton's Prometheus endpoint: 'name{labels}' -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("diffexport_"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_server_metrics_count_what_it_served(server):
+    """--metrics-port: Triton's endpoint carries the model's own metrics, and they move by what a
+    request was sent (its tokens, one first token, a gap per later token); the gauges are there."""
+    before = _scrape(server)
+    label = '{model="diff"}'
+    status, body = _post(server, "generate_stream", {"input_ids": [5, 6, 7], "max_tokens": 9, "temperature": 0,
+                                                     "stream": True})
+    ids = [i for e in _events(body) for i in (e["output_ids"] if isinstance(e["output_ids"], list)
+                                               else [e["output_ids"]])]
+    assert status == 200 and ids, body
+    deadline, after = time.monotonic() + 10, before
+    while after.get(f"diffexport_batch_rows{label}", 1) != 0 or after == before:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.1)
+        after = _scrape(server)
+
+    def moved(name):
+        return after[name] - before.get(name, 0.0)
+    assert moved(f"diffexport_generated_tokens_total{label}") == len(ids)
+    assert moved(f"diffexport_time_to_first_token_seconds_count{label}") == 1
+    assert moved(f"diffexport_inter_token_latency_seconds_count{label}") == len(ids) - 1
+    assert moved(f"diffexport_time_to_first_token_seconds_sum{label}") > 0
+    assert after[f"diffexport_requests_waiting{label}"] == 0
+    buckets = [k for k in after if k.startswith("diffexport_time_to_first_token_seconds_bucket")]
+    assert len(buckets) == 11 and any('le="+Inf"' in k for k in buckets)
+
+
 def test_server_concurrent_clients_get_their_own_answers(server, alone):
     """16 clients x 4 requests at once: none lost, none mixed (the model batches what waits)."""
     jobs = [PROMPTS[(client + k) % len(PROMPTS)] for client in range(16) for k in range(4)]
@@ -341,6 +435,27 @@ def test_server_concurrent_clients_get_their_own_answers(server, alone):
         assert status == 200, body
         reply = json.loads(body)
         assert (reply["output_ids"], reply["text_output"]) == alone[prompt][:2], prompt
+
+
+def test_server_a_burst_over_max_batch_queues_and_all_complete(server, alone):
+    """100 requests at once against 8 rows: the rest queue, every one is answered (its own answer),
+    and the model's gauges are back at zero after."""
+    jobs = [PROMPTS[k % len(PROMPTS)] for k in range(100)]
+
+    def ask(prompt):
+        status, body = _post(server, "generate", {"text_input": prompt, "max_tokens": 4, "temperature": 0}, 300)
+        return prompt, status, body
+
+    with ThreadPoolExecutor(100) as pool:
+        results = list(pool.map(ask, jobs))
+    assert [status for _, status, _ in results] == [200] * 100, [b for _, s, b in results if s != 200][:2]
+    for prompt, _, body in results:
+        assert json.loads(body)["output_ids"] == alone[prompt][0][:4], prompt
+    label = '{model="diff"}'
+    deadline = time.monotonic() + 10
+    while (after := _scrape(server)).get(f"diffexport_batch_rows{label}") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert after[f"diffexport_batch_rows{label}"] == 0 and after[f"diffexport_requests_waiting{label}"] == 0
 
 
 def test_server_refuses_bad_requests_and_keeps_serving(server, alone):
@@ -372,7 +487,10 @@ def test_server_survives_a_client_that_leaves_mid_stream(server, alone):
 
 
 def test_server_grpc_streaming(server, alone):
-    """The gRPC stream (tritonclient, as Triton's LLM clients use it) gives the unary call's tokens."""
+    """The gRPC stream (tritonclient, as Triton's LLM clients use it) gives the unary call's tokens,
+    for tensors shaped as Triton's OpenAI-compatible frontend sends them to a Python-backend model
+    (its TensorRT-LLM request: [1, 1] each, max_tokens INT32, temperature FP32, seed UINT64, stop
+    words BYTES [1, n]), and a stop word cuts the streamed text there."""
     grpcclient = pytest.importorskip("tritonclient.grpc")
     import queue
 
@@ -382,24 +500,38 @@ def test_server_grpc_streaming(server, alone):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     try:
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
-        prompt = grpcclient.InferInput("text_input", [1], "BYTES")
-        prompt.set_data_from_numpy(np.array([PROMPTS[3].encode()], dtype=np.object_))
-        tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
-        tokens.set_data_from_numpy(np.array([12], np.int32))
-        stream = grpcclient.InferInput("stream", [1], "BOOL")
-        stream.set_data_from_numpy(np.array([True]))
-        client.async_stream_infer("diff", [prompt, tokens, stream], enable_empty_final_response=True)
-        ids = []
-        while True:
-            result, error = answers.get(timeout=60)
-            assert error is None, error
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-            ids += result.as_numpy("output_ids").tolist()
+
+        def tensor(name, array):
+            kind = {np.object_: "BYTES", np.int32: "INT32", np.float32: "FP32", np.uint64: "UINT64",
+                    np.bool_: "BOOL"}[array.dtype.type]
+            data = grpcclient.InferInput(name, list(array.shape), kind)
+            data.set_data_from_numpy(array)
+            return data
+
+        def ask(stop_words=None):
+            inputs = [tensor("text_input", np.array([[PROMPTS[1].encode()]], dtype=np.object_)),
+                      tensor("stream", np.array([[True]])), tensor("max_tokens", np.array([[12]], np.int32)),
+                      tensor("temperature", np.array([[0.0]], np.float32)), tensor("seed", np.array([[7]], np.uint64))]
+            if stop_words:
+                inputs.append(tensor("stop_words", np.array([[w.encode() for w in stop_words]], dtype=np.object_)))
+            client.async_stream_infer("diff", inputs, enable_empty_final_response=True)
+            ids, text = [], ""
+            while True:
+                result, error = answers.get(timeout=60)
+                assert error is None, error
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return ids, text
+                ids += result.as_numpy("output_ids").tolist()
+                text += result.as_numpy("text_output")[0].decode()
+
+        ids, text = ask()
+        assert (ids, text) == streamed(alone[PROMPTS[1]])
+        word, before = _stop_word(text)
+        cut_ids, cut_text = ask([word])
+        assert cut_text == before and cut_ids == ids[:len(cut_ids)] and len(cut_ids) < len(ids)
     finally:
         client.stop_stream()
         client.close()
-    assert ids == alone[PROMPTS[3]][0]
 
 
 # ---------------------------------------------------------------- the server's lifecycle

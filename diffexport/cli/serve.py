@@ -20,8 +20,11 @@ def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for a --kv-cache folder (streamed, batched); --serve starts the
     server."""
     if args.serve:  # before the repository is written
-        triton_server.check_ports(args.http_port, args.grpc_port)
-        triton_server.check_ports_free(args.http_port, args.grpc_port)
+        triton_server.check_ports(args.http_port, args.grpc_port, args.metrics_port)
+        triton_server.check_ports_free(args.http_port, args.grpc_port, args.metrics_port)
+    elif args.metrics_port is not None:
+        raise DiffExportError("--metrics-port is for --serve (a copied repository's server takes Triton's own "
+                              "--metrics-port)")
     repo = repository.write_repository(args.folder, args.output, args.name, args.max_batch, args.instances, args.force,
                                        scheduler=args.scheduler)
     prompt = "text_input (or input_ids)" if repo.text else "input_ids"
@@ -37,8 +40,10 @@ def cmd_triton(args) -> int:
 
     signal.signal(signal.SIGHUP, interrupt)  # the terminal closed: stop the server as Ctrl-C does
     print("starting      tritonserver (127.0.0.1 only)", flush=True)
-    server = triton_server.start_server(repo.path, args.http_port, args.grpc_port)
+    server = triton_server.start_server(repo.path, args.http_port, args.grpc_port, metrics_port=args.metrics_port)
     print(f"log           {server.log}")
+    if server.metrics_url:
+        print(f"metrics       {server.metrics_url} (Prometheus: Triton's nv_* and the model's diffexport_*)")
     print(f"ready         {server.url}/v2/models/{repo.name}/generate (and generate_stream); gRPC on "
           f"127.0.0.1:{args.grpc_port}. Ctrl-C stops it.", flush=True)
     try:
@@ -71,6 +76,10 @@ def _triton_arguments(p: argparse.ArgumentParser) -> None:
                    help="then start tritonserver on it (the one on PATH, else nvidia-pytriton's) until Ctrl-C")
     p.add_argument("--http-port", type=int, default=8000, help="--serve: HTTP port on 127.0.0.1 (default 8000)")
     p.add_argument("--grpc-port", type=int, default=8001, help="--serve: gRPC port on 127.0.0.1 (default 8001)")
+    p.add_argument("--metrics-port", type=int,
+                   help="--serve: Triton's Prometheus metrics on this port of 127.0.0.1, the model's own added "
+                        "(time to first token, inter-token latency, tokens, waiting requests, batch rows); default: "
+                        "no metrics endpoint")
 
 
 COMMANDS = [Command("triton", cmd_triton, _triton_arguments)]

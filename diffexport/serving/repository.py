@@ -2,10 +2,13 @@
 (the Python backend's entry, which imports diffexport.serving.triton_model) and REPO/NAME/1/decoder/
 (a copy of the folder: the repository is what a user copies into a Triton container).
 
-The I/O follows the conventions of Triton's own LLM backends, so `/v2/models/NAME/generate`,
-`/generate_stream` and gRPC streaming work: inputs text_input (when the folder has a tokenizer) or
-input_ids, and max_tokens, temperature (0: greedy), top_k, top_p, seed, stream; outputs text_output
-and output_ids (the generated ids, the end-of-sequence id that stopped the answer left out).
+The I/O is the contract of Triton's LLM backends (TensorRT-LLM's, which Triton's OpenAI-compatible
+frontend sends to any model that is not vLLM's), so `/v2/models/NAME/generate`, `/generate_stream`,
+gRPC streaming and that frontend work unchanged: a batch dimension of one request, inputs
+text_input (when the folder has a tokenizer) or input_ids, and max_tokens, temperature (0: greedy),
+top_k, top_p, seed, stream, stop_words, exclude_input_in_output, frequency_penalty and
+presence_penalty (0 only); outputs text_output and output_ids (the generated ids, the
+end-of-sequence id that stopped the answer left out).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ MAX_BATCH = 32  # onnxruntime-genai 0.18 takes at most 32 rows per generator
 SCHEDULERS = ("inflight", "batch")
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
-# (name, Triton type, dims, what it is): every input optional but the prompt (one of the first two)
+# (name, Triton type, dims after the batch dimension, what it is): every input optional but the
+# prompt (one of the first two)
 INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", "the prompt as text (folders with a tokenizer)"),
           ("input_ids", "TYPE_INT64", "[ -1 ]", "the prompt as token ids"),
           ("max_tokens", "TYPE_INT32", "[ 1 ]", "new tokens at most (default 64, within the context)"),
@@ -36,7 +40,11 @@ INPUTS = (("text_input", "TYPE_STRING", "[ 1 ]", "the prompt as text (folders wi
           ("top_k", "TYPE_INT32", "[ 1 ]", "sample among the k likeliest (0: no cut)"),
           ("top_p", "TYPE_FP32", "[ 1 ]", "sample within this probability mass"),
           ("seed", "TYPE_UINT64", "[ 1 ]", "the draw's seed"),
-          ("stream", "TYPE_BOOL", "[ 1 ]", "true: one response per token, then the final flag"))
+          ("stream", "TYPE_BOOL", "[ 1 ]", "true: one response per token, then the final flag"),
+          ("stop_words", "TYPE_STRING", "[ -1 ]", "the answer ends before the first of these texts"),
+          ("exclude_input_in_output", "TYPE_BOOL", "[ 1 ]", "false: the answer begins with the prompt (echo)"),
+          ("frequency_penalty", "TYPE_FP32", "[ 1 ]", "0 only (the OpenAI frontend sends it when given)"),
+          ("presence_penalty", "TYPE_FP32", "[ 1 ]", "0 only (the OpenAI frontend sends it when given)"))
 OUTPUTS = (("text_output", "TYPE_STRING", "[ 1 ]"), ("output_ids", "TYPE_INT64", "[ -1 ]"))
 
 MODEL_ENTRY = '''"""Triton's Python-backend entry for a diffexport decoder folder (written by `diffexport triton`).
@@ -55,9 +63,9 @@ class Repository:
 
 
 def config_pbtxt(name: str, max_batch: int, instances: int, gpu: bool, scheduler: str = "inflight") -> str:
-    """config.pbtxt: the Python backend, decoupled (tokens stream as they come), no batch dimension
-    (the model batches the requests itself, up to max_batch rows, with its scheduler:
-    serving/triton_model.py)."""
+    """config.pbtxt: the Python backend, decoupled (tokens stream as they come), a batch dimension
+    of one request (the contract's [1, 1] tensors; no Triton batching: the model batches the
+    requests itself, up to max_batch rows, with its scheduler: serving/triton_model.py)."""
     def tensor(n, t, dims, optional=None):
         return "  {\n" + f'    name: "{n}"\n    data_type: {t}\n    dims: {dims}\n' + \
                ("    optional: true\n" if optional else "") + "  }"
@@ -65,7 +73,7 @@ def config_pbtxt(name: str, max_batch: int, instances: int, gpu: bool, scheduler
     inputs = ",\n".join(tensor(n, t, d, True) for n, t, d, _ in INPUTS)
     outputs = ",\n".join(tensor(n, t, d) for n, t, d in OUTPUTS)
     kind = "KIND_GPU" if gpu else "KIND_CPU"
-    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+    return (f'name: "{name}"\nbackend: "python"\nmax_batch_size: 1\n'
             "model_transaction_policy {\n  decoupled: true\n}\n"
             f"input [\n{inputs}\n]\noutput [\n{outputs}\n]\n"
             f"instance_group [\n  {{\n    count: {instances}\n    kind: {kind}\n  }}\n]\n"

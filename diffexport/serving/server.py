@@ -87,10 +87,15 @@ class TritonServer:
     log: Path
     scratch: Path | None = None
     stopped: bool = field(default=False)
+    metrics_port: int | None = None  # Triton's Prometheus endpoint, when asked for
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def ended_on_its_own(self) -> str | None:
         """Why the server ended without being stopped here (a crash, a failed bind), in one line with
@@ -132,17 +137,25 @@ def _log_tail(log: Path, lines: int = 3) -> str:
     return " | ".join((errors or text)[-lines:])[:400]
 
 
-def check_ports(http_port: int, grpc_port: int) -> None:
-    for port in (http_port, grpc_port):
+def _flags(http_port: int, grpc_port: int, metrics_port: int | None) -> list[tuple[str, int]]:
+    flags = [("--http-port", http_port), ("--grpc-port", grpc_port)]
+    return flags + ([("--metrics-port", metrics_port)] if metrics_port is not None else [])
+
+
+def check_ports(http_port: int, grpc_port: int, metrics_port: int | None = None) -> None:
+    flags = _flags(http_port, grpc_port, metrics_port)
+    for flag, port in flags:
         if not 1 <= port <= 65535:
-            raise DiffExportError(f"port {port} is not in 1..65535")
-    if http_port == grpc_port:
-        raise DiffExportError(f"the HTTP and gRPC ports must differ, both are {http_port}")
+            raise DiffExportError(f"{flag} {port} is not in 1..65535")
+    for index, (flag, port) in enumerate(flags):
+        for other, same in flags[index + 1:]:
+            if port == same:
+                raise DiffExportError(f"{flag} and {other} must differ, both are {port}")
 
 
-def check_ports_free(http_port: int, grpc_port: int) -> None:
-    """Both ports can be bound on 127.0.0.1 now: another server there would answer in our place."""
-    for flag, port in (("--http-port", http_port), ("--grpc-port", grpc_port)):
+def check_ports_free(http_port: int, grpc_port: int, metrics_port: int | None = None) -> None:
+    """Every port can be bound on 127.0.0.1 now: another server there would answer in our place."""
+    for flag, port in _flags(http_port, grpc_port, metrics_port):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             # as servers bind: a closed connection's TIME_WAIT does not hold the port, a listener does
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -167,17 +180,19 @@ def _ready(url: str) -> bool:
 
 
 def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port: int = 8001,
-                 log: str | os.PathLike | None = None, ready_timeout: float = 120.0) -> TritonServer:
+                 log: str | os.PathLike | None = None, ready_timeout: float = 120.0,
+                 metrics_port: int | None = None) -> TritonServer:
     """tritonserver over `repository`, listening on 127.0.0.1, its log in `log` (default: a file
     in a fresh temporary folder); returns once it answers that every model of the repository is
     ready while it runs, or raises with the log's last error line (the process stopped). The server
     ends with this process (it gets SIGTERM when its parent dies, however that happens), and is
-    stopped when anything, Ctrl-C included, interrupts the wait."""
+    stopped when anything, Ctrl-C included, interrupts the wait. metrics_port: Triton's Prometheus
+    endpoint (its nv_* metrics and the model's own: serving/metrics.py) on 127.0.0.1; None: none."""
     repository = Path(repository)
     if not repository.is_dir():
         raise DiffExportError(f"{repository} is not a folder: give the repository `diffexport triton` wrote")
-    check_ports(http_port, grpc_port)
-    check_ports_free(http_port, grpc_port)
+    check_ports(http_port, grpc_port, metrics_port)
+    check_ports_free(http_port, grpc_port, metrics_port)
     models = repository_models(repository)
     binary = find_tritonserver()
     if binary.bundled_root is not None:
@@ -186,8 +201,12 @@ def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port
     log = Path(log) if log is not None else scratch / "tritonserver.log"
     args = [str(binary.path), "--model-repository", str(repository.resolve()), "--http-address", "127.0.0.1",
             "--grpc-address", "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-            "--allow-metrics", "false", "--exit-timeout-secs", str(int(STOP_SECONDS) - 1),
-            "--strict-readiness", "true"]
+            "--exit-timeout-secs", str(int(STOP_SECONDS) - 1), "--strict-readiness", "true"]
+    if metrics_port is None:
+        args += ["--allow-metrics", "false"]
+    else:  # the model's metrics need no GPU: Triton's GPU metrics stay off
+        args += ["--allow-metrics", "true", "--allow-gpu-metrics", "false", "--metrics-address", "127.0.0.1",
+                 "--metrics-port", str(metrics_port)]
     env = dict(os.environ)
     if binary.bundled_root is not None:
         args += ["--backend-directory", str(python_backend_dir(binary.bundled_root, scratch / "backends"))]
@@ -198,7 +217,7 @@ def start_server(repository: str | os.PathLike, http_port: int = 8000, grpc_port
         # diffexport ends, even by SIGKILL: the server never outlives its supervisor.
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                    start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-    server = TritonServer(process, http_port, grpc_port, log, scratch)
+    server = TritonServer(process, http_port, grpc_port, log, scratch, metrics_port=metrics_port)
     urls = [f"{server.url}/v2/health/ready", *(f"{server.url}/v2/models/{name}/ready" for name in models)]
     deadline = time.monotonic() + ready_timeout
     try:

@@ -25,14 +25,16 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from diffexport.core.eager_generation import MAX_SEED, Sampling
+from diffexport.core.eager_generation import MAX_SEED, Sampling, StopText
 from diffexport.core.errors import DiffExportError
 from diffexport.core.lazy import lazy_import
+from diffexport.serving.metrics import Recorder, TritonRecorder
 from diffexport.serving.repository import SCHEDULERS
 
 decoder_folder = lazy_import("diffexport.format.decoder_folder")
@@ -44,6 +46,7 @@ text_generation = lazy_import("diffexport.generation.text_generation")
 DEFAULT_MAX_TOKENS = 64
 MAX_TEXT_BYTES = 1 << 20  # a prompt's text; the context bounds its tokens
 MAX_TEMPERATURE = 100.0
+MAX_STOP_WORDS, MAX_STOP_BYTES = 16, 256  # OpenAI's API takes 4 stop sequences
 
 
 @dataclass
@@ -55,12 +58,17 @@ class Request:
     send: Callable[[list[int], str | None, bool], None]  # (new ids, their text or None, final)
     fail: Callable[[str], None]  # a one-line error; ends the request
     cancelled: Callable[[], bool] = lambda: False  # the client has gone
+    arrived: float = field(default_factory=time.monotonic)  # for the time to its first token
+    stops: tuple[str, ...] = ()  # stop_words: the answer ends before the first of them
+    echo: str | None = None  # exclude_input_in_output false: the prompt's text, sent before the answer
+    shown: StopText | None = None  # the answer's text so far (set by the worker's sender)
 
 
 class DecoderService:
     """A decoder folder's requests, decoded together by one worker thread (the module says how)."""
 
-    def __init__(self, folder: str | Path, max_batch: int = 8, scheduler: str = "inflight"):
+    def __init__(self, folder: str | Path, max_batch: int = 8, scheduler: str = "inflight",
+                 metrics: Recorder | None = None):
         if scheduler not in SCHEDULERS:
             raise DiffExportError(f"unknown scheduler {scheduler!r}; choose one of {list(SCHEDULERS)}")
         self.folder = Path(folder)
@@ -73,9 +81,11 @@ class DecoderService:
         self.max_batch = max_batch
         self._models: dict[int | None, object] = {}  # pad id -> genai model (genai_pad_for)
         self._waiting: deque[Request] = deque()
+        self._running = 0  # the batch scheduler's rows now
         self._cond = threading.Condition()
         self._stopping = False
         self.scheduler = scheduler
+        self.metrics = metrics or Recorder()
         loop = self._loop
         if scheduler == "inflight":  # the session opens now: a folder it cannot run fails the model's load
             provider = "cuda" if "cuda" in read.providers else "cpu"
@@ -129,6 +139,49 @@ class DecoderService:
                                temperature=temperature if sample else None, top_k=top_k, top_p=top_p,
                                seed=0 if seed is None else seed)
 
+    def stop_words(self, words) -> tuple[str, ...]:
+        """stop_words as texts (UTF-8 bytes or str), bounded in number and size; they match the
+        answer's text, so the folder needs its tokenizer. Empty strings (TensorRT-LLM clients send
+        "" for none) are dropped."""
+        if words is None:
+            return ()
+        if len(words) > MAX_STOP_WORDS:
+            raise DiffExportError(f"stop_words holds {len(words)} texts; at most {MAX_STOP_WORDS}")
+        texts = []
+        for word in words:
+            if isinstance(word, bytes):
+                if len(word) > MAX_STOP_BYTES:
+                    raise DiffExportError(f"a stop word is longer than {MAX_STOP_BYTES} bytes")
+                try:
+                    word = word.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise DiffExportError("stop_words is not UTF-8") from None
+            if not isinstance(word, str) or len(word.encode()) > MAX_STOP_BYTES:
+                raise DiffExportError(f"stop_words must be texts of at most {MAX_STOP_BYTES} bytes")
+            if word:
+                texts.append(word)
+        if texts and self.tokenizer is None:
+            raise DiffExportError("stop_words match the answer's text: this model has no tokenizer")
+        return tuple(texts)
+
+    def echoed(self, exclude_input_in_output: bool | None, text, ids: list[int]) -> str | None:
+        """The prompt's text to send before the answer (exclude_input_in_output false), else None."""
+        if exclude_input_in_output is None or exclude_input_in_output:
+            return None
+        if isinstance(text, bytes):
+            return text.decode("utf-8")  # checked by prompt()
+        if isinstance(text, str):
+            return text
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    @staticmethod
+    def check_penalty(name: str, value: float | None) -> None:
+        """frequency_penalty / presence_penalty: the OpenAI frontend passes them on when a client
+        sets them; this model has no such penalty, so only 0 (none) is taken."""
+        if value is not None and value != 0:
+            raise DiffExportError(f"{name} is not supported by this model (only 0); its folder's "
+                                  "repetition_penalty applies")
+
     def check_length(self, ids: list[int], max_tokens: int | None) -> int:
         """max_tokens (default DEFAULT_MAX_TOKENS, cut to the room the context leaves)."""
         if max_tokens is not None and max_tokens < 1:
@@ -148,6 +201,16 @@ class DecoderService:
                 raise DiffExportError("the model is shutting down")
             self._waiting.append(request)
             self._cond.notify()
+            self._report_load()
+
+    def _report_load(self) -> None:
+        """The waiting and running gauges, now (called with the lock held, or from the worker)."""
+        if self.scheduler == "inflight":
+            batcher = self._batcher
+            waiting = len(batcher.waiting) + (batcher.joining is not None)
+            self.metrics.load(len(self._waiting) + waiting, len(batcher.rows))
+        else:
+            self.metrics.load(len(self._waiting), self._running)
 
     def stop(self) -> None:
         """Ends the worker after its running batch (in-flight: its running step, and the rows still
@@ -184,12 +247,18 @@ class DecoderService:
             batch = [r for r in batch if not r.cancelled()]
             if not batch:
                 continue
+            with self._cond:
+                self._running = len(batch)
+                self._report_load()
             try:
                 self._run(batch)
             except Exception as exc:  # genai's own failure: every request of the batch hears it
                 message = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 for request in batch:
                     request.fail(f"generation failed: {message}")
+            with self._cond:
+                self._running = 0
+                self._report_load()
 
     def _loop_inflight(self) -> None:
         batcher, live = self._batcher, {}  # id(the batcher's request) -> ours
@@ -224,23 +293,46 @@ class DecoderService:
                 continue
             for handle in ended:
                 self._finish(live.pop(id(handle)), handle.tokens, handle.stop)
+            with self._cond:
+                self._report_load()
 
     def _sender(self, request: Request) -> Callable[[int], bool]:
         """The row's on_token: each new token streamed (end ids excepted) -> whether the client has gone."""
-        stream = self.tokenizer.create_stream() if self.tokenizer is not None and request.stream else None
+        decode = self.tokenizer.create_stream().decode if self.tokenizer is not None and \
+            (request.stream or request.stops) else None
+        request.shown = StopText(list(request.stops), decode) if decode is not None else None
+        last = [None]  # when its previous token came
 
         def on_token(token: int) -> bool:
+            now, first = time.monotonic(), last[0] is None
+            if first:
+                self.metrics.first_token(now - request.arrived)
+            else:
+                self.metrics.token_gap(now - last[0])
+            last[0] = now
+            self.metrics.generated()
+            piece = None if request.shown is None else request.shown.push(token)
             if request.stream:
-                request.send([token], None if stream is None else stream.decode(token), False)
-            return request.cancelled()
+                if request.echo is not None and first:  # the first response leads with the prompt
+                    request.send([*request.ids, token], request.echo + (piece or ""), False)
+                else:
+                    request.send([token], piece, False)
+            return request.cancelled() or (request.shown is not None and request.shown.done)
         return on_token
 
     def _finish(self, request: Request, tokens: list[int], stop: str) -> None:
         ids = tokens[:-1] if stop == "eos" and tokens and tokens[-1] in self.eos else tokens
+        shown = request.shown
         if request.stream:
+            tail = shown.flush() if shown is not None else ""  # text held back for a stop word that never came
+            if tail:
+                request.send([], tail, False)
             request.send([], None, True)
-        else:
-            request.send(ids, None if self.tokenizer is None else self.tokenizer.decode(ids), True)
+            return
+        text = None if self.tokenizer is None else shown.text if request.stops else self.tokenizer.decode(ids)
+        if request.echo is not None:
+            ids, text = [*request.ids, *ids], None if text is None else request.echo + text
+        request.send(ids, text, True)
 
     def _model(self, pad: int | None):
         if pad not in self._models:
@@ -264,6 +356,15 @@ class DecoderService:
             self._finish(request, tokens, stop)
 
 
+def _triton_recorder(model: str) -> Recorder | None:
+    """Metrics that reach Triton's endpoint; None outside Triton's Python backend (tests)."""
+    try:
+        import triton_python_backend_utils as pb_utils
+    except ImportError:
+        return None
+    return TritonRecorder(pb_utils, model)
+
+
 class TritonPythonModel:
     """Triton's Python-backend interface over DecoderService."""
 
@@ -273,7 +374,8 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / str(args["model_version"]) / params.get("decoder_folder", "decoder")
         try:
             # a repository written before the scheduler was a choice ran the batch scheduler
-            self.service = DecoderService(folder, int(params.get("max_batch", "8")), params.get("scheduler", "batch"))
+            self.service = DecoderService(folder, int(params.get("max_batch", "8")), params.get("scheduler", "batch"),
+                                          _triton_recorder(args.get("model_name", "model")))
         except DiffExportError as exc:  # the model fails to load with the reader's line
             raise RuntimeError(f"diffexport: {exc}") from None
 
@@ -320,10 +422,15 @@ class TritonPythonModel:
                 max_tokens = service.check_length(prompt, value("max_tokens", int))
                 sampling = service.draw(value("temperature", float), value("top_k", int), value("top_p", float),
                                         value("seed", int))
+                for penalty in ("frequency_penalty", "presence_penalty"):
+                    service.check_penalty(penalty, value(penalty, float))
+                words = pb_utils.get_input_tensor_by_name(request, "stop_words")
+                stops = service.stop_words(None if words is None else list(words.as_numpy().reshape(-1)))
+                echo = service.echoed(value("exclude_input_in_output", bool), text, prompt)
                 stream = bool(value("stream", bool))
                 service.submit(Request(prompt, max_tokens, sampling, stream,
                                        lambda i, t, last, s=sender, st=stream: send(i, t, last, s, st), fail,
-                                       sender.is_cancelled))
+                                       sender.is_cancelled, stops=stops, echo=echo))
             except DiffExportError as exc:
                 fail(str(exc))
         return None
