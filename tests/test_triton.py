@@ -233,7 +233,7 @@ def test_stop_words_and_echo_as_the_llm_contract_names_them(service, alone, stre
 
 @pytest.mark.parametrize("call, pattern", [
     (lambda s: s.stop_words([b"x"] * 17), "at most 16"),
-    (lambda s: s.stop_words([b"x" * 300]), "longer than 256 bytes"),
+    (lambda s: s.stop_words([b"x" * 300]), "larger than 256 bytes"),
     (lambda s: s.stop_words([b"\xff"]), "not UTF-8"),
     (lambda s: s.check_penalty("presence_penalty", 0.5), "presence_penalty is not supported"),
 ])

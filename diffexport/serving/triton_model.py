@@ -49,6 +49,21 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_WORDS, MAX_STOP_BYTES = 16, 256  # OpenAI's API takes 4 stop sequences
 
 
+def _client_text(value, name: str, limit: int) -> str:
+    """A client's bytes (or str) as text of at most `limit` UTF-8 bytes, sized before decoding."""
+    size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
+    if isinstance(value, bytes):
+        if len(value) > limit:
+            raise DiffExportError(f"{name} holds a text larger than {size}")
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DiffExportError(f"{name} is not UTF-8") from None
+    if not isinstance(value, str) or len(value.encode()) > limit:
+        raise DiffExportError(f"{name} must be text of at most {size}")
+    return value
+
+
 @dataclass
 class Request:
     ids: list[int]
@@ -112,16 +127,7 @@ class DecoderService:
             return ids
         if self.tokenizer is None:
             raise DiffExportError("this model has no tokenizer: give input_ids")
-        if isinstance(text, bytes):
-            if len(text) > MAX_TEXT_BYTES:
-                raise DiffExportError(f"text_input is larger than {MAX_TEXT_BYTES >> 20} MiB")
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DiffExportError("text_input is not UTF-8") from None
-        if len(text.encode()) > MAX_TEXT_BYTES:
-            raise DiffExportError(f"text_input is larger than {MAX_TEXT_BYTES >> 20} MiB")
-        return text_generation.encode(self.tokenizer, self.folder, text)
+        return text_generation.encode(self.tokenizer, self.folder, _client_text(text, "text_input", MAX_TEXT_BYTES))
 
     def draw(self, temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None) -> Sampling:
         """The request's draw over the folder's search defaults, as `diffexport generate` takes its
@@ -147,19 +153,7 @@ class DecoderService:
             return ()
         if len(words) > MAX_STOP_WORDS:
             raise DiffExportError(f"stop_words holds {len(words)} texts; at most {MAX_STOP_WORDS}")
-        texts = []
-        for word in words:
-            if isinstance(word, bytes):
-                if len(word) > MAX_STOP_BYTES:
-                    raise DiffExportError(f"a stop word is longer than {MAX_STOP_BYTES} bytes")
-                try:
-                    word = word.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise DiffExportError("stop_words is not UTF-8") from None
-            if not isinstance(word, str) or len(word.encode()) > MAX_STOP_BYTES:
-                raise DiffExportError(f"stop_words must be texts of at most {MAX_STOP_BYTES} bytes")
-            if word:
-                texts.append(word)
+        texts = [word for word in (_client_text(w, "stop_words", MAX_STOP_BYTES) for w in words) if word]
         if texts and self.tokenizer is None:
             raise DiffExportError("stop_words match the answer's text: this model has no tokenizer")
         return tuple(texts)
