@@ -2,6 +2,7 @@
 and leave when they end; every greedy answer equals the prompt's answer alone, whatever joins or
 leaves around it, and a sampled answer depends on its own seed only."""
 
+import numpy as np
 import pytest
 
 pytest.importorskip("onnxruntime")
@@ -119,3 +120,10 @@ def test_requests_out_of_bounds_are_refused_before_they_queue(artifacts):
     assert not batcher.busy
     with pytest.raises(DiffExportError, match="at least one row"):
         InflightBatcher(runner, max_rows=0)
+    with pytest.raises(DiffExportError, match="prefill_chunk must be >= 1"):
+        InflightBatcher(runner, prefill_chunk=0)
+    with pytest.raises(DiffExportError, match="exceed the folder's context length"):
+        runner.step_in_place(np.ones((1, 1), np.int64), np.ones((1, runner.context + 1), np.int64), {})
+    returning = OrtDecoder(artifacts.decoder("diff-v1-gqa", "diffattention"))
+    with pytest.raises(DiffExportError, match="no shared past/present buffer"):
+        returning.step_in_place(np.ones((1, 1), np.int64), np.ones((1, 1), np.int64), {})

@@ -289,8 +289,7 @@ class InflightBatcher:
                 return False
         row = joining.row
         if self._take(row, self._choose(row, logits[0, -1])):
-            self.cache.start()  # its cache is dropped
-            return True
+            return True  # ended at its first token: its cache is never joined (the next start drops it)
         width = total if self.mask is None else max(self.mask.shape[1], total)
         mask = np.ones((1, total), np.int64)
         self.mask = mask if self.mask is None else \

@@ -87,11 +87,14 @@ class OrtDecoder:
     def empty_cache(self, batch: int) -> dict[str, np.ndarray]:
         return empty_cache(batch, self.layers, self.heads, self.width, self.cache_dtype)
 
-    def step(self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]):
-        """-> (logits [B, S, V], the new cache keyed by present names)."""
+    def _check_context(self, mask: np.ndarray) -> None:
         if mask.shape[1] > self.context:
             raise DiffExportError(f"{mask.shape[1]} tokens exceed the folder's context length {self.context} "
                                   "(re-export with a larger --context-length, or ask for fewer tokens)")
+
+    def step(self, ids: np.ndarray, mask: np.ndarray, cache: dict[str, np.ndarray]):
+        """-> (logits [B, S, V], the new cache keyed by present names)."""
+        self._check_context(mask)
         feeds = step_feeds(ids.astype(np.int64), mask.astype(np.int64), cache, self.layers)
         out = self.session.run(self.outputs, feeds)
         return out[0], dict(zip(self.outputs[1:], out[1:]))
@@ -103,8 +106,7 @@ class OrtDecoder:
         if not self.writes_in_place:
             raise DiffExportError(f"{self.model_path.name} has no shared past/present buffer (a "
                                   f"{self.meta.attention} folder): step it with step()")
-        if mask.shape[1] > self.context:
-            raise DiffExportError(f"{mask.shape[1]} tokens exceed the folder's context length {self.context}")
+        self._check_context(mask)
         binding = self.session.io_binding()
         binding.bind_cpu_input(names.INPUT_IDS, np.ascontiguousarray(ids, np.int64))
         binding.bind_cpu_input(names.ATTENTION_MASK, np.ascontiguousarray(mask, np.int64))
