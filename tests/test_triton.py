@@ -140,6 +140,14 @@ def test_triton_command_line(folder, tmp_path):
         assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--serve", *ports), pattern)
     assert not (tmp_path / "r").exists()  # refused before the repository was written
     assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--metrics-port", "9100"), "for --serve")
+    with socket.socket() as taken:  # a metrics port another server holds is refused like the others
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(cli_main("triton", folder, "-o", tmp_path / "r", "--serve", "--http-port",
+                                       str(_free_port()), "--grpc-port", str(_free_port()), "--metrics-port",
+                                       str(port)), f"port {port} on 127.0.0.1 is taken")
+    assert not (tmp_path / "r").exists()
 
 
 # ---------------------------------------------------------------- the model in-process (no server)
