@@ -40,7 +40,7 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7]
 def v1_pair(artifacts):
     """(checkpoint, DiffAttention folder, GQA folder) of a V1 model with 4 diff-heads on 2 kv-groups."""
     summary = artifacts.decoder_summary("diff-v1-gqa", "gqa")
-    assert (summary.attention, summary.cache_heads, summary.diff_attention_nodes) == ("gqa", 2, 2)
+    assert (summary.attention, summary.cache_heads, summary.diff_attention_nodes) == ("gqa", 4, 2)
     assert "GroupQueryAttention" in summary.report()
     return (artifacts.checkpoint("diff-v1-gqa"), artifacts.decoder("diff-v1-gqa"),
             artifacts.decoder("diff-v1-gqa", "gqa"))
@@ -53,20 +53,21 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
     gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
     assert len(gqa) == 2 and all(n.domain == "com.microsoft" for n in gqa)
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
-    # 8 query maps over 2 kv-groups, head size 2D = 32, the op's scale 1/sqrt(D) (not GQA's 1/sqrt(2D))
-    assert (attrs["num_heads"], attrs["kv_num_heads"]) == (8, 2)
+    # 8 query maps over the 2 kv-groups' 2 keys each, head size D = 16, the op's scale 1/sqrt(D); the
+    # probabilities out (qk_output) for the other value half
+    assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["qk_output"]) == (8, 4, 2)
     assert attrs["scale"] == pytest.approx(0.25)
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in list(model.graph.input) + list(model.graph.output)}
-    assert dims["past_key_values.0.key"] == ["batch", 2, "past_sequence", 32]
-    assert dims["present.1.value"] == ["batch", 2, "total_sequence", 32]
+    assert dims["past_key_values.0.key"] == ["batch", 4, "past_sequence", 16]
+    assert dims["present.1.value"] == ["batch", 4, "total_sequence", 16]
     config = json.loads((folder / "genai_config.json").read_text())
-    assert (config["model"]["decoder"]["num_key_value_heads"], config["model"]["decoder"]["head_size"]) == (2, 32)
+    assert (config["model"]["decoder"]["num_key_value_heads"], config["model"]["decoder"]["head_size"]) == (4, 16)
     assert config["search"]["past_present_share_buffer"] is True
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["diffexport.attention"] == "gqa" and meta["diffexport.kv_cache"] == "1"
     # rotary inside GQA: the rotate-half nodes and the positions' Cos/Sin are gone, the caches hold
-    # the context's positions, D/2 = 8 frequencies twice (the V1 layout's two maps)
+    # the context's positions, D/2 = 8 frequencies (each map a head of its own)
     assert attrs["do_rotary"] == 1 and attrs["rotary_interleaved"] == 0
     assert not [n for n in model.graph.node if n.op_type in ("Cos", "Sin", "CumSum") and not n.name.startswith("gqa/")]
     assert all(n.name.startswith(("gqa/", "packed/")) for n in model.graph.node if n.op_type == "Split")
@@ -74,22 +75,17 @@ def test_gqa_folder_graph_cache_and_genai_config(v1_pair):
     ops = [n.op_type for n in model.graph.node]
     assert ops.count("SkipSimplifiedLayerNormalization") == 4 and ops.count("RMSNormalization") == 3  # 2 heads + final
     assert not {"Pow", "ReduceMean", "Reciprocal"} & set(ops)
-    # per layer: q|k|v, out, gate|up, down and the maps' [1, -lambda] combination; and the head
-    assert ops.count("MatMul") == 11
-    # the map layout's column moves live in the q|k|v weight: keys and values come straight from the
-    # projection's Split, queries through one Reshape and the 0/1 Mul that spreads them over the map
-    # slots (no zero columns in the weight); SiLU is QuickGelu
+    # per layer: q|k|v, out, gate|up, down and the halves' combination; and the head (the other value
+    # half's MatMul sits in an If, one per layer)
+    assert ops.count("MatMul") == 11 and ops.count("If") == 2
+    # the map layout's column moves live in the q|k|v weight: GQA reads the packed projection itself,
+    # as the builder's Llama does (key and value inputs empty, no Split); SiLU is QuickGelu
     producers = {o: n for n in model.graph.node for o in n.output}
     for node in gqa:
-        assert producers[node.input[1]].op_type == producers[node.input[2]].op_type == "Split"
-        chain = [producers[node.input[0]]]
-        while chain[-1].op_type != "Split":
-            chain.append(producers[chain[-1].input[0]])
-        assert [n.op_type for n in chain] == ["Reshape", "Mul", "Reshape", "Split"]
-    assert "Transpose" not in ops
+        assert producers[node.input[0]].op_type == "MatMul" and node.input[1] == node.input[2] == ""
     assert ops.count("QuickGelu") == 2 and "Sigmoid" not in ops
     inits = {t.name: t for t in model.graph.initializer}
-    assert [list(inits[gqa[0].input[i]].dims) for i in (7, 8)] == [[2048, 16], [2048, 16]]
+    assert [list(inits[gqa[0].input[i]].dims) for i in (7, 8)] == [[2048, 8], [2048, 8]]
     runtimes = inspect_onnx(folder / "model.onnx")["runtimes"]  # what `diffexport inspect` prints
     assert "GroupQueryAttention" in runtimes["onnxruntime"] and runtimes["tensorrt_native"].startswith("no")
 

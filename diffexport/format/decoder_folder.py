@@ -62,8 +62,9 @@ def cache_width(cfg) -> int:
 
 def cache_heads(cfg, attention: str) -> int:
     """Heads of a layer's cache: 1 (token-major, one "head" of width W) for DiffAttention folders,
-    the kv-groups (head-major, W / Hkv each) for GroupQueryAttention folders."""
-    return decoders.cache_heads(decoders.decoder_format(attention), cfg.n_kv_heads)
+    for GroupQueryAttention folders one per key map and kv-group (DIFF V1: 2 x Hkv of head_dim, each
+    kv-group's two keys, and its value's two halves), head_dim wide."""
+    return decoders.cache_heads(decoders.decoder_format(attention), cfg.n_kv_heads * cfg.values_per_head)
 
 
 def genai_config(cfg, dtype: str, context_length: int, special: dict, threads: int | None = None,
@@ -456,7 +457,7 @@ def _check_config_describes_the_graph(config: dict, meta: dict, fmt, config_path
     config) is refused before anything allocates from them."""
 
     cfg = meta.model_config  # validated by read_export_metadata
-    heads = decoders.cache_heads(fmt, cfg.n_kv_heads)
+    heads = decoders.cache_heads(fmt, cfg.n_kv_heads * cfg.values_per_head)
     expected = {("model", "vocab_size"): cfg.vocab_size, ("decoder", "num_hidden_layers"): cfg.n_layers,
                 ("decoder", "num_key_value_heads"): heads, ("decoder", "head_size"): cache_width(cfg) // heads,
                 ("decoder", "hidden_size"): cfg.d_model,

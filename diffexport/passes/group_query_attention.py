@@ -63,6 +63,8 @@ RMS_NORM_OPSET = 23  # RMSNormalization entered the default domain at opset 23
 # Added to the logits of padded keys: exp() of it is exactly 0 next to any real logit, and it stays
 # finite (a fully padded row gives a uniform average, not NaN that would reach the cache).
 PAD_BIAS = {TensorProto.FLOAT: -1e30, TensorProto.FLOAT16: -3e4}
+QK_OUTPUT_SOFTMAX = 2  # GroupQueryAttention's qk_output mode: the probabilities (onnxruntime >= 1.23)
+SLICE_OVER = 3  # V1's other value half: copy the tokens' rows when the buffer holds over 3x as many
 
 
 @dataclasses.dataclass
@@ -169,6 +171,7 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
     kv_heads = head_size = None
     seen_layers = set()
     rope, rotary = _rope_plan(g, attention, rotary_positions)
+    shared_v1: dict = {}  # the other value half's buffer rows and padding, made by the first V1 layer
     caches = _rope_caches(g, rope, attention, dtype, rotary_positions) if rope else None
     for node in attention:
         attrs = node_attrs(node)
@@ -183,14 +186,15 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
             raise _refuse(f"node {node.name} reads the key of layer {layer} and the value of layer {layer_v}")
         seen_layers.add(layer)
         dead.update(id(n) for n in key_plumbing + value_plumbing)
-        size = 2 * attrs.head_dim if attrs.variant == VARIANT_V1 else attrs.head_dim
-        if attrs.value_dim != size:
-            raise _refuse(f"node {node.name}: value head {attrs.value_dim} != key head {size}")
-        if kv_heads not in (None, attrs.num_kv_heads) or head_size not in (None, size):
+        heads = attrs.num_kv_heads * (2 if attrs.variant == VARIANT_V1 else 1)  # V1: [K1s, K2s], [V lows, V highs]
+        if attrs.value_dim * attrs.num_kv_heads != heads * attrs.head_dim:
+            raise _refuse(f"node {node.name}: value head {attrs.value_dim} is not {heads // attrs.num_kv_heads} "
+                          f"key heads of {attrs.head_dim}")
+        if kv_heads not in (None, heads) or head_size not in (None, attrs.head_dim):
             raise _refuse("layers with different cache shapes (one genai_config describes all layers)")
-        kv_heads, head_size = attrs.num_kv_heads, size
+        kv_heads, head_size = heads, attrs.head_dim
         replaced[id(node)] = _attention_nodes(g, node, attrs, dtype, query, new_key, new_value, lam, weight,
-                                               layer, lengths, bias, row_scale, rope, caches)
+                                               layer, lengths, bias, row_scale, rope, caches, shared_v1)
 
     for n in g.nodes:
         if id(n) in replaced:
@@ -333,7 +337,7 @@ def _cache_source(g: _Graph, name: str, kind: str):
 
 
 def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, lam, weight, layer,
-                     lengths, bias, row_scale, rope: _Rope | None, caches) -> list:
+                     lengths, bias, row_scale, rope: _Rope | None, caches, shared: dict) -> list:
     seqlens_k, total_length, query_seqlens, position_ids = lengths
     H, D = attrs.num_heads, attrs.head_dim
     np_type = helper.tensor_dtype_to_np_dtype(dtype)
@@ -345,55 +349,29 @@ def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, l
             nodes.append(n)
             n, new_key = g.node("Reshape", [new_key, _ints(g, [0, 0, -1])])
             nodes.append(n)
-    if attrs.variant == VARIANT_V1 and rope is None:  # [B, S, H*2*D] -> [B, S, H, map, slot, D], slot == map
-        n, q6 = g.node("Reshape", [query, _ints(g, [0, 0, H, 2, 1, D])])
-        nodes.append(n)
-        eye = g.const(np.eye(2, dtype=np_type).reshape(2, 2, 1), "map_slots")
-        n, spread = g.node("Mul", [q6, eye])
-        nodes.append(n)
-        n, query = g.node("Reshape", [spread, _ints(g, [0, 0, -1])])
-        nodes.append(n)
-    elif attrs.variant == VARIANT_V1:  # halves first: [B, S, H, map, half, slot, D/2], slot == map
-        n, q7 = g.node("Reshape", [query, _ints(g, [0, 0, H, 2, 2, 1, D // 2])])
-        nodes.append(n)
-        eye = g.const(np.eye(2, dtype=np_type).reshape(2, 1, 2, 1), "map_slots")
-        n, spread = g.node("Mul", [q7, eye])
-        nodes.append(n)
-        n, query = g.node("Reshape", [spread, _ints(g, [0, 0, -1])])
-        nodes.append(n)
-        # keys [B, S, Hkv, map, half, D/2] -> [B, S, Hkv, half, map, D/2]: [k1_a | k2_a | k1_b | k2_b]
-        n, k6 = g.node("Reshape", [new_key, _ints(g, [0, 0, attrs.num_kv_heads, 2, 2, D // 2])])
-        nodes.append(n)
-        n, halves = g.node("Transpose", [k6], perm=[0, 1, 2, 4, 3, 5])
-        nodes.append(n)
-        n, new_key = g.node("Reshape", [halves, _ints(g, [0, 0, -1])])
-        nodes.append(n)
-    size = 2 * D if attrs.variant == VARIANT_V1 else D
+    if attrs.variant == VARIANT_V1:  # maps and kv heads map-major: (h, map, D) -> (map, h, D); values (g, half, D)
+        query = _map_major(g, nodes, query, H, D)
+        new_key = _map_major(g, nodes, new_key, attrs.num_kv_heads, D)
+        new_value = _map_major(g, nodes, new_value, attrs.num_kv_heads, D)
+    v1 = attrs.variant == VARIANT_V1
     cos_cache, sin_cache = caches or ("", "")
     outputs = [g.fresh("maps"), names.PRESENT_KEY % layer, names.PRESENT_VALUE % layer]
-    n, (maps, _, _) = g.node(
+    if v1:
+        outputs.append(g.fresh("probabilities"))
+    n, gqa_out = g.node(
         "GroupQueryAttention", [query, new_key, new_value, names.PAST_KEY % layer, names.PAST_VALUE % layer,
                                 seqlens_k, total_length, cos_cache, sin_cache, position_ids if rope else "", bias,
                                 "", "", "", "", "", query_seqlens],
-        outputs, domain=GQA_DOMAIN, num_heads=2 * H, kv_num_heads=attrs.num_kv_heads,
-        scale=attrs.effective_scale, do_rotary=int(rope is not None), rotary_interleaved=0)
+        outputs, domain=GQA_DOMAIN, num_heads=2 * H, kv_num_heads=attrs.num_kv_heads * (2 if v1 else 1),
+        scale=attrs.effective_scale, do_rotary=int(rope is not None), rotary_interleaved=0,
+        **({"qk_output": QK_OUTPUT_SOFTMAX} if v1 else {}))
     nodes.append(n)
-    n, per_map = g.node("Reshape", [maps, _ints(g, [0, 0, H, 2, size])])
-    nodes.append(n)
-    if attrs.variant == VARIANT_V1:
-        # one lambda per layer: O1 - lambda*O2 as [1, -lambda] @ [O1; O2], one kernel; the
-        # coefficients depend on weights only, so onnxruntime folds them when the session opens
-        n, negated = g.node("Neg", [lam])
-        nodes.append(n)
-        n, neg_1 = g.node("Reshape", [negated, _ints(g, [1])])
-        nodes.append(n)
-        n, pair = g.node("Concat", [g.const(np.ones(1, np_type), "one"), neg_1], axis=0)
-        nodes.append(n)
-        n, coefficients = g.node("Reshape", [pair, _ints(g, [1, 2])])
-        nodes.append(n)
-        n, diff_all = g.node("MatMul", [coefficients, per_map])
-        nodes.append(n)  # [B, S, H, 1, size]
+    maps = gqa_out[0]
+    if v1:
+        diff_all = _v1_combined(g, nodes, gqa_out, lam, H, attrs.num_kv_heads, D, dtype, shared)
     else:  # lambda per token and head
+        n, per_map = g.node("Reshape", [maps, _ints(g, [0, 0, H, 2, D])])
+        nodes.append(n)
         n, (o1, o2) = g.node("Split", [per_map], 2, axis=3, num_outputs=2)
         nodes.append(n)
         n, lam4 = g.node("Reshape", [lam, _ints(g, [0, 0, H, 1, 1])])
@@ -417,6 +395,102 @@ def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, l
     n, _ = g.node("Reshape", [normed, _ints(g, [0, 0, -1])], [node.output[0]])
     nodes.append(n)
     return nodes
+
+
+def _map_major(g: _Graph, nodes: list, x: str, heads: int, size: int) -> str:
+    """[B, S, heads * 2 * size] in (head, map, size) order -> (map, head, size): columns moved only
+    (fold_gqa_projections moves them in the projection's weight)."""
+    n, x5 = g.node("Reshape", [x, _ints(g, [0, 0, heads, 2, size])])
+    nodes.append(n)
+    n, moved = g.node("Transpose", [x5], perm=[0, 1, 3, 2, 4])
+    nodes.append(n)
+    n, flat = g.node("Reshape", [moved, _ints(g, [0, 0, -1])])
+    nodes.append(n)
+    return flat
+
+
+def _v1_combined(g: _Graph, nodes: list, gqa_out: list, lam: str, H: int, kv_groups: int, D: int, dtype: int,
+                 shared: dict) -> str:
+    """O1 - lambda*O2 of every DIFF V1 head, [B, S, H, 1, 2D], from GroupQueryAttention at the maps'
+    own width. Kv head (m, g) holds map m's key of group g and half m of its value, so GQA gives each
+    map the product with its own value half (A); the other half is its probabilities (qk_output)
+    times the value buffer with the kv halves swapped, one MatMul in place (X). The buffer's rows past
+    the tokens get exact zero weights: they are read (probabilities padded to the buffer) while the
+    buffer holds under SLICE_OVER times the tokens, else the tokens' rows are copied first (an If)."""
+    maps, _, present_value, probabilities = gqa_out
+    if not shared:  # one length test for every layer: all buffers have the same rows
+        n, tokens = g.node("Shape", [probabilities], start=3)
+        nodes.append(n)
+        n, rows = g.node("Shape", [present_value], start=2, end=3)
+        nodes.append(n)
+        n, spare = g.node("Sub", [rows, tokens])
+        nodes.append(n)
+        n, pads = g.node("Concat", [_ints(g, [0] * 7), spare], axis=0)
+        nodes.append(n)
+        n, tripled = g.node("Mul", [tokens, _ints(g, [SLICE_OVER])])
+        nodes.append(n)
+        n, roomy = g.node("Less", [tripled, rows])
+        nodes.append(n)
+        n, copy_rows = g.node("Squeeze", [roomy, _ints(g, [0])])
+        nodes.append(n)
+        shared.update(tokens=tokens, pads=pads, copy_rows=copy_rows)
+    # probabilities [B, 2H, S, T] -> [B, 2Hkv, (H/Hkv) S, T]; then kv heads (m, g) <- (1 - m, g)
+    n, by_kv = g.node("Reshape", [probabilities, _ints(g, [0, 2 * kv_groups, -1, 0])])
+    nodes.append(n)
+    swap = list(range(kv_groups, 2 * kv_groups)) + list(range(kv_groups))
+    n, swapped = g.node("Gather", [by_kv, _ints(g, swap)], axis=1)
+    nodes.append(n)
+
+    def branch(kind: str) -> onnx.GraphProto:
+        out = g.fresh(f"other_{kind}")
+        if kind == "slice":
+            start, axis, rows = g.fresh("start"), g.fresh("axis"), g.fresh("rows")
+            body = [helper.make_node("Constant", [], [start], value=numpy_helper.from_array(np.zeros(1, np.int64))),
+                    helper.make_node("Constant", [], [axis], value=numpy_helper.from_array(np.full(1, 2, np.int64))),
+                    helper.make_node("Slice", [present_value, start, shared["tokens"], axis], [rows])]
+            weights = swapped
+        else:
+            rows, weights = present_value, g.fresh("padded")
+            body = [helper.make_node("Pad", [swapped, shared["pads"]], [weights])]
+        if dtype == TensorProto.FLOAT:
+            body.append(helper.make_node("MatMul", [weights, rows], [out]))
+        else:  # a float32 product, as GroupQueryAttention accumulates its own half
+            wide = [g.fresh("wide"), g.fresh("wide"), g.fresh("wide")]
+            body += [helper.make_node("Cast", [weights], [wide[0]], to=TensorProto.FLOAT),
+                     helper.make_node("Cast", [rows], [wide[1]], to=TensorProto.FLOAT),
+                     helper.make_node("MatMul", wide[:2], [wide[2]]),
+                     helper.make_node("Cast", [wide[2]], [out], to=dtype)]
+        return helper.make_graph(body, g.fresh(kind), [], [helper.make_tensor_value_info(out, dtype, None)])
+    n, other = g.node("If", [shared["copy_rows"]], then_branch=branch("slice"), else_branch=branch("pad"))
+    nodes.append(n)
+    # X' [B, 2Hkv, (H/Hkv) S, D] -> [B, S, H, map, D], X'[m] = P(map 1 - m) V(half m); A likewise
+    n, other5 = g.node("Reshape", [other, _ints(g, [0, 2, H, -1, D])])
+    nodes.append(n)
+    n, other_t = g.node("Transpose", [other5], perm=[0, 3, 2, 1, 4])
+    nodes.append(n)
+    n, own5 = g.node("Reshape", [maps, _ints(g, [0, 0, 2, H, D])])
+    nodes.append(n)
+    n, own_t = g.node("Transpose", [own5], perm=[0, 1, 3, 2, 4])
+    nodes.append(n)
+    n, sources = g.node("Concat", [own_t, other_t], axis=3)  # [B, S, H, 4, D]: A0 A1 X'0 X'1
+    nodes.append(n)
+    # low half A0 - lambda X'0, high half X'1 - lambda A1, as one MatMul; lambda depends on weights
+    # only, so onnxruntime folds the coefficients when the session opens
+    n, negated = g.node("Neg", [lam])
+    nodes.append(n)
+    n, neg_1 = g.node("Reshape", [negated, _ints(g, [1])])
+    nodes.append(n)
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    one, zero = g.const(np.ones(1, np_type), "one"), g.const(np.zeros(1, np_type), "zero")
+    n, flat = g.node("Concat", [one, zero, neg_1, zero, zero, neg_1, zero, one], axis=0)
+    nodes.append(n)
+    n, coefficients = g.node("Reshape", [flat, _ints(g, [2, 4])])
+    nodes.append(n)
+    n, halves = g.node("MatMul", [coefficients, sources])
+    nodes.append(n)
+    n, combined = g.node("Reshape", [halves, _ints(g, [0, 0, H, 1, 2 * D])])
+    nodes.append(n)
+    return combined
 
 
 def _rope_plan(g: _Graph, attention: list, rotary_positions: int | None) -> tuple[_Rope | None, str]:
@@ -515,10 +589,8 @@ def _axis(node) -> int | None:
 
 def _rope_caches(g: _Graph, rope: _Rope, attention: list, dtype: int, positions: int) -> tuple[str, str]:
     """cos/sin caches [positions, head size / 2] in the cache's type: the graph's frequencies at every
-    position (V1: twice, once per map's pairs of the [x1_a | x2_a | x1_b | x2_b] layout)."""
+    position (each map is a head of its own, rotated in halves)."""
     freqs = np.arange(positions, dtype=np.float32)[:, None] * rope.inv_freq[None, :]
-    if node_attrs(attention[0]).variant == VARIANT_V1:
-        freqs = np.concatenate([freqs, freqs], axis=1)
     np_type = helper.tensor_dtype_to_np_dtype(dtype)
     scale = np.float32(rope.scale)  # scaled in fp32 before the cast, as the graph does
     return g.const((np.cos(freqs) * scale).astype(np_type), "cos_cache"), \
@@ -532,8 +604,18 @@ def _live(nodes: list, outputs: list[str]) -> list:
     for n in reversed(nodes):
         if any(o in needed for o in n.output):
             keep.append(n)
-            needed.update(i for i in n.input if i)
+            needed.update(i for i in _reads(n) if i)
     return keep[::-1]
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """A node's inputs and the outer names its subgraphs (If branches) read."""
+    names_read = list(node.input)
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            made = {o for n in attr.g.node for o in n.output}
+            names_read += [i for n in attr.g.node for i in _reads(n) if i not in made]
+    return names_read
 
 
 def _redirect_past_shapes(g: _Graph, nodes: list, past_shape) -> list:
@@ -594,7 +676,7 @@ def _finish_imports(model: onnx.ModelProto) -> None:
 
 
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
-    used = {name for n in graph.node for name in n.input}
+    used = {name for n in graph.node for name in _reads(n)}
     keep = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep)

@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from diffexport.core.errors import DiffExportError
+
 # Initializers with more elements than this stand in as typed graph inputs while shapes are
 # inferred: symbolic shape inference copies the model, and it needs only their shapes.
 _SHAPE_ONLY_ELEMENTS = 1 << 16
@@ -119,7 +121,20 @@ def _move_large_weights(source: onnx.ModelProto, fused: onnx.ModelProto) -> None
 def _record_inferred_shapes(model: onnx.ModelProto) -> None:
     """onnxruntime's symbolic shape inference into the model's value_info (the onnxscript rules check
     shapes), inferred on a skeleton whose large weights are typed graph inputs."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_attribute, get_shape_from_sympy_shape
+
+    class ShapeInference(SymbolicShapeInference):
+        """onnxruntime's inference, which leaves GroupQueryAttention's probabilities output (qk_output,
+        [B, num_heads, S, total]) without a shape and then calls the whole graph incomplete."""
+
+        def _infer_GroupQueryAttention(self, node):  # noqa: N802 (onnxruntime's name for the op's rule)
+            super()._infer_GroupQueryAttention(node)
+            query = self._try_get_shape(node, 0)
+            if len(node.output) > 3 and node.output[3] and query is not None:
+                total = get_shape_from_sympy_shape([self._new_symbolic_dim_from_output(node, 3, 3)])[0]
+                dtype = self.known_vi_[node.input[0]].type.tensor_type.elem_type
+                shape = [query[0], get_attribute(node, "num_heads"), query[1], total]
+                self.known_vi_[node.output[3]].CopyFrom(helper.make_tensor_value_info(node.output[3], dtype, shape))
 
     skeleton = onnx.ModelProto(ir_version=model.ir_version)
     skeleton.opset_import.extend(model.opset_import)
@@ -137,10 +152,18 @@ def _record_inferred_shapes(model: onnx.ModelProto) -> None:
     logger = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
     level = logger.level
     logger.setLevel(logging.ERROR)  # its notes on symbolic dims it cannot order are not the user's business
-    try:
-        inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=True)
+    try:  # SymbolicShapeInference.infer_shapes's steps, without its dump of the model into the working folder
+        inference = ShapeInference(2**31 - 1, True, False, 0)
+        inference._preprocess(skeleton)
+        complete = False
+        while inference.run_:
+            complete = inference._infer_impl()
+        inference._update_output_from_vi()
     finally:
         logger.setLevel(level)
+    if not complete:
+        raise DiffExportError("internal: onnxruntime's shape inference left tensors of the fused graph unknown")
+    inferred = inference.out_mp_
     del model.graph.value_info[:]
     model.graph.value_info.extend(inferred.graph.value_info)
 
