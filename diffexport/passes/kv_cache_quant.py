@@ -115,6 +115,38 @@ def quantise_cache(model: onnx.ModelProto, key_max: np.ndarray, value_max: np.nd
         node.attribute.extend([helper.make_attribute("k_quant_type", "PER_CHANNEL"),
                                helper.make_attribute("v_quant_type", "PER_CHANNEL"),
                                helper.make_attribute("kv_cache_bit_width", 8)])
+        if len(node.output) > 3 and node.output[3]:  # DIFF V1: the other value half reads the cache itself
+            _dequantised_reads(model, node.output[2], inputs[V_SCALE_INPUT])
     for value in list(model.graph.input) + list(model.graph.output):
         if names.is_past(value.name) or value.name.startswith(names.PRESENT_PREFIX):
             value.type.tensor_type.elem_type = TensorProto.INT8
+
+
+def _dequantised_reads(model: onnx.ModelProto, present: str, scale: str) -> None:
+    """In place: the If branches that multiply probabilities by the value cache `present` (a gqa V1
+    folder's other value half) read it dequantised, int8 * its per-channel scale: after their Slice of
+    the tokens' rows, or the whole buffer where they read it whole."""
+    dims = next(v.type.tensor_type.shape.dim for v in model.graph.output if v.name == present)
+    heads, width = dims[1].dim_value, dims[3].dim_value
+    shaped = f"{scale}/per_head"
+    model.graph.initializer.append(numpy_helper.from_array(np.asarray([1, heads, 1, width], np.int64),
+                                                           f"{shaped}/shape"))
+    model.graph.node.insert(0, helper.make_node("Reshape", [scale, f"{shaped}/shape"], [shaped], name=shaped))
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.type != onnx.AttributeProto.GRAPH:
+                continue
+            body, count = attr.g, 0
+            for reader in [n for n in body.node if present in n.input]:
+                source = reader.output[0] if reader.op_type == "Slice" else present
+                count += 1
+                wide, out = f"{source}/wide{count}", f"{source}/dequantised{count}"
+                steps = [helper.make_node("Cast", [source], [wide], to=TensorProto.FLOAT),
+                         helper.make_node("Mul", [wide, shaped], [out])]
+                readers = [n for n in body.node if source in n.input and n is not reader] \
+                    if reader.op_type == "Slice" else [reader]
+                for n in readers:
+                    n.input[list(n.input).index(source)] = out
+                position = list(body.node).index(reader) + (1 if reader.op_type == "Slice" else 0)
+                for step in reversed(steps):
+                    body.node.insert(position, step)
