@@ -8,9 +8,12 @@ onnxruntime-genai's shared past/present buffer. At int4 weights, where the matmu
 the rest of a step, this is the difference docs/BENCHMARKS.md measures.
 
 The mapping is exact (no approximation):
-  V1  kv-group g holds [K1 | K2] (2D wide) and V (2D). GQA with head size 2D and 2H query heads:
-      map 1 of diff-head h is the query [q1 | 0], map 2 is [0 | q2], so each logit is q1.K1 or
-      q2.K2 (the zero half adds exact zeros) and both maps weight the same value head.
+  V1  GQA with head size D, the 2H query maps map-major over 2*Hkv kv heads: kv head (m, g) holds
+      map m's key of kv-group g and half m of its 2D value. GQA gives each map the product with its
+      own value half (A) and, through qk_output, its probabilities; the other half is one MatMul of
+      the probabilities (kv halves swapped) with the value buffer in place (X), so every logit is
+      q1.K1 or q2.K2 and O = [A1 - lambda*X2, X1 - lambda*A2] over the halves: the Llama's attention
+      work per cached token plus one product with half the value.
   V2  one key and one value of width D per kv-group, shared by both maps: GQA with head size D and
       the 2H query maps as they are.
   The logit scale is the op's (1/sqrt(D) by default), not GQA's 1/sqrt(head size). Then
@@ -18,11 +21,9 @@ The mapping is exact (no approximation):
   folded into one weight (norm=0: one Mul), and the [B, S, H*Dv] output the rest of the graph reads.
 Rotary embedding inside GroupQueryAttention (do_rotary, when the rest of the graph rotates q and k
 as the exporter writes it, and the rewrite is told the context length): the rotate-half subgraphs
-go, GQA rotates the projections itself from cos/sin caches of the graph's own frequencies. V2's
-heads are rotated as they are. V1's 2D-wide heads pair dimension i with i + D, so each map's halves
-are laid out [x1_a | x2_a | x1_b | x2_b] (a/b: the halves the model rotates together; queries with
-the zero map in the other slot) and both caches repeat the D/2 frequencies: every pair meets its
-own frequency, and the dot products are those of the model. Positions: GQA's position_ids input,
+go, GQA rotates the projections itself from cos/sin caches of the graph's own frequencies: every map
+is a D-wide head rotated in halves, so every pair meets its own frequency, and the dot products are
+those of the model. Positions: GQA's position_ids input,
 each token's cache slot less the padding slots after its row's first real token. Rotary logits
 depend only on the distance between query and key, so left padding (slots counted from the first
 slot, as GQA counts a prompt) and a right-padded prompt (onnxruntime-genai's batches: padding
@@ -30,7 +31,7 @@ between prompt and answer, which GQA's own slot count would put between them) bo
 model's distances for every real token; the results agree to rounding (padded rows are masked or
 zeroed either way). A prompt with padding inside it is not such a batch: its prompt step is
 rotated by slot.
-Cache: [B, Hkv, T, head size] per layer, the same bytes per token as the token-major cache. GQA has
+Cache: [B, kv heads, T, D] per layer (V1: 2 x Hkv), the same bytes per token as the token-major cache. GQA has
 no key mask, so left padding becomes its attention_bias (a large negative number on padded keys,
 finite so that a padded query row stays finite), a query row that sees no key gets zeros as the
 contract says, and every row's seqlens_k is T - 1 (padded slots hold cache positions like real
