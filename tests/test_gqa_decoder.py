@@ -22,6 +22,7 @@ from diffexport.core.eager_generation import Sampling, generate, pad_batch  # no
 from diffexport.core.errors import DiffExportError  # noqa: E402
 from diffexport.export import ExportOptions  # noqa: E402
 from diffexport.format import decoders  # noqa: E402
+from diffexport.format.decoder_folder import read_decoder_folder  # noqa: E402
 from diffexport.modeling.checkpoint import load_model, save_safetensors  # noqa: E402
 from diffexport.modeling.families import build_model  # noqa: E402
 from diffexport.modeling.presets import preset_config  # noqa: E402
@@ -257,6 +258,13 @@ def test_gqa_refusals(v1_pair, tmp_path):
     with pytest.raises(DiffExportError, match="only its shape may be read"):
         rewrite_decoder(tampered)
     assert rewrite_decoder(model).layers == 2  # the untouched graph rewrites
+    # a V1 folder in the layout before 2026-11-28 (Hkv cache heads of 2D) is named as such
+    shutil.copytree(gqa, tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "genai_config.json").read_text())
+    config["model"]["decoder"].update(num_key_value_heads=2, head_size=32)
+    (tmp_path / "old" / "genai_config.json").write_text(json.dumps(config))
+    with pytest.raises(DiffExportError, match="before 2026-11-28 .* export it again"):
+        read_decoder_folder(tmp_path / "old")
 
 
 def test_decoder_formats_come_from_one_registry():

@@ -464,6 +464,11 @@ def _check_config_describes_the_graph(config: dict, meta: dict, fmt, config_path
                 ("decoder", "num_attention_heads"): cfg.attention_maps}
     for (section, key), value in expected.items():
         given = (config["model"] if section == "model" else config["model"]["decoder"]).get(key)
+        if key == "num_key_value_heads" and fmt.head_major_cache and cfg.values_per_head == 2 \
+                and given == cfg.n_kv_heads:
+            raise DiffExportError(f"{config_path}: a gqa folder of a DIFF V1 model from diffexport before 2026-11-28 "
+                                  f"({given} cache heads of {2 * cfg.head_dim}; now {value} of {cfg.head_dim}, "
+                                  "the layout that reads the cache at a Llama's cost): export it again")
         if given != value:
             raise DiffExportError(f"{config_path}: {section}.{key} is "
                                   f"{given!r}, but the graph's metadata says {value}: the files do not belong "
