@@ -134,8 +134,8 @@ def test_hf_diffllama_gqa_folder_checks_against_transformers(artifacts, hf_dir, 
     pytest.importorskip("onnxruntime_genai")
     kv = artifacts.cli_output("onnx", hf_dir, "--kv-cache", "--attention", "gqa", output="kv")
     config = json.loads((kv / "genai_config.json").read_text())["model"]["decoder"]
-    # HF's 8 maps over 4 kv heads are 4 diff-heads over 2 kv-groups, each [K1, K2] of 2 x 16
-    assert (config["num_key_value_heads"], config["head_size"]) == (2, 32)
+    # HF's 8 maps over 4 kv heads: GQA's 8 maps of 16 over 4 kv heads, HF's own layout (K1s, then K2s)
+    assert (config["num_key_value_heads"], config["head_size"]) == (4, 16)
     report = cli_main("check", kv, "--ckpt", hf_dir, "--save-dir", tmp_path / "saved")
     assert report.returncode == 0, report.stdout + report.stderr
     assert "transformers" in report.stdout

@@ -1,4 +1,5 @@
-"""DiffAttention nodes in an ONNX graph: which nodes are ours, and their contract attributes."""
+"""DiffAttention nodes in an ONNX graph: which nodes are ours, and their contract attributes; what a node
+reads (its subgraphs' outer names too) and a graph's nodes in an order that respects it."""
 
 from __future__ import annotations
 
@@ -31,3 +32,46 @@ def node_attrs(node: onnx.NodeProto) -> DiffAttentionAttrs:
         return DiffAttentionAttrs.from_mapping(values)
     except DiffExportError as exc:
         raise DiffExportError(f"DiffAttention node {node.name or '(unnamed)'}: {exc}") from None
+
+
+def names_read(node: onnx.NodeProto) -> list[str]:
+    """A node's inputs and the outer names its subgraphs (If branches) read."""
+    read = list(node.input)
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            made = {o for n in attr.g.node for o in n.output}
+            read += [i for n in attr.g.node for i in names_read(n) if i not in made]
+    return read
+
+
+def sort_topologically(graph: onnx.GraphProto) -> None:
+    """In place: every node after the producers of what it reads, its subgraphs' reads included
+    (onnxruntime's quantisers sort by node inputs alone and can put an If before what its branches
+    read, which onnx.checker refuses). Stable: an already sorted graph keeps its order."""
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output}
+    nodes = list(graph.node)
+    placed, order, visiting = set(), [], set()
+
+    def place(i: int) -> None:
+        stack = [(i, False)]
+        while stack:
+            index, expanded = stack.pop()
+            if index in placed:
+                continue
+            if expanded:
+                placed.add(index)
+                order.append(nodes[index])
+                continue
+            if index in visiting:  # pushed twice before placed (or a cycle, which onnx.checker names)
+                continue
+            visiting.add(index)
+            stack.append((index, True))
+            for name in reversed(names_read(nodes[index])):
+                source = producer.get(name)
+                if source is not None and source not in placed:
+                    stack.append((source, False))
+
+    for i in range(len(nodes)):
+        place(i)
+    del graph.node[:]
+    graph.node.extend(order)

@@ -56,7 +56,7 @@ from diffexport.core import contract
 from diffexport.core.contract import VARIANT_V1
 from diffexport.core.errors import DiffExportError
 from diffexport.format import names
-from diffexport.format.nodes import is_diff_attention, node_attrs
+from diffexport.format.nodes import is_diff_attention, names_read, node_attrs
 from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
 GQA_DOMAIN = "com.microsoft"
@@ -605,18 +605,9 @@ def _live(nodes: list, outputs: list[str]) -> list:
     for n in reversed(nodes):
         if any(o in needed for o in n.output):
             keep.append(n)
-            needed.update(i for i in _reads(n) if i)
+            needed.update(i for i in names_read(n) if i)
     return keep[::-1]
 
-
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """A node's inputs and the outer names its subgraphs (If branches) read."""
-    names_read = list(node.input)
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            made = {o for n in attr.g.node for o in n.output}
-            names_read += [i for n in attr.g.node for i in _reads(n) if i not in made]
-    return names_read
 
 
 def _redirect_past_shapes(g: _Graph, nodes: list, past_shape) -> list:
@@ -677,7 +668,7 @@ def _finish_imports(model: onnx.ModelProto) -> None:
 
 
 def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
-    used = {name for n in graph.node for name in _reads(n)}
+    used = {name for n in graph.node for name in names_read(n)}
     keep = [t for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep)

@@ -30,6 +30,7 @@ from diffexport.format import model_card
 from diffexport.format import names as format_names
 from diffexport.format.decoder_folder import read_decoder_folder
 from diffexport.format.metadata_keys import WEIGHT_QUANT, WEIGHT_RECORDS, stored_key
+from diffexport.format.nodes import sort_topologically
 from diffexport.passes import calibration, kv_cache_quant
 from diffexport.passes.onnxruntime_fusions import pack_shared_input_matmuls
 
@@ -270,6 +271,7 @@ def stamp(model, key: str, record: dict) -> None:
 def _write(model, tmp_model: Path, log) -> None:
     import onnx_ir as ir
 
+    sort_topologically(model.graph)
 
     model_ir = ir.serde.deserialize_model(model)
     exporter.save_checked(model_ir, tmp_model, exporter.wants_external(model_ir, exporter.ExportOptions()), log)
