@@ -391,7 +391,7 @@ class DecoderFolder(NamedTuple):
 
     @property
     def cache_heads(self) -> int:
-        """1: the token-major cache of DiffAttention folders; the kv-groups of gqa folders."""
+        """1: the token-major cache of DiffAttention folders; gqa folders: the kv heads (V1: 2 per kv-group)."""
         return cache_shape(self.config)[1]
 
     @property
