@@ -124,8 +124,10 @@ def quantise_cache(model: onnx.ModelProto, key_max: np.ndarray, value_max: np.nd
 
 def _dequantised_reads(model: onnx.ModelProto, present: str, scale: str) -> None:
     """In place: the If branches that multiply probabilities by the value cache `present` (a gqa V1
-    folder's other value half) read it dequantised, int8 * its per-channel scale: after their Slice of
-    the tokens' rows, or the whole buffer where they read it whole."""
+    folder's other value half) multiply them by its int8 rows as float32 (a Cast of the rows they
+    read) and scale the product's columns: each channel's scale is a factor of one output column,
+    so (P @ V_int8) * scale is P @ (V_int8 * scale) with one elementwise pass over the small product
+    instead of the rows."""
     dims = next(v.type.tensor_type.shape.dim for v in model.graph.output if v.name == present)
     heads, width = dims[1].dim_value, dims[3].dim_value
     shaped = f"{scale}/per_head"
@@ -134,19 +136,12 @@ def _dequantised_reads(model: onnx.ModelProto, present: str, scale: str) -> None
     model.graph.node.insert(0, helper.make_node("Reshape", [scale, f"{shaped}/shape"], [shaped], name=shaped))
     for node in model.graph.node:
         for attr in node.attribute:
-            if attr.type != onnx.AttributeProto.GRAPH:
+            if attr.type != onnx.AttributeProto.GRAPH or not any(present in n.input for n in attr.g.node):
                 continue
-            body, count = attr.g, 0
-            for reader in [n for n in body.node if present in n.input]:
-                source = reader.output[0] if reader.op_type == "Slice" else present
-                count += 1
-                wide, out = f"{source}/wide{count}", f"{source}/dequantised{count}"
-                steps = [helper.make_node("Cast", [source], [wide], to=TensorProto.FLOAT),
-                         helper.make_node("Mul", [wide, shaped], [out])]
-                readers = [n for n in body.node if source in n.input and n is not reader] \
-                    if reader.op_type == "Slice" else [reader]
-                for n in readers:
-                    n.input[list(n.input).index(source)] = out
-                position = list(body.node).index(reader) + (1 if reader.op_type == "Slice" else 0)
-                for step in reversed(steps):
-                    body.node.insert(position, step)
+            body = attr.g
+            matmul = next(n for n in body.node if n.op_type == "MatMul")
+            rows, product = matmul.input[1], matmul.output[0]
+            matmul.input[1], matmul.output[0] = f"{rows}/float", f"{product}/unscaled"
+            position = list(body.node).index(matmul)
+            body.node.insert(position + 1, helper.make_node("Mul", [f"{product}/unscaled", shaped], [product]))
+            body.node.insert(position, helper.make_node("Cast", [rows], [f"{rows}/float"], to=TensorProto.FLOAT))
