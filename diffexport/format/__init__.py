@@ -5,7 +5,8 @@ names and rules from here; this layer imports only core and the model layer (doc
 Modules:
   names            I/O and KV-cache names of a decoder graph, the folder's file names, the export
                    dtypes, the metadata key prefix
-  nodes            DiffAttention nodes in an ONNX graph: recognising one, reading its contract attributes
+  nodes            DiffAttention nodes in an ONNX graph: recognising one, reading its contract attributes;
+                   what a node reads (its If branches' outer names too), and a graph sorted by it
   metadata_keys    the keys of that metadata, each named once (light: no imports)
   metadata         the metadata an export stamps into its ONNX file: read and validated in one place
                    into a typed record (ExportMetadata: the stored strings, and .model_config,
