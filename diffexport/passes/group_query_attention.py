@@ -173,7 +173,7 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
     seen_layers = set()
     rope, rotary = _rope_plan(g, attention, rotary_positions)
     shared_v1: dict = {}  # the other value half's buffer rows and padding, made by the first V1 layer
-    caches = _rope_caches(g, rope, attention, dtype, rotary_positions) if rope else None
+    caches = _rope_caches(g, rope, dtype, rotary_positions) if rope else None
     for node in attention:
         attrs = node_attrs(node)
         if not attrs.causal:
@@ -341,20 +341,20 @@ def _attention_nodes(g: _Graph, node, attrs, dtype, query, new_key, new_value, l
                      lengths, bias, row_scale, rope: _Rope | None, caches, shared: dict) -> list:
     seqlens_k, total_length, query_seqlens, position_ids = lengths
     H, D = attrs.num_heads, attrs.head_dim
+    v1 = attrs.variant == VARIANT_V1
     np_type = helper.tensor_dtype_to_np_dtype(dtype)
     nodes = []
     if rope is not None:  # the heads [B, S, n, D] before the rotate-half nodes: GQA rotates them
         query, new_key = _unrotated(g, query, rope), _unrotated(g, new_key, rope)
-        if attrs.variant != VARIANT_V1:
+        if not v1:
             n, query = g.node("Reshape", [query, _ints(g, [0, 0, -1])])
             nodes.append(n)
             n, new_key = g.node("Reshape", [new_key, _ints(g, [0, 0, -1])])
             nodes.append(n)
-    if attrs.variant == VARIANT_V1:  # maps and kv heads map-major: (h, map, D) -> (map, h, D); values (g, half, D)
+    if v1:  # maps and kv heads map-major: (h, map, D) -> (map, h, D); values (g, half, D)
         query = _map_major(g, nodes, query, H, D)
         new_key = _map_major(g, nodes, new_key, attrs.num_kv_heads, D)
         new_value = _map_major(g, nodes, new_value, attrs.num_kv_heads, D)
-    v1 = attrs.variant == VARIANT_V1
     cos_cache, sin_cache = caches or ("", "")
     outputs = [g.fresh("maps"), names.PRESENT_KEY % layer, names.PRESENT_VALUE % layer]
     if v1:
@@ -588,7 +588,7 @@ def _axis(node) -> int | None:
                 0 if node.op_type == "Split" else None)
 
 
-def _rope_caches(g: _Graph, rope: _Rope, attention: list, dtype: int, positions: int) -> tuple[str, str]:
+def _rope_caches(g: _Graph, rope: _Rope, dtype: int, positions: int) -> tuple[str, str]:
     """cos/sin caches [positions, head size / 2] in the cache's type: the graph's frequencies at every
     position (each map is a head of its own, rotated in halves)."""
     freqs = np.arange(positions, dtype=np.float32)[:, None] * rope.inv_freq[None, :]
@@ -607,7 +607,6 @@ def _live(nodes: list, outputs: list[str]) -> list:
             keep.append(n)
             needed.update(i for i in names_read(n) if i)
     return keep[::-1]
-
 
 
 def _redirect_past_shapes(g: _Graph, nodes: list, past_shape) -> list:

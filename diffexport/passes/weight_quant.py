@@ -272,7 +272,6 @@ def _write(model, tmp_model: Path, log) -> None:
     import onnx_ir as ir
 
     sort_topologically(model.graph)
-
     model_ir = ir.serde.deserialize_model(model)
     exporter.save_checked(model_ir, tmp_model, exporter.wants_external(model_ir, exporter.ExportOptions()), log)
 
