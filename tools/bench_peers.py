@@ -13,6 +13,10 @@ hidden 768, 12 heads over 4 kv heads of 64, FFN 2048, vocabulary 32,000, tied em
   ours-<f>  the same in every other decoder format f (`--attention f`)
   ours-kv8  int4 only: `diffexport quantize` of ours with `--kv-cache int8 --calib synthetic` (the cache in
             int8, one calibrated scale per channel)
+  ours-llama-attention  timing only, not a model (wrong tokens): ours with what DIFF adds to a Llama's
+            attention cut from every layer (the other value half, the maps' combination, the per-head
+            norm): GroupQueryAttention's own product goes straight to the output projection. Against
+            the Llama, it is what the rest of our folder costs; against ours, what DIFF's extra costs.
   mobius    `mobius build --config DIFFLLAMA --runtime ort-genai` (mobius-onnx, the bench extra); its
             genai_config's model type "diffllama" set to "llama" (onnxruntime-genai 0.18 does not know
             the name); int4 by onnxruntime's MatMulNBitsQuantizer, block 32, accuracy level 4
@@ -46,6 +50,7 @@ from bench_decode import tokenizer_folder  # noqa: E402
 
 from diffexport.backends import genai  # noqa: E402
 from diffexport.format import decoders  # noqa: E402
+from diffexport.format.nodes import names_read, sort_topologically  # noqa: E402
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
@@ -151,6 +156,66 @@ def build_ours_kv8(work: Path, precision: str) -> Path | None:
     return out
 
 
+def build_ours_llama_attention(work: Path, precision: str) -> Path:
+    """Timing only: ours with every layer's attention output taken from GroupQueryAttention's own product
+    (heads [B, S, 12 x 64], the output projection's width), the nodes DIFF adds after it left dead."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    out = work / f"ours-llama-attention-{precision}"
+    if (out / "genai_config.json").is_file():
+        return out
+    source = build_ours(work, CPU_DEFAULT, precision)
+    model = onnx.load(source / "model.onnx")
+    graph = model.graph
+    consumers = collections.defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    weights = {t.name for t in graph.initializer}
+    flat = "ours_llama_attention/flat"
+    graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), flat))
+    cut = 0
+    for node in list(graph.node):
+        if node.op_type != "GroupQueryAttention":
+            continue
+        frontier, seen, projection_input = list(node.output), set(), None
+        while frontier and projection_input is None:  # forward to the output projection (weights constant)
+            name = frontier.pop(0)
+            for reader in consumers[name]:
+                if reader.op_type in ("MatMul", "MatMulNBits") and reader.input[1] in weights:
+                    projection_input = reader.input[0]
+                elif id(reader) not in seen:
+                    seen.add(id(reader))
+                    frontier += list(reader.output)
+        if projection_input is None:
+            sys.exit(f"error: no output projection after {node.name} in {source}")
+        producer = next(n for n in graph.node if projection_input in n.output)
+        graph.node.remove(producer)
+        graph.node.append(helper.make_node("Reshape", [node.output[0], flat], [projection_input],
+                                           name=f"ours_llama_attention/{cut}"))
+        for attribute in list(node.attribute):
+            if attribute.name == "qk_output":
+                node.attribute.remove(attribute)
+        del node.output[3:]
+        cut += 1
+    sort_topologically(graph)
+    needed = {o.name for o in graph.output}
+    live = []
+    for node in reversed(list(graph.node)):
+        if any(o in needed for o in node.output):
+            live.append(node)
+            needed.update(names_read(node))
+    del graph.node[:]
+    graph.node.extend(live[::-1])
+    out.mkdir()
+    onnx.save(model, out / "model.onnx", save_as_external_data=precision == "fp32", location="model.onnx.data")
+    for path in source.iterdir():
+        if path.suffix == ".json" or path.name.startswith("tokenizer"):
+            shutil.copy(path, out / path.name)
+    return out
+
+
 def with_threads(folder: Path, threads: int) -> Path:
     """A copy of a genai folder (files hard-linked) whose genai_config sets intra_op_num_threads."""
     copy = folder.parent / f"{folder.name}-t{threads}"
@@ -171,6 +236,7 @@ def folders(work: Path, only: set[str] | None, threads: int) -> dict[tuple[str, 
         makers["ours" if fmt == CPU_DEFAULT else f"ours-{fmt}"] = \
             (lambda w, p, fmt=fmt: build_ours(w, fmt, p))
     makers["ours-kv8"] = build_ours_kv8
+    makers["ours-llama-attention"] = build_ours_llama_attention
     for old in work.glob(f"*-t{threads}"):  # earlier copies: their hard links would make onnx refuse the files
         shutil.rmtree(old)
     built = {}
