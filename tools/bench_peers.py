@@ -50,7 +50,7 @@ from bench_decode import tokenizer_folder  # noqa: E402
 
 from diffexport.backends import genai  # noqa: E402
 from diffexport.format import decoders  # noqa: E402
-from diffexport.format.nodes import names_read, sort_topologically  # noqa: E402
+from diffexport.format.nodes import live_nodes, sort_topologically  # noqa: E402
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
 from diffexport.passes.decoder_formats import export_decoder  # noqa: E402
 from diffexport.passes.weight_quant import WeightQuantOptions, quantize_weights  # noqa: E402
@@ -200,14 +200,9 @@ def build_ours_llama_attention(work: Path, precision: str) -> Path:
         del node.output[3:]
         cut += 1
     sort_topologically(graph)
-    needed = {o.name for o in graph.output}
-    live = []
-    for node in reversed(list(graph.node)):
-        if any(o in needed for o in node.output):
-            live.append(node)
-            needed.update(names_read(node))
+    live = live_nodes(list(graph.node), [o.name for o in graph.output])
     del graph.node[:]
-    graph.node.extend(live[::-1])
+    graph.node.extend(live)
     out.mkdir()
     onnx.save(model, out / "model.onnx", save_as_external_data=precision == "fp32", location="model.onnx.data")
     for path in source.iterdir():

@@ -1,5 +1,6 @@
 """DiffAttention nodes in an ONNX graph: which nodes are ours, and their contract attributes; what a node
-reads (its subgraphs' outer names too) and a graph's nodes in an order that respects it."""
+reads (its subgraphs' outer names too), the nodes some outputs depend on, and a graph's nodes in an
+order that respects what they read."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def names_read(node: onnx.NodeProto) -> list[str]:
             made = {o for n in attr.g.node for o in n.output}
             read += [i for n in attr.g.node for i in names_read(n) if i not in made]
     return read
+
+
+def live_nodes(nodes: list, outputs: list[str]) -> list:
+    """The nodes that `outputs` depend on (their subgraphs' reads included), in their order."""
+    needed, keep = set(outputs), []
+    for n in reversed(nodes):
+        if any(o in needed for o in n.output):
+            keep.append(n)
+            needed.update(i for i in names_read(n) if i)
+    return keep[::-1]
 
 
 def sort_topologically(graph: onnx.GraphProto) -> None:

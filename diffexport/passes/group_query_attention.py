@@ -56,7 +56,7 @@ from diffexport.core import contract
 from diffexport.core.contract import VARIANT_V1
 from diffexport.core.errors import DiffExportError
 from diffexport.format import names
-from diffexport.format.nodes import is_diff_attention, names_read, node_attrs
+from diffexport.format.nodes import is_diff_attention, live_nodes, names_read, node_attrs
 from diffexport.passes.onnxruntime_fusions import fuse_for_onnxruntime
 
 GQA_DOMAIN = "com.microsoft"
@@ -204,7 +204,7 @@ def rewrite_decoder(model: onnx.ModelProto, rotary_positions: int | None = None)
             new_nodes.append(n)
     new_nodes[shared:shared] = _redirect_past_shapes(g, new_nodes, past_shape)
     del model.graph.node[:]
-    model.graph.node.extend(_live(new_nodes, [o.name for o in model.graph.output]))
+    model.graph.node.extend(live_nodes(new_nodes, [o.name for o in model.graph.output]))  # replaced nodes go
     _set_cache_types(model.graph, kv_heads, head_size)
     _finish_imports(model)
     _drop_unused_initializers(model.graph)
@@ -596,17 +596,6 @@ def _rope_caches(g: _Graph, rope: _Rope, dtype: int, positions: int) -> tuple[st
     scale = np.float32(rope.scale)  # scaled in fp32 before the cast, as the graph does
     return g.const((np.cos(freqs) * scale).astype(np_type), "cos_cache"), \
         g.const((np.sin(freqs) * scale).astype(np_type), "sin_cache")
-
-
-def _live(nodes: list, outputs: list[str]) -> list:
-    """The nodes that the graph's outputs depend on (the rotate-half and position nodes GQA replaced
-    go), in their order."""
-    needed, keep = set(outputs), []
-    for n in reversed(nodes):
-        if any(o in needed for o in n.output):
-            keep.append(n)
-            needed.update(i for i in names_read(n) if i)
-    return keep[::-1]
 
 
 def _redirect_past_shapes(g: _Graph, nodes: list, past_shape) -> list:
