@@ -1,6 +1,7 @@
 """A few fused-kernel launches for compute-sanitizer (tests/test_kernel_gpu.py runs this under
 memcheck and racecheck, tools/gpu_campaign.sh under all four tools): short and odd lengths, GQA,
-both variants, the INT8 path, the split-KV decode kernels, key masks, and (on sm_90) the Hopper
+both variants, the INT8 path, the split-KV decode kernels, key masks, an 8-bit KV cache (int8 and fp8
+codes: the decode kernel reading them, a longer call dequantising them), and (on sm_90) the Hopper
 path with fp and INT8 logits. Outputs are checked after a copy to the host: under initcheck that copy proves every
 output byte was written by our kernels (a device-side
 torch reduction would read through kernels the sanitizer was told to leave alone)."""
@@ -11,6 +12,7 @@ import sys
 import torch
 
 from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.kv_cache_codes import KvCacheScales
 from diffexport.kernel import kernel_probe, kernels
 
 CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, logit bits
@@ -23,6 +25,12 @@ CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, l
     (1, 4, 1, 128, 1, 2, 1, 5000, 0),   # split-KV decode: many splits, a ragged last tile
     (2, 4, 2, 64, 1, 3, 16, 300, 8),    # split-KV decode, full 16-row tile, INT8 logits
     (1, 2, 2, 64, 0, 1, 5, 1, 0),       # split-KV decode of a one-key cache
+]
+
+KV_CACHE_CASES = [  # variant, heads, kv heads, head dim, causal, batch, q_len, kv_len, cache format
+    (1, 4, 2, 64, 1, 2, 1, 300, "int8"),   # decode reading int8 codes, GQA heads packed
+    (2, 4, 1, 128, 1, 1, 16, 130, "fp8"),  # the full 16-row tile, e4m3 codes, a ragged last tile
+    (1, 2, 2, 128, 1, 1, 33, 70, "int8"),  # a longer call: the codes dequantised into the workspace
 ]
 
 
@@ -76,6 +84,19 @@ def run_cases() -> None:
                 out = kernels.diff_attention(q, k, v, lam.to(dtype).cuda(), w, attrs, logit_bits=bits,
                                              key_mask=mask.cuda())
                 assert torch.isfinite(out.cpu()).all()
+    for variant, heads, kv_heads, head_dim, causal, batch, q_len, kv_len, fmt in KV_CACHE_CASES:
+        attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                   causal=causal, norm=int(variant == 1))
+        for dtype in (torch.float16, torch.bfloat16):
+            q = torch.randn(batch, q_len, 2 * heads * head_dim, generator=gen).to(dtype).cuda()
+            k = torch.randn(batch, kv_len, attrs.key_width, generator=gen).cuda()
+            v = torch.randn(batch, kv_len, kv_heads * attrs.value_dim, generator=gen).cuda()
+            cache = KvCacheScales.calibrate(k, v, fmt)
+            lam = (torch.full((1,), 0.4) if variant == 1 else torch.rand(batch, q_len, heads, generator=gen))
+            out = kernels.diff_attention(q, cache.quantise_keys(k), cache.quantise_values(v), lam.to(dtype).cuda(),
+                                         torch.ones(attrs.value_dim).cuda(), attrs,
+                                         kv_scales=(cache.k_scale, cache.v_scale))
+            assert torch.isfinite(out.cpu()).all()
 
 
 if __name__ == "__main__":

@@ -274,3 +274,28 @@ def test_a_run_without_a_profile_takes_an_earlier_runs_and_says_so(tmp_path):
     bad = report(run, "--targets", "--profile", str(huge))
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == f"error: {run}: huge-profile.txt is 65 MiB, more than a campaign writes\n"
+
+
+def test_the_8_bit_kv_cache_rows_compare_with_the_bf16_call_from_32k_keys(made_up):
+    """Issue 62 item 2: each 8-bit cache's decode time against the bf16 cache's split-KV call from 32k
+    keys (fp16 rows and shorter caches not counted), with its worst cosine against fp32."""
+    cases = (("bfloat16", 1024, 1.1, 1.1, 0.9999), ("bfloat16", 32768, 1.7, 1.5, 0.9996),
+             ("bfloat16", 131072, 1.8, 1.9, 0.9994), ("float16", 32768, 1.0, 1.0, 0.9))
+    rows = [{"dtype": dtype, "kv_len": keys, "d": 128,
+             "cosine_vs_fp32": {"int8_cache": cos, "fp8_cache": cos - 0.002},
+             "timings": {"split_kv": {"ms": 0.02, "gbs": 2000.0},
+                         "split_kv_int8_cache": {"ms": 0.02 / int8, "gbs": 1.0},
+                         "split_kv_fp8_cache": {"ms": 0.02 / fp8, "gbs": 1.0}}}
+            for dtype, keys, int8, fp8, cos in cases]
+    (made_up / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 2500.0, "rows": rows,
+                                                     "cases": 4, "complete": True}))
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), "--targets", str(made_up)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    table = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:3] for line in out.stdout.splitlines()[2:]}
+    int8 = next(v for k, v in table.items() if k.startswith("62.2 int8"))
+    fp8 = next(v for k, v in table.items() if k.startswith("62.2 fp8"))
+    assert int8 == ["1.70x-1.80x (median 1.75x), >= 1.6x in 2 of 2; cosine 0.99940 at worst", "cosine yes, speed yes"]
+    assert fp8 == ["1.50x-1.90x (median 1.70x), >= 1.6x in 1 of 2; cosine 0.99740 at worst", "cosine no, speed no"]
+    summary = report(made_up).stdout
+    assert "int8 cache     vs the float cache's split-KV call 1.00x-1.80x" in summary

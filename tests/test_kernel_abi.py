@@ -366,7 +366,7 @@ def test_hopper_path_where_it_runs_and_only_for_what_it_implements(asked, lib, m
 OLDER_BUILD = r"""
 #include "diff_attention.h"
 int diffx_abi_version(void) { return FAKE_ABI; }
-size_t diffx_params_size(void) { return sizeof(DiffxAttentionParams); }
+size_t diffx_params_size(void) { return offsetof(DiffxAttentionParams, kv_format); }  /* the params before ABI 4 */
 const char* diffx_build_info(void) { return "archs=90a-real cuda=13.0 abi=older"; }
 const char* diffx_status_string(int status) { (void)status; return "fake"; }
 const char* diffx_last_error(void) { return ""; }
@@ -376,11 +376,12 @@ int diffx_attention_forward(const DiffxAttentionParams* p, void* s) { (void)p; (
 """
 
 
-@pytest.mark.parametrize("abi", [1, 2])
+@pytest.mark.parametrize("abi", [1, 2, 3])
 def test_an_older_build_opens_for_prefill_comparisons_only_when_its_params_agree(tmp_path, abi):
     """tools/bench_attention.py --compare times a build of an earlier commit beside this one: an ABI-2
-    build (same params; ABI 3 added the decode workspace and diffx_attention_plan) opens with
-    prefill_only, and nowhere else; an ABI-1 build (no key_mask) never."""
+    or -3 build (the params before ABI 4's 8-bit cache fields, which come last; ABI 3 added the decode
+    workspace and diffx_attention_plan) opens with prefill_only, and nowhere else; an ABI-1 build (no
+    key_mask) never."""
     source = tmp_path / "older.c"
     source.write_text(OLDER_BUILD)
     path = tmp_path / "libolder.so"

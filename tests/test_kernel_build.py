@@ -42,11 +42,12 @@ def test_decode_kernels_are_built_for_every_architecture_without_spills(lib):
     built = {r["arch"] for r in decode}
     assert ARCHS & built == ARCHS & {r["arch"] for r in rows}, "decode kernels missing for an architecture"
     # 16 split-KV kernels with two K/V stages (dtype x D x variant x logits), 4 more with one stage (V1 at
-    # head dim 128, whose two stages need more shared memory than sm_86/sm_89 have), and 6 merge kernels
-    # (dtype x value dim) per architecture
+    # head dim 128, whose two stages need more shared memory than sm_86/sm_89 have); for the 8-bit caches
+    # 16 with three stages (dtype x D x variant x int8/fp8 codes) and 4 more with two (V1 at head dim 128
+    # again); and 6 merge kernels (dtype x value dim) per architecture
     for arch in built:
         names = {r["kernel"] for r in decode if r["arch"] == arch}
-        assert sum("decode_kernel<" in n for n in names) == 20 and sum("merge_kernel<" in n for n in names) == 6, arch
+        assert sum("decode_kernel<" in n for n in names) == 40 and sum("merge_kernel<" in n for n in names) == 6, arch
     spilled = [(r["arch"], r["kernel"], r["stack"]) for r in decode if r["stack"]]
     assert not spilled, spilled
 

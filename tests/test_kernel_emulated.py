@@ -17,6 +17,7 @@ from diffexport.analysis import sweep
 from diffexport.analysis.fused import Attention
 from diffexport.analysis.probe import AttentionProbe
 from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.kv_cache_codes import KvCacheScales, decode
 from diffexport.core.quantization import LogitQuant
 from diffexport.kernel import kernels, reference
 from diffexport.modeling.families import DiffV1Config, DiffV2Config, build_model
@@ -43,14 +44,16 @@ def emulator(tmp_path_factory):
     return lib
 
 
-def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contract=True, key_mask=None, plan=None):
+def emulate(lib, inputs, attrs, *, bits=0, smooth_k=True, out=None, check_contract=True, key_mask=None, plan=None,
+            kv_scales=None):
     """Run the emulated kernels on CPU tensors; the output starts poisoned with NaN (and the
     workspace with NaN bytes: a partial state the decode kernel forgot to write cannot pass).
     plan: the (kernel, key splits) the library must choose for this call."""
     B, Sq = inputs[0].shape[:2]
     if out is None:
         out = torch.full((B, Sq, attrs.num_heads * attrs.value_dim), float("nan"), dtype=inputs[0].dtype)
-    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, smooth_k=smooth_k, key_mask=key_mask)
+    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, smooth_k=smooth_k, key_mask=key_mask,
+                                 kv_scales=kv_scales)
     if plan is not None:
         assert kernels.kernel_plan(params, lib) == plan
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))
@@ -238,7 +241,7 @@ def test_emulated_decode_kernel_matches_the_oracle(emulator, case, rng, monkeypa
     shared memory), the others the default two stages."""
     variant, head_dim, causal, ratio, heads, batch, q_len, kv_len, dtype = case
     if kv_len > 10_000:
-        monkeypatch.setenv("DIFFX_EMULATOR_DECODE_STAGES", "1")
+        monkeypatch.setenv("DIFFX_EMULATOR_DECODE_STAGES", "few")
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
                                causal=causal, norm=int(variant == 1), output_scale=0.7)
     inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
@@ -398,3 +401,121 @@ def test_emulated_kernel_runs_the_quant_sweep_as_the_reference_does(emulator, fa
     for got, want in zip(points[1:], references[1:]):
         assert got.cosine_mean == pytest.approx(want.cosine_mean, abs=5e-5)
         assert got.kl_mean == pytest.approx(want.kl_mean, rel=0.5, abs=1e-5)
+
+
+# ------------------------------------------------------------------ an 8-bit KV cache
+# int8 and fp8 e4m3 codes with per-channel scales and K-smoothing (diffexport/core/kv_cache_codes.py):
+# the split-KV decode kernel reads the codes (K's scales folded into Q, V's onto the output, the
+# codes turned into fp16/bf16 operands in registers), longer calls dequantise them first. Against
+# the float64 oracle on the dequantised cache (the kernel's own error: its dtype's rounding) and
+# against the oracle on the float cache (the quantisation's budget).
+
+# The quantisation's budget against the float cache, cosine of the outputs (random Gaussian keys
+# with per-channel offsets and values): measured 0.99993-0.99996 for int8 and 0.99908-0.99932 for
+# fp8 e4m3 on these cases (two seeds, 2026-11-28).
+KV_BUDGET = {"int8": 0.9995, "fp8": 0.998}
+
+KV_CASES = [  # format, variant, head dim, GQA ratio, heads, batch, q_len, kv_len, dtype, left pads
+    ("int8", 1, 64, 2, 4, 2, 1, 200, torch.float16, [0, 70]),    # padding over a whole tile
+    ("fp8", 1, 128, 4, 4, 1, 4, 130, torch.bfloat16, None),      # GQA heads packed, ragged last tile
+    ("fp8", 2, 64, 1, 2, 1, 16, 70, torch.float16, None),        # the full 16-row tile
+    ("int8", 2, 128, 8, 8, 2, 2, 300, torch.bfloat16, [5, 0]),   # GQA 8 x 2 tokens
+    ("int8", 1, 128, 1, 2, 1, 3, 1000, torch.float32, None),     # float32 I/O: Q converted, the codes read as they are
+    ("fp8", 1, 64, 2, 2, 1, 40, 100, torch.float16, [0]),        # a longer call: dequantised, one-pass kernel
+]
+
+
+def cache_of(inputs, fmt, smooth_k=True):
+    """The inputs with key and value replaced by their codes, the scales, and the dequantised inputs."""
+    q, k, v, lam, w = inputs
+    scales = KvCacheScales.calibrate(k, v, fmt, smooth_k=smooth_k)
+    k_codes, v_codes = scales.quantise_keys(k), scales.quantise_values(v)
+    dequantised = (q, decode(k_codes, scales.k_scale).to(q.dtype), decode(v_codes, scales.v_scale).to(q.dtype), lam, w)
+    return (q, k_codes, v_codes, lam, w), (scales.k_scale, scales.v_scale), dequantised
+
+
+def cosine(a, b):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("case", KV_CASES, ids=[f"{c[0]}-v{c[1]}-d{c[2]}-gqa{c[3]}-{c[6]}x{c[7]}-{str(c[8])[6:]}"
+                                                for c in KV_CASES])
+def test_emulated_kv_cache_matches_the_oracle_on_its_dequantised_values(emulator, case, rng):
+    fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    inputs[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))  # per-channel offsets: what smoothing removes
+    codes, kv_scales, dequantised = cache_of(inputs, fmt)
+    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len)) if q_len <= 16 else ("one-pass", 1)
+    out = emulate(emulator, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    # The kernel's error on the values the codes stand for: its dtype's rounding only. (The fp32 I/O
+    # case runs in fp16, so its yardstick is fp16's.)
+    low = torch.float16 if dtype == torch.float32 else dtype
+    base = lowprec_baseline(*[t.to(low) if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
+                            attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), str(case), min_cosine=min_cosine(low))
+    # The quantisation's budget against the float cache.
+    exact = oracle(inputs, attrs, key_mask)
+    assert cosine(out, exact) >= KV_BUDGET[fmt], f"{fmt}: cosine {cosine(out, exact):.6f} vs the float cache"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_emulated_kv_cache_decode_agrees_with_its_dequantised_long_form(emulator, fmt, rng):
+    """The same 8-bit cache read in the decode kernel (codes in registers) and, by a call of 17 query
+    tokens, dequantised into the workspace first: the rows both compute agree to rounding."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=4, num_kv_heads=2, head_dim=64, causal=1)
+    inputs = make_inputs(attrs, 1, 17, 150, dtype=torch.float16, rng=rng)
+    codes, kv_scales, _ = cache_of(inputs, fmt)
+    long = emulate(emulator, codes, attrs, kv_scales=kv_scales, plan=("one-pass", 1)).double()
+    last = [codes[0][:, -1:], *codes[1:]]  # the last query token alone: bottom-right causal, it sees every key
+    step = emulate(emulator, last, attrs, kv_scales=kv_scales, plan=("split-kv", splits_for(1, 4, 150, 2, 1))).double()
+    err = (step - long[:, -1:]).abs().max().item()
+    assert err <= 4e-3 and cosine(step, long[:, -1:]) >= 0.99999, f"decode vs dequantised: {err:.3e}"
+
+
+def test_smoothing_the_keys_shrinks_the_int8_cache_error(emulator, rng):
+    """Keys with large per-channel offsets: the smoothed cache (the offset removed before quantising)
+    is closer to the float cache than the plain one: a comparison that could have gone either way."""
+    attrs = DiffAttentionAttrs(variant=2, num_heads=2, num_kv_heads=1, head_dim=64, causal=1, norm=0)
+    inputs = make_inputs(attrs, 1, 1, 256, dtype=torch.float16, rng=rng)
+    inputs[1].add_((8 * torch.randn(attrs.key_width, generator=rng)).to(torch.float16))
+    exact = oracle(inputs, attrs)
+    errors = {}
+    for smooth in (True, False):
+        codes, kv_scales, _ = cache_of(inputs, "int8", smooth_k=smooth)
+        errors[smooth] = 1 - cosine(emulate(emulator, codes, attrs, kv_scales=kv_scales), exact)
+    assert errors[True] < errors[False] / 2, errors
+
+
+def test_kv_cache_params_are_checked(emulator, rng):
+    """Missing scales, a format the ABI lacks, codes with INT8 logits, misaligned code rows: refused
+    with the field named, before any kernel runs."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=64, causal=1)
+    inputs = make_inputs(attrs, 1, 1, 64, dtype=torch.float16, rng=rng)
+    codes, kv_scales, _ = cache_of(inputs, "int8")
+    out = torch.empty(1, 1, 2 * 128, dtype=torch.float16)
+
+    def status(**change):
+        params = kernels.make_params(*codes, out, attrs, kv_scales=kv_scales)
+        for name, value in change.items():
+            setattr(params, name, value)
+        # diffx_attention_plan validates all but the workspace
+        return emulator.diffx_attention_plan(ctypes.byref(params), None, None), emulator.diffx_last_error().decode()
+
+    assert status()[0] == 0
+    assert status(v_scale=None) == (1, "an 8-bit KV cache needs k_scale and v_scale (v_scale is null)")
+    assert status(kv_format=3)[0] == 7 and "kv_format 3 must be 0" in status(kv_format=3)[1]
+    assert status(logit_bits=8)[0] == 7 and "does not combine with logit_bits 8" in status(logit_bits=8)[1]
+    assert status(k_row_stride=136)[0] == 8 and "multiple of 16 elements" in status(k_row_stride=136)[1]
+    # the binding's own reasons, before it builds params
+    k_codes, v_codes = codes[1:3]
+    assert (kernels.kv_cache_reason(k_codes, v_codes, (kv_scales[0][:64], kv_scales[1])) ==
+            "k_scale must be a contiguous float32 vector of 128 channels")
+    assert kernels.kv_cache_reason(k_codes, v_codes, None).startswith("an 8-bit KV cache takes key and value codes")
+    assert kernels.kv_cache_reason(k_codes, v_codes.view(torch.float8_e4m3fn), kv_scales).startswith("an 8-bit")
+    assert kernels.kv_cache_reason(k_codes, v_codes, kv_scales) is None
+    assert kernels.kv_cache_reason(*inputs[1:3], None) is None

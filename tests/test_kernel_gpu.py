@@ -16,6 +16,7 @@ from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
 
 from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.kv_cache_codes import KvCacheScales, decode
 from diffexport.core.quantization import LogitQuant
 from diffexport.kernel import kernel_probe, kernels, reference
 
@@ -300,6 +301,37 @@ def test_decode_int8_logits_match_the_mirrored_quantisation(variant, head_dim, b
     cos = torch.nn.functional.cosine_similarity(out.flatten(), mirror.flatten(), dim=0).item()
     assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation: {err:.3e} > 2*{fp_err:.3e} + 1e-3"
     assert cos >= min_cosine(torch.float16)
+
+
+KV_CACHE_BUDGET = {"int8": 0.9995, "fp8": 0.998}  # cosine vs the float cache's oracle (the emulated tests' floor)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("variant,head_dim,ratio,q_len,kv_len", [(1, 64, 4, 1, 5000), (1, 128, 2, 4, 1000),
+                                                                   (2, 64, 1, 16, 300), (2, 128, 8, 2, 33000)])
+def test_decode_reads_an_8_bit_kv_cache(fmt, dtype, variant, head_dim, ratio, q_len, kv_len, rng):
+    """The split-KV kernel on an int8 / fp8 e4m3 cache (per-channel scales, K smoothed): to its dtype's
+    rounding of what the codes stand for, and within the quantisation's budget of the float cache."""
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=8, num_kv_heads=8 // ratio, head_dim=head_dim, causal=1,
+                               norm=int(variant == 1), output_scale=0.7)
+    cpu = make_inputs(attrs, 2, q_len, kv_len, dtype=dtype, rng=rng)
+    cpu[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))  # per-channel offsets: what smoothing removes
+    scales = KvCacheScales.calibrate(cpu[1], cpu[2], fmt)
+    k_codes, v_codes = scales.quantise_keys(cpu[1]), scales.quantise_values(cpu[2])
+    dequantised = [cpu[0], decode(k_codes, scales.k_scale).to(dtype), decode(v_codes, scales.v_scale).to(dtype),
+                   *cpu[3:]]
+    inputs = [cpu[0].cuda(), k_codes.cuda(), v_codes.cuda(), cpu[3].cuda(), cpu[4].cuda()]
+    kv_scales = (scales.k_scale.cuda(), scales.v_scale.cuda())
+    out = torch.full((2, q_len, attrs.num_heads * attrs.value_dim), POISON, dtype=dtype, device="cuda")
+    assert kernels.kernel_plan(kernels.make_params(*inputs, out, attrs, kv_scales=kv_scales))[0] == "split-kv"
+    kernels.diff_attention(*inputs, attrs, kv_scales=kv_scales, out=out)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    baseline = lowprec_baseline(*[t.cuda() for t in dequantised], attrs).cpu()
+    assert_close_lowprec(out.cpu(), baseline, oracle(dequantised, attrs), f"{fmt} cache", min_cosine=min_cosine(dtype))
+    exact = torch.as_tensor(oracle(cpu, attrs), dtype=torch.float64)
+    cos = torch.nn.functional.cosine_similarity(out.cpu().double().flatten(), exact.flatten(), dim=0).item()
+    assert cos >= KV_CACHE_BUDGET[fmt], f"{fmt} cache vs the float cache: cosine {cos:.6f}"
 
 
 @pytest.mark.parametrize("variant,head_dim", [(1, 64), (1, 128), (2, 64), (2, 128)])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import assert_one_line_error, cli_main
 
+from diffexport.core.kv_cache_codes import decode
 from diffexport.core.quantization import LogitQuant
 from diffexport.kernel import kernel_probe, kernels, reference
 
@@ -83,9 +84,11 @@ def kernels_on_the_cpu(monkeypatch, broken: str | None = None):
                         lambda params, lib=None: (PLANS[os.environ[kernels.KERNEL_PATH_ENV]], 1))
     monkeypatch.setattr(kernels, "make_params", lambda *args, **kw: None)
 
-    def fake_kernel(q, k, v, lam, w, attrs, *, logit_bits, out):
+    def fake_kernel(q, k, v, lam, w, attrs, *, logit_bits, out, kv_scales=None):
         if os.environ[kernels.KERNEL_PATH_ENV] == broken:
             lam = -lam
+        if kv_scales is not None:  # an 8-bit cache: the values its codes stand for
+            k, v = decode(k, kv_scales[0]), decode(v, kv_scales[1])
         inputs = [t.float() for t in (q, k, v, lam, w)]
         if logit_bits:
             want = reference.quantised_diff_attention(*inputs, attrs, LogitQuant(logit_bits, "qk", True))
@@ -140,7 +143,9 @@ def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):
 
     answers = {"one-pass": (None, ["ok: 2 launches, worst cosine 0.999990, max abs 3.91e-03 (bf16 vs float32)"]),
                "int8": (None, ["ok: 2 launches, worst cosine 0.999950, max abs 7.81e-03 (bf16 vs float32)"]),
-               "split-kv": ("no answer within 90 s (a hung launch?); the child process was killed", [])}
+               "split-kv": ("no answer within 90 s (a hung launch?); the child process was killed", []),
+               "kv-int8": (None, ["ok: 2 launches, worst cosine 0.999980, max abs 3.91e-03 (bf16 vs float32)"]),
+               "kv-fp8": (None, ["ok: 2 launches, worst cosine 0.999970, max abs 3.91e-03 (bf16 vs float32)"])}
     monkeypatch.setattr(kernel_probe, "applicable",
                         lambda name: "an sm_90 GPU only" if name.startswith("hopper") else None)
     monkeypatch.setattr(kernel_probe, "run_probe", lambda name: answers[name])
@@ -149,9 +154,11 @@ def test_kernels_check_reports_every_path_and_fails_on_one(monkeypatch, capsys):
     assert out[0].startswith("check one-pass    ok       2 launches, worst cosine 0.999990")
     assert out[1].startswith("check int8        ok       2 launches") and "mirrored quantisation" in out[1]
     assert out[2].startswith("check split-kv    FAILED   no answer within 90 s")
-    assert out[3].startswith("check hopper      skipped  the sm_90a TMA + wgmma kernel: an sm_90 GPU only")
-    assert out[4].startswith("check hopper-int8 skipped  INT8 logits on the sm_90a kernel's s8 wgmma")
-    assert out[5] == "result         FAIL: 1 kernel path(s)"
+    assert out[3].startswith("check kv-int8     ok       2 launches") and "an int8 KV cache" in out[3]
+    assert out[4].startswith("check kv-fp8      ok       2 launches") and "an fp8 e4m3 KV cache" in out[4]
+    assert out[5].startswith("check hopper      skipped  the sm_90a TMA + wgmma kernel: an sm_90 GPU only")
+    assert out[6].startswith("check hopper-int8 skipped  INT8 logits on the sm_90a kernel's s8 wgmma")
+    assert out[7] == "result         FAIL: 1 kernel path(s)"
     answers["split-kv"] = answers["one-pass"]
     assert cli.check_kernels() == 0
     assert capsys.readouterr().out.splitlines()[-1] == "result         PASS"

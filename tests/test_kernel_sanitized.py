@@ -25,8 +25,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kernel_cases import CASES
+from kernel_cases import CASES, KV_CACHE_CASES
 
+from diffexport.core.kv_cache_codes import FORMATS as KV_FORMATS
 from diffexport.kernel.kernels import DECODE_MAX_QUERY  # calls this short take the split-KV decode kernels
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,11 @@ def launches(sanitizer: str = "address,undefined") -> list[str]:
         for v, h, hkv, d, causal, b, sq, skv, bits in CASES]
     args = [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},{bits},{1 + i % 2},{causal}"
             for i, (v, h, hkv, d, causal, b, sq, skv, bits) in enumerate(cases)]
+    kv_cases = KV_CACHE_CASES if sanitizer != "thread" else [
+        (v, h // hkv if sq <= DECODE_MAX_QUERY else 1, 1, d, causal, 1, min(sq, 64), skv, fmt)
+        for v, h, hkv, d, causal, b, sq, skv, fmt in KV_CACHE_CASES]
+    args += [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},0,{1 + i % 2},{causal},"
+             f"{KV_FORMATS[fmt]}" for i, (v, h, hkv, d, causal, b, sq, skv, fmt) in enumerate(kv_cases)]
     heads = "1,1" if sanitizer == "thread" else "2,2"
     return args + [f"1,{heads},64,1,1,33,40,0,3,1"]  # float32 I/O: the conversion kernels around the fp16 one
 

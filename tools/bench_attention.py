@@ -34,6 +34,7 @@ import benchdoc  # noqa: E402
 
 from diffexport.core.contract import DiffAttentionAttrs  # noqa: E402
 from diffexport.core.errors import DiffExportError  # noqa: E402
+from diffexport.core.kv_cache_codes import KvCacheScales  # noqa: E402
 from diffexport.kernel import kernel_probe, kernels, reference  # noqa: E402
 
 TOKENS_PER_BATCH = 16384  # B * N: keeps B*H*N/64 CTAs (work per launch) the same at every N
@@ -251,6 +252,7 @@ def profile_launches(n: int, lib_path: Path | None = None, logit_bits: int = 0) 
 
 
 DECODE_GRAPH_CALLS = 20
+KV_CACHE_FORMATS = ("int8", "fp8")  # the 8-bit caches decode is timed on beside the float one
 
 
 def graph_ms(fn, warmup: int, repeats: int) -> float:
@@ -275,11 +277,12 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
-def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto", lib=None):
+def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto", lib=None, kv_scales=None):
     """Our library (or `lib`, another build) called directly on prepared params and a preallocated
-    workspace (capturable), with DIFFEXPORT_KERNEL_PATH set to `path` for the call; returns (fn, plan)."""
+    workspace (capturable), with DIFFEXPORT_KERNEL_PATH set to `path` for the call; returns (fn, plan).
+    kv_scales: inputs hold an 8-bit KV cache's codes (kernels.diff_attention)."""
     lib = lib or kernels.load_library()
-    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits)
+    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, kv_scales=kv_scales)
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))
     workspace = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
     params.workspace, params.workspace_bytes = (workspace.data_ptr(), size) if size else (None, 0)
@@ -305,6 +308,16 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
     methods, plans = {}, {}
     for name, bits, path in (("split_kv", 0, "auto"), ("one_pass", 0, "mma"), ("split_kv_int8", 8, "auto")):
         methods[name], plans[name] = prepared_call(inputs, attrs, out, bits=bits, path=path)
+    # An 8-bit KV cache of the same keys and values (static per-channel scales from these keys, K
+    # smoothed): the decode kernel reads the codes, half the bytes of a bf16 cache.
+    caches, kv_out, cache_bytes = {}, {}, {}
+    for fmt in KV_CACHE_FORMATS:
+        scales = KvCacheScales.calibrate(k, v, fmt)
+        codes = (q, scales.quantise_keys(k), scales.quantise_values(v), lam, w)
+        caches[fmt] = (codes, (scales.k_scale, scales.v_scale))
+        kv_out[fmt] = torch.empty_like(out)
+        cache_bytes[f"split_kv_{fmt}_cache"] = sum(t.numel() * t.element_size() for t in (q, *codes[1:3], out))
+        methods[f"split_kv_{fmt}_cache"], _ = prepared_call(codes, attrs, kv_out[fmt], kv_scales=caches[fmt][1])
     for build, lib in (other_builds or {}).items():  # the same split-KV call from each other build
         methods[f"split_kv@{build}"], _ = prepared_call(inputs, attrs, out, path="auto", lib=lib)
     os.environ.pop(kernels.KERNEL_PATH_ENV, None)
@@ -325,13 +338,21 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
             continue
         finally:
             os.environ.pop(kernels.KERNEL_PATH_ENV, None)
-        row["timings"][name] = {"ms": ms, "gbs": nbytes / (ms * 1e-3) / 1e9}
+        row["timings"][name] = {"ms": ms, "gbs": cache_bytes.get(name, nbytes) / (ms * 1e-3) / 1e9}
     exact = torch.as_tensor(reference.flash_diff_attention_1(*[t.float() for t in inputs], attrs))
     methods["split_kv"]()
     row["max_err_vs_fp32"] = (out.float() - exact).abs().max().item()
-    del inputs, q, k, v, out, exact
+    row["cosine_vs_fp32"] = {"bf16_cache" if dtype == torch.bfloat16 else "fp16_cache": cosine(out, exact)}
+    for fmt in KV_CACHE_FORMATS:  # the 8-bit cache's outputs against the float32 reference on the float cache
+        methods[f"split_kv_{fmt}_cache"]()
+        row["cosine_vs_fp32"][f"{fmt}_cache"] = cosine(kv_out[fmt], exact)
+    del inputs, q, k, v, out, exact, caches, kv_out
     torch.cuda.empty_cache()
     return row
+
+
+def cosine(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0).item()
 
 
 def decode_table(rows: list[dict], copy_gbs: float) -> str:
@@ -342,9 +363,10 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
 
     lines = ["| dtype | d (V) | Sq | keys | B x H (kv) | splits | split-KV | one-pass | split-KV INT8 | best "
              "composition "
-             "| which | split-KV vs best | vs one-pass | % of copy GB/s |"
+             "| which | split-KV vs best | vs one-pass | % of copy GB/s | int8 cache | fp8 cache "
+             "| 8-bit KV vs bf16 KV (int8 / fp8) | cosine vs fp32 (int8 / fp8) |"
              + "".join(f" split-KV @{b} | this vs @{b} |" for b in builds),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(builds)]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(builds)]
     for row in rows:
         t = row["timings"]
         ours = t.get("split_kv")
@@ -352,11 +374,15 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
         vs_best = f"{best[1]['ms'] / ours['ms']:.2f}x" if ours and best else "-"
         vs_one = f"{t['one_pass']['ms'] / ours['ms']:.2f}x" if ours and "one_pass" in t else "-"
         pct = f"{100 * ours['gbs'] / copy_gbs:.0f}%" if ours else "-"
+        kv8 = [t.get(f"split_kv_{fmt}_cache") for fmt in KV_CACHE_FORMATS]
+        kv8_vs = " / ".join(f"{ours['ms'] / c['ms']:.2f}x" if ours and c else "-" for c in kv8)
+        cos = row.get("cosine_vs_fp32", {})
+        kv8_cos = " / ".join(f"{cos[f'{fmt}_cache']:.5f}" if f"{fmt}_cache" in cos else "-" for fmt in KV_CACHE_FORMATS)
         lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['q_len']} | {row['kv_len']} "
                      f"| {row['batch']} x {row['heads']} ({row['kv_heads']}) | {row['splits']} | {cell(ours)} "
                      f"| {cell(t.get('one_pass'))} | {cell(t.get('split_kv_int8'))} "
                      f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} "
-                     "|"
+                     f"| {cell(kv8[0])} | {cell(kv8[1])} | {kv8_vs} | {kv8_cos} |"
                      + "".join(f" {cell(t.get(f'split_kv@{b}'))} | "
                                f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
                                else " - | - |" for b in builds))
@@ -376,7 +402,10 @@ def publish_decode(record: dict, write: bool) -> None:
             f"(read + write of 2 GiB). Cells: median µs per call (achieved GB/s on the bytes of Q, K, V and the "
             f"output once), each call timed inside a CUDA graph of {DECODE_GRAPH_CALLS} calls, {record['repeats']} "
             f"replays after {record['warmup']} warm-up. One-pass: the same call with DIFFEXPORT_KERNEL_PATH=mma. "
-            "INT8 includes its K quantisation pre-pass (which reads all of K once more). Compositions: "
+            "INT8 includes its K quantisation pre-pass (which reads all of K once more). int8 / fp8 cache: the same "
+            "keys and values as an 8-bit KV cache (per-channel static scales, K smoothed; GB/s on its own bytes), "
+            "the ratio is the bf16/fp16 split-KV call's time over the 8-bit one's, and the cosine is of its output "
+            "against the float32 reference on the float cache. Compositions: "
             f"FlashDiffAttn_1/_2 on {', '.join(record['backends'])}.\n\n" + text + "\n")
     print(f"wrote {benchdoc.write_section('fused-attention-decode', body)}", file=sys.stderr)
 

@@ -27,6 +27,7 @@ from diffexport.core.contract import DiffAttentionAttrs
 from diffexport.core.lazy import lazy_import
 
 kernels = lazy_import("diffexport.kernel.kernels")
+kv_cache_codes = lazy_import("diffexport.core.kv_cache_codes")
 quantization = lazy_import("diffexport.core.quantization")
 reference = lazy_import("diffexport.kernel.reference")
 
@@ -48,12 +49,15 @@ class Check:
     cases: tuple
     logit_bits: int
     what: str
+    kv_cache: str = ""  # an 8-bit KV cache's format (kv_cache_codes.FORMATS): key and value as its codes
 
 
 CHECKS = {
     "one-pass": Check("mma", "one-pass", PREFILL, 0, "the mma.sync prefill kernel"),
     "int8": Check("mma", "one-pass", PREFILL, 8, "INT8 logits, against the mirrored quantisation"),
     "split-kv": Check("auto", "split-kv", DECODE, 0, "the split-KV decode kernels"),
+    "kv-int8": Check("auto", "split-kv", DECODE, 0, "split-KV decode reading an int8 KV cache", "int8"),
+    "kv-fp8": Check("auto", "split-kv", DECODE, 0, "split-KV decode reading an fp8 e4m3 KV cache", "fp8"),
     "hopper": Check("hopper", "hopper", PREFILL, 0, "the sm_90a TMA + wgmma kernel"),
     "hopper-int8": Check("hopper", "hopper", PREFILL, 8, "INT8 logits on the sm_90a kernel's s8 wgmma"),
 }
@@ -134,15 +138,22 @@ def run_child(name: str) -> int:
         lam, weight = lam.to(torch.bfloat16).to(DEVICE), torch.ones(attrs.value_dim).to(DEVICE)
         out = torch.empty(batch, q_len, attrs.num_heads * attrs.value_dim, dtype=torch.bfloat16, device=DEVICE)
         case = f"V{variant} D{head_dim} causal {causal} B{batch} Sq {q_len} Skv {kv_len}"
+        kv_scales = None
+        if check.kv_cache:  # the same keys and values as the cache's codes; the reference gets what they stand for
+            cache = kv_cache_codes.KvCacheScales.calibrate(k, v, check.kv_cache)
+            k, v = cache.quantise_keys(k), cache.quantise_values(v)
+            kv_scales = (cache.k_scale, cache.v_scale)
         plan, _ = kernels.kernel_plan(kernels.make_params(q, k, v, lam, weight, out, attrs,
-                                                          logit_bits=check.logit_bits))
+                                                          logit_bits=check.logit_bits, kv_scales=kv_scales))
         if plan != check.plan:
             print(f"failed: DIFFEXPORT_KERNEL_PATH={check.kernel_path} plans the {plan} kernel for {case}, "
                   f"not {check.plan}")
             return 1
-        kernels.diff_attention(q, k, v, lam, weight, attrs, logit_bits=check.logit_bits, out=out)
+        kernels.diff_attention(q, k, v, lam, weight, attrs, logit_bits=check.logit_bits, out=out, kv_scales=kv_scales)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
+        if kv_scales:
+            k, v = kv_cache_codes.decode(k, kv_scales[0]), kv_cache_codes.decode(v, kv_scales[1])
         exact = [t.float() for t in (q, k, v, lam, weight)]
         if check.logit_bits:
             quant = quantization.LogitQuant(check.logit_bits, "qk", True)

@@ -20,16 +20,17 @@ from pathlib import Path
 
 import torch
 
-from diffexport.core import contract
+from diffexport.core import contract, kv_cache_codes
 from diffexport.core.contract import VARIANT_V1, DiffAttentionAttrs
 from diffexport.core.errors import DiffExportError
 from diffexport.core.quantization import check_bits
 
 LIBRARY_NAME = "libdiffexport_kernels.so"
-ABI_VERSION = 3  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
-# ABI 3 only added the split-KV decode workspace and diffx_attention_plan: for calls of more than
-# DECODE_MAX_QUERY tokens an ABI-2 build takes the same params (before/after timings of prefill).
-PREFILL_ABI_VERSIONS = (2, 3)
+ABI_VERSION = 4  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
+# ABI 3 only added the split-KV decode workspace and diffx_attention_plan, ABI 4 the 8-bit KV cache's
+# fields after all others: for calls of more than DECODE_MAX_QUERY tokens on a float cache an ABI-2
+# or -3 build reads the same params, the prefix it knows (before/after timings of prefill).
+PREFILL_ABI_VERSIONS = (2, 3, 4)
 HEAD_DIMS = contract.KERNEL_HEAD_DIMS
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # float32: converted to fp16 inside
 MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
@@ -67,7 +68,13 @@ class DiffxAttentionParams(ctypes.Structure):
         ("scale", ctypes.c_float), ("norm_eps", ctypes.c_float), ("output_scale", ctypes.c_float),
         ("logit_bits", ctypes.c_int32), ("smooth_k", ctypes.c_int32),
         ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t),
+        # ABI 4: an 8-bit KV cache (DiffxKvFormat, diffexport/core/kv_cache_codes.py)
+        ("kv_format", ctypes.c_int32), ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
     ]
+
+
+# Bytes of the params an ABI-2/3 build reads: everything before the ABI-4 fields.
+PARAMS_BEFORE_ABI4 = DiffxAttentionParams.kv_format.offset
 
 
 def library_candidates() -> list[Path]:
@@ -115,7 +122,8 @@ def open_library(path: Path, *, prefill_only: bool = False) -> ctypes.CDLL:
         except AttributeError as exc:
             raise DiffExportError(f"{path} lacks a kernel ABI function ({exc}): rebuild it from this "
                                   "checkout") from None
-    if lib.diffx_params_size() != ctypes.sizeof(DiffxAttentionParams):
+    expected = ctypes.sizeof(DiffxAttentionParams) if abi == ABI_VERSION else PARAMS_BEFORE_ABI4
+    if lib.diffx_params_size() != expected:
         raise DiffExportError(f"{path}: params struct is {lib.diffx_params_size()} bytes, the binding's "
                               f"{ctypes.sizeof(DiffxAttentionParams)}: rebuild the library from this checkout")
     return lib
@@ -163,9 +171,15 @@ def status_error(lib: ctypes.CDLL, status: int) -> DiffExportError:
 
 
 def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs,
-                       key_mask=None) -> str | None:
-    """Why the fused kernel cannot take this call, or None when it can (library not considered)."""
+                       key_mask=None, kv_scales: tuple | None = None) -> str | None:
+    """Why the fused kernel cannot take this call, or None when it can (library not considered).
+    kv_scales: (k_scale, v_scale) of an 8-bit cache (key and value then hold its codes)."""
+    kv_reason = kv_cache_reason(key, value, kv_scales)
+    if kv_reason:
+        return kv_reason
     tensors = {"query": query, "key": key, "value": value, "lambda_full": lambda_full, "norm_weight": norm_weight}
+    if kv_scales is not None:
+        tensors.update(k_scale=kv_scales[0], v_scale=kv_scales[1])
     if key_mask is not None:
         tensors["key_mask"] = key_mask
         if key_mask.dtype != torch.int64 or key_mask.stride(-1) != 1:
@@ -176,7 +190,9 @@ def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffA
         return "all inputs must be on the same CUDA device"
     if query.dtype not in DTYPE_CODES:
         return f"the fused kernel takes float16, bfloat16 or float32 (run in fp16), got {query.dtype}"
-    if key.dtype != query.dtype or value.dtype != query.dtype or lambda_full.dtype != query.dtype:
+    if kv_scales is None and (key.dtype != query.dtype or value.dtype != query.dtype):
+        return "query, key, value and lambda_full must share one dtype"
+    if lambda_full.dtype != query.dtype:
         return "query, key, value and lambda_full must share one dtype"
     if norm_weight.dtype != torch.float32:
         return f"norm_weight must be float32, got {norm_weight.dtype}"
@@ -184,16 +200,34 @@ def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffA
         return f"the fused kernel supports head_dim 64 or 128, got {attrs.head_dim}"
     for name in ("query", "key", "value"):
         t = tensors[name]
-        if t.stride(-1) != 1 or t.stride(1) % 8 or t.stride(0) % 8 or t.data_ptr() % 16:
+        multiple = 16 // t.element_size() if t.element_size() < 4 else 8
+        if t.stride(-1) != 1 or t.stride(1) % multiple or t.stride(0) % multiple or t.data_ptr() % 16:
             return (f"{name} must have contiguous rows starting on 16 bytes, with strides that are multiples "
-                    "of 8 elements (call .contiguous())")
+                    f"of {multiple} elements (call .contiguous())")
     if not norm_weight.is_contiguous():
         return "norm_weight must be contiguous"
     return None
 
 
+def kv_cache_reason(key, value, kv_scales: tuple | None) -> str | None:
+    """Why key, value and kv_scales are not an 8-bit cache the kernel reads (None: they are, or no
+    cache was given: float key and value without scales)."""
+    fmt = kv_cache_codes.format_of(key)
+    if fmt is None and kv_scales is None:
+        return None
+    if kv_scales is None or fmt is None or value.dtype != key.dtype:
+        return ("an 8-bit KV cache takes key and value codes of one format (int8 or float8_e4m3fn) "
+                "with their k_scale and v_scale")
+    widths = {"k_scale": key.shape[-1], "v_scale": value.shape[-1]}
+    for name, t in zip(("k_scale", "v_scale"), kv_scales):
+        if t.dtype != torch.float32 or tuple(t.shape) != (widths[name],) or not t.is_contiguous():
+            return f"{name} must be a contiguous float32 vector of {widths[name]} channels"
+    return None
+
+
 def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAttentionAttrs, *,
-                logit_bits: int = 0, smooth_k: bool = True, key_mask=None) -> DiffxAttentionParams:
+                logit_bits: int = 0, smooth_k: bool = True, key_mask=None,
+                kv_scales: tuple | None = None) -> DiffxAttentionParams:
     """The C params struct for tensors already validated (pointers, element strides, attributes)."""
     p = DiffxAttentionParams()
     p.query, p.q_batch_stride, p.q_row_stride = query.data_ptr(), query.stride(0), query.stride(1)
@@ -213,6 +247,10 @@ def make_params(query, key, value, lambda_full, norm_weight, out, attrs: DiffAtt
     p.causal, p.norm = attrs.causal, attrs.norm
     p.scale, p.norm_eps, p.output_scale = attrs.effective_scale, attrs.norm_eps, attrs.output_scale
     p.logit_bits, p.smooth_k = logit_bits, int(bool(smooth_k))
+    fmt = kv_cache_codes.format_of(key)
+    if fmt is not None:
+        p.kv_format = kv_cache_codes.FORMATS[fmt]
+        p.k_scale, p.v_scale = kv_scales[0].data_ptr(), kv_scales[1].data_ptr()
     return p
 
 
@@ -237,13 +275,16 @@ def launch(params: DiffxAttentionParams, device: torch.device, lib: ctypes.CDLL 
 
 def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAttentionAttrs, *,
                    logit_bits: int = 0, smooth_k: bool = True, out: torch.Tensor | None = None,
-                   key_mask: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+                   key_mask: torch.Tensor | None = None, kv_scales: tuple | None = None,
+                   lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The fused kernel on contract inputs: output [B, Sq, H*Dv] in query's dtype.
 
     logit_bits 0 or 16: fp16/bf16 logits; 2..8: INT8 logits (diffexport/core/quantization.py "qk").
     float32 tensors are converted to fp16 in the workspace, computed in fp16 and converted back.
     `out` (optional) is written in place: it must be [B, Sq, H*Dv] with contiguous rows.
     key_mask (op version 2): [B, Skv] int64, 0 = padding key. lib: another build (open_library).
+    An 8-bit KV cache: key and value hold its codes (torch.int8 or torch.float8_e4m3fn) and
+    kv_scales = (k_scale, v_scale), float32 per channel (diffexport/core/kv_cache_codes.py).
     """
     if logit_bits not in (0, 16):
         check_bits(logit_bits)
@@ -252,15 +293,17 @@ def diff_attention(query, key, value, lambda_full, norm_weight, attrs: DiffAtten
     out_shape = contract.check_shapes(attrs, tuple(query.shape), tuple(key.shape), tuple(value.shape),
                                       tuple(lambda_full.shape), tuple(norm_weight.shape),
                                       None if key_mask is None else tuple(key_mask.shape))
-    reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs, key_mask)
+    reason = unsupported_reason(query, key, value, lambda_full, norm_weight, attrs, key_mask, kv_scales)
     if reason:
         raise DiffExportError(reason)
+    if kv_scales is not None and logit_bits not in (0, 16):
+        raise DiffExportError("an 8-bit KV cache does not combine with INT8 logits (logit_bits 2..8)")
     if out is None:
         out = torch.empty(out_shape, dtype=query.dtype, device=query.device)
     elif tuple(out.shape) != out_shape or out.dtype != query.dtype or out.device != query.device:
         raise DiffExportError(f"out must be {list(out_shape)} {query.dtype} on {query.device}")
     params = make_params(query, key, value, lambda_full, norm_weight, out, attrs,
-                         logit_bits=logit_bits, smooth_k=smooth_k, key_mask=key_mask)
+                         logit_bits=logit_bits, smooth_k=smooth_k, key_mask=key_mask, kv_scales=kv_scales)
     launch(params, query.device, lib)
     return out
 

@@ -13,6 +13,7 @@ __device__ __forceinline__ float load_float(const float* p) { return *p; }
 __device__ __forceinline__ float load_float(const __half* p) { return to_float(*p); }
 __device__ __forceinline__ void store_float(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_float(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store_float(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 
 // dst[b, r, c] = src[b, r, c] for a [batch, rows, width] tensor with free batch/row strides.
 template <typename Src, typename Dst>

@@ -14,6 +14,7 @@
 #include "diff_attention_fwd.cuh"
 #include "instances.h"
 #include "kernel_args.h"
+#include "kv_codes.cuh"
 #include "quantize_keys.cuh"
 #ifdef DIFFX_HAVE_SM90
 #include "hopper/diff_attention_sm90.h"
@@ -29,6 +30,10 @@ namespace diffx {
   extern template cudaError_t launch_diff_attention_decode<T, D, DV, Q>(const KernelArgs&, cudaStream_t);
 DIFFX_FOR_EACH_FWD_INSTANCE(DIFFX_DECLARE_EXTERN)
 #undef DIFFX_DECLARE_EXTERN
+#define DIFFX_DECLARE_EXTERN_KV(T, D, DV, KV) \
+  extern template cudaError_t launch_diff_attention_decode<T, D, DV, false, KV>(const KernelArgs&, cudaStream_t);
+DIFFX_FOR_EACH_KV_DECODE_INSTANCE(DIFFX_DECLARE_EXTERN_KV)
+#undef DIFFX_DECLARE_EXTERN_KV
 }  // namespace diffx
 
 #ifndef DIFFX_HAVE_SM90
@@ -102,6 +107,13 @@ cudaError_t dispatch_path(const diffx::KernelArgs& args, cudaStream_t stream) {
 template <typename T, int D>
 cudaError_t dispatch_head_dim(const diffx::KernelArgs& args, cudaStream_t stream) {
   const bool v1 = args.p.variant == 1;
+  // An 8-bit cache reaches here on the decode path only (longer calls were dequantised).
+  if (args.p.kv_format == DIFFX_KV_INT8)
+    return v1 ? diffx::launch_diff_attention_decode<T, D, 2 * D, false, diffx::kKvInt8>(args, stream)
+              : diffx::launch_diff_attention_decode<T, D, D, false, diffx::kKvInt8>(args, stream);
+  if (args.p.kv_format == DIFFX_KV_FP8_E4M3)
+    return v1 ? diffx::launch_diff_attention_decode<T, D, 2 * D, false, diffx::kKvFp8>(args, stream)
+              : diffx::launch_diff_attention_decode<T, D, D, false, diffx::kKvFp8>(args, stream);
   if (args.k_codes) {
     const cudaError_t err = diffx::launch_key_quantisation<T, D>(args, stream);
     if (err != cudaSuccess) return err;
@@ -132,10 +144,12 @@ cudaError_t forward_float32(const DiffxAttentionParams& p, cudaStream_t stream) 
   cudaError_t err;
   if ((err = convert(static_cast<const float*>(p.query), p.q_batch_stride, p.q_row_stride, (__half*)h.query,
                      h.q_batch_stride, qw, B, Sq, qw, stream)) != cudaSuccess) return err;
-  if ((err = convert(static_cast<const float*>(p.key), p.k_batch_stride, p.k_row_stride, (__half*)h.key,
-                     h.k_batch_stride, kw, B, Skv, kw, stream)) != cudaSuccess) return err;
-  if ((err = convert(static_cast<const float*>(p.value), p.v_batch_stride, p.v_row_stride, (__half*)h.value,
-                     h.v_batch_stride, vw, B, Skv, vw, stream)) != cudaSuccess) return err;
+  if (p.kv_format == DIFFX_KV_SAME) {  // an 8-bit cache is read as it is
+    if ((err = convert(static_cast<const float*>(p.key), p.k_batch_stride, p.k_row_stride, (__half*)h.key,
+                       h.k_batch_stride, kw, B, Skv, kw, stream)) != cudaSuccess) return err;
+    if ((err = convert(static_cast<const float*>(p.value), p.v_batch_stride, p.v_row_stride, (__half*)h.value,
+                       h.v_batch_stride, vw, B, Skv, vw, stream)) != cudaSuccess) return err;
+  }
   err = p.variant == 1 ? convert(static_cast<const float*>(p.lambda_full), 0, 0, (__half*)h.lambda_full, 0, 0, 1, 1, 1, stream)
                        : convert(static_cast<const float*>(p.lambda_full), p.lambda_batch_stride, p.lambda_row_stride,
                                  (__half*)h.lambda_full, h.lambda_batch_stride, h.lambda_row_stride, B, Sq,
@@ -144,6 +158,46 @@ cudaError_t forward_float32(const DiffxAttentionParams& p, cudaStream_t stream) 
   if ((err = dispatch_dtype<__half>(diffx::make_kernel_args(h), stream)) != cudaSuccess) return err;
   return convert(static_cast<const __half*>(h.output), h.o_batch_stride, ow, static_cast<float*>(p.output),
                  p.o_batch_stride, p.o_row_stride, B, Sq, ow, stream);
+}
+
+template <typename Dst, int FMT>
+cudaError_t dequantise(const void* src, int64_t src_batch, int64_t src_row, const float* scale, void* dst,
+                       int64_t batch, int64_t rows, int64_t width, cudaStream_t stream) {
+  const int64_t total = batch * rows * width;
+  diffx::dequantise_kernel<Dst, FMT><<<diffx::convert_blocks(total), diffx::kConvertThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(src), src_batch, src_row, scale, static_cast<Dst*>(dst), rows, width, total);
+  return cudaGetLastError();
+}
+
+// An 8-bit cache met by a longer call: key and value dequantised into d's workspace copies.
+template <typename Dst, int FMT>
+cudaError_t dequantise_cache(const DiffxAttentionParams& p, const DiffxAttentionParams& d, cudaStream_t stream) {
+  const cudaError_t err = dequantise<Dst, FMT>(p.key, p.k_batch_stride, p.k_row_stride, p.k_scale, const_cast<void*>(d.key),
+                                               p.batch, p.kv_len, d.k_row_stride, stream);
+  if (err != cudaSuccess) return err;
+  return dequantise<Dst, FMT>(p.value, p.v_batch_stride, p.v_row_stride, p.v_scale, const_cast<void*>(d.value), p.batch,
+                              p.kv_len, d.v_row_stride, stream);
+}
+
+template <typename Dst>
+cudaError_t dequantise_cache(const DiffxAttentionParams& p, const DiffxAttentionParams& d, cudaStream_t stream) {
+  return p.kv_format == DIFFX_KV_INT8 ? dequantise_cache<Dst, diffx::kKvInt8>(p, d, stream)
+                                      : dequantise_cache<Dst, diffx::kKvFp8>(p, d, stream);
+}
+
+cudaError_t run(const DiffxAttentionParams& p, cudaStream_t stream) {
+  if (diffx::kv_dequantised(p)) {
+    const DiffxAttentionParams d = diffx::dequantised_params(p);
+    cudaError_t err = p.dtype == DIFFX_DTYPE_FLOAT16    ? dequantise_cache<__half>(p, d, stream)
+                      : p.dtype == DIFFX_DTYPE_BFLOAT16 ? dequantise_cache<__nv_bfloat16>(p, d, stream)
+                                                        : dequantise_cache<float>(p, d, stream);
+    return err != cudaSuccess ? err : run(d, stream);
+  }
+  switch (p.dtype) {
+    case DIFFX_DTYPE_FLOAT16: return dispatch_dtype<__half>(diffx::make_kernel_args(p), stream);
+    case DIFFX_DTYPE_BFLOAT16: return dispatch_dtype<__nv_bfloat16>(diffx::make_kernel_args(p), stream);
+    default: return forward_float32(p, stream);
+  }
 }
 
 }  // namespace
@@ -176,11 +230,7 @@ DIFFX_API int diffx_attention_forward(const DiffxAttentionParams* params, void* 
                                  "built with the Hopper path (this one: %s); unset it for the mma.sync kernel",
                                  major, minor, DIFFX_HAVE_SM90 ? "yes" : "no, build with sm_90a and CUTLASS");
   }
-  switch (params->dtype) {
-    case DIFFX_DTYPE_FLOAT16: err = dispatch_dtype<__half>(diffx::make_kernel_args(*params), stream); break;
-    case DIFFX_DTYPE_BFLOAT16: err = dispatch_dtype<__nv_bfloat16>(diffx::make_kernel_args(*params), stream); break;
-    default: err = forward_float32(*params, stream); break;
-  }
+  err = run(*params, stream);
   if (err != cudaSuccess) return cuda_failure(err, "kernel launch failed");
   return DIFFX_OK;
 }

@@ -45,8 +45,9 @@ extern "C" {
 #endif
 
 /* Bumped whenever DiffxAttentionParams, a signature below or what a caller must provide changes
-   (2: key_mask; 3: a workspace for q_len <= DIFFX_DECODE_MAX_QUERY, the split-KV decode path). */
-#define DIFFX_ABI_VERSION 3
+   (2: key_mask; 3: a workspace for q_len <= DIFFX_DECODE_MAX_QUERY, the split-KV decode path;
+   4: an 8-bit KV cache, kv_format with k_scale and v_scale). */
+#define DIFFX_ABI_VERSION 4
 
 #define DIFFX_QUERY_BLOCK 64 /* query tokens per CTA and per Q quantisation scale */
 #define DIFFX_KEY_BLOCK 64   /* key tokens per tile and per K quantisation scale */
@@ -65,6 +66,16 @@ typedef enum DiffxDtype {
   DIFFX_DTYPE_BFLOAT16 = 2,
   DIFFX_DTYPE_FLOAT32 = 3 /* converted to fp16 in the workspace, run on the fp16 kernel, converted back */
 } DiffxDtype;
+
+/* How key and value are stored (kv_format). 8-bit codes carry one float32 scale per channel of
+   the key and value rows (k_scale [key heads * D], v_scale [Hkv * Dv]): the real key is
+   code * k_scale[channel] (plus any per-channel constant, e.g. the mean K-smoothing removed, which
+   no softmax sees). */
+typedef enum DiffxKvFormat {
+  DIFFX_KV_SAME = 0,     /* key and value in the query's dtype */
+  DIFFX_KV_INT8 = 1,     /* int8 codes, -127..127 */
+  DIFFX_KV_FP8_E4M3 = 2  /* float8 e4m3 (OCP, "fn": no infinities; codes 0x7f/0xff, NaN there, read as +-480) */
+} DiffxKvFormat;
 
 typedef enum DiffxStatus {
   DIFFX_OK = 0,
@@ -119,6 +130,17 @@ typedef struct DiffxAttentionParams {
 
   void* workspace; /* device memory, diffx_attention_workspace_size() bytes; NULL when that is 0 */
   size_t workspace_bytes;
+
+  /* ABI 4, after every earlier field (an older library reads the same prefix). An 8-bit KV cache
+   * (DiffxKvFormat; 0 = key and value in the query's dtype): key and value then hold 1-byte codes
+   * (strides still in elements, i.e. bytes; rows on 16 bytes) and k_scale / v_scale their
+   * per-channel float32 scales (diffexport/core/kv_cache_codes.py is the definition). Decode-sized calls (q_len <= DIFFX_DECODE_MAX_QUERY)
+   * read the codes in the split-KV kernel (K's scale folded into Q, V's onto the output), whatever
+   * DIFFEXPORT_KERNEL_PATH says; longer calls dequantise them into the workspace first. Not combined
+   * with logit_bits 2..8 (per-channel K scales do not factor out of an integer Q.K). */
+  int32_t kv_format;
+  const float* k_scale; /* [key heads * D]: the key row's channels (V1: 2*Hkv*D, V2: Hkv*D) */
+  const float* v_scale; /* [Hkv * Dv] */
 } DiffxAttentionParams;
 
 DIFFX_API int diffx_abi_version(void);
@@ -126,7 +148,7 @@ DIFFX_API int diffx_abi_version(void);
 /* sizeof(DiffxAttentionParams): lets bindings (ctypes) check that their struct mirrors this one. */
 DIFFX_API size_t diffx_params_size(void);
 
-/* "archs=80-real;... cuda=13.0 abi=3 sm90=1": what this library was compiled for (sm90=1: with the Hopper path). */
+/* "archs=80-real;... cuda=13.0 abi=4 sm90=1": what this library was compiled for (sm90=1: with the Hopper path). */
 DIFFX_API const char* diffx_build_info(void);
 
 /* A one-line description of a status code. */
@@ -138,8 +160,9 @@ DIFFX_API const char* diffx_last_error(void);
 /* Validates params without touching the GPU (no CUDA call). DIFFX_OK or the first problem. */
 DIFFX_API int diffx_attention_check(const DiffxAttentionParams* params);
 
-/* Device workspace the launch needs: 0 unless logit_bits is 2..8, dtype is float32 or q_len <=
-   DIFFX_DECODE_MAX_QUERY (the decode kernel's partial results, whatever DIFFEXPORT_KERNEL_PATH says).
+/* Device workspace the launch needs: 0 unless logit_bits is 2..8, dtype is float32, q_len <=
+   DIFFX_DECODE_MAX_QUERY (the decode kernel's partial results, whatever DIFFEXPORT_KERNEL_PATH says)
+   or an 8-bit KV cache meets a longer call (its keys and values dequantised into the query's dtype).
    Non-decreasing in batch, heads and kv_len. Does not read pointers. */
 DIFFX_API size_t diffx_attention_workspace_size(const DiffxAttentionParams* params);
 

@@ -33,6 +33,7 @@
 #include <math.h>
 
 #include "diff_attention_fwd.cuh"
+#include "kv_codes.cuh"
 
 namespace diffx {
 
@@ -40,17 +41,28 @@ constexpr int kDecodeRows = DIFFX_DECODE_MAX_QUERY;  // query rows of the tile (
 static_assert(kDecodeRows == 16, "one m16n8k16 row block");
 static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == kBlockN, "16 keys a warp");
 
-template <typename T, int D, int DV, bool INT8, int STAGES>
+// K/V stages of the 8-bit-cache decode kernel where the GPU's shared memory holds them (else 2):
+// its tiles are half as large, so more of them can be in flight per SM.
+#ifndef DIFFX_DECODE_KV_STAGES
+#define DIFFX_DECODE_KV_STAGES 3
+#endif
+
+// KV: the cache's DiffxKvFormat (0: key and value in T; else 1-byte codes, kv_codes.cuh).
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0>
 struct DecodeTileConfig {
   using Fwd = TileConfig<T, D, DV, INT8>;
-  static_assert(STAGES == 1 || STAGES == 2, "one or two K/V stages");
+  static_assert(STAGES >= 1 && STAGES <= 4 && (KV == 0 || STAGES >= 2), "1-4 K/V stages, at least 2 for 8-bit codes");
+  static_assert(!(INT8 && KV), "an 8-bit cache does not combine with INT8 logits");
   static constexpr int kQTileBytes = kDecodeRows * D * int(sizeof(T));
   static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
-  static constexpr int kStageBytes = Fwd::kKeyTiles * Fwd::kKTileBytes + Fwd::kVTileBytes;  // K tile(s) + V tile
+  static constexpr int kKTileBytes = KV ? kBlockN * D : Fwd::kKTileBytes;
+  static constexpr int kVTileBytes = KV ? kBlockN * DV : Fwd::kVTileBytes;
+  static constexpr int kStageBytes = Fwd::kKeyTiles * kKTileBytes + kVTileBytes;  // K tile(s) + V tile
   static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * kStageBytes;
-  // One stage launches everywhere (sm_86/sm_89 opt in to 99 KB); two need the GPU's opt-in checked
-  // at launch (launch_diff_attention_decode) unless they fit that too. 227 KB: sm_90's opt-in.
-  static_assert(STAGES == 2 || kSmemBytes <= kDynamicSmemLimit, "the decode tiles would not launch on sm_86/sm_89");
+  // The fewest stages (one; two for 8-bit codes) launch everywhere (sm_86/sm_89 opt in to 99 KB);
+  // more need the GPU's opt-in checked at launch (launch_diff_attention_decode) unless they fit
+  // that too. 227 KB: sm_90's opt-in.
+  static_assert(STAGES > (KV ? 2 : 1) || kSmemBytes <= kDynamicSmemLimit, "the decode tiles would not launch on sm_86/sm_89");
   static_assert(kSmemBytes <= 227 * 1024, "the decode tiles would not launch on any GPU");
   static constexpr bool kFitsEverywhere = kSmemBytes <= kDynamicSmemLimit;
 };
@@ -93,10 +105,56 @@ constexpr int kMergeBufferBytes = (2 * kDecodeRows * kMergeStride<DV> + 2 * kWar
 #define DIFFX_DECODE_D64_MIN_BLOCKS 2
 #endif
 
-template <typename T, int D, int DV, bool INT8, int STAGES>
+// An 8-bit cache's codes (kv_codes.cuh): key tile(s) [64][D] and value tile [64][DV] bytes, swizzled
+// like the INT8-logits key tiles; rows past kv_len are zero-filled.
+template <int D, int DV, int KEY_TILES>
+__device__ __forceinline__ void load_code_tiles(char* sK, char* sV, const KernelArgs& args, int b, int g, int nb,
+                                                int tid) {
+  const DiffxAttentionParams& p = args.p;
+  const int n_start = nb * kBlockN;
+#pragma unroll
+  for (int m = 0; m < KEY_TILES; ++m) {
+    const int km = KEY_TILES == 2 ? 2 * g + m : g;  // key head in the key tensor
+    const char* src = static_cast<const char*>(p.key) + b * p.k_batch_stride + int64_t(n_start) * p.k_row_stride + km * D;
+    load_tile_async<kBlockN, D>(sK + m * kBlockN * D, src, p.k_row_stride, p.kv_len - n_start, tid);
+  }
+  const char* src = static_cast<const char*>(p.value) + b * p.v_batch_stride + int64_t(n_start) * p.v_row_stride + g * DV;
+  load_tile_async<kBlockN, DV>(sV, src, p.v_row_stride, p.kv_len - n_start, tid);
+}
+
+// An 8-bit cache: both maps' Q tiles (landed, swizzled) multiplied in place by their key head's
+// channel scales over kv_code_unit (K's scales folded into Q: S = sum_c (q_c s_c) code_c), and the
+// channels of each 16-wide k-step reordered to match the key fragments that ldmatrix reads from
+// the code tiles: there a lane's register holds channels 4t..4t+3 of its key, so the Q position
+// the mma pairs with channel pair (4t, 4t+1) is 2t and with (4t+2, 4t+3) it is 8 + 2t.
+template <typename T, int D, bool V1>
+__device__ __forceinline__ void fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
+                                                           int tid) {
+  constexpr int kChunks = D / 8, kGroups = D / 16;
+  for (int item = tid; item < 2 * kDecodeRows * kGroups; item += kThreads) {
+    const int map = item / (kDecodeRows * kGroups), row = item / kGroups % kDecodeRows, group = item % kGroups;
+    const float* scale = args.p.k_scale + (V1 ? 2 * g + map : g) * D + group * 16;
+    T* lo = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group) * 16);
+    T* hi = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
+    float q[16];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      q[j] = to_float(lo[j]);
+      q[8 + j] = to_float(hi[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 16; j += 2) {  // position j (pairs j, j+1) takes channel 4t + 2*(j >= 8) (and the next)
+      const int t = (j & 7) >> 1, c = 4 * t + 2 * (j >> 3);
+      const uint32_t pair = pack2(q[c] * (scale[c] / args.kv_code_unit), q[c + 1] * (scale[c + 1] / args.kv_code_unit), T());
+      *reinterpret_cast<uint32_t*>(j < 8 ? lo + j : hi + (j - 8)) = pair;
+    }
+  }
+}
+
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0>
 __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1)
     diff_attention_decode_kernel(const KernelArgs args) {
-  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES>;
+  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV>;
   using Fwd = typename Cfg::Fwd;
   constexpr int kSTiles = 2;        // a warp's 16 x 16 score tile: two n-tiles of 8 keys
   constexpr int kOTiles = DV / 8;   // n-tiles of the 16 x DV output accumulator of a warp
@@ -114,9 +172,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
 
   char* sQ = smem;                                    // [2][16][D] T
   char* sQ8 = sQ + 2 * Cfg::kQTileBytes;              // [2][16][D] int8 (INT8 only)
-  char* sKV = sQ8 + 2 * Cfg::kQ8TileBytes;  // STAGES x ([kKeyTiles][64][D] T or int8, then [64][DV] T)
+  char* sKV = sQ8 + 2 * Cfg::kQ8TileBytes;  // STAGES x ([kKeyTiles][64][D] T or int8, then [64][DV] T or codes)
   auto sK = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
-  auto sV = [&](int stage) { return sKV + stage * Cfg::kStageBytes + Fwd::kKeyTiles * Fwd::kKTileBytes; };
+  auto sV = [&](int stage) { return sKV + stage * Cfg::kStageBytes + Fwd::kKeyTiles * Cfg::kKTileBytes; };
 
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
   const int nb_begin = split * args.plan.tiles_per_split;
@@ -132,11 +190,30 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   }
   auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
   auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
+  auto load_kv = [&](int nb, int stage) {
+    if constexpr (KV) {
+      load_code_tiles<D, DV, Fwd::kKeyTiles>(sK(stage), sV(stage), args, b, g, nb, tid);
+    } else {
+      load_k(nb, stage);
+      load_v(nb, stage);
+    }
+  };
 
-  load_k(nb_begin, 0);
-  load_v(nb_begin, 0);
+  // STAGES - 1 tiles in flight ahead of the one computed (one group each, empty past the split's end).
+  load_kv(nb_begin, 0);
   cp_async_commit();
+#pragma unroll
+  for (int i = 1; i + 1 < STAGES; ++i) {
+    if (nb_begin + i < nb_end) load_kv(nb_begin + i, i);
+    cp_async_commit();
+  }
 
+  if constexpr (KV != 0) {  // Q lands with the first tile (before the accumulators are live: fewer registers)
+    cp_async_wait_group<STAGES - 2>();
+    __syncthreads();
+    fold_key_scales_into_query<T, D, Fwd::kV1>(sQ, Cfg::kQTileBytes, args, g, tid);
+    __syncthreads();
+  }
   float q_scale = 1.f;
   if constexpr (INT8) {
     cp_async_wait_all();
@@ -157,17 +234,17 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   for (int nb = nb_begin; nb < nb_end; ++nb) {
     const int n_start = nb * kBlockN;
     const int k0 = quarter * 16;  // this warp's first key in the tile
-    const int stage = STAGES == 2 ? (nb - nb_begin) & 1 : 0;
-    if (STAGES == 2 && nb + 1 < nb_end) {
-      // The other stage was last read in the previous tile, which ended with a barrier.
-      load_k(nb + 1, stage ^ 1);
-      load_v(nb + 1, stage ^ 1);
+    const int stage = (nb - nb_begin) % STAGES;
+    if constexpr (STAGES >= 2) {
+      // Tile nb + STAGES - 1 goes to the stage read in the previous tile, which ended with a barrier.
+      const int ahead = nb + STAGES - 1;
+      if (ahead < nb_end) load_kv(ahead, (stage + STAGES - 1) % STAGES);
       cp_async_commit();
-      cp_async_wait_group<1>();  // K(nb) and V(nb) landed; tile nb+1 stays in flight
+      cp_async_wait_group<STAGES - 1>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
     } else {
-      cp_async_wait_all();       // K(nb) and V(nb) landed
+      cp_async_wait_all();                // K(nb) and V(nb) landed
     }
-    __syncthreads();             // ... for every thread
+    __syncthreads();                      // ... for every thread
 
     // S = Q K^T for the 16 query rows and this warp's 16 keys.
     float s[kSTiles][4];
@@ -194,6 +271,25 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = __int2float_rn(si[i][e]) * qk_scale;
+    } else if constexpr (KV != 0) {
+      // Key codes read as b16 pairs: register i of lane (gq, tq) holds channels 4tq..4tq+3 of key
+      // gq of its 8 x 16-channel matrix (keys k0.. or k0+8.., channels of k-step 2ks or 2ks+1);
+      // Q's channels were reordered to match (fold_key_scales_into_query).
+      constexpr int kChunks = D / 8, kChunks8 = D / 16;
+      const char* q_tile = sQ + map * Cfg::kQTileBytes;
+      const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Cfg::kKTileBytes;
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks) {
+        uint32_t bf[4];
+        ldmatrix_x4(bf, k_tile + swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t a[4];
+          ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
+          mma_16816(s[0], a, code_pair<T, KV, 0, 1>(bf[half]), code_pair<T, KV, 2, 3>(bf[half]), T());
+          mma_16816(s[1], a, code_pair<T, KV, 0, 1>(bf[2 + half]), code_pair<T, KV, 2, 3>(bf[2 + half]), T());
+        }
+      }
     } else {
       constexpr int kChunks = D / 8;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
@@ -235,18 +331,36 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // this warp's partial state
 
     // O += P V over this warp's 16 keys (one k-step of 16).
-    constexpr int kVChunks = DV / 8;
     uint32_t a[4];
     a[0] = pack2(s[0][0], s[0][1], T());
     a[1] = pack2(s[0][2], s[0][3], T());
     a[2] = pack2(s[1][0], s[1][1], T());
     a[3] = pack2(s[1][2], s[1][3], T());
+    if constexpr (KV != 0) {
+      // Value codes through ldmatrix .trans as b16 pairs: register i of lane (gq, tq) holds keys
+      // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
+      // Its even channels make one n-tile's B fragment, its odd ones another: accumulator tile i
+      // holds channels 16(i/2) + 2n + (i&1) at column n (kv_output_channel).
+      constexpr int kVChunks8 = DV / 16;
 #pragma unroll
-    for (int np = 0; np < kOTiles / 2; ++np) {
-      uint32_t bf[4];
-      ldmatrix_x4_trans(bf, sV(stage) + swizzled_chunk<kVChunks>(k0 + (mi & 1) * 8 + (lane & 7), np * 2 + (mi >> 1)) * 16);
-      mma_16816(acc_o[2 * np], a, bf[0], bf[1], T());
-      mma_16816(acc_o[2 * np + 1], a, bf[2], bf[3], T());
+      for (int gp = 0; gp < DV / 32; ++gp) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, sV(stage) + swizzled_chunk<kVChunks8>(k0 + (mi & 1) * 8 + (lane & 7), gp * 2 + (mi >> 1)) * 16);
+#pragma unroll
+        for (int G = 0; G < 2; ++G) {
+          mma_16816(acc_o[4 * gp + 2 * G], a, code_pair<T, KV, 0, 2>(r[2 * G]), code_pair<T, KV, 0, 2>(r[2 * G + 1]), T());
+          mma_16816(acc_o[4 * gp + 2 * G + 1], a, code_pair<T, KV, 1, 3>(r[2 * G]), code_pair<T, KV, 1, 3>(r[2 * G + 1]), T());
+        }
+      }
+    } else {
+      constexpr int kVChunks = DV / 8;
+#pragma unroll
+      for (int np = 0; np < kOTiles / 2; ++np) {
+        uint32_t bf[4];
+        ldmatrix_x4_trans(bf, sV(stage) + swizzled_chunk<kVChunks>(k0 + (mi & 1) * 8 + (lane & 7), np * 2 + (mi >> 1)) * 16);
+        mma_16816(acc_o[2 * np], a, bf[0], bf[1], T());
+        mma_16816(acc_o[2 * np + 1], a, bf[2], bf[3], T());
+      }
     }
 
     __syncthreads();  // every warp has read this stage's K and V
@@ -299,16 +413,24 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     if (quarter == q) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float* row = merged + (map * kDecodeRows + gq + r * 8) * kMergeStride<DV> + tq * 2;
+        float* row = merged + (map * kDecodeRows + gq + r * 8) * kMergeStride<DV>;
 #pragma unroll
         for (int i = 0; i < kOTiles; ++i) {
-          float2 sum = make_float2(acc_o[i][2 * r] * w[r], acc_o[i][2 * r + 1] * w[r]);
-          if (q > 0) {
-            const float2 before = *reinterpret_cast<const float2*>(row + i * 8);
-            sum.x += before.x;
-            sum.y += before.y;
+          if constexpr (KV != 0) {  // tile i's column 2tq + e is channel 16(i/2) + 4tq + 2e + (i&1)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float* out = row + 16 * (i >> 1) + 4 * tq + 2 * e + (i & 1);
+              *out = acc_o[i][2 * r + e] * w[r] + (q > 0 ? *out : 0.f);
+            }
+          } else {
+            float2 sum = make_float2(acc_o[i][2 * r] * w[r], acc_o[i][2 * r + 1] * w[r]);
+            if (q > 0) {
+              const float2 before = *reinterpret_cast<const float2*>(row + tq * 2 + i * 8);
+              sum.x += before.x;
+              sum.y += before.y;
+            }
+            *reinterpret_cast<float2*>(row + tq * 2 + i * 8) = sum;
           }
-          *reinterpret_cast<float2*>(row + i * 8) = sum;
         }
       }
     }
@@ -439,6 +561,11 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
     const float inv_l0 = l[0] > 0.f ? 1.f / l[0] : 0.f, inv_l1 = l[1] > 0.f ? 1.f / l[1] : 0.f;
 #pragma unroll
     for (int j = 0; j < 4; ++j) y[j] = o[0][j] * inv_l0 - lam * (o[1][j] * inv_l1);
+    if (p.v_scale) {  // an 8-bit cache: V's channel scales (over kv_code_unit), folded out of the loop
+      const float* v_scale = p.v_scale + (h / (p.num_heads / p.num_kv_heads)) * DV + c;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) y[j] *= v_scale[j] / args.kv_code_unit;
+    }
   }
   float rms = 1.f;
   if (p.norm) {
@@ -453,11 +580,20 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
   *reinterpret_cast<uint32_t*>(out + 2) = pack2(y[2] * gain * p.norm_weight[c + 2], y[3] * gain * p.norm_weight[c + 3], T());
 }
 
+// The K/V stages a decode instance runs with on a GPU whose blocks may opt in to `smem_optin` bytes
+// (0 = unknown): the deepest of (8-bit codes: DIFFX_DECODE_KV_STAGES, else 2) and the fewest (2 or 1) that fits.
+template <typename T, int D, int DV, bool INT8, int KV>
+int decode_stages(int smem_optin) {
+  constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1;
+  using Deep = DecodeTileConfig<T, D, DV, INT8, kDeep, KV>;
+  return Deep::kFitsEverywhere || smem_optin >= Deep::kSmemBytes ? kDeep : kFew;
+}
+
 #ifndef DIFFX_EMULATE
-template <typename T, int D, int DV, bool INT8, int STAGES>
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV>
 cudaError_t launch_diff_attention_decode_stages(const KernelArgs& args, cudaStream_t stream) {
-  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES>;
-  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8, STAGES>;
+  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV>;
+  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
   unsigned dims[3];
@@ -469,15 +605,17 @@ cudaError_t launch_diff_attention_decode_stages(const KernelArgs& args, cudaStre
   return cudaGetLastError();
 }
 
-// Two K/V stages where they fit the GPU (always for head dim 64), else one.
-template <typename T, int D, int DV, bool INT8>
+// Two K/V stages where they fit the GPU (always for head dim 64), else one; an 8-bit cache
+// DIFFX_DECODE_KV_STAGES where they fit, else two.
+template <typename T, int D, int DV, bool INT8, int KV = 0>
 cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t stream) {
-  using TwoStages = DecodeTileConfig<T, D, DV, INT8, 2>;
-  if constexpr (TwoStages::kFitsEverywhere) {
-    return launch_diff_attention_decode_stages<T, D, DV, INT8, 2>(args, stream);
+  constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1;
+  if constexpr (DecodeTileConfig<T, D, DV, INT8, kDeep, KV>::kFitsEverywhere) {
+    return launch_diff_attention_decode_stages<T, D, DV, INT8, kDeep, KV>(args, stream);
   } else {
-    return device_smem_optin() >= TwoStages::kSmemBytes ? launch_diff_attention_decode_stages<T, D, DV, INT8, 2>(args, stream)
-                                                        : launch_diff_attention_decode_stages<T, D, DV, INT8, 1>(args, stream);
+    return decode_stages<T, D, DV, INT8, KV>(device_smem_optin()) == kDeep
+               ? launch_diff_attention_decode_stages<T, D, DV, INT8, kDeep, KV>(args, stream)
+               : launch_diff_attention_decode_stages<T, D, DV, INT8, kFew, KV>(args, stream);
   }
 }
 

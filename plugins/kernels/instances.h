@@ -20,3 +20,22 @@
   X(__nv_bfloat16, 64, 64, true)       \
   X(__nv_bfloat16, 128, 256, true)     \
   X(__nv_bfloat16, 128, 128, true)
+
+// Every compiled 8-bit-cache decode instantiation: (element type, D, DV, DiffxKvFormat), fp logits.
+#define DIFFX_FOR_EACH_KV_DECODE_INSTANCE(X) \
+  X(__half, 64, 128, 1)                      \
+  X(__half, 64, 64, 1)                       \
+  X(__half, 128, 256, 1)                     \
+  X(__half, 128, 128, 1)                     \
+  X(__half, 64, 128, 2)                      \
+  X(__half, 64, 64, 2)                       \
+  X(__half, 128, 256, 2)                     \
+  X(__half, 128, 128, 2)                     \
+  X(__nv_bfloat16, 64, 128, 1)               \
+  X(__nv_bfloat16, 64, 64, 1)                \
+  X(__nv_bfloat16, 128, 256, 1)              \
+  X(__nv_bfloat16, 128, 128, 1)              \
+  X(__nv_bfloat16, 64, 128, 2)               \
+  X(__nv_bfloat16, 64, 64, 2)                \
+  X(__nv_bfloat16, 128, 256, 2)              \
+  X(__nv_bfloat16, 128, 128, 2)

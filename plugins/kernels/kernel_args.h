@@ -49,6 +49,10 @@ struct KernelArgs {
   int decode_parts;       // partial states per (batch, diff-head, map): plan.splits
   float* part_o;          // [B, H, 2 maps, parts, q_len, Dv] unnormalised P.V sums (fp32)
   float* part_ml;         // [B, H, 2 maps, parts, q_len, 2]: running max (raw logit units), sum
+  // An 8-bit KV cache on the decode path: what one code is worth in the converted fp16/bf16 tile
+  // (1 for int8; 2^-8 for e4m3, whose bits are shifted into an fp16 as they are), divided out of
+  // the scales (k_scale into Q, v_scale onto the output).
+  float kv_code_unit;
 };
 
 struct WorkspaceLayout {
@@ -57,10 +61,18 @@ struct WorkspaceLayout {
   size_t int8_base = 0;  // where the INT8 part starts; the offsets below are relative to it
   size_t codes = 0, scales = 0, sums = 0;
   size_t part_o = 0, part_ml = 0;  // decode partials (q_len <= DIFFX_DECODE_MAX_QUERY), after the INT8 part
+  // An 8-bit KV cache with q_len > DIFFX_DECODE_MAX_QUERY: its dequantised key and value first,
+  // then (from deq_end) the workspace of the plain call on them; the offsets above are then 0.
+  size_t key_deq = 0, value_deq = 0, deq_end = 0;
   size_t total = 0;      // bytes of the whole workspace
 };
 
 bool logits_quantised(const DiffxAttentionParams& p);
+bool kv_quantised(const DiffxAttentionParams& p);    // an 8-bit KV cache (kv_format != DIFFX_KV_SAME)
+bool kv_dequantised(const DiffxAttentionParams& p);  // ... met by a call longer than DIFFX_DECODE_MAX_QUERY
+size_t element_bytes(int dtype);                     // bytes of a DiffxDtype element
+// An 8-bit cache met by a longer call: the plain call on its dequantised copies in the workspace.
+DiffxAttentionParams dequantised_params(const DiffxAttentionParams& p);
 // The decode kernel's plan for p (deterministic: shapes and DIFFX_DECODE_TARGET_CTAS only).
 DecodePlan decode_plan(const DiffxAttentionParams& p);
 // The kernel that runs p: kDecode for q_len <= DIFFX_DECODE_MAX_QUERY unless DIFFEXPORT_KERNEL_PATH=mma;

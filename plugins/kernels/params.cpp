@@ -25,16 +25,30 @@ int value_dim(const DiffxAttentionParams& p) { return p.variant == 1 ? 2 * p.hea
 
 WorkspaceLayout workspace_layout(const DiffxAttentionParams& p) {
   WorkspaceLayout w;
+  if (kv_dequantised(p)) {
+    // The 8-bit cache dequantised into contiguous key/value rows of the query's dtype, then the
+    // workspace of the plain call that reads them (dequantised_params).
+    const size_t e = element_bytes(p.dtype), B = size_t(p.batch), Skv = size_t(p.kv_len);
+    w.key_deq = 0;
+    w.value_deq = round_up(B * Skv * key_maps(p) * p.head_dim * e, kAlign);
+    w.deq_end = w.value_deq + round_up(B * Skv * p.num_kv_heads * value_dim(p) * e, kAlign);
+    DiffxAttentionParams plain = p;
+    plain.kv_format = DIFFX_KV_SAME;
+    w.total = w.deq_end + workspace_layout(plain).total;
+    return w;
+  }
   size_t offset = 0;
   if (p.dtype == DIFFX_DTYPE_FLOAT32) {
     const size_t B = size_t(p.batch), Sq = size_t(p.q_len), Skv = size_t(p.kv_len), h = 2;  // fp16 bytes
     const size_t lambda = p.variant == 1 ? 1 : B * Sq * p.num_heads;
     w.query16 = offset;
     offset += round_up(B * Sq * 2 * p.num_heads * p.head_dim * h, kAlign);
-    w.key16 = offset;
-    offset += round_up(B * Skv * key_maps(p) * p.head_dim * h, kAlign);
-    w.value16 = offset;
-    offset += round_up(B * Skv * p.num_kv_heads * value_dim(p) * h, kAlign);
+    if (p.kv_format == DIFFX_KV_SAME) {  // an 8-bit cache is read as it is
+      w.key16 = offset;
+      offset += round_up(B * Skv * key_maps(p) * p.head_dim * h, kAlign);
+      w.value16 = offset;
+      offset += round_up(B * Skv * p.num_kv_heads * value_dim(p) * h, kAlign);
+    }
     w.lambda16 = offset;
     offset += round_up(lambda * h, kAlign);
     w.output16 = offset;
@@ -81,8 +95,10 @@ DiffxAttentionParams half_params(const DiffxAttentionParams& p) {
   const int64_t vw = int64_t(p.num_kv_heads) * value_dim(p), ow = int64_t(p.num_heads) * value_dim(p);
   h.dtype = DIFFX_DTYPE_FLOAT16;
   h.query = base + w.query16, h.q_row_stride = qw, h.q_batch_stride = qw * p.q_len;
-  h.key = base + w.key16, h.k_row_stride = kw, h.k_batch_stride = kw * p.kv_len;
-  h.value = base + w.value16, h.v_row_stride = vw, h.v_batch_stride = vw * p.kv_len;
+  if (p.kv_format == DIFFX_KV_SAME) {
+    h.key = base + w.key16, h.k_row_stride = kw, h.k_batch_stride = kw * p.kv_len;
+    h.value = base + w.value16, h.v_row_stride = vw, h.v_batch_stride = vw * p.kv_len;
+  }
   h.lambda_full = base + w.lambda16;
   if (p.variant != 1) {
     h.lambda_head_stride = 1, h.lambda_row_stride = p.num_heads, h.lambda_batch_stride = int64_t(p.num_heads) * p.q_len;
@@ -93,19 +109,39 @@ DiffxAttentionParams half_params(const DiffxAttentionParams& p) {
   return h;
 }
 
+DiffxAttentionParams dequantised_params(const DiffxAttentionParams& p) {
+  const WorkspaceLayout w = workspace_layout(p);
+  char* base = static_cast<char*>(p.workspace);
+  DiffxAttentionParams d = p;
+  const int64_t kw = int64_t(key_maps(p)) * p.head_dim, vw = int64_t(p.num_kv_heads) * value_dim(p);
+  d.kv_format = DIFFX_KV_SAME;
+  d.k_scale = d.v_scale = nullptr;
+  d.key = base + w.key_deq, d.k_row_stride = kw, d.k_batch_stride = kw * p.kv_len;
+  d.value = base + w.value_deq, d.v_row_stride = vw, d.v_batch_stride = vw * p.kv_len;
+  d.workspace = base + w.deq_end;
+  d.workspace_bytes = w.total - w.deq_end;
+  return d;
+}
+
+bool kv_quantised(const DiffxAttentionParams& p) { return p.kv_format != DIFFX_KV_SAME; }
+bool kv_dequantised(const DiffxAttentionParams& p) { return kv_quantised(p) && p.q_len > DIFFX_DECODE_MAX_QUERY; }
+size_t element_bytes(int dtype) { return dtype == DIFFX_DTYPE_FLOAT32 ? 4 : 2; }
+
 namespace {
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-int check_tensor(const char* name, const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t width) {
+// Rows start on 16 bytes: strides in elements are multiples of 8 (2-byte elements) or 16 (8-bit codes).
+int check_tensor(const char* name, const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t width,
+                 int64_t stride_multiple = 8) {
   if (!ptr) return record_error(DIFFX_ERR_NULL_POINTER, "%s is a null pointer", name);
   if (!aligned(ptr, 16)) return record_error(DIFFX_ERR_MISALIGNED, "%s must start on a 16-byte boundary", name);
-  if (row_stride < width || row_stride % 8)
-    return record_error(DIFFX_ERR_MISALIGNED, "%s row stride %lld must be >= its width %lld and a multiple of 8 elements",
-                name, (long long)row_stride, (long long)width);
-  if (batch_stride < 0 || batch_stride % 8)
-    return record_error(DIFFX_ERR_MISALIGNED, "%s batch stride %lld must be >= 0 and a multiple of 8 elements", name,
-                (long long)batch_stride);
+  if (row_stride < width || row_stride % stride_multiple)
+    return record_error(DIFFX_ERR_MISALIGNED, "%s row stride %lld must be >= its width %lld and a multiple of %lld elements",
+                name, (long long)row_stride, (long long)width, (long long)stride_multiple);
+  if (batch_stride < 0 || batch_stride % stride_multiple)
+    return record_error(DIFFX_ERR_MISALIGNED, "%s batch stride %lld must be >= 0 and a multiple of %lld elements", name,
+                (long long)batch_stride, (long long)stride_multiple);
   return DIFFX_OK;
 }
 
@@ -116,6 +152,7 @@ std::string workspace_users(const DiffxAttentionParams& p) {
   auto add = [&](const char* what) { users += users.empty() ? what : std::string(", ") + what; };
   if (p.dtype == DIFFX_DTYPE_FLOAT32) add("float32 I/O");
   if (logits_quantised(p)) add("INT8 logits");
+  if (kv_dequantised(p)) add("8-bit KV cache dequantised for a long call");
   if (p.q_len <= DIFFX_DECODE_MAX_QUERY) add("split-KV decode");
   return users;
 }
@@ -131,6 +168,8 @@ const char* bad_kernel_path_setting() {
 
 KernelPath kernel_path(const DiffxAttentionParams& p) {
   const char* path = std::getenv("DIFFEXPORT_KERNEL_PATH");
+  // An 8-bit cache is read by the split-KV kernel only (longer calls get it dequantised first).
+  if (p.q_len <= DIFFX_DECODE_MAX_QUERY && kv_quantised(p)) return KernelPath::kDecode;
   if (path && !std::strcmp(path, "mma")) return KernelPath::kOnePass;
   if (p.q_len <= DIFFX_DECODE_MAX_QUERY) return KernelPath::kDecode;
   // TMA descriptors take no zero strides: a batch broadcast through a zero stride stays on the
@@ -201,11 +240,25 @@ int check_params(const DiffxAttentionParams* pp, bool with_workspace) {
   if (logits_quantised(p) && int64_t(p.batch) * key_maps(p) > 65535)
     return record_error(DIFFX_ERR_BAD_SIZE, "batch * key heads %lld exceeds 65535 for the INT8-logits path",
                 (long long)p.batch * key_maps(p));
+  if (p.kv_format != DIFFX_KV_SAME && p.kv_format != DIFFX_KV_INT8 && p.kv_format != DIFFX_KV_FP8_E4M3)
+    return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "kv_format %d must be 0 (the query's dtype), 1 (int8) or 2 (fp8 e4m3)",
+                        p.kv_format);
+  if (kv_quantised(p) && logits_quantised(p))
+    return record_error(DIFFX_ERR_BAD_ATTRIBUTE, "an 8-bit KV cache (kv_format %d) does not combine with logit_bits %d: "
+                        "its per-channel K scales do not factor out of an integer Q.K", p.kv_format, p.logit_bits);
   const int64_t D = p.head_dim, Dv = value_dim(p);
+  const int64_t kv_multiple = kv_quantised(p) ? 16 : 8;
   int s;
   if ((s = check_tensor("query", p.query, p.q_batch_stride, p.q_row_stride, 2 * p.num_heads * D))) return s;
-  if ((s = check_tensor("key", p.key, p.k_batch_stride, p.k_row_stride, key_maps(p) * D))) return s;
-  if ((s = check_tensor("value", p.value, p.v_batch_stride, p.v_row_stride, p.num_kv_heads * Dv))) return s;
+  if ((s = check_tensor("key", p.key, p.k_batch_stride, p.k_row_stride, key_maps(p) * D, kv_multiple))) return s;
+  if ((s = check_tensor("value", p.value, p.v_batch_stride, p.v_row_stride, p.num_kv_heads * Dv, kv_multiple))) return s;
+  if (kv_quantised(p)) {
+    if (!p.k_scale || !p.v_scale)
+      return record_error(DIFFX_ERR_NULL_POINTER, "an 8-bit KV cache needs k_scale and v_scale (%s is null)",
+                          p.k_scale ? "v_scale" : "k_scale");
+    if (!aligned(p.k_scale, 4) || !aligned(p.v_scale, 4))
+      return record_error(DIFFX_ERR_MISALIGNED, "k_scale and v_scale must be 4-byte aligned (float32)");
+  }
   if ((s = check_tensor("output", p.output, p.o_batch_stride, p.o_row_stride, p.num_heads * Dv))) return s;
   if (!p.lambda_full) return record_error(DIFFX_ERR_NULL_POINTER, "lambda_full is a null pointer");
   if (!aligned(p.lambda_full, p.dtype == DIFFX_DTYPE_FLOAT32 ? 4 : 2))
@@ -264,6 +317,7 @@ KernelArgs make_kernel_args(const DiffxAttentionParams& p) {
     args.k_sums = p.smooth_k ? reinterpret_cast<const float*>(base + w.sums) : nullptr;
     args.n_key_chunks = (p.kv_len + kKeySumChunk - 1) / kKeySumChunk;
   }
+  args.kv_code_unit = p.kv_format == DIFFX_KV_FP8_E4M3 ? 1.f / 256.f : 1.f;
   args.path = kernel_path(p);
   if (args.path == KernelPath::kDecode) {
     const WorkspaceLayout w = workspace_layout(p);

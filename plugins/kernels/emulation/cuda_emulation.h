@@ -326,5 +326,6 @@ inline float fast_exp2(float x) {
 inline float to_float(__half x) { return diffx_emu::half_to_float(x.bits); }
 inline __half __float2half_rn(float v) { return __half{diffx_emu::float_to_half(v)}; }
 inline float to_float(__nv_bfloat16 x) { return diffx_emu::bf16_to_float(x.bits); }
+inline __nv_bfloat16 __float2bfloat16_rn(float v) { return __nv_bfloat16{diffx_emu::float_to_bf16(v)}; }
 
 }  // namespace diffx

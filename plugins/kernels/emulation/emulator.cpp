@@ -12,6 +12,7 @@
 #include "../diff_attention_decode.cuh"
 #include "../diff_attention_fwd.cuh"
 #include "../kernel_args.h"
+#include "../kv_codes.cuh"
 #include "../quantize_keys.cuh"
 
 #if defined(_WIN32)
@@ -56,24 +57,37 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_by
   for (auto& th : pool) th.join();
 }
 
+template <typename T, int D, int DV, bool INT8, int KV, int STAGES>
+void run_decode_stages(const diffx::KernelArgs& args) {
+  unsigned dims[3];
+  diffx::decode_grid(args, dims);
+  run_grid(dims[0], dims[1], dims[2], diffx::kThreads, diffx::DecodeTileConfig<T, D, DV, INT8, STAGES, KV>::kSmemBytes,
+           [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV>(args); });
+  run_grid(args.p.num_heads, args.p.batch, args.p.q_len, diffx::kMergeThreads, diffx::kMergeSmemBytes,
+           [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
+}
+
+// Every pipeline the GPU build picks between: by default the stages an sm_90 GPU runs (its 227 KB
+// opt-in: two, or DIFFX_DECODE_KV_STAGES for an 8-bit cache); DIFFX_EMULATOR_DECODE_STAGES=few runs
+// the fewest (one; two for 8-bit codes), what head dim 128 runs on GPUs with under 136 KB of shared memory.
+template <typename T, int D, int DV, bool INT8, int KV>
+void run_decode(const diffx::KernelArgs& args) {
+  constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1;
+  const char* stages = std::getenv("DIFFX_EMULATOR_DECODE_STAGES");
+  const int smem_optin = stages && std::string(stages) == "few" ? 0 : 227 * 1024;
+  if (diffx::decode_stages<T, D, DV, INT8, KV>(smem_optin) == kDeep)
+    run_decode_stages<T, D, DV, INT8, KV, kDeep>(args);
+  else
+    run_decode_stages<T, D, DV, INT8, KV, kFew>(args);
+}
+
 template <typename T, int D, int DV, bool INT8>
 void run_attention(const diffx::KernelArgs& args) {
   unsigned dims[3];
   if (args.path == diffx::KernelPath::kDecode) {
-    // Both pipelines the GPU build picks between: two K/V stages (default), or one
-    // (DIFFX_EMULATOR_DECODE_STAGES=1: what head dim 128 runs on GPUs with under 136 KB of shared memory).
-    const char* stages = std::getenv("DIFFX_EMULATOR_DECODE_STAGES");
-    diffx::decode_grid(args, dims);
-    if (stages && std::string(stages) == "1") {
-      run_grid(dims[0], dims[1], dims[2], diffx::kThreads, diffx::DecodeTileConfig<T, D, DV, INT8, 1>::kSmemBytes,
-               [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, 1>(args); });
-    } else {
-      run_grid(dims[0], dims[1], dims[2], diffx::kThreads, diffx::DecodeTileConfig<T, D, DV, INT8, 2>::kSmemBytes,
-               [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, 2>(args); });
-    }
-    run_grid(args.p.num_heads, args.p.batch, args.p.q_len, diffx::kMergeThreads, diffx::kMergeSmemBytes,
-             [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
-    return;
+    if (args.p.kv_format == DIFFX_KV_INT8) return run_decode<T, D, DV, false, diffx::kKvInt8>(args);
+    if (args.p.kv_format == DIFFX_KV_FP8_E4M3) return run_decode<T, D, DV, false, diffx::kKvFp8>(args);
+    return run_decode<T, D, DV, INT8, 0>(args);
   }
   using Cfg = diffx::TileConfig<T, D, DV, INT8>;
   diffx::attention_grid(args.p, dims);
@@ -117,10 +131,12 @@ void run_float32(const DiffxAttentionParams& p) {
   const int64_t B = p.batch, Sq = p.q_len, Skv = p.kv_len;
   convert<float, __half>(p.query, p.q_batch_stride, p.q_row_stride, h.query, h.q_batch_stride, h.q_row_stride, B, Sq,
                          h.q_row_stride);
-  convert<float, __half>(p.key, p.k_batch_stride, p.k_row_stride, h.key, h.k_batch_stride, h.k_row_stride, B, Skv,
-                         h.k_row_stride);
-  convert<float, __half>(p.value, p.v_batch_stride, p.v_row_stride, h.value, h.v_batch_stride, h.v_row_stride, B, Skv,
-                         h.v_row_stride);
+  if (p.kv_format == DIFFX_KV_SAME) {  // an 8-bit cache is read as it is
+    convert<float, __half>(p.key, p.k_batch_stride, p.k_row_stride, h.key, h.k_batch_stride, h.k_row_stride, B, Skv,
+                           h.k_row_stride);
+    convert<float, __half>(p.value, p.v_batch_stride, p.v_row_stride, h.value, h.v_batch_stride, h.v_row_stride, B,
+                           Skv, h.v_row_stride);
+  }
   if (p.variant == 1) {
     convert<float, __half>(p.lambda_full, 0, 0, h.lambda_full, 0, 0, 1, 1, 1);
   } else {
@@ -130,6 +146,42 @@ void run_float32(const DiffxAttentionParams& p) {
   run_dtype<__half>(diffx::make_kernel_args(h));
   convert<__half, float>(h.output, h.o_batch_stride, h.o_row_stride, p.output, p.o_batch_stride, p.o_row_stride, B, Sq,
                          h.o_row_stride);
+}
+
+template <typename Dst, int FMT>
+void dequantise(const void* src, int64_t src_batch, int64_t src_row, const float* scale, const void* dst, int64_t batch,
+                int64_t rows, int64_t width) {
+  const int64_t total = batch * rows * width;
+  run_grid(diffx::convert_blocks(total), 1, 1, diffx::kConvertThreads, 0, [&] {
+    diffx::dequantise_kernel<Dst, FMT>(static_cast<const uint8_t*>(src), src_batch, src_row, scale,
+                                       static_cast<Dst*>(const_cast<void*>(dst)), rows, width, total);
+  });
+}
+
+template <typename Dst, int FMT>
+void dequantise_cache(const DiffxAttentionParams& p, const DiffxAttentionParams& d) {
+  dequantise<Dst, FMT>(p.key, p.k_batch_stride, p.k_row_stride, p.k_scale, d.key, p.batch, p.kv_len, d.k_row_stride);
+  dequantise<Dst, FMT>(p.value, p.v_batch_stride, p.v_row_stride, p.v_scale, d.value, p.batch, p.kv_len, d.v_row_stride);
+}
+
+template <typename Dst>
+void dequantise_cache(const DiffxAttentionParams& p, const DiffxAttentionParams& d) {
+  p.kv_format == DIFFX_KV_INT8 ? dequantise_cache<Dst, diffx::kKvInt8>(p, d) : dequantise_cache<Dst, diffx::kKvFp8>(p, d);
+}
+
+void run(const DiffxAttentionParams& p) {
+  if (diffx::kv_dequantised(p)) {  // as the CUDA launcher: dequantised into the workspace, then the plain call
+    const DiffxAttentionParams d = diffx::dequantised_params(p);
+    if (p.dtype == DIFFX_DTYPE_FLOAT16) dequantise_cache<__half>(p, d);
+    else if (p.dtype == DIFFX_DTYPE_BFLOAT16) dequantise_cache<__nv_bfloat16>(p, d);
+    else dequantise_cache<float>(p, d);
+    return run(d);
+  }
+  switch (p.dtype) {
+    case DIFFX_DTYPE_FLOAT16: run_dtype<__half>(diffx::make_kernel_args(p)); break;
+    case DIFFX_DTYPE_BFLOAT16: run_dtype<__nv_bfloat16>(diffx::make_kernel_args(p)); break;
+    default: run_float32(p); break;
+  }
 }
 
 }  // namespace
@@ -142,10 +194,6 @@ extern "C" DIFFX_EMU_API int diffx_emulated_attention_forward(const DiffxAttenti
   if (status != DIFFX_OK) return status;
   if (diffx::kernel_path(*params) == diffx::KernelPath::kHopper)  // wgmma and TMA have no CPU emulation
     return diffx::record_error(DIFFX_ERR_NO_KERNEL_FOR_GPU, "the CPU emulator has no Hopper path: unset DIFFEXPORT_KERNEL_PATH");
-  switch (params->dtype) {
-    case DIFFX_DTYPE_FLOAT16: run_dtype<__half>(diffx::make_kernel_args(*params)); break;
-    case DIFFX_DTYPE_BFLOAT16: run_dtype<__nv_bfloat16>(diffx::make_kernel_args(*params)); break;
-    default: run_float32(*params); break;
-  }
+  run(*params);
   return DIFFX_OK;
 }

@@ -6,9 +6,10 @@
 // write past a tensor, the workspace or the mask is reported (memcheck's question), as is undefined
 // integer or shift arithmetic. tests/test_kernel_sanitized.py builds and runs it.
 //
-//   sanitize_cases CASE...   CASE = variant,heads,kv_heads,head_dim,causal,batch,q_len,kv_len,bits,dtype,masked
+//   sanitize_cases CASE...   CASE = variant,heads,kv_heads,head_dim,causal,batch,q_len,kv_len,bits,dtype,masked[,kv]
 //                            dtype 1 fp16, 2 bf16, 3 fp32 (converted inside); masked 1: row 0's first half of
-//                            keys are padding (op version 2)
+//                            keys are padding (op version 2); kv 1 or 2: an 8-bit KV cache of int8 or
+//                            e4m3 codes (DiffxKvFormat) with per-channel scales
 // Exit status 0 when every case ran and wrote finite outputs; 1 with a line saying which did not.
 #include <cmath>
 #include <cstdint>
@@ -55,12 +56,25 @@ struct Buffer {
 };
 
 struct Case {
-  int variant, heads, kv_heads, head_dim, causal, batch, q_len, kv_len, bits, dtype, masked;
+  int variant, heads, kv_heads, head_dim, causal, batch, q_len, kv_len, bits, dtype, masked, kv = 0;
 };
 
 bool parse(const char* text, Case& c) {
-  return std::sscanf(text, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &c.variant, &c.heads, &c.kv_heads, &c.head_dim,
-                     &c.causal, &c.batch, &c.q_len, &c.kv_len, &c.bits, &c.dtype, &c.masked) == 11;
+  const int fields = std::sscanf(text, "%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d,%d", &c.variant, &c.heads, &c.kv_heads,
+                                 &c.head_dim, &c.causal, &c.batch, &c.q_len, &c.kv_len, &c.bits, &c.dtype, &c.masked,
+                                 &c.kv);
+  return fields == 11 || fields == 12;
+}
+
+// An 8-bit cache's codes, exactly `count` bytes: int8 in -127..127, or e4m3 codes other than the NaN ones.
+std::vector<unsigned char> random_codes(size_t count, int kv, std::mt19937& rng) {
+  std::vector<unsigned char> codes(count);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& code : codes) {
+    do code = static_cast<unsigned char>(byte(rng));
+    while (kv == DIFFX_KV_INT8 ? code == 0x80 : (code & 0x7f) == 0x7f);
+  }
+  return codes;
 }
 
 // Runs one case; returns an empty string or what went wrong.
@@ -73,6 +87,12 @@ std::string run(const Case& c, std::mt19937& rng) {
   const int64_t o_width = c.heads * dv;
   Buffer q(size_t(c.batch) * c.q_len * q_width, c.dtype), k(size_t(c.batch) * c.kv_len * k_width, c.dtype),
       v(size_t(c.batch) * c.kv_len * v_width, c.dtype), out(size_t(c.batch) * c.q_len * o_width, c.dtype);
+  std::vector<unsigned char> k_codes, v_codes;
+  std::vector<float> k_scale(k_width, 0.02f), v_scale(v_width, 0.01f);
+  if (c.kv) {  // the codes replace key and value
+    k_codes = random_codes(size_t(c.batch) * c.kv_len * k_width, c.kv, rng);
+    v_codes = random_codes(size_t(c.batch) * c.kv_len * v_width, c.kv, rng);
+  }
   q.fill(rng, c.dtype, 0.f, 1.f);
   k.fill(rng, c.dtype, 0.3f, 1.f);  // an offset per key: what K-smoothing removes
   v.fill(rng, c.dtype, 0.f, 1.f);
@@ -101,6 +121,10 @@ std::string run(const Case& c, std::mt19937& rng) {
   p.dtype = c.dtype, p.variant = c.variant, p.batch = c.batch, p.q_len = c.q_len, p.kv_len = c.kv_len;
   p.num_heads = c.heads, p.num_kv_heads = c.kv_heads, p.head_dim = c.head_dim, p.causal = c.causal;
   p.norm = v1 ? 1 : 0, p.norm_eps = 1e-5f, p.output_scale = 0.8f, p.logit_bits = c.bits, p.smooth_k = 1;
+  if (c.kv) {
+    p.kv_format = c.kv, p.key = k_codes.data(), p.value = v_codes.data();
+    p.k_scale = k_scale.data(), p.v_scale = v_scale.data();
+  }
 
   const size_t workspace_bytes = diffx_attention_workspace_size(&p);
   void* workspace = nullptr;
@@ -122,7 +146,7 @@ std::string run(const Case& c, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s variant,heads,kv_heads,head_dim,causal,batch,q_len,kv_len,bits,dtype,masked ...\n",
+    std::fprintf(stderr, "usage: %s variant,heads,kv_heads,head_dim,causal,batch,q_len,kv_len,bits,dtype,masked[,kv] ...\n",
                  argv[0]);
     return 2;
   }
