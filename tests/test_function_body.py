@@ -167,3 +167,72 @@ def test_schema_is_registered_once_and_types_the_weight_fp32():
     allowed = {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints}
     assert allowed[weight.type_str] == ["tensor(float)"]
     assert set(schema.attributes) >= set(contract.ATTRIBUTE_NAMES) | {"plugin_namespace", "plugin_version"}
+
+
+KV_CODE_ELEM = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN}
+
+
+def kv_cache_model(attrs: DiffAttentionAttrs, style: str, fmt: str, dtype=torch.float32):
+    """One version-3 node (key and value an 8-bit cache's codes, with their scales) and its function."""
+    fn = function_body.build_function(style, kv_cache=True)
+    names = list(contract.KV_CACHE_INPUT_NAMES)
+    elem = {"norm_weight": TensorProto.FLOAT, "key_mask": TensorProto.INT64, "k_scale": TensorProto.FLOAT,
+            "v_scale": TensorProto.FLOAT, "key": KV_CODE_ELEM[fmt], "value": KV_CODE_ELEM[fmt]}
+    ranks = {"lambda_full": 1 if attrs.variant == 1 else 3, "norm_weight": 1, "key_mask": 2, "k_scale": 1, "v_scale": 1}
+    node = helper.make_node(contract.OP_NAME, names, ["output"], domain=contract.ONNX_DOMAIN,
+                            plugin_namespace=contract.PLUGIN_NAMESPACE,
+                            plugin_version=contract.KV_CACHE_PLUGIN_VERSION, **attrs.as_dict())
+    inputs = [helper.make_tensor_value_info(n, elem.get(n, ELEM[dtype]), [None] * ranks.get(n, 3)) for n in names]
+    graph = helper.make_graph([node], "diff_attention", inputs,
+                              [helper.make_tensor_value_info("output", ELEM[dtype], [None] * 3)])
+    model = helper.make_model(graph, functions=[fn], ir_version=10,
+                              opset_imports=[helper.make_opsetid("", fn.opset_import[0].version),
+                                             helper.make_opsetid(contract.ONNX_DOMAIN, contract.KV_CACHE_VERSION)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+@pytest.mark.parametrize("style", function_body.BODY_STYLES)
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("variant", [1, 2])
+def test_version_3_body_reads_an_8_bit_kv_cache(style, fmt, variant, rng):
+    """Version 3 in onnxruntime: key and value as int8 / float8e4m3fn codes, dequantised by their
+    per-channel scales, then version 2's math: the oracle on the values the codes stand for."""
+    from diffexport.core.kv_cache_codes import KvCacheScales, decode
+
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=8, causal=1,
+                               norm=int(variant == 1), output_scale=0.7 if variant == 1 else 1.0)
+    tensors = dict(zip(contract.INPUT_NAMES, make_inputs(attrs, 2, 3, 21, rng=rng)))
+    tensors["key_mask"] = padding_mask(2, 21, [4, 0])
+    scales = KvCacheScales.calibrate(tensors["key"], tensors["value"], fmt)
+    codes = {"key": scales.quantise_keys(tensors["key"]), "value": scales.quantise_values(tensors["value"])}
+    feeds = {**tensors, **codes, "k_scale": scales.k_scale, "v_scale": scales.v_scale}
+    session = ort.InferenceSession(kv_cache_model(attrs, style, fmt).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    # numpy has no float8: its codes travel as an ORT value built from the torch tensor's bytes
+    arrays = {n: feeds[n].numpy() if feeds[n].dtype != torch.float8_e4m3fn else
+              ort.OrtValue.ortvalue_from_numpy_with_onnx_type(feeds[n].view(torch.uint8).numpy(),
+                                                               TensorProto.FLOAT8E4M3FN)
+              for n in contract.KV_CACHE_INPUT_NAMES}
+    out = session.run(None, arrays)[0]
+    dequantised = {**tensors, "key": decode(codes["key"], scales.k_scale),
+                   "value": decode(codes["value"], scales.v_scale)}
+    ref = oracle(attrs, dequantised)
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    assert np.abs(out - oracle(attrs, tensors)).max() > 1e-5  # the codes, not the float cache, were read
+
+
+def test_version_3_schema_takes_codes_and_their_scales():
+    op_schema.register_schema()
+    v2 = onnx.defs.get_schema(contract.OP_NAME, contract.KEY_MASK_VERSION, contract.ONNX_DOMAIN)
+    v3 = onnx.defs.get_schema(contract.OP_NAME, contract.KV_CACHE_VERSION, contract.ONNX_DOMAIN)
+    assert [i.name for i in v3.inputs] == [i.name for i in v2.inputs] + ["k_scale", "v_scale"]
+    assert all(i.option == onnx.defs.OpSchema.FormalParameterOption.Single for i in v3.inputs)
+    allowed = {c.type_param_str: list(c.allowed_type_strs) for c in v3.type_constraints}
+    assert allowed[v3.inputs[1].type_str] == ["tensor(int8)", "tensor(float8e4m3fn)"]
+    assert v3.inputs[2].type_str == v3.inputs[1].type_str and allowed[v3.inputs[-1].type_str] == ["tensor(float)"]
+    from diffexport.core.errors import DiffExportError
+
+    with pytest.raises(DiffExportError, match="on an 8-bit KV cache needs opset >= 19, got 18"):
+        function_body.build_function("decomposed", opset=18, kv_cache=True)

@@ -373,6 +373,12 @@ const char* diffx_last_error(void) { return ""; }
 int diffx_attention_check(const DiffxAttentionParams* p) { (void)p; return 0; }
 size_t diffx_attention_workspace_size(const DiffxAttentionParams* p) { (void)p; return 0; }
 int diffx_attention_forward(const DiffxAttentionParams* p, void* s) { (void)p; (void)s; return 0; }
+#if FAKE_ABI >= 3
+int diffx_attention_plan(const DiffxAttentionParams* p, int* path, int* splits) {
+  (void)p, (void)path, (void)splits;
+  return 0;
+}
+#endif
 """
 
 
@@ -391,6 +397,11 @@ def test_an_older_build_opens_for_prefill_comparisons_only_when_its_params_agree
         pytest.skip(f"no C compiler here: {built.stderr[-300:]}")
     with pytest.raises(DiffExportError, match=f"has kernel ABI {abi}, this diffexport needs {kernels.ABI_VERSION}"):
         kernels.open_library(path)
+    if abi in kernels.FLOAT_CACHE_ABI_VERSIONS:  # ABI 3: its split-KV decode on a float cache, too
+        assert kernels.open_library(path, float_cache_only=True).diffx_abi_version() == abi
+    else:
+        with pytest.raises(DiffExportError, match=f"has kernel ABI {abi}"):
+            kernels.open_library(path, float_cache_only=True)
     if abi in kernels.PREFILL_ABI_VERSIONS:
         lib = kernels.open_library(path, prefill_only=True)
         assert lib.diffx_abi_version() == abi and lib.diffx_build_info() == b"archs=90a-real cuda=13.0 abi=older"

@@ -19,13 +19,15 @@ from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
 from oracle import diff_attention_oracle
 
 from diffexport.core.contract import DiffAttentionAttrs
+from diffexport.core.kv_cache_codes import KvCacheScales, decode
 from diffexport.core.quantization import LogitQuant
 from diffexport.kernel import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS_ENV, LIB_ENV = "DIFFEXPORT_PLUGIN_HARNESS", "DIFFEXPORT_PLUGIN_LIB"
 pytestmark = pytest.mark.plugin_harness  # the GPU campaign selects these with -m "gpu or plugin_harness"
-TYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bf16", torch.int64: "int64"}
+TYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bf16", torch.int64: "int64",
+              torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +85,14 @@ CASES = {
 }
 
 
-def write_case(folder: Path, attrs: DiffAttentionAttrs, tensors, bits: int, key_mask, min_q_len: int) -> Path:
-    lines = [f"version {2 if key_mask is not None else 1}"]
+def write_case(folder: Path, attrs: DiffAttentionAttrs, tensors, bits: int, key_mask, min_q_len: int,
+               kv_scales: tuple = ()) -> Path:
+    """The harness's case file; kv_scales (k_scale, v_scale): a version-3 node, key and value its codes."""
+    lines = [f"version {3 if kv_scales else 2 if key_mask is not None else 1}"]
     for name, value in attrs.as_dict().items():
         lines.append(f"field {name} {'f' if isinstance(value, float) else 'i'} {value!r}")
     lines.append(f"field logit_bits i {bits}")
-    for index, t in enumerate(list(tensors) + ([key_mask] if key_mask is not None else [])):
+    for index, t in enumerate(list(tensors) + ([key_mask] if key_mask is not None else []) + list(kv_scales)):
         t = t.contiguous()
         t.view(torch.uint8).numpy().tofile(folder / f"input{index}.bin")
         lines.append(f"input {index} {TYPE_NAMES[t.dtype]} {t.dim()} {' '.join(map(str, t.shape))} input{index}.bin")
@@ -147,3 +151,43 @@ def test_enqueue_matches_the_oracle(harness, name, tmp_path, rng):
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), mirror.double().flatten(), dim=0).item()
     assert err <= 2 * fp_err + 1e-3, f"vs mirrored quantisation: {err:.3e} > 2*{fp_err:.3e} + 1e-3"
     assert cos >= 0.999, f"cosine {cos:.6f} against the mirrored quantisation"
+
+
+# variant, heads, kv heads, head dim, batch, q_len, kv_len, dtype, cache format (version 3: key and
+# value an 8-bit cache's codes); a decoder's profile (the smallest query length 1)
+KV_CACHE_CASES = {
+    "v1-bf16-d128-decode-int8-cache": (1, 8, 2, 128, 2, 1, 1000, torch.bfloat16, "int8"),
+    "v2-fp16-d64-decode-fp8-cache": (2, 4, 4, 64, 2, 4, 333, torch.float16, "fp8"),
+    "v1-fp16-d64-prefill-int8-cache": (1, 4, 2, 64, 2, 40, 90, torch.float16, "int8"),  # dequantised first
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(KV_CACHE_CASES))
+def test_enqueue_reads_an_8_bit_kv_cache(harness, name, tmp_path, rng):
+    """Plugin version 3 (key and value an int8 / fp8 cache's codes, k_scale and v_scale): the build and
+    runtime phases and two enqueues, against the float64 oracle on the values the codes stand for."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    variant, heads, kv_heads, head_dim, batch, q_len, kv_len, dtype, fmt = KV_CACHE_CASES[name]
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.8)
+    cpu = list(make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng))
+    cache = KvCacheScales.calibrate(cpu[1], cpu[2], fmt)
+    codes = [cache.quantise_keys(cpu[1]), cache.quantise_values(cpu[2])]
+    key_mask = torch.ones(batch, kv_len, dtype=torch.int64)
+    key_mask[0, : kv_len // 3] = 0
+    exe, lib = harness
+    case = write_case(tmp_path, attrs, [cpu[0], *codes, *cpu[3:]], 16, key_mask, 1, (cache.k_scale, cache.v_scale))
+    done = run_harness(exe, lib, "run", case, tmp_path / "output.bin")
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
+    assert done.returncode == 0 and not failed, "\n".join(failed) or done.stderr
+    out = torch.from_numpy(np.fromfile(tmp_path / "output.bin", dtype=np.uint8)).view(dtype)
+    out = out.reshape(batch, q_len, heads * attrs.value_dim)
+    assert not out.isnan().any(), "output not fully written (0xFF poison left)"
+    dequantised = [cpu[0], decode(codes[0], cache.k_scale).to(dtype), decode(codes[1], cache.v_scale).to(dtype),
+                   *cpu[3:]]
+    q, k, v, lam, w = (t.double().numpy() for t in dequantised)
+    exact = torch.as_tensor(diff_attention_oracle(q, k, v, lam, w, key_mask.numpy(), **attrs.as_dict()))
+    baseline = lowprec_baseline(*[t.cuda() for t in dequantised], attrs, key_mask=key_mask.cuda()).cpu()
+    assert_close_lowprec(out, baseline, exact, f"plugin {name}", min_cosine=0.9999 if dtype == torch.float16 else 0.999)

@@ -502,7 +502,8 @@ def main() -> int:
     for spec in args.compare:
         name, _, path = spec.partition("=")
         try:
-            other_builds[name] = kernels.open_library(Path(path), prefill_only=not args.decode)
+            other_builds[name] = kernels.open_library(Path(path), prefill_only=not args.decode,
+                                                      float_cache_only=args.decode)
         except DiffExportError as exc:  # the table of this build still comes out
             print(f"--compare {name}: left out: {exc}", file=sys.stderr)
     if args.decode:

@@ -33,14 +33,18 @@ def render() -> str:
         f'constexpr char kPluginName[] = "{contract.PLUGIN_NAME}";',
         f'constexpr char kPluginVersion[] = "{contract.PLUGIN_VERSION}";',
         f'constexpr char kKeyMaskPluginVersion[] = "{contract.KEY_MASK_PLUGIN_VERSION}";  // op version 2: + key_mask',
+        f'constexpr char kKvCachePluginVersion[] = "{contract.KV_CACHE_PLUGIN_VERSION}";  '
+        "// op version 3: an 8-bit KV cache, + k_scale, v_scale",
         f'constexpr char kPluginNamespace[] = "{contract.PLUGIN_NAMESPACE}";',
         f'constexpr char kOnnxDomain[] = "{contract.ONNX_DOMAIN}";',
         "",
-        "// Inputs in contract order (the plugin's input indices); version 2 adds the optional ones.",
+        "// Inputs in contract order (the plugin's input indices); version 2 adds the optional key_mask,",
+        "// version 3 the 8-bit KV cache's scales (key and value are then its codes).",
         "enum InputIndex : int {",
     ]
-    lines += [f"  kInput_{t.name} = {i}," for i, t in enumerate(contract.ALL_INPUTS)]
-    lines += [f"  kNumInputs = {len(contract.INPUTS)},", f"  kNumInputsKeyMask = {len(contract.ALL_INPUTS)}", "};",
+    lines += [f"  kInput_{t.name} = {i}," for i, t in enumerate(contract.KV_CACHE_INPUTS)]
+    lines += [f"  kNumInputs = {len(contract.INPUTS)},", f"  kNumInputsKeyMask = {len(contract.ALL_INPUTS)},",
+              f"  kNumInputsKvCache = {len(contract.KV_CACHE_INPUTS)}", "};",
               f"constexpr int kNumOutputs = {len(contract.OUTPUTS)};",
               "", "enum class FieldKind { kInt, kFloat };", "",
               "struct FieldSpec {",

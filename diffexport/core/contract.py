@@ -32,6 +32,13 @@ PLUGIN_VERSION = "1"  # the plugin creator of op version 1 (five inputs)
 # Stamped on version-2 nodes: the plugin library registers a second creator under this version, whose
 # sixth input is key_mask (plugins/tensorrt/plugin_library.cpp).
 KEY_MASK_PLUGIN_VERSION = "2"
+# Version 3: version 2 read from an 8-bit KV cache (decoders whose cache is stored as int8 or float8
+# e4m3 codes, diffexport/core/kv_cache_codes.py): key and value hold the codes, and two more inputs
+# give their per-channel scales. Every input is present (key_mask included); the plugin registers a
+# third creator under this version.
+KV_CACHE_VERSION = 3
+KV_CACHE_PLUGIN_VERSION = "3"
+KV_CODE_TYPES = ("int8", "float8e4m3fn")  # ONNX element types of a version-3 node's key and value
 
 # The fused kernel library (plugins/kernels/diff_attention.h) and the TensorRT plugin over it take
 # a subset of the contract: these head dims. inspect, trt and the kernel binding read this one rule.
@@ -103,6 +110,13 @@ KEY_MASK = TensorSpec("key_mask", ("B", "Skv"), "1: key token present, 0: paddin
                       "absent: every key present. A query row that sees no key at all gets zeros",
                       optional=True, dtype="int64")
 OPTIONAL_INPUTS: tuple[TensorSpec, ...] = (KEY_MASK,)
+# Version 3 appends these (required there); key and value then take the code type "C".
+KV_SCALES: tuple[TensorSpec, ...] = (
+    TensorSpec("k_scale", ("Kw",), "version 3: float32 scale of each key channel (key = code * k_scale, "
+               "up to a per-channel shift no softmax sees)", dtype="float32"),
+    TensorSpec("v_scale", ("Hkv*Dv",), "version 3: float32 scale of each value channel (value = code * v_scale)",
+               dtype="float32"),
+)
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("output", ("B", "Sq", "H*Dv"), "diff-heads concatenated, ready for the output projection"),
 )
@@ -137,10 +151,15 @@ PLUGIN_SELECTOR_ATTRIBUTES = ("plugin_namespace", "plugin_version")
 INPUT_NAMES = tuple(t.name for t in INPUTS)  # version 1 (the plugin's inputs)
 ALL_INPUTS = INPUTS + OPTIONAL_INPUTS
 ALL_INPUT_NAMES = tuple(t.name for t in ALL_INPUTS)
+KV_CACHE_INPUTS = ALL_INPUTS + KV_SCALES  # version 3, in this order
+KV_CACHE_INPUT_NAMES = tuple(t.name for t in KV_CACHE_INPUTS)
 
 
-def op_version(has_key_mask: bool) -> int:
-    """The domain version a graph must import: 2 as soon as one node passes key_mask."""
+def op_version(has_key_mask: bool, kv_cache: bool = False) -> int:
+    """The domain version a graph must import: 2 as soon as one node passes key_mask, 3 when its
+    nodes read an 8-bit KV cache."""
+    if kv_cache:
+        return KV_CACHE_VERSION
     return KEY_MASK_VERSION if has_key_mask else OP_VERSION
 
 

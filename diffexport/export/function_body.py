@@ -38,6 +38,7 @@ from diffexport.core.errors import DiffExportError
 BODY_STYLES = ("decomposed", "attention")
 DEFAULT_BODY_STYLE = "decomposed"
 MIN_OPSET = {"decomposed": 18, "attention": 23}
+KV_CACHE_MIN_OPSET = 19  # version 3: DequantizeLinear of float8e4m3fn codes
 
 
 class _Body:
@@ -82,8 +83,9 @@ def _attribute_defaults() -> list[onnx.AttributeProto]:
     return protos
 
 
-def _common_prologue(b: _Body, attrs: DiffAttentionAttrs | None) -> dict[str, str]:
-    """Attributes (references, or constants when lowering one node), sizes and fp32 copies of the inputs."""
+def _common_prologue(b: _Body, attrs: DiffAttentionAttrs | None, kv_cache: bool = False) -> dict[str, str]:
+    """Attributes (references, or constants when lowering one node), sizes and fp32 copies of the inputs
+    (version 3: key and value dequantised from the cache's codes with their per-channel scales)."""
     if attrs is None:
         names = {a.name: b.attr_ref(a.name, a.kind) for a in contract.ATTRIBUTES if a.name != "variant"}
     else:
@@ -101,10 +103,14 @@ def _common_prologue(b: _Body, attrs: DiffAttentionAttrs | None) -> dict[str, st
     v["causal_off"] = b.op("Not", b.op("Cast", names["causal"], to=TensorProto.BOOL))
     for name in ("query", "key", "value", "lambda_full"):
         v[name] = b.op("Cast", name, to=TensorProto.FLOAT)
+    if kv_cache:  # code * scale[channel]; the scales are float32, so the result is too
+        v["key"] = b.op("DequantizeLinear", "key", "k_scale", axis=2)
+        v["value"] = b.op("DequantizeLinear", "value", "v_scale", axis=2)
     zero, one = b.const_ints([0]), b.const_ints([1])
     v["B"] = b.op("Slice", b.op("Shape", "query"), zero, one)
     v["Sq"] = b.op("Slice", b.op("Shape", "query"), one, b.const_ints([2]))
-    v["Skv"] = b.op("Slice", b.op("Shape", "key"), one, b.const_ints([2]))
+    # (version 3 asks the dequantised key: onnxruntime has no Shape kernel for float8 tensors)
+    v["Skv"] = b.op("Slice", b.op("Shape", v["key"] if kv_cache else "key"), one, b.const_ints([2]))
     return v
 
 
@@ -198,39 +204,44 @@ def _attention(b: _Body, v: dict[str, str]) -> None:
     _epilogue(b, v, diff)
 
 
-def _check_style(style: str, opset: int | None) -> int:
+def _check_style(style: str, opset: int | None, kv_cache: bool = False) -> int:
     if style not in BODY_STYLES:
         raise DiffExportError(f"unknown function body style {style!r}; choose one of {list(BODY_STYLES)}")
-    opset = MIN_OPSET[style] if opset is None else opset
-    if opset < MIN_OPSET[style]:
-        raise DiffExportError(f"the {style} function body needs opset >= {MIN_OPSET[style]}, got {opset}")
+    low = max(MIN_OPSET[style], KV_CACHE_MIN_OPSET if kv_cache else 0)
+    opset = low if opset is None else opset
+    if opset < low:
+        what = f"the {style} function body" + (" on an 8-bit KV cache" if kv_cache else "")
+        raise DiffExportError(f"{what} needs opset >= {low}, got {opset}")
     return opset
 
 
-def _input_names(key_mask: bool) -> list[str]:
+def _input_names(key_mask: bool, kv_cache: bool = False) -> list[str]:
+    if kv_cache:
+        return list(contract.KV_CACHE_INPUT_NAMES)
     return list(contract.ALL_INPUT_NAMES if key_mask else contract.INPUT_NAMES)
 
 
-def _body(b: _Body, style: str, attrs: DiffAttentionAttrs | None, key_mask: bool) -> None:
-    values = _common_prologue(b, attrs)
-    if key_mask:
+def _body(b: _Body, style: str, attrs: DiffAttentionAttrs | None, key_mask: bool, kv_cache: bool = False) -> None:
+    values = _common_prologue(b, attrs, kv_cache)
+    if key_mask or kv_cache:
         values["key_mask"] = "key_mask"
     (_decomposed if style == "decomposed" else _attention)(b, values)
 
 
 def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None,
-                   key_mask: bool = False) -> onnx.FunctionProto:
+                   key_mask: bool = False, kv_cache: bool = False) -> onnx.FunctionProto:
     """The FunctionProto `diffexport.DiffAttention` in the given body style, importing the model's
     default-domain opset (checkers require the function and the model to agree). key_mask=True:
-    the version-2 body with the sixth input (every node of such a model passes it)."""
-    opset = _check_style(style, opset)
+    the version-2 body with the sixth input (every node of such a model passes it); kv_cache=True:
+    the version-3 body, key and value an 8-bit cache's codes with k_scale and v_scale (opset >= 19)."""
+    opset = _check_style(style, opset, kv_cache)
     b = _Body()
-    _body(b, style, None, key_mask)
+    _body(b, style, None, key_mask, kv_cache)
     required = [a.name for a in contract.ATTRIBUTES if a.default is None]
-    version = contract.op_version(key_mask)
+    version = contract.op_version(key_mask, kv_cache)
     return helper.make_function(
         contract.ONNX_DOMAIN, contract.OP_NAME,
-        inputs=_input_names(key_mask), outputs=[t.name for t in contract.OUTPUTS], nodes=b.nodes,
+        inputs=_input_names(key_mask, kv_cache), outputs=[t.name for t in contract.OUTPUTS], nodes=b.nodes,
         opset_imports=[helper.make_opsetid("", opset)], attributes=required,
         attribute_protos=_attribute_defaults(),
         doc_string=f"DiffAttention v{version} in standard ONNX ops ({style} body); see docs/OP_SPEC.md",

@@ -31,6 +31,8 @@ ABI_VERSION = 4  # DIFFX_ABI_VERSION in plugins/kernels/diff_attention.h
 # fields after all others: for calls of more than DECODE_MAX_QUERY tokens on a float cache an ABI-2
 # or -3 build reads the same params, the prefix it knows (before/after timings of prefill).
 PREFILL_ABI_VERSIONS = (2, 3, 4)
+# ... and an ABI-3 build reads them for decode-sized calls too (its split-KV kernels), on a float cache.
+FLOAT_CACHE_ABI_VERSIONS = (3, 4)
 HEAD_DIMS = contract.KERNEL_HEAD_DIMS
 DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}  # float32: converted to fp16 inside
 MAX_INT8_BITS = 8  # logit_bits 2..8 run the INT8 kernel; 16 (or 0) = fp16/bf16 logits
@@ -99,11 +101,12 @@ def load_library() -> ctypes.CDLL:
     return open_library(path)
 
 
-def open_library(path: Path, *, prefill_only: bool = False) -> ctypes.CDLL:
+def open_library(path: Path, *, prefill_only: bool = False, float_cache_only: bool = False) -> ctypes.CDLL:
     """The kernel library at `path`, checked against this module's ABI (benchmarks compare builds
     with it; everything else goes through load_library). prefill_only: also an older build whose
     params are the same for calls of more than DECODE_MAX_QUERY tokens (PREFILL_ABI_VERSIONS), for
-    before/after timings of prefill; such a library has no diffx_attention_plan."""
+    before/after timings of prefill; such a library has no diffx_attention_plan. float_cache_only:
+    also an ABI-3 build, for before/after timings of decode on a float KV cache."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -113,10 +116,11 @@ def open_library(path: Path, *, prefill_only: bool = False) -> ctypes.CDLL:
     except AttributeError as exc:  # an older or foreign library
         raise DiffExportError(f"{path} lacks a kernel ABI function ({exc}): rebuild it from this checkout") from None
     abi = lib.diffx_abi_version()
-    if abi != ABI_VERSION and not (prefill_only and abi in PREFILL_ABI_VERSIONS):
+    if abi != ABI_VERSION and not (prefill_only and abi in PREFILL_ABI_VERSIONS
+                                   or float_cache_only and abi in FLOAT_CACHE_ABI_VERSIONS):
         raise DiffExportError(f"{path} has kernel ABI {abi}, this diffexport needs "
                               f"{ABI_VERSION}: rebuild the library from this checkout")
-    if abi == ABI_VERSION:
+    if abi >= 3:
         try:
             declare_plan(lib)
         except AttributeError as exc:

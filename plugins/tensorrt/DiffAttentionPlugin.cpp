@@ -74,6 +74,15 @@ DiffxAttentionParams base_params(const PluginConfig& config, const Dims& query, 
   return p;
 }
 
+// An 8-bit KV cache's code type (DiffxKvFormat), 0 for any other.
+int32_t kv_format_code(DataType type) {
+  switch (type) {
+    case DataType::kINT8: return DIFFX_KV_INT8;
+    case DataType::kFP8: return DIFFX_KV_FP8_E4M3;
+    default: return 0;
+  }
+}
+
 bool fits_int32(const Dims& d) {
   for (int i = 0; i < d.nbDims; ++i)
     if (d.d[i] > INT32_MAX) return false;
@@ -99,6 +108,10 @@ void log_error(const std::string& message) noexcept {
   }
 }
 
+const char* plugin_version(int op_version) noexcept {
+  return op_version == 3 ? c::kKvCachePluginVersion : op_version == 2 ? c::kKeyMaskPluginVersion : c::kPluginVersion;
+}
+
 void set_logger_finder(ILoggerFinder* finder) noexcept {
   std::lock_guard<std::mutex> lock(g_logger_mutex);
   if (finder) g_logger_finder = finder;
@@ -106,8 +119,9 @@ void set_logger_finder(ILoggerFinder* finder) noexcept {
 
 // ----------------------------------------------------------------------------------------- plugin
 
-DiffAttentionPlugin::DiffAttentionPlugin(const PluginConfig& config, bool key_mask)
-    : config_(config), key_mask_(key_mask), description_(config.describe() + (key_mask ? " key_mask" : "")),
+DiffAttentionPlugin::DiffAttentionPlugin(const PluginConfig& config, int op_version)
+    : config_(config), op_version_(op_version),
+      description_(config.describe() + (op_version == 3 ? " kv_cache" : op_version == 2 ? " key_mask" : "")),
       serialized_(config) {
   for (int32_t i = 0; i < serialized_.count(); ++i) {
     const RawField& f = serialized_.fields()[i];
@@ -118,7 +132,7 @@ DiffAttentionPlugin::DiffAttentionPlugin(const PluginConfig& config, bool key_ma
 }
 
 DiffAttentionPlugin::DiffAttentionPlugin(const DiffAttentionPlugin& other)
-    : DiffAttentionPlugin(other.config_, other.key_mask_) {
+    : DiffAttentionPlugin(other.config_, other.op_version_) {
   recorder_ = other.recorder_;
 }
 
@@ -149,8 +163,10 @@ IPluginV3* DiffAttentionPlugin::clone() noexcept {
 }
 
 const char* DiffAttentionPlugin::getPluginName() const noexcept { return c::kPluginName; }
-const char* DiffAttentionPlugin::getPluginVersion() const noexcept {
-  return key_mask_ ? c::kKeyMaskPluginVersion : c::kPluginVersion;
+const char* DiffAttentionPlugin::getPluginVersion() const noexcept { return plugin_version(op_version_); }
+
+int32_t DiffAttentionPlugin::num_inputs() const {
+  return op_version_ == 3 ? c::kNumInputsKvCache : op_version_ == 2 ? c::kNumInputsKeyMask : c::kNumInputs;
 }
 const char* DiffAttentionPlugin::getPluginNamespace() const noexcept { return c::kPluginNamespace; }
 
@@ -175,9 +191,14 @@ std::string DiffAttentionPlugin::check_shapes(const Dims* in, const Dims* out) c
     return v1 ? "lambda_full must be [1] for variant 1" : "lambda_full must be [batch, q_len, num_heads] for variant 2";
   if (w.nbDims != 1 || !same(w.d[0], Dv)) return "norm_weight must be [" + std::to_string(Dv) + "]";
   if (out && (out->nbDims != 3 || !same(out->d[2], H * Dv))) return "output must be [batch, seq, num_heads*Dv]";
-  if (key_mask_) {
+  if (has_key_mask()) {
     const Dims& m = in[c::kInput_key_mask];
     if (m.nbDims != 2 || !same(m.d[0], q.d[0]) || !same(m.d[1], k.d[1])) return "key_mask must be [batch, key length]";
+  }
+  if (kv_cache()) {
+    const Dims &ks = in[c::kInput_k_scale], &vs = in[c::kInput_v_scale];
+    if (ks.nbDims != 1 || !same(ks.d[0], (v1 ? 2 : 1) * Hkv * D)) return "k_scale must be [key width]";
+    if (vs.nbDims != 1 || !same(vs.d[0], Hkv * Dv)) return "v_scale must be [value width]";
   }
   return "";
 }
@@ -186,11 +207,14 @@ int32_t DiffAttentionPlugin::configurePlugin(const DynamicPluginTensorDesc* in, 
                                              const DynamicPluginTensorDesc* out, int32_t nbOutputs) noexcept {
   try {
     if (nbInputs != num_inputs() || nbOutputs != c::kNumOutputs || !in || !out) {
-      report(key_mask_ ? "version 2 expects 6 inputs (query, key, value, lambda_full, norm_weight, key_mask) and 1 output"
-                       : "expects 5 inputs (query, key, value, lambda_full, norm_weight) and 1 output");
+      report(op_version_ == 3 ? "version 3 expects 8 inputs (query, key, value, lambda_full, norm_weight, key_mask, "
+                                "k_scale, v_scale) and 1 output"
+             : op_version_ == 2 ? "version 2 expects 6 inputs (query, key, value, lambda_full, norm_weight, key_mask) "
+                                  "and 1 output"
+                                : "expects 5 inputs (query, key, value, lambda_full, norm_weight) and 1 output");
       return -1;
     }
-    Dims dims[c::kNumInputsKeyMask];
+    Dims dims[c::kNumInputsKvCache];
     for (int i = 0; i < num_inputs(); ++i) dims[i] = in[i].desc.dims;
     const std::string problem = check_shapes(dims, &out[0].desc.dims);
     if (!problem.empty()) {
@@ -238,7 +262,12 @@ bool DiffAttentionPlugin::supportsFormatCombination(int32_t pos, const DynamicPl
   if (desc.format != TensorFormat::kLINEAR) return false;
   if (pos == c::kInput_query) return dtype_code(desc.type) != 0;  // fp16, bf16, or fp32 (run in fp16)
   if (pos == c::kInput_norm_weight) return desc.type == DataType::kFLOAT;
-  if (key_mask_ && pos == c::kInput_key_mask) return desc.type == DataType::kINT64;
+  if (has_key_mask() && pos == c::kInput_key_mask) return desc.type == DataType::kINT64;
+  if (kv_cache()) {  // key and value: one code type (int8 or fp8 e4m3); their scales float32
+    if (pos == c::kInput_k_scale || pos == c::kInput_v_scale) return desc.type == DataType::kFLOAT;
+    if (pos == c::kInput_key) return kv_format_code(desc.type) != 0;
+    if (pos == c::kInput_value) return desc.type == inOut[c::kInput_key].desc.type;
+  }
   return desc.type == inOut[c::kInput_query].desc.type;  // key, value, lambda_full, output: query's type
 }
 
@@ -249,6 +278,7 @@ size_t DiffAttentionPlugin::getWorkspaceSize(const DynamicPluginTensorDesc* inpu
   if (!inputs || nbInputs != num_inputs()) return 0;
   DiffxAttentionParams p =
       base_params(config_, inputs[c::kInput_query].max, inputs[c::kInput_key].max, inputs[c::kInput_query].desc.type);
+  if (kv_cache()) p.kv_format = kv_format_code(inputs[c::kInput_key].desc.type);  // longer calls dequantise it
   size_t bytes = diffx_attention_workspace_size(&p);
   // Calls with few query tokens run the split-KV decode kernels, whose partial states need room
   // of their own: size it for the most decode rows the profile allows (the size only grows with
@@ -267,7 +297,7 @@ int32_t DiffAttentionPlugin::onShapeChange(const PluginTensorDesc* in, int32_t n
                                            int32_t nbOutputs) noexcept {
   try {
     if (!in || !out || nbInputs != num_inputs() || nbOutputs != c::kNumOutputs) return -1;
-    Dims dims[c::kNumInputsKeyMask];
+    Dims dims[c::kNumInputsKvCache];
     for (int i = 0; i < num_inputs(); ++i) dims[i] = in[i].dims;
     const std::string problem = check_shapes(dims, &out[0].dims);
     if (!problem.empty()) {
@@ -302,9 +332,14 @@ int32_t DiffAttentionPlugin::enqueue(const PluginTensorDesc* inputDesc, const Pl
     p.lambda_full = inputs[c::kInput_lambda_full];
     p.norm_weight = static_cast<const float*>(inputs[c::kInput_norm_weight]);
     p.output = outputs[0];
-    if (key_mask_) {  // [batch, key length] int64, contiguous
+    if (has_key_mask()) {  // [batch, key length] int64, contiguous
       p.key_mask = static_cast<const int64_t*>(inputs[c::kInput_key_mask]);
       p.mask_batch_stride = inputDesc[c::kInput_key_mask].dims.d[1];
+    }
+    if (kv_cache()) {  // key and value are the cache's codes (1 byte an element: the strides hold)
+      p.kv_format = kv_format_code(inputDesc[c::kInput_key].type);
+      p.k_scale = static_cast<const float*>(inputs[c::kInput_k_scale]);
+      p.v_scale = static_cast<const float*>(inputs[c::kInput_v_scale]);
     }
     const size_t need = diffx_attention_workspace_size(&p);
     if (need) {
@@ -339,7 +374,7 @@ const PluginFieldCollection* DiffAttentionPlugin::getFieldsToSerialize() noexcep
 
 // ---------------------------------------------------------------------------------------- creator
 
-DiffAttentionPluginCreator::DiffAttentionPluginCreator(bool key_mask) : key_mask_(key_mask) {
+DiffAttentionPluginCreator::DiffAttentionPluginCreator(int op_version) : op_version_(op_version) {
   for (int i = 0; i < c::kNumFields; ++i) {
     const bool is_int = c::kFields[i].kind == FieldKind::kInt;
     field_names_.emplace_back(c::kFields[i].name, nullptr, is_int ? PluginFieldType::kINT32 : PluginFieldType::kFLOAT32, 1);
@@ -373,7 +408,7 @@ IPluginV3* DiffAttentionPluginCreator::createPlugin(const char* name, const Plug
       log_error(layer + ": " + problem);
       return nullptr;
     }
-    return new DiffAttentionPlugin(config, key_mask_);
+    return new DiffAttentionPlugin(config, op_version_);
   } catch (...) {
     log_error("createPlugin failed");
     return nullptr;
@@ -382,9 +417,7 @@ IPluginV3* DiffAttentionPluginCreator::createPlugin(const char* name, const Plug
 
 const PluginFieldCollection* DiffAttentionPluginCreator::getFieldNames() noexcept { return &field_name_collection_; }
 const char* DiffAttentionPluginCreator::getPluginName() const noexcept { return c::kPluginName; }
-const char* DiffAttentionPluginCreator::getPluginVersion() const noexcept {
-  return key_mask_ ? c::kKeyMaskPluginVersion : c::kPluginVersion;
-}
+const char* DiffAttentionPluginCreator::getPluginVersion() const noexcept { return plugin_version(op_version_); }
 const char* DiffAttentionPluginCreator::getPluginNamespace() const noexcept { return c::kPluginNamespace; }
 
 }  // namespace diffx::trt

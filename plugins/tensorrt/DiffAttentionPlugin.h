@@ -17,8 +17,9 @@ class DiffAttentionPlugin final : public nvinfer1::IPluginV3,
                                   public nvinfer1::IPluginV3OneBuild,
                                   public nvinfer1::IPluginV3OneRuntime {
  public:
-  // key_mask: plugin version "2" (op version 2), whose sixth input is the int64 key padding mask.
-  DiffAttentionPlugin(const PluginConfig& config, bool key_mask);
+  // op_version: the plugin version's op version: 1 (five inputs), 2 (+ the int64 key padding mask),
+  // 3 (+ key_mask, k_scale, v_scale: key and value hold an 8-bit KV cache's int8 or fp8 codes).
+  DiffAttentionPlugin(const PluginConfig& config, int op_version);
   DiffAttentionPlugin(const DiffAttentionPlugin& other);
   DiffAttentionPlugin& operator=(const DiffAttentionPlugin&) = delete;
   ~DiffAttentionPlugin() override = default;
@@ -61,10 +62,12 @@ class DiffAttentionPlugin final : public nvinfer1::IPluginV3,
   // One line through the execution context's error recorder (runtime) and TensorRT's logger.
   void report(const std::string& message) const noexcept;
   std::string check_shapes(const nvinfer1::Dims* inputs, const nvinfer1::Dims* output) const;
-  int32_t num_inputs() const { return key_mask_ ? contract::kNumInputsKeyMask : contract::kNumInputs; }
+  int32_t num_inputs() const;
+  bool has_key_mask() const { return op_version_ >= 2; }
+  bool kv_cache() const { return op_version_ == 3; }
 
   PluginConfig config_;
-  bool key_mask_ = false;
+  int op_version_ = 1;
   std::string description_;  // timing-cache id / metadata: every field value
   SerializedFields serialized_;
   std::vector<nvinfer1::PluginField> fields_;
@@ -74,7 +77,7 @@ class DiffAttentionPlugin final : public nvinfer1::IPluginV3,
 
 class DiffAttentionPluginCreator final : public nvinfer1::IPluginCreatorV3One {
  public:
-  explicit DiffAttentionPluginCreator(bool key_mask);
+  explicit DiffAttentionPluginCreator(int op_version);
   nvinfer1::IPluginV3* createPlugin(const char* name, const nvinfer1::PluginFieldCollection* fc,
                                     nvinfer1::TensorRTPhase phase) noexcept override;
   const nvinfer1::PluginFieldCollection* getFieldNames() noexcept override;
@@ -85,8 +88,11 @@ class DiffAttentionPluginCreator final : public nvinfer1::IPluginCreatorV3One {
  private:
   std::vector<nvinfer1::PluginField> field_names_;
   nvinfer1::PluginFieldCollection field_name_collection_{};
-  bool key_mask_ = false;
+  int op_version_ = 1;
 };
+
+// The plugin version string of an op version (1, 2 or 3).
+const char* plugin_version(int op_version) noexcept;
 
 // Logs an error through the logger TensorRT handed to setLoggerFinder (stderr before that).
 void log_error(const std::string& message) noexcept;

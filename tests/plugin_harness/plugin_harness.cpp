@@ -172,7 +172,7 @@ bool load(const char* path, ILoggerFinder* finder, Library* lib) {
   set_finder(finder);
   int32_t n = -1;
   IPluginCreatorInterface* const* list = get_creators(n);
-  check(list && n == 2, "getCreators lists 2 creators (versions 1 and 2), got " + std::to_string(n));
+  check(list && n == 3, "getCreators lists 3 creators (versions 1, 2 and 3), got " + std::to_string(n));
   for (int32_t i = 0; list && i < n; ++i) {
     const InterfaceInfo info = list[i]->getInterfaceInfo();
     const bool v3 = info.kind && std::strcmp(info.kind, "PLUGIN CREATOR_V3ONE") == 0 && info.major == 1;
@@ -181,7 +181,7 @@ bool load(const char* path, ILoggerFinder* finder, Library* lib) {
   }
   int32_t again = -1;
   check(get_creators(again) == list && again == n, "a second getCreators hands the same creators");
-  return lib->creators.size() == 2;
+  return lib->creators.size() == 3;
 }
 
 IPluginCreatorV3One* creator_for(const Library& lib, const std::string& version) {
@@ -335,8 +335,9 @@ bool expect_refused(IPluginCreatorV3One* creator, Fields fields, RecordingLogger
 void api_checks(const Library& lib, RecordingLogger& log) {
   IPluginCreatorV3One* c1 = creator_for(lib, "1");
   IPluginCreatorV3One* c2 = creator_for(lib, "2");
-  check(c1 && c2, "creators DiffAttention/1 and DiffAttention/2 in namespace diffexport");
-  if (!c1 || !c2) return;
+  IPluginCreatorV3One* c3 = creator_for(lib, "3");
+  check(c1 && c2 && c3, "creators DiffAttention/1, /2 and /3 in namespace diffexport");
+  if (!c1 || !c2 || !c3) return;
 
   const PluginFieldCollection* names = c1->getFieldNames();
   std::string listed;
@@ -606,6 +607,45 @@ void api_checks(const Library& lib, RecordingLogger& log) {
       delete v2;
     }
   }
+
+  // Version 3: eight inputs, key and value an 8-bit cache's codes (int8 or fp8, the same for both),
+  // k_scale [key width] and v_scale [value width] float32.
+  {
+    Fields f = v1_fields(4, 2, 64);
+    IPluginV3* v3 = c3->createPlugin("harness_layer", f.collection(), TensorRTPhase::kBUILD);
+    check(v3 != nullptr && std::string(capabilities(v3).core->getPluginVersion()) == "3", "version 3 plugin");
+    if (v3) {
+      IPluginV3OneBuild* b = capabilities(v3).build;
+      Shapes s = v1_shapes(DataType::kBF16, 2, 1, 40, true);
+      s.in[1].type = s.in[2].type = DataType::kINT8;
+      s.in.push_back(desc(dims({2 * 2 * 64}), DataType::kFLOAT));
+      s.in.push_back(desc(dims({2 * 128}), DataType::kFLOAT));
+      std::vector<DynamicPluginTensorDesc> in;
+      for (auto& t : s.in) in.push_back(dynamic(t, t.dims, t.dims));
+      DynamicPluginTensorDesc out = dynamic(s.out, s.out.dims, s.out.dims);
+      in.push_back(out);
+      bool all = true;
+      for (int pos = 0; pos <= 8; ++pos) all = all && b->supportsFormatCombination(pos, in.data(), 8, 1);
+      check(all, "version 3: int8 key and value, float32 scales accepted at every position");
+      in[1].desc.type = in[2].desc.type = DataType::kFP8;
+      check(b->supportsFormatCombination(1, in.data(), 8, 1) && b->supportsFormatCombination(2, in.data(), 8, 1),
+            "version 3: fp8 key and value accepted");
+      in[2].desc.type = DataType::kINT8;
+      check(!b->supportsFormatCombination(2, in.data(), 8, 1), "version 3: a value of another code type refused");
+      in[1].desc.type = DataType::kBF16;
+      check(!b->supportsFormatCombination(1, in.data(), 8, 1), "version 3: a bf16 key refused (codes only)");
+      in[1].desc.type = DataType::kINT8;
+      in[6].desc.type = DataType::kHALF;
+      check(!b->supportsFormatCombination(6, in.data(), 8, 1), "version 3: an fp16 k_scale refused");
+      in[6].desc.type = DataType::kFLOAT;
+      check(b->configurePlugin(in.data(), 8, &out, 1) == 0, "version 3: configurePlugin");
+      check(b->getWorkspaceSize(in.data(), 8, &out, 1) > 0, "version 3: a decode call's workspace");
+      in[6].desc.dims = dims({128});
+      check(b->configurePlugin(in.data(), 8, &out, 1) != 0, "version 3: a k_scale narrower than the key refused");
+      check(b->configurePlugin(in.data(), 6, &out, 1) != 0, "version 3: 6 inputs refused");
+      delete v3;
+    }
+  }
   delete plugin;
 }
 
@@ -617,7 +657,8 @@ struct Tensor {
   std::vector<char> host;
   void* device = nullptr;
   size_t bytes() const {
-    size_t n = type == DataType::kFLOAT ? 4 : type == DataType::kINT64 ? 8 : 2;
+    size_t n = type == DataType::kFLOAT ? 4 : type == DataType::kINT64 ? 8
+               : type == DataType::kINT8 || type == DataType::kFP8 ? 1 : 2;
     for (int i = 0; i < shape.nbDims; ++i) n *= size_t(shape.d[i]);
     return n;
   }
@@ -628,6 +669,8 @@ bool parse_type(const std::string& name, DataType* type) {
   else if (name == "half") *type = DataType::kHALF;
   else if (name == "bf16") *type = DataType::kBF16;
   else if (name == "int64") *type = DataType::kINT64;
+  else if (name == "int8") *type = DataType::kINT8;  // an 8-bit KV cache's codes (version 3)
+  else if (name == "fp8") *type = DataType::kFP8;
   else return false;
   return true;
 }

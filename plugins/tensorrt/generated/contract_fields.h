@@ -6,10 +6,12 @@ namespace diffx::contract {
 constexpr char kPluginName[] = "DiffAttention";
 constexpr char kPluginVersion[] = "1";
 constexpr char kKeyMaskPluginVersion[] = "2";  // op version 2: + key_mask
+constexpr char kKvCachePluginVersion[] = "3";  // op version 3: an 8-bit KV cache, + k_scale, v_scale
 constexpr char kPluginNamespace[] = "diffexport";
 constexpr char kOnnxDomain[] = "diffexport";
 
-// Inputs in contract order (the plugin's input indices); version 2 adds the optional ones.
+// Inputs in contract order (the plugin's input indices); version 2 adds the optional key_mask,
+// version 3 the 8-bit KV cache's scales (key and value are then its codes).
 enum InputIndex : int {
   kInput_query = 0,
   kInput_key = 1,
@@ -17,8 +19,11 @@ enum InputIndex : int {
   kInput_lambda_full = 3,
   kInput_norm_weight = 4,
   kInput_key_mask = 5,
+  kInput_k_scale = 6,
+  kInput_v_scale = 7,
   kNumInputs = 5,
-  kNumInputsKeyMask = 6
+  kNumInputsKeyMask = 6,
+  kNumInputsKvCache = 8
 };
 constexpr int kNumOutputs = 1;
 
