@@ -105,8 +105,8 @@ def test_the_budget_adds_the_cache_to_the_weights():
 
 def test_refusals(artifacts, tmp_path):
     diffattention = artifacts.decoder("diff-v1-gqa")  # a DiffAttention folder: no GroupQueryAttention cache
-    cases = [
-        ((diffattention, "-o", tmp_path / "a", "--kv-cache", "int8", "--calib", "synthetic"),
+    cases = [  # (--kv-cache alone on a DiffAttention folder is tests/test_diff_kv_cache.py's)
+        ((diffattention, "-o", tmp_path / "a", "--weights", "int4", "--kv-cache", "int8", "--calib", "synthetic"),
          "has none: export the folder with `diffexport onnx CKPT --kv-cache`"),
         ((artifacts.decoder("diff-v1-gqa", "gqa"), "-o", tmp_path / "b", "--kv-cache", "int8"),
          "--kv-cache int8 needs calibration data"),

@@ -35,7 +35,7 @@ from diffexport.format import decoder_folder, decoders, names
 from diffexport.format.decoder_folder import read_decoder_folder
 from diffexport.format.metadata import read_export_metadata
 from diffexport.format.metadata_keys import ATTENTION, DTYPE, KV_CACHE, stored_metadata
-from diffexport.format.nodes import is_diff_attention, node_attrs, plugin_selectors
+from diffexport.format.nodes import is_diff_attention, node_attrs, plugin_selectors, reads_kv_cache_codes
 from diffexport.passes.cleanup import cleanup
 from diffexport.passes.lowering import lower_diff_attention
 
@@ -97,13 +97,14 @@ def has_key_mask(node: onnx.NodeProto) -> bool:
     return len(node.input) > len(contract.INPUTS) and bool(node.input[len(contract.INPUTS)])
 
 
-def load_plugin(trt, path: Path, key_mask: bool = False) -> None:
+def load_plugin(trt, path: Path, key_mask: bool = False, kv_cache: bool = False) -> None:
     """Load the plugin library into TensorRT's registry and make sure our creators are there
-    (version 2, for nodes with key_mask, when the graph has such nodes)."""
+    (version 2, for nodes with key_mask, and 3, for nodes on an 8-bit cache, when the graph has such nodes)."""
     registry = trt.get_plugin_registry()
     if not registry.load_library(str(path)):
         raise DiffExportError(f"TensorRT could not load the plugin library {path}")
-    versions = [contract.PLUGIN_VERSION] + ([contract.KEY_MASK_PLUGIN_VERSION] if key_mask else [])
+    versions = ([contract.PLUGIN_VERSION] + ([contract.KEY_MASK_PLUGIN_VERSION] if key_mask else [])
+                + ([contract.KV_CACHE_PLUGIN_VERSION] if kv_cache else []))
     for version in versions:
         if registry.get_creator(contract.PLUGIN_NAME, version, contract.PLUGIN_NAMESPACE) is None:
             raise DiffExportError(f"{path} holds no {contract.PLUGIN_NAMESPACE}::{contract.PLUGIN_NAME} "
@@ -196,7 +197,10 @@ def prepare_graph(model: onnx.ModelProto, options: EngineOptions) -> tuple[onnx.
         node.attribute.extend(keep)
         # Every plugin-only field is written, also at its default: the parser warns about creator
         # fields a node lacks.
-        selectors = plugin_selectors(has_key_mask(node))
+        if reads_kv_cache_codes(node) and options.logit_bits < 16:
+            raise DiffExportError("--int8/--logit-bits do not combine with an 8-bit KV cache (its per-channel key "
+                                  "scales do not factor out of an integer Q.K): build this folder without them")
+        selectors = plugin_selectors(has_key_mask(node), reads_kv_cache_codes(node))
         node.attribute.extend([*(onnx.helper.make_attribute(name, value) for name, value in selectors.items()),
                                onnx.helper.make_attribute("logit_bits", options.logit_bits),
                                onnx.helper.make_attribute("smooth_k", int(options.smooth_k))])
@@ -357,8 +361,9 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
                               f"{options.precision}")
     graph, n_attention = prepare_graph(model, options)
     if options.attention == "plugin":
-        key_mask = any(has_key_mask(n) for n in graph.graph.node if n.op_type == contract.OP_NAME)
-        load_plugin(trt, find_plugin_library(options.plugin_lib), key_mask)
+        attention = [n for n in graph.graph.node if n.op_type == contract.OP_NAME]
+        load_plugin(trt, find_plugin_library(options.plugin_lib), any(map(has_key_mask, attention)),
+                    any(map(reads_kv_cache_codes, attention)))
 
     logger = _collecting_logger(trt)
     builder = trt.Builder(logger)

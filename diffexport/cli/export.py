@@ -15,6 +15,7 @@ from diffexport.format import decoders  # light too: the decoder formats' regist
 demo = lazy_import("diffexport.report.demo")
 decoder_export = lazy_import("diffexport.export.decoder")
 decoder_formats = lazy_import("diffexport.passes.decoder_formats")
+diff_kv_cache = lazy_import("diffexport.passes.diff_kv_cache")
 export_package = lazy_import("diffexport.export")
 exporter = lazy_import("diffexport.export.exporter")
 inspect_onnx = lazy_import("diffexport.validation.inspect_onnx")
@@ -123,8 +124,9 @@ def quantized_output(model: str, recipe: str) -> Path:
 def cmd_quantize(args) -> int:
     """Quantise an export: INT4/INT8 MatMulNBits weights for ONNX Runtime and onnxruntime-genai (--weights), or a
     calibrated INT8/FP8 Q/DQ graph for TensorRT (--qdq)."""
+    cache_alone = bool(args.kv_cache and args.weights is None and not args.qdq and diff_kv_cache.takes(args.model))
     if args.output is None:
-        args.output = quantized_output(args.model, f"qdq-{args.qdq}" if args.qdq else
+        args.output = quantized_output(args.model, f"qdq-{args.qdq}" if args.qdq else "kv8" if cache_alone else
                                        (args.weights or "int4") + ("-kv8" if args.kv_cache else ""))
     if args.qdq:
         given = [flag for flag, value in (("--weights", args.weights), ("--block-size", args.block_size),
@@ -139,6 +141,18 @@ def cmd_quantize(args) -> int:
         print("\n".join(qdq.quantize_qdq(args.model, args.output, options).lines()))
         return 0
 
+    if cache_alone:
+        given = [flag for flag, value in (("--block-size", args.block_size), ("--method", args.method),
+                                          ("--asymmetric", args.asymmetric or None),
+                                          ("--accuracy-level", args.accuracy_level)) if value is not None]
+        if given:
+            raise DiffExportError(f"{', '.join(given)} belong to weight-only quantisation (--weights); a "
+                                  "DiffAttention folder's --kv-cache quantises its cache alone")
+        options = diff_kv_cache.KvCacheOptions(format=args.kv_cache, calib=args.calib, tokenizer=args.tokenizer,
+                                               samples=args.calib_samples, seq_len=args.calib_seq_len, seed=args.seed,
+                                               force=args.force)
+        print("\n".join(diff_kv_cache.quantize_kv_cache(args.model, args.output, options).lines()))
+        return 0
     options = weight_quant.WeightQuantOptions(bits=int((args.weights or "int4").removeprefix("int")),
                                  block_size=32 if args.block_size is None else args.block_size,
                                  method=args.method or "rtn", symmetric=not args.asymmetric,
@@ -235,8 +249,10 @@ def _quantize_arguments(p: argparse.ArgumentParser) -> None:
                    help="--weights: MatMulNBits compute type: 4 = int8 activations, ONNX Runtime's fast CPU "
                         "path (default); 0 = its default (fp32)")
     p.add_argument("--kv-cache", choices=["int8"],
-                   help="with --weights, on a gqa folder (the CPU default): GroupQueryAttention's cache as int8, "
-                        "one calibrated scale per channel (needs --calib); a quarter of a float32 cache's bytes")
+                   help="the cache as int8, one calibrated scale per channel (needs --calib): on a gqa folder (the "
+                        "CPU default) with --weights, GroupQueryAttention's cache; alone, on a DiffAttention folder "
+                        "(--attention diffattention, for TensorRT), op version 3, whose plugin reads the codes "
+                        "(half an fp16 cache's bytes)")
     p.add_argument("--qdq", choices=["int8", "fp8"],
                    help="instead: a calibrated Q/DQ graph for TensorRT (weights and matmul activations)")
     p.add_argument("--calib", metavar="TEXTFILE|synthetic",

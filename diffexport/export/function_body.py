@@ -249,12 +249,12 @@ def build_function(style: str = DEFAULT_BODY_STYLE, opset: int | None = None,
 
 
 def build_specialised_function(attrs: DiffAttentionAttrs, style: str, opset: int, domain: str,
-                               name: str, key_mask: bool = False) -> onnx.FunctionProto:
+                               name: str, key_mask: bool = False, kv_cache: bool = False) -> onnx.FunctionProto:
     """The body for ONE node with its attributes as constants: what the lowering pass inlines for
     runtimes without function support (constant folding then removes the attribute plumbing)."""
-    opset = _check_style(style, opset)
+    opset = _check_style(style, opset, kv_cache)
     b = _Body()
-    _body(b, style, attrs, key_mask)
-    return helper.make_function(domain, name, inputs=_input_names(key_mask),
+    _body(b, style, attrs, key_mask, kv_cache)
+    return helper.make_function(domain, name, inputs=_input_names(key_mask, kv_cache),
                                 outputs=[t.name for t in contract.OUTPUTS],
                                 nodes=b.nodes, opset_imports=[helper.make_opsetid("", opset)], attributes=[])

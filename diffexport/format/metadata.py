@@ -122,7 +122,7 @@ def check_export_metadata(meta: dict[str, str], path) -> ExportMetadata:
         raise DiffExportError(f"{path}: its diffexport metadata is not a mapping of strings")
     if meta.get(DTYPE) not in DTYPES:
         raise DiffExportError(f"{path} declares an unknown dtype {meta.get(DTYPE)!r}")
-    known = (contract.OP_VERSION, contract.KEY_MASK_VERSION)
+    known = (contract.OP_VERSION, contract.KEY_MASK_VERSION, contract.KV_CACHE_VERSION)
     if meta.get(OP_VERSION, str(contract.OP_VERSION)) not in map(str, known):
         raise DiffExportError(f"{path} declares DiffAttention op version {meta[OP_VERSION]!r}; this diffexport "
                               f"knows {', '.join(map(str, known))} (upgrade diffexport, or re-export)")

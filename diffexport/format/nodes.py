@@ -14,12 +14,18 @@ from diffexport.core.errors import DiffExportError
 PLUGIN_FIELDS = contract.PLUGIN_SELECTOR_ATTRIBUTES + tuple(a.name for a in contract.PLUGIN_ONLY_ATTRIBUTES)
 
 
-def plugin_selectors(key_mask: bool) -> dict[str, str]:
-    """What every writer of a DiffAttention node (the export, fusion, TensorRT's preparation)
-    stamps on it for TensorRT's ONNX parser to pick our plugin: the namespace, and the plugin
-    version that takes key_mask (KV-cache decoders) or not."""
-    version = contract.KEY_MASK_PLUGIN_VERSION if key_mask else contract.PLUGIN_VERSION
+def plugin_selectors(key_mask: bool, kv_cache: bool = False) -> dict[str, str]:
+    """What every writer of a DiffAttention node (the export, fusion, TensorRT's preparation, the
+    8-bit cache pass) stamps on it for TensorRT's ONNX parser to pick our plugin: the namespace, and
+    the plugin version that takes key_mask (KV-cache decoders) or not, or an 8-bit cache (version 3)."""
+    version = (contract.KV_CACHE_PLUGIN_VERSION if kv_cache else
+               contract.KEY_MASK_PLUGIN_VERSION if key_mask else contract.PLUGIN_VERSION)
     return dict(zip(contract.PLUGIN_SELECTOR_ATTRIBUTES, (contract.PLUGIN_NAMESPACE, version)))
+
+
+def reads_kv_cache_codes(node: onnx.NodeProto) -> bool:
+    """A version-3 DiffAttention node: it has all eight inputs (key and value an 8-bit cache's codes)."""
+    return len(node.input) == len(contract.KV_CACHE_INPUTS) and all(node.input)
 
 
 def is_diff_attention(node: onnx.NodeProto) -> bool:

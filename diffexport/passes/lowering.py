@@ -46,15 +46,18 @@ def lower_diff_attention(model: onnx.ModelProto, style: str = "decomposed") -> L
         inputs = list(node.input)
         while len(inputs) > len(contract.INPUTS) and not inputs[-1]:  # trailing empty = optional input absent
             inputs.pop()
-        if len(inputs) not in (len(contract.INPUTS), len(contract.ALL_INPUTS)) or not all(inputs):
+        counts = (len(contract.INPUTS), len(contract.ALL_INPUTS), len(contract.KV_CACHE_INPUTS))
+        if len(inputs) not in counts or not all(inputs):
             raise DiffExportError(f"DiffAttention node {node.name or index} has inputs {list(node.input)}; "
                                   f"the contract needs {list(contract.INPUT_NAMES)} "
-                                  f"(version 2: + {[t.name for t in contract.OPTIONAL_INPUTS]})")
+                                  f"(version 2: + {[t.name for t in contract.OPTIONAL_INPUTS]}, version 3: + "
+                                  f"{[t.name for t in contract.KV_SCALES]} too)")
         del node.input[:]
         node.input.extend(inputs)
         name = f"DiffAttention_{index}"
-        key_mask = len(inputs) == len(contract.ALL_INPUTS)
-        model.functions.append(build_specialised_function(attrs, style, opset, _LOWERED_DOMAIN, name, key_mask))
+        key_mask, kv_cache = len(inputs) >= len(contract.ALL_INPUTS), len(inputs) == len(contract.KV_CACHE_INPUTS)
+        model.functions.append(build_specialised_function(attrs, style, opset, _LOWERED_DOMAIN, name, key_mask,
+                                                          kv_cache))
         del node.attribute[:]
         node.op_type, node.domain = name, _LOWERED_DOMAIN
         selected.append((_LOWERED_DOMAIN, name))
