@@ -410,14 +410,19 @@ def publish_decode(record: dict, write: bool) -> None:
     print(f"wrote {benchdoc.write_section('fused-attention-decode', body)}", file=sys.stderr)
 
 
-def profile_decode_launches(kv_len: int) -> None:
+def profile_decode_launches(kv_len: int, kv_cache: str | None = None) -> None:
     """Launches for Nsight Compute: 3 warm-up decode steps then the profiled one (bf16, d=128,
-    Sq=1, batch 4, 16 diff-heads over 4 kv groups)."""
+    Sq=1, batch 4, 16 diff-heads over 4 kv groups); kv_cache: the same keys and values as an 8-bit
+    cache of that format."""
     kernels.load_library()
     attrs = DiffAttentionAttrs(variant=1, num_heads=16, num_kv_heads=4, head_dim=128, causal=1)
-    inputs = random_inputs(attrs, 4, 1, kv_len, torch.bfloat16, kv_len)
+    q, k, v, lam, w = random_inputs(attrs, 4, 1, kv_len, torch.bfloat16, kv_len)
+    kv_scales = None
+    if kv_cache:
+        scales = KvCacheScales.calibrate(k, v, kv_cache)
+        k, v, kv_scales = scales.quantise_keys(k), scales.quantise_values(v), (scales.k_scale, scales.v_scale)
     for _ in range(4):
-        kernels.diff_attention(*inputs, attrs)
+        kernels.diff_attention(q, k, v, lam, w, attrs, kv_scales=kv_scales)
     torch.cuda.synchronize()
 
 
@@ -469,6 +474,8 @@ def main() -> int:
                         help="--profile: 8 launches INT8 logits (K pre-pass kernels, then the attention kernel)")
     parser.add_argument("--profile-decode", type=int, metavar="KEYS",
                         help="only launch the split-KV decode kernel 4 times against KEYS keys (for ncu)")
+    parser.add_argument("--profile-kv-cache", choices=KV_CACHE_FORMATS,
+                        help="--profile-decode: the keys and values as an 8-bit KV cache of this format")
     parser.add_argument("--render", type=Path, metavar="JSON", help="print (or --write) the tables of a saved --json "
                                                                     "run")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/BENCHMARKS.md")
@@ -495,7 +502,7 @@ def main() -> int:
         profile_launches(args.profile, args.profile_lib, args.profile_logit_bits)
         return 0
     if args.profile_decode:
-        profile_decode_launches(args.profile_decode)
+        profile_decode_launches(args.profile_decode, args.profile_kv_cache)
         return 0
     kernels.load_library()
     other_builds = {}

@@ -401,7 +401,9 @@ def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
         rows.append((label, f"{spread(speed)}, >= {KV8_TARGET}x in {fast} of {len(speed)}; cosine {min(cosines):.5f} "
                             "at worst",
                      f"cosine {'yes' if min(cosines) >= COSINE_TARGET else 'no'}, "
-                     f"speed {'yes' if fast == len(speed) else 'no'}", ""))
+                     f"speed {'yes' if fast == len(speed) else 'no'}",
+                     profile_facts("split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys") if fmt == "int8"
+                     else ""))
     pytest_log = read(folder / "pytest.log")
     counts = harness_counts(pytest_log) if pytest_log else {}
     rows.append(("4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine)",

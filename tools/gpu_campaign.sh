@@ -272,6 +272,18 @@ part_profile() {
   else
     echo "--- split-KV decode profile FAILED" >> "$OUT_DIR/profile.txt"
   fi
+  # The same call on an int8 KV cache (issue 62 item 2): the codes read, converted in registers.
+  if timed 120 10 "profile (decode, int8 cache)" ncu --clock-control none --set full --kernel-name regex:diff_attention_decode \
+      --launch-skip 6 --launch-count 2 -f -o /tmp/profile-decode-kv8 "$PY" tools/bench_attention.py --profile-decode 32768 \
+      --profile-kv-cache int8 > /dev/null 2>&1; then
+    ncu --import /tmp/profile-decode-kv8.ncu-rep --page details 2>&1 |
+      awk '/Context/ && /diff_attention_decode_merge_kernel/ { print "--- split-KV decode merge kernel on an int8 KV cache, Sq=1, 32768 keys" }
+           /Context/ && /diff_attention_decode_kernel/ { print "--- split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys" } { print }' |
+      grep -E "^---|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size|Issue Slots Busy|Executed Ipc A" \
+      >> "$OUT_DIR/profile.txt"
+  else
+    echo "--- split-KV decode profile on an int8 KV cache FAILED" >> "$OUT_DIR/profile.txt"
+  fi
   # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
   if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper)" ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
