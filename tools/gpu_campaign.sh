@@ -250,6 +250,24 @@ part_decode() {
   return $rc
 }
 
+# profile_decode WHAT NAME [BENCH ARGS...]: one split-KV decode call at 32k keys under Nsight Compute,
+# its two kernels' details as the sections "split-KV decode [merge] kernel<WHAT>, Sq=1, 32768 keys".
+profile_decode() {
+  local what=$1 name=$2
+  shift 2
+  if timed 120 10 "profile ($name)" ncu --clock-control none --set full --kernel-name regex:diff_attention_decode \
+      --launch-skip 6 --launch-count 2 -f -o "/tmp/profile-$name" "$PY" tools/bench_attention.py --profile-decode 32768 \
+      "$@" > /dev/null 2>&1; then
+    ncu --import "/tmp/profile-$name.ncu-rep" --page details 2>&1 |
+      awk -v what="$what" '/Context/ && /diff_attention_decode_merge_kernel/ { print "--- split-KV decode merge kernel" what ", Sq=1, 32768 keys" }
+           /Context/ && /diff_attention_decode_kernel/ { print "--- split-KV decode kernel" what ", Sq=1, 32768 keys" } { print }' |
+      grep -E "^---|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size|Issue Slots Busy|Executed Ipc A" \
+      >> "$OUT_DIR/profile.txt"
+  else
+    echo "--- split-KV decode profile$what FAILED" >> "$OUT_DIR/profile.txt"
+  fi
+}
+
 part_profile() {
   # One launch of the mma.sync kernel at N=4096 (bf16, d=128, non-causal), the clocks left as they
   # are (auto would take the Hopper path on sm_90, profiled below).
@@ -261,29 +279,10 @@ part_profile() {
   { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
     >> "$OUT_DIR/profile.txt"
   # One split-KV decode call (bf16, d=128, Sq=1, 32k keys), both of its kernels (the split kernel,
-  # then the merge): how close to DRAM bandwidth, and how much of the call each kernel takes.
-  if timed 120 10 "profile (decode)" ncu --clock-control none --set full --kernel-name regex:diff_attention_decode --launch-skip 6 \
-      --launch-count 2 -f -o /tmp/profile-decode "$PY" tools/bench_attention.py --profile-decode 32768 > /dev/null 2>&1; then
-    ncu --import /tmp/profile-decode.ncu-rep --page details 2>&1 |
-      awk '/Context/ && /diff_attention_decode_merge_kernel/ { print "--- split-KV decode merge kernel, Sq=1, 32768 keys" }
-           /Context/ && /diff_attention_decode_kernel/ { print "--- split-KV decode kernel, Sq=1, 32768 keys" } { print }' |
-      grep -E "^---|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size" \
-      >> "$OUT_DIR/profile.txt"
-  else
-    echo "--- split-KV decode profile FAILED" >> "$OUT_DIR/profile.txt"
-  fi
-  # The same call on an int8 KV cache (issue 62 item 2): the codes read, converted in registers.
-  if timed 120 10 "profile (decode, int8 cache)" ncu --clock-control none --set full --kernel-name regex:diff_attention_decode \
-      --launch-skip 6 --launch-count 2 -f -o /tmp/profile-decode-kv8 "$PY" tools/bench_attention.py --profile-decode 32768 \
-      --profile-kv-cache int8 > /dev/null 2>&1; then
-    ncu --import /tmp/profile-decode-kv8.ncu-rep --page details 2>&1 |
-      awk '/Context/ && /diff_attention_decode_merge_kernel/ { print "--- split-KV decode merge kernel on an int8 KV cache, Sq=1, 32768 keys" }
-           /Context/ && /diff_attention_decode_kernel/ { print "--- split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys" } { print }' |
-      grep -E "^---|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size|Issue Slots Busy|Executed Ipc A" \
-      >> "$OUT_DIR/profile.txt"
-  else
-    echo "--- split-KV decode profile on an int8 KV cache FAILED" >> "$OUT_DIR/profile.txt"
-  fi
+  # then the merge): how close to DRAM bandwidth, and how much of the call each kernel takes; then
+  # the same call on an int8 KV cache (issue 62 item 2: the codes read, converted in registers).
+  profile_decode "" decode
+  profile_decode " on an int8 KV cache" decode-kv8 --profile-kv-cache int8
   # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
   if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper)" ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
