@@ -90,3 +90,15 @@ def test_refusals(artifacts, v1_folder, tmp_path):
     out = cli_main("quantize", v1_folder, "-o", tmp_path / "y", "--kv-cache", "int8")
     assert out.returncode == 2 and "needs calibration data" in out.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_trt_rtx_builds_the_int8_cache_folder_natively(kv8, tmp_path):
+    """TensorRT's parser and builder take the int8 cache's graph (QuantizeLinear per channel, int8
+    Concat and network I/O, the lowered version-3 body): TensorRT-RTX builds it on the CPU. (The
+    plugin path needs TensorRT and a GPU: the plugin harness's version-3 cases.)"""
+    pytest.importorskip("tensorrt_rtx")
+    engine = tmp_path / "kv8.engine"
+    result = cli_main("trt", kv8, "-o", engine, "--attention", "native", "--builder", "tensorrt-rtx",
+                      "--max", "2x64", "--max-past", "256")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "DiffAttention nodes -> native" in result.stdout and engine.stat().st_size > 0
