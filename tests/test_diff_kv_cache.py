@@ -52,6 +52,8 @@ def test_the_folder_holds_version_3_nodes_on_an_int8_cache(artifacts, v1_folder,
     assert json.loads(meta[stored_key(KV_CACHE_QUANT)])["format"] == "int8"
     scales = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name.startswith("kv_cache.")}
     assert all(np.isfinite(v).all() and (v > 0).all() for k, v in scales.items() if k.endswith(".scale"))
+    inspected = cli_main("inspect", kv8)
+    assert inspected.returncode == 0 and "plugin_version=3" in inspected.stdout  # (head_dim 16: no plugin here)
 
 
 def test_the_folder_matches_eager_pytorch_within_the_int8_cache_budget(kv8, v1_ckpt):

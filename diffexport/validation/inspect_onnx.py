@@ -64,6 +64,7 @@ def _runtimes(nodes: list[dict], functions: set, plugin_nodes: int, contrib: lis
                             f"DiffAttention plugin (namespace {contract.PLUGIN_NAMESPACE}, version "
                             f"{', '.join(versions)}"
                             f"{' with key_mask' if contract.KEY_MASK_PLUGIN_VERSION in versions else ''}"
+                            f"{' on an 8-bit KV cache' if contract.KV_CACHE_PLUGIN_VERSION in versions else ''}"
                             f", libdiffexport_plugins.so); "
                             + ("TensorRT >= 10.7 picks it over the function body, 10.1-10.6 import the body "
                                "instead: use `diffexport trt` or the graph its --save-onnx writes"
