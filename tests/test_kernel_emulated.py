@@ -426,11 +426,12 @@ KV_CASES = [  # format, variant, head dim, GQA ratio, heads, batch, q_len, kv_le
 
 
 def cache_of(inputs, fmt, smooth_k=True):
-    """The inputs with key and value replaced by their codes, the scales, and the dequantised inputs."""
+    """The inputs with key and value replaced by their codes, the scales, and the dequantised inputs
+    (key and value in float32: what the codes stand for, not rounded to the query's dtype)."""
     q, k, v, lam, w = inputs
     scales = KvCacheScales.calibrate(k, v, fmt, smooth_k=smooth_k)
     k_codes, v_codes = scales.quantise_keys(k), scales.quantise_values(v)
-    dequantised = (q, decode(k_codes, scales.k_scale).to(q.dtype), decode(v_codes, scales.v_scale).to(q.dtype), lam, w)
+    dequantised = (q, decode(k_codes, scales.k_scale), decode(v_codes, scales.v_scale), lam, w)
     return (q, k_codes, v_codes, lam, w), (scales.k_scale, scales.v_scale), dequantised
 
 
@@ -519,3 +520,22 @@ def test_kv_cache_params_are_checked(emulator, rng):
     assert kernels.kv_cache_reason(k_codes, v_codes.view(torch.float8_e4m3fn), kv_scales).startswith("an 8-bit")
     assert kernels.kv_cache_reason(k_codes, v_codes, kv_scales) is None
     assert kernels.kv_cache_reason(*inputs[1:3], None) is None
+
+
+def test_emulated_kv_cache_folds_a_large_query_in_fp16_range(emulator, rng):
+    """The 8-bit cache's Q.K^T runs on fp16 operands: a folded query (q x k_scale) past fp16's range
+    is divided by a power of two and the logits multiplied back. The same call with q x 4096 and the
+    logit scale / 4096 (the same logits, a folded query of about 1e5, beyond fp16's 65504: inf, then
+    NaN, without the fold's alpha) gives the same output."""
+    attrs = DiffAttentionAttrs(variant=2, num_heads=2, num_kv_heads=1, head_dim=64, causal=1, norm=0)
+    q, k, v, lam, w = make_inputs(attrs, 1, 2, 100, dtype=torch.bfloat16, rng=rng)
+    k = (k + torch.linspace(-1, 1, 64) * 900).to(torch.bfloat16)  # large per-channel offsets: large k_scale
+    codes, kv_scales, dequantised = cache_of((q, k, v, lam, w), "int8", smooth_k=False)
+    big = (q.float() * 4096).to(torch.bfloat16)  # exact: a power of two
+    assert (big.float().unflatten(-1, (-1, 64)) * kv_scales[0]).abs().max() > 65504  # V2, one kv head: every map
+    scaled = DiffAttentionAttrs(**{**attrs.as_dict(), "scale": attrs.effective_scale / 4096})
+    out = emulate(emulator, codes, attrs, kv_scales=kv_scales)
+    out_big = emulate(emulator, (big, *codes[1:]), scaled, kv_scales=kv_scales)
+    assert torch.isfinite(out_big).all()
+    assert cosine(out_big, out) >= 0.9999, cosine(out_big, out)
+    assert cosine(out_big, oracle(dequantised, attrs)) >= min_cosine(torch.bfloat16)

@@ -319,15 +319,14 @@ def test_decode_reads_an_8_bit_kv_cache(fmt, dtype, variant, head_dim, ratio, q_
     cpu[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))  # per-channel offsets: what smoothing removes
     scales = KvCacheScales.calibrate(cpu[1], cpu[2], fmt)
     k_codes, v_codes = scales.quantise_keys(cpu[1]), scales.quantise_values(cpu[2])
-    dequantised = [cpu[0], decode(k_codes, scales.k_scale).to(dtype), decode(v_codes, scales.v_scale).to(dtype),
-                   *cpu[3:]]
+    dequantised = [cpu[0], decode(k_codes, scales.k_scale), decode(v_codes, scales.v_scale), *cpu[3:]]  # float32
     inputs = [cpu[0].cuda(), k_codes.cuda(), v_codes.cuda(), cpu[3].cuda(), cpu[4].cuda()]
     kv_scales = (scales.k_scale.cuda(), scales.v_scale.cuda())
     out = torch.full((2, q_len, attrs.num_heads * attrs.value_dim), POISON, dtype=dtype, device="cuda")
     assert kernels.kernel_plan(kernels.make_params(*inputs, out, attrs, kv_scales=kv_scales))[0] == "split-kv"
     kernels.diff_attention(*inputs, attrs, kv_scales=kv_scales, out=out)
     assert not out.isnan().any(), "output not fully written (poison left)"
-    baseline = lowprec_baseline(*[t.cuda() for t in dequantised], attrs).cpu()
+    baseline = lowprec_baseline(*[t.to(dtype).cuda() for t in dequantised[:4]], dequantised[4].cuda(), attrs).cpu()
     assert_close_lowprec(out.cpu(), baseline, oracle(dequantised, attrs), f"{fmt} cache", min_cosine=min_cosine(dtype))
     exact = torch.as_tensor(oracle(cpu, attrs), dtype=torch.float64)
     cos = torch.nn.functional.cosine_similarity(out.cpu().double().flatten(), exact.flatten(), dim=0).item()

@@ -185,9 +185,9 @@ def test_enqueue_reads_an_8_bit_kv_cache(harness, name, tmp_path, rng):
     out = torch.from_numpy(np.fromfile(tmp_path / "output.bin", dtype=np.uint8)).view(dtype)
     out = out.reshape(batch, q_len, heads * attrs.value_dim)
     assert not out.isnan().any(), "output not fully written (0xFF poison left)"
-    dequantised = [cpu[0], decode(codes[0], cache.k_scale).to(dtype), decode(codes[1], cache.v_scale).to(dtype),
-                   *cpu[3:]]
+    dequantised = [cpu[0], decode(codes[0], cache.k_scale), decode(codes[1], cache.v_scale), *cpu[3:]]  # float32
     q, k, v, lam, w = (t.double().numpy() for t in dequantised)
     exact = torch.as_tensor(diff_attention_oracle(q, k, v, lam, w, key_mask.numpy(), **attrs.as_dict()))
-    baseline = lowprec_baseline(*[t.cuda() for t in dequantised], attrs, key_mask=key_mask.cuda()).cpu()
+    baseline = lowprec_baseline(*[t.to(dtype).cuda() for t in dequantised[:4]], dequantised[4].cuda(), attrs,
+                                key_mask=key_mask.cuda()).cpu()
     assert_close_lowprec(out, baseline, exact, f"plugin {name}", min_cosine=0.9999 if dtype == torch.float16 else 0.999)

@@ -32,6 +32,8 @@
 
 #include <math.h>
 
+#include <type_traits>
+
 #include "diff_attention_fwd.cuh"
 #include "kv_codes.cuh"
 
@@ -122,33 +124,64 @@ __device__ __forceinline__ void load_code_tiles(char* sK, char* sV, const Kernel
   load_tile_async<kBlockN, DV>(sV, src, p.v_row_stride, p.kv_len - n_start, tid);
 }
 
-// An 8-bit cache: both maps' Q tiles (landed, swizzled) multiplied in place by their key head's
-// channel scales over kv_code_unit (K's scales folded into Q: S = sum_c (q_c s_c) code_c), and the
-// channels of each 16-wide k-step reordered to match the key fragments that ldmatrix reads from
-// the code tiles: there a lane's register holds channels 4t..4t+3 of its key, so the Q position
-// the mma pairs with channel pair (4t, 4t+1) is 2t and with (4t+2, 4t+3) it is 8 + 2t.
+// Q.K^T of an 8-bit cache runs on fp16 operands whatever T is: the codes become fp16 pairs in a
+// few integer ops (kv_codes.cuh), where bf16 pairs would cost float arithmetic per code.
+// Q's largest entry after the fold is kept at most this big (fp16's range is 65504).
+constexpr float kFoldedQueryMax = 16384.f;
+
+// An 8-bit cache: both maps' Q tiles (landed, swizzled, in T) rewritten in place as fp16. Each
+// channel is multiplied by its key head's scale over kv_code_unit (K's scales folded into Q:
+// S = sum_c (q_c s_c) code_c), and the channels of each 16-wide k-step are reordered to match the
+// key fragments that ldmatrix reads from the code tiles: there a lane's register holds channels
+// 4t..4t+3 of its key, so the Q position the mma pairs with channel pair (4t, 4t+1) is 2t and with
+// (4t+2, 4t+3) it is 8 + 2t. Where a map's folded Q would pass kFoldedQueryMax it is divided by a
+// power of two alpha, returned per map; the logits are S * alpha, exactly. All threads call it
+// (it synchronises); `reduce` holds a float per warp.
 template <typename T, int D, bool V1>
-__device__ __forceinline__ void fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
-                                                           int tid) {
-  constexpr int kChunks = D / 8, kGroups = D / 16;
-  for (int item = tid; item < 2 * kDecodeRows * kGroups; item += kThreads) {
-    const int map = item / (kDecodeRows * kGroups), row = item / kGroups % kDecodeRows, group = item % kGroups;
+__device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
+                                                            float* reduce, int tid, int map_of_thread) {
+  constexpr int kChunks = D / 8, kGroups = D / 16, kItems = 2 * kDecodeRows * kGroups;
+  static_assert(kItems <= kThreads && (kDecodeRows * kGroups) % 32 == 0, "one item a thread; a warp's items in one map");
+  const int item = tid, map = item / (kDecodeRows * kGroups), row = item / kGroups % kDecodeRows, group = item % kGroups;
+  float q[16];
+  T* lo = nullptr;
+  T* hi = nullptr;
+  float largest = 0.f;
+  if (item < kItems) {
     const float* scale = args.p.k_scale + (V1 ? 2 * g + map : g) * D + group * 16;
-    T* lo = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group) * 16);
-    T* hi = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
-    float q[16];
+    lo = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group) * 16);
+    hi = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      q[j] = to_float(lo[j]);
-      q[8 + j] = to_float(hi[j]);
+      q[j] = to_float(lo[j]) * (scale[j] / args.kv_code_unit);
+      q[8 + j] = to_float(hi[j]) * (scale[8 + j] / args.kv_code_unit);
+      largest = fmaxf(largest, fmaxf(fabsf(q[j]), fabsf(q[8 + j])));
     }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+  if ((tid & 31) == 0) reduce[tid >> 5] = largest;
+  __syncthreads();
+  float alpha[2] = {1.f, 1.f};
+  constexpr int kWarpsPerFoldMap = kDecodeRows * kGroups / 32;
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    float most = 0.f;
+    for (int w = 0; w < kWarpsPerFoldMap; ++w) most = fmaxf(most, reduce[m * kWarpsPerFoldMap + w]);
+    while (most > kFoldedQueryMax * alpha[m]) alpha[m] *= 2.f;  // a power of two: exact to undo
+  }
+  // (selects, not alpha[map]: a runtime index would put the pair in local memory)
+  const float mine = map == 0 ? alpha[0] : alpha[1];
+  if (item < kItems) {
 #pragma unroll
     for (int j = 0; j < 16; j += 2) {  // position j (pairs j, j+1) takes channel 4t + 2*(j >= 8) (and the next)
       const int t = (j & 7) >> 1, c = 4 * t + 2 * (j >> 3);
-      const uint32_t pair = pack2(q[c] * (scale[c] / args.kv_code_unit), q[c + 1] * (scale[c + 1] / args.kv_code_unit), T());
+      const uint32_t pair = pack2(q[c] / mine, q[c + 1] / mine, __half());
       *reinterpret_cast<uint32_t*>(j < 8 ? lo + j : hi + (j - 8)) = pair;
     }
   }
+  __syncthreads();  // the tiles are rewritten, and `reduce` may be used again
+  return map_of_thread == 0 ? alpha[0] : alpha[1];
 }
 
 template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0>
@@ -208,11 +241,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     cp_async_commit();
   }
 
+  float qk_alpha = 1.f;     // an 8-bit cache: logits = alpha * (folded Q, fp16) . codes
   if constexpr (KV != 0) {  // Q lands with the first tile (before the accumulators are live: fewer registers)
     cp_async_wait_group<STAGES - 2>();
     __syncthreads();
-    fold_key_scales_into_query<T, D, Fwd::kV1>(sQ, Cfg::kQTileBytes, args, g, tid);
-    __syncthreads();
+    qk_alpha = fold_key_scales_into_query<T, D, Fwd::kV1>(sQ, Cfg::kQTileBytes, args, g, reduce, tid, map);
   }
   float q_scale = 1.f;
   if constexpr (INT8) {
@@ -221,7 +254,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     q_scale = quantise_q_tile<T, D, kDecodeRows>(sQ + map * Cfg::kQTileBytes, sQ8 + map * Cfg::kQ8TileBytes,
                                                  args.qmax, reduce, tid, map);
   }
-  const float scale_log2 = args.scale * kLog2e;
+  // In this CTA the logits are kept as S' = S / qk_alpha (an 8-bit cache's folded Q, else alpha 1):
+  // the exponent's scale takes alpha instead, and the parts written for the merge are in raw logit units.
+  const float scale_log2 = args.scale * kLog2e * qk_alpha;
   const int key_head = Fwd::kV1 ? 2 * g + map : g;
   const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
 
@@ -286,8 +321,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         for (int half = 0; half < 2; ++half) {
           uint32_t a[4];
           ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
-          mma_16816(s[0], a, code_pair<T, KV, 0, 1>(bf[half]), code_pair<T, KV, 2, 3>(bf[half]), T());
-          mma_16816(s[1], a, code_pair<T, KV, 0, 1>(bf[2 + half]), code_pair<T, KV, 2, 3>(bf[2 + half]), T());
+          mma_16816(s[0], a, code_pair<KV, 0, 1>(bf[half]), code_pair<KV, 2, 3>(bf[half]), __half());
+          mma_16816(s[1], a, code_pair<KV, 0, 1>(bf[2 + half]), code_pair<KV, 2, 3>(bf[2 + half]), __half());
         }
       }
     } else {
@@ -330,12 +365,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
 
     online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // this warp's partial state
 
-    // O += P V over this warp's 16 keys (one k-step of 16).
+    // O += P V over this warp's 16 keys (one k-step of 16); on an 8-bit cache P in fp16 (values in [0, 1]).
+    using PType = std::conditional_t<KV != 0, __half, T>;
     uint32_t a[4];
-    a[0] = pack2(s[0][0], s[0][1], T());
-    a[1] = pack2(s[0][2], s[0][3], T());
-    a[2] = pack2(s[1][0], s[1][1], T());
-    a[3] = pack2(s[1][2], s[1][3], T());
+    a[0] = pack2(s[0][0], s[0][1], PType());
+    a[1] = pack2(s[0][2], s[0][3], PType());
+    a[2] = pack2(s[1][0], s[1][1], PType());
+    a[3] = pack2(s[1][2], s[1][3], PType());
     if constexpr (KV != 0) {
       // Value codes through ldmatrix .trans as b16 pairs: register i of lane (gq, tq) holds keys
       // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
@@ -348,8 +384,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         ldmatrix_x4_trans(r, sV(stage) + swizzled_chunk<kVChunks8>(k0 + (mi & 1) * 8 + (lane & 7), gp * 2 + (mi >> 1)) * 16);
 #pragma unroll
         for (int G = 0; G < 2; ++G) {
-          mma_16816(acc_o[4 * gp + 2 * G], a, code_pair<T, KV, 0, 2>(r[2 * G]), code_pair<T, KV, 0, 2>(r[2 * G + 1]), T());
-          mma_16816(acc_o[4 * gp + 2 * G + 1], a, code_pair<T, KV, 1, 3>(r[2 * G]), code_pair<T, KV, 1, 3>(r[2 * G + 1]), T());
+          mma_16816(acc_o[4 * gp + 2 * G], a, code_pair<KV, 0, 2>(r[2 * G]), code_pair<KV, 0, 2>(r[2 * G + 1]), __half());
+          mma_16816(acc_o[4 * gp + 2 * G + 1], a, code_pair<KV, 1, 3>(r[2 * G]), code_pair<KV, 1, 3>(r[2 * G + 1]), __half());
         }
       }
     } else {
@@ -443,7 +479,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   const int map_tid = tid % (kWarpsPerMap * 32);
   if (map_tid < rows) {
     const int64_t state = part_index(args, b, h0 + map_tid / p.q_len, map, part) + map_tid % p.q_len;
-    *reinterpret_cast<float2*>(args.part_ml + state * 2) = map_state(map_tid);
+    float2 ml = map_state(map_tid);
+    ml.x *= qk_alpha;  // raw logit units (-inf stays -inf)
+    *reinterpret_cast<float2*>(args.part_ml + state * 2) = ml;
   }
   constexpr int kQuads = DV / 4;
   for (int i = map_tid; i < rows * kQuads; i += kWarpsPerMap * 32) {

@@ -3,12 +3,10 @@
 //
 // In the split-KV decode kernel the code tiles stay in shared memory as they were loaded (half the
 // bytes of an fp16 tile) and ldmatrix reads them as if they were b16 elements: each 32-bit register
-// then holds four codes, which code_pair turns into two fp16/bf16 pairs. The pairs are exactly
+// then holds four codes, which code_pair turns into two fp16 pairs. The pairs are exactly
 // code x kv_code_unit (int8: the code; e4m3: the value x 2^-8, see below), so the per-channel
 // scales never enter the loop: K's fold into Q once per CTA, V's onto the output in the merge.
 #pragma once
-
-#include <type_traits>
 
 #include "convert.cuh"
 #include "diff_attention.h"
@@ -20,8 +18,6 @@ constexpr int kKvInt8 = DIFFX_KV_INT8;
 constexpr int kKvFp8 = DIFFX_KV_FP8_E4M3;
 
 #ifdef DIFFX_EMULATE
-inline float bits_as_float(uint32_t b) { return diffx_emu::bits_to_float(b); }
-inline uint32_t float_as_bits(float f) { return diffx_emu::float_to_bits(f); }
 inline float fp16_bits_to_float(uint32_t h) { return diffx_emu::half_to_float(uint16_t(h)); }
 // Two fp16 subtractions on packed pairs (the GPU's HSUB2); exact for the integers used here.
 inline uint32_t hsub2_bits(uint32_t a, uint32_t b) {
@@ -36,8 +32,6 @@ inline uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
   return out;
 }
 #else
-__device__ __forceinline__ float bits_as_float(uint32_t b) { return __uint_as_float(b); }
-__device__ __forceinline__ uint32_t float_as_bits(float f) { return __float_as_uint(f); }
 __device__ __forceinline__ float fp16_bits_to_float(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 __device__ __forceinline__ uint32_t hsub2_bits(uint32_t a, uint32_t b) {
   __half2 d = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
@@ -48,9 +42,6 @@ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s
 }
 #endif
 
-template <typename T>
-constexpr bool kIsHalf = std::is_same_v<T, __half>;
-
 // e4m3 bits shifted into an fp16 (sign to bit 15, exponent and mantissa to bits 7-13): fp16's
 // exponent bias is 8 above e4m3's and both have subnormals, so this is the code's value x 2^-8 for
 // every code, exactly (0x7f/0xff, NaN in e4m3, read as +-480 x 2^-8: a cache writer never stores them).
@@ -58,34 +49,20 @@ __device__ __forceinline__ uint32_t e4m3_to_fp16_bits(uint32_t code) {
   return ((code & 0x80u) << 8) | ((code & 0x7fu) << 7);
 }
 
-// Codes I and J (bytes of `word`) as a packed T pair, I in the low half: code x kv_code_unit, exact.
-// A few integer ops a pair (PRMT places the bytes), so the loop stays at the memory bound.
-template <typename T, int FMT, int I, int J>
+// Codes I and J (bytes of `word`) as a packed fp16 pair, I in the low half: code x kv_code_unit,
+// exact. A few integer ops a pair (PRMT places the bytes), so the loop stays at the memory bound;
+// the decode kernel runs its 8-bit-cache mmas on fp16 whatever the model's dtype.
+template <int FMT, int I, int J>
 __device__ __forceinline__ uint32_t code_pair(uint32_t word) {
   if constexpr (FMT == kKvInt8) {
-    const uint32_t biased = word ^ 0x80808080u;  // code + 128, as unsigned bytes
-    if constexpr (kIsHalf<T>) {
-      // 0x64 above each biased byte is the fp16 1024 + 128 + code; one HSUB2 of 1152 (0x6480)
-      // leaves the code.
-      return hsub2_bits(byte_perm(biased, 0x64646464u, I | (4 << 4) | (J << 8) | (5 << 12)), 0x64806480u);
-    } else {
-      // The float 2^23 + 128 + code, minus 2^23 + 128; a code has at most 8 significant bits, so
-      // the float's upper half is its bf16, exactly.
-      const float fi = bits_as_float(byte_perm(biased, 0x4B000000u, I | (5 << 4) | (6 << 8) | (7 << 12))) - 8388736.f;
-      const float fj = bits_as_float(byte_perm(biased, 0x4B000000u, J | (5 << 4) | (6 << 8) | (7 << 12))) - 8388736.f;
-      return byte_perm(float_as_bits(fi), float_as_bits(fj), 0x7632u);
-    }
+    // 0x64 above each biased byte (code + 128) is the fp16 1024 + 128 + code; one HSUB2 of 1152
+    // (0x6480) leaves the code.
+    return hsub2_bits(byte_perm(word ^ 0x80808080u, 0x64646464u, I | (4 << 4) | (J << 8) | (5 << 12)), 0x64806480u);
   } else {
     static_assert(FMT == kKvFp8, "int8 or e4m3 codes");
     // Code I to bits 8-15 and J to bits 24-31, then each shifted into its fp16 (e4m3_to_fp16_bits).
     const uint32_t placed = byte_perm(word, 0u, 4 | (I << 4) | (4 << 8) | (J << 12));
-    const uint32_t h = (placed & 0x80008000u) | ((placed & 0x7f007f00u) >> 1);
-    if constexpr (kIsHalf<T>) {
-      return h;
-    } else {  // through float, exact (4 significant bits, within bf16's range)
-      return byte_perm(float_as_bits(fp16_bits_to_float(h & 0xffffu)), float_as_bits(fp16_bits_to_float(h >> 16)),
-                       0x7632u);
-    }
+    return (placed & 0x80008000u) | ((placed & 0x7f007f00u) >> 1);
   }
 }
 
