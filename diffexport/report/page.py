@@ -187,7 +187,7 @@ def _check_section(report: Report) -> str:
                                                 f"cosine {worst.cosine:.7f}")))
     if "greedy" in measures:
         agree, total = measures["greedy"]
-        judged = _verdict(agree == total) if measures.get("greedy_judged") else "(reported: quantised weights)"
+        judged = _verdict(agree == total) if measures.get("greedy_judged") else "(reported: a quantised model)"
         rows.append(("greedy tokens == eager", f"{agree}/{total} steps {judged}"))
     if "transformers_greedy" in measures:
         rows.append(("transformers generate() == eager", _verdict(measures["transformers_greedy"])))

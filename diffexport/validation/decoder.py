@@ -161,7 +161,7 @@ def decode_check(runner: DecoderRunner, subject: str, where: str, short: str, co
     ties = np.stack(near_ties, 1) if near_ties else np.zeros_like(eager_tokens, dtype=bool)
     parted = (eager_tokens != runner_tokens) & ~ties
     tokens_ok = not parted.any() or budget is not None
-    verdict = "(reported: quantised weights)" if budget is not None else ("PASS" if tokens_ok else "FAIL")
+    verdict = f"(reported: quantised, {budget.what})" if budget is not None else ("PASS" if tokens_ok else "FAIL")
     tied = int(((eager_tokens != runner_tokens) & ties).any(axis=0).sum())
     at_ties = f", the others at near-ties (reference top-2 within the logits' bound): {tied}" if tied else ""
     lines.append(f"greedy tokens {short} == eager at {agree}/{eager_tokens.shape[1]} steps{at_ties}  {verdict}")

@@ -118,7 +118,7 @@ def beam_check(runner: DecoderRunner, short: str, loaded: LoadedModel, model, qu
         ok = same[name] == total
         if not ok and judged:
             failures.append(f"beam hypotheses {name} vs eager")
-        verdict = "PASS" if ok else ("FAIL" if judged else "(reported: quantised weights change the model)"
+        verdict = "PASS" if ok else ("FAIL" if judged else f"(reported: quantised, {budget.what})"
                                      if budget is not None else f"(reported: {dtype} may part beams at near-ties)")
         worst = "" if ok else f"; worst score gap under eager {gaps[name]:.2e}"
         lines.append(f"beam hypotheses {name} == eager: {same[name]}/{total}{worst}  {verdict}")
@@ -188,7 +188,7 @@ def sampling_check(genai: tuple[Path, str], config: dict, model, sampling: Sampl
         ok = ok and (passed or budget is not None)
         judged = judged and (testable or budget is not None)
         if budget is not None:
-            verdict = "(reported: quantised weights)"
+            verdict = f"(reported: quantised, {budget.what})"
         elif not testable:
             verdict = f"INCONCLUSIVE: {_too_few_bins(probs[support], draws)}"
         else:
