@@ -68,9 +68,11 @@ def launches(sanitizer: str = "address,undefined") -> list[str]:
         for v, h, hkv, d, causal, b, sq, skv, bits in CASES]
     args = [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},{bits},{1 + i % 2},{causal}"
             for i, (v, h, hkv, d, causal, b, sq, skv, bits) in enumerate(cases)]
+    # ThreadSanitizer: the decode kernel's cache cases only (a longer call's dequantisation is an
+    # elementwise kernel before the one-pass kernel, whose races the cases above already cover)
     kv_cases = KV_CACHE_CASES if sanitizer != "thread" else [
-        (v, h // hkv if sq <= DECODE_MAX_QUERY else 1, 1, d, causal, 1, min(sq, 64), skv, fmt)
-        for v, h, hkv, d, causal, b, sq, skv, fmt in KV_CACHE_CASES]
+        (v, h // hkv, 1, d, causal, 1, sq, skv, fmt)
+        for v, h, hkv, d, causal, b, sq, skv, fmt in KV_CACHE_CASES if sq <= DECODE_MAX_QUERY]
     args += [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},0,{1 + i % 2},{causal},"
              f"{KV_FORMATS[fmt]}" for i, (v, h, hkv, d, causal, b, sq, skv, fmt) in enumerate(kv_cases)]
     heads = "1,1" if sanitizer == "thread" else "2,2"
