@@ -83,7 +83,7 @@ def test_lowered_and_function_forms_agree_and_tensorrt_stamps_version_3(kv8):
         prepare_graph(model, EngineOptions(logit_bits=8))
 
 
-def test_refusals(artifacts, v1_folder, tmp_path):
+def test_refusals(artifacts, v1_folder, kv8, tmp_path):
     with pytest.raises(DiffExportError, match="ONNX's Concat, which takes no float8 tensors"):
         diff_kv_cache.quantize_kv_cache(v1_folder, tmp_path / "fp8", diff_kv_cache.KvCacheOptions(
             format="fp8", calib="synthetic"))
@@ -92,6 +92,17 @@ def test_refusals(artifacts, v1_folder, tmp_path):
     out = cli_main("quantize", v1_folder, "-o", tmp_path / "y", "--kv-cache", "int8")
     assert out.returncode == 2 and "needs calibration data" in out.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    # a folder quantised already: its cache is int8, nothing to calibrate on
+    out = cli_main("quantize", kv8, "-o", tmp_path / "z", "--kv-cache", "int8", *CALIB)
+    assert out.returncode == 2 and "its cache is int8 codes already" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "z").exists()
+    # an output that exists is neither overwritten nor touched without --force
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("keep")
+    out = cli_main("quantize", v1_folder, "-o", taken, "--kv-cache", "int8", *CALIB)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert [p.name for p in taken.iterdir()] == ["mine.txt"] and (taken / "mine.txt").read_text() == "keep"
 
 
 def test_trt_rtx_builds_the_int8_cache_folder_natively(kv8, tmp_path):

@@ -45,7 +45,7 @@ from diffexport.format import decoders, names
 from diffexport.format.decoder_folder import read_decoder_folder
 from diffexport.format.metadata_keys import ATTENTION, CONFIG, KV_CACHE_QUANT, OP_VERSION, stored_key, stored_metadata
 from diffexport.format.nodes import plugin_selectors, sort_topologically
-from diffexport.passes import calibration, weight_quant
+from diffexport.passes import calibration, kv_cache_quant, weight_quant
 
 ort = lazy_import("onnxruntime")
 
@@ -88,6 +88,9 @@ def attention_layers(model: onnx.ModelProto, path) -> list[LayerCache]:
                               f"(`diffexport onnx CKPT --kv-cache --attention diffattention`); this graph has "
                               f"{len(nodes)} DiffAttention nodes for {layers} cache layers")
     past_type = inputs[names.PAST_KEY % 0].type.tensor_type.elem_type
+    if past_type in CODE_TYPES.values():
+        raise DiffExportError(f"{path}: its cache is int8 codes already (quantised by --kv-cache): quantise the float "
+                              "folder it came from")
     if past_type not in FLOAT_CACHES:
         raise DiffExportError(f"{path}: its cache is {helper.tensor_dtype_to_string(past_type)}, not a float32 or "
                               "float16 one this pass can calibrate on the CPU (a bfloat16 folder has no onnxruntime "
@@ -140,8 +143,7 @@ def calibrate(session, feeds_list: list[dict], layers: int, key_head_dim: int, f
         k = np.stack([results[names.PRESENT_KEY % i] for i in range(layers)]).astype(np.float64)  # [L, B, 1, T, W]
         v = np.stack([results[names.PRESENT_VALUE % i] for i in range(layers)]).astype(np.float64)
         k = k.reshape(*k.shape[:4], -1, key_head_dim)  # [L, B, 1, T, maps, D]
-        length = np.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2)
-        pairs = np.concatenate([length, length], axis=-1).max(axis=(1, 2, 3)).reshape(layers, -1)
+        pairs = kv_cache_quant.pair_lengths(k, half).max(axis=(1, 2, 3)).reshape(layers, -1)
         sums = k.sum(axis=(1, 2, 3)).reshape(layers, -1)
         peaks = np.abs(v).max(axis=(1, 2, 3))
         pair_max = pairs if pair_max is None else np.maximum(pair_max, pairs)
@@ -233,13 +235,6 @@ def record(options: KvCacheOptions, source: str) -> dict:
             else "per channel (keys: per rotary pair)", "calibration": source}
 
 
-def stamp(model: onnx.ModelProto, key: str, value: str) -> None:
-    for prop in list(model.metadata_props):
-        if prop.key == key:
-            model.metadata_props.remove(prop)
-    model.metadata_props.add(key=key, value=value)
-
-
 @dataclasses.dataclass
 class KvCacheSummary:
     folder: Path
@@ -293,8 +288,8 @@ def quantize_kv_cache(src, dst, options: KvCacheOptions, log: Callable[[str], No
     feeds = [calibration.feeds(model, ids) for ids in data]
     scales = calibrate(float_session, feeds, len(layers), head_dim(layers[0]), options.format, options.smooth_k)
     quantise_cache(model, layers, scales, body_style(model))
-    stamp(model, META_KEY, json.dumps(record(options, source), sort_keys=True))
-    stamp(model, stored_key(OP_VERSION), str(contract.KV_CACHE_VERSION))
+    weight_quant.stamp(model, META_KEY, record(options, source))
+    weight_quant.set_metadata(model, stored_key(OP_VERSION), str(contract.KV_CACHE_VERSION))
     quantised = open_session(model, "cpu", None)
     # held out: synthetic tokens of another seed, which calibration did not see
     held_out = dataclasses.replace(options, calib=calibration.SYNTHETIC, samples=2, seq_len=65, seed=options.seed + 1)

@@ -63,9 +63,7 @@ def cache_ranges(session, feeds_list: list[dict], layers: int,
         k = np.stack([results[names.PRESENT_KEY % i] for i in range(layers)])  # [L, B, H, T, D]
         v = np.stack([results[names.PRESENT_VALUE % i] for i in range(layers)])
         if rotary_half:  # both channels of a rotary pair take the pair's length
-            first, second = k[..., :rotary_half], k[..., rotary_half:2 * rotary_half]
-            length = np.sqrt(first.astype(np.float64) ** 2 + second.astype(np.float64) ** 2)
-            k = np.concatenate([length, length, np.abs(k[..., 2 * rotary_half:])], axis=-1)
+            k = pair_lengths(k, rotary_half)
         k_max = np.abs(k).max(axis=(1, 3))  # over batch and tokens: [L, H, D]
         v_max = np.abs(v).max(axis=(1, 3))
         keys = k_max if keys is None else np.maximum(keys, k_max)
@@ -75,6 +73,15 @@ def cache_ranges(session, feeds_list: list[dict], layers: int,
     if not (np.isfinite(keys).all() and np.isfinite(values).all()):
         raise DiffExportError("--kv-cache int8: the calibration run gave a non-finite cache value")
     return keys.reshape(layers, -1), values.reshape(layers, -1)
+
+
+def pair_lengths(k: np.ndarray, half: int) -> np.ndarray:
+    """Over the last axis (a head in the rotate-half layout): each channel of a rotary pair (i, i + half)
+    replaced by the pair's length, which no rotation exceeds; channels past 2 * half by their magnitude.
+    (passes/diff_kv_cache.py bounds its keys the same way.)"""
+    first, second = k[..., :half].astype(np.float64), k[..., half:2 * half].astype(np.float64)
+    length = np.sqrt(first ** 2 + second ** 2)
+    return np.concatenate([length, length, np.abs(k[..., 2 * half:])], axis=-1)
 
 
 def rotary_half(node: onnx.NodeProto, head_size: int) -> int | None:

@@ -262,10 +262,15 @@ def _calibrate_cache(model, model_path: Path, options: WeightQuantOptions, log) 
 
 def stamp(model, key: str, record: dict) -> None:
     """The quantiser's record as metadata (replacing one of the same key)."""
+    set_metadata(model, key, json.dumps(record, sort_keys=True))
+
+
+def set_metadata(model, key: str, value: str) -> None:
+    """One metadata entry, replacing one of the same key."""
     for prop in list(model.metadata_props):
         if prop.key == key:
             model.metadata_props.remove(prop)
-    model.metadata_props.add(key=key, value=json.dumps(record, sort_keys=True))
+    model.metadata_props.add(key=key, value=value)
 
 
 def _write(model, tmp_model: Path, log) -> None:
