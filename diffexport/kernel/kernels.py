@@ -128,8 +128,8 @@ def open_library(path: Path, *, prefill_only: bool = False, float_cache_only: bo
                                   "checkout") from None
     expected = ctypes.sizeof(DiffxAttentionParams) if abi == ABI_VERSION else PARAMS_BEFORE_ABI4
     if lib.diffx_params_size() != expected:
-        raise DiffExportError(f"{path}: params struct is {lib.diffx_params_size()} bytes, the binding's "
-                              f"{ctypes.sizeof(DiffxAttentionParams)}: rebuild the library from this checkout")
+        raise DiffExportError(f"{path}: params struct is {lib.diffx_params_size()} bytes, the binding expects "
+                              f"{expected} for ABI {abi}: rebuild the library from this checkout")
     return lib
 
 
@@ -204,7 +204,7 @@ def unsupported_reason(query, key, value, lambda_full, norm_weight, attrs: DiffA
         return f"the fused kernel supports head_dim 64 or 128, got {attrs.head_dim}"
     for name in ("query", "key", "value"):
         t = tensors[name]
-        multiple = 16 // t.element_size() if t.element_size() < 4 else 8
+        multiple = 16 if t.element_size() == 1 else 8  # rows on 16 bytes: 8-bit codes need 16 elements
         if t.stride(-1) != 1 or t.stride(1) % multiple or t.stride(0) % multiple or t.data_ptr() % 16:
             return (f"{name} must have contiguous rows starting on 16 bytes, with strides that are multiples "
                     f"of {multiple} elements (call .contiguous())")
