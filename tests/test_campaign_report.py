@@ -305,3 +305,21 @@ def test_the_8_bit_kv_cache_rows_compare_with_the_bf16_call_from_32k_keys(made_u
     assert fp8 == ["1.50x-1.90x (median 1.70x), >= 1.6x in 1 of 2; cosine 0.99740 at worst", "cosine no, speed no"]
     summary = report(made_up).stdout
     assert "int8 cache     vs the float cache's split-KV call 1.00x-1.80x" in summary
+
+
+def test_a_carried_build_whose_output_differs_is_named_beside_its_timings(made_up):
+    """A variant timed beside this build is compared as the same function: the bench records the
+    cosine of its Hopper output against this build's on each timed case, and the report flags the
+    worst one below 0.999 (a faster build computing something else is no speed-up)."""
+    record = json.loads((made_up / "bench.json").read_text())
+    for row, cosine in zip(record["rows"], (0.99999, 0.9981, 0.99997)):
+        row["timings"]["fused_hopper@cluster2"] = timing(row["timings"]["fused_hopper"]["ms"] * 0.8)
+        row["timings"]["fused_hopper@keys128"] = timing(row["timings"]["fused_hopper"]["ms"] * 0.9)
+        row["build_cosine"] = {"cluster2": cosine, "keys128": 0.99995}
+    (made_up / "bench.json").write_text(json.dumps(record))
+    text = report(made_up).stdout
+    assert "0.80x-0.80x (median 0.80x) in 3 cases" in line(text, "fused_hopper@cluster2 cluster2 / this build")
+    assert line(text, "fused_hopper@cluster2 output") == (
+        "fused_hopper@cluster2 output against this build's in 3 cases: worst cosine 0.998100, "
+        "DISAGREES (below 0.999): its timings compare unlike work")
+    assert line(text, "fused_hopper@keys128 output").endswith("worst cosine 0.999950, agrees")

@@ -146,6 +146,15 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
     exact = kernels.diff_attention(*inputs, attrs).float()
     quant = kernels.diff_attention(*inputs, attrs, logit_bits=8).float()
     row["int8_cosine"] = torch.nn.functional.cosine_similarity(quant.flatten(), exact.flatten(), dim=0).item()
+    # Each other build's Hopper output on the same inputs against this build's: a variant is timed
+    # beside this one only as the same function (its probe covers small shapes, this the timed ones).
+    row["build_cosine"] = {}
+    for name, lib in other_builds.items():
+        if f"fused_hopper@{name}" in row["timings"]:
+            other = on_path("hopper", lambda lib=lib: kernels.diff_attention(*inputs, attrs, lib=lib))().float()
+            row["build_cosine"][name] = torch.nn.functional.cosine_similarity(
+                other.flatten(), exact.flatten(), dim=0).nan_to_num(-1.0).item()
+            del other
     methods.clear()  # the timed lambdas, then the GPU tensors they held
     del q, exact, quant
     inputs = out = None
@@ -234,6 +243,11 @@ def builds_table(rows: list[dict], names: list[str]) -> str:
             cells.append(f"{t[key]['ms']:.3f}" if key in t else "-")
             cells.extend(cell(f"{key}@{n}", key) for n in names)
         lines.append(f"| {row['dtype']} | {row['d']} | {row['causal']} | {row['n']} | " + " | ".join(cells) + " |")
+    agree = [f"{n} {min(r['build_cosine'][n] for r in rows if n in r.get('build_cosine', {})):.6f}" for n in names
+             if any(n in r.get("build_cosine", {}) for r in rows)]
+    if agree:
+        lines.append("\nHopper output of each other build against this build's on the timed inputs, worst cosine: "
+                     + ", ".join(agree) + ".")
     return "\n".join(lines)
 
 

@@ -216,6 +216,13 @@ def prefill(folder: Path) -> list[str]:
             if ratio:
                 lines.append(f"{method}@{build:<6} {build} / this build: {spread(ratio)} in {len(ratio)} cases "
                              "(above 1x: this build is faster)")
+        cosines = [r["build_cosine"][build] for r in rows if build in r.get("build_cosine", {})]
+        if cosines:  # a build timed as this one's equal must compute the same (bf16 rounding apart)
+            worst = min(cosines)
+            verdict = ("agrees" if worst >= COSINE_TARGET
+                       else f"DISAGREES (below {COSINE_TARGET}): its timings compare unlike work")
+            lines.append(f"fused_hopper@{build:<6} output against this build's in {len(cosines)} cases: "
+                         f"worst cosine {worst:.6f}, {verdict}")
     return lines
 
 

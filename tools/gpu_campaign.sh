@@ -288,7 +288,7 @@ part_profile() {
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper)" ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
         --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py --profile 4096 > /dev/null 2>&1; then
       { echo "--- Hopper path (TMA + wgmma), the same launch"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
-          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
+          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
         echo "--- selected raw metrics, Hopper path"; ncu --import /tmp/profile-hopper.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
     else
@@ -301,7 +301,7 @@ part_profile() {
         --kernel-name regex:diff_attention_sm90 --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper-int8 \
         "$PY" tools/bench_attention.py --profile 4096 --profile-logit-bits 8 > /dev/null 2>&1; then
       { echo "--- Hopper path INT8 logits, the same launch"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page details 2>&1 |
-          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
+          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
         echo "--- selected raw metrics, Hopper path INT8"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
     else
@@ -346,7 +346,7 @@ run_part() {
 }
 
 # PART1+PART2 runs both at once (e.g. test+sanitize: neither is timed); anything timed runs alone.
-PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_issue_active|issue_active.avg.pct|bank_conflicts_pipe_lsu_mem_shared_op_(ld|st).sum |registers_per_thread|warps_active.avg.pct|inst_executed_pipe_[a-z_]+.avg.pct|smsp__inst_executed.sum "
+PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_issue_active|issue_active.avg.pct|bank_conflicts_pipe_lsu_mem_shared_op_(ld|st).sum |registers_per_thread|warps_active.avg.pct|inst_executed_pipe_[a-z_]+.avg.pct|smsp__inst_executed.sum |lts__t_bytes.sum.per_second|lts__t_sector_hit_rate.pct |dram__bytes_read.sum.per_second"
 
 parts=("$@")
 [[ " ${parts[*]} " == *" all "* ]] && parts=(env build variants test+sanitize bench decode profile)

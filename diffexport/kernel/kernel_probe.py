@@ -36,8 +36,13 @@ MIN_COSINE = 0.999  # bf16 kernel output against the float32 reference (the GPU 
 DEVICE = "cuda"
 
 # variant, head dim, causal, batch, q_len, kv_len
-PREFILL = ((1, 128, 1, 2, 130, 300),  # two query blocks with a ragged end, keys over several stages
-           (2, 64, 0, 1, 70, 520))
+# Every (variant, head dim) instantiation once, causal and not, odd and even counts of 64-row query
+# blocks (a cluster of two Hopper CTAs pads an odd count), key counts that end inside a 64- and a
+# 128-key tile.
+PREFILL = ((1, 128, 1, 2, 130, 300),  # three query blocks with a ragged end, keys over several stages
+           (2, 64, 0, 1, 70, 520),
+           (1, 64, 1, 1, 200, 333),
+           (2, 128, 0, 2, 190, 260))
 DECODE = ((1, 128, 1, 2, 1, 700),  # one token over a cache of 11 tiles, and a full 16-row tile
           (2, 64, 1, 1, 16, 300))
 

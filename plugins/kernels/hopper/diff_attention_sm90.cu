@@ -12,6 +12,9 @@
 //     and fp32 accumulator. The two maps are independent until the epilogue, so one warpgroup's
 //     softmax runs while the other's wgmma occupies the tensor cores (DIFFX_SM90_PINGPONG=1 makes
 //     them take turns).
+// With -DDIFFX_SM90_CLUSTER_M=2 the CTAs of two adjacent query blocks form a cluster: each producer
+// loads half of every K/V tile and multicasts it into both rings, and each consumer releases a stage
+// to both producers (CUTLASS's PipelineTmaAsync over the cluster shape).
 // Epilogue as in the mma.sync kernel: map 2 leaves O2/l2 in shared memory (the ring's space, no
 // longer needed), map 1 writes norm(O1/l1 - lambda * O2/l2) * weight * output_scale.
 //
@@ -67,14 +70,19 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   const int warpgroup = cutlass::canonical_warp_group_idx();
   const int h = blockIdx.y, b = blockIdx.z;  // the grid of the mma.sync kernel (attention_grid): blocks of a head together
   const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
-  const int m_block = m_blocks - 1 - int(blockIdx.x);  // heaviest (causal) blocks first
+  // Heaviest (causal) blocks first. A cluster of 2 rounds the grid up to an even count: the extra
+  // CTA (m_block == m_blocks, past the end) loads its half of the shared tiles and writes nothing.
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
   const int m_start = m_block * kBlockM;
-  const int q_rows = min(kBlockM, p.q_len - m_start);
   const int g = h / (p.num_heads / p.num_kv_heads);
+  constexpr int kBlockN = Cfg::kKeyBlock;
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
+  // The CTAs of a cluster consume the same tiles: as many as its heavier (first) real block needs;
+  // the lighter block's extra causal tile is masked out whole.
+  const int lead_start = min(int(gridDim.x) - 1 - int(blockIdx.x) / kClusterM * kClusterM, m_blocks - 1) * kBlockM;
   int n_end = n_total;
   if (p.causal) {
-    const int last_key = m_start + q_rows - 1 + p.kv_len - p.q_len;
+    const int last_key = lead_start + min(kBlockM, p.q_len - lead_start) - 1 + p.kv_len - p.q_len;
     n_end = last_key < 0 ? 0 : min(n_total, last_key / kBlockN + 1);
   }
 
@@ -85,14 +93,19 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   pipe_params.num_consumers = 2 * cutlass::NumThreadsPerWarpGroup;
   using QBarrier = cutlass::arch::ClusterTransactionBarrier;
   if (threadIdx.x == 0) QBarrier::init(&storage.q_loaded, 1);
-  Pipeline pipeline(storage.pipeline, pipe_params, Shape<_1, _1, _1>{});
-  __syncthreads();  // barriers initialised (and fenced) before anyone waits on them
+  Pipeline pipeline(storage.pipeline, pipe_params, ClusterShape{});
+  // Barriers initialised (and fenced) before anyone waits on them; in a cluster, before the other
+  // CTA multicasts into this one or arrives on its barriers.
+  if constexpr (kClusterM > 1) cute::cluster_sync();
+  else __syncthreads();
 
   Tensor sQ1 = make_tensor(make_smem_ptr(storage.q[0].data()), typename Cfg::SmemLayoutQ{});
   Tensor sQ2 = make_tensor(make_smem_ptr(storage.q[1].data()), typename Cfg::SmemLayoutQ{});
 
   if (warpgroup == 0) {  // producer
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    // 24 registers suffice for the loads; a cluster's slices and multicast need 32 (the 240 of the
+    // two consumers and 32 still fit sm_90's 64K).
+    cutlass::arch::warpgroup_reg_dealloc<(kClusterM > 1 ? 32 : 24)>();
     if (threadIdx.x != 0) return;
     Tensor mQ = prm.tma_q.get_tma_tensor(prm.shape_q);
     Tensor mK = prm.tma_k.get_tma_tensor(prm.shape_k);
@@ -104,6 +117,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
                                       group_modes<0, 2>(gQ));
       copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
     }
+    // This CTA's slice of each shared tile (all of it without a cluster), into every CTA of the cluster.
+    const int rank = kClusterM > 1 ? int(cute::block_rank_in_cluster()) : 0;
+    constexpr uint16_t kMulticast = (1u << kClusterM) - 1;
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int nb = 0; nb < n_end; ++nb) {
       pipeline.producer_acquire(state);
@@ -111,18 +127,21 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       for (int m = 0; m < Cfg::kKeyMaps; ++m) {
         const int km = Cfg::kV1 ? 2 * g + m : g;
         Tensor sK = make_tensor(make_smem_ptr(storage.ring.k[m].data()), typename Cfg::SmemLayoutK{});
-        Tensor gK = local_tile(mK(_, _, km, b), Shape<_64, Int<D>>{}, make_coord(nb, 0));
-        auto [tKg, tKs] = tma_partition(prm.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK(_, _, state.index())),
-                                        group_modes<0, 2>(gK));
-        copy(prm.tma_k.with(*full), tKg, tKs);
+        Tensor gK = local_tile(mK(_, _, km, b), Shape<typename Cfg::KeyBlock, Int<D>>{}, make_coord(nb, 0));
+        auto [tKg, tKs] = tma_partition(prm.tma_k, rank, Layout<Int<kClusterM>>{},
+                                        group_modes<0, 2>(sK(_, _, state.index())), group_modes<0, 2>(gK));
+        copy(prm.tma_k.with(*full, kMulticast), tKg, tKs);
       }
       Tensor sV = make_tensor(make_smem_ptr(storage.ring.v.data()), typename Cfg::SmemLayoutV{});
-      Tensor gV = local_tile(mV(_, _, g, b), Shape<_64, Int<DV>>{}, make_coord(nb, 0));
-      auto [tVg, tVs] = tma_partition(prm.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV(_, _, state.index())),
-                                      group_modes<0, 2>(gV));
-      copy(prm.tma_v.with(*full), tVg, tVs);
+      Tensor gV = local_tile(mV(_, _, g, b), Shape<typename Cfg::KeyBlock, Int<DV>>{}, make_coord(nb, 0));
+      auto [tVg, tVs] = tma_partition(prm.tma_v, rank, Layout<Int<kClusterM>>{},
+                                      group_modes<0, 2>(sV(_, _, state.index())), group_modes<0, 2>(gV));
+      copy(prm.tma_v.with(*full, kMulticast), tVg, tVs);
       ++state;
     }
+    // In a cluster the other CTA's consumers arrive on this CTA's barriers: stay until they have
+    // released every stage.
+    if constexpr (kClusterM > 1) pipeline.producer_tail(state);
     return;
   }
 
@@ -252,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= alpha[(i >> 1) & 1];
   };
   // S in fp32: the wgmma's accumulator, or (INT8) the dequantised copy of acc_qk, its int32 one.
-  Tensor acc_qk = partition_fragment_C(mma_s, Shape<_64, _64>{});
-  Tensor acc_s = make_tensor<float>(partition_shape_C(mma_s, Shape<_64, _64>{}));
+  Tensor acc_qk = partition_fragment_C(mma_s, Shape<_64, typename Cfg::KeyBlock>{});
+  Tensor acc_s = make_tensor<float>(partition_shape_C(mma_s, Shape<_64, typename Cfg::KeyBlock>{}));
   const float* k_scales = nullptr;  // INT8: this map's key-tile scales
   float q_scale = 1.f, k_scale = 1.f;
   if constexpr (INT8)
@@ -281,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     }
   };
   // P (the accumulator, converted in place order) as the register A operand of P.V.
-  Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, _64>{}));
+  Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, typename Cfg::KeyBlock>{}));
   static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P has the accumulator's values");
   auto convert_p = [&] {
     CUTE_UNROLL
@@ -448,15 +467,32 @@ cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
   auto v = make_tensor(make_gmem_ptr(static_cast<const Element*>(p.value)), prm.shape_v,
                        make_stride(p.v_row_stride, _1{}, int64_t(DV), batch_stride(p.v_batch_stride, p.kv_len, p.v_row_stride)));
   prm.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q, typename Cfg::SmemLayoutQ{});
-  prm.tma_k = make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Cfg::SmemLayoutK{}));
-  prm.tma_v = make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Cfg::SmemLayoutV{}));
+  prm.tma_k = make_tma_copy(TmaLoadKV{}, k, take<0, 2>(typename Cfg::SmemLayoutK{}), Int<kClusterM>{});
+  prm.tma_v = make_tma_copy(TmaLoadKV{}, v, take<0, 2>(typename Cfg::SmemLayoutV{}), Int<kClusterM>{});
   const auto kernel = diff_attention_sm90_kernel<Element, D, DV, INT8>;
   const int smem = int(sizeof(typename Cfg::SharedStorage));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid(unsigned((p.q_len + kBlockM - 1) / kBlockM), unsigned(p.num_heads), unsigned(p.batch));
-  kernel<<<grid, kThreads, smem, stream>>>(prm);
-  return cudaGetLastError();
+  const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
+  const dim3 grid(unsigned((m_blocks + kClusterM - 1) / kClusterM * kClusterM), unsigned(p.num_heads), unsigned(p.batch));
+  if constexpr (kClusterM == 1) {
+    kernel<<<grid, kThreads, smem, stream>>>(prm);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = kClusterM;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = size_t(smem);
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, prm);
+  }
 }
 
 template <typename Element, bool INT8>

@@ -15,7 +15,6 @@ namespace diffx::sm90 {
 using namespace cute;
 
 constexpr int kBlockM = DIFFX_QUERY_BLOCK;
-constexpr int kBlockN = DIFFX_KEY_BLOCK;
 constexpr int kThreads = 3 * cutlass::NumThreadsPerWarpGroup;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer warpgroups (0 is __syncthreads)
@@ -40,16 +39,38 @@ constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
 #define DIFFX_SM90_LAZY_RESCALE 1
 #endif
 // N > 0: a row's running max moves only when a tile's max exceeds it by more than N in log2 units
-// (FlashAttention-4's rescale threshold; P < 2^N, fp16/bf16 hold it for N <= 15). 0 (default):
-// the exact running max, the mma.sync kernel's arithmetic. Not yet timed on a GPU: a variant
-// (-DDIFFX_SM90_RESCALE_SLACK=8).
+// (FlashAttention-4's rescale threshold; P < 2^N, fp16/bf16 hold it for N <= 15). 8 (default since
+// 2026-11-28): on an H200 (2026-11-27, docs/BENCHMARKS.md) 0.95-1.00x the time of the exact max
+// (median 0.97x) with the GPU suite passing on it. 0: the exact running max, the mma.sync kernel's
+// arithmetic (-DDIFFX_SM90_RESCALE_SLACK=0).
 #ifndef DIFFX_SM90_RESCALE_SLACK
-#define DIFFX_SM90_RESCALE_SLACK 0
+#define DIFFX_SM90_RESCALE_SLACK 8
 #endif
 static_assert(DIFFX_SM90_RESCALE_SLACK >= 0 && DIFFX_SM90_RESCALE_SLACK <= 15, "P = 2^slack must stay well inside fp16");
 #ifndef DIFFX_SM90_PINGPONG
 #define DIFFX_SM90_PINGPONG 0
 #endif
+// 2: CTAs of two adjacent query blocks of one head form a cluster and share each K/V tile, each
+// loading half of it by TMA multicast into both CTAs' rings: half the L2-to-SM traffic per flop
+// (a 64-row CTA reads K1, K2 and V for 64 query rows; at 16k keys the path moves about 5 TB/s out
+// of L2). 1 (default): one CTA loads its own tiles. Not yet run on a GPU: a variant
+// (-DDIFFX_SM90_CLUSTER_M=2).
+#ifndef DIFFX_SM90_CLUSTER_M
+#define DIFFX_SM90_CLUSTER_M 1
+#endif
+// 128: tiles of 128 keys where three K/V stages of them still fit beside Q (every shape but V1 at
+// head dim 128) and the logits are fp (the INT8 pre-pass scales tiles of DIFFX_KEY_BLOCK keys):
+// half the barrier waits, row-max shuffles and rescale decisions per key, FA3's tile width. 64
+// (default): DIFFX_KEY_BLOCK everywhere. Not yet run on a GPU: a variant (-DDIFFX_SM90_KEY_BLOCK=128).
+#ifndef DIFFX_SM90_KEY_BLOCK
+#define DIFFX_SM90_KEY_BLOCK DIFFX_KEY_BLOCK
+#endif
+static_assert(DIFFX_SM90_KEY_BLOCK == DIFFX_KEY_BLOCK || DIFFX_SM90_KEY_BLOCK == 128, "64 or 128 keys a tile");
+static_assert(DIFFX_SM90_CLUSTER_M == 1 || DIFFX_SM90_CLUSTER_M == 2, "a cluster of 1 or 2 query blocks");
+constexpr int kClusterM = DIFFX_SM90_CLUSTER_M;
+using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
+// K and V tiles: multicast when the cluster shares them (the atom takes the mask either way).
+using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
 
 // Row and column of value i of consumer thread tid (0..127) in a 64 x N wgmma accumulator (S, and
 // O of DV columns): the mma.sync m16n8 layout repeated, value index c + 2r + 4j for row +8r and
@@ -68,28 +89,33 @@ struct Config {
   using KElement = std::conditional_t<INT8, int8_t, Element>;
   using AccumulatorS = std::conditional_t<INT8, int32_t, float>;
   static constexpr int kQCodeBytes = INT8 ? 2 * kBlockM * D : 0;
-  // As many K/V stages as sm_90's shared memory holds beside Q (at most 4): 3 for V1 at head dim
-  // 128, 4 otherwise. The overlapped consumer (DIFFX_SM90_OVERLAP) holds two stages at a time, so
+  static constexpr int kQBytesAll = 2 * kBlockM * D * int(sizeof(Element)) + kQCodeBytes;
+  static constexpr int stages_of(int keys) {
+    return (kMaxDynamicSmem - kQBytesAll - 1024) / (kKeyMaps * keys * D * int(sizeof(KElement)) + keys * DV * int(sizeof(Element)));
+  }
+  static constexpr bool kWideKeys = DIFFX_SM90_KEY_BLOCK == 128 && !INT8 && stages_of(128) >= 3;
+  static constexpr int kKeyBlock = kWideKeys ? 128 : DIFFX_KEY_BLOCK;  // keys a tile
+  using KeyBlock = Int<kKeyBlock>;
+  // As many K/V stages as sm_90's shared memory holds beside Q (at most 4): with 64-key tiles 3 for
+  // V1 at head dim 128, 4 otherwise; with 128-key tiles 3 (V2 at d = 64: 4). The overlapped consumer (DIFFX_SM90_OVERLAP) holds two stages at a time, so
   // with two the producer could refill none while it computes.
-  static constexpr int kRawStageBytes = kKeyMaps * kBlockN * D * int(sizeof(KElement)) + kBlockN * DV * int(sizeof(Element));
-  static constexpr int kStages =
-      cute::min(4, (kMaxDynamicSmem - 2 * kBlockM * D * int(sizeof(Element)) - kQCodeBytes - 1024) / kRawStageBytes);
+  static constexpr int kStages = cute::min(4, stages_of(kKeyBlock));
   static_assert(kStages >= 3, "the overlapped consumer needs three K/V stages");
 
-  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<KElement, KElement, AccumulatorS, Shape<_64, _64, Int<D>>>()));
+  using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<KElement, KElement, AccumulatorS, Shape<_64, KeyBlock, Int<D>>>()));
   using TiledMmaO = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<DV>, _64>, GMMA::Major::K, GMMA::Major::MN>()));
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<DV>, KeyBlock>, GMMA::Major::K, GMMA::Major::MN>()));
 
   using AtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<D>>());
-  using AtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, KElement, _64, Int<D>>());
+  using AtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, KElement, KeyBlock, Int<D>>());
   using SmemLayoutQ = decltype(tile_to_shape(AtomQ{}, Shape<_64, Int<D>>{}));
   using SmemLayoutQCodes = decltype(tile_to_shape(AtomK{}, Shape<_64, Int<D>>{}));  // INT8: Q's codes, S's A operand
-  using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<_64, Int<D>, Int<kStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<KeyBlock, Int<D>, Int<kStages>>{}));
   // V lands as [keys, DV] rows (the global layout); P.V reads it transposed, DV-major, as wgmma's B.
-  using AtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, _64, Int<DV>>());
-  using SmemLayoutV = decltype(tile_to_shape(AtomV{}, Shape<_64, Int<DV>, Int<kStages>>{}));
+  using AtomV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, KeyBlock, Int<DV>>());
+  using SmemLayoutV = decltype(tile_to_shape(AtomV{}, Shape<KeyBlock, Int<DV>, Int<kStages>>{}));
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutV{}, make_ordered_layout(Shape<Int<DV>, _64, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<DV>, KeyBlock, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
   // Global views (rows, columns, head, batch) with the contract's free row and batch strides.
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -97,11 +123,12 @@ struct Config {
   using GmemTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
   using GmemTensorK = decltype(make_tensor(make_gmem_ptr(static_cast<KElement const*>(nullptr)), GmemShape{}, GmemStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorK{}, take<0, 2>(SmemLayoutK{})));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutV{})));
+  using TmaK = decltype(make_tma_copy(TmaLoadKV{}, GmemTensorK{}, take<0, 2>(SmemLayoutK{}), Int<kClusterM>{}));
+  using TmaV = decltype(make_tma_copy(TmaLoadKV{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), Int<kClusterM>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr uint32_t kQBytes = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
+  // What lands in each CTA's stage (with a cluster of 2, half of it from the other CTA's loads).
   static constexpr uint32_t kStageBytes =
       kKeyMaps * size(take<0, 2>(SmemLayoutK{})) * sizeof(KElement) + size(take<0, 2>(SmemLayoutV{})) * sizeof(Element);
   static constexpr int kScratchStride = DV + 8;  // floats; see TileConfig::kScratchStride

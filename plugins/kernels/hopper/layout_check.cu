@@ -36,7 +36,10 @@ void fail(const char* fmt, ...) {
 template <typename Element, int D, int DV, bool INT8>
 void check(const char* dtype) {
   using Cfg = Config<Element, D, DV, INT8>;
-  using FpCfg = Config<Element, D, DV, false>;
+  using Keys = typename Cfg::KeyBlock;
+  constexpr int kKeys = Cfg::kKeyBlock;
+  // S's fp32 wgmma over the same tile, for INT8's int32 accumulator to be compared with.
+  using FpMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Keys, Int<D>>>()));
   typename Cfg::TiledMmaS mma_s;
   typename Cfg::TiledMmaO mma_o;
   static_assert(size(typename Cfg::TiledMmaS{}) == cutlass::NumThreadsPerWarpGroup, "one warpgroup per map");
@@ -45,14 +48,14 @@ void check(const char* dtype) {
   for (int tid = 0; tid < cutlass::NumThreadsPerWarpGroup; ++tid) {
     auto thr_s = mma_s.get_thread_slice(tid);
     auto thr_o = mma_o.get_thread_slice(tid);
-    auto thr_fp = typename FpCfg::TiledMmaS{}.get_thread_slice(tid);
-    Tensor fp_coord = thr_fp.partition_C(make_identity_tensor(Shape<_64, _64>{}));
-    Tensor s_coord = thr_s.partition_C(make_identity_tensor(Shape<_64, _64>{}));
-    Tensor p_coord = thr_o.partition_A(make_identity_tensor(Shape<_64, _64>{}));
+    auto thr_fp = FpMmaS{}.get_thread_slice(tid);
+    Tensor fp_coord = thr_fp.partition_C(make_identity_tensor(Shape<_64, Keys>{}));
+    Tensor s_coord = thr_s.partition_C(make_identity_tensor(Shape<_64, Keys>{}));
+    Tensor p_coord = thr_o.partition_A(make_identity_tensor(Shape<_64, Keys>{}));
     Tensor o_coord = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<DV>>{}));
-    if (size(s_coord) != 32 || size(p_coord) != 32 || size(o_coord) != DV / 2) {
-      fail("fragment sizes (D %d, DV %d, %s): S %d, P %d, O %d values a thread; expected 32, 32, %d", D, DV, dtype,
-           int(size(s_coord)), int(size(p_coord)), int(size(o_coord)), DV / 2);
+    if (size(s_coord) != kKeys / 2 || size(p_coord) != kKeys / 2 || size(o_coord) != DV / 2) {
+      fail("fragment sizes (D %d, DV %d, %s): S %d, P %d, O %d values a thread; expected %d, %d, %d", D, DV, dtype,
+           int(size(s_coord)), int(size(p_coord)), int(size(o_coord)), kKeys / 2, kKeys / 2, DV / 2);
       return;
     }
     for (int i = 0; i < size(s_coord); ++i) {
@@ -79,21 +82,21 @@ void check(const char* dtype) {
   typename Cfg::SmemLayoutV v;
   typename Cfg::SmemLayoutVt vt;
   for (int s = 0; s < Cfg::kStages; ++s)
-    for (int key = 0; key < kBlockN; ++key)
+    for (int key = 0; key < kKeys; ++key)
       for (int dv = 0; dv < DV; ++dv, ++checked)
         if (vt(dv, key, s) != v(key, dv, s))
           fail("V transposed view (D %d, DV %d, %s): Vt(%d, %d, %d) at %d, V(%d, %d, %d) at %d", D, DV, dtype, dv, key, s,
                int(vt(dv, key, s)), key, dv, s, int(v(key, dv, s)));
   const int key_bytes = INT8 ? 1 : int(sizeof(Element));
   static_assert(sizeof(typename Cfg::KElement) == (INT8 ? 1 : sizeof(Element)), "K tiles: int8 codes for INT8 logits");
-  const int stage_bytes = Cfg::kKeyMaps * kBlockN * D * key_bytes + kBlockN * DV * int(sizeof(Element));
+  const int stage_bytes = Cfg::kKeyMaps * kKeys * D * key_bytes + kKeys * DV * int(sizeof(Element));
   if (int(Cfg::kStageBytes) != stage_bytes)
     fail("stage bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kStageBytes), stage_bytes);
   const int q_bytes = 2 * kBlockM * D * int(sizeof(Element));
   if (int(Cfg::kQBytes) != q_bytes)
     fail("Q bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kQBytes), q_bytes);
-  std::printf("D %3d DV %3d %s%s: %d facts, shared storage %zu bytes (%d stages)\n", D, DV, dtype, INT8 ? " INT8" : "", checked,
-              sizeof(typename Cfg::SharedStorage), Cfg::kStages);
+  std::printf("D %3d DV %3d %s%s: %d facts, shared storage %zu bytes (%d stages of %d keys)\n", D, DV, dtype,
+              INT8 ? " INT8" : "", checked, sizeof(typename Cfg::SharedStorage), Cfg::kStages, kKeys);
 }
 
 template <typename Element>
