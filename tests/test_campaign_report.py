@@ -47,7 +47,8 @@ def test_the_first_h100_run_reads_as_it_was():
     assert line(out.stdout, "decode") == "decode         decode.json missing"
     assert line(out.stdout, "profile") == ("profile        fused kernel, N=4096: time 7.62 ms, SM 46.17%, memory "
                                            "51.68%, "
-                                           "DRAM 2.12%, issue slots 46.17%, cycles/issue 4.15 cycle, registers 249, "
+                                           "DRAM 2.12%, L2 22.14%, L2 hit 96.10%, issue slots 46.17%, "
+                                           "cycles/issue 4.15 cycle, registers 249, "
                                            "occupancy 12.40%")
 
 

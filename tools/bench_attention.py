@@ -251,14 +251,14 @@ def builds_table(rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def profile_launches(n: int, lib_path: Path | None = None, logit_bits: int = 0) -> None:
+def profile_launches(n: int, lib_path: Path | None = None, logit_bits: int = 0, head_dim: int = 128) -> None:
     """Launches for Nsight Compute: 3 warm-up launches of the fused kernel then the profiled one, on
-    bf16, d=128, non-causal, B*N = 16384 tokens, 16 diff-heads. The kernel is the one
+    bf16, d=head_dim, non-causal, B*N = 16384 tokens, 16 diff-heads. The kernel is the one
     DIFFEXPORT_KERNEL_PATH picks (the campaign sets mma or hopper); lib_path: another build (before/after);
     logit_bits 8: INT8 logits (each launch is then the K pre-pass kernels and the attention kernel)."""
     lib = kernels.open_library(lib_path, prefill_only=True) if lib_path else kernels.load_library()
     batch, heads = max(1, TOKENS_PER_BATCH // n), 16
-    attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=128, causal=0)
+    attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=0)
     inputs = random_inputs(attrs, batch, n, n, torch.bfloat16, n)
     for _ in range(4):
         kernels.diff_attention(*inputs, attrs, lib=lib, logit_bits=logit_bits)
@@ -484,6 +484,8 @@ def main() -> int:
     parser.add_argument("--profile", type=int, metavar="N", help="only launch the fused kernel 4 times at N (for ncu)")
     parser.add_argument("--profile-lib", type=Path, metavar="PATH",
                         help="--profile: launch this build of the library (an older prefill-compatible ABI too)")
+    parser.add_argument("--profile-head-dim", type=int, default=128, choices=(64, 128),
+                        help="--profile: the head dim of the launches (64: the d = 64 cases)")
     parser.add_argument("--profile-logit-bits", type=int, default=0, choices=(0, 8),
                         help="--profile: 8 launches INT8 logits (K pre-pass kernels, then the attention kernel)")
     parser.add_argument("--profile-decode", type=int, metavar="KEYS",
@@ -513,7 +515,7 @@ def main() -> int:
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.profile:
-        profile_launches(args.profile, args.profile_lib, args.profile_logit_bits)
+        profile_launches(args.profile, args.profile_lib, args.profile_logit_bits, args.profile_head_dim)
         return 0
     if args.profile_decode:
         profile_decode_launches(args.profile_decode, args.profile_kv_cache)

@@ -266,7 +266,8 @@ def kv8_cache(rows: list[dict], fmt: str, from_keys: int = 0, dtype: str | None 
 
 # From ncu's details page: (label, metric name); each printed with the unit ncu gives it.
 DETAILS = (("time", "Duration"), ("SM", "Compute (SM) Throughput"), ("memory", "Memory Throughput"),
-           ("DRAM", "DRAM Throughput"), ("issue slots", "Issue Slots Busy"),
+           ("DRAM", "DRAM Throughput"), ("L2", "L2 Cache Throughput"), ("L2 hit", "L2 Hit Rate"),
+           ("issue slots", "Issue Slots Busy"),
            ("cycles/issue", "Warp Cycles Per Issued Instruction"), ("registers", "Registers Per Thread"),
            ("occupancy", "Achieved Occupancy"))
 

@@ -286,8 +286,8 @@ part_profile() {
   # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
   if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper)" ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
-        --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py --profile 4096 > /dev/null 2>&1; then
-      { echo "--- Hopper path (TMA + wgmma), the same launch"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
+        --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS > /dev/null 2>&1; then
+      { echo "--- Hopper path (TMA + wgmma), the same launch"; echo "launch: bench_attention.py $HOPPER_PROFILE_ARGS"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
           grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
         echo "--- selected raw metrics, Hopper path"; ncu --import /tmp/profile-hopper.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
@@ -299,7 +299,7 @@ part_profile() {
   if [[ "${DIFFEXPORT_PROBE_HOPPER_INT8:-}" == ok* ]]; then
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper INT8)" ncu --clock-control none --set full \
         --kernel-name regex:diff_attention_sm90 --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper-int8 \
-        "$PY" tools/bench_attention.py --profile 4096 --profile-logit-bits 8 > /dev/null 2>&1; then
+        "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS --profile-logit-bits 8 > /dev/null 2>&1; then
       { echo "--- Hopper path INT8 logits, the same launch"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page details 2>&1 |
           grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
         echo "--- selected raw metrics, Hopper path INT8"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page raw 2>&1 |
@@ -309,6 +309,20 @@ part_profile() {
     fi
   fi
   local spec name path
+  # Each variant that passed its probes, on the Hopper launch: what its change did to the limits.
+  if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
+    for spec in ${CAMPAIGN_VARIANTS:-}; do
+      name="${spec%%:*}"; path="$BUILD_DIR-$name/plugins/kernels/libdiffexport_kernels.so"
+      [[ -f "$path" && ! -f "$BUILD_DIR-$name/probe-failed" ]] || continue
+      DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper, $name)" ncu --clock-control none --set full \
+        --kernel-name regex:diff_attention_sm90 --launch-skip 3 --launch-count 1 -f -o "/tmp/profile-hopper-$name" \
+        "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS --profile-lib "$path" > /dev/null 2>&1 ||
+        { echo "--- Hopper path profile of variant $name FAILED" >> "$OUT_DIR/profile.txt"; continue; }
+      { echo "--- Hopper path, variant $name"; ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page details 2>&1 |
+          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy"
+        ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+    done
+  fi
   for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
     DIFFEXPORT_KERNEL_PATH=mma timed 120 10 "profile ($name)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
@@ -346,6 +360,9 @@ run_part() {
 }
 
 # PART1+PART2 runs both at once (e.g. test+sanitize: neither is timed); anything timed runs alone.
+# The Hopper launches' shape (bench_attention.py's profile options): by default the mma.sync kernel's
+# launch; e.g. "--profile 16384 --profile-head-dim 64" for the case furthest from its target.
+HOPPER_PROFILE_ARGS="${HOPPER_PROFILE_ARGS:---profile 4096}"
 PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_issue_active|issue_active.avg.pct|bank_conflicts_pipe_lsu_mem_shared_op_(ld|st).sum |registers_per_thread|warps_active.avg.pct|inst_executed_pipe_[a-z_]+.avg.pct|smsp__inst_executed.sum |lts__t_bytes.sum.per_second|lts__t_sector_hit_rate.pct |dram__bytes_read.sum.per_second"
 
 parts=("$@")
