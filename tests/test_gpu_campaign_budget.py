@@ -245,3 +245,53 @@ def test_the_closing_call_in_tools_readme_runs_every_part(stubs):
     calls = (tmp_path / "calls.log").read_text()
     assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so slack8=" in calls
     assert "-n 14 " in calls and "--keys 8192 32768 131072" in calls
+
+
+def readme_block(pattern: str) -> str:
+    """The command of tools/README.md whose first line matches pattern, its continuation lines joined."""
+    text = (ROOT / "tools" / "README.md").read_text()
+    block = re.search(rf"^    ({pattern}(?:[^\n]*\\\n      )*[^\n]*)$", text, re.M).group(1)
+    return re.sub(r"\\\n\s*", "", block)
+
+
+def run_readme_command(env, tmp_path, command: str):
+    env.update(OUT=str(tmp_path / "out"), STUB_PROBE="ok: stand-in")
+    proc = subprocess.run(["bash", "-c", command], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    log = (tmp_path / "out" / "campaign.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return log, (tmp_path / "calls.log").read_text()
+
+
+def test_the_issue_62_call_in_tools_readme_times_both_variants(stubs):
+    """The call prepared for issue 62 (two Hopper variants beside this build and `before`), as written."""
+    env, tmp_path = stubs
+    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=\d+ [^\n]*before="
+                                                                r"[^\n]*\\\n      CAMPAIGN_VARIANTS=\"cluster2"))
+    assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
+    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls and "-DDIFFX_SM90_KEY_BLOCK=128" in calls
+    bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
+    assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so cluster2=" in bench
+    assert " keys128=" in bench and "--keys 32768 131072" in calls
+
+
+def test_the_profile_call_in_tools_readme_profiles_only_the_hopper_launches(stubs):
+    """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
+    nothing else (the mma.sync and decode launches would spend its minutes)."""
+    env, tmp_path = stubs
+    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*PROFILE_PARTS"))
+    assert verdicts(log) == {"build": "ok", "variants": "ok", "profile": "ok"}
+    ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
+    assert len(ncu) == 2 and all("--profile 16384 --profile-head-dim 64" in x for x in ncu)
+    assert "regex:diff_attention_sm90" in ncu[0] and "--profile-lib" not in ncu[0]
+    assert "--profile-lib" in ncu[1] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in ncu[1]
+
+
+@pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])
+def test_a_bad_profile_launch_name_runs_nothing(stubs, parts):
+    env, tmp_path = stubs
+    env["PROFILE_PARTS"] = parts
+    proc, log, _, _ = campaign(env, tmp_path, "profile")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: PROFILE_PARTS takes fused, decode, hopper")
+    assert not log and not (tmp_path / "calls.log").exists()

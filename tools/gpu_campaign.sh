@@ -37,6 +37,10 @@ done
 [[ -z "$BUDGET" || "$BUDGET" =~ ^[0-9]+$ ]] || { echo "error: --budget takes whole seconds, not '$BUDGET'" >&2; exit 2; }
 [[ "${CAMPAIGN_TEST_WORKERS:-8}" =~ ^[1-9][0-9]?$ ]] ||
   { echo "error: CAMPAIGN_TEST_WORKERS takes a number of pytest workers from 1 to 99, not '$CAMPAIGN_TEST_WORKERS'" >&2; exit 2; }
+for launch in ${PROFILE_PARTS:-}; do
+  [[ " fused decode hopper hopper-int8 variants compare " == *" $launch "* ]] ||
+    { echo "error: PROFILE_PARTS takes fused, decode, hopper, hopper-int8, variants and compare, not '$launch'" >&2; exit 2; }
+done
 mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -268,23 +272,30 @@ profile_decode() {
   fi
 }
 
+profiling() { [[ " $PROFILE_PARTS " == *" $1 "* ]]; }
+
 part_profile() {
+  : > "$OUT_DIR/profile.txt"
   # One launch of the mma.sync kernel at N=4096 (bf16, d=128, non-causal), the clocks left as they
   # are (auto would take the Hopper path on sm_90, profiled below).
-  DIFFEXPORT_KERNEL_PATH=mma timed 150 10 "profile (fused)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
-    --launch-count 1 -f -o /tmp/profile "$PY" tools/bench_attention.py --profile 4096 \
-    > "$OUT_DIR/profile.txt" 2>&1 || { tail -20 "$OUT_DIR/profile.txt"; return 1; }
-  ncu --import /tmp/profile.ncu-rep --page details >> "$OUT_DIR/profile.txt" 2>&1
-  # What limits it: tensor-pipe activity, issue slots, stall reasons, shared-memory conflicts.
-  { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
-    >> "$OUT_DIR/profile.txt"
+  if profiling fused; then
+    DIFFEXPORT_KERNEL_PATH=mma timed 150 10 "profile (fused)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd --launch-skip 3 \
+      --launch-count 1 -f -o /tmp/profile "$PY" tools/bench_attention.py --profile 4096 \
+      > "$OUT_DIR/profile.txt" 2>&1 || { tail -20 "$OUT_DIR/profile.txt"; return 1; }
+    ncu --import /tmp/profile.ncu-rep --page details >> "$OUT_DIR/profile.txt" 2>&1
+    # What limits it: tensor-pipe activity, issue slots, stall reasons, shared-memory conflicts.
+    { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
+      >> "$OUT_DIR/profile.txt"
+  fi
   # One split-KV decode call (bf16, d=128, Sq=1, 32k keys), both of its kernels (the split kernel,
   # then the merge): how close to DRAM bandwidth, and how much of the call each kernel takes; then
   # the same call on an int8 KV cache (issue 62 item 2: the codes read, converted in registers).
-  profile_decode "" decode
-  profile_decode " on an int8 KV cache" decode-kv8 --profile-kv-cache int8
+  if profiling decode; then
+    profile_decode "" decode
+    profile_decode " on an int8 KV cache" decode-kv8 --profile-kv-cache int8
+  fi
   # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
-  if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
+  if profiling hopper && [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper)" ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
         --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS > /dev/null 2>&1; then
       { echo "--- Hopper path (TMA + wgmma), the same launch"; echo "launch: bench_attention.py $HOPPER_PROFILE_ARGS"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
@@ -296,7 +307,7 @@ part_profile() {
     fi
   fi
   # Its INT8 logits (s8 wgmma for Q.K^T), the same launch: what the INT8 recipe changes in the kernel.
-  if [[ "${DIFFEXPORT_PROBE_HOPPER_INT8:-}" == ok* ]]; then
+  if profiling hopper-int8 && [[ "${DIFFEXPORT_PROBE_HOPPER_INT8:-}" == ok* ]]; then
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper INT8)" ncu --clock-control none --set full \
         --kernel-name regex:diff_attention_sm90 --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper-int8 \
         "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS --profile-logit-bits 8 > /dev/null 2>&1; then
@@ -310,10 +321,10 @@ part_profile() {
   fi
   local spec name path
   # Each variant that passed its probes, on the Hopper launch: what its change did to the limits.
-  if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
+  if profiling variants && [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
     for spec in ${CAMPAIGN_VARIANTS:-}; do
       name="${spec%%:*}"; path="$BUILD_DIR-$name/plugins/kernels/libdiffexport_kernels.so"
-      [[ -f "$path" && ! -f "$BUILD_DIR-$name/probe-failed" ]] || continue
+      [[ -f "$BUILD_DIR-$name/probe-failed" ]] && continue  # (a failed build writes it too)
       DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper, $name)" ncu --clock-control none --set full \
         --kernel-name regex:diff_attention_sm90 --launch-skip 3 --launch-count 1 -f -o "/tmp/profile-hopper-$name" \
         "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS --profile-lib "$path" > /dev/null 2>&1 ||
@@ -323,7 +334,7 @@ part_profile() {
         ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
     done
   fi
-  for spec in ${CAMPAIGN_COMPARE:-}; do  # the same launch from each carried build, metrics only
+  for spec in $(profiling compare && echo "${CAMPAIGN_COMPARE:-}"); do  # the same launch from each carried build, metrics only
     name="${spec%%=*}"; path="${spec#*=}"
     DIFFEXPORT_KERNEL_PATH=mma timed 120 10 "profile ($name)" ncu --clock-control none --set full --kernel-name regex:diff_attention_fwd \
       --launch-skip 3 --launch-count 1 -f -o "/tmp/profile-$name" "$PY" tools/bench_attention.py --profile 4096 \
@@ -363,6 +374,8 @@ run_part() {
 # The Hopper launches' shape (bench_attention.py's profile options): by default the mma.sync kernel's
 # launch; e.g. "--profile 16384 --profile-head-dim 64" for the case furthest from its target.
 HOPPER_PROFILE_ARGS="${HOPPER_PROFILE_ARGS:---profile 4096}"
+# Which launches the profile part takes, in this order (a short call names only what it needs).
+PROFILE_PARTS="${PROFILE_PARTS:-fused decode hopper hopper-int8 variants compare}"
 PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_issue_active|issue_active.avg.pct|bank_conflicts_pipe_lsu_mem_shared_op_(ld|st).sum |registers_per_thread|warps_active.avg.pct|inst_executed_pipe_[a-z_]+.avg.pct|smsp__inst_executed.sum |lts__t_bytes.sum.per_second|lts__t_sector_hit_rate.pct |dram__bytes_read.sum.per_second"
 
 parts=("$@")
