@@ -134,12 +134,15 @@ def test_the_sanitizers_run_at_once_racecheck_once_per_kernel_path(stubs):
 
 def test_a_variant_that_fails_its_probe_is_left_out_of_the_bench(stubs):
     env, tmp_path = stubs
-    env.update(CAMPAIGN_VARIANTS="good:-DGOOD=1 bad:-DBAD=1", STUB_PROBE="ok: stand-in", STUB_BAD_LIB="build-bad",
+    env.update(CAMPAIGN_VARIANTS="good:-DGOOD=1,-DALSO=2 bad:-DBAD=1", STUB_PROBE="ok: stand-in",
+               STUB_BAD_LIB="build-bad",
                CAMPAIGN_BUILD_DIR=os.path.relpath(tmp_path / "build", ROOT))  # relative: made absolute for the bench
     _, log, _, _ = campaign(env, tmp_path, "variants", "bench")
     assert verdicts(log) == {"variants": "FAILED", "bench": "ok"}, log
     assert "variant good, hopper-int8 probe: ok: stand-in" in log
     assert "variant bad, hopper probe: failed: stand-in disagrees" in log
+    # commas separate one variant's flags
+    assert "-DCMAKE_CUDA_FLAGS=-DGOOD=1 -DALSO=2\n" in (tmp_path / "calls.log").read_text()
     bench = next(c for c in (tmp_path / "calls.log").read_text().splitlines() if "bench_attention.py --json" in c)
     assert f"good={tmp_path}/build-good/plugins/kernels/libdiffexport_kernels.so" in bench
     assert "bad=" not in bench

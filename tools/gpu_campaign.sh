@@ -135,7 +135,8 @@ part_build() {
   "$PY" -c "from diffexport.kernel import kernels; print(kernels.build_info())" | tee -a "$OUT_DIR/build.log"
 }
 
-# CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "slack8:-DDIFFX_SM90_RESCALE_SLACK=8"),
+# CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "slack8:-DDIFFX_SM90_RESCALE_SLACK=8";
+# commas separate a variant's flags: "both:-DDIFFX_SM90_CLUSTER_M=2,-DDIFFX_SM90_KEY_BLOCK=128"),
 # and the bench times each beside this checkout's build, with any CAMPAIGN_COMPARE="name=path"
 # (e.g. a carried build of the previous commit). The suite runs only on this checkout's build, so each
 # variant's Hopper paths are probed against the float32 reference first (diffexport/kernel/kernel_probe.py,
@@ -145,7 +146,7 @@ part_variants() {
   local spec name flags cutlass dir probe verdict rc=0
   cutlass=$(cutlass_dir)
   for spec in ${CAMPAIGN_VARIANTS:-}; do
-    name="${spec%%:*}"; flags="${spec#*:}"; dir="$BUILD_DIR-$name"
+    name="${spec%%:*}"; flags="${spec#*:}"; flags="${flags//,/ }"; dir="$BUILD_DIR-$name"
     mkdir -p "$dir" && rm -f "$dir/probe-failed"
     # With the same CUTLASS headers as the main build, so that a variant has its Hopper path too.
     if ! { cmake -S . -B "$dir" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
