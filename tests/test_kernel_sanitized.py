@@ -12,10 +12,12 @@ many: the split-KV target to 4 CTAs (DIFFX_DECODE_TARGET_CTAS: a cache of two or
 with a handful of CTAs), the K-smoothing chunk to 128 keys (DIFFX_KEY_SUM_CHUNK), and the merge
 kernel's CTA to 64 threads (DIFFX_MERGE_THREADS; ThreadSanitizer's cost grows with the threads that
 meet at a barrier, and 64 still makes two or four groups of parts at head dim 64). The launches are
-kernel_cases.CASES (the list compute-sanitizer runs on the GPU), alternating fp16 and bf16,
-key-masked where causal, with each cache cut to at most KEYS_CAP keys plus its ragged remainder
-(emulated_keys): under the lowered sizes every case keeps its query blocks, several splits or
-chunks, and its ragged last tile, in a fraction of the time (ThreadSanitizer ran the uncut list in
+kernel_cases.CASES (the list compute-sanitizer runs on the GPU), in fp16 (the builds leave the bf16
+instantiations out, DIFFX_EMULATE_FP16_ONLY, which halves their compile: bf16 goes through the same
+2-byte indexing and barriers; compute-sanitizer's GPU runs take both), key-masked where causal,
+with each cache cut to at most KEYS_CAP keys plus its ragged remainder (emulated_keys): under the
+lowered sizes every case keeps its query blocks, several splits or chunks, and its ragged last
+tile, in a fraction of the time (ThreadSanitizer ran the uncut list in
 8 minutes on a 2-core CI machine). Plus a float32 launch (the conversion kernels). Skipped where
 the compiler cannot build with a sanitizer."""
 
@@ -42,6 +44,7 @@ SANITIZERS = {
 REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
 
 
+FP16 = 1  # sanitize_cases' dtype code (2 is bf16, which these builds leave out)
 KEY_SUM_CHUNK = 128  # the builds' K-smoothing chunk: KEYS_CAP keys make two
 KEYS_CAP = 256  # 4 tiles: two splits of two or more tiles at 4 target CTAs, two K-sum chunks
 
@@ -66,15 +69,15 @@ def launches(sanitizer: str = "address,undefined") -> list[str]:
     cases = CASES if sanitizer != "thread" else [
         (v, h // hkv if sq <= DECODE_MAX_QUERY else 1, 1, d, causal, 1, min(sq, 64), skv, bits)
         for v, h, hkv, d, causal, b, sq, skv, bits in CASES]
-    args = [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},{bits},{1 + i % 2},{causal}"
-            for i, (v, h, hkv, d, causal, b, sq, skv, bits) in enumerate(cases)]
+    args = [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},{bits},{FP16},{causal}"
+            for v, h, hkv, d, causal, b, sq, skv, bits in cases]
     # ThreadSanitizer: the decode kernel's cache cases only (a longer call's dequantisation is an
     # elementwise kernel before the one-pass kernel, whose races the cases above already cover)
     kv_cases = KV_CACHE_CASES if sanitizer != "thread" else [
         (v, h // hkv, 1, d, causal, 1, sq, skv, fmt)
         for v, h, hkv, d, causal, b, sq, skv, fmt in KV_CACHE_CASES if sq <= DECODE_MAX_QUERY]
-    args += [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},0,{1 + i % 2},{causal},"
-             f"{KV_FORMATS[fmt]}" for i, (v, h, hkv, d, causal, b, sq, skv, fmt) in enumerate(kv_cases)]
+    args += [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},0,{FP16},{causal},"
+             f"{KV_FORMATS[fmt]}" for v, h, hkv, d, causal, b, sq, skv, fmt in kv_cases]
     heads = "1,1" if sanitizer == "thread" else "2,2"
     return args + [f"1,{heads},64,1,1,33,40,0,3,1"]  # float32 I/O: the conversion kernels around the fp16 one
 
@@ -92,7 +95,8 @@ def builds(tmp_path_factory):
         exe, log = folder / "sanitize_cases", folder / "build.log"
         with open(log, "w") as out:
             started[name] = (subprocess.Popen(
-                [compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_DECODE_TARGET_CTAS=4",
+                [compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_EMULATE_FP16_ONLY",
+                 "-DDIFFX_DECODE_TARGET_CTAS=4",
                  "-DDIFFX_MERGE_THREADS=64",
                  f"-DDIFFX_KEY_SUM_CHUNK={KEY_SUM_CHUNK}", f"-I{KERNELS}", *flags, *map(str, SOURCES), "-lpthread",
                  "-o", str(exe)], stdout=out, stderr=subprocess.STDOUT), exe, log)
