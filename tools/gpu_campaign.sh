@@ -300,7 +300,7 @@ part_profile() {
     if DIFFEXPORT_KERNEL_PATH=hopper timed 150 10 "profile (Hopper)" ncu --clock-control none --set full --kernel-name regex:diff_attention_sm90 \
         --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS > /dev/null 2>&1; then
       { echo "--- Hopper path (TMA + wgmma), the same launch"; echo "launch: bench_attention.py $HOPPER_PROFILE_ARGS"; ncu --import /tmp/profile-hopper.ncu-rep --page details 2>&1 |
-          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
+          grep -E "$PROFILE_DETAILS"
         echo "--- selected raw metrics, Hopper path"; ncu --import /tmp/profile-hopper.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
     else
@@ -313,7 +313,7 @@ part_profile() {
         --kernel-name regex:diff_attention_sm90 --launch-skip 3 --launch-count 1 -f -o /tmp/profile-hopper-int8 \
         "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS --profile-logit-bits 8 > /dev/null 2>&1; then
       { echo "--- Hopper path INT8 logits, the same launch"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page details 2>&1 |
-          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
+          grep -E "$PROFILE_DETAILS"
         echo "--- selected raw metrics, Hopper path INT8"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
     else
@@ -331,7 +331,7 @@ part_profile() {
         "$PY" tools/bench_attention.py $HOPPER_PROFILE_ARGS --profile-lib "$path" > /dev/null 2>&1 ||
         { echo "--- Hopper path profile of variant $name FAILED" >> "$OUT_DIR/profile.txt"; continue; }
       { echo "--- Hopper path, variant $name"; ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page details 2>&1 |
-          grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy"
+          grep -E "$PROFILE_DETAILS"
         ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
     done
   fi
@@ -377,6 +377,8 @@ run_part() {
 HOPPER_PROFILE_ARGS="${HOPPER_PROFILE_ARGS:---profile 4096}"
 # Which launches the profile part takes, in this order (a short call names only what it needs).
 PROFILE_PARTS="${PROFILE_PARTS:-fused decode hopper hopper-int8 variants compare}"
+# The lines of a Hopper launch's details page kept in profile.txt (campaign_report.py reads them).
+PROFILE_DETAILS="Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Executed Ipc A|Dynamic Shared"
 PROFILE_METRICS="gpu__time_duration.sum|pipe_tensor|issue_stalled_[a-z_]+_per_issue_active|issue_active.avg.pct|bank_conflicts_pipe_lsu_mem_shared_op_(ld|st).sum |registers_per_thread|warps_active.avg.pct|inst_executed_pipe_[a-z_]+.avg.pct|smsp__inst_executed.sum |lts__t_bytes.sum.per_second|lts__t_sector_hit_rate.pct |dram__bytes_read.sum.per_second"
 
 parts=("$@")

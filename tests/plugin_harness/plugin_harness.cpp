@@ -310,6 +310,19 @@ struct Shapes {
   PluginTensorDesc out;
 };
 
+// The build-time descriptors of fixed shapes (min = opt = max): the inputs, then the output.
+struct FixedDescs {
+  std::vector<DynamicPluginTensorDesc> in;
+  DynamicPluginTensorDesc out;
+};
+
+FixedDescs fixed(const Shapes& s) {
+  FixedDescs f;
+  for (auto& t : s.in) f.in.push_back(dynamic(t, t.dims, t.dims));
+  f.out = dynamic(s.out, s.out.dims, s.out.dims);
+  return f;
+}
+
 Shapes v1_shapes(DataType type, int64_t B, int64_t Sq, int64_t Skv, bool key_mask) {
   const int64_t H = 4, Hkv = 2, D = 64, Dv = 128;
   Shapes s;
@@ -489,9 +502,7 @@ void api_checks(const Library& lib, RecordingLogger& log) {
   // configurePlugin, getWorkspaceSize: good and bad shapes; -1 (unknown) dims at build time.
   {
     Shapes s = v1_shapes(DataType::kHALF, 2, 17, 33, false);
-    std::vector<DynamicPluginTensorDesc> in;
-    for (auto& t : s.in) in.push_back(dynamic(t, t.dims, t.dims));
-    DynamicPluginTensorDesc out = dynamic(s.out, s.out.dims, s.out.dims);
+    auto [in, out] = fixed(s);
     check(cap.build->configurePlugin(in.data(), 5, &out, 1) == 0, "configurePlugin accepts good shapes");
     std::vector<DynamicPluginTensorDesc> unknown = in;
     unknown[0].desc.dims.d[1] = -1;
@@ -526,9 +537,7 @@ void api_checks(const Library& lib, RecordingLogger& log) {
     check(int8 != nullptr, "createPlugin accepts logit_bits 8");
     if (int8) {
       Shapes s = v1_shapes(DataType::kBF16, 2, 100, 300, false);
-      std::vector<DynamicPluginTensorDesc> in;
-      for (auto& t : s.in) in.push_back(dynamic(t, t.dims, t.dims));
-      DynamicPluginTensorDesc out = dynamic(s.out, s.out.dims, s.out.dims);
+      auto [in, out] = fixed(s);
       const size_t ws = capabilities(int8).build->getWorkspaceSize(in.data(), 5, &out, 1);
       check(ws > 0, "getWorkspaceSize: " + std::to_string(ws) + " bytes for INT8 logits");
       delete int8;
@@ -592,9 +601,7 @@ void api_checks(const Library& lib, RecordingLogger& log) {
     if (v2) {
       IPluginV3OneBuild* b = capabilities(v2).build;
       Shapes s = v1_shapes(DataType::kBF16, 2, 1, 40, true);
-      std::vector<DynamicPluginTensorDesc> in;
-      for (auto& t : s.in) in.push_back(dynamic(t, t.dims, t.dims));
-      DynamicPluginTensorDesc out = dynamic(s.out, s.out.dims, s.out.dims);
+      auto [in, out] = fixed(s);
       in.push_back(out);
       check(b->supportsFormatCombination(5, in.data(), 6, 1), "version 2: key_mask int64 accepted");
       in[5].desc.type = DataType::kINT32;
@@ -620,9 +627,7 @@ void api_checks(const Library& lib, RecordingLogger& log) {
       s.in[1].type = s.in[2].type = DataType::kINT8;
       s.in.push_back(desc(dims({2 * 2 * 64}), DataType::kFLOAT));
       s.in.push_back(desc(dims({2 * 128}), DataType::kFLOAT));
-      std::vector<DynamicPluginTensorDesc> in;
-      for (auto& t : s.in) in.push_back(dynamic(t, t.dims, t.dims));
-      DynamicPluginTensorDesc out = dynamic(s.out, s.out.dims, s.out.dims);
+      auto [in, out] = fixed(s);
       in.push_back(out);
       bool all = true;
       for (int pos = 0; pos <= 8; ++pos) all = all && b->supportsFormatCombination(pos, in.data(), 8, 1);
