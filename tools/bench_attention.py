@@ -192,9 +192,8 @@ def table(rows: list[dict], peak: float) -> str:
 
     lines = ["| dtype | d (V) | causal | N | B x H | fused | fused INT8 | Hopper path | Hopper INT8 | best composition "
              "| which | fused vs best | Hopper vs best | INT8 vs fused | Hopper INT8 vs Hopper | fused % of matmul "
-             "peak "
-             "| INT8 cosine |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak | Hopper % of matmul peak | INT8 cosine |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         t = row["timings"]
         fused, int8, hopper = t.get("fused"), t.get("fused_int8"), t.get("fused_hopper")
@@ -205,10 +204,12 @@ def table(rows: list[dict], peak: float) -> str:
         vs_fused = f"{fused['ms'] / int8['ms']:.2f}x" if fused and int8 else "-"
         vs_hopper = f"{hopper['ms'] / hopper_int8['ms']:.2f}x" if hopper and hopper_int8 else "-"
         pct = f"{100 * fused['tflops'] / peak:.0f}%" if fused else "-"
+        hopper_pct = f"{100 * hopper['tflops'] / peak:.0f}%" if hopper else "-"
         lines.append(f"| {row['dtype']} | {row['d']} ({2 * row['d']}) | {row['causal']} | {row['n']} "
                      f"| {row['batch']} x {row['heads']} | {cell(fused)} | {cell(int8)} | {cell(hopper)} "
                      f"| {cell(hopper_int8)} | {cell(best[1] if best else None)} | {best[0] if best else '-'} "
-                     f"| {vs_best} | {hopper_vs_best} | {vs_fused} | {vs_hopper} | {pct} | {row['int8_cosine']:.5f} |")
+                     f"| {vs_best} | {hopper_vs_best} | {vs_fused} | {vs_hopper} | {pct} | {hopper_pct} "
+                     f"| {row['int8_cosine']:.5f} |")
     return "\n".join(lines)
 
 
