@@ -230,6 +230,30 @@ def test_a_bench_stopped_at_its_limit_renders_as_partial(tmp_path):
         assert says_partial == (name == "partial.json"), out.stderr
 
 
+def test_the_fixed_cost_per_cta_is_a_fitted_line_and_renders(tmp_path):
+    """bench_attention.py --cta-cost: the intercept and slope of the least-squares line through the
+    measured points, how far the worst point lies off it, and the table --render prints of a saved run."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    keys = bench_attention.CTA_COST_KEYS
+    straight = bench_attention.fixed_cost_fit([(k, 0.08 + 0.5e-3 * k) for k in keys])
+    assert straight["intercept_ms"] == pytest.approx(0.08) and straight["ms_per_1k_keys"] == pytest.approx(0.5)
+    assert straight["worst_residual"] < 1e-9
+    bent = bench_attention.fixed_cost_fit([(k, 0.08 + 0.5e-3 * k + (0.05 if k == keys[0] else 0)) for k in keys])
+    assert bent["worst_residual"] > 0.05 and bent["intercept_ms"] > 0.08
+    row = {"build": "this build", "dtype": "bfloat16", "d": 64, "ctas": 4096, "sms": 132, "waves": 32,
+           "points": [[k, 0.08 + 0.5e-3 * k] for k in keys], **straight, "per_cta_us": 2.5}
+    (tmp_path / "cta_cost.json").write_text(json.dumps({"mode": "cta_cost", "rows": [row]}))
+    out = subprocess.run([sys.executable, "tools/bench_attention.py", "--render", str(tmp_path / "cta_cost.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[2] == ("| this build | bfloat16 | 64 (128) | 4096 | 32 | 0.208 / 0.336 / 0.592 / "
+                                          "1.104 / 2.128 | 0.080 | 2.5 | 0.500 | 0.0% |")
+
+
 def test_the_closing_call_in_tools_readme_runs_every_part(stubs):
     """The one call tools/README.md gives for issue 44's closing campaign, as written there (with the
     stand-ins): a typo in it would cost a GPU session its run."""
@@ -276,6 +300,10 @@ def test_the_issue_62_call_in_tools_readme_times_both_variants(stubs):
     bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
     assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so cluster2=" in bench
     assert " keys128=" in bench and "--keys 32768 131072" in calls
+    # then the Hopper path's fixed cost per CTA, of this build and every carried one
+    cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
+    assert "/cta_cost.json --compare before=build-before/libdiffexport_kernels.so cluster2=" in cta_cost
+    assert calls.index("--seqs 4096 16384") < calls.index("--cta-cost") < calls.index("--decode")
 
 
 def test_the_profile_call_in_tools_readme_profiles_only_the_hopper_launches(stubs):

@@ -14,6 +14,13 @@ our split-KV decode kernels, the one-pass kernel on the same call (DIFFEXPORT_KE
 the INT8-logits variant and the compositions, as achieved GB/s (the bytes of Q, K, V and the
 output once) beside a device-to-device copy's GB/s measured in the same run. Each call is timed
 inside a CUDA graph of 20 calls, so Python's launch overhead is not in the numbers.
+
+--cta-cost measures the Hopper path's fixed cost per CTA: the prefill cases' grid (4096 CTAs of 64
+query rows, non-causal) against 256 to 4096 keys, timed as CUDA graphs, and a least-squares line
+through (keys, ms). Its intercept is the time that does not grow with the keys a CTA reads (barrier
+set-up, Q's load, the pipeline's fill and drain, the epilogue, the CTA's launch), paid once per CTA
+in each of the grid's waves: the most a persistent scheduler, which overlaps one tile's epilogue and
+prologue with the next tile's loads, could take off a launch of that grid.
 """
 
 from __future__ import annotations
@@ -366,6 +373,80 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
     return row
 
 
+CTA_COST_KEYS = (256, 512, 1024, 2048, 4096)  # keys per CTA: 4-64 tiles, past the pipeline's 3-4 stages
+CTA_COST_QUERIES = 4096  # with TOKENS_PER_BATCH: the 4096 CTAs of every timed prefill case
+
+
+def fixed_cost_fit(points: list[tuple[int, float]]) -> dict:
+    """The least-squares line ms = intercept + slope * keys through (keys, ms), with the largest
+    relative distance of a point from it (how straight the measured line is)."""
+    fit = statistics.linear_regression([k for k, _ in points], [ms for _, ms in points])
+    worst = max(abs(ms - (fit.intercept + fit.slope * k)) / ms for k, ms in points)
+    return {"intercept_ms": fit.intercept, "ms_per_1k_keys": 1000 * fit.slope, "worst_residual": worst}
+
+
+def cta_cost_case(dtype, head_dim: int, heads: int, warmup: int, repeats: int, lib=None) -> dict | None:
+    """The Hopper path (lib: another build's) on the timed cases' grid, non-causal, against
+    CTA_COST_KEYS keys; None when the library does not plan the Hopper kernel for it."""
+    batch = max(1, TOKENS_PER_BATCH // CTA_COST_QUERIES)
+    attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=0,
+                               output_scale=0.8)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ctas = batch * heads * -(-CTA_COST_QUERIES // 64)
+    points = []
+    try:
+        for keys in CTA_COST_KEYS:
+            inputs = random_inputs(attrs, batch, CTA_COST_QUERIES, keys, dtype, keys + head_dim)
+            out = torch.empty(batch, CTA_COST_QUERIES, heads * attrs.value_dim, device="cuda", dtype=dtype)
+            fn, plan = prepared_call(inputs, attrs, out, path="hopper", lib=lib)
+            if plan[0] != "hopper":
+                return None
+            points.append((keys, graph_ms(fn, warmup, repeats)))
+            del inputs, out, fn
+    finally:
+        os.environ.pop(kernels.KERNEL_PATH_ENV, None)
+        torch.cuda.empty_cache()
+    # One CTA a streaming multiprocessor at a time (its shared memory), so ceil(ctas / sms) waves.
+    waves = -(-ctas // sms)
+    fit = fixed_cost_fit(points)
+    return {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "ctas": ctas, "sms": sms, "waves": waves,
+            "points": points, **fit, "per_cta_us": 1000 * fit["intercept_ms"] / waves}
+
+
+def run_cta_cost(args, other_builds: dict) -> int:
+    if not hopper_available():
+        print("error: --cta-cost needs the Hopper path: an sm_90 GPU and a library with it that passes its probe",
+              file=sys.stderr)
+        return 2
+    builds = {"this build": None}
+    builds.update({name: lib for name, lib in other_builds.items() if "sm90=1" in lib.diffx_build_info().decode()})
+    record = {"mode": "cta_cost", "rows": [], "stamp": benchdoc.stamp(), "warmup": args.warmup,
+              "repeats": args.repeats, "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:])}
+    for name, lib in builds.items():
+        for d in args.head_dims:
+            print(f"{name}: Hopper path d={d}, {CTA_COST_QUERIES} queries against {CTA_COST_KEYS} keys ...",
+                  file=sys.stderr, flush=True)
+            row = cta_cost_case(getattr(torch, args.dtypes[0]), d, args.heads, args.warmup, args.repeats, lib)
+            if row is None:
+                print(f"  {name}: the Hopper kernel is not what it plans here; left out", file=sys.stderr)
+                continue
+            record["rows"].append({"build": name, **row})
+            save_partial(args.json, record)
+    print(cta_cost_table(record["rows"]))
+    return 0
+
+
+def cta_cost_table(rows: list[dict]) -> str:
+    lines = ["| build | dtype | d (V) | CTAs | waves | ms at " + " / ".join(map(str, CTA_COST_KEYS)) + " keys "
+             "| fixed ms per launch | us per CTA | ms per 1k keys | worst point off the line |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['build']} | {r['dtype']} | {r['d']} ({2 * r['d']}) | {r['ctas']} | {r['waves']} "
+                     f"| {' / '.join(f'{ms:.3f}' for _, ms in r['points'])} | {r['intercept_ms']:.3f} "
+                     f"| {r['per_cta_us']:.1f} | {r['ms_per_1k_keys']:.3f} | {100 * r['worst_residual']:.1f}% |")
+    return "\n".join(lines)
+
+
 def cosine(out: torch.Tensor, exact: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0).item()
 
@@ -503,11 +584,16 @@ def main() -> int:
                         help="decode: cached keys")
     parser.add_argument("--decode-batch", type=int, default=4, help="decode: batch (default 4)")
     parser.add_argument("--kv-heads", type=int, help="decode: kv groups (default --heads / 4: GQA 4)")
+    parser.add_argument("--cta-cost", action="store_true",
+                        help="the Hopper path's fixed cost per CTA instead (first of --dtypes, each of --head-dims)")
     args = parser.parse_args()
     if args.render:  # a run saved on the GPU machine: its own stamp and command, no GPU needed here
         record = json.loads(args.render.read_text())
         if record.get("mode") == "decode":
             publish_decode(record, args.write)
+            return 0
+        if record.get("mode") == "cta_cost":
+            print(cta_cost_table(record["rows"]))
             return 0
         publish(record, {name.split("@", 1)[1] for row in record["rows"] for name in row["timings"] if "@" in name},
                 args.write)
@@ -532,6 +618,8 @@ def main() -> int:
             print(f"--compare {name}: left out: {exc}", file=sys.stderr)
     if args.decode:
         return run_decode(args, other_builds)
+    if args.cta_cost:
+        return run_cta_cost(args, other_builds)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", file=sys.stderr)
     cases = [(dtype, d, causal, n) for dtype in args.dtypes for d in args.head_dims for causal in args.causal

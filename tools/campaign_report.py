@@ -10,7 +10,8 @@ each compute-sanitizer tool's summary, the Hopper probe, each part's verdict, th
 the fused kernel against the best composition of the same run at N = 4k and 16k (target >= 1.3x),
 the INT8 logits against the fused fp path (target >= 1.2x with cosine >= 0.999), the Hopper path
 and any carried build (`fused@NAME`) beside this one, and from decode.json the split-KV decode
-kernels against the best composition and the copy bandwidth, and from profile.txt what limits each
+kernels against the best composition and the copy bandwidth, from cta_cost.json the Hopper path's
+fixed cost per CTA as a share of each timed case, and from profile.txt what limits each
 profiled launch (throughputs, issue slots, occupancy, the tensor pipe, the top stall reasons,
 shared-memory bank conflicts). Missing files are said, not guessed.
 Every ratio is computed from the raw timings, never copied from a table. Not a test: it reads
@@ -226,6 +227,35 @@ def prefill(folder: Path) -> list[str]:
     return lines
 
 
+def cta_cost_shares(folder: Path) -> list[tuple[dict, list[tuple[float, dict]]]]:
+    """Each cta_cost.json row with the share of its fixed cost in every timed prefill case of its head
+    dim on the same build's Hopper path (bench.json: the same 4096-CTA grid), largest first."""
+    record, bench = saved_run(folder, "cta_cost.json"), saved_run(folder, "bench.json")
+    out = []
+    for row in (record or {}).get("rows", []):
+        method = "fused_hopper" if row["build"] == "this build" else f"fused_hopper@{row['build']}"
+        shares = sorted(((row["intercept_ms"] / r["timings"][method]["ms"], r) for r in (bench or {}).get("rows", [])
+                         if r["d"] == row["d"] and method in r["timings"]), key=lambda item: -item[0])
+        out.append((row, shares))
+    return out
+
+
+def cta_cost(folder: Path) -> list[str]:
+    """What a persistent scheduler could overlap at most: the Hopper path's fixed cost per CTA."""
+    if read(folder / "cta_cost.json") is None:
+        return ["CTA cost       cta_cost.json missing"]
+    lines = []
+    for row, shares in cta_cost_shares(folder):
+        text = (f"CTA cost       {row['build']}, d={row['d']}: {row['intercept_ms']:.3f} ms a launch of {row['ctas']} "
+                f"CTAs in {row['waves']} waves ({row['per_cta_us']:.1f} us a CTA; points within "
+                f"{100 * row['worst_residual']:.1f}% of the line)")
+        if shares:
+            text += (f", {100 * shares[-1][0]:.1f}%-{100 * shares[0][0]:.1f}% of the timed cases' time "
+                     f"(most: {case(shares[0][1])}): the most a persistent scheduler could overlap")
+        lines.append(text)
+    return lines or ["CTA cost       no build measured"]
+
+
 def decode(folder: Path) -> list[str]:
     record = saved_run(folder, "decode.json")
     if record is None:
@@ -376,6 +406,13 @@ def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
                      "; ".join(by_dim), "yes" if all_met else "no", limits))
     else:
         rows.append(("1. prefill against the best composition", "bench.json missing or no case at 4k/16k", "-", ""))
+    overlap = [f"d = {row['d']}: {row['per_cta_us']:.1f} us a CTA, {row['intercept_ms']:.3f} ms a launch"
+               + (f" = {100 * shares[-1][0]:.1f}%-{100 * shares[0][0]:.1f}% of the Hopper path's time"
+                  if shares else "")
+               for row, shares in cta_cost_shares(folder) if row["build"] == "this build"]
+    if overlap:
+        rows.append(("1. what a persistent scheduler could overlap at most (the fixed cost per CTA, --cta-cost)",
+                     "; ".join(overlap), "-", ""))
     fp, quant = ("fused_hopper", "fused_hopper_int8") if hopper else ("fused", "fused_int8")
     int8 = [(r["timings"][fp]["ms"] / r["timings"][quant]["ms"], r["int8_cosine"]) for r in bench
             if fp in r["timings"] and quant in r["timings"]]
@@ -455,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         lines = targets(args.folder, args.profile) if args.targets else (
-            correctness(args.folder) + prefill(args.folder) + decode(args.folder) + profile(args.folder))
+            correctness(args.folder) + prefill(args.folder) + cta_cost(args.folder) + decode(args.folder)
+            + profile(args.folder))
     except NotCampaignOutput as exc:
         print(f"error: {args.folder}: {exc}", file=sys.stderr)
         return 2

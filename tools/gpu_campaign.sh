@@ -239,6 +239,15 @@ part_bench() {
   local rc=$?
   rm -f "$OUT_DIR"/*.partial   # a rewrite the time limit cut off; bench.json holds the cases before it
   cat "$OUT_DIR/bench.md"
+  # The Hopper path's fixed cost per CTA (what a persistent scheduler could overlap), each build with
+  # the path; about 20 s. Only on an sm_90 GPU whose library passed the Hopper probe.
+  if [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
+    { echo; echo "--- the Hopper path's fixed cost per CTA"
+      timed "${CTA_COST_TIMEOUT:-90}" 15 "CTA cost" "$PY" tools/bench_attention.py --cta-cost \
+        --json "$OUT_DIR/cta_cost.json" $(compare_args) 2>> "$OUT_DIR/campaign.log"; } | tee -a "$OUT_DIR/bench.md"
+    (( PIPESTATUS[0] == 0 )) || rc=1
+    rm -f "$OUT_DIR"/*.partial
+  fi
   return $rc
 }
 
