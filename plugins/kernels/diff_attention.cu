@@ -98,7 +98,7 @@ int cuda_failure(cudaError_t err, const char* what) {
 template <typename T, int D, int DV, bool INT8>
 cudaError_t dispatch_path(const diffx::KernelArgs& args, cudaStream_t stream) {
 #if DIFFX_HAVE_SM90
-  if (args.path == diffx::KernelPath::kHopper) return diffx::launch_diff_attention_sm90(args, stream);
+  if (args.path == diffx::KernelPath::kHopper) return diffx::launch_diff_attention_sm90<T, D, DV, INT8>(args, stream);
 #endif
   return args.path == diffx::KernelPath::kDecode ? diffx::launch_diff_attention_decode<T, D, DV, INT8>(args, stream)
                                                  : diffx::launch_diff_attention<T, D, DV, INT8>(args, stream);

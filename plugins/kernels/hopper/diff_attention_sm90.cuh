@@ -31,7 +31,13 @@
 // diff_attention_sm90_config.cuh), so the softmax below reads it exactly as the mma.sync kernel
 // reads its fragments. The register A operand of the 64 x DV x 64 P.V wgmma has the same linear
 // order, so P is the accumulator converted in place. hopper/layout_check.cu verifies both on the host.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -495,26 +501,15 @@ cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
   }
 }
 
-template <typename Element, bool INT8>
-cudaError_t launch_head_dim(const KernelArgs& args, cudaStream_t stream) {
-  const bool v1 = args.p.variant == 1;
-  if (args.p.head_dim == 64)
-    return v1 ? launch<Element, 64, 128, INT8>(args, stream) : launch<Element, 64, 64, INT8>(args, stream);
-  return v1 ? launch<Element, 128, 256, INT8>(args, stream) : launch<Element, 128, 128, INT8>(args, stream);
-}
-
-template <typename Element>
-cudaError_t launch_dtype(const KernelArgs& args, cudaStream_t stream) {
-  return args.k_codes ? launch_head_dim<Element, true>(args, stream) : launch_head_dim<Element, false>(args, stream);
-}
-
 }  // namespace diffx::sm90
 
 namespace diffx {
 
+// The C ABI's element types to CUTLASS's; one generated translation unit per instantiation (CMake).
+template <typename T, int D, int DV, bool INT8>
 cudaError_t launch_diff_attention_sm90(const KernelArgs& args, cudaStream_t stream) {
-  return args.p.dtype == DIFFX_DTYPE_BFLOAT16 ? sm90::launch_dtype<cutlass::bfloat16_t>(args, stream)
-                                              : sm90::launch_dtype<cutlass::half_t>(args, stream);
+  using Element = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
+  return sm90::launch<Element, D, DV, INT8>(args, stream);
 }
 
 }  // namespace diffx
