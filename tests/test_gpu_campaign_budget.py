@@ -290,8 +290,8 @@ def run_readme_command(env, tmp_path, command: str):
     return log, (tmp_path / "calls.log").read_text()
 
 
-def test_the_issue_62_call_in_tools_readme_times_both_variants(stubs):
-    """The call prepared for issue 62 (two Hopper variants beside this build and `before`), as written."""
+def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
+    """The call prepared for issue 62 (three Hopper variants beside this build and `before`), as written."""
     env, tmp_path = stubs
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=\d+ [^\n]*before="
                                                                 r"[^\n]*\\\n      CAMPAIGN_VARIANTS=\"cluster2"))
@@ -299,7 +299,8 @@ def test_the_issue_62_call_in_tools_readme_times_both_variants(stubs):
     assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls and "-DDIFFX_SM90_KEY_BLOCK=128" in calls
     bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
     assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so cluster2=" in bench
-    assert " keys128=" in bench and "--keys 32768 131072" in calls
+    assert " keys128=" in bench and " exp2fma=" in bench and "--keys 32768 131072" in calls
+    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_EXP2_FMA_EVERY=4" in calls
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert "/cta_cost.json --compare before=build-before/libdiffexport_kernels.so cluster2=" in cta_cost
@@ -310,12 +311,14 @@ def test_the_profile_call_in_tools_readme_profiles_only_the_hopper_launches(stub
     """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
     nothing else (the mma.sync and decode launches would spend its minutes)."""
     env, tmp_path = stubs
-    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*PROFILE_PARTS"))
+    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*exp2fma[^\n]*"
+                                                                r"\\\n      PROFILE_PARTS"))
     assert verdicts(log) == {"build": "ok", "variants": "ok", "profile": "ok"}
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
-    assert len(ncu) == 2 and all("--profile 16384 --profile-head-dim 64" in x for x in ncu)
+    assert len(ncu) == 3 and all("--profile 16384 --profile-head-dim 64" in x for x in ncu)
     assert "regex:diff_attention_sm90" in ncu[0] and "--profile-lib" not in ncu[0]
     assert "--profile-lib" in ncu[1] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in ncu[1]
+    assert "-exp2fma/plugins/kernels/libdiffexport_kernels.so" in ncu[2]
 
 
 @pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])

@@ -113,6 +113,25 @@ def test_hopper_index_arithmetic_matches_cute_layouts(tmp_path):
     assert run.stdout.count(" facts, shared storage ") == 16  # 8 shapes x fp/INT8 logits
 
 
+def test_the_fma_pipe_exponential_matches_exp2_within_its_bound(tmp_path):
+    """hopper/exp2_fma.h (the exponentials DIFFX_SM90_EXP2_FMA_EVERY moves off MUFU), built for the
+    host from the same header: relative error against exp2 in double precision below 4e-6 over
+    [-126, 127], zeros below -126.5 and at -inf, NaN kept (hopper/exp2_fma_check.cpp)."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs a C++ compiler")
+    exe = tmp_path / "exp2_fma_check"
+    build = subprocess.run([compiler, "-std=c++17", "-O2", f"-I{KERNELS / 'hopper'}",
+                            str(KERNELS / "hopper" / "exp2_fma_check.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.endswith("result: ok\n"), run.stdout
+    worst = float(re.search(r"max relative error (\S+) at", run.stdout).group(1))
+    assert 1e-7 < worst < 4e-6, run.stdout  # the degree-4 fit's 2.6e-6, not an exact exp2 by accident
+    assert "non-zero results below -126.5 or at -inf: 0\n" in run.stdout and "NaN in, NaN out: yes" in run.stdout
+
+
 def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
     """tools/prepare_gpu_campaign.sh checks its commit before it touches the carried folders: a name
     that is no commit here is one line, exit 2, and build-cutlass/build-before stay as they were."""

@@ -47,6 +47,7 @@
 #include "../ptx.cuh"
 #include "diff_attention_sm90.h"
 #include "diff_attention_sm90_config.cuh"
+#include "exp2_fma.h"
 
 namespace diffx::sm90 {
 
@@ -262,7 +263,12 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
         CUTE_UNROLL
         for (int c = 0; c < 2; ++c) {
           float& s = acc_s(4 * j + 2 * r + c);
-          s = diffx::fast_exp2(fmaf(s, scale_log2, neg_max));
+          const float x = fmaf(s, scale_log2, neg_max);
+          // (j is unrolled: which unit computes each exponential is fixed at compile time)
+          s = DIFFX_SM90_EXP2_FMA_EVERY > 0 && j % cute::max(DIFFX_SM90_EXP2_FMA_EVERY, 1) ==
+                                                  DIFFX_SM90_EXP2_FMA_EVERY - 1
+                  ? diffx::fma_exp2(x)
+                  : diffx::fast_exp2(x);
           sum += s;
         }
       row_sum[r] = row_sum[r] * alpha[r] + sum;

@@ -66,6 +66,15 @@ static_assert(DIFFX_SM90_RESCALE_SLACK >= 0 && DIFFX_SM90_RESCALE_SLACK <= 15, "
 #define DIFFX_SM90_KEY_BLOCK DIFFX_KEY_BLOCK
 #endif
 static_assert(DIFFX_SM90_KEY_BLOCK == DIFFX_KEY_BLOCK || DIFFX_SM90_KEY_BLOCK == 128, "64 or 128 keys a tile");
+// K > 0: one in K of each softmax row's column pairs (8-key groups j with j % K == K - 1) takes its
+// exponentials from hopper/exp2_fma.h (FMA and integer pipes, relative error 2.7e-6) instead of
+// MUFU.EX2, FlashAttention-4's offload: at d = 64 a V1 tile's 4096 exponentials a map take 2/3 of
+// its tensor time on MUFU's 16 a clock (1/3 at d = 128); K = 4 moves a quarter of them. 0 (default):
+// every exponential on MUFU. Not yet run on a GPU: a variant (-DDIFFX_SM90_EXP2_FMA_EVERY=4).
+#ifndef DIFFX_SM90_EXP2_FMA_EVERY
+#define DIFFX_SM90_EXP2_FMA_EVERY 0
+#endif
+static_assert(DIFFX_SM90_EXP2_FMA_EVERY >= 0 && DIFFX_SM90_EXP2_FMA_EVERY <= 8, "one in 1..8 column pairs, or none");
 static_assert(DIFFX_SM90_CLUSTER_M == 1 || DIFFX_SM90_CLUSTER_M == 2, "a cluster of 1 or 2 query blocks");
 constexpr int kClusterM = DIFFX_SM90_CLUSTER_M;
 using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
