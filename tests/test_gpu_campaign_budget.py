@@ -270,7 +270,8 @@ def test_the_closing_call_in_tools_readme_runs_every_part(stubs):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
     calls = (tmp_path / "calls.log").read_text()
-    assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so slack8=" in calls
+    assert ("--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so --hopper-variants slack8="
+            in calls)
     assert "-n 14 " in calls and "--keys 8192 32768 131072" in calls
 
 
@@ -298,12 +299,17 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
     assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls and "-DDIFFX_SM90_KEY_BLOCK=128" in calls
     bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
-    assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so cluster2=" in bench
+    # variants of -DDIFFX_SM90_* flags only are timed on the Hopper path alone, and not in decode
+    assert ("--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
+            in bench)
     assert " keys128=" in bench and " exp2fma=" in bench and "--keys 32768 131072" in calls
+    decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)  # (which leaves them out)
+    assert "--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so --hopper-variants" in decode
     assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_EXP2_FMA_EVERY=4" in calls
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
-    assert "/cta_cost.json --compare before=build-before/libdiffexport_kernels.so cluster2=" in cta_cost
+    assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
+            in cta_cost)
     assert calls.index("--seqs 4096 16384") < calls.index("--cta-cost") < calls.index("--decode")
 
 

@@ -105,7 +105,7 @@ def random_inputs(attrs: DiffAttentionAttrs, batch: int, q_len: int, kv_len: int
 
 
 def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: int, repeats: int,
-               backends: list[str], other_builds: dict) -> dict:
+               backends: list[str], other_builds: dict, hopper_only: frozenset = frozenset()) -> dict:
     batch = max(1, TOKENS_PER_BATCH // n)
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=causal,
                                output_scale=0.8)
@@ -125,10 +125,11 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
             methods["fused_hopper_int8"] = on_path(
                 "hopper", lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out))
     for name, lib in other_builds.items():  # other builds of the library, timed in the same loop
-        methods[f"fused@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out,
-                                                                                          lib=lib))
-        methods[f"fused_int8@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(
-            *inputs, attrs, logit_bits=8, out=out, lib=lib))
+        if name not in hopper_only:  # (a Hopper variant's mma.sync kernel is this build's)
+            methods[f"fused@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(
+                *inputs, attrs, out=out, lib=lib))
+            methods[f"fused_int8@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(
+                *inputs, attrs, logit_bits=8, out=out, lib=lib))
         if hopper and "sm90=1" in lib.diffx_build_info().decode():  # a build without the sm_90a path has no column
             methods[f"fused_hopper@{name}"] = on_path(
                 "hopper", lambda lib=lib: kernels.diff_attention(*inputs, attrs, out=out, lib=lib))
@@ -568,6 +569,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the raw rows here")
     parser.add_argument("--compare", nargs="*", default=[], metavar="NAME=PATH",
                         help="other builds of the kernel library, timed beside the current one (before/after)")
+    parser.add_argument("--hopper-variants", nargs="*", default=[], metavar="NAME=PATH",
+                        help="builds that differ from this one in the Hopper path only: timed on it alone (not in "
+                             "--decode)")
     parser.add_argument("--profile", type=int, metavar="N", help="only launch the fused kernel 4 times at N (for ncu)")
     parser.add_argument("--profile-lib", type=Path, metavar="PATH",
                         help="--profile: launch this build of the library (an older prefill-compatible ABI too)")
@@ -614,7 +618,9 @@ def main() -> int:
         return 0
     kernels.load_library()
     other_builds = {}
-    for spec in args.compare:
+    # Hopper variants share this build's mma.sync and decode kernels: decode leaves them out.
+    hopper_only = frozenset(spec.partition("=")[0] for spec in args.hopper_variants)
+    for spec in args.compare + ([] if args.decode else args.hopper_variants):
         name, _, path = spec.partition("=")
         try:
             other_builds[name] = kernels.open_library(Path(path), prefill_only=not args.decode,
@@ -635,7 +641,7 @@ def main() -> int:
     for dtype, d, causal, n in cases:
         print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
         record["rows"].append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
-                                         args.backends, other_builds))
+                                         args.backends, other_builds, hopper_only))
         save_partial(args.json, record)
     record["complete"] = True
     save_partial(args.json, record)

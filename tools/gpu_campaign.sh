@@ -167,14 +167,21 @@ part_variants() {
   return $rc
 }
 
+# A variant whose every flag is -DDIFFX_SM90_* changes the Hopper path only: the bench times it there
+# alone (--hopper-variants: no mma.sync columns, left out of decode), the rest as whole builds.
 compare_args() {
-  local spec dir list=(${CAMPAIGN_COMPARE:-})
+  local spec dir flags flag only list=(${CAMPAIGN_COMPARE:-}) hopper=()
   for spec in ${CAMPAIGN_VARIANTS:-}; do
     dir="$BUILD_DIR-${spec%%:*}"
     [[ -f "$dir/probe-failed" ]] && continue
-    list+=("${spec%%:*}=$dir/plugins/kernels/libdiffexport_kernels.so")
+    flags="${spec#*:}"; only=1
+    for flag in ${flags//,/ }; do [[ "$flag" == -DDIFFX_SM90_* ]] || only=0; done
+    if (( only )); then hopper+=("${spec%%:*}=$dir/plugins/kernels/libdiffexport_kernels.so")
+    else list+=("${spec%%:*}=$dir/plugins/kernels/libdiffexport_kernels.so"); fi
   done
-  [[ ${#list[@]} -gt 0 ]] && echo "--compare ${list[*]}"
+  [[ ${#list[@]} -gt 0 ]] && echo -n "--compare ${list[*]} "
+  [[ ${#hopper[@]} -gt 0 ]] && echo -n "--hopper-variants ${hopper[*]}"
+  echo
 }
 
 part_test() {
