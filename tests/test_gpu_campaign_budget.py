@@ -292,7 +292,7 @@ def run_readme_command(env, tmp_path, command: str):
 
 
 def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
-    """The call prepared for issue 62 (three Hopper variants beside this build and `before`), as written."""
+    """The call prepared for issue 62 (four Hopper variants beside this build and `before`), as written."""
     env, tmp_path = stubs
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=\d+ [^\n]*before="
                                                                 r"[^\n]*\\\n      CAMPAIGN_VARIANTS=\"cluster2"))
@@ -305,7 +305,7 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     assert " keys128=" in bench and " exp2fma=" in bench and "--keys 32768 131072" in calls
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)  # (which leaves them out)
     assert "--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so --hopper-variants" in decode
-    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_EXP2_FMA_EVERY=4" in calls
+    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_EXP2_FMA_EVERY=4" in calls and " persistent=" in bench
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="

@@ -37,6 +37,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include <cutlass/arch/barrier.h>
@@ -75,23 +76,43 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   const DiffxAttentionParams& p = prm.args.p;
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  const int h = blockIdx.y, b = blockIdx.z;  // the grid of the mma.sync kernel (attention_grid): blocks of a head together
   const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
-  // Heaviest (causal) blocks first. A cluster of 2 rounds the grid up to an even count: the extra
-  // CTA (m_block == m_blocks, past the end) loads its half of the shared tiles and writes nothing.
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
-  const int m_start = m_block * kBlockM;
-  const int g = h / (p.num_heads / p.num_kv_heads);
   constexpr int kBlockN = Cfg::kKeyBlock;
+  constexpr bool kPersistent = Cfg::kPersistent;
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
-  // The CTAs of a cluster consume the same tiles: as many as its heavier (first) real block needs;
-  // the lighter block's extra causal tile is masked out whole.
-  const int lead_start = min(int(gridDim.x) - 1 - int(blockIdx.x) / kClusterM * kClusterM, m_blocks - 1) * kBlockM;
-  int n_end = n_total;
-  if (p.causal) {
-    const int last_key = lead_start + min(kBlockM, p.q_len - lead_start) - 1 + p.kv_len - p.q_len;
-    n_end = last_key < 0 ? 0 : min(n_total, last_key / kBlockN + 1);
-  }
+  // A tile is (query block, head, batch element), in the mma.sync kernel's grid order
+  // (attention_grid): the blocks of a head together, its heaviest (causal) first. One tile a CTA,
+  // from its block index; persistent, the tiles blockIdx.x, blockIdx.x + gridDim.x, ... of that order.
+  const int num_tiles = kPersistent ? m_blocks * p.num_heads * p.batch : 1;
+  const int first_tile = kPersistent ? int(blockIdx.x) : 0;
+  const int tile_stride = kPersistent ? int(gridDim.x) : 1;
+  int m_block = 0, m_start = 0, h = 0, b = 0, g = 0, n_end = 0;
+  // The tile's coordinates and its count of key tiles. A cluster of 2 rounds the grid up to an even
+  // count: the extra CTA (m_block == m_blocks, past the end) loads its half of the shared tiles and
+  // writes nothing; the CTAs of a cluster consume as many key tiles as its heavier (first) real
+  // block needs, the lighter block's extra causal tile masked out whole.
+  auto enter_tile = [&](int tile) {
+    int lead_block = 0;
+    if constexpr (kPersistent) {
+      m_block = m_blocks - 1 - tile % m_blocks;
+      h = tile / m_blocks % p.num_heads;
+      b = tile / m_blocks / p.num_heads;
+      lead_block = m_block;
+    } else {
+      m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+      h = int(blockIdx.y);
+      b = int(blockIdx.z);
+      lead_block = min(int(gridDim.x) - 1 - int(blockIdx.x) / kClusterM * kClusterM, m_blocks - 1);
+    }
+    m_start = m_block * kBlockM;
+    g = h / (p.num_heads / p.num_kv_heads);
+    const int lead_start = lead_block * kBlockM;
+    n_end = n_total;
+    if (p.causal) {
+      const int last_key = lead_start + min(kBlockM, p.q_len - lead_start) - 1 + p.kv_len - p.q_len;
+      n_end = last_key < 0 ? 0 : min(n_total, last_key / kBlockN + 1);
+    }
+  };
 
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Cfg::kStageBytes;
@@ -99,7 +120,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   pipe_params.is_leader = threadIdx.x == 0;
   pipe_params.num_consumers = 2 * cutlass::NumThreadsPerWarpGroup;
   using QBarrier = cutlass::arch::ClusterTransactionBarrier;
-  if (threadIdx.x == 0) QBarrier::init(&storage.q_loaded, 1);
+  if (threadIdx.x == 0) {
+    QBarrier::init(&storage.q_loaded, 1);
+    if constexpr (kPersistent) cutlass::arch::ClusterBarrier::init(&storage.persistent.q_free, 2 * cutlass::NumThreadsPerWarpGroup);
+  }
   Pipeline pipeline(storage.pipeline, pipe_params, ClusterShape{});
   // Barriers initialised (and fenced) before anyone waits on them; in a cluster, before the other
   // CTA multicasts into this one or arrives on its barriers.
@@ -117,34 +141,42 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     Tensor mQ = prm.tma_q.get_tma_tensor(prm.shape_q);
     Tensor mK = prm.tma_k.get_tma_tensor(prm.shape_k);
     Tensor mV = prm.tma_v.get_tma_tensor(prm.shape_v);
-    QBarrier::arrive_and_expect_tx(&storage.q_loaded, Cfg::kQBytes);
-    for (int m = 0; m < 2; ++m) {
-      Tensor gQ = local_tile(mQ(_, _, 2 * h + m, b), Shape<_64, Int<D>>{}, make_coord(m_block, 0));
-      auto [tQg, tQs] = tma_partition(prm.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(m == 0 ? sQ1 : sQ2),
-                                      group_modes<0, 2>(gQ));
-      copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
-    }
     // This CTA's slice of each shared tile (all of it without a cluster), into every CTA of the cluster.
     const int rank = kClusterM > 1 ? int(cute::block_rank_in_cluster()) : 0;
     constexpr uint16_t kMulticast = (1u << kClusterM) - 1;
     auto state = cutlass::make_producer_start_state<Pipeline>();
-    for (int nb = 0; nb < n_end; ++nb) {
-      pipeline.producer_acquire(state);
-      uint64_t* full = pipeline.producer_get_barrier(state);
-      for (int m = 0; m < Cfg::kKeyMaps; ++m) {
-        const int km = Cfg::kV1 ? 2 * g + m : g;
-        Tensor sK = make_tensor(make_smem_ptr(storage.ring.k[m].data()), typename Cfg::SmemLayoutK{});
-        Tensor gK = local_tile(mK(_, _, km, b), Shape<typename Cfg::KeyBlock, Int<D>>{}, make_coord(nb, 0));
-        auto [tKg, tKs] = tma_partition(prm.tma_k, rank, Layout<Int<kClusterM>>{},
-                                        group_modes<0, 2>(sK(_, _, state.index())), group_modes<0, 2>(gK));
-        copy(prm.tma_k.with(*full, kMulticast), tKg, tKs);
+    int iter = 0;
+    for (int tile = first_tile; tile < num_tiles; tile += tile_stride, ++iter) {
+      enter_tile(tile);
+      // Persistent: this tile's Q replaces the last one's once both consumers are done with it
+      // (their last S has completed); its K/V stages were free to load before that.
+      if constexpr (kPersistent)
+        if (iter > 0) cutlass::arch::ClusterBarrier::wait(&storage.persistent.q_free, (iter - 1) & 1);
+      QBarrier::arrive_and_expect_tx(&storage.q_loaded, Cfg::kQBytes);
+      for (int m = 0; m < 2; ++m) {
+        Tensor gQ = local_tile(mQ(_, _, 2 * h + m, b), Shape<_64, Int<D>>{}, make_coord(m_block, 0));
+        auto [tQg, tQs] = tma_partition(prm.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(m == 0 ? sQ1 : sQ2),
+                                        group_modes<0, 2>(gQ));
+        copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
       }
-      Tensor sV = make_tensor(make_smem_ptr(storage.ring.v.data()), typename Cfg::SmemLayoutV{});
-      Tensor gV = local_tile(mV(_, _, g, b), Shape<typename Cfg::KeyBlock, Int<DV>>{}, make_coord(nb, 0));
-      auto [tVg, tVs] = tma_partition(prm.tma_v, rank, Layout<Int<kClusterM>>{},
-                                      group_modes<0, 2>(sV(_, _, state.index())), group_modes<0, 2>(gV));
-      copy(prm.tma_v.with(*full, kMulticast), tVg, tVs);
-      ++state;
+      for (int nb = 0; nb < n_end; ++nb) {
+        pipeline.producer_acquire(state);
+        uint64_t* full = pipeline.producer_get_barrier(state);
+        for (int m = 0; m < Cfg::kKeyMaps; ++m) {
+          const int km = Cfg::kV1 ? 2 * g + m : g;
+          Tensor sK = make_tensor(make_smem_ptr(storage.ring.k[m].data()), typename Cfg::SmemLayoutK{});
+          Tensor gK = local_tile(mK(_, _, km, b), Shape<typename Cfg::KeyBlock, Int<D>>{}, make_coord(nb, 0));
+          auto [tKg, tKs] = tma_partition(prm.tma_k, rank, Layout<Int<kClusterM>>{},
+                                          group_modes<0, 2>(sK(_, _, state.index())), group_modes<0, 2>(gK));
+          copy(prm.tma_k.with(*full, kMulticast), tKg, tKs);
+        }
+        Tensor sV = make_tensor(make_smem_ptr(storage.ring.v.data()), typename Cfg::SmemLayoutV{});
+        Tensor gV = local_tile(mV(_, _, g, b), Shape<typename Cfg::KeyBlock, Int<DV>>{}, make_coord(nb, 0));
+        auto [tVg, tVs] = tma_partition(prm.tma_v, rank, Layout<Int<kClusterM>>{},
+                                        group_modes<0, 2>(sV(_, _, state.index())), group_modes<0, 2>(gV));
+        copy(prm.tma_v.with(*full, kMulticast), tVg, tVs);
+        ++state;
+      }
     }
     // In a cluster the other CTA's consumers arrive on this CTA's barriers: stay until they have
     // released every stage.
@@ -171,12 +203,11 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   Tensor tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK));
   Tensor tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt));
   Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<DV>>{});
-  clear(acc_o);
 
   const float scale_log2 = prm.args.scale * kLog2e;
-  const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};
+  // Per tile (set where each tile starts): the key mask's row, the running max and sum of each row.
+  const int64_t* mask_row = nullptr;
+  float row_max[2], row_sum[2];
 
   // S = Q K^T of the stage's key tile into acc_s, issued (not waited for).
   auto issue_qk = [&](auto& acc_s, int stage) {
@@ -285,10 +316,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   // S in fp32: the wgmma's accumulator, or (INT8) the dequantised copy of acc_qk, its int32 one.
   Tensor acc_qk = partition_fragment_C(mma_s, Shape<_64, typename Cfg::KeyBlock>{});
   Tensor acc_s = make_tensor<float>(partition_shape_C(mma_s, Shape<_64, typename Cfg::KeyBlock>{}));
-  const float* k_scales = nullptr;  // INT8: this map's key-tile scales
+  const float* k_scales = nullptr;  // INT8: this map's key-tile scales (per tile)
   float q_scale = 1.f, k_scale = 1.f;
-  if constexpr (INT8)
-    k_scales = prm.args.k_scales + (int64_t(b) * prm.args.key_maps + (Cfg::kV1 ? 2 * g + map : g)) * prm.args.n_kv_blocks;
   // S of tile nb issued (not waited for); its key scale read meanwhile.
   auto issue_s = [&](int stage, int nb) {
     if constexpr (INT8) {
@@ -319,133 +348,159 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
   };
 
-  QBarrier::wait(&storage.q_loaded, 0);
-  if constexpr (INT8) q_scale = quantise_q();
-  typename Pipeline::PipelineState state;  // index 0, phase 0
-  float alpha[2];
+  typename Pipeline::PipelineState next_stage;  // the first stage not yet consumed: index 0, phase 0
+  int iter = 0;
+  for (int tile = first_tile; tile < num_tiles; tile += tile_stride, ++iter) {
+    enter_tile(tile);
+    mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
+    if constexpr (INT8)
+      k_scales = prm.args.k_scales + (int64_t(b) * prm.args.key_maps + (Cfg::kV1 ? 2 * g + map : g)) * prm.args.n_kv_blocks;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+    clear(acc_o);
+    QBarrier::wait(&storage.q_loaded, iter & 1);
+    if constexpr (INT8) q_scale = quantise_q();
+    auto state = next_stage;
+    float alpha[2];
 #if DIFFX_SM90_OVERLAP
-  // FA3's intra-warpgroup overlap: S of tile nb is issued, then P.V of tile nb-1, so the softmax of
-  // tile nb runs while P.V of tile nb-1 occupies the tensor cores. Tile nb-1's stage is released
-  // once its P.V is done: the consumer holds two stages, hence kStages >= 3.
-  // Ping-pong: barrier kTurnBarrier + map completes when this consumer waits on it and the other
-  // has passed the turn (map 0 starts with it), so their issues alternate: map 0, map 1, map 0...
-  // Each consumer issues n_end times; map 0 waits once more at the end for map 1's last pass, so
-  // that every arrival is consumed before the epilogue.
-  constexpr uint32_t kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
-  auto wait_turn = [&] {
-    if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, kTurnBarrier + map);
-  };
-  auto pass_turn = [&] {
-    if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier + 1 - map);
-  };
-  if (n_end > 0) {
-    if (DIFFX_SM90_PINGPONG && map == 0) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier);
-    pipeline.consumer_wait(state);
-    wait_turn();
-    issue_s(state.index(), 0);
-    pass_turn();
-    warpgroup_wait<0>();
-    land_s();
-    softmax(acc_s, 0, alpha);  // O is zero: nothing to rescale
-    convert_p();
-    for (int nb = 1; nb < n_end; ++nb) {
-      const auto previous = state;
-      ++state;
+    // FA3's intra-warpgroup overlap: S of tile nb is issued, then P.V of tile nb-1, so the softmax of
+    // tile nb runs while P.V of tile nb-1 occupies the tensor cores. Tile nb-1's stage is released
+    // once its P.V is done: the consumer holds two stages, hence kStages >= 3.
+    // Ping-pong: barrier kTurnBarrier + map completes when this consumer waits on it and the other
+    // has passed the turn (map 0 starts with it), so their issues alternate: map 0, map 1, map 0...
+    // Each consumer issues n_end times; map 0 waits once more at the end for map 1's last pass, so
+    // that every arrival is consumed before the epilogue.
+    constexpr uint32_t kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+    auto wait_turn = [&] {
+      if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, kTurnBarrier + map);
+    };
+    auto pass_turn = [&] {
+      if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier + 1 - map);
+    };
+    if (n_end > 0) {
+      if (DIFFX_SM90_PINGPONG && map == 0) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier);
       pipeline.consumer_wait(state);
       wait_turn();
-      issue_s(state.index(), nb);         // S of tile nb (P of tile nb-1 is in tOrP already)
-      issue_pv(tOrP, previous.index());   // O += P V of tile nb-1
+      issue_s(state.index(), 0);
       pass_turn();
-      warpgroup_wait<1>();                // S landed; P.V may still run
+      warpgroup_wait<0>();
+      land_s();
+      softmax(acc_s, 0, alpha);  // O is zero: nothing to rescale
+      convert_p();
+      for (int nb = 1; nb < n_end; ++nb) {
+        const auto previous = state;
+        ++state;
+        pipeline.consumer_wait(state);
+        wait_turn();
+        issue_s(state.index(), nb);         // S of tile nb (P of tile nb-1 is in tOrP already)
+        issue_pv(tOrP, previous.index());   // O += P V of tile nb-1
+        pass_turn();
+        warpgroup_wait<1>();                // S landed; P.V may still run
+        land_s();
+        softmax(acc_s, nb, alpha);
+        warpgroup_wait<0>();                // P.V of tile nb-1 done: tOrP and its stage are free
+        warpgroup_fence_operand(acc_o);
+        warpgroup_fence_operand(tOrP);
+        pipeline.consumer_release(previous);
+        rescale_o(alpha);
+        convert_p();
+      }
+      wait_turn();
+      issue_pv(tOrP, state.index());
+      pass_turn();
+      if (map == 0) wait_turn();  // map 1's last pass
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      pipeline.consumer_release(state);
+    }
+#else
+    // One tile at a time: S, softmax, P.V, each waited for before the next.
+    for (int nb = 0; nb < n_end; ++nb) {
+      pipeline.consumer_wait(state);
+      issue_s(state.index(), nb);
+      warpgroup_wait<0>();
       land_s();
       softmax(acc_s, nb, alpha);
-      warpgroup_wait<0>();                // P.V of tile nb-1 done: tOrP and its stage are free
-      warpgroup_fence_operand(acc_o);
-      warpgroup_fence_operand(tOrP);
-      pipeline.consumer_release(previous);
       rescale_o(alpha);
       convert_p();
+      issue_pv(tOrP, state.index());
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_o);
+      pipeline.consumer_release(state);
+      ++state;
     }
-    wait_turn();
-    issue_pv(tOrP, state.index());
-    pass_turn();
-    if (map == 0) wait_turn();  // map 1's last pass
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    pipeline.consumer_release(state);
-  }
-#else
-  // One tile at a time: S, softmax, P.V, each waited for before the next.
-  for (int nb = 0; nb < n_end; ++nb) {
-    pipeline.consumer_wait(state);
-    issue_s(state.index(), nb);
-    warpgroup_wait<0>();
-    land_s();
-    softmax(acc_s, nb, alpha);
-    rescale_o(alpha);
-    convert_p();
-    issue_pv(tOrP, state.index());
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_o);
-    pipeline.consumer_release(state);
-    ++state;
-  }
 #endif
 
-  // Epilogue: out = norm(O1/l1 - lambda * O2/l2) * weight * output_scale (acc_o index c + 2r + 4j).
-  float inv_l[2];
-  CUTE_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    float l = row_sum[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv_l[r] = l > 0.f ? 1.f / l : 0.f;
-  }
-  // Both consumers are past their last wgmma and the producer issued nothing more: the ring's
-  // space becomes the scratch.
-  cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier);
-  float* scratch = storage.scratch;
-  if (map == 1) {
+    // The stage after this tile's last (the non-overlapped loop has stepped past it already).
+#if DIFFX_SM90_OVERLAP
+    next_stage = state;
+    if (n_end > 0) ++next_stage;
+#else
+    next_stage = state;
+#endif
+    // Persistent: every wgmma of this tile has completed, so Q (and INT8's codes) may be replaced.
+    if constexpr (kPersistent) cutlass::arch::ClusterBarrier::arrive(&storage.persistent.q_free);
+
+    // Epilogue: out = norm(O1/l1 - lambda * O2/l2) * weight * output_scale (acc_o index c + 2r + 4j).
+    float inv_l[2];
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_o); i += 2) {
-      const int r = (i >> 1) & 1, row = acc_row(tid, i), col = acc_col(tid, i);
-      *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + col) =
-          make_float2(acc_o(i) * inv_l[r], acc_o(i + 1) * inv_l[r]);
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      inv_l[r] = l > 0.f ? 1.f / l : 0.f;
     }
-  }
-  cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier);
-  if (map != 0) return;
-  const Element* lambda = static_cast<const Element*>(p.lambda_full);
-  CUTE_UNROLL
-  for (int r = 0; r < 2; ++r) {
-    const int row = acc_row(tid, 2 * r), qi = m_start + row;
-    float lam = 0.f;
-    if constexpr (Cfg::kV1) {
-      lam = to_f(lambda[0]);
-    } else if (qi < p.q_len) {
-      lam = to_f(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride + h * p.lambda_head_stride]);
-    }
-    float sumsq = 0.f;
-    CUTE_UNROLL
-    for (int j = 0; j < DV / 8; ++j) {
-      const float2 o2 = *reinterpret_cast<const float2*>(scratch + row * Cfg::kScratchStride + acc_col(tid, 4 * j));
-      const float o0 = acc_o(4 * j + 2 * r) * inv_l[r] - lam * o2.x;
-      const float o1 = acc_o(4 * j + 2 * r + 1) * inv_l[r] - lam * o2.y;
-      acc_o(4 * j + 2 * r) = o0;
-      acc_o(4 * j + 2 * r + 1) = o1;
-      sumsq += o0 * o0 + o1 * o1;
-    }
-    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
-    sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
-    const float rms = p.norm ? rsqrtf(sumsq / float(DV) + p.norm_eps) : 1.f;
-    if (qi < p.q_len) {
-      Element* out = static_cast<Element*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
+    // Both consumers are past their last wgmma and (one tile a CTA) the producer issued nothing more:
+    // the ring's space becomes the scratch. Persistent, the scratch is its own (the producer is
+    // refilling the ring), and this barrier keeps map 2 from overwriting it before map 1 has read the
+    // last tile's.
+    cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier);
+    float* scratch = [&] {
+      if constexpr (kPersistent) return storage.persistent.scratch;
+      else return storage.scratch;
+    }();
+    if (map == 1) {
       CUTE_UNROLL
-      for (int j = 0; j < DV / 8; ++j) {  // two adjacent channels a store (the contract's strides are multiples of 8)
-        const int col = acc_col(tid, 4 * j);
-        alignas(4) Element pair[2] = {Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale),
-                                      Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale)};
-        *reinterpret_cast<uint32_t*>(out + col) = *reinterpret_cast<const uint32_t*>(pair);
+      for (int i = 0; i < size(acc_o); i += 2) {
+        const int r = (i >> 1) & 1, row = acc_row(tid, i), col = acc_col(tid, i);
+        *reinterpret_cast<float2*>(scratch + row * Cfg::kScratchStride + col) =
+            make_float2(acc_o(i) * inv_l[r], acc_o(i + 1) * inv_l[r]);
+      }
+    }
+    cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier);
+    if (map != 0) continue;  // map 2: on to the next tile
+    const Element* lambda = static_cast<const Element*>(p.lambda_full);
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = acc_row(tid, 2 * r), qi = m_start + row;
+      float lam = 0.f;
+      if constexpr (Cfg::kV1) {
+        lam = to_f(lambda[0]);
+      } else if (qi < p.q_len) {
+        lam = to_f(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride + h * p.lambda_head_stride]);
+      }
+      float sumsq = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < DV / 8; ++j) {
+        const float2 o2 = *reinterpret_cast<const float2*>(scratch + row * Cfg::kScratchStride + acc_col(tid, 4 * j));
+        const float o0 = acc_o(4 * j + 2 * r) * inv_l[r] - lam * o2.x;
+        const float o1 = acc_o(4 * j + 2 * r + 1) * inv_l[r] - lam * o2.y;
+        acc_o(4 * j + 2 * r) = o0;
+        acc_o(4 * j + 2 * r + 1) = o1;
+        sumsq += o0 * o0 + o1 * o1;
+      }
+      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
+      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
+      const float rms = p.norm ? rsqrtf(sumsq / float(DV) + p.norm_eps) : 1.f;
+      if (qi < p.q_len) {
+        Element* out = static_cast<Element*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
+        CUTE_UNROLL
+        for (int j = 0; j < DV / 8; ++j) {  // two adjacent channels a store (the contract's strides are multiples of 8)
+          const int col = acc_col(tid, 4 * j);
+          alignas(4) Element pair[2] = {Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale),
+                                        Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale)};
+          *reinterpret_cast<uint32_t*>(out + col) = *reinterpret_cast<const uint32_t*>(pair);
+        }
       }
     }
   }
@@ -486,7 +541,13 @@ cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
-  const dim3 grid(unsigned((m_blocks + kClusterM - 1) / kClusterM * kClusterM), unsigned(p.num_heads), unsigned(p.batch));
+  dim3 grid(unsigned((m_blocks + kClusterM - 1) / kClusterM * kClusterM), unsigned(p.num_heads), unsigned(p.batch));
+  if constexpr (Cfg::kPersistent) {  // one CTA a streaming multiprocessor (or a tile, if fewer)
+    int device = 0, sms = 0;
+    if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+    if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+    grid = dim3(unsigned(std::min<int64_t>(int64_t(m_blocks) * p.num_heads * p.batch, sms)));
+  }
   if constexpr (kClusterM == 1) {
     kernel<<<grid, kThreads, smem, stream>>>(prm);
     return cudaGetLastError();

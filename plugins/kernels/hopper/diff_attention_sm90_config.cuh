@@ -66,6 +66,16 @@ static_assert(DIFFX_SM90_RESCALE_SLACK >= 0 && DIFFX_SM90_RESCALE_SLACK <= 15, "
 #define DIFFX_SM90_KEY_BLOCK DIFFX_KEY_BLOCK
 #endif
 static_assert(DIFFX_SM90_KEY_BLOCK == DIFFX_KEY_BLOCK || DIFFX_SM90_KEY_BLOCK == 128, "64 or 128 keys a tile");
+// 1: a persistent grid, one CTA per SM working through the tiles (query block, head, batch) of the
+// launch in turn, so that the producer loads the next tile's Q and K/V while the consumers finish
+// the last one (its final P.V and epilogue): FA3's persistent scheduler, statically strided. Only
+// where the epilogue's scratch fits beside the ring (V2, and V1 at d = 64; V1 at d = 128 keeps one
+// tile a CTA). 0 (default): one tile a CTA. Not yet run on a GPU: a variant (-DDIFFX_SM90_PERSISTENT=1),
+// which tools/bench_attention.py --cta-cost weighs (the fixed cost per CTA it could overlap).
+#ifndef DIFFX_SM90_PERSISTENT
+#define DIFFX_SM90_PERSISTENT 0
+#endif
+static_assert(!(DIFFX_SM90_PERSISTENT && DIFFX_SM90_CLUSTER_M > 1), "a persistent grid of clusters is not built");
 // K > 0: one in K of each softmax row's column pairs (8-key groups j with j % K == K - 1) takes its
 // exponentials from hopper/exp2_fma.h (FMA and integer pipes, relative error 2.7e-6) instead of
 // MUFU.EX2, FlashAttention-4's offload: at d = 64 a V1 tile's 4096 exponentials a map take 2/3 of
@@ -110,6 +120,14 @@ struct Config {
   // with two the producer could refill none while it computes.
   static constexpr int kStages = cute::min(4, stages_of(kKeyBlock));
   static_assert(kStages >= 3, "the overlapped consumer needs three K/V stages");
+  static constexpr int kScratchStride = DV + 8;  // floats; see TileConfig::kScratchStride
+  static constexpr int kScratchBytes = kBlockM * kScratchStride * int(sizeof(float));
+  // Persistent where the epilogue's own scratch fits beside Q and the ring (1 KB of barriers and
+  // 1 KB of alignment spare), since the ring is then refilled while the epilogue runs.
+  static constexpr bool kPersistent =
+      DIFFX_SM90_PERSISTENT && kQBytesAll + kStages * (kKeyMaps * kKeyBlock * D * int(sizeof(KElement)) +
+                                                       kKeyBlock * DV * int(sizeof(Element))) +
+                                       kScratchBytes + 2048 <= kMaxDynamicSmem;
 
   using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<KElement, KElement, AccumulatorS, Shape<_64, KeyBlock, Int<D>>>()));
   using TiledMmaO = decltype(make_tiled_mma(
@@ -140,12 +158,16 @@ struct Config {
   // What lands in each CTA's stage (with a cluster of 2, half of it from the other CTA's loads).
   static constexpr uint32_t kStageBytes =
       kKeyMaps * size(take<0, 2>(SmemLayoutK{})) * sizeof(KElement) + size(take<0, 2>(SmemLayoutV{})) * sizeof(Element);
-  static constexpr int kScratchStride = DV + 8;  // floats; see TileConfig::kScratchStride
 
   struct QCodes {
     cute::array_aligned<int8_t, cosize_v<SmemLayoutQCodes>, 1024> q[2];
   };
   struct NoQCodes {};
+  struct PersistentParts {
+    float scratch[kBlockM * kScratchStride];  // the epilogue's O2 / l2, apart from the ring being refilled
+    uint64_t q_free;                          // mbarrier: both consumers are done with this tile's Q
+  };
+  struct NoPersistentParts {};
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q[2];
     union {
@@ -158,6 +180,7 @@ struct Config {
     typename Pipeline::SharedStorage pipeline;
     uint64_t q_loaded;      // mbarrier: Q1 and Q2 landed
     float q_absmax[2][4];   // INT8: each consumer warp's largest |Q| of its map
+    std::conditional_t<kPersistent, PersistentParts, NoPersistentParts> persistent;
     std::conditional_t<INT8, QCodes, NoQCodes> q_codes;  // last: nothing to align when empty
   };
   static_assert(sizeof(SharedStorage) <= kMaxDynamicSmem, "the Hopper tiles exceed sm_90's shared memory");

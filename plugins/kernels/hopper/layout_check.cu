@@ -95,8 +95,14 @@ void check(const char* dtype) {
   const int q_bytes = 2 * kBlockM * D * int(sizeof(Element));
   if (int(Cfg::kQBytes) != q_bytes)
     fail("Q bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kQBytes), q_bytes);
-  std::printf("D %3d DV %3d %s%s: %d facts, shared storage %zu bytes (%d stages of %d keys)\n", D, DV, dtype,
-              INT8 ? " INT8" : "", checked, sizeof(typename Cfg::SharedStorage), Cfg::kStages, kKeys);
+#if DIFFX_SM90_PERSISTENT
+  // Persistent where the epilogue's own scratch fits beside 64-key tiles: V2, and V1 at head dim 64.
+  if (Cfg::kKeyBlock == 64 && Cfg::kPersistent != (DV == D || D == 64))
+    fail("persistent (D %d, DV %d, %s): %d", D, DV, dtype, int(Cfg::kPersistent));
+#endif
+  std::printf("D %3d DV %3d %s%s: %d facts, shared storage %zu bytes (%d stages of %d keys)%s\n", D, DV, dtype,
+              INT8 ? " INT8" : "", checked, sizeof(typename Cfg::SharedStorage), Cfg::kStages, kKeys,
+              Cfg::kPersistent ? ", persistent" : "");
 }
 
 template <typename Element>
