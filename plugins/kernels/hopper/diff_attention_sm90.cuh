@@ -148,17 +148,22 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     int iter = 0;
     for (int tile = first_tile; tile < num_tiles; tile += tile_stride, ++iter) {
       enter_tile(tile);
-      // Persistent: this tile's Q replaces the last one's once both consumers are done with it
-      // (their last S has completed); its K/V stages were free to load before that.
-      if constexpr (kPersistent)
-        if (iter > 0) cutlass::arch::ClusterBarrier::wait(&storage.persistent.q_free, (iter - 1) & 1);
-      QBarrier::arrive_and_expect_tx(&storage.q_loaded, Cfg::kQBytes);
-      for (int m = 0; m < 2; ++m) {
-        Tensor gQ = local_tile(mQ(_, _, 2 * h + m, b), Shape<_64, Int<D>>{}, make_coord(m_block, 0));
-        auto [tQg, tQs] = tma_partition(prm.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(m == 0 ? sQ1 : sQ2),
-                                        group_modes<0, 2>(gQ));
-        copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
-      }
+      // Persistent: this tile's Q replaces the last one's once both consumers are done with it (past
+      // their last wgmma), so after a later tile's first K/V stage is on its way: that stage's slot
+      // frees while the consumers are still on the last tile.
+      auto load_q = [&] {
+        if constexpr (kPersistent)
+          if (iter > 0) cutlass::arch::ClusterBarrier::wait(&storage.persistent.q_free, (iter - 1) & 1);
+        QBarrier::arrive_and_expect_tx(&storage.q_loaded, Cfg::kQBytes);
+        for (int m = 0; m < 2; ++m) {
+          Tensor gQ = local_tile(mQ(_, _, 2 * h + m, b), Shape<_64, Int<D>>{}, make_coord(m_block, 0));
+          auto [tQg, tQs] = tma_partition(prm.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(m == 0 ? sQ1 : sQ2),
+                                          group_modes<0, 2>(gQ));
+          copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
+        }
+      };
+      const bool q_after_first_stage = kPersistent && iter > 0 && n_end > 0;
+      if (!q_after_first_stage) load_q();
       for (int nb = 0; nb < n_end; ++nb) {
         pipeline.producer_acquire(state);
         uint64_t* full = pipeline.producer_get_barrier(state);
@@ -176,6 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
                                         group_modes<0, 2>(sV(_, _, state.index())), group_modes<0, 2>(gV));
         copy(prm.tma_v.with(*full, kMulticast), tVg, tVs);
         ++state;
+        if (q_after_first_stage && nb == 0) load_q();
       }
     }
     // In a cluster the other CTA's consumers arrive on this CTA's barriers: stay until they have
