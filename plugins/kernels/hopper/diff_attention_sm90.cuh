@@ -12,6 +12,8 @@
 //     and fp32 accumulator. The two maps are independent until the epilogue, so one warpgroup's
 //     softmax runs while the other's wgmma occupies the tensor cores (DIFFX_SM90_PINGPONG=1 makes
 //     them take turns).
+// With -DDIFFX_SM90_PERSISTENT=1 (where the epilogue's scratch fits beside the ring) one CTA an SM
+// takes such tiles in turn, the producer loading a tile's K/V and Q while the consumers finish the last.
 // With -DDIFFX_SM90_CLUSTER_M=2 the CTAs of two adjacent query blocks form a cluster: each producer
 // loads half of every K/V tile and multicasts it into both rings, and each consumer releases a stage
 // to both producers (CUTLASS's PipelineTmaAsync over the cluster shape).
