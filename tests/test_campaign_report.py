@@ -336,25 +336,25 @@ def test_the_fixed_cost_per_cta_reads_as_a_share_of_each_timed_case(made_up):
     """cta_cost.json (bench_attention.py --cta-cost): the intercept of each build's line against the
     same build's Hopper timings of that head dim in bench.json, largest share named."""
     cost = {"mode": "cta_cost", "rows": [
-        {"build": "this build", "dtype": "bfloat16", "d": 128, "ctas": 4096, "sms": 132, "waves": 32,
+        {"build": "this build", "dtype": "bfloat16", "d": 128, "tiles": 4096, "sms": 132, "waves": 32,
          "points": [[256, 0.2], [4096, 2.0]], "intercept_ms": 0.1, "ms_per_1k_keys": 0.47, "worst_residual": 0.012,
-         "per_cta_us": 3.125},
-        {"build": "cluster2", "dtype": "bfloat16", "d": 128, "ctas": 4096, "sms": 132, "waves": 32,
+         "per_tile_us": 3.125},
+        {"build": "cluster2", "dtype": "bfloat16", "d": 128, "tiles": 4096, "sms": 132, "waves": 32,
          "points": [[256, 0.3], [4096, 2.0]], "intercept_ms": 0.2, "ms_per_1k_keys": 0.45, "worst_residual": 0.02,
-         "per_cta_us": 6.25}]}
+         "per_tile_us": 6.25}]}
     (made_up / "cta_cost.json").write_text(json.dumps(cost))
     out = report(made_up)
     assert out.returncode == 0, out.stderr
     found = [x for x in out.stdout.splitlines() if x.startswith("CTA cost")]
     # fused_hopper is 0.5, 1.0 and 4.0 ms: 0.1 ms is 20%, 10% and 2.5% of them
-    assert found[0] == ("CTA cost       this build, d=128: 0.100 ms a launch of 4096 CTAs in 32 waves (3.1 us a CTA; "
+    assert found[0] == ("CTA cost       this build, d=128: 0.100 ms a launch of 4096 tiles in 32 waves (3.1 us a tile; "
                         "points within 1.2% of the line), 2.5%-20.0% of the timed cases' time (most: bfloat16 d=128 "
                         "causal=0 N=1024): the most a persistent scheduler could overlap")
     assert found[1].startswith("CTA cost       cluster2, d=128: 0.200 ms") and found[1].endswith("of the line)")
     targets = report(made_up, "--targets")
     assert targets.returncode == 0, targets.stderr
     row = next(x for x in targets.stdout.splitlines() if "persistent scheduler" in x)
-    assert "| d = 128: 3.1 us a CTA, 0.100 ms a launch = 2.5%-20.0% of the Hopper path's time | - |" in row
+    assert "| d = 128: 3.1 us a tile, 0.100 ms a launch = 2.5%-20.0% of the Hopper path's time | - |" in row
     (made_up / "cta_cost.json").unlink()
     assert "CTA cost       cta_cost.json missing" in report(made_up).stdout
     assert "persistent scheduler" not in report(made_up, "--targets").stdout

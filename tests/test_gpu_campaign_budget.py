@@ -244,8 +244,8 @@ def test_the_fixed_cost_per_cta_is_a_fitted_line_and_renders(tmp_path):
     assert straight["worst_residual"] < 1e-9
     bent = bench_attention.fixed_cost_fit([(k, 0.08 + 0.5e-3 * k + (0.05 if k == keys[0] else 0)) for k in keys])
     assert bent["worst_residual"] > 0.05 and bent["intercept_ms"] > 0.08
-    row = {"build": "this build", "dtype": "bfloat16", "d": 64, "ctas": 4096, "sms": 132, "waves": 32,
-           "points": [[k, 0.08 + 0.5e-3 * k] for k in keys], **straight, "per_cta_us": 2.5}
+    row = {"build": "this build", "dtype": "bfloat16", "d": 64, "tiles": 4096, "sms": 132, "waves": 32,
+           "points": [[k, 0.08 + 0.5e-3 * k] for k in keys], **straight, "per_tile_us": 2.5}
     (tmp_path / "cta_cost.json").write_text(json.dumps({"mode": "cta_cost", "rows": [row]}))
     out = subprocess.run([sys.executable, "tools/bench_attention.py", "--render", str(tmp_path / "cta_cost.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)

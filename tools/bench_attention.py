@@ -15,12 +15,13 @@ the INT8-logits variant and the compositions, as achieved GB/s (the bytes of Q, 
 output once) beside a device-to-device copy's GB/s measured in the same run. Each call is timed
 inside a CUDA graph of 20 calls, so Python's launch overhead is not in the numbers.
 
---cta-cost measures the Hopper path's fixed cost per CTA: the prefill cases' grid (4096 CTAs of 64
-query rows, non-causal) against 256 to 4096 keys, timed as CUDA graphs, and a least-squares line
-through (keys, ms). Its intercept is the time that does not grow with the keys a CTA reads (barrier
-set-up, Q's load, the pipeline's fill and drain, the epilogue, the CTA's launch), paid once per CTA
-in each of the grid's waves: the most a persistent scheduler, which overlaps one tile's epilogue and
-prologue with the next tile's loads, could take off a launch of that grid.
+--cta-cost measures the Hopper path's fixed cost per CTA: the prefill cases' grid (4096 tiles of 64
+query rows, a CTA each unless the build is persistent; non-causal) against 256 to 4096 keys, timed
+as CUDA graphs, and a least-squares line through (keys, ms). Its intercept is the time that does not
+grow with the keys a tile reads (barrier set-up, Q's load, the pipeline's fill and drain, the
+epilogue, the CTA's launch), paid once per tile in each of the grid's waves: the most a persistent
+scheduler, which overlaps one tile's epilogue and prologue with the next tile's loads, could take
+off a launch of that grid (and, for a persistent build, what it left).
 """
 
 from __future__ import annotations
@@ -393,7 +394,7 @@ def cta_cost_case(dtype, head_dim: int, heads: int, warmup: int, repeats: int, l
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=0,
                                output_scale=0.8)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ctas = batch * heads * -(-CTA_COST_QUERIES // 64)
+    tiles = batch * heads * -(-CTA_COST_QUERIES // 64)  # 64 query rows each: one a CTA, or a persistent CTA's turn
     points = []
     try:
         for keys in CTA_COST_KEYS:
@@ -407,11 +408,11 @@ def cta_cost_case(dtype, head_dim: int, heads: int, warmup: int, repeats: int, l
     finally:
         os.environ.pop(kernels.KERNEL_PATH_ENV, None)
         torch.cuda.empty_cache()
-    # One CTA a streaming multiprocessor at a time (its shared memory), so ceil(ctas / sms) waves.
-    waves = -(-ctas // sms)
+    # One CTA a streaming multiprocessor at a time (its shared memory), so ceil(tiles / sms) waves.
+    waves = -(-tiles // sms)
     fit = fixed_cost_fit(points)
-    return {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "ctas": ctas, "sms": sms, "waves": waves,
-            "points": points, **fit, "per_cta_us": 1000 * fit["intercept_ms"] / waves}
+    return {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "tiles": tiles, "sms": sms, "waves": waves,
+            "points": points, **fit, "per_tile_us": 1000 * fit["intercept_ms"] / waves}
 
 
 def run_cta_cost(args, other_builds: dict) -> int:
@@ -443,13 +444,13 @@ def run_cta_cost(args, other_builds: dict) -> int:
 
 
 def cta_cost_table(rows: list[dict]) -> str:
-    lines = ["| build | dtype | d (V) | CTAs | waves | ms at " + " / ".join(map(str, CTA_COST_KEYS)) + " keys "
-             "| fixed ms per launch | us per CTA | ms per 1k keys | worst point off the line |",
+    lines = ["| build | dtype | d (V) | tiles | waves | ms at " + " / ".join(map(str, CTA_COST_KEYS)) + " keys "
+             "| fixed ms per launch | us per tile | ms per 1k keys | worst point off the line |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['build']} | {r['dtype']} | {r['d']} ({2 * r['d']}) | {r['ctas']} | {r['waves']} "
+        lines.append(f"| {r['build']} | {r['dtype']} | {r['d']} ({2 * r['d']}) | {r['tiles']} | {r['waves']} "
                      f"| {' / '.join(f'{ms:.3f}' for _, ms in r['points'])} | {r['intercept_ms']:.3f} "
-                     f"| {r['per_cta_us']:.1f} | {r['ms_per_1k_keys']:.3f} | {100 * r['worst_residual']:.1f}% |")
+                     f"| {r['per_tile_us']:.1f} | {r['ms_per_1k_keys']:.3f} | {100 * r['worst_residual']:.1f}% |")
     return "\n".join(lines)
 
 

@@ -246,8 +246,8 @@ def cta_cost(folder: Path) -> list[str]:
         return ["CTA cost       cta_cost.json missing"]
     lines = []
     for row, shares in cta_cost_shares(folder):
-        text = (f"CTA cost       {row['build']}, d={row['d']}: {row['intercept_ms']:.3f} ms a launch of {row['ctas']} "
-                f"CTAs in {row['waves']} waves ({row['per_cta_us']:.1f} us a CTA; points within "
+        text = (f"CTA cost       {row['build']}, d={row['d']}: {row['intercept_ms']:.3f} ms a launch of {row['tiles']} "
+                f"tiles in {row['waves']} waves ({row['per_tile_us']:.1f} us a tile; points within "
                 f"{100 * row['worst_residual']:.1f}% of the line)")
         if shares:
             text += (f", {100 * shares[-1][0]:.1f}%-{100 * shares[0][0]:.1f}% of the timed cases' time "
@@ -406,7 +406,7 @@ def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
                      "; ".join(by_dim), "yes" if all_met else "no", limits))
     else:
         rows.append(("1. prefill against the best composition", "bench.json missing or no case at 4k/16k", "-", ""))
-    overlap = [f"d = {row['d']}: {row['per_cta_us']:.1f} us a CTA, {row['intercept_ms']:.3f} ms a launch"
+    overlap = [f"d = {row['d']}: {row['per_tile_us']:.1f} us a tile, {row['intercept_ms']:.3f} ms a launch"
                + (f" = {100 * shares[-1][0]:.1f}%-{100 * shares[0][0]:.1f}% of the Hopper path's time"
                   if shares else "")
                for row, shares in cta_cost_shares(folder) if row["build"] == "this build"]
