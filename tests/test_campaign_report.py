@@ -136,6 +136,8 @@ def test_a_made_up_run_reads_target_by_target(made_up):
     ("bench.json", '{"rows": ['),                       # cut off
     ("bench.json", "[1, 2, 3]"),                        # JSON of the wrong shape
     ("decode.json", '{"rows": [{"timings": 5}], "copy_gbs": 1}'),  # a field of the wrong type
+    ("cta_cost.json", '{"rows": [{"build": "this build"}]}'),     # a row without its fields
+    ("cta_cost.json", "[1, 2]"),                                  # JSON of the wrong shape
 ])
 @pytest.mark.parametrize("options", [(), ("--targets",)], ids=["verdicts", "targets"])
 def test_a_broken_result_file_is_one_error_line(made_up, name, content, options):
@@ -349,7 +351,7 @@ def test_the_fixed_cost_per_cta_reads_as_a_share_of_each_timed_case(made_up):
     # fused_hopper is 0.5, 1.0 and 4.0 ms: 0.1 ms is 20%, 10% and 2.5% of them
     assert found[0] == ("CTA cost       this build, d=128: 0.100 ms a launch of 4096 tiles in 32 waves (3.1 us a tile; "
                         "points within 1.2% of the line), 2.5%-20.0% of the timed cases' time (most: bfloat16 d=128 "
-                        "causal=0 N=1024): the most a persistent scheduler could overlap")
+                        "causal=0 N=1024): what a persistent grid could still overlap")
     assert found[1].startswith("CTA cost       cluster2, d=128: 0.200 ms") and found[1].endswith("of the line)")
     targets = report(made_up, "--targets")
     assert targets.returncode == 0, targets.stderr

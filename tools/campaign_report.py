@@ -251,7 +251,7 @@ def cta_cost(folder: Path) -> list[str]:
                 f"{100 * row['worst_residual']:.1f}% of the line)")
         if shares:
             text += (f", {100 * shares[-1][0]:.1f}%-{100 * shares[0][0]:.1f}% of the timed cases' time "
-                     f"(most: {case(shares[0][1])}): the most a persistent scheduler could overlap")
+                     f"(most: {case(shares[0][1])}): what a persistent grid could still overlap")
         lines.append(text)
     return lines or ["CTA cost       no build measured"]
 

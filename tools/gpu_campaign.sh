@@ -142,11 +142,14 @@ part_build() {
 # variant's Hopper paths are probed against the float32 reference first (diffexport/kernel/kernel_probe.py,
 # a child process each); a variant that fails its probe is left out of the bench, reported.
 # (Parts run in subshells: a dropped variant is a file in its build folder, probe-failed.)
+# variant_flags "name:-DA=1,-DB=2": the variant's nvcc flags, space-separated (commas separate them in the spec).
+variant_flags() { local flags="${1#*:}"; echo "${flags//,/ }"; }
+
 part_variants() {
   local spec name flags cutlass dir probe verdict rc=0
   cutlass=$(cutlass_dir)
   for spec in ${CAMPAIGN_VARIANTS:-}; do
-    name="${spec%%:*}"; flags="${spec#*:}"; flags="${flags//,/ }"; dir="$BUILD_DIR-$name"
+    name="${spec%%:*}"; flags=$(variant_flags "$spec"); dir="$BUILD_DIR-$name"
     mkdir -p "$dir" && rm -f "$dir/probe-failed"
     # With the same CUTLASS headers as the main build, so that a variant has its Hopper path too.
     if ! { cmake -S . -B "$dir" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" -DDIFFEXPORT_BUILD_PLUGIN=OFF \
@@ -170,12 +173,12 @@ part_variants() {
 # A variant whose every flag is -DDIFFX_SM90_* changes the Hopper path only: the bench times it there
 # alone (--hopper-variants: no mma.sync columns, left out of decode), the rest as whole builds.
 compare_args() {
-  local spec dir flags flag only list=(${CAMPAIGN_COMPARE:-}) hopper=()
+  local spec dir flag only list=(${CAMPAIGN_COMPARE:-}) hopper=()
   for spec in ${CAMPAIGN_VARIANTS:-}; do
     dir="$BUILD_DIR-${spec%%:*}"
     [[ -f "$dir/probe-failed" ]] && continue
-    flags="${spec#*:}"; only=1
-    for flag in ${flags//,/ }; do [[ "$flag" == -DDIFFX_SM90_* ]] || only=0; done
+    only=1
+    for flag in $(variant_flags "$spec"); do [[ "$flag" == -DDIFFX_SM90_* ]] || only=0; done
     if (( only )); then hopper+=("${spec%%:*}=$dir/plugins/kernels/libdiffexport_kernels.so")
     else list+=("${spec%%:*}=$dir/plugins/kernels/libdiffexport_kernels.so"); fi
   done
