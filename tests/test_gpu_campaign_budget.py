@@ -292,39 +292,41 @@ def run_readme_command(env, tmp_path, command: str):
 
 
 def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
-    """The call prepared for issue 62 (four Hopper variants beside this build and `before`), as written."""
+    """The call prepared for issue 62 (a Hopper variant and a decode one beside this build and
+    `before`), as written."""
     env, tmp_path = stubs
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=\d+ [^\n]*before="
                                                                 r"[^\n]*\\\n      CAMPAIGN_VARIANTS=\"cluster2"))
     assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
-    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls and "-DDIFFX_SM90_KEY_BLOCK=128" in calls
+    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls and "-DCMAKE_CUDA_FLAGS=-DDIFFX_DECODE_KV_STAGES=4" in calls
     bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
-    # variants of -DDIFFX_SM90_* flags only are timed on the Hopper path alone, and not in decode
-    assert ("--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
-            in bench)
-    assert " keys128=" in bench and " exp2fma=" in bench and "--keys 32768 131072" in calls
-    decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)  # (which leaves them out)
-    assert "--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so --hopper-variants" in decode
-    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_EXP2_FMA_EVERY=4" in calls and " persistent=" in bench
+    # a variant of -DDIFFX_SM90_* flags only is timed on the Hopper path alone and not in decode;
+    # the decode variant is timed whole, in both
+    assert "--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so kvstages4=" in bench
+    assert "--hopper-variants cluster2=" in bench
+    decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
+    assert "--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so kvstages4=" in decode
+    assert "--hopper-variants cluster2=" in decode  # (which the decode bench leaves out)
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
-    assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
-            in cta_cost)
+    assert "/cta_cost.json --compare before=build-before/libdiffexport_kernels.so kvstages4=" in cta_cost
     assert calls.index("--seqs 4096 16384") < calls.index("--cta-cost") < calls.index("--decode")
 
 
-def test_the_profile_call_in_tools_readme_profiles_only_the_hopper_launches(stubs):
+def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
     """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
-    nothing else (the mma.sync and decode launches would spend its minutes)."""
+    and the split-KV decode kernel on a bf16 and an int8 cache; not the mma.sync prefill launches."""
     env, tmp_path = stubs
-    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*exp2fma[^\n]*"
-                                                                r"\\\n      PROFILE_PARTS"))
+    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
+                                                                r"PROFILE_PARTS"))
     assert verdicts(log) == {"build": "ok", "variants": "ok", "profile": "ok"}
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
-    assert len(ncu) == 3 and all("--profile 16384 --profile-head-dim 64" in x for x in ncu)
-    assert "regex:diff_attention_sm90" in ncu[0] and "--profile-lib" not in ncu[0]
-    assert "--profile-lib" in ncu[1] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in ncu[1]
-    assert "-exp2fma/plugins/kernels/libdiffexport_kernels.so" in ncu[2]
+    hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
+    decode = [x for x in ncu if "regex:diff_attention_decode" in x]
+    assert len(ncu) == 4 and len(hopper) == 2 and len(decode) == 2
+    assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
+    assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
+    assert "--profile-kv-cache int8" not in decode[0] and "--profile-kv-cache int8" in decode[1]
 
 
 @pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])

@@ -55,6 +55,9 @@ failed=0
 # to each later group. Each must exceed its steps' kill grace + 5 s (pytest 20, benches 15, build, ncu and
 # sanitizers 10), else its steps are left no time. CAMPAIGN_RESERVE="part=seconds ..." overrides
 # (tests/test_gpu_campaign_budget.py).
+# Seconds a probe may take: its launches take ~6 s on an H200 with start-up, and a hang (the
+# cluster variant's, 2026-11-28) costs the whole limit, out of the parts after it.
+PROBE_LIMIT=30
 declare -A RESERVE=([env]=10 [build]=60 [variants]=0 [test]=150 [sanitize]=60 [bench]=90 [decode]=60 [profile]=60)
 for spec in ${CAMPAIGN_RESERVE:-}; do RESERVE[${spec%%=*}]="${spec#*=}"; done
 GROUP_END=""   # SECONDS by which the running group must end (set per group under --budget)
@@ -160,7 +163,7 @@ part_variants() {
     echo "variant $name ($flags) built" | tee -a "$OUT_DIR/build.log"
     for probe in hopper hopper-int8; do
       verdict=$(DIFFEXPORT_KERNEL_LIB="$dir/plugins/kernels/libdiffexport_kernels.so" \
-        timed 90 5 "variant $name $probe probe" "$PY" -m diffexport.kernel.kernel_probe "$probe" 2>&1 | tail -1)
+        timed "$PROBE_LIMIT" 5 "variant $name $probe probe" "$PY" -m diffexport.kernel.kernel_probe "$probe" 2>&1 | tail -1)
       note "variant $name, $probe probe: ${verdict:-failed: the probe printed nothing}"
       if [[ "$verdict" != ok* && "$verdict" != *"needs an sm_90 GPU"* ]]; then  # (not an sm_90 GPU: nothing to probe)
         echo "$probe: $verdict" > "$dir/probe-failed"; rc=1; break
@@ -377,7 +380,7 @@ probe_hopper() {
   for name in hopper hopper-int8; do
     var="DIFFEXPORT_PROBE_$(echo "$name" | tr 'a-z-' 'A-Z_')"
     [[ -n "${!var:-}" ]] && continue
-    out=$(timed 90 5 "$name probe" "$PY" -m diffexport.kernel.kernel_probe "$name" 2>&1)
+    out=$(timed "$PROBE_LIMIT" 5 "$name probe" "$PY" -m diffexport.kernel.kernel_probe "$name" 2>&1)
     echo "$out" >> "$OUT_DIR/campaign.log"
     verdict=$(echo "$out" | tail -1)
     export "$var=${verdict:-failed: the probe printed nothing}"

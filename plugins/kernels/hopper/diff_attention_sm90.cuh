@@ -136,9 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   Tensor sQ2 = make_tensor(make_smem_ptr(storage.q[1].data()), typename Cfg::SmemLayoutQ{});
 
   if (warpgroup == 0) {  // producer
-    // 24 registers suffice for the loads; a cluster's slices and multicast need 32 (the 240 of the
-    // two consumers and 32 still fit sm_90's 64K).
-    cutlass::arch::warpgroup_reg_dealloc<(kClusterM > 1 ? 32 : 24)>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();  // (a cluster's slices and multicast too)
     if (threadIdx.x != 0) return;
     Tensor mQ = prm.tma_q.get_tma_tensor(prm.shape_q);
     Tensor mK = prm.tma_k.get_tma_tensor(prm.shape_k);
@@ -193,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   }
 
   // Consumers: warpgroup 1 runs map 1, warpgroup 2 map 2.
-  cutlass::arch::warpgroup_reg_alloc<240>();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
   const int map = warpgroup - 1;
   const int tid = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
   typename Cfg::TiledMmaS mma_s;

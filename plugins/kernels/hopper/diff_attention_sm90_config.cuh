@@ -21,6 +21,16 @@ constexpr uint32_t kEpilogueBarrier = 1;  // named barrier of the two consumer w
 constexpr uint32_t kQuantBarrier = 2;     // INT8: 2 + map, one consumer warpgroup's own barrier
 constexpr uint32_t kTurnBarrier = 4;      // ping-pong: 4 + map, "consumer map may issue its wgmmas"
 constexpr int kMaxDynamicSmem = 227 * 1024;  // sm_90's opt-in limit per block
+// Registers a thread after setmaxnreg: the producer warpgroup gives some back, the two consumers
+// take them (FA3's 24 / 240). setmaxnreg.inc draws on the CTA's pool, which is what the launch
+// allocated (the kernel's register count, at most 64K / 384 threads rounded down to 8: 168), and
+// waits until the pool holds enough: a split asking for more than the pool hangs the kernel (as
+// 32 / 240 did in the cluster variant on an H200, 2026-11-28).
+constexpr int kProducerRegisters = 24;
+constexpr int kConsumerRegisters = 240;
+constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+static_assert(cutlass::NumThreadsPerWarpGroup * (kProducerRegisters + 2 * kConsumerRegisters) <= kThreads * kLaunchRegisters,
+              "the warpgroups' registers after setmaxnreg must fit the pool the launch allocated");
 
 // 1 (default): each consumer issues S of tile j+1 before P.V of tile j and runs tile j+1's softmax
 // while that P.V is on the tensor cores (FA3's intra-warpgroup overlap). 0: one tile at a time
@@ -53,25 +63,28 @@ static_assert(DIFFX_SM90_RESCALE_SLACK >= 0 && DIFFX_SM90_RESCALE_SLACK <= 15, "
 // 2: CTAs of two adjacent query blocks of one head form a cluster and share each K/V tile, each
 // loading half of it by TMA multicast into both CTAs' rings: half the L2-to-SM traffic per flop
 // (a 64-row CTA reads K1, K2 and V for 64 query rows; at 16k keys the path moves about 5 TB/s out
-// of L2). 1 (default): one CTA loads its own tiles. Not yet run on a GPU: a variant
-// (-DDIFFX_SM90_CLUSTER_M=2).
+// of L2). 1 (default): one CTA loads its own tiles. A variant (-DDIFFX_SM90_CLUSTER_M=2): it hung on
+// an H200 on 2026-11-28 (kProducerRegisters above), not yet timed.
 #ifndef DIFFX_SM90_CLUSTER_M
 #define DIFFX_SM90_CLUSTER_M 1
 #endif
-// 128: tiles of 128 keys where three K/V stages of them still fit beside Q (every shape but V1 at
-// head dim 128) and the logits are fp (the INT8 pre-pass scales tiles of DIFFX_KEY_BLOCK keys):
-// half the barrier waits, row-max shuffles and rescale decisions per key, FA3's tile width. 64
-// (default): DIFFX_KEY_BLOCK everywhere. Not yet run on a GPU: a variant (-DDIFFX_SM90_KEY_BLOCK=128).
+// 128 (default since 2026-11-28): tiles of 128 keys where three K/V stages of them still fit beside
+// Q (every shape but V1 at head dim 128) and the logits are fp (the INT8 pre-pass scales tiles of
+// DIFFX_KEY_BLOCK keys): half the barrier waits, row-max shuffles and rescale decisions per key,
+// FA3's tile width. On an H200 (2026-11-28, docs/BENCHMARKS.md) V1 at d = 64, the one V1 shape it
+// changes, took 0.91-1.01x the time of 64-key tiles (median 0.97x; 0.91-0.98x in the non-causal cases),
+// while V1 at d = 128, the same code in both builds, read 0.99-1.09x in that loop. V2 is untimed
+// (its probes pass). 64: DIFFX_KEY_BLOCK everywhere (-DDIFFX_SM90_KEY_BLOCK=64).
 #ifndef DIFFX_SM90_KEY_BLOCK
-#define DIFFX_SM90_KEY_BLOCK DIFFX_KEY_BLOCK
+#define DIFFX_SM90_KEY_BLOCK 128
 #endif
 static_assert(DIFFX_SM90_KEY_BLOCK == DIFFX_KEY_BLOCK || DIFFX_SM90_KEY_BLOCK == 128, "64 or 128 keys a tile");
 // 1: a persistent grid, one CTA per SM working through the tiles (query block, head, batch) of the
 // launch in turn, so that the producer loads the next tile's Q and K/V while the consumers finish
 // the last one (its final P.V and epilogue): FA3's persistent scheduler, statically strided. Only
 // where the epilogue's scratch fits beside the ring (V2, and V1 at d = 64; V1 at d = 128 keeps one
-// tile a CTA). 0 (default): one tile a CTA. Not yet run on a GPU: a variant (-DDIFFX_SM90_PERSISTENT=1),
-// which tools/bench_attention.py --cta-cost weighs (the fixed cost per CTA it could overlap).
+// tile a CTA). 0 (default): one tile a CTA. A variant (-DDIFFX_SM90_PERSISTENT=1): on an H200
+// (2026-11-28) 0.99-1.12x the default's time at 16k (median 1.02x), no gain.
 #ifndef DIFFX_SM90_PERSISTENT
 #define DIFFX_SM90_PERSISTENT 0
 #endif
@@ -80,7 +93,8 @@ static_assert(!(DIFFX_SM90_PERSISTENT && DIFFX_SM90_CLUSTER_M > 1), "a persisten
 // exponentials from hopper/exp2_fma.h (FMA and integer pipes, relative error 2.7e-6) instead of
 // MUFU.EX2, FlashAttention-4's offload: at d = 64 a V1 tile's 4096 exponentials a map take 2/3 of
 // its tensor time on MUFU's 16 a clock (1/3 at d = 128); K = 4 moves a quarter of them. 0 (default):
-// every exponential on MUFU. Not yet run on a GPU: a variant (-DDIFFX_SM90_EXP2_FMA_EVERY=4).
+// every exponential on MUFU. A variant (-DDIFFX_SM90_EXP2_FMA_EVERY=4): on an H200 (2026-11-28)
+// 1.04-1.11x the default's time at 16k (median 1.08x), slower.
 #ifndef DIFFX_SM90_EXP2_FMA_EVERY
 #define DIFFX_SM90_EXP2_FMA_EVERY 0
 #endif
