@@ -360,3 +360,29 @@ def test_the_fixed_cost_per_cta_reads_as_a_share_of_each_timed_case(made_up):
     (made_up / "cta_cost.json").unlink()
     assert "CTA cost       cta_cost.json missing" in report(made_up).stdout
     assert "persistent scheduler" not in report(made_up, "--targets").stdout
+
+
+def test_a_carried_builds_8_bit_cache_calls_read_beside_this_builds(made_up):
+    """The decode bench times each carried build's 8-bit cache calls too: the report gives their
+    time over this build's and their worst cosine, and the decode table a column per build; a
+    build that did not run them (older than the 8-bit caches) gives neither."""
+    rows = [{"dtype": "bfloat16", "kv_len": keys, "d": 128, "q_len": 1, "batch": 4, "heads": 16, "kv_heads": 4,
+             "splits": 16, "cosine_vs_fp32": {"int8_cache": 0.9999, "fp8_cache": 0.9992, "int8_cache@before": cos},
+             "timings": {"split_kv": {"ms": 0.1, "gbs": 4000.0}, "split_kv@before": {"ms": 0.1, "gbs": 4000.0},
+                         "split_kv_int8_cache": {"ms": 0.06, "gbs": 3000.0},
+                         "split_kv_int8_cache@before": {"ms": 0.06 * slower, "gbs": 2500.0},
+                         "split_kv_fp8_cache": {"ms": 0.08, "gbs": 2500.0}}}
+            for keys, slower, cos in ((32768, 1.25, 0.99985), (131072, 1.3, 0.99987))]
+    (made_up / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 4200.0, "rows": rows,
+                                                     "cases": 2, "complete": True}))
+    summary = report(made_up).stdout
+    assert line(summary, "int8 cache@before").endswith(
+        "before / this build: 1.25x-1.30x (median 1.27x) in 2 cases (above 1x: this build is faster); "
+        "its cosine vs fp32 0.99985 at worst")
+    assert "fp8 cache@before" not in summary
+    rendered = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--render",
+                               str(made_up / "decode.json")], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    table = rendered.stdout.split("\n\n")[0].splitlines()
+    assert table[0].endswith("| split-KV @before | this vs @before | 8-bit KV @before vs this (int8 / fp8) |")
+    assert table[2].endswith("| 100.0 (4000) | 1.00x | 1.25x / - |")

@@ -29,11 +29,28 @@ KERNELS = ROOT / "plugins" / "kernels"
 BUILT = ROOT / "build" / "plugins" / "kernels" / "emulation" / "libdiffexport_kernel_emulator.so"
 
 
+EMULATOR_FLAGS = ["-std=c++20", "-DDIFFX_EMULATE", f"-I{KERNELS}", "-lpthread"]
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    path = host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR", BUILT, "diffexport_kernel_emulator",
-                        [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
-                        ["-std=c++20", "-DDIFFX_EMULATE", f"-I{KERNELS}", "-lpthread"])
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR", BUILT,
+                                         "diffexport_kernel_emulator",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         EMULATOR_FLAGS))
+
+
+@pytest.fixture(scope="module")
+def emulator_fp8_bit_shifts(tmp_path_factory):
+    """The emulator as GPUs before sm_89 run the e4m3 cache: codes shifted into fp16 bits (2^-8 of
+    their value) where sm_89 and later (and the default emulator) convert them in hardware."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_FP8_BIT_SHIFTS",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_fp8_bit_shifts",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*EMULATOR_FLAGS, "-DDIFFX_KV_FP8_CVT=0"]))
+
+
+def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
     lib.diffx_emulated_attention_forward.restype = ctypes.c_int
@@ -462,6 +479,23 @@ def test_emulated_kv_cache_matches_the_oracle_on_its_dequantised_values(emulator
     # The quantisation's budget against the float cache.
     exact = oracle(inputs, attrs, key_mask)
     assert cosine(out, exact) >= KV_BUDGET[fmt], f"{fmt}: cosine {cosine(out, exact):.6f} vs the float cache"
+
+
+@pytest.mark.parametrize("case", [c for c in KV_CASES if c[0] == "fp8" and c[6] <= 16][:2],
+                         ids=lambda c: f"v{c[1]}-d{c[2]}-{c[6]}x{c[7]}")
+def test_the_fp8_cache_reads_the_same_through_bit_shifts_and_the_hardware_conversion(
+        emulator, emulator_fp8_bit_shifts, case, rng):
+    """GPUs before sm_89 shift e4m3 bits into fp16 (2^-8 of each value), later ones convert them
+    (cvt.rn.f16x2.e4m3x2, the value itself): the unit divides out of the scales and the folded Q is
+    normalised to one range by a power of two, so both decode kernels give the same bits."""
+    fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.7)
+    codes, kv_scales, _ = cache_of(make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng), fmt)
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len))
+    hardware = emulate(emulator, codes, attrs, kv_scales=kv_scales, plan=plan)
+    shifted = emulate(emulator_fp8_bit_shifts, codes, attrs, kv_scales=kv_scales, plan=plan)
+    assert not hardware.isnan().any() and torch.equal(hardware, shifted)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

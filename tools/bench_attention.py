@@ -342,8 +342,13 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
         kv_out[fmt] = torch.empty_like(out)
         cache_bytes[f"split_kv_{fmt}_cache"] = sum(t.numel() * t.element_size() for t in (q, *codes[1:3], out))
         methods[f"split_kv_{fmt}_cache"], _ = prepared_call(codes, attrs, kv_out[fmt], kv_scales=caches[fmt][1])
-    for build, lib in (other_builds or {}).items():  # the same split-KV call from each other build
+    for build, lib in (other_builds or {}).items():  # the same split-KV calls from each other build
         methods[f"split_kv@{build}"], _ = prepared_call(inputs, attrs, out, path="auto", lib=lib)
+        for fmt in KV_CACHE_FORMATS:  # (a build older than the 8-bit caches refuses them: not measured)
+            name = f"split_kv_{fmt}_cache@{build}"
+            kv_out[name] = torch.empty_like(out)
+            cache_bytes[name] = cache_bytes[f"split_kv_{fmt}_cache"]
+            methods[name], _ = prepared_call(caches[fmt][0], attrs, kv_out[name], kv_scales=caches[fmt][1], lib=lib)
     os.environ.pop(kernels.KERNEL_PATH_ENV, None)
     for backend in backends:
         for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
@@ -370,6 +375,11 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
     for fmt in KV_CACHE_FORMATS:  # the 8-bit cache's outputs against the float32 reference on the float cache
         methods[f"split_kv_{fmt}_cache"]()
         row["cosine_vs_fp32"][f"{fmt}_cache"] = cosine(kv_out[fmt], exact)
+        for build in other_builds or {}:  # ... and each other build's, where it ran
+            name = f"split_kv_{fmt}_cache@{build}"
+            if name in row["timings"]:
+                methods[name]()
+                row["cosine_vs_fp32"][f"{fmt}_cache@{build}"] = cosine(kv_out[name], exact)
     del inputs, q, k, v, out, exact, caches, kv_out
     torch.cuda.empty_cache()
     return row
@@ -458,6 +468,14 @@ def cosine(out: torch.Tensor, exact: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(out.double().flatten(), exact.double().flatten(), dim=0).item()
 
 
+def kv8_build_ratios(timings: dict, build: str) -> str:
+    """Each 8-bit cache's time from `build` over this build's ("-" where either is missing)."""
+    def ratio(fmt):
+        this, other = timings.get(f"split_kv_{fmt}_cache"), timings.get(f"split_kv_{fmt}_cache@{build}")
+        return f"{other['ms'] / this['ms']:.2f}x" if this and other else "-"
+    return " / ".join(ratio(fmt) for fmt in KV_CACHE_FORMATS)
+
+
 def decode_table(rows: list[dict], copy_gbs: float) -> str:
     def cell(t):
         return "-" if t is None else f"{t['ms'] * 1e3:.1f} ({t['gbs']:.0f})"
@@ -468,8 +486,8 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
              "composition "
              "| which | split-KV vs best | vs one-pass | % of copy GB/s | int8 cache | fp8 cache "
              "| 8-bit KV vs bf16 KV (int8 / fp8) | cosine vs fp32 (int8 / fp8) |"
-             + "".join(f" split-KV @{b} | this vs @{b} |" for b in builds),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(builds)]
+             + "".join(f" split-KV @{b} | this vs @{b} | 8-bit KV @{b} vs this (int8 / fp8) |" for b in builds),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|---|" * len(builds)]
     for row in rows:
         t = row["timings"]
         ours = t.get("split_kv")
@@ -486,9 +504,9 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
                      f"| {cell(t.get('one_pass'))} | {cell(t.get('split_kv_int8'))} "
                      f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} "
                      f"| {cell(kv8[0])} | {cell(kv8[1])} | {kv8_vs} | {kv8_cos} |"
-                     + "".join(f" {cell(t.get(f'split_kv@{b}'))} | "
-                               f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
-                               else " - | - |" for b in builds))
+                     + "".join((f" {cell(t.get(f'split_kv@{b}'))} | "
+                                f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
+                                else " - | - |") + f" {kv8_build_ratios(t, b)} |" for b in builds))
     return "\n".join(lines)
 
 
@@ -508,7 +526,8 @@ def publish_decode(record: dict, write: bool) -> None:
             "INT8 includes its K quantisation pre-pass (which reads all of K once more). int8 / fp8 cache: the same "
             "keys and values as an 8-bit KV cache (per-channel static scales, K smoothed; GB/s on its own bytes), "
             "the ratio is the bf16/fp16 split-KV call's time over the 8-bit one's, and the cosine is of its output "
-            "against the float32 reference on the float cache. Compositions: "
+            "against the float32 reference on the float cache; '8-bit KV @build vs this' is that build's 8-bit call's "
+            "time over this build's. Compositions: "
             f"FlashDiffAttn_1/_2 on {', '.join(record['backends'])}.\n\n" + text + "\n")
     print(f"wrote {benchdoc.write_section('fused-attention-decode', body)}", file=sys.stderr)
 

@@ -273,8 +273,17 @@ def decode(folder: Path) -> list[str]:
     for build in sorted({n.split("@", 1)[1] for r in rows for n in r["timings"] if "@" in n}):
         ratios = [r["timings"][f"split_kv@{build}"]["ms"] / r["timings"]["split_kv"]["ms"] for r in rows
                   if f"split_kv@{build}" in r["timings"]]
-        lines.append(f"split-KV@{build:<6} {build} / this build: {spread(ratios)} in {len(ratios)} cases "
-                     "(above 1x: this build is faster)")
+        if ratios:
+            lines.append(f"split-KV@{build:<6} {build} / this build: {spread(ratios)} in {len(ratios)} cases "
+                         "(above 1x: this build is faster)")
+        for fmt in KV8_FORMATS:  # the same 8-bit cache calls from that build, where it ran them
+            name = f"split_kv_{fmt}_cache"
+            picked = [r for r in rows if name in r["timings"] and f"{name}@{build}" in r["timings"]]
+            if picked:
+                ratio = [r["timings"][f"{name}@{build}"]["ms"] / r["timings"][name]["ms"] for r in picked]
+                worst = min(r["cosine_vs_fp32"].get(f"{fmt}_cache@{build}", float("nan")) for r in picked)
+                lines.append(f"{fmt} cache@{build:<6} {build} / this build: {spread(ratio)} in {len(ratio)} cases "
+                             f"(above 1x: this build is faster); its cosine vs fp32 {worst:.5f} at worst")
     lines.append(f"split-KV       {100 * min(of_copy):.0f}%-{100 * max(of_copy):.0f}% of the copy bandwidth"
                  + (f"; from 32k keys {100 * min(long):.0f}%-{100 * max(long):.0f}%" if long else ""))
     for fmt in KV8_FORMATS:

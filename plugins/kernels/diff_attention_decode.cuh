@@ -30,6 +30,7 @@
 // Causal masks align bottom-right, key_mask hides padding keys, a row that sees no key gives zeros.
 #pragma once
 
+#include <float.h>
 #include <math.h>
 
 #include <type_traits>
@@ -107,22 +108,46 @@ constexpr int kMergeBufferBytes = (2 * kDecodeRows * kMergeStride<DV> + 2 * kWar
 #define DIFFX_DECODE_D64_MIN_BLOCKS 2
 #endif
 
-// An 8-bit cache's codes (kv_codes.cuh): key tile(s) [64][D] and value tile [64][DV] bytes, swizzled
-// like the INT8-logits key tiles; rows past kv_len are zero-filled.
-template <int D, int DV, int KEY_TILES>
-__device__ __forceinline__ void load_code_tiles(char* sK, char* sV, const KernelArgs& args, int b, int g, int nb,
-                                                int tid) {
-  const DiffxAttentionParams& p = args.p;
-  const int n_start = nb * kBlockN;
-#pragma unroll
-  for (int m = 0; m < KEY_TILES; ++m) {
-    const int km = KEY_TILES == 2 ? 2 * g + m : g;  // key head in the key tensor
-    const char* src = static_cast<const char*>(p.key) + b * p.k_batch_stride + int64_t(n_start) * p.k_row_stride + km * D;
-    load_tile_async<kBlockN, D>(sK + m * kBlockN * D, src, p.k_row_stride, p.kv_len - n_start, tid);
+// The cp.async copies a thread issues for one code tile of an 8-bit cache (kv_codes.cuh): rows of
+// ROW_BYTES codes, [64][ROW_BYTES] in shared memory, swizzled like the INT8-logits key tiles, rows
+// past kv_len zero-filled. Set up once a CTA, so a tile's copies are the first tile's moved by whole
+// tiles; load_tile_async recomputes every address and predicate per tile (86 integer instructions
+// a thread per tile of the V1 d = 128 kernel on sm_90a, against its 8 copies).
+template <int ROW_BYTES>
+struct CodeTileCopies {
+  static constexpr int kChunks = ROW_BYTES / 16;
+  static constexpr int kRowStep = kThreads / kChunks;  // rows apart of a thread's copies
+  static constexpr int kCopies = kBlockN / kRowStep;
+  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlockN % kRowStep == 0,
+                "fixed trip count, one swizzle per thread");
+  const char* src;    // this thread's chunk of row row0 of tile 0
+  int64_t row_step;   // bytes from one of its copies to the next (kRowStep rows)
+  int64_t tile_step;  // bytes from one tile to the next (kBlockN rows)
+  int dst;            // byte offset of its first chunk in a shared tile
+  int row0;
+
+  __device__ __forceinline__ CodeTileCopies(const char* tile0, int64_t row_stride, int tid)
+      : row_step(kRowStep * row_stride), tile_step(kBlockN * row_stride) {
+    row0 = tid / kChunks;
+    const int chunk = tid % kChunks;
+    src = tile0 + row0 * row_stride + chunk * 16;
+    dst = swizzled_chunk<kChunks>(row0, chunk) * 16;
   }
-  const char* src = static_cast<const char*>(p.value) + b * p.v_batch_stride + int64_t(n_start) * p.v_row_stride + g * DV;
-  load_tile_async<kBlockN, DV>(sV, src, p.v_row_stride, p.kv_len - n_start, tid);
-}
+  // Tile nb, whose first `rows` rows hold keys.
+  __device__ __forceinline__ void issue(char* tile, int nb, int rows) const {
+    const char* from = src + nb * tile_step;
+    if (rows >= kBlockN) {
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) cp_async_16(tile + dst + i * kRowStep * ROW_BYTES, from + i * row_step, true);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const bool valid = row0 + i * kRowStep < rows;
+        cp_async_16(tile + dst + i * kRowStep * ROW_BYTES, valid ? from + i * row_step : src, valid);
+      }
+    }
+  }
+};
 
 // Q.K^T of an 8-bit cache runs on fp16 operands whatever T is: the codes become fp16 pairs in a
 // few integer ops (kv_codes.cuh), where bf16 pairs would cost float arithmetic per code.
@@ -134,10 +159,12 @@ constexpr float kFoldedQueryMax = 16384.f;
 // S = sum_c (q_c s_c) code_c), and the channels of each 16-wide k-step are reordered to match the
 // key fragments that ldmatrix reads from the code tiles: there a lane's register holds channels
 // 4t..4t+3 of its key, so the Q position the mma pairs with channel pair (4t, 4t+1) is 2t and with
-// (4t+2, 4t+3) it is 8 + 2t. Where a map's folded Q would pass kFoldedQueryMax it is divided by a
-// power of two alpha, returned per map; the logits are S * alpha, exactly. All threads call it
-// (it synchronises); `reduce` holds a float per warp.
-template <typename T, int D, bool V1>
+// (4t+2, 4t+3) it is 8 + 2t. Each map's folded Q is divided by the power of two alpha that puts its
+// largest entry in [kFoldedQueryMax / 2, kFoldedQueryMax), returned per map; the logits are
+// S * alpha, exactly. (Up as well as down: keys that barely vary get small scales, which would
+// otherwise push Q into fp16's subnormals.) All threads call it (it synchronises); `reduce` holds
+// a float per warp.
+template <typename T, int D, bool V1, int KV>
 __device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
                                                             float* reduce, int tid, int map_of_thread) {
   constexpr int kChunks = D / 8, kGroups = D / 16, kItems = 2 * kDecodeRows * kGroups;
@@ -153,8 +180,8 @@ __device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile
     hi = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      q[j] = to_float(lo[j]) * (scale[j] / args.kv_code_unit);
-      q[8 + j] = to_float(hi[j]) * (scale[8 + j] / args.kv_code_unit);
+      q[j] = to_float(lo[j]) * (scale[j] / kv_code_unit(KV));
+      q[8 + j] = to_float(hi[j]) * (scale[8 + j] / kv_code_unit(KV));
       largest = fmaxf(largest, fmaxf(fabsf(q[j]), fabsf(q[8 + j])));
     }
   }
@@ -168,7 +195,9 @@ __device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile
   for (int m = 0; m < 2; ++m) {
     float most = 0.f;
     for (int w = 0; w < kWarpsPerFoldMap; ++w) most = fmaxf(most, reduce[m * kWarpsPerFoldMap + w]);
-    while (most > kFoldedQueryMax * alpha[m]) alpha[m] *= 2.f;  // a power of two: exact to undo
+    int exponent = 0;  // most / kFoldedQueryMax = f * 2^exponent, f in [0.5, 1) (0 for an all-zero Q)
+    if (most > 0.f && most <= FLT_MAX) frexpf(most / kFoldedQueryMax, &exponent);
+    alpha[m] = ldexpf(1.f, exponent);  // a power of two: exact to undo
   }
   // (selects, not alpha[map]: a runtime index would put the pair in local memory)
   const float mine = map == 0 ? alpha[0] : alpha[1];
@@ -191,6 +220,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   using Fwd = typename Cfg::Fwd;
   constexpr int kSTiles = 2;        // a warp's 16 x 16 score tile: two n-tiles of 8 keys
   constexpr int kOTiles = DV / 8;   // n-tiles of the 16 x DV output accumulator of a warp
+  // Int8 codes read with their bias (kv_codes.cuh): one more n-tile, P against ones, whose every
+  // column is the sum of P as the mmas saw it (fp16), rescaled with O by the online softmax.
+  constexpr int kBiasTiles = KV == kKvInt8 && DIFFX_DECODE_KV_BIAS ? 1 : 0;
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
 
@@ -223,9 +255,19 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   }
   auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
   auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
+  // An 8-bit cache: the copies of key tile(s) (key heads 2g and 2g+1 for V1, else g) and value tile.
+  const char* key_codes = static_cast<const char*>(p.key) + b * p.k_batch_stride;
+  const CodeTileCopies<D> k_copies[2] = {  // (V2: one, twice)
+      {key_codes + (Fwd::kKeyTiles == 2 ? 2 * g : g) * D, p.k_row_stride, tid},
+      {key_codes + (Fwd::kKeyTiles == 2 ? 2 * g + 1 : g) * D, p.k_row_stride, tid}};
+  const CodeTileCopies<DV> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
+                                    p.v_row_stride, tid);
   auto load_kv = [&](int nb, int stage) {
     if constexpr (KV) {
-      load_code_tiles<D, DV, Fwd::kKeyTiles>(sK(stage), sV(stage), args, b, g, nb, tid);
+      const int rows = p.kv_len - nb * kBlockN;
+#pragma unroll
+      for (int m = 0; m < Fwd::kKeyTiles; ++m) k_copies[m].issue(sK(stage) + m * kBlockN * D, nb, rows);
+      v_copies.issue(sV(stage), nb, rows);
     } else {
       load_k(nb, stage);
       load_v(nb, stage);
@@ -245,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   if constexpr (KV != 0) {  // Q lands with the first tile (before the accumulators are live: fewer registers)
     cp_async_wait_group<STAGES - 2>();
     __syncthreads();
-    qk_alpha = fold_key_scales_into_query<T, D, Fwd::kV1>(sQ, Cfg::kQTileBytes, args, g, reduce, tid, map);
+    qk_alpha = fold_key_scales_into_query<T, D, Fwd::kV1, KV>(sQ, Cfg::kQTileBytes, args, g, reduce, tid, map);
   }
   float q_scale = 1.f;
   if constexpr (INT8) {
@@ -260,20 +302,22 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   const int key_head = Fwd::kV1 ? 2 * g + map : g;
   const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
 
-  float acc_o[kOTiles][4];
+  float acc_o[kOTiles + kBiasTiles][4];
 #pragma unroll
-  for (int i = 0; i < kOTiles; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
+  for (int i = 0; i < kOTiles + kBiasTiles; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
 
+  int stage = STAGES - 1;  // (nb - nb_begin) % STAGES, stepped: no division a tile
   for (int nb = nb_begin; nb < nb_end; ++nb) {
     const int n_start = nb * kBlockN;
     const int k0 = quarter * 16;  // this warp's first key in the tile
-    const int stage = (nb - nb_begin) % STAGES;
+    const int ahead_stage = stage;  // the stage read in the previous tile
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
     if constexpr (STAGES >= 2) {
       // Tile nb + STAGES - 1 goes to the stage read in the previous tile, which ended with a barrier.
       const int ahead = nb + STAGES - 1;
-      if (ahead < nb_end) load_kv(ahead, (stage + STAGES - 1) % STAGES);
+      if (ahead < nb_end) load_kv(ahead, ahead_stage);
       cp_async_commit();
       cp_async_wait_group<STAGES - 1>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
     } else {
@@ -388,6 +432,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
           mma_16816(acc_o[4 * gp + 2 * G + 1], a, code_pair<KV, 1, 3>(r[2 * G]), code_pair<KV, 1, 3>(r[2 * G + 1]), __half());
         }
       }
+      if constexpr (kBiasTiles) mma_16816(acc_o[kOTiles], a, 0x3c003c00u, 0x3c003c00u, __half());  // fp16 ones
     } else {
       constexpr int kVChunks = DV / 8;
 #pragma unroll
@@ -407,6 +452,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   }
   cp_async_wait_all();
   __syncthreads();  // every K/V stage is read: their space becomes the merge buffer
+  if constexpr (kBiasTiles) {  // O = P.(code + bias) - bias * sum(P), in fp32
+#pragma unroll
+    for (int i = 0; i < kOTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[i][e] = fmaf(-kInt8CodeBias, acc_o[kOTiles][e], acc_o[i][e]);
+  }
 
   // The 4 warps of each map merged into one state: each warp's (max, sum) of its rows, the map's
   // max M per row, then each warp's P.V sums rescaled to M and added into the buffer in warp
@@ -602,7 +653,7 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
     if (p.v_scale) {  // an 8-bit cache: V's channel scales (over kv_code_unit), folded out of the loop
       const float* v_scale = p.v_scale + (h / (p.num_heads / p.num_kv_heads)) * DV + c;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) y[j] *= v_scale[j] / args.kv_code_unit;
+      for (int j = 0; j < 4; ++j) y[j] *= v_scale[j] / kv_code_unit(p.kv_format);
     }
   }
   float rms = 1.f;

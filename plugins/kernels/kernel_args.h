@@ -49,10 +49,6 @@ struct KernelArgs {
   int decode_parts;       // partial states per (batch, diff-head, map): plan.splits
   float* part_o;          // [B, H, 2 maps, parts, q_len, Dv] unnormalised P.V sums (fp32)
   float* part_ml;         // [B, H, 2 maps, parts, q_len, 2]: running max (raw logit units), sum
-  // An 8-bit KV cache on the decode path: what one code is worth in the converted fp16/bf16 tile
-  // (1 for int8; 2^-8 for e4m3, whose bits are shifted into an fp16 as they are), divided out of
-  // the scales (k_scale into Q, v_scale onto the output).
-  float kv_code_unit;
 };
 
 struct WorkspaceLayout {

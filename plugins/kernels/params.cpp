@@ -317,7 +317,6 @@ KernelArgs make_kernel_args(const DiffxAttentionParams& p) {
     args.k_sums = p.smooth_k ? reinterpret_cast<const float*>(base + w.sums) : nullptr;
     args.n_key_chunks = (p.kv_len + kKeySumChunk - 1) / kKeySumChunk;
   }
-  args.kv_code_unit = p.kv_format == DIFFX_KV_FP8_E4M3 ? 1.f / 256.f : 1.f;
   args.path = kernel_path(p);
   if (args.path == KernelPath::kDecode) {
     const WorkspaceLayout w = workspace_layout(p);
