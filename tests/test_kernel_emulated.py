@@ -573,3 +573,23 @@ def test_emulated_kv_cache_folds_a_large_query_in_fp16_range(emulator, rng):
     assert torch.isfinite(out_big).all()
     assert cosine(out_big, out) >= 0.9999, cosine(out_big, out)
     assert cosine(out_big, oracle(dequantised, attrs)) >= min_cosine(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_emulated_kv_cache_folds_a_tiny_query_up_out_of_fp16s_subnormals(emulator, fmt, rng):
+    """Keys that barely vary get tiny scales, and q x k_scale can fall below fp16's normal range
+    (6.1e-5), where it keeps fewer bits, down to none: the fold multiplies it up by a power of two
+    as well. The same call with q / 2^18 and the logit scale x 2^18 (the same logits, bf16 holds
+    both queries exactly; a folded query below 1e-6 without the fold's alpha) gives the same output."""
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=64, causal=1, norm=1)
+    q, k, v, lam, w = make_inputs(attrs, 1, 2, 100, dtype=torch.bfloat16, rng=rng)
+    codes, kv_scales, dequantised = cache_of((q, k, v, lam, w), fmt)
+    tiny = (q.float() / 2**18).to(torch.bfloat16)  # exact: a power of two
+    assert tiny.float().abs().amax() * kv_scales[0].abs().amax() < 1e-6
+    scaled = DiffAttentionAttrs(**{**attrs.as_dict(), "scale": attrs.effective_scale * 2**18})
+    plan = ("split-kv", splits_for(1, 2, 100, 2, 2))
+    out = emulate(emulator, codes, attrs, kv_scales=kv_scales, plan=plan)
+    out_tiny = emulate(emulator, (tiny, *codes[1:]), scaled, kv_scales=kv_scales, plan=plan)
+    assert torch.isfinite(out_tiny).all()
+    assert torch.equal(out_tiny, out)  # alpha absorbs the 2^18 exactly
+    assert cosine(out_tiny, oracle(dequantised, attrs)) >= min_cosine(torch.bfloat16)
