@@ -335,3 +335,27 @@ def test_a_bad_profile_launch_name_runs_nothing(stubs, parts):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: PROFILE_PARTS takes fused, decode, hopper")
     assert not log and not (tmp_path / "calls.log").exists()
+
+
+@pytest.mark.parametrize("content", [None, "link", "huge", "{not json", '{"mode": "decode", "rows": 5}',
+                                     '{"mode": "decode", "copy_gbs": 1, "rows": [{"timings": {"split_kv": 3}}]}',
+                                     '{"rows": [{"timings": {"fused@x": {}}}]}', "[1, 2]"])
+def test_render_refuses_what_is_not_a_saved_run_in_one_line_writing_nothing(tmp_path, content):
+    """bench_attention.py --render --write on a missing, linked, huge or malformed file: one error
+    line, exit 2, docs/BENCHMARKS.md untouched."""
+    path = tmp_path / "run.json"
+    if content == "link":
+        (tmp_path / "real.json").write_text("{}")
+        path.symlink_to(tmp_path / "real.json")
+    elif content == "huge":
+        with open(path, "wb") as f:
+            f.truncate(65 << 20)  # sparse: no disk used
+    elif content is not None:
+        path.write_text(content)
+    doc = ROOT / "docs" / "BENCHMARKS.md"
+    before = doc.read_bytes()
+    out = subprocess.run([sys.executable, "tools/bench_attention.py", "--render", str(path), "--write"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: --render "), out.stderr
+    assert doc.read_bytes() == before

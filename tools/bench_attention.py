@@ -510,6 +510,31 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
     return "\n".join(lines)
 
 
+def render(path: Path, write: bool) -> int:
+    """The tables of a saved --json run, printed (and with write, its section of docs/BENCHMARKS.md
+    replaced); a file that is not one is one error line and 2, with nothing written."""
+    if path.is_symlink() or not path.is_file():
+        print(f"error: --render {path}: needs a saved run's JSON file (not a link)", file=sys.stderr)
+        return 2
+    if path.stat().st_size > benchdoc.MAX_RESULT_BYTES:
+        print(f"error: --render {path}: {path.stat().st_size >> 20} MiB, more than a run writes", file=sys.stderr)
+        return 2
+    try:  # every table is built before anything is written
+        record = json.loads(path.read_text(errors="replace"))
+        if record.get("mode") == "decode":
+            publish_decode(record, write)
+        elif record.get("mode") == "cta_cost":
+            print(cta_cost_table(record["rows"]))
+        else:
+            publish(record, {name.split("@", 1)[1] for row in record["rows"] for name in row["timings"] if "@" in name},
+                    write)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
+        print(f"error: --render {path}: not what bench_attention.py --json writes ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
 def publish_decode(record: dict, write: bool) -> None:
     text = decode_table(record["rows"], record["copy_gbs"])
     if completeness(record):
@@ -617,16 +642,7 @@ def main() -> int:
                         help="the Hopper path's fixed cost per CTA instead (first of --dtypes, each of --head-dims)")
     args = parser.parse_args()
     if args.render:  # a run saved on the GPU machine: its own stamp and command, no GPU needed here
-        record = json.loads(args.render.read_text())
-        if record.get("mode") == "decode":
-            publish_decode(record, args.write)
-            return 0
-        if record.get("mode") == "cta_cost":
-            print(cta_cost_table(record["rows"]))
-            return 0
-        publish(record, {name.split("@", 1)[1] for row in record["rows"] for name in row["timings"] if "@" in name},
-                args.write)
-        return 0
+        return render(args.render, args.write)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

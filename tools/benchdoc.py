@@ -13,6 +13,7 @@ from pathlib import Path
 from diffexport.backends.speed import cpu_name  # noqa: F401 (the tools' name)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+MAX_RESULT_BYTES = 64 << 20  # a result file a campaign brings back: a run call returns files of at most 16 MiB
 HEADER = """# Benchmarks
 
 Every table here is written by a tool in `tools/`, with the command that produced it, the date,
