@@ -146,5 +146,10 @@ def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "error: no-such-commit-0123 is not a commit here\n"
+    # A variant without its flags, the same (before the CUTLASS headers are copied).
+    out = subprocess.run(["bash", str(root / "tools" / "prepare_gpu_campaign.sh"), "HEAD"], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, PREPARE_VARIANTS="kvtiles1"))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "error: PREPARE_VARIANTS takes name:flags, not 'kvtiles1'\n"
     assert before == {name: (root / name).exists() and sorted(p.name for p in (root / name).iterdir())
                       for name in ("build-cutlass", "build-before")}

@@ -258,7 +258,7 @@ def test_emulated_decode_kernel_matches_the_oracle(emulator, case, rng, monkeypa
     shared memory), the others the default two stages."""
     variant, head_dim, causal, ratio, heads, batch, q_len, kv_len, dtype = case
     if kv_len > 10_000:
-        monkeypatch.setenv("DIFFX_EMULATOR_DECODE_STAGES", "few")
+        monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", "0")
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
                                causal=causal, norm=int(variant == 1), output_scale=0.7)
     inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
@@ -479,6 +479,32 @@ def test_emulated_kv_cache_matches_the_oracle_on_its_dequantised_values(emulator
     # The quantisation's budget against the float cache.
     exact = oracle(inputs, attrs, key_mask)
     assert cosine(out, exact) >= KV_BUDGET[fmt], f"{fmt}: cosine {cosine(out, exact):.6f} vs the float cache"
+
+
+# The 8-bit cache's pipelines (DecodePipelines in diff_attention_decode.cuh), as the emulator picks
+# them for a GPU of this opt-in: at V1 head dim 64, 227 KB (sm_90) takes two 64-key tiles a step in
+# three stages (102,400 bytes), 99 KB (sm_86/sm_89) one tile a step in three, 0 the fewest (two stages).
+# (Stages refilled within a split, under the sanitizers: tests/test_kernel_sanitized.py.)
+KV_PIPELINES = {"two-tiles-a-step": 227 * 1024, "one-tile-three-stages": 101_376, "two-stages": 0}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("pipeline", KV_PIPELINES)
+def test_emulated_kv_cache_pipelines_match_the_oracle(emulator, pipeline, fmt, rng, monkeypatch):
+    """Each pipeline on 7 tiles, the last ragged, key-masked; at two tiles a step every split's step
+    reaches into the next split's first tile, which must be masked out."""
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(KV_PIPELINES[pipeline]))
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=64, causal=1, output_scale=0.7)
+    inputs = make_inputs(attrs, 1, 1, 430, dtype=torch.float16, rng=rng)
+    codes, kv_scales, dequantised = cache_of(inputs, fmt)
+    key_mask = padding_mask(1, 430, [100])
+    out = emulate(emulator, codes, attrs, kv_scales=kv_scales, key_mask=key_mask,
+                  plan=("split-kv", splits_for(1, 2, 430, 2, 1)))
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
+                            attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), pipeline,
+                         min_cosine=min_cosine(torch.float16))
 
 
 @pytest.mark.parametrize("case", [c for c in KV_CASES if c[0] == "fp8" and c[6] <= 16][:2],

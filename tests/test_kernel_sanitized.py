@@ -71,15 +71,20 @@ def launches(sanitizer: str = "address,undefined") -> list[str]:
         for v, h, hkv, d, causal, b, sq, skv, bits in CASES]
     args = [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},{bits},{FP16},{causal}"
             for v, h, hkv, d, causal, b, sq, skv, bits in cases]
-    # ThreadSanitizer: the decode kernel's cache cases only (a longer call's dequantisation is an
-    # elementwise kernel before the one-pass kernel, whose races the cases above already cover)
+    heads = "1,1" if sanitizer == "thread" else "2,2"
+    # + float32 I/O: the conversion kernels around the fp16 one
+    return args + kv_cache_launches(sanitizer) + [f"1,{heads},64,1,1,33,40,0,3,1"]
+
+
+def kv_cache_launches(sanitizer: str) -> list[str]:
+    """The 8-bit cache's launches (sanitize_cases' arguments plus the cache format). ThreadSanitizer:
+    the decode kernel's cases only (a longer call's dequantisation is an elementwise kernel before
+    the one-pass kernel, whose races the other cases already cover)."""
     kv_cases = KV_CACHE_CASES if sanitizer != "thread" else [
         (v, h // hkv, 1, d, causal, 1, sq, skv, fmt)
         for v, h, hkv, d, causal, b, sq, skv, fmt in KV_CACHE_CASES if sq <= DECODE_MAX_QUERY]
-    args += [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},0,{FP16},{causal},"
-             f"{KV_FORMATS[fmt]}" for v, h, hkv, d, causal, b, sq, skv, fmt in kv_cases]
-    heads = "1,1" if sanitizer == "thread" else "2,2"
-    return args + [f"1,{heads},64,1,1,33,40,0,3,1"]  # float32 I/O: the conversion kernels around the fp16 one
+    return [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},0,{FP16},{causal},"
+            f"{KV_FORMATS[fmt]}" for v, h, hkv, d, causal, b, sq, skv, fmt in kv_cases]
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +129,12 @@ def test_emulated_kernels_are_sanitizer_clean(sanitized):
     reports = [line for line in output.splitlines() if any(r in line for r in REPORTS)]
     assert run.returncode == 0 and not reports, f"-fsanitize={name}:\n" + "\n".join(output.splitlines()[:60])
     assert output.count(" ok") == len(launches(name))  # every launch ran and wrote finite outputs
+    # The 8-bit cache's decode kernel as the emulator runs it by default takes two tiles a step (an
+    # sm_90's shared memory); again as a GPU of 99 KB runs it: one tile a step, three stages.
+    kv = kv_cache_launches(name)
+    run = subprocess.run([str(exe), *kv], capture_output=True, text=True, timeout=900,
+                         env=dict(env, DIFFX_EMULATOR_SMEM_OPTIN="101376"))
+    output = run.stdout + run.stderr
+    reports = [line for line in output.splitlines() if any(r in line for r in REPORTS)]
+    assert run.returncode == 0 and not reports, f"-fsanitize={name}, 99 KB:\n" + "\n".join(output.splitlines()[:60])
+    assert output.count(" ok") == len(kv)

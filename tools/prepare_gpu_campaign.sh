@@ -6,11 +6,15 @@
 # (tests/plugin_harness). They go into ignored folders of this checkout; then the one `run` call of
 # tools/README.md takes them with carry=["build-cutlass", "build-before", "build-trt"].
 #
-#   [TRT_INCLUDE_DIR=DIR] tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]     default b8abdb8 (the build measured on 2026-11-23)
+#   [TRT_INCLUDE_DIR=DIR] [PREPARE_VARIANTS="name:flags ..."] tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]
+#                                                          default b8abdb8 (the build measured on 2026-11-23)
 #
 # Builds only the kernel library, for 90a-real (about 2 minutes on 2 cores), in a temporary git
-# worktree that is removed afterwards. Exit status 0 when both folders are ready and together fit
-# the 64 MiB that `run` carries.
+# worktree that is removed afterwards. PREPARE_VARIANTS builds HEAD again with each variant's nvcc
+# flags (commas separate a variant's flags, as in CAMPAIGN_VARIANTS) into build-NAME/, a whole
+# library the campaign times beside this one through CAMPAIGN_COMPARE, so that the GPU machine
+# spends no time building it. Exit status 0 when every folder is ready and together they fit the
+# 64 MiB that `run` carries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +23,9 @@ ARCH="${CAMPAIGN_ARCH:-90a-real}"
 CARRY_LIMIT_MB=64
 
 git rev-parse --verify --quiet "$BEFORE^{commit}" > /dev/null || { echo "error: $BEFORE is not a commit here" >&2; exit 2; }
+for spec in ${PREPARE_VARIANTS:-}; do  # every spec checked before anything is written
+  [[ "$spec" =~ ^[A-Za-z0-9_-]+:. ]] || { echo "error: PREPARE_VARIANTS takes name:flags, not '$spec'" >&2; exit 2; }
+done
 command -v nvcc > /dev/null || { echo "error: nvcc not found: the kernel library needs the CUDA compiler" >&2; exit 2; }
 
 # 1. CUTLASS headers from the pinned wheel (pip install -e ".[kernels]").
@@ -29,36 +36,53 @@ rm -rf build-cutlass && mkdir -p build-cutlass
 cp -r "$cutlass_src" build-cutlass/include
 echo "build-cutlass/include   CUTLASS headers from $cutlass_src"
 
-# 2. The earlier commit's kernel library, built in a throw-away worktree.
-worktree=$(mktemp -d "${TMPDIR:-/tmp}/diffexport-before.XXXXXX")
-trap 'git worktree remove --force "$worktree" > /dev/null 2>&1 || rm -rf "$worktree"' EXIT
-git worktree add --detach --quiet "$worktree" "$BEFORE"
-start=$SECONDS
-cmake -S "$worktree" -B "$worktree/build" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
-  -DDIFFEXPORT_BUILD_PLUGIN=OFF -DDIFFEXPORT_BUILD_EMULATOR=OFF -DCUTLASS_INCLUDE_DIR="$PWD/build-cutlass/include" \
-  > "$worktree/build.log" 2>&1 && cmake --build "$worktree/build" --parallel >> "$worktree/build.log" 2>&1 ||
-  { tail -30 "$worktree/build.log"; echo "error: the build of $BEFORE failed" >&2; exit 1; }
-rm -rf build-before && mkdir -p build-before
-cp "$worktree/build/plugins/kernels/libdiffexport_kernels.so" build-before/
-echo "$BEFORE $(git rev-parse "$BEFORE") $ARCH" > build-before/COMMIT
-echo "build-before            libdiffexport_kernels.so of $BEFORE for $ARCH ($((SECONDS - start)) s)"
+# 2. The earlier commit's kernel library, and HEAD's variants, each built in a throw-away worktree.
+worktrees=()
+trap 'for w in "${worktrees[@]}"; do git worktree remove --force "$w" > /dev/null 2>&1 || rm -rf "$w"; done' EXIT
+# build_library COMMIT FOLDER "NVCC FLAGS": the library of COMMIT, for ARCH, into FOLDER/ (with a COMMIT file).
+build_library() {
+  local commit=$1 folder=$2 flags=$3 worktree start=$SECONDS
+  worktree=$(mktemp -d "${TMPDIR:-/tmp}/diffexport-$folder.XXXXXX")
+  worktrees+=("$worktree")
+  git worktree add --detach --quiet "$worktree" "$commit"
+  cmake -S "$worktree" -B "$worktree/build" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
+    -DDIFFEXPORT_BUILD_PLUGIN=OFF -DDIFFEXPORT_BUILD_EMULATOR=OFF -DCUTLASS_INCLUDE_DIR="$PWD/build-cutlass/include" \
+    ${flags:+-DCMAKE_CUDA_FLAGS="$flags"} > "$worktree/build.log" 2>&1 &&
+    cmake --build "$worktree/build" --parallel >> "$worktree/build.log" 2>&1 ||
+    { tail -30 "$worktree/build.log"; echo "error: the build of $commit${flags:+ ($flags)} failed" >&2; exit 1; }
+  rm -rf "$folder" && mkdir -p "$folder"
+  cp "$worktree/build/plugins/kernels/libdiffexport_kernels.so" "$folder/"
+  echo "$commit $(git rev-parse "$commit") $ARCH${flags:+ $flags}" > "$folder/COMMIT"
+  printf '%-23s %s\n' "$folder" "libdiffexport_kernels.so of $commit${flags:+ ($flags)} for $ARCH ($((SECONDS - start)) s)"
+}
+build_library "$BEFORE" build-before ""
+carry='"build-cutlass", "build-before"'
+compare="before=build-before/libdiffexport_kernels.so"
+folders=(build-cutlass build-before)
+for spec in ${PREPARE_VARIANTS:-}; do
+  name="${spec%%:*}"; flags="${spec#*:}"
+  build_library HEAD "build-$name" "${flags//,/ }"
+  carry="$carry, \"build-$name\""
+  compare="$compare $name=build-$name/libdiffexport_kernels.so"
+  folders+=("build-$name")
+done
 
 # 3. TensorRT's headers, when given.
-carry='"build-cutlass", "build-before"'
 rm -rf build-trt
 if [[ -n "${TRT_INCLUDE_DIR:-}" ]]; then
   [[ -f "$TRT_INCLUDE_DIR/NvInferRuntime.h" && -f "$TRT_INCLUDE_DIR/NvInferVersion.h" ]] ||
     { echo "error: TRT_INCLUDE_DIR=$TRT_INCLUDE_DIR holds no NvInferRuntime.h and NvInferVersion.h" >&2; exit 2; }
   mkdir -p build-trt && cp -r "$TRT_INCLUDE_DIR" build-trt/include
   carry="$carry, \"build-trt\""
+  folders+=(build-trt)
   echo "build-trt/include       TensorRT headers from $TRT_INCLUDE_DIR"
 fi
 
 # 4. What `run` will carry.
-total_mb=$(du -sm build-cutlass build-before build-trt 2>/dev/null | awk '{s += $1} END {print s}')
+total_mb=$(du -sm "${folders[@]}" | awk '{s += $1} END {print s}')
 echo "carried                 ${total_mb} MiB of at most ${CARRY_LIMIT_MB}"
 (( total_mb <= CARRY_LIMIT_MB )) || { echo "error: more than the ${CARRY_LIMIT_MB} MiB that run carries" >&2; exit 1; }
 cat <<EOF
 next, one run call with carry=[$carry] and timeout_s=570, then give_back (tools/README.md):
-  CAMPAIGN_TEST_WORKERS=14 CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 540 all
+  CAMPAIGN_TEST_WORKERS=14 CAMPAIGN_COMPARE="$compare" tools/gpu_campaign.sh --out \$OUT --budget 540 all
 EOF

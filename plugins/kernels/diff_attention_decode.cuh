@@ -50,22 +50,37 @@ static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == k
 #define DIFFX_DECODE_KV_STAGES 3
 #endif
 
+// 64-key tiles the 8-bit-cache decode kernel takes a step (1 or 2), where the GPU's shared memory
+// holds DIFFX_DECODE_KV_STAGES stages of them (else 1). Two: a warp takes 16 keys of each tile, 32
+// a step, so what a step costs whatever its keys (the wait and barrier, the softmax's row
+// reductions and vote, the Q fragments, the loop) is paid once per 128 keys. On the H200 of
+// 2026-11-28 the 8-bit kernel took about as many cycles a tile as the bf16 one on half the bytes,
+// at head dim 64 (two CTAs an SM, half the work a warp) as at 128 (one): a per-step cost, not the
+// work per key, set its pace.
+#ifndef DIFFX_DECODE_KV_TILES
+#define DIFFX_DECODE_KV_TILES 2
+#endif
+static_assert(DIFFX_DECODE_KV_TILES == 1 || DIFFX_DECODE_KV_TILES == 2, "one or two 64-key tiles a step");
+
 // KV: the cache's DiffxKvFormat (0: key and value in T; else 1-byte codes, kv_codes.cuh).
-template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0>
+// KT: 64-key tiles a step (a stage holds KT tiles of each of K and V; 8-bit codes only).
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1>
 struct DecodeTileConfig {
   using Fwd = TileConfig<T, D, DV, INT8>;
   static_assert(STAGES >= 1 && STAGES <= 4 && (KV == 0 || STAGES >= 2), "1-4 K/V stages, at least 2 for 8-bit codes");
   static_assert(!(INT8 && KV), "an 8-bit cache does not combine with INT8 logits");
+  static_assert(KT == 1 || (KT == 2 && KV != 0), "two tiles a step only for 8-bit codes");
   static constexpr int kQTileBytes = kDecodeRows * D * int(sizeof(T));
   static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
-  static constexpr int kKTileBytes = KV ? kBlockN * D : Fwd::kKTileBytes;
-  static constexpr int kVTileBytes = KV ? kBlockN * DV : Fwd::kVTileBytes;
+  static constexpr int kKTileBytes = KV ? KT * kBlockN * D : Fwd::kKTileBytes;  // a map's KT key tiles
+  static constexpr int kVTileBytes = KV ? KT * kBlockN * DV : Fwd::kVTileBytes;
   static constexpr int kStageBytes = Fwd::kKeyTiles * kKTileBytes + kVTileBytes;  // K tile(s) + V tile
   static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * kStageBytes;
-  // The fewest stages (one; two for 8-bit codes) launch everywhere (sm_86/sm_89 opt in to 99 KB);
-  // more need the GPU's opt-in checked at launch (launch_diff_attention_decode) unless they fit
-  // that too. 227 KB: sm_90's opt-in.
-  static_assert(STAGES > (KV ? 2 : 1) || kSmemBytes <= kDynamicSmemLimit, "the decode tiles would not launch on sm_86/sm_89");
+  // The fewest stages of one tile (one; two for 8-bit codes) launch everywhere (sm_86/sm_89 opt in
+  // to 99 KB); the others need the GPU's opt-in checked at launch (decode_pipeline) unless they
+  // fit that too. 227 KB: sm_90's opt-in.
+  static_assert(STAGES > (KV ? 2 : 1) || KT > 1 || kSmemBytes <= kDynamicSmemLimit,
+                "the decode tiles would not launch on sm_86/sm_89");
   static_assert(kSmemBytes <= 227 * 1024, "the decode tiles would not launch on any GPU");
   static constexpr bool kFitsEverywhere = kSmemBytes <= kDynamicSmemLimit;
 };
@@ -213,12 +228,12 @@ __device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile
   return map_of_thread == 0 ? alpha[0] : alpha[1];
 }
 
-template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0>
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1>
 __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1)
     diff_attention_decode_kernel(const KernelArgs args) {
-  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV>;
+  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV, KT>;
   using Fwd = typename Cfg::Fwd;
-  constexpr int kSTiles = 2;        // a warp's 16 x 16 score tile: two n-tiles of 8 keys
+  constexpr int kSTiles = 2 * KT;   // a warp's 16 x 16 score tile of each of the step's tiles: n-tiles of 8 keys
   constexpr int kOTiles = DV / 8;   // n-tiles of the 16 x DV output accumulator of a warp
   // Int8 codes read with their bias (kv_codes.cuh): one more n-tile, P against ones, whose every
   // column is the sum of P as the mmas saw it (fp16), rescaled with O by the online softmax.
@@ -237,13 +252,16 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
 
   char* sQ = smem;                                    // [2][16][D] T
   char* sQ8 = sQ + 2 * Cfg::kQTileBytes;              // [2][16][D] int8 (INT8 only)
-  char* sKV = sQ8 + 2 * Cfg::kQ8TileBytes;  // STAGES x ([kKeyTiles][64][D] T or int8, then [64][DV] T or codes)
+  char* sKV = sQ8 + 2 * Cfg::kQ8TileBytes;  // STAGES x ([kKeyTiles][KT][64][D] T or int8, then [KT][64][DV] T or codes)
   auto sK = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
   auto sV = [&](int stage) { return sKV + stage * Cfg::kStageBytes + Fwd::kKeyTiles * Cfg::kKTileBytes; };
 
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
   const int nb_begin = split * args.plan.tiles_per_split;
   const int nb_end = min(n_total, nb_begin + args.plan.tiles_per_split);
+  // Keys this split reads end here: a step of KT tiles may reach into the next split's first tile,
+  // which is then zero-filled and masked.
+  const int key_end = min(p.kv_len, nb_end * kBlockN);
   // Under a causal mask the last query token sees every key, so no tile of the split is skipped.
 
   const T* q_batch = static_cast<const T*>(p.query) + b * p.q_batch_stride;
@@ -262,12 +280,21 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       {key_codes + (Fwd::kKeyTiles == 2 ? 2 * g + 1 : g) * D, p.k_row_stride, tid}};
   const CodeTileCopies<DV> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
                                     p.v_row_stride, tid);
-  auto load_kv = [&](int nb, int stage) {
+  auto load_kv = [&](int nb, int stage) {  // the KT tiles from tile nb
     if constexpr (KV) {
-      const int rows = p.kv_len - nb * kBlockN;
+      auto copy_tiles = [&](auto rows_of_tile) {
 #pragma unroll
-      for (int m = 0; m < Fwd::kKeyTiles; ++m) k_copies[m].issue(sK(stage) + m * kBlockN * D, nb, rows);
-      v_copies.issue(sV(stage), nb, rows);
+        for (int t = 0; t < KT; ++t) {
+          const int rows = rows_of_tile(t);
+#pragma unroll
+          for (int m = 0; m < Fwd::kKeyTiles; ++m)
+            k_copies[m].issue(sK(stage) + m * Cfg::kKTileBytes + t * kBlockN * D, nb + t, rows);
+          v_copies.issue(sV(stage) + t * kBlockN * DV, nb + t, rows);
+        }
+      };
+      // One test a step: with every row valid, issue() compiles to its copies alone.
+      if (key_end - nb * kBlockN >= KT * kBlockN) copy_tiles([](int) { return kBlockN; });
+      else copy_tiles([&](int t) { return key_end - (nb + t) * kBlockN; });
     } else {
       load_k(nb, stage);
       load_v(nb, stage);
@@ -279,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   cp_async_commit();
 #pragma unroll
   for (int i = 1; i + 1 < STAGES; ++i) {
-    if (nb_begin + i < nb_end) load_kv(nb_begin + i, i);
+    if (nb_begin + i * KT < nb_end) load_kv(nb_begin + i * KT, i);
     cp_async_commit();
   }
 
@@ -309,14 +336,14 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   float row_sum[2] = {0.f, 0.f};
 
   int stage = STAGES - 1;  // (nb - nb_begin) % STAGES, stepped: no division a tile
-  for (int nb = nb_begin; nb < nb_end; ++nb) {
+  for (int nb = nb_begin; nb < nb_end; nb += KT) {
     const int n_start = nb * kBlockN;
-    const int k0 = quarter * 16;  // this warp's first key in the tile
-    const int ahead_stage = stage;  // the stage read in the previous tile
+    const int k0 = quarter * 16;  // this warp's first key in each tile
+    const int ahead_stage = stage;  // the stage read in the previous step
     stage = stage == STAGES - 1 ? 0 : stage + 1;
     if constexpr (STAGES >= 2) {
-      // Tile nb + STAGES - 1 goes to the stage read in the previous tile, which ended with a barrier.
-      const int ahead = nb + STAGES - 1;
+      // The step STAGES - 1 ahead goes to the stage read in the previous one, which ended with a barrier.
+      const int ahead = nb + (STAGES - 1) * KT;
       if (ahead < nb_end) load_kv(ahead, ahead_stage);
       cp_async_commit();
       cp_async_wait_group<STAGES - 1>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
@@ -325,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
     __syncthreads();                      // ... for every thread
 
-    // S = Q K^T for the 16 query rows and this warp's 16 keys.
+    // S = Q K^T for the 16 query rows and this warp's 16 keys of each tile (s[2t], s[2t + 1]: tile t).
     float s[kSTiles][4];
 #pragma unroll
     for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
@@ -354,19 +381,26 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       // Key codes read as b16 pairs: register i of lane (gq, tq) holds channels 4tq..4tq+3 of key
       // gq of its 8 x 16-channel matrix (keys k0.. or k0+8.., channels of k-step 2ks or 2ks+1);
       // Q's channels were reordered to match (fold_key_scales_into_query).
+      // Each Q fragment serves the step's KT tiles.
       constexpr int kChunks = D / 8, kChunks8 = D / 16;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
       const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Cfg::kKTileBytes;
 #pragma unroll
       for (int ks = 0; ks < D / 32; ++ks) {
-        uint32_t bf[4];
-        ldmatrix_x4(bf, k_tile + swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16);
+        uint32_t bf[KT][4];
+#pragma unroll
+        for (int t = 0; t < KT; ++t)
+          ldmatrix_x4(bf[t], k_tile + t * kBlockN * D +
+                                 swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           uint32_t a[4];
           ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
-          mma_16816(s[0], a, code_pair<KV, 0, 1>(bf[half]), code_pair<KV, 2, 3>(bf[half]), __half());
-          mma_16816(s[1], a, code_pair<KV, 0, 1>(bf[2 + half]), code_pair<KV, 2, 3>(bf[2 + half]), __half());
+#pragma unroll
+          for (int t = 0; t < KT; ++t) {
+            mma_16816(s[2 * t], a, code_pair<KV, 0, 1>(bf[t][half]), code_pair<KV, 2, 3>(bf[t][half]), __half());
+            mma_16816(s[2 * t + 1], a, code_pair<KV, 0, 1>(bf[t][2 + half]), code_pair<KV, 2, 3>(bf[t][2 + half]), __half());
+          }
         }
       }
     } else {
@@ -383,17 +417,17 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       }
     }
 
-    // Keys past the end, after the bottom-right diagonal (row 0 sees up to kv_len - q_len), padding.
-    const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
-                           (p.causal && n_start + kBlockN - 1 > p.kv_len - p.q_len);
+    // Keys past the split's end, after the bottom-right diagonal (row 0 sees up to kv_len - q_len), padding.
+    const bool need_mask = (n_start + KT * kBlockN > key_end) || mask_row ||
+                           (p.causal && n_start + KT * kBlockN - 1 > p.kv_len - p.q_len);
     if (need_mask) {
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n_start + k0 + i * 8 + tq * 2 + (e & 1);
+          const int key = n_start + (i >> 1) * kBlockN + k0 + (i & 1) * 8 + tq * 2 + (e & 1);
           const int qi = (gq + (e >> 1) * 8) % p.q_len;  // rows >= `rows` are padding: computed, never written
-          const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
+          const bool visible = key < key_end && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
                                (!mask_row || mask_row[key] != 0);
           if (!visible) s[i][e] = -INFINITY;
         }
@@ -409,38 +443,43 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
 
     online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // this warp's partial state
 
-    // O += P V over this warp's 16 keys (one k-step of 16); on an 8-bit cache P in fp16 (values in [0, 1]).
+    // O += P V over this warp's 16 keys of each tile (one k-step of 16 a tile); on an 8-bit cache P
+    // in fp16 (values in [0, 1]).
     using PType = std::conditional_t<KV != 0, __half, T>;
-    uint32_t a[4];
-    a[0] = pack2(s[0][0], s[0][1], PType());
-    a[1] = pack2(s[0][2], s[0][3], PType());
-    a[2] = pack2(s[1][0], s[1][1], PType());
-    a[3] = pack2(s[1][2], s[1][3], PType());
-    if constexpr (KV != 0) {
-      // Value codes through ldmatrix .trans as b16 pairs: register i of lane (gq, tq) holds keys
-      // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
-      // Its even channels make one n-tile's B fragment, its odd ones another: accumulator tile i
-      // holds channels 16(i/2) + 2n + (i&1) at column n (kv_output_channel).
-      constexpr int kVChunks8 = DV / 16;
 #pragma unroll
-      for (int gp = 0; gp < DV / 32; ++gp) {
-        uint32_t r[4];
-        ldmatrix_x4_trans(r, sV(stage) + swizzled_chunk<kVChunks8>(k0 + (mi & 1) * 8 + (lane & 7), gp * 2 + (mi >> 1)) * 16);
+    for (int t = 0; t < KT; ++t) {
+      uint32_t a[4];
+      a[0] = pack2(s[2 * t][0], s[2 * t][1], PType());
+      a[1] = pack2(s[2 * t][2], s[2 * t][3], PType());
+      a[2] = pack2(s[2 * t + 1][0], s[2 * t + 1][1], PType());
+      a[3] = pack2(s[2 * t + 1][2], s[2 * t + 1][3], PType());
+      if constexpr (KV != 0) {
+        // Value codes through ldmatrix .trans as b16 pairs: register i of lane (gq, tq) holds keys
+        // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
+        // Its even channels make one n-tile's B fragment, its odd ones another: accumulator tile i
+        // holds channels 16(i/2) + 2n + (i&1) at column n (kv_output_channel).
+        constexpr int kVChunks8 = DV / 16;
 #pragma unroll
-        for (int G = 0; G < 2; ++G) {
-          mma_16816(acc_o[4 * gp + 2 * G], a, code_pair<KV, 0, 2>(r[2 * G]), code_pair<KV, 0, 2>(r[2 * G + 1]), __half());
-          mma_16816(acc_o[4 * gp + 2 * G + 1], a, code_pair<KV, 1, 3>(r[2 * G]), code_pair<KV, 1, 3>(r[2 * G + 1]), __half());
+        for (int gp = 0; gp < DV / 32; ++gp) {
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, sV(stage) + t * kBlockN * DV +
+                                   swizzled_chunk<kVChunks8>(k0 + (mi & 1) * 8 + (lane & 7), gp * 2 + (mi >> 1)) * 16);
+#pragma unroll
+          for (int G = 0; G < 2; ++G) {
+            mma_16816(acc_o[4 * gp + 2 * G], a, code_pair<KV, 0, 2>(r[2 * G]), code_pair<KV, 0, 2>(r[2 * G + 1]), __half());
+            mma_16816(acc_o[4 * gp + 2 * G + 1], a, code_pair<KV, 1, 3>(r[2 * G]), code_pair<KV, 1, 3>(r[2 * G + 1]), __half());
+          }
         }
-      }
-      if constexpr (kBiasTiles) mma_16816(acc_o[kOTiles], a, 0x3c003c00u, 0x3c003c00u, __half());  // fp16 ones
-    } else {
-      constexpr int kVChunks = DV / 8;
+        if constexpr (kBiasTiles) mma_16816(acc_o[kOTiles], a, 0x3c003c00u, 0x3c003c00u, __half());  // fp16 ones
+      } else {
+        constexpr int kVChunks = DV / 8;
 #pragma unroll
-      for (int np = 0; np < kOTiles / 2; ++np) {
-        uint32_t bf[4];
-        ldmatrix_x4_trans(bf, sV(stage) + swizzled_chunk<kVChunks>(k0 + (mi & 1) * 8 + (lane & 7), np * 2 + (mi >> 1)) * 16);
-        mma_16816(acc_o[2 * np], a, bf[0], bf[1], T());
-        mma_16816(acc_o[2 * np + 1], a, bf[2], bf[3], T());
+        for (int np = 0; np < kOTiles / 2; ++np) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, sV(stage) + swizzled_chunk<kVChunks>(k0 + (mi & 1) * 8 + (lane & 7), np * 2 + (mi >> 1)) * 16);
+          mma_16816(acc_o[2 * np], a, bf[0], bf[1], T());
+          mma_16816(acc_o[2 * np + 1], a, bf[2], bf[3], T());
+        }
       }
     }
 
@@ -669,20 +708,32 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
   *reinterpret_cast<uint32_t*>(out + 2) = pack2(y[2] * gain * p.norm_weight[c + 2], y[3] * gain * p.norm_weight[c + 3], T());
 }
 
-// The K/V stages a decode instance runs with on a GPU whose blocks may opt in to `smem_optin` bytes
-// (0 = unknown): the deepest of (8-bit codes: DIFFX_DECODE_KV_STAGES, else 2) and the fewest (2 or 1) that fits.
+// A decode kernel's K/V pipeline: its stages and the 64-key tiles it takes a step.
+struct DecodePipeline {
+  int stages, key_tiles;
+};
+
+// The pipelines a decode instance is compiled with; the first that fits a GPU whose blocks may opt
+// in to `smem_optin` bytes (0 = unknown) runs. An 8-bit cache: DIFFX_DECODE_KV_TILES tiles a step in
+// DIFFX_DECODE_KV_STAGES stages ("wide"), else one tile a step in as many ("deep"), else one in two
+// ("few"). A float cache: two stages of one tile, else one stage.
 template <typename T, int D, int DV, bool INT8, int KV>
-int decode_stages(int smem_optin) {
-  constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1;
+struct DecodePipelines {
+  static constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1, kWide = KV ? DIFFX_DECODE_KV_TILES : 1;
+  using Wide = DecodeTileConfig<T, D, DV, INT8, kDeep, KV, kWide>;
   using Deep = DecodeTileConfig<T, D, DV, INT8, kDeep, KV>;
-  return Deep::kFitsEverywhere || smem_optin >= Deep::kSmemBytes ? kDeep : kFew;
-}
+  static DecodePipeline choose(int smem_optin) {
+    if (Wide::kFitsEverywhere || smem_optin >= Wide::kSmemBytes) return {kDeep, kWide};
+    if (Deep::kFitsEverywhere || smem_optin >= Deep::kSmemBytes) return {kDeep, 1};
+    return {kFew, 1};
+  }
+};
 
 #ifndef DIFFX_EMULATE
-template <typename T, int D, int DV, bool INT8, int STAGES, int KV>
-cudaError_t launch_diff_attention_decode_stages(const KernelArgs& args, cudaStream_t stream) {
-  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV>;
-  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV>;
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV, int KT>
+cudaError_t launch_diff_attention_decode_pipeline(const KernelArgs& args, cudaStream_t stream) {
+  using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV, KT>;
+  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV, KT>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
   unsigned dims[3];
@@ -694,18 +745,15 @@ cudaError_t launch_diff_attention_decode_stages(const KernelArgs& args, cudaStre
   return cudaGetLastError();
 }
 
-// Two K/V stages where they fit the GPU (always for head dim 64), else one; an 8-bit cache
-// DIFFX_DECODE_KV_STAGES where they fit, else two.
+// The first of DecodePipelines that fits this GPU (its opt-in asked only when the widest does not fit every GPU).
 template <typename T, int D, int DV, bool INT8, int KV = 0>
 cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t stream) {
-  constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1;
-  if constexpr (DecodeTileConfig<T, D, DV, INT8, kDeep, KV>::kFitsEverywhere) {
-    return launch_diff_attention_decode_stages<T, D, DV, INT8, kDeep, KV>(args, stream);
-  } else {
-    return decode_stages<T, D, DV, INT8, KV>(device_smem_optin()) == kDeep
-               ? launch_diff_attention_decode_stages<T, D, DV, INT8, kDeep, KV>(args, stream)
-               : launch_diff_attention_decode_stages<T, D, DV, INT8, kFew, KV>(args, stream);
-  }
+  using P = DecodePipelines<T, D, DV, INT8, KV>;
+  const DecodePipeline pipe = P::choose(P::Wide::kFitsEverywhere ? 0 : device_smem_optin());
+  if (pipe.key_tiles == P::kWide && pipe.stages == P::kDeep)
+    return launch_diff_attention_decode_pipeline<T, D, DV, INT8, P::kDeep, KV, P::kWide>(args, stream);
+  if (pipe.stages == P::kDeep) return launch_diff_attention_decode_pipeline<T, D, DV, INT8, P::kDeep, KV, 1>(args, stream);
+  return launch_diff_attention_decode_pipeline<T, D, DV, INT8, P::kFew, KV, 1>(args, stream);
 }
 
 #endif  // DIFFX_EMULATE

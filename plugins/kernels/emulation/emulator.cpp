@@ -57,28 +57,32 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_by
   for (auto& th : pool) th.join();
 }
 
-template <typename T, int D, int DV, bool INT8, int KV, int STAGES>
-void run_decode_stages(const diffx::KernelArgs& args) {
+template <typename T, int D, int DV, bool INT8, int KV, int STAGES, int KT>
+void run_decode_pipeline(const diffx::KernelArgs& args) {
   unsigned dims[3];
   diffx::decode_grid(args, dims);
-  run_grid(dims[0], dims[1], dims[2], diffx::kThreads, diffx::DecodeTileConfig<T, D, DV, INT8, STAGES, KV>::kSmemBytes,
-           [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV>(args); });
+  run_grid(dims[0], dims[1], dims[2], diffx::kThreads,
+           diffx::DecodeTileConfig<T, D, DV, INT8, STAGES, KV, KT>::kSmemBytes,
+           [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV, KT>(args); });
   run_grid(args.p.num_heads, args.p.batch, args.p.q_len, diffx::kMergeThreads, diffx::kMergeSmemBytes,
            [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
 }
 
-// Every pipeline the GPU build picks between: by default the stages an sm_90 GPU runs (its 227 KB
-// opt-in: two, or DIFFX_DECODE_KV_STAGES for an 8-bit cache); DIFFX_EMULATOR_DECODE_STAGES=few runs
-// the fewest (one; two for 8-bit codes), what head dim 128 runs on GPUs with under 136 KB of shared memory.
+// Every pipeline the GPU build picks between (DecodePipelines), as a GPU whose blocks opt in to
+// DIFFX_EMULATOR_SMEM_OPTIN bytes would pick: by default sm_90's 227 KB (an 8-bit cache two tiles a
+// step); 101376, sm_86/sm_89's 99 KB (one tile a step at head dim 64, the fewest stages at 128); 0,
+// the fewest stages (one; two for 8-bit codes), which every GPU launches.
 template <typename T, int D, int DV, bool INT8, int KV>
 void run_decode(const diffx::KernelArgs& args) {
-  constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1;
-  const char* stages = std::getenv("DIFFX_EMULATOR_DECODE_STAGES");
-  const int smem_optin = stages && std::string(stages) == "few" ? 0 : 227 * 1024;
-  if (diffx::decode_stages<T, D, DV, INT8, KV>(smem_optin) == kDeep)
-    run_decode_stages<T, D, DV, INT8, KV, kDeep>(args);
+  using P = diffx::DecodePipelines<T, D, DV, INT8, KV>;
+  const char* optin = std::getenv("DIFFX_EMULATOR_SMEM_OPTIN");
+  const diffx::DecodePipeline pipe = P::choose(optin ? std::atoi(optin) : 227 * 1024);
+  if (pipe.key_tiles == P::kWide && pipe.stages == P::kDeep)
+    run_decode_pipeline<T, D, DV, INT8, KV, P::kDeep, P::kWide>(args);
+  else if (pipe.stages == P::kDeep)
+    run_decode_pipeline<T, D, DV, INT8, KV, P::kDeep, 1>(args);
   else
-    run_decode_stages<T, D, DV, INT8, KV, kFew>(args);
+    run_decode_pipeline<T, D, DV, INT8, KV, P::kFew, 1>(args);
 }
 
 template <typename T, int D, int DV, bool INT8>
