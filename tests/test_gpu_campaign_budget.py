@@ -69,7 +69,8 @@ def stubs(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python-stub"),
                STUB_LOG=str(tmp_path / "calls.log"), DIFFEXPORT_KERNEL_LIB=str(library),
                CAMPAIGN_BUILD_DIR=str(tmp_path / "build"), CAMPAIGN_RESERVE=RESERVES)
-    for name in ("CAMPAIGN_BUDGET", "CAMPAIGN_COMPARE", "CAMPAIGN_VARIANTS", "DIFFEXPORT_PROBE_HOPPER",
+    for name in ("CAMPAIGN_BUDGET", "CAMPAIGN_COMPARE", "CAMPAIGN_DECODE_COMPARE", "CAMPAIGN_VARIANTS",
+                 "DIFFEXPORT_PROBE_HOPPER",
                  "DIFFEXPORT_PROBE_HOPPER_INT8", "OUT"):
         env.pop(name, None)
     return env, tmp_path
@@ -102,6 +103,22 @@ def test_a_hanging_test_part_is_stopped_in_time_and_the_later_parts_still_run(st
     calls = (tmp_path / "calls.log").read_text()
     assert "tools/bench_attention.py --json" in calls and "tools/bench_attention.py --decode" in calls
     assert re.search(r"budget: 95 s .*\n(.*\n)*.*done: 1 part\(s\) failed in \d+ s of a 95 s budget", log), log
+
+
+def test_a_decode_only_build_is_timed_in_decode_alone(stubs):
+    """CAMPAIGN_DECODE_COMPARE: a build that differs in the decode kernels only (its prefill would be
+    this build's code timed again) joins the decode bench's --compare, not the prefill bench's."""
+    env, tmp_path = stubs
+    env["CAMPAIGN_COMPARE"] = "before=/carried/before.so"
+    env["CAMPAIGN_DECODE_COMPARE"] = "kvtiles1=/carried/kvtiles1.so"
+    proc, log, _, _ = campaign(env, tmp_path, "bench", "decode")
+    assert verdicts(log) == {"bench": "ok", "decode": "ok"}, log
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    bench = [c for c in calls if "tools/bench_attention.py --json" in c]
+    decode = [c for c in calls if "tools/bench_attention.py --decode" in c]
+    assert len(bench) == 1 and len(decode) == 1, calls
+    assert "--compare before=/carried/before.so" in bench[0] and "kvtiles1" not in bench[0]
+    assert "--compare before=/carried/before.so kvtiles1=/carried/kvtiles1.so" in decode[0]
 
 
 def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):

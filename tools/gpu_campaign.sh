@@ -175,8 +175,11 @@ part_variants() {
 
 # A variant whose every flag is -DDIFFX_SM90_* changes the Hopper path only: the bench times it there
 # alone (--hopper-variants: no mma.sync columns, left out of decode), the rest as whole builds.
+# `compare_args decode`: CAMPAIGN_DECODE_COMPARE="name=path ..." too, builds that differ from this one
+# in the decode kernels only (their prefill would time this build's code again).
 compare_args() {
   local spec dir flag only list=(${CAMPAIGN_COMPARE:-}) hopper=()
+  [[ "${1:-}" == decode ]] && list+=(${CAMPAIGN_DECODE_COMPARE:-})
   for spec in ${CAMPAIGN_VARIANTS:-}; do
     dir="$BUILD_DIR-${spec%%:*}"
     [[ -f "$dir/probe-failed" ]] && continue
@@ -266,9 +269,9 @@ part_bench() {
 
 part_decode() {
   # The split-KV decode kernels vs the one-pass kernel and the compositions, in GB/s (table appended to bench.md).
-  # Other builds (CAMPAIGN_COMPARE, CAMPAIGN_VARIANTS) time the same split-KV calls beside this one.
+  # Other builds (CAMPAIGN_COMPARE, CAMPAIGN_DECODE_COMPARE, CAMPAIGN_VARIANTS) time the same split-KV calls beside this one.
   timed "${DECODE_TIMEOUT:-300}" 15 decode "$PY" tools/bench_attention.py --decode --json "$OUT_DIR/decode.json" \
-    ${DECODE_ARGS:-} $(compare_args) > "$OUT_DIR/decode.md" 2>> "$OUT_DIR/campaign.log"
+    ${DECODE_ARGS:-} $(compare_args decode) > "$OUT_DIR/decode.md" 2>> "$OUT_DIR/campaign.log"
   local rc=$?
   rm -f "$OUT_DIR"/*.partial
   { echo; echo "--- decode"; cat "$OUT_DIR/decode.md"; } >> "$OUT_DIR/bench.md"

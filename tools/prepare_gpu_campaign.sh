@@ -57,13 +57,13 @@ build_library() {
 }
 build_library "$BEFORE" build-before ""
 carry='"build-cutlass", "build-before"'
-compare="before=build-before/libdiffexport_kernels.so"
+variants=""
 folders=(build-cutlass build-before)
 for spec in ${PREPARE_VARIANTS:-}; do
   name="${spec%%:*}"; flags="${spec#*:}"
   build_library HEAD "build-$name" "${flags//,/ }"
   carry="$carry, \"build-$name\""
-  compare="$compare $name=build-$name/libdiffexport_kernels.so"
+  variants="${variants:+$variants }$name=build-$name/libdiffexport_kernels.so"
   folders+=("build-$name")
 done
 
@@ -84,5 +84,6 @@ echo "carried                 ${total_mb} MiB of at most ${CARRY_LIMIT_MB}"
 (( total_mb <= CARRY_LIMIT_MB )) || { echo "error: more than the ${CARRY_LIMIT_MB} MiB that run carries" >&2; exit 1; }
 cat <<EOF
 next, one run call with carry=[$carry] and timeout_s=570, then give_back (tools/README.md):
-  CAMPAIGN_TEST_WORKERS=14 CAMPAIGN_COMPARE="$compare" tools/gpu_campaign.sh --out \$OUT --budget 540 all
+  CAMPAIGN_TEST_WORKERS=14 CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 540 all
 EOF
+[[ -z "$variants" ]] || echo "with HEAD's variants in CAMPAIGN_DECODE_COMPARE (decode kernels only) or CAMPAIGN_COMPARE: $variants"
