@@ -10,8 +10,10 @@ with the real `timeout`. What runs on the GPU itself is tests/test_gpu_campaign_
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -119,6 +121,38 @@ def test_a_decode_only_build_is_timed_in_decode_alone(stubs):
     assert len(bench) == 1 and len(decode) == 1, calls
     assert "--compare before=/carried/before.so" in bench[0] and "kvtiles1" not in bench[0]
     assert "--compare before=/carried/before.so kvtiles1=/carried/kvtiles1.so" in decode[0]
+
+
+def test_the_packed_cutlass_headers_are_unpacked_once_whole_or_refused(stubs):
+    """build-carry/cutlass-include.tar.xz (how tools/prepare_gpu_campaign.sh carries the headers)
+    becomes build-cutlass/include before the first part; an archive without the headers is one
+    error line, exit 2, and leaves no build-cutlass behind. (A copy of the script in a scratch
+    checkout: it works on the folder above its own.)"""
+    env, tmp_path = stubs
+    checkout = tmp_path / "checkout"
+    (checkout / "tools").mkdir(parents=True)
+    (checkout / "tools" / "gpu_campaign.sh").write_text(CAMPAIGN.read_text())
+    (checkout / "build-carry").mkdir()
+    headers = tmp_path / "headers" / "include" / "cute"
+    headers.mkdir(parents=True)
+    (headers / "tensor.hpp").write_text("// stand-in\n")
+    with tarfile.open(checkout / "build-carry" / "cutlass-include.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "headers" / "include", arcname="include")
+    run = subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / "out"), "env"],
+                         env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (checkout / "build-cutlass" / "include" / "cute" / "tensor.hpp").read_text() == "// stand-in\n"
+    assert [p.name for p in checkout.iterdir() if p.name.startswith("build-cutlass")] == ["build-cutlass"]
+    # Not the headers: refused before any part, nothing left.
+    shutil.rmtree(checkout / "build-cutlass")
+    with tarfile.open(checkout / "build-carry" / "cutlass-include.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "headers" / "include" / "cute" / "tensor.hpp", arcname="README")
+    run = subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / "out2"), "env"],
+                         env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr == ("error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers "
+                          "(include/cute/tensor.hpp)\n")
+    assert not [p.name for p in checkout.iterdir() if p.name.startswith("build-cutlass")]
 
 
 def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):

@@ -42,6 +42,17 @@ for launch in ${PROFILE_PARTS:-}; do
     { echo "error: PROFILE_PARTS takes fused, decode, hopper, hopper-int8, variants and compare, not '$launch'" >&2; exit 2; }
 done
 mkdir -p "$OUT_DIR"
+# The CUTLASS headers travel packed (tools/prepare_gpu_campaign.sh: 26 MB of headers are about 1 MB
+# of xz, and `run` carries 64 MiB): unpacked here once, before any part builds, through a scratch
+# folder so that no half-unpacked tree is ever build-cutlass/include.
+if [[ -z "${CAMPAIGN_CUTLASS_DIR:-}" && ! -f build-cutlass/include/cute/tensor.hpp && -f build-carry/cutlass-include.tar.xz ]]; then
+  unpack=$(mktemp -d "$PWD/build-cutlass.XXXXXX")
+  if tar -xJf build-carry/cutlass-include.tar.xz -C "$unpack" && [[ -f "$unpack/include/cute/tensor.hpp" ]]; then
+    rm -rf build-cutlass && mv "$unpack" build-cutlass
+  else
+    rm -rf "$unpack"; echo "error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers (include/cute/tensor.hpp)" >&2; exit 2
+  fi
+fi
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 BUILD_DIR="${CAMPAIGN_BUILD_DIR:-build-gpu}"
@@ -111,7 +122,8 @@ EOF
 }
 
 # The Hopper path needs CUTLASS headers; the GPU machine has no network, so they are carried
-# (tools/README.md): CAMPAIGN_CUTLASS_DIR, default build-cutlass/include when present.
+# (tools/README.md): CAMPAIGN_CUTLASS_DIR, default build-cutlass/include when present (unpacked above
+# from build-carry/cutlass-include.tar.xz when carried packed).
 cutlass_dir() {
   if [[ -n "${CAMPAIGN_CUTLASS_DIR:-}" ]]; then echo "$CAMPAIGN_CUTLASS_DIR"
   elif [[ -f build-cutlass/include/cute/tensor.hpp ]]; then echo "$PWD/build-cutlass/include"; fi

@@ -4,7 +4,8 @@
 # against and, when TRT_INCLUDE_DIR names a folder of TensorRT's public headers (fetched from the
 # NVIDIA/TensorRT repository, never committed), those headers, for the plugin and its harness
 # (tests/plugin_harness). They go into ignored folders of this checkout; then the one `run` call of
-# tools/README.md takes them with carry=["build-cutlass", "build-before", "build-trt"].
+# tools/README.md takes them with carry=["build-carry", "build-before", "build-trt"] (the CUTLASS
+# headers packed into build-carry/cutlass-include.tar.xz, which gpu_campaign.sh unpacks).
 #
 #   [TRT_INCLUDE_DIR=DIR] [PREPARE_VARIANTS="name:flags ..."] tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]
 #                                                          default b8abdb8 (the build measured on 2026-11-23)
@@ -56,9 +57,12 @@ build_library() {
   printf '%-23s %s\n' "$folder" "libdiffexport_kernels.so of $commit${flags:+ ($flags)} for $ARCH ($((SECONDS - start)) s)"
 }
 build_library "$BEFORE" build-before ""
-carry='"build-cutlass", "build-before"'
+# The headers carried packed: 26 MB of files are about 1 MB of xz (gpu_campaign.sh unpacks them).
+rm -rf build-carry && mkdir -p build-carry
+tar -C build-cutlass -cJf build-carry/cutlass-include.tar.xz include
+carry='"build-carry", "build-before"'
 variants=""
-folders=(build-cutlass build-before)
+folders=(build-carry build-before)
 for spec in ${PREPARE_VARIANTS:-}; do
   name="${spec%%:*}"; flags="${spec#*:}"
   build_library HEAD "build-$name" "${flags//,/ }"
@@ -79,7 +83,7 @@ if [[ -n "${TRT_INCLUDE_DIR:-}" ]]; then
 fi
 
 # 4. What `run` will carry.
-total_mb=$(du -sm "${folders[@]}" | awk '{s += $1} END {print s}')
+total_mb=$(du -sm --apparent-size "${folders[@]}" | awk '{s += $1} END {print s}')
 echo "carried                 ${total_mb} MiB of at most ${CARRY_LIMIT_MB}"
 (( total_mb <= CARRY_LIMIT_MB )) || { echo "error: more than the ${CARRY_LIMIT_MB} MiB that run carries" >&2; exit 1; }
 cat <<EOF
