@@ -443,7 +443,8 @@ def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
         rows.append((f"3. split-KV decode >= {COPY_SHARE_TARGET:.0%} of the copy bandwidth from 32k keys, d 64 and 128",
                      "; ".join(f"d = {d}: {min(v):.0%}-{max(v):.0%}" for d, v in share.items())
                      + f" of {decode_record['copy_gbs']:.0f} GB/s",
-                     "yes" if met else "no", profile_facts("split-KV decode kernel, Sq=1, 32768 keys")))
+                     "yes" if met else "no", profile_facts("split-KV decode kernel, Sq=1, 32768 keys",
+                                                           "selected raw metrics, split-KV decode kernel")))
     else:
         rows.append(("3. split-KV decode from 32k keys", "decode.json missing or no case from 32k keys", "-", ""))
     decode_rows = (decode_record or {}).get("rows", [])
@@ -459,8 +460,9 @@ def targets(folder: Path, profile_file: Path | None = None) -> list[str]:
                             "at worst",
                      f"cosine {'yes' if min(cosines) >= COSINE_TARGET else 'no'}, "
                      f"speed {'yes' if fast == len(speed) else 'no'}",
-                     profile_facts("split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys") if fmt == "int8"
-                     else ""))
+                     profile_facts("split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys",
+                                   "selected raw metrics, split-KV decode kernel on an int8 KV cache")
+                     if fmt == "int8" else ""))
     pytest_log = read(folder / "pytest.log")
     counts = harness_counts(pytest_log) if pytest_log else {}
     rows.append(("4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine)",

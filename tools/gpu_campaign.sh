@@ -303,8 +303,12 @@ profile_decode() {
     ncu --import "/tmp/profile-$name.ncu-rep" --page details 2>&1 |
       awk -v what="$what" '/Context/ && /diff_attention_decode_merge_kernel/ { print "--- split-KV decode merge kernel" what ", Sq=1, 32768 keys" }
            /Context/ && /diff_attention_decode_kernel/ { print "--- split-KV decode kernel" what ", Sq=1, 32768 keys" } { print }' |
-      grep -E "^---|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size|Issue Slots Busy|Executed Ipc A" \
+      grep -E "^---|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|Registers Per|Achieved Occupancy|Theoretical Occ|Waves Per SM|Grid Size|Issue Slots Busy|Executed Ipc A|Warp Cycles Per Issued" \
       >> "$OUT_DIR/profile.txt"
+    # The split kernel's stall reasons, issue activity and pipes (not the merge's): what limits it.
+    { echo "--- selected raw metrics, split-KV decode kernel$what"
+      ncu --import "/tmp/profile-$name.ncu-rep" --page raw 2>&1 |
+        awk '/Context/ { keep = /diff_attention_decode_kernel/ } keep' | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
   else
     echo "--- split-KV decode profile$what FAILED" >> "$OUT_DIR/profile.txt"
   fi
