@@ -27,7 +27,8 @@ CAMPAIGN = ROOT / "tools" / "gpu_campaign.sh"
 # Stand-ins: each records its argv in $STUB_LOG. PYTHON's hangs when its argv holds $STUB_HANG
 # (SIGINT ends it, as it ends pytest), and its kernel probe answers $STUB_PROBE, or fails where
 # $DIFFEXPORT_KERNEL_LIB holds $STUB_BAD_LIB; nvidia-smi sleeps $STUB_SMI_SLEEP seconds and
-# compute-sanitizer $STUB_SANITIZER_SLEEP, then records that it ended.
+# compute-sanitizer $STUB_SANITIZER_SLEEP, then records that it ended. STUB_LOG_LIB: each tool's line also
+# records the kernel library its environment names.
 PYTHON_STUB = """#!/usr/bin/env bash
 echo "python $*" >> "$STUB_LOG"
 if [[ -n "${STUB_HANG:-}" && " $* " == *"$STUB_HANG"* ]]; then sleep 1000; exit 0; fi
@@ -42,7 +43,7 @@ case " $* " in
 esac
 """
 TOOL_STUB = """#!/usr/bin/env bash
-echo "$(basename "$0") $*" >> "$STUB_LOG"
+echo "$(basename "$0") $*${STUB_LOG_LIB:+ lib=$DIFFEXPORT_KERNEL_LIB}" >> "$STUB_LOG"
 [[ "$(basename "$0")" == nvidia-smi ]] && sleep "${STUB_SMI_SLEEP:-0}"
 if [[ "$(basename "$0")" == compute-sanitizer ]]; then
   sleep "${STUB_SANITIZER_SLEEP:-0}"; echo "$(basename "$0") $* ended" >> "$STUB_LOG"
@@ -346,7 +347,7 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     """The call prepared for issue 62 (a Hopper variant beside this build and `before`), as written."""
     env, tmp_path = stubs
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=\d+ [^\n]*before="
-                                                                r"[^\n]*\\\n      CAMPAIGN_VARIANTS=\"cluster2"))
+                                                                r"[^\n]*\\\n      CAMPAIGN_DECODE_COMPARE="))
     assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
     assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls
     bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
@@ -354,7 +355,10 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     assert ("--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
             in bench)
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
-    assert "--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so --hopper-variants" in decode
+    # the carried one-tile-a-step build (decode kernels only) beside `before` in decode, not in the prefill bench
+    assert ("--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so "
+            "kvtiles1=build-kvtiles1/libdiffexport_kernels.so --hopper-variants") in decode
+    assert "kvtiles1" not in bench
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
@@ -364,18 +368,23 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
 
 def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
     """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
-    and the split-KV decode kernel on a bf16 and an int8 cache; not the mma.sync prefill launches."""
+    and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from the carried
+    one-tile-a-step build; not the mma.sync prefill launches."""
     env, tmp_path = stubs
+    env["STUB_LOG_LIB"] = "1"
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
                                                                 r"PROFILE_PARTS"))
     assert verdicts(log) == {"build": "ok", "variants": "ok", "profile": "ok"}
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
     hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
     decode = [x for x in ncu if "regex:diff_attention_decode" in x]
-    assert len(ncu) == 4 and len(hopper) == 2 and len(decode) == 2
+    assert len(ncu) == 5 and len(hopper) == 2 and len(decode) == 3
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
-    assert "--profile-kv-cache int8" not in decode[0] and "--profile-kv-cache int8" in decode[1]
+    assert "--profile-kv-cache int8" not in decode[0] and all("--profile-kv-cache int8" in x for x in decode[1:])
+    assert "/tmp/profile-decode-kv8-kvtiles1" in decode[2] and decode[2].endswith(
+        " lib=build-kvtiles1/libdiffexport_kernels.so")
+    assert not decode[1].endswith("kvtiles1/libdiffexport_kernels.so")
 
 
 @pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])

@@ -335,6 +335,11 @@ part_profile() {
   if profiling decode; then
     profile_decode "" decode
     profile_decode " on an int8 KV cache" decode-kv8 --profile-kv-cache int8
+    local spec
+    for spec in ${CAMPAIGN_DECODE_COMPARE:-}; do  # the same int8 launch from each decode-only build: what its change did
+      DIFFEXPORT_KERNEL_LIB="${spec#*=}" profile_decode " on an int8 KV cache, build ${spec%%=*}" "decode-kv8-${spec%%=*}" \
+        --profile-kv-cache int8
+    done
   fi
   # The same prefill launch on the Hopper path, where it passed its probe: what limits the wgmma kernel.
   if profiling hopper && [[ "${DIFFEXPORT_PROBE_HOPPER:-}" == ok* ]]; then
