@@ -481,7 +481,7 @@ def test_emulated_kv_cache_matches_the_oracle_on_its_dequantised_values(emulator
     assert cosine(out, exact) >= KV_BUDGET[fmt], f"{fmt}: cosine {cosine(out, exact):.6f} vs the float cache"
 
 
-# The 8-bit cache's pipelines (DecodePipelines in diff_attention_decode.cuh), as the emulator picks
+# The 8-bit cache's pipelines (with_decode_pipeline in diff_attention_decode.cuh), as the emulator picks
 # them for a GPU of this opt-in: at V1 head dim 64, 227 KB (sm_90) takes two 64-key tiles a step in
 # three stages (102,400 bytes), 99 KB (sm_86/sm_89) one tile a step in three, 0 the fewest (two stages).
 # (Stages refilled within a split, under the sanitizers: tests/test_kernel_sanitized.py.)

@@ -136,13 +136,12 @@ struct CodeTileCopies {
   static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlockN % kRowStep == 0,
                 "fixed trip count, one swizzle per thread");
   const char* src;    // this thread's chunk of row row0 of tile 0
-  int64_t row_step;   // bytes from one of its copies to the next (kRowStep rows)
-  int64_t tile_step;  // bytes from one tile to the next (kBlockN rows)
+  int64_t row_step;   // bytes from one of its copies to the next (kRowStep rows; a tile is kBlockN rows)
   int dst;            // byte offset of its first chunk in a shared tile
   int row0;
 
   __device__ __forceinline__ CodeTileCopies(const char* tile0, int64_t row_stride, int tid)
-      : row_step(kRowStep * row_stride), tile_step(kBlockN * row_stride) {
+      : row_step(kRowStep * row_stride) {
     row0 = tid / kChunks;
     const int chunk = tid % kChunks;
     src = tile0 + row0 * row_stride + chunk * 16;
@@ -150,7 +149,7 @@ struct CodeTileCopies {
   }
   // Tile nb, whose first `rows` rows hold keys.
   __device__ __forceinline__ void issue(char* tile, int nb, int rows) const {
-    const char* from = src + nb * tile_step;
+    const char* from = src + int64_t(nb) * (kBlockN / kRowStep) * row_step;
     if (rows >= kBlockN) {
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) cp_async_16(tile + dst + i * kRowStep * ROW_BYTES, from + i * row_step, true);
@@ -570,7 +569,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   if (map_tid < rows) {
     const int64_t state = part_index(args, b, h0 + map_tid / p.q_len, map, part) + map_tid % p.q_len;
     float2 ml = map_state(map_tid);
-    ml.x *= qk_alpha;  // raw logit units (-inf stays -inf)
+    // Raw logit units (-inf stays -inf). qk_alpha, a power of two, comes back exactly out of the
+    // exponent's scale: one register fewer through the loop (the V1 d = 64 int8 kernel's 128).
+    ml.x *= scale_log2 / (args.scale * kLog2e);
     *reinterpret_cast<float2*>(args.part_ml + state * 2) = ml;
   }
   constexpr int kQuads = DV / 4;
@@ -709,25 +710,34 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
 }
 
 // A decode kernel's K/V pipeline: its stages and the 64-key tiles it takes a step.
+template <int STAGES, int KT>
 struct DecodePipeline {
-  int stages, key_tiles;
+  static constexpr int kStages = STAGES, kKeyTiles = KT;
 };
 
-// The pipelines a decode instance is compiled with; the first that fits a GPU whose blocks may opt
-// in to `smem_optin` bytes (0 = unknown) runs. An 8-bit cache: DIFFX_DECODE_KV_TILES tiles a step in
-// DIFFX_DECODE_KV_STAGES stages ("wide"), else one tile a step in as many ("deep"), else one in two
-// ("few"). A float cache: two stages of one tile, else one stage.
-template <typename T, int D, int DV, bool INT8, int KV>
-struct DecodePipelines {
-  static constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1, kWide = KV ? DIFFX_DECODE_KV_TILES : 1;
+// run(DecodePipeline<...>{}) with the first pipeline of a decode instance that fits a GPU whose
+// blocks may opt in to smem_optin() bytes (asked only when the first does not fit every GPU). An
+// 8-bit cache: DIFFX_DECODE_KV_TILES tiles a step in DIFFX_DECODE_KV_STAGES stages ("wide"), else
+// one tile a step in as many ("deep"), else one in two ("few"). A float cache: two stages of one
+// tile, else one stage. Only the pipelines some GPU can take are instantiated.
+template <typename T, int D, int DV, bool INT8, int KV, typename OptIn, typename Run>
+auto with_decode_pipeline(OptIn smem_optin, Run run) {
+  constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1, kWide = KV ? DIFFX_DECODE_KV_TILES : 1;
   using Wide = DecodeTileConfig<T, D, DV, INT8, kDeep, KV, kWide>;
   using Deep = DecodeTileConfig<T, D, DV, INT8, kDeep, KV>;
-  static DecodePipeline choose(int smem_optin) {
-    if (Wide::kFitsEverywhere || smem_optin >= Wide::kSmemBytes) return {kDeep, kWide};
-    if (Deep::kFitsEverywhere || smem_optin >= Deep::kSmemBytes) return {kDeep, 1};
-    return {kFew, 1};
+  if constexpr (Wide::kFitsEverywhere) {
+    return run(DecodePipeline<kDeep, kWide>{});
+  } else {
+    const int optin = smem_optin();
+    if (optin >= Wide::kSmemBytes) return run(DecodePipeline<kDeep, kWide>{});
+    if constexpr (kWide == 1 || Deep::kFitsEverywhere) {
+      if constexpr (kWide > 1) return run(DecodePipeline<kDeep, 1>{});
+      else return run(DecodePipeline<kFew, 1>{});
+    } else {
+      return optin >= Deep::kSmemBytes ? run(DecodePipeline<kDeep, 1>{}) : run(DecodePipeline<kFew, 1>{});
+    }
   }
-};
+}
 
 #ifndef DIFFX_EMULATE
 template <typename T, int D, int DV, bool INT8, int STAGES, int KV, int KT>
@@ -745,15 +755,13 @@ cudaError_t launch_diff_attention_decode_pipeline(const KernelArgs& args, cudaSt
   return cudaGetLastError();
 }
 
-// The first of DecodePipelines that fits this GPU (its opt-in asked only when the widest does not fit every GPU).
+// The first pipeline that fits this GPU (with_decode_pipeline).
 template <typename T, int D, int DV, bool INT8, int KV = 0>
 cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t stream) {
-  using P = DecodePipelines<T, D, DV, INT8, KV>;
-  const DecodePipeline pipe = P::choose(P::Wide::kFitsEverywhere ? 0 : device_smem_optin());
-  if (pipe.key_tiles == P::kWide && pipe.stages == P::kDeep)
-    return launch_diff_attention_decode_pipeline<T, D, DV, INT8, P::kDeep, KV, P::kWide>(args, stream);
-  if (pipe.stages == P::kDeep) return launch_diff_attention_decode_pipeline<T, D, DV, INT8, P::kDeep, KV, 1>(args, stream);
-  return launch_diff_attention_decode_pipeline<T, D, DV, INT8, P::kFew, KV, 1>(args, stream);
+  return with_decode_pipeline<T, D, DV, INT8, KV>(device_smem_optin, [&](auto pipe) {
+    using Pipe = decltype(pipe);
+    return launch_diff_attention_decode_pipeline<T, D, DV, INT8, Pipe::kStages, KV, Pipe::kKeyTiles>(args, stream);
+  });
 }
 
 #endif  // DIFFX_EMULATE

@@ -68,21 +68,20 @@ void run_decode_pipeline(const diffx::KernelArgs& args) {
            [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
 }
 
-// Every pipeline the GPU build picks between (DecodePipelines), as a GPU whose blocks opt in to
+// Every pipeline the GPU build picks between (with_decode_pipeline), as a GPU whose blocks opt in to
 // DIFFX_EMULATOR_SMEM_OPTIN bytes would pick: by default sm_90's 227 KB (an 8-bit cache two tiles a
 // step); 101376, sm_86/sm_89's 99 KB (one tile a step at head dim 64, the fewest stages at 128); 0,
 // the fewest stages (one; two for 8-bit codes), which every GPU launches.
 template <typename T, int D, int DV, bool INT8, int KV>
 void run_decode(const diffx::KernelArgs& args) {
-  using P = diffx::DecodePipelines<T, D, DV, INT8, KV>;
-  const char* optin = std::getenv("DIFFX_EMULATOR_SMEM_OPTIN");
-  const diffx::DecodePipeline pipe = P::choose(optin ? std::atoi(optin) : 227 * 1024);
-  if (pipe.key_tiles == P::kWide && pipe.stages == P::kDeep)
-    run_decode_pipeline<T, D, DV, INT8, KV, P::kDeep, P::kWide>(args);
-  else if (pipe.stages == P::kDeep)
-    run_decode_pipeline<T, D, DV, INT8, KV, P::kDeep, 1>(args);
-  else
-    run_decode_pipeline<T, D, DV, INT8, KV, P::kFew, 1>(args);
+  const auto smem_optin = [] {
+    const char* optin = std::getenv("DIFFX_EMULATOR_SMEM_OPTIN");
+    return optin ? std::atoi(optin) : 227 * 1024;
+  };
+  diffx::with_decode_pipeline<T, D, DV, INT8, KV>(smem_optin, [&](auto pipe) {
+    using Pipe = decltype(pipe);
+    run_decode_pipeline<T, D, DV, INT8, KV, Pipe::kStages, Pipe::kKeyTiles>(args);
+  });
 }
 
 template <typename T, int D, int DV, bool INT8>
