@@ -357,8 +357,9 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
     # the carried one-tile-a-step build (decode kernels only) beside `before` in decode, not in the prefill bench
     assert ("--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so "
-            "kvtiles1=build-kvtiles1/libdiffexport_kernels.so --hopper-variants") in decode
-    assert "kvtiles1" not in bench
+            "kvtiles1=build-kvtiles1/libdiffexport_kernels.so packmaps=build-packmaps/libdiffexport_kernels.so "
+            "--hopper-variants") in decode
+    assert "kvtiles1" not in bench and "packmaps" not in bench
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
@@ -368,8 +369,8 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
 
 def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
     """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
-    and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from the carried
-    one-tile-a-step build; not the mma.sync prefill launches."""
+    and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from each carried
+    decode build (one tile a step, packed maps); not the mma.sync prefill launches."""
     env, tmp_path = stubs
     env["STUB_LOG_LIB"] = "1"
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
@@ -378,12 +379,14 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
     hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
     decode = [x for x in ncu if "regex:diff_attention_decode" in x]
-    assert len(ncu) == 5 and len(hopper) == 2 and len(decode) == 3
+    assert len(ncu) == 6 and len(hopper) == 2 and len(decode) == 4
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
     assert "--profile-kv-cache int8" not in decode[0] and all("--profile-kv-cache int8" in x for x in decode[1:])
     assert "/tmp/profile-decode-kv8-kvtiles1" in decode[2] and decode[2].endswith(
         " lib=build-kvtiles1/libdiffexport_kernels.so")
+    assert "/tmp/profile-decode-kv8-packmaps" in decode[3] and decode[3].endswith(
+        " lib=build-packmaps/libdiffexport_kernels.so")
     assert not decode[1].endswith("kvtiles1/libdiffexport_kernels.so")
 
 

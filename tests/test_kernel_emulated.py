@@ -50,6 +50,16 @@ def emulator_fp8_bit_shifts(tmp_path_factory):
                                          [*EMULATOR_FLAGS, "-DDIFFX_KV_FP8_CVT=0"]))
 
 
+@pytest.fixture(scope="module")
+def emulator_packed_maps(tmp_path_factory):
+    """The emulator with DIFFX_DECODE_KV_PACK_MAPS=1: an 8-bit cache's decode call whose group rows fit
+    8, on two tiles a step, puts both maps in one row tile (the GPU build's option, off by default)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_PACKED_MAPS",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_packed_maps",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*EMULATOR_FLAGS, "-DDIFFX_DECODE_KV_PACK_MAPS=1"]))
+
+
 def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
@@ -505,6 +515,38 @@ def test_emulated_kv_cache_pipelines_match_the_oracle(emulator, pipeline, fmt, r
                             attrs, key_mask=key_mask)
     assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), pipeline,
                          min_cosine=min_cosine(torch.float16))
+
+
+# Both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS=1): group rows 1-8 take it (V1 and V2, int8
+# and fp8, GQA heads packed, key masks, ragged tiles); 16 rows fall back to a tile a map.
+PACKED_CASES = [  # format, variant, head dim, GQA ratio, heads, batch, q_len, kv_len, dtype, left pads
+    ("int8", 1, 128, 4, 8, 2, 1, 430, torch.bfloat16, [0, 100]),  # 4 rows, the benchmark's shape
+    ("fp8", 1, 64, 2, 4, 1, 4, 300, torch.float16, None),         # 8 rows: both halves full
+    ("int8", 2, 64, 1, 2, 1, 3, 200, torch.float16, [7]),         # V2: one K for both maps
+    ("fp8", 2, 128, 8, 8, 1, 1, 129, torch.bfloat16, None),       # GQA 8: 8 rows, 3 tiles
+    ("int8", 1, 64, 4, 4, 1, 4, 150, torch.float16, None),        # 16 rows: a tile a map
+]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=[f"{c[0]}-v{c[1]}-d{c[2]}-gqa{c[3]}-{c[6]}x{c[7]}"
+                                                    for c in PACKED_CASES])
+def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_packed_maps, case, rng):
+    fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    inputs[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))
+    # Map 2's queries 2^-7 of map 1's: the maps' folded Q take different powers of two, which the
+    # packed tile reconciles on map 2's logits.
+    inputs[0].view(batch, q_len, heads, 2, head_dim)[:, :, :, 1].mul_(2.0 ** -7)
+    codes, kv_scales, dequantised = cache_of(inputs, fmt)
+    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
+    out = emulate(emulator_packed_maps, codes, attrs, key_mask=key_mask, kv_scales=kv_scales,
+                  plan=("split-kv", splits_for(batch, heads, kv_len, ratio, q_len)))
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    base = lowprec_baseline(*[t.to(dtype) if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
+                            attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), str(case), min_cosine=min_cosine(dtype))
 
 
 @pytest.mark.parametrize("case", [c for c in KV_CASES if c[0] == "fp8" and c[6] <= 16][:2],

@@ -11,7 +11,10 @@ These builds lower three sizes so that each structure costs a few emulated tiles
 many: the split-KV target to 4 CTAs (DIFFX_DECODE_TARGET_CTAS: a cache of two or more tiles splits
 with a handful of CTAs), the K-smoothing chunk to 128 keys (DIFFX_KEY_SUM_CHUNK), and the merge
 kernel's CTA to 64 threads (DIFFX_MERGE_THREADS; ThreadSanitizer's cost grows with the threads that
-meet at a barrier, and 64 still makes two or four groups of parts at head dim 64). The launches are
+meet at a barrier, and 64 still makes two or four groups of parts at head dim 64). They also turn on
+the 8-bit cache's packed maps (DIFFX_DECODE_KV_PACK_MAPS=1), so that the cache cases run both
+layouts of two tiles a step (the int8 case's 2 group rows packed, the fp8 case's 16 not) and, as a
+99 KB GPU runs them, one tile a step. The launches are
 kernel_cases.CASES (the list compute-sanitizer runs on the GPU), in fp16 (the builds leave the bf16
 instantiations out, DIFFX_EMULATE_FP16_ONLY, which halves their compile: bf16 goes through the same
 2-byte indexing and barriers; compute-sanitizer's GPU runs take both), key-masked where causal,
@@ -101,7 +104,7 @@ def builds(tmp_path_factory):
         with open(log, "w") as out:
             started[name] = (subprocess.Popen(
                 [compiler, "-O1", "-g", "-std=c++20", "-DDIFFX_EMULATE", "-DDIFFX_EMULATE_FP16_ONLY",
-                 "-DDIFFX_DECODE_TARGET_CTAS=4",
+                 "-DDIFFX_DECODE_TARGET_CTAS=4", "-DDIFFX_DECODE_KV_PACK_MAPS=1",
                  "-DDIFFX_MERGE_THREADS=64",
                  f"-DDIFFX_KEY_SUM_CHUNK={KEY_SUM_CHUNK}", f"-I{KERNELS}", *flags, *map(str, SOURCES), "-lpthread",
                  "-o", str(exe)], stdout=out, stderr=subprocess.STDOUT), exe, log)

@@ -62,6 +62,16 @@ static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == k
 #endif
 static_assert(DIFFX_DECODE_KV_TILES == 1 || DIFFX_DECODE_KV_TILES == 2, "one or two 64-key tiles a step");
 
+// 1: with two tiles a step, a call whose group rows (heads x query tokens) fit 8 puts both maps in
+// one row tile: map 1's rows in rows 0-7, map 2's in 8-15 (a lane's mma fragment holds one row of
+// each half). Every warp then takes 16 keys of its own (warps 0-3 the step's first tile, 4-7 its
+// second) for both maps: the V codes are converted once where the maps' warps each converted them,
+// and one P.V serves both maps; Q.K takes an mma per map's keys (V1: K1 and K2) and keeps each
+// half's rows. 0 (default until a GPU has timed it): each map its own 16-row tile and warps.
+#ifndef DIFFX_DECODE_KV_PACK_MAPS
+#define DIFFX_DECODE_KV_PACK_MAPS 0
+#endif
+
 // KV: the cache's DiffxKvFormat (0: key and value in T; else 1-byte codes, kv_codes.cuh).
 // KT: 64-key tiles a step (a stage holds KT tiles of each of K and V; 8-bit codes only).
 template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1>
@@ -85,14 +95,15 @@ struct DecodeTileConfig {
   static constexpr bool kFitsEverywhere = kSmemBytes <= kDynamicSmemLimit;
 };
 
-// Copies `rows` rows of ROW_BYTES (row r from src(r)) into a swizzled 16-row shared tile, the other
-// rows zero-filled: the query rows of the packed heads, gathered from their columns of Q.
-template <int ROW_BYTES, typename Src>
-__device__ __forceinline__ void load_query_rows(char* smem, int rows, int tid, Src src) {
+// Copies the rows of ROW_BYTES for which valid(row) holds (row r from src(r)) into a swizzled
+// 16-row shared tile, the other rows zero-filled: the query rows of the packed heads, gathered from
+// their columns of Q.
+template <int ROW_BYTES, typename Valid, typename Src>
+__device__ __forceinline__ void load_query_rows(char* smem, int tid, Valid valid_row, Src src) {
   constexpr int kChunks = ROW_BYTES / 16;
   for (int c = tid; c < kDecodeRows * kChunks; c += kThreads) {
     const int row = c / kChunks, chunk = c % kChunks;
-    const bool valid = row < rows;
+    const bool valid = valid_row(row);
     cp_async_16(smem + swizzled_chunk<kChunks>(row, chunk) * 16, src(valid ? row : 0) + chunk * 16, valid);
   }
 }
@@ -177,21 +188,25 @@ constexpr float kFoldedQueryMax = 16384.f;
 // largest entry in [kFoldedQueryMax / 2, kFoldedQueryMax), returned per map; the logits are
 // S * alpha, exactly. (Up as well as down: keys that barely vary get small scales, which would
 // otherwise push Q into fp16's subnormals.) All threads call it (it synchronises); `reduce` holds
-// a float per warp.
-template <typename T, int D, bool V1, int KV>
-__device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
-                                                            float* reduce, int tid, int map_of_thread) {
-  constexpr int kChunks = D / 8, kGroups = D / 16, kItems = 2 * kDecodeRows * kGroups;
-  static_assert(kItems <= kThreads && (kDecodeRows * kGroups) % 32 == 0, "one item a thread; a warp's items in one map");
-  const int item = tid, map = item / (kDecodeRows * kGroups), row = item / kGroups % kDecodeRows, group = item % kGroups;
+// a float per warp. PM (DIFFX_DECODE_KV_PACK_MAPS): both maps in the first tile, map m's row r at
+// row 8m + r. Returns both maps' alpha.
+template <typename T, int D, bool V1, int KV, bool PM = false>
+__device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
+                                                             float* reduce, int tid) {
+  constexpr int kRows = PM ? kDecodeRows / 2 : kDecodeRows;  // rows a map holds
+  constexpr int kChunks = D / 8, kGroups = D / 16, kItems = 2 * kRows * kGroups;
+  static_assert(kItems <= kThreads && (kRows * kGroups) % 32 == 0, "one item a thread; a warp's items in one map");
+  const int item = tid, map = item / (kRows * kGroups), group = item % kGroups;
+  const int row = PM ? map * kRows + item / kGroups % kRows : item / kGroups % kRows;  // in its map's tile
+  const int tile = PM ? 0 : map;
   float q[16];
   T* lo = nullptr;
   T* hi = nullptr;
   float largest = 0.f;
   if (item < kItems) {
     const float* scale = args.p.k_scale + (V1 ? 2 * g + map : g) * D + group * 16;
-    lo = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group) * 16);
-    hi = reinterpret_cast<T*>(sQ + map * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
+    lo = reinterpret_cast<T*>(sQ + tile * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group) * 16);
+    hi = reinterpret_cast<T*>(sQ + tile * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       q[j] = to_float(lo[j]) * (scale[j] / kv_code_unit(KV));
@@ -204,7 +219,7 @@ __device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile
   if ((tid & 31) == 0) reduce[tid >> 5] = largest;
   __syncthreads();
   float alpha[2] = {1.f, 1.f};
-  constexpr int kWarpsPerFoldMap = kDecodeRows * kGroups / 32;
+  constexpr int kWarpsPerFoldMap = kRows * kGroups / 32;
 #pragma unroll
   for (int m = 0; m < 2; ++m) {
     float most = 0.f;
@@ -224,15 +239,18 @@ __device__ __forceinline__ float fold_key_scales_into_query(char* sQ, int q_tile
     }
   }
   __syncthreads();  // the tiles are rewritten, and `reduce` may be used again
-  return map_of_thread == 0 ? alpha[0] : alpha[1];
+  return make_float2(alpha[0], alpha[1]);
 }
 
-template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1>
+// PM: both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS; two tiles a step, at most 8 group rows).
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1, bool PM = false>
 __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1)
     diff_attention_decode_kernel(const KernelArgs args) {
   using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV, KT>;
   using Fwd = typename Cfg::Fwd;
-  constexpr int kSTiles = 2 * KT;   // a warp's 16 x 16 score tile of each of the step's tiles: n-tiles of 8 keys
+  static_assert(!PM || (KV != 0 && KT * kBlockN == 2 * kWarpsPerMap * 16), "packed maps: 16 keys a warp, two tiles a step");
+  // A warp's 16 x 16 score tile of each of the step's tiles it reads (packed maps: one), n-tiles of 8 keys.
+  constexpr int kSTiles = PM ? 2 : 2 * KT;
   constexpr int kOTiles = DV / 8;   // n-tiles of the 16 x DV output accumulator of a warp
   // Int8 codes read with their bias (kv_codes.cuh): one more n-tile, P against ones, whose every
   // column is the sum of P as the mmas saw it (fp16), rescaled with O by the online softmax.
@@ -242,8 +260,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
 
   const DiffxAttentionParams& p = args.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int map = warp / kWarpsPerMap;        // 0: map 1, 1: map 2 (warp-uniform)
-  const int quarter = warp % kWarpsPerMap;    // this warp's 16 keys of each tile
+  // 0: map 1, 1: map 2 (warp-uniform). Packed maps: every warp has both (rows 0-7, 8-15), and this
+  // names the step's tile whose keys it takes; the CTA's halves still write one map's part each.
+  const int map = warp / kWarpsPerMap;
+  const int quarter = warp % kWarpsPerMap;    // this warp's 16 keys of each tile (packed maps: of tile `map`)
   const int gq = lane >> 2, tq = lane & 3;    // mma fragment coordinates (row group, column pair)
   const int heads = args.plan.heads_per_cta, h0 = blockIdx.x * heads, b = blockIdx.y, split = blockIdx.z;
   const int g = h0 / (p.num_heads / p.num_kv_heads);
@@ -264,11 +284,16 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // Under a causal mask the last query token sees every key, so no tile of the split is skipped.
 
   const T* q_batch = static_cast<const T*>(p.query) + b * p.q_batch_stride;
-  for (int m = 0; m < 2; ++m) {
-    load_query_rows<D * sizeof(T)>(sQ + m * Cfg::kQTileBytes, rows, tid, [&](int r) {
-      return reinterpret_cast<const char*>(q_batch + int64_t(r % p.q_len) * p.q_row_stride +
-                                           (2 * (h0 + r / p.q_len) + m) * D);
-    });
+  auto query_row = [&](int r, int m) {  // group row r's query of map m
+    return reinterpret_cast<const char*>(q_batch + int64_t(r % p.q_len) * p.q_row_stride + (2 * (h0 + r / p.q_len) + m) * D);
+  };
+  if constexpr (PM) {  // map m's row r at row 8m + r of the first tile
+    load_query_rows<D * sizeof(T)>(sQ, tid, [&](int row) { return row % 8 < rows; },
+                                   [&](int row) { return query_row(row % 8, row / 8); });
+  } else {
+    for (int m = 0; m < 2; ++m)
+      load_query_rows<D * sizeof(T)>(sQ + m * Cfg::kQTileBytes, tid, [&](int row) { return row < rows; },
+                                     [&](int row) { return query_row(row, m); });
   }
   auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
   auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
@@ -310,10 +335,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   }
 
   float qk_alpha = 1.f;     // an 8-bit cache: logits = alpha * (folded Q, fp16) . codes
+  float map2_to_map1 = 1.f;  // packed maps: map 2's alpha over map 1's (a power of two), onto its rows' S
   if constexpr (KV != 0) {  // Q lands with the first tile (before the accumulators are live: fewer registers)
     cp_async_wait_group<STAGES - 2>();
     __syncthreads();
-    qk_alpha = fold_key_scales_into_query<T, D, Fwd::kV1, KV>(sQ, Cfg::kQTileBytes, args, g, reduce, tid, map);
+    const float2 alpha = fold_key_scales_into_query<T, D, Fwd::kV1, KV, PM>(sQ, Cfg::kQTileBytes, args, g, reduce, tid);
+    qk_alpha = PM || map == 0 ? alpha.x : alpha.y;
+    map2_to_map1 = alpha.y / alpha.x;
   }
   float q_scale = 1.f;
   if constexpr (INT8) {
@@ -376,6 +404,40 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = __int2float_rn(si[i][e]) * qk_scale;
+    } else if constexpr (PM) {
+      // Packed maps: this warp's 16 keys of tile `map` of the step, against K1 for rows 0-7 (map 1)
+      // and K2 for rows 8-15 (V2: the one K for both). A lane's fragment holds row gq (elements 0,
+      // 1) and row gq + 8 (2, 3): each mma keeps the half of its map, and map 2's logits move to
+      // map 1's alpha (exact: a power of two), so that one exponent scale serves every row.
+      constexpr int kChunks = D / 8, kChunks8 = D / 16;
+      const char* k1 = sK(stage) + map * kBlockN * D;
+      const char* k2 = k1 + (Fwd::kV1 ? Cfg::kKTileBytes : 0);
+      float s2[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) s2[i][0] = s2[i][1] = s2[i][2] = s2[i][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < D / 32; ++ks) {
+        const int key_chunk = swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16;
+        uint32_t bf1[4], bf2[4];
+        ldmatrix_x4(bf1, k1 + key_chunk);
+        if constexpr (Fwd::kV1) ldmatrix_x4(bf2, k2 + key_chunk);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t a[4];
+          ldmatrix_x4(a, sQ + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
+          mma_16816(s[0], a, code_pair<KV, 0, 1>(bf1[half]), code_pair<KV, 2, 3>(bf1[half]), __half());
+          mma_16816(s[1], a, code_pair<KV, 0, 1>(bf1[2 + half]), code_pair<KV, 2, 3>(bf1[2 + half]), __half());
+          if constexpr (Fwd::kV1) {
+            mma_16816(s2[0], a, code_pair<KV, 0, 1>(bf2[half]), code_pair<KV, 2, 3>(bf2[half]), __half());
+            mma_16816(s2[1], a, code_pair<KV, 0, 1>(bf2[2 + half]), code_pair<KV, 2, 3>(bf2[2 + half]), __half());
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s[i][2] = (Fwd::kV1 ? s2[i][2] : s[i][2]) * map2_to_map1;
+        s[i][3] = (Fwd::kV1 ? s2[i][3] : s[i][3]) * map2_to_map1;
+      }
     } else if constexpr (KV != 0) {
       // Key codes read as b16 pairs: register i of lane (gq, tq) holds channels 4tq..4tq+3 of key
       // gq of its 8 x 16-channel matrix (keys k0.. or k0+8.., channels of k-step 2ks or 2ks+1);
@@ -424,8 +486,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n_start + (i >> 1) * kBlockN + k0 + (i & 1) * 8 + tq * 2 + (e & 1);
-          const int qi = (gq + (e >> 1) * 8) % p.q_len;  // rows >= `rows` are padding: computed, never written
+          const int key = n_start + (PM ? map : i >> 1) * kBlockN + k0 + (i & 1) * 8 + tq * 2 + (e & 1);
+          // rows >= `rows` (packed maps: of each half) are padding: computed, never written
+          const int qi = (PM ? gq : gq + (e >> 1) * 8) % p.q_len;
           const bool visible = key < key_end && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
                                (!mask_row || mask_row[key] != 0);
           if (!visible) s[i][e] = -INFINITY;
@@ -446,12 +509,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     // in fp16 (values in [0, 1]).
     using PType = std::conditional_t<KV != 0, __half, T>;
 #pragma unroll
-    for (int t = 0; t < KT; ++t) {
+    for (int i = 0; i < kSTiles / 2; ++i) {
+      const int t = PM ? map : i;  // the step's tile of these keys
       uint32_t a[4];
-      a[0] = pack2(s[2 * t][0], s[2 * t][1], PType());
-      a[1] = pack2(s[2 * t][2], s[2 * t][3], PType());
-      a[2] = pack2(s[2 * t + 1][0], s[2 * t + 1][1], PType());
-      a[3] = pack2(s[2 * t + 1][2], s[2 * t + 1][3], PType());
+      a[0] = pack2(s[2 * i][0], s[2 * i][1], PType());
+      a[1] = pack2(s[2 * i][2], s[2 * i][3], PType());
+      a[2] = pack2(s[2 * i + 1][0], s[2 * i + 1][1], PType());
+      a[3] = pack2(s[2 * i + 1][2], s[2 * i + 1][3], PType());
       if constexpr (KV != 0) {
         // Value codes through ldmatrix .trans as b16 pairs: register i of lane (gq, tq) holds keys
         // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
@@ -497,25 +561,26 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       for (int e = 0; e < 4; ++e) acc_o[i][e] = fmaf(-kInt8CodeBias, acc_o[kOTiles][e], acc_o[i][e]);
   }
 
-  // The 4 warps of each map merged into one state: each warp's (max, sum) of its rows, the map's
-  // max M per row, then each warp's P.V sums rescaled to M and added into the buffer in warp
-  // order (a barrier between warps: the same sum on every run).
+  // The warps of each map (packed maps: all 8, each holding both) merged into one state: each
+  // warp's (max, sum) of its rows, the map's max M per row, then each warp's P.V sums rescaled to M
+  // and added into the buffer in warp order (a barrier between warps: the same sum on every run).
   float* merged = reinterpret_cast<float*>(sKV);  // [2 maps][16 rows][kMergeStride] floats
-  float* warp_ml = merged + 2 * kDecodeRows * kMergeStride<DV>;  // [2 maps][4 warps][16 rows][max, sum]
+  float* warp_ml = merged + 2 * kDecodeRows * kMergeStride<DV>;  // [8 warps][16 tile rows][max, sum]
   static_assert(kMergeBufferBytes<DV> <= STAGES * Cfg::kStageBytes, "the merge buffer reuses the K/V stages");
-  // Row `row` of this map: the max over its warps' maxima and the sum of their sums at that max
+  constexpr int kStateWarps = PM ? 2 * kWarpsPerMap : kWarpsPerMap;  // warps holding a map's rows
+  // Row `row` of map m: the max over its warps' maxima and the sum of their sums at that max
   // (0 with max -inf when no key of the split is visible to the row).
-  auto map_state = [&](int row) {
-    const float* ml = warp_ml + (map * kWarpsPerMap * kDecodeRows + row) * 2;
-    float m = -INFINITY, l = 0.f;
+  auto map_state = [&](int m, int row) {
+    const float* ml = warp_ml + ((PM ? 0 : m * kWarpsPerMap) * kDecodeRows + (PM ? 8 * m + row : row)) * 2;
+    float mx = -INFINITY, l = 0.f;
 #pragma unroll
-    for (int q = 0; q < kWarpsPerMap; ++q) m = fmaxf(m, ml[q * kDecodeRows * 2]);
+    for (int q = 0; q < kStateWarps; ++q) mx = fmaxf(mx, ml[q * kDecodeRows * 2]);
 #pragma unroll
-    for (int q = 0; q < kWarpsPerMap; ++q) {
+    for (int q = 0; q < kStateWarps; ++q) {
       const float m_q = ml[q * kDecodeRows * 2];
-      if (m_q != -INFINITY) l = fmaf(ml[q * kDecodeRows * 2 + 1], fast_exp2((m_q - m) * scale_log2), l);
+      if (m_q != -INFINITY) l = fmaf(ml[q * kDecodeRows * 2 + 1], fast_exp2((m_q - mx) * scale_log2), l);
     }
-    return make_float2(m, l);
+    return make_float2(mx, l);
   };
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -523,22 +588,26 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (tq == 0) {
-      float* ml = warp_ml + ((map * kWarpsPerMap + quarter) * kDecodeRows + gq + r * 8) * 2;
+      float* ml = warp_ml + (warp * kDecodeRows + gq + r * 8) * 2;
       ml[0] = row_max[r];
       ml[1] = l;
     }
   }
   __syncthreads();
+  // This lane's rows r = 0, 1 (tile rows gq, gq + 8) as (map, row of the map).
+  auto row_map = [&](int r) { return PM ? r : map; };
+  auto row_of_map = [&](int r) { return PM ? gq : gq + r * 8; };
   float w[2];  // this warp's rescale to the map's max
 #pragma unroll
   for (int r = 0; r < 2; ++r)
-    w[r] = row_max[r] == -INFINITY ? 0.f : fast_exp2((row_max[r] - map_state(gq + r * 8).x) * scale_log2);
+    w[r] = row_max[r] == -INFINITY ? 0.f
+                                   : fast_exp2((row_max[r] - map_state(row_map(r), row_of_map(r)).x) * scale_log2);
 #pragma unroll 1
-  for (int q = 0; q < kWarpsPerMap; ++q) {
-    if (quarter == q) {
+  for (int q = 0; q < kStateWarps; ++q) {
+    if ((PM ? warp : quarter) == q) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float* row = merged + (map * kDecodeRows + gq + r * 8) * kMergeStride<DV>;
+        float* row = merged + (row_map(r) * kDecodeRows + row_of_map(r)) * kMergeStride<DV>;
 #pragma unroll
         for (int i = 0; i < kOTiles; ++i) {
           if constexpr (KV != 0) {  // tile i's column 2tq + e is channel 16(i/2) + 4tq + 2e + (i&1)
@@ -568,7 +637,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   const int map_tid = tid % (kWarpsPerMap * 32);
   if (map_tid < rows) {
     const int64_t state = part_index(args, b, h0 + map_tid / p.q_len, map, part) + map_tid % p.q_len;
-    float2 ml = map_state(map_tid);
+    float2 ml = map_state(map, map_tid);
     // Raw logit units (-inf stays -inf). qk_alpha, a power of two, comes back exactly out of the
     // exponent's scale: one register fewer through the loop (the V1 d = 64 int8 kernel's 128).
     ml.x *= scale_log2 / (args.scale * kLog2e);
@@ -709,27 +778,36 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
   *reinterpret_cast<uint32_t*>(out + 2) = pack2(y[2] * gain * p.norm_weight[c + 2], y[3] * gain * p.norm_weight[c + 3], T());
 }
 
-// A decode kernel's K/V pipeline: its stages and the 64-key tiles it takes a step.
-template <int STAGES, int KT>
+// A decode kernel's K/V pipeline: its stages and the 64-key tiles it takes a step (and whether both
+// maps share one row tile, DIFFX_DECODE_KV_PACK_MAPS).
+template <int STAGES, int KT, bool PM = false>
 struct DecodePipeline {
   static constexpr int kStages = STAGES, kKeyTiles = KT;
+  static constexpr bool kPackedMaps = PM;
 };
 
 // run(DecodePipeline<...>{}) with the first pipeline of a decode instance that fits a GPU whose
 // blocks may opt in to smem_optin() bytes (asked only when the first does not fit every GPU). An
 // 8-bit cache: DIFFX_DECODE_KV_TILES tiles a step in DIFFX_DECODE_KV_STAGES stages ("wide"), else
 // one tile a step in as many ("deep"), else one in two ("few"). A float cache: two stages of one
-// tile, else one stage. Only the pipelines some GPU can take are instantiated.
+// tile, else one stage. Only the pipelines some GPU can take are instantiated. group_rows: the
+// call's heads a CTA x query tokens (packed maps where they fit 8, with two tiles a step).
 template <typename T, int D, int DV, bool INT8, int KV, typename OptIn, typename Run>
-auto with_decode_pipeline(OptIn smem_optin, Run run) {
+auto with_decode_pipeline(OptIn smem_optin, int group_rows, Run run) {
   constexpr int kDeep = KV ? DIFFX_DECODE_KV_STAGES : 2, kFew = KV ? 2 : 1, kWide = KV ? DIFFX_DECODE_KV_TILES : 1;
   using Wide = DecodeTileConfig<T, D, DV, INT8, kDeep, KV, kWide>;
   using Deep = DecodeTileConfig<T, D, DV, INT8, kDeep, KV>;
-  if constexpr (Wide::kFitsEverywhere) {
+  const auto run_wide = [&] {
+    if constexpr (KV != 0 && kWide == 2 && DIFFX_DECODE_KV_PACK_MAPS) {
+      if (group_rows <= kDecodeRows / 2) return run(DecodePipeline<kDeep, kWide, true>{});
+    }
     return run(DecodePipeline<kDeep, kWide>{});
+  };
+  if constexpr (Wide::kFitsEverywhere) {
+    return run_wide();
   } else {
     const int optin = smem_optin();
-    if (optin >= Wide::kSmemBytes) return run(DecodePipeline<kDeep, kWide>{});
+    if (optin >= Wide::kSmemBytes) return run_wide();
     if constexpr (kWide == 1 || Deep::kFitsEverywhere) {
       if constexpr (kWide > 1) return run(DecodePipeline<kDeep, 1>{});
       else return run(DecodePipeline<kFew, 1>{});
@@ -740,10 +818,10 @@ auto with_decode_pipeline(OptIn smem_optin, Run run) {
 }
 
 #ifndef DIFFX_EMULATE
-template <typename T, int D, int DV, bool INT8, int STAGES, int KV, int KT>
+template <typename T, int D, int DV, bool INT8, int STAGES, int KV, int KT, bool PM>
 cudaError_t launch_diff_attention_decode_pipeline(const KernelArgs& args, cudaStream_t stream) {
   using Cfg = DecodeTileConfig<T, D, DV, INT8, STAGES, KV, KT>;
-  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV, KT>;
+  const auto kernel = diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV, KT, PM>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
   unsigned dims[3];
@@ -758,10 +836,12 @@ cudaError_t launch_diff_attention_decode_pipeline(const KernelArgs& args, cudaSt
 // The first pipeline that fits this GPU (with_decode_pipeline).
 template <typename T, int D, int DV, bool INT8, int KV = 0>
 cudaError_t launch_diff_attention_decode(const KernelArgs& args, cudaStream_t stream) {
-  return with_decode_pipeline<T, D, DV, INT8, KV>(device_smem_optin, [&](auto pipe) {
-    using Pipe = decltype(pipe);
-    return launch_diff_attention_decode_pipeline<T, D, DV, INT8, Pipe::kStages, KV, Pipe::kKeyTiles>(args, stream);
-  });
+  return with_decode_pipeline<T, D, DV, INT8, KV>(
+      device_smem_optin, args.plan.heads_per_cta * args.p.q_len, [&](auto pipe) {
+        using Pipe = decltype(pipe);
+        return launch_diff_attention_decode_pipeline<T, D, DV, INT8, Pipe::kStages, KV, Pipe::kKeyTiles,
+                                                     Pipe::kPackedMaps>(args, stream);
+      });
 }
 
 #endif  // DIFFX_EMULATE

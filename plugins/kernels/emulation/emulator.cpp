@@ -57,13 +57,13 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_by
   for (auto& th : pool) th.join();
 }
 
-template <typename T, int D, int DV, bool INT8, int KV, int STAGES, int KT>
+template <typename T, int D, int DV, bool INT8, int KV, int STAGES, int KT, bool PM>
 void run_decode_pipeline(const diffx::KernelArgs& args) {
   unsigned dims[3];
   diffx::decode_grid(args, dims);
   run_grid(dims[0], dims[1], dims[2], diffx::kThreads,
            diffx::DecodeTileConfig<T, D, DV, INT8, STAGES, KV, KT>::kSmemBytes,
-           [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV, KT>(args); });
+           [&] { diffx::diff_attention_decode_kernel<T, D, DV, INT8, STAGES, KV, KT, PM>(args); });
   run_grid(args.p.num_heads, args.p.batch, args.p.q_len, diffx::kMergeThreads, diffx::kMergeSmemBytes,
            [&] { diffx::diff_attention_decode_merge_kernel<T, DV>(args); });
 }
@@ -78,9 +78,9 @@ void run_decode(const diffx::KernelArgs& args) {
     const char* optin = std::getenv("DIFFX_EMULATOR_SMEM_OPTIN");
     return optin ? std::atoi(optin) : 227 * 1024;
   };
-  diffx::with_decode_pipeline<T, D, DV, INT8, KV>(smem_optin, [&](auto pipe) {
+  diffx::with_decode_pipeline<T, D, DV, INT8, KV>(smem_optin, args.plan.heads_per_cta * args.p.q_len, [&](auto pipe) {
     using Pipe = decltype(pipe);
-    run_decode_pipeline<T, D, DV, INT8, KV, Pipe::kStages, Pipe::kKeyTiles>(args);
+    run_decode_pipeline<T, D, DV, INT8, KV, Pipe::kStages, Pipe::kKeyTiles, Pipe::kPackedMaps>(args);
   });
 }
 
