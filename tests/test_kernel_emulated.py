@@ -462,6 +462,18 @@ def cache_of(inputs, fmt, smooth_k=True):
     return (q, k_codes, v_codes, lam, w), (scales.k_scale, scales.v_scale), dequantised
 
 
+def kv_case(case, rng):
+    """A cache case's attrs (causal), inputs (keys with per-channel offsets: what smoothing removes)
+    and key mask (left pads), from (format, variant, head dim, GQA ratio, heads, batch, q_len, kv_len,
+    dtype, pads)."""
+    _, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
+    inputs[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))
+    return attrs, inputs, None if pads is None else padding_mask(batch, kv_len, pads)
+
+
 def cosine(a, b):
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
@@ -471,12 +483,8 @@ def cosine(a, b):
                                                 for c in KV_CASES])
 def test_emulated_kv_cache_matches_the_oracle_on_its_dequantised_values(emulator, case, rng):
     fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
-    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
-                               causal=1, norm=int(variant == 1), output_scale=0.7)
-    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
-    inputs[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))  # per-channel offsets: what smoothing removes
+    attrs, inputs, key_mask = kv_case(case, rng)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
-    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
     plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len)) if q_len <= 16 else ("one-pass", 1)
     out = emulate(emulator, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
     assert not out.isnan().any(), "output not fully written (poison left)"
@@ -532,15 +540,11 @@ PACKED_CASES = [  # format, variant, head dim, GQA ratio, heads, batch, q_len, k
                                                     for c in PACKED_CASES])
 def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_packed_maps, case, rng):
     fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
-    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
-                               causal=1, norm=int(variant == 1), output_scale=0.7)
-    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
-    inputs[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))
+    attrs, inputs, key_mask = kv_case(case, rng)
     # Map 2's queries 2^-7 of map 1's: the maps' folded Q take different powers of two, which the
     # packed tile reconciles on map 2's logits.
     inputs[0].view(batch, q_len, heads, 2, head_dim)[:, :, :, 1].mul_(2.0 ** -7)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
-    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
     out = emulate(emulator_packed_maps, codes, attrs, key_mask=key_mask, kv_scales=kv_scales,
                   plan=("split-kv", splits_for(batch, heads, kv_len, ratio, q_len)))
     assert not out.isnan().any(), "output not fully written (poison left)"
