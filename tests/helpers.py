@@ -226,7 +226,8 @@ def assert_same_logits(before, after, shapes, seed, vocab=512):
 
 def host_library(tmp_path_factory, env_var: str, built, name: str, sources, flags=()):
     """A small host-compiled library the tests call through ctypes: $env_var, else the CMake build,
-    else compiled here with the C++ compiler (skipped when there is none)."""
+    else compiled here with the C++ compiler (skipped when there is none; our sources failing to
+    compile fails the test, where a skip would hide a broken kernel build)."""
     import os
     import shutil
     import subprocess
@@ -244,7 +245,7 @@ def host_library(tmp_path_factory, env_var: str, built, name: str, sources, flag
     result = subprocess.run([compiler, "-O2", "-fPIC", "-shared", *flags, *map(str, sources), "-o", str(path)],
                             capture_output=True, text=True)
     if result.returncode != 0:
-        pytest.skip(f"cannot build {name} here: {result.stderr.strip().splitlines()[-1:]}")
+        pytest.fail(f"cannot build {name}: " + "\n".join(result.stderr.strip().splitlines()[-20:]))
     return path
 
 

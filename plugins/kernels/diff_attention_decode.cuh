@@ -242,6 +242,35 @@ __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_til
   return make_float2(alpha[0], alpha[1]);
 }
 
+// S += Q K^T on an 8-bit cache for the 16 rows of the fp16 Q tile and a warp's 16 keys (from k0) of
+// each of N key-code tiles: s[2n], s[2n + 1] are tile n's two n-tiles of 8 keys. Key codes are read
+// as b16 pairs: register i of lane (gq, tq) holds channels 4tq..4tq+3 of key gq of its 8 x
+// 16-channel matrix (keys k0.. or k0+8.., channels of k-step 2ks or 2ks+1); Q's channels were
+// reordered to match (fold_key_scales_into_query). Each Q fragment serves all N tiles.
+template <int KV, int D, int N>
+__device__ __forceinline__ void qk_on_codes(float (&s)[2 * N][4], const char* q_tile, const char* const (&k_tiles)[N],
+                                            int k0, int lane) {
+  constexpr int kChunks = D / 8, kChunks8 = D / 16;
+  const int mi = lane >> 3;
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    const int key_chunk = swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16;
+    uint32_t bf[N][4];
+#pragma unroll
+    for (int n = 0; n < N; ++n) ldmatrix_x4(bf[n], k_tiles[n] + key_chunk);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t a[4];
+      ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        mma_16816(s[2 * n], a, code_pair<KV, 0, 1>(bf[n][half]), code_pair<KV, 2, 3>(bf[n][half]), __half());
+        mma_16816(s[2 * n + 1], a, code_pair<KV, 0, 1>(bf[n][2 + half]), code_pair<KV, 2, 3>(bf[n][2 + half]), __half());
+      }
+    }
+  }
+}
+
 // PM: both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS; two tiles a step, at most 8 group rows).
 template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1, bool PM = false>
 __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1)
@@ -409,61 +438,28 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       // and K2 for rows 8-15 (V2: the one K for both). A lane's fragment holds row gq (elements 0,
       // 1) and row gq + 8 (2, 3): each mma keeps the half of its map, and map 2's logits move to
       // map 1's alpha (exact: a power of two), so that one exponent scale serves every row.
-      constexpr int kChunks = D / 8, kChunks8 = D / 16;
-      const char* k1 = sK(stage) + map * kBlockN * D;
-      const char* k2 = k1 + (Fwd::kV1 ? Cfg::kKTileBytes : 0);
-      float s2[2][4];
+      constexpr int kMaps = Fwd::kV1 ? 2 : 1;
+      const char* k_tiles[kMaps];
 #pragma unroll
-      for (int i = 0; i < 2; ++i) s2[i][0] = s2[i][1] = s2[i][2] = s2[i][3] = 0.f;
+      for (int m = 0; m < kMaps; ++m) k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * kBlockN * D;
+      float both[2 * kMaps][4];
 #pragma unroll
-      for (int ks = 0; ks < D / 32; ++ks) {
-        const int key_chunk = swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16;
-        uint32_t bf1[4], bf2[4];
-        ldmatrix_x4(bf1, k1 + key_chunk);
-        if constexpr (Fwd::kV1) ldmatrix_x4(bf2, k2 + key_chunk);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t a[4];
-          ldmatrix_x4(a, sQ + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
-          mma_16816(s[0], a, code_pair<KV, 0, 1>(bf1[half]), code_pair<KV, 2, 3>(bf1[half]), __half());
-          mma_16816(s[1], a, code_pair<KV, 0, 1>(bf1[2 + half]), code_pair<KV, 2, 3>(bf1[2 + half]), __half());
-          if constexpr (Fwd::kV1) {
-            mma_16816(s2[0], a, code_pair<KV, 0, 1>(bf2[half]), code_pair<KV, 2, 3>(bf2[half]), __half());
-            mma_16816(s2[1], a, code_pair<KV, 0, 1>(bf2[2 + half]), code_pair<KV, 2, 3>(bf2[2 + half]), __half());
-          }
-        }
-      }
+      for (int i = 0; i < 2 * kMaps; ++i) both[i][0] = both[i][1] = both[i][2] = both[i][3] = 0.f;
+      qk_on_codes<KV, D, kMaps>(both, sQ, k_tiles, k0, lane);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        s[i][2] = (Fwd::kV1 ? s2[i][2] : s[i][2]) * map2_to_map1;
-        s[i][3] = (Fwd::kV1 ? s2[i][3] : s[i][3]) * map2_to_map1;
+        s[i][0] = both[i][0];
+        s[i][1] = both[i][1];
+        s[i][2] = both[2 * (kMaps - 1) + i][2] * map2_to_map1;
+        s[i][3] = both[2 * (kMaps - 1) + i][3] * map2_to_map1;
       }
     } else if constexpr (KV != 0) {
-      // Key codes read as b16 pairs: register i of lane (gq, tq) holds channels 4tq..4tq+3 of key
-      // gq of its 8 x 16-channel matrix (keys k0.. or k0+8.., channels of k-step 2ks or 2ks+1);
-      // Q's channels were reordered to match (fold_key_scales_into_query).
-      // Each Q fragment serves the step's KT tiles.
-      constexpr int kChunks = D / 8, kChunks8 = D / 16;
-      const char* q_tile = sQ + map * Cfg::kQTileBytes;
+      // This map's Q against its key tile of each of the step's KT tiles.
       const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Cfg::kKTileBytes;
+      const char* k_tiles[KT];
 #pragma unroll
-      for (int ks = 0; ks < D / 32; ++ks) {
-        uint32_t bf[KT][4];
-#pragma unroll
-        for (int t = 0; t < KT; ++t)
-          ldmatrix_x4(bf[t], k_tile + t * kBlockN * D +
-                                 swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t a[4];
-          ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
-#pragma unroll
-          for (int t = 0; t < KT; ++t) {
-            mma_16816(s[2 * t], a, code_pair<KV, 0, 1>(bf[t][half]), code_pair<KV, 2, 3>(bf[t][half]), __half());
-            mma_16816(s[2 * t + 1], a, code_pair<KV, 0, 1>(bf[t][2 + half]), code_pair<KV, 2, 3>(bf[t][2 + half]), __half());
-          }
-        }
-      }
+      for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * kBlockN * D;
+      qk_on_codes<KV, D, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
     } else {
       constexpr int kChunks = D / 8;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
