@@ -154,6 +154,14 @@ def test_the_packed_cutlass_headers_are_unpacked_once_whole_or_refused(stubs):
     assert run.stderr == ("error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers "
                           "(include/cute/tensor.hpp)\n")
     assert not [p.name for p in checkout.iterdir() if p.name.startswith("build-cutlass")]
+    # Not an archive at all (a truncated carry): the same one line, nothing left.
+    (checkout / "build-carry" / "cutlass-include.tar.xz").write_bytes(b"\xfd7zXZ\x00 truncated")
+    run = subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / "out3"), "env"],
+                         env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr == ("error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers "
+                          "(include/cute/tensor.hpp)\n")
+    assert not [p.name for p in checkout.iterdir() if p.name.startswith("build-cutlass")]
 
 
 def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):

@@ -47,7 +47,7 @@ mkdir -p "$OUT_DIR"
 # folder so that no half-unpacked tree is ever build-cutlass/include.
 if [[ -z "${CAMPAIGN_CUTLASS_DIR:-}" && ! -f build-cutlass/include/cute/tensor.hpp && -f build-carry/cutlass-include.tar.xz ]]; then
   unpack=$(mktemp -d "$PWD/build-cutlass.XXXXXX")
-  if tar -xJf build-carry/cutlass-include.tar.xz -C "$unpack" && [[ -f "$unpack/include/cute/tensor.hpp" ]]; then
+  if tar -xJf build-carry/cutlass-include.tar.xz -C "$unpack" 2> /dev/null && [[ -f "$unpack/include/cute/tensor.hpp" ]]; then
     rm -rf build-cutlass && mv "$unpack" build-cutlass
   else
     rm -rf "$unpack"; echo "error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers (include/cute/tensor.hpp)" >&2; exit 2
