@@ -70,16 +70,35 @@ def test_static_shared_memory_leaves_the_dynamic_tiles_room_on_every_target(lib)
     assert not over, over
 
 
-def test_hopper_path_is_tma_and_wgmma_without_spills(lib):
-    if "sm90=1" not in kernels.build_info():
-        pytest.skip("library built without the Hopper path (no sm_90a or no CUTLASS headers)")
+@pytest.fixture(scope="module")
+def sm90a_markers(lib):
+    """Per sm_90a kernel, the counts of kernel_resources.MARKERS opcodes in its SASS (read once)."""
     if kernel_resources.find_tool("nvdisasm") is None:
         pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    return kernel_resources.sass_markers(lib, "sm_90a")
+
+
+def test_the_decode_merge_launches_early_on_hopper(sm90a_markers):
+    """DIFFX_DECODE_PDL: on sm_90 every split-KV kernel lets the merge kernel launch as it starts
+    (griddepcontrol.launch_dependents, PREEXIT) and every merge kernel waits for the splits' end
+    (griddepcontrol.wait, ACQBULK) before it reads their parts; no other kernel does either."""
+    split = {n: c for n, c in sm90a_markers.items() if "diff_attention_decode_kernel<" in n}
+    merge = {n: c for n, c in sm90a_markers.items() if "diff_attention_decode_merge_kernel<" in n}
+    assert len(split) == 52 and len(merge) == 6
+    assert all(c["PREEXIT"] >= 1 and c["ACQBULK"] == 0 for c in split.values()), split
+    assert all(c["ACQBULK"] >= 1 and c["PREEXIT"] == 0 for c in merge.values()), merge
+    others = [n for n, c in sm90a_markers.items() if n not in split and n not in merge and c["PREEXIT"] + c["ACQBULK"]]
+    assert not others, others
+
+
+def test_hopper_path_is_tma_and_wgmma_without_spills(lib, sm90a_markers):
+    if "sm90=1" not in kernels.build_info():
+        pytest.skip("library built without the Hopper path (no sm_90a or no CUTLASS headers)")
     rows = [r for r in kernel_resources.resource_usage(lib) if "diff_attention_sm90_kernel" in r["kernel"]]
     assert {r["arch"] for r in rows} == {"sm_90a"}, "the Hopper kernels are compiled for sm_90a only"
     assert len(rows) == 16  # fp16/bf16 x D 64/128 x V1/V2 x fp/INT8 logits
     assert not [r for r in rows if r["stack"]], "the Hopper kernels spill"
-    markers = kernel_resources.sass_markers(lib, "sm_90a")
+    markers = sm90a_markers
     hopper = {name: counts for name, counts in markers.items() if "diff_attention_sm90_kernel" in name}
     assert len(hopper) == 16
     for name, counts in hopper.items():

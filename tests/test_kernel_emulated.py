@@ -237,12 +237,15 @@ def packed_heads(ratio, q_len, int8=False):
     return 1 if int8 else max(h for h in range(1, ratio + 1) if ratio % h == 0 and h * q_len <= 16)
 
 
-def splits_for(batch, heads, kv_len, ratio=1, q_len=1, int8=False):
-    """The decode plan's key splits (DIFFX_DECODE_TARGET_CTAS = 256 CTAs, never an empty split)."""
+def splits_for(batch, heads, kv_len, ratio=1, q_len=1, int8=False, kv8=False):
+    """The decode plan's key splits (DIFFX_DECODE_TARGET_CTAS = 256 CTAs, never an empty split); an
+    8-bit cache (kv8) gets whole steps of DIFFX_DECODE_KV_TILES = 2 tiles a split."""
     tiles = -(-kv_len // 64)
     ctas = batch * heads // packed_heads(ratio, q_len, int8)
     splits = min(tiles, max(1, -(-256 // ctas)))
     per_split = -(-tiles // splits)
+    if kv8:
+        per_split += per_split % 2
     return -(-tiles // per_split)
 
 
@@ -485,7 +488,7 @@ def test_emulated_kv_cache_matches_the_oracle_on_its_dequantised_values(emulator
     fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
     attrs, inputs, key_mask = kv_case(case, rng)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
-    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len)) if q_len <= 16 else ("one-pass", 1)
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True)) if q_len <= 16 else ("one-pass", 1)
     out = emulate(emulator, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
     assert not out.isnan().any(), "output not fully written (poison left)"
     # The kernel's error on the values the codes stand for: its dtype's rounding only. (The fp32 I/O
@@ -509,15 +512,15 @@ KV_PIPELINES = {"two-tiles-a-step": 227 * 1024, "one-tile-three-stages": 101_376
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("pipeline", KV_PIPELINES)
 def test_emulated_kv_cache_pipelines_match_the_oracle(emulator, pipeline, fmt, rng, monkeypatch):
-    """Each pipeline on 7 tiles, the last ragged, key-masked; at two tiles a step every split's step
-    reaches into the next split's first tile, which must be masked out."""
+    """Each pipeline on 7 tiles, the last ragged, key-masked: 4 splits of two tiles (whole steps of
+    two), the last split's step reaching past the cache's end, whose rows must be masked out."""
     monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(KV_PIPELINES[pipeline]))
     attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=64, causal=1, output_scale=0.7)
     inputs = make_inputs(attrs, 1, 1, 430, dtype=torch.float16, rng=rng)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
     key_mask = padding_mask(1, 430, [100])
     out = emulate(emulator, codes, attrs, kv_scales=kv_scales, key_mask=key_mask,
-                  plan=("split-kv", splits_for(1, 2, 430, 2, 1)))
+                  plan=("split-kv", splits_for(1, 2, 430, 2, 1, kv8=True)))
     assert not out.isnan().any(), "output not fully written (poison left)"
     base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
@@ -546,7 +549,7 @@ def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_packed_maps, ca
     inputs[0].view(batch, q_len, heads, 2, head_dim)[:, :, :, 1].mul_(2.0 ** -7)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
     out = emulate(emulator_packed_maps, codes, attrs, key_mask=key_mask, kv_scales=kv_scales,
-                  plan=("split-kv", splits_for(batch, heads, kv_len, ratio, q_len)))
+                  plan=("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True)))
     assert not out.isnan().any(), "output not fully written (poison left)"
     base = lowprec_baseline(*[t.to(dtype) if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
@@ -564,7 +567,7 @@ def test_the_fp8_cache_reads_the_same_through_bit_shifts_and_the_hardware_conver
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
                                causal=1, norm=int(variant == 1), output_scale=0.7)
     codes, kv_scales, _ = cache_of(make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng), fmt)
-    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len))
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True))
     hardware = emulate(emulator, codes, attrs, kv_scales=kv_scales, plan=plan)
     shifted = emulate(emulator_fp8_bit_shifts, codes, attrs, kv_scales=kv_scales, plan=plan)
     assert not hardware.isnan().any() and torch.equal(hardware, shifted)
@@ -579,7 +582,8 @@ def test_emulated_kv_cache_decode_agrees_with_its_dequantised_long_form(emulator
     codes, kv_scales, _ = cache_of(inputs, fmt)
     long = emulate(emulator, codes, attrs, kv_scales=kv_scales, plan=("one-pass", 1)).double()
     last = [codes[0][:, -1:], *codes[1:]]  # the last query token alone: bottom-right causal, it sees every key
-    step = emulate(emulator, last, attrs, kv_scales=kv_scales, plan=("split-kv", splits_for(1, 4, 150, 2, 1))).double()
+    plan = ("split-kv", splits_for(1, 4, 150, 2, 1, kv8=True))
+    step = emulate(emulator, last, attrs, kv_scales=kv_scales, plan=plan).double()
     err = (step - long[:, -1:]).abs().max().item()
     assert err <= 4e-3 and cosine(step, long[:, -1:]) >= 0.99999, f"decode vs dequantised: {err:.3e}"
 
@@ -659,7 +663,7 @@ def test_emulated_kv_cache_folds_a_tiny_query_up_out_of_fp16s_subnormals(emulato
     tiny = (q.float() / 2**18).to(torch.bfloat16)  # exact: a power of two
     assert tiny.float().abs().amax() * kv_scales[0].abs().amax() < 1e-6
     scaled = DiffAttentionAttrs(**{**attrs.as_dict(), "scale": attrs.effective_scale * 2**18})
-    plan = ("split-kv", splits_for(1, 2, 100, 2, 2))
+    plan = ("split-kv", splits_for(1, 2, 100, 2, 2, kv8=True))
     out = emulate(emulator, codes, attrs, kv_scales=kv_scales, plan=plan)
     out_tiny = emulate(emulator, (tiny, *codes[1:]), scaled, kv_scales=kv_scales, plan=plan)
     assert torch.isfinite(out_tiny).all()

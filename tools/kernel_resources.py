@@ -23,7 +23,8 @@ from pathlib import Path
 
 DEFAULT_LIB = Path(__file__).resolve().parent.parent / "build" / "plugins" / "kernels" / "libdiffexport_kernels.so"
 # SASS opcodes that say which hardware path a kernel takes.
-MARKERS = ("HGMMA", "IGMMA", "UTMALDG", "USETMAXREG", "HMMA", "IMMA", "LDGSTS", "LDSM")
+# PREEXIT and ACQBULK: griddepcontrol.launch_dependents and .wait (programmatic dependent launch).
+MARKERS = ("HGMMA", "IGMMA", "UTMALDG", "USETMAXREG", "HMMA", "IMMA", "LDGSTS", "LDSM", "PREEXIT", "ACQBULK")
 
 
 def find_tool(name: str) -> str | None:

@@ -78,6 +78,10 @@ int diffx::device_smem_optin() {
   return std::max(0, current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>());
 }
 
+bool diffx::device_launches_dependents_early() {
+  return current_device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9;
+}
+
 namespace {
 
 int cuda_failure(cudaError_t err, const char* what) {

@@ -50,17 +50,16 @@ static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == k
 #define DIFFX_DECODE_KV_STAGES 3
 #endif
 
-// 64-key tiles the 8-bit-cache decode kernel takes a step (1 or 2), where the GPU's shared memory
-// holds DIFFX_DECODE_KV_STAGES stages of them (else 1). Two: a warp takes 16 keys of each tile, 32
-// a step, so what a step costs whatever its keys (the wait and barrier, the softmax's row
-// reductions and vote, the Q fragments, the loop) is paid once per 128 keys. On the H200 of
-// 2026-11-28 the 8-bit kernel took about as many cycles a tile as the bf16 one on half the bytes,
-// at head dim 64 (two CTAs an SM, half the work a warp) as at 128 (one): a per-step cost, not the
-// work per key, set its pace.
-#ifndef DIFFX_DECODE_KV_TILES
-#define DIFFX_DECODE_KV_TILES 2
+// DIFFX_DECODE_KV_TILES (64-key tiles a step): kernel_args.h, since the plan reads it too.
+
+// 1: on sm_90 and later the merge kernel is launched as a programmatic dependent of the split kernel
+// (FlashAttention-3 launches its split-KV combine so): it launches once every split CTA has started,
+// its CTAs take the SMs the last splits free and wait there (griddepcontrol.wait) for the split
+// kernel's end, so its launch and start-up overlap the splits' tail instead of following it. A decode
+// call is two kernels of a few to a few hundred microseconds each; that gap is a part of the short ones.
+#ifndef DIFFX_DECODE_PDL
+#define DIFFX_DECODE_PDL 1
 #endif
-static_assert(DIFFX_DECODE_KV_TILES == 1 || DIFFX_DECODE_KV_TILES == 2, "one or two 64-key tiles a step");
 
 // 1: with two tiles a step, a call whose group rows (heads x query tokens) fit 8 puts both maps in
 // one row tile: map 1's rows in rows 0-7, map 2's in 8-15 (a lane's mma fragment holds one row of
@@ -287,6 +286,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
 
+  launch_dependent_grids();  // the merge kernel (DIFFX_DECODE_PDL) waits for this whole grid anyway
   const DiffxAttentionParams& p = args.p;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // 0: map 1, 1: map 2 (warp-uniform). Packed maps: every warp has both (rows 0-7, 8-15), and this
@@ -704,6 +704,7 @@ __global__ void __launch_bounds__(kMergeThreads) diff_attention_decode_merge_ker
   const float scale_log2 = args.scale * kLog2e;
   int64_t first[2];  // part k of map m: state first[m] + k * q_len
   for (int map = 0; map < 2; ++map) first[map] = part_index(args, b, h, map, 0) + qi;
+  wait_for_prior_grids();  // the split kernel's parts, when launched early (DIFFX_DECODE_PDL)
 
   // Each map's max over its parts, then its softmax denominator (the parts' sums at that max).
   float mx[2] = {-INFINITY, -INFINITY};
@@ -824,9 +825,19 @@ cudaError_t launch_diff_attention_decode_pipeline(const KernelArgs& args, cudaSt
   decode_grid(args, dims);
   kernel<<<dim3(dims[0], dims[1], dims[2]), kThreads, Cfg::kSmemBytes, stream>>>(args);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  diff_attention_decode_merge_kernel<T, DV>
-      <<<dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len)), kMergeThreads, kMergeSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  cudaLaunchConfig_t merge = {};
+  merge.gridDim = dim3(unsigned(args.p.num_heads), unsigned(args.p.batch), unsigned(args.p.q_len));
+  merge.blockDim = dim3(kMergeThreads);
+  merge.dynamicSmemBytes = kMergeSmemBytes;
+  merge.stream = stream;
+  cudaLaunchAttribute early[1] = {};
+  early[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early[0].val.programmaticStreamSerializationAllowed = 1;
+  if (DIFFX_DECODE_PDL && device_launches_dependents_early()) {
+    merge.attrs = early;
+    merge.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&merge, diff_attention_decode_merge_kernel<T, DV>, args);
 }
 
 // The first pipeline that fits this GPU (with_decode_pipeline).

@@ -20,6 +20,19 @@ constexpr int kKeySumChunk = DIFFX_KEY_SUM_CHUNK;
 // partial state; the CTA merges them into one part per map and split before it writes.
 constexpr int kDecodeWarpsPerMap = 4;
 
+// 64-key tiles the 8-bit-cache decode kernel takes a step (1 or 2), where the GPU's shared memory
+// holds DIFFX_DECODE_KV_STAGES stages of them (else 1). Two: a warp takes 16 keys of each tile, 32
+// a step, so what a step costs whatever its keys (the wait and barrier, the softmax's row
+// reductions and vote, the Q fragments, the loop) is paid once per 128 keys. On the H200 of
+// 2026-11-28 the 8-bit kernel took about as many cycles a tile as the bf16 one on half the bytes,
+// at head dim 64 (two CTAs an SM, half the work a warp) as at 128 (one): a per-step cost, not the
+// work per key, set its pace.
+#ifndef DIFFX_DECODE_KV_TILES
+#define DIFFX_DECODE_KV_TILES 2
+#endif
+static_assert(DIFFX_DECODE_KV_TILES == 1 || DIFFX_DECODE_KV_TILES == 2, "one or two 64-key tiles a step");
+// decode_plan gives such a cache whole steps a split.
+
 // Which kernel runs a call (DIFFX_DECODE_MAX_QUERY, DIFFEXPORT_KERNEL_PATH in diff_attention.h).
 enum class KernelPath { kOnePass, kDecode, kHopper };
 
@@ -81,6 +94,8 @@ bool hopper_path_runs_here();
 // Shared memory a block of this GPU may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), 0 if
 // unknown: whether the decode kernel's two K/V stages fit at head dim 128.
 int device_smem_optin();
+// Whether the current device runs programmatic dependent launches (sm_90 and later).
+bool device_launches_dependents_early();
 // DIFFEXPORT_KERNEL_PATH's value when it is not one this library knows, else null.
 const char* bad_kernel_path_setting();
 WorkspaceLayout workspace_layout(const DiffxAttentionParams& p);

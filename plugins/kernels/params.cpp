@@ -197,6 +197,10 @@ DecodePlan decode_plan(const DiffxAttentionParams& p) {
   const int64_t tiles = (int64_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
   int64_t splits = std::min<int64_t>(tiles, std::max<int64_t>(1, (DIFFX_DECODE_TARGET_CTAS + bh - 1) / bh));
   plan.tiles_per_split = int((tiles + splits - 1) / splits);
+  // An 8-bit cache is read DIFFX_DECODE_KV_TILES tiles a step: a split of whole steps takes as many
+  // steps a CTA as one with a tile less, and no step reads (then masks) the next split's tile. Short
+  // caches gain most: at one tile a split, half of every step was masked and twice the CTAs ran.
+  if (kv_quantised(p)) plan.tiles_per_split = int(round_up(plan.tiles_per_split, DIFFX_DECODE_KV_TILES));
   plan.splits = int((tiles + plan.tiles_per_split - 1) / plan.tiles_per_split);  // no empty split
   return plan;
 }

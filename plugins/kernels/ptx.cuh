@@ -90,6 +90,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Programmatic dependent launch (griddepcontrol, sm_90 and later; no-ops before, where no launch
+// asks for it). A grid that lets its stream's next grid launch early: every CTA says so as it starts,
+// and once all have, that grid's CTAs may take the SMs this one frees. The next grid waits for the
+// whole of this one, its memory included, before it reads what this one wrote.
+__device__ __forceinline__ void launch_dependent_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 

@@ -318,6 +318,10 @@ inline uint32_t pack2(float lo, float hi, __half) {
 inline uint32_t pack2(float lo, float hi, __nv_bfloat16) {
   return uint32_t(diffx_emu::float_to_bf16(lo)) | (uint32_t(diffx_emu::float_to_bf16(hi)) << 16);
 }
+// The emulator runs a launch's grids one after the other: every dependent grid starts after its
+// prior grid has finished.
+inline void launch_dependent_grids() {}
+inline void wait_for_prior_grids() {}
 // ex2.approx.ftz: the GPU's result is within 2 ulp of 2^x and flushes subnormals; exact 2^x here.
 inline float fast_exp2(float x) {
   const float y = std::exp2(x);
