@@ -307,8 +307,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
   const int nb_begin = split * args.plan.tiles_per_split;
   const int nb_end = min(n_total, nb_begin + args.plan.tiles_per_split);
-  // Keys this split reads end here: a step of KT tiles may reach into the next split's first tile,
-  // which is then zero-filled and masked.
+  // Keys this split reads end here: a step of KT tiles past it (the plan gives an 8-bit cache whole
+  // steps a split, so only at the cache's end) is zero-filled and masked.
   const int key_end = min(p.kv_len, nb_end * kBlockN);
   // Under a causal mask the last query token sees every key, so no tile of the split is skipped.
 
