@@ -167,7 +167,9 @@ def test_version_2_creator_takes_the_same_fields(creator):
 
 @pytest.mark.parametrize("graph", ["exported", "staged"])
 def test_parser_gives_kv_cache_nodes_to_the_version_2_plugin(tmp_path, graph):
-    """A KV-cache decoder (fp16, head dim 64): its six-input nodes reach the version-2 creator."""
+    """A KV-cache decoder (fp16, head dim 64) exported for TensorRT (`--attention diffattention`; the
+    CPU provider's default is onnxruntime's GroupQueryAttention): its six-input nodes reach the
+    version-2 creator."""
     from helpers import run_cli
 
     from diffexport.modeling.checkpoint import save_checkpoint
@@ -176,7 +178,7 @@ def test_parser_gives_kv_cache_nodes_to_the_version_2_plugin(tmp_path, graph):
     cfg = config_from_dict("diff_v1", dict(vocab_size=256, d_model=256, n_layers=2, ffn_hidden=256, n_heads=2,
                                            n_kv_heads=1, head_dim=64))
     ckpt = save_checkpoint(build_model(cfg, seed=3), tmp_path / "v1.pt")
-    result = run_cli("onnx", ckpt, "--kv-cache", "--fp16", "-o", tmp_path / "kv")
+    result = run_cli("onnx", ckpt, "--kv-cache", "--fp16", "--attention", "diffattention", "-o", tmp_path / "kv")
     assert result.returncode == 0, result.stderr
     log = parse_with_plugin(tmp_path / "kv" / "model.onnx", graph)
     assert "Successfully created plugin: DiffAttention" in log, log[-3000:]
