@@ -17,7 +17,12 @@ import pytest
 trt = pytest.importorskip("tensorrt_rtx")
 np = pytest.importorskip("numpy")
 
+import onnx  # noqa: E402
+
+from diffexport.backends.tensorrt import EngineOptions, build_engine, plugin_registered  # noqa: E402
 from diffexport.core import contract  # noqa: E402
+from diffexport.export import export_onnx  # noqa: E402
+from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = Path(os.environ.get("DIFFEXPORT_PLUGIN_LIB",
@@ -80,6 +85,19 @@ def test_bad_fields_give_no_plugin_and_a_reason(creator, values, reason, capfd):
     assert creator.create_plugin("bad", fields(**values), trt.TensorRTPhase.RUNTIME) is None
     captured = capfd.readouterr()
     assert reason in captured.err + captured.out
+
+
+def test_function_mode_builds_the_body_where_the_plugin_is_loaded(creator, tmp_path):
+    """`--attention function` after this process loaded the plugin: the parser would give the nodes
+    to our creator (which refuses head dim 32), so the body is inlined first and the engine builds."""
+    assert plugin_registered(trt)
+    export_onnx(load_model(None, preset="diff-v1-tiny", seed=2), tmp_path / "m.onnx", log=lambda _: None)
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    assert {contract.plugin_refusal(a.i) for n in model.graph.node if n.op_type == contract.OP_NAME
+            for a in n.attribute if a.name == "head_dim"} != {None}  # the creator would refuse every node
+    options = EngineOptions(attention="function", module="tensorrt_rtx", targets=("SM80",), progress=False)
+    result = build_engine(model, options)
+    assert result.engine_bytes > 0 and result.plugin_layers == 0
 
 
 # ------------------------------------------------- TensorRT-RTX's ONNX parser routes nodes to the plugin

@@ -6,7 +6,8 @@ TensorRT's plugin registry; the parser maps each DiffAttention node (it carries 
 and the staged graph has no function body to import instead) to our plugin. `logit_bits` < 16
 selects the INT8-logits kernel. Native path: every DiffAttention node is lowered to standard ONNX
 ops first. Function path: the graph as it is; with no plugin registered the parser inlines the
-model-local function.
+model-local function. A parser prefers a registered creator of the node's name to the function, so
+where this process has loaded our plugin (an earlier plugin build) the body is inlined here first.
 
 TensorRT-RTX (module tensorrt_rtx) builds ahead of time on a CPU for chosen GPU architectures:
 native only (its parser hands plugin nodes to our creator, then ends the process when it adds the
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import onnx
+import onnx.inliner
 
 from diffexport.backends.base import ENGINE_PAIRING
 from diffexport.backends.step_loop import StepLoopRuntime, empty_cache, step_feeds
@@ -109,6 +111,13 @@ def load_plugin(trt, path: Path, key_mask: bool = False, kv_cache: bool = False)
         if registry.get_creator(contract.PLUGIN_NAME, version, contract.PLUGIN_NAMESPACE) is None:
             raise DiffExportError(f"{path} holds no {contract.PLUGIN_NAMESPACE}::{contract.PLUGIN_NAME} "
                                   f"version {version} creator: rebuild it from this checkout")
+
+
+def plugin_registered(trt) -> bool:
+    """Whether this process has our plugin's creators in TensorRT's registry (any op version)."""
+    registry = trt.get_plugin_registry()
+    versions = (contract.PLUGIN_VERSION, contract.KEY_MASK_PLUGIN_VERSION, contract.KV_CACHE_PLUGIN_VERSION)
+    return any(registry.get_creator(contract.PLUGIN_NAME, v, contract.PLUGIN_NAMESPACE) is not None for v in versions)
 
 
 @dataclasses.dataclass
@@ -360,6 +369,9 @@ def build_engine(model: onnx.ModelProto, options: EngineOptions | None = None) -
                               f"with `diffexport onnx --{options.precision}` (fp32 = no flag) to get "
                               f"{options.precision}")
     graph, n_attention = prepare_graph(model, options)
+    if options.attention == "function" and n_attention and plugin_registered(trt):
+        # the parser would hand the nodes to the plugin this process loaded, not inline their body
+        graph = onnx.inliner.inline_local_functions(graph)
     if options.attention == "plugin":
         attention = [n for n in graph.graph.node if n.op_type == contract.OP_NAME]
         load_plugin(trt, find_plugin_library(options.plugin_lib), any(map(has_key_mask, attention)),
