@@ -22,6 +22,7 @@ import onnx  # noqa: E402
 from diffexport.backends.tensorrt import EngineOptions, build_engine, plugin_registered  # noqa: E402
 from diffexport.core import contract  # noqa: E402
 from diffexport.export import export_onnx  # noqa: E402
+from diffexport.format.nodes import is_diff_attention, node_attrs  # noqa: E402
 from diffexport.modeling.checkpoint import load_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,8 +94,8 @@ def test_function_mode_builds_the_body_where_the_plugin_is_loaded(creator, tmp_p
     assert plugin_registered(trt)
     export_onnx(load_model(None, preset="diff-v1-tiny", seed=2), tmp_path / "m.onnx", log=lambda _: None)
     model = onnx.load(str(tmp_path / "m.onnx"))
-    assert {contract.plugin_refusal(a.i) for n in model.graph.node if n.op_type == contract.OP_NAME
-            for a in n.attribute if a.name == "head_dim"} != {None}  # the creator would refuse every node
+    attention = [n for n in model.graph.node if is_diff_attention(n)]
+    assert attention and all(contract.plugin_refusal(node_attrs(n).head_dim) for n in attention)  # refused
     options = EngineOptions(attention="function", module="tensorrt_rtx", targets=("SM80",), progress=False)
     result = build_engine(model, options)
     assert result.engine_bytes > 0 and result.plugin_layers == 0
