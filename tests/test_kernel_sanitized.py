@@ -2,8 +2,10 @@
 compute-sanitizer over tests/kernel_cases.py (plugins/kernels/emulation/sanitize_cases.cpp).
 
 ThreadSanitizer: every CUDA thread of the emulation is a std::thread, so a shared-memory access no
-barrier orders against another thread's write is a reported race, and cp.async lands at the
-thread's wait (the latest moment the PTX ISA allows), so a tile read before its wait races too.
+barrier orders against another thread's write is a reported race. Its build writes each cp.async at
+both ends of the window the PTX ISA gives it (DIFFX_EMULATE_CP_ASYNC_AT_ISSUE): at the thread's wait,
+so a tile read before its wait races, and at the issue, so a copy into a stage that another warp may
+still be reading (no barrier between that read and the issue) races too.
 AddressSanitizer + UBSan: tensors, workspace, key mask and dynamic shared memory are allocated at
 their exact sizes, so any access past one is reported, as is undefined integer arithmetic.
 
@@ -21,7 +23,8 @@ instantiations out, DIFFX_EMULATE_FP16_ONLY, which halves their compile: bf16 go
 with each cache cut to at most KEYS_CAP keys plus its ragged remainder (emulated_keys): under the
 lowered sizes every case keeps its query blocks, several splits or chunks, and its ragged last
 tile, in a fraction of the time (ThreadSanitizer ran the uncut list in
-8 minutes on a 2-core CI machine). Plus a float32 launch (the conversion kernels). Skipped where
+8 minutes on a 2-core CI machine). Plus a float32 launch (the conversion kernels), and for
+ThreadSanitizer the decode pipelines in their steady state (STEADY_STATE_LAUNCHES). Skipped where
 the compiler cannot build with a sanitizer."""
 
 import os
@@ -41,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "plugins" / "kernels"
 SOURCES = [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp", KERNELS / "emulation" / "sanitize_cases.cpp"]
 SANITIZERS = {
-    "thread": ["-fsanitize=thread"],
+    "thread": ["-fsanitize=thread", "-DDIFFX_EMULATE_CP_ASYNC_AT_ISSUE"],
     "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
 }
 REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
@@ -50,6 +53,18 @@ REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error
 FP16 = 1  # sanitize_cases' dtype code (2 is bf16, which these builds leave out)
 KEY_SUM_CHUNK = 128  # the builds' K-smoothing chunk: KEYS_CAP keys make two
 KEYS_CAP = 256  # 4 tiles: two splits of two or more tiles at 4 target CTAs, two K-sum chunks
+
+
+# Decode calls whose splits take more steps than the pipeline has stages, so that a step refills a
+# stage an earlier step read: under the lowered target (4 CTAs) a 2001-key cache (32 tiles, the last
+# ragged) splits into 4 of 8 tiles, where a refill of a read stage needs 3 (two stages, one tile a
+# step) or 7 (an 8-bit cache: three stages of two tiles). The capped cases above split into 1-2 tiles.
+# Head dim 64: the pipelines' code is that of 128, at half the emulated work. Format as launches().
+STEADY_STATE_LAUNCHES = ["1,2,1,64,1,1,1,2001,0,1,1"]  # fp16 cache, two stages
+STEADY_STATE_KV_CACHE_LAUNCHES = [
+    "1,1,1,64,1,1,2,2001,0,1,1,1",  # int8 codes, 2 group rows: both maps in one tile (packed maps)
+    "2,4,1,64,0,1,4,2001,0,1,0,2",  # e4m3 codes, 16 group rows: a tile a map
+]
 
 
 def emulated_keys(q_len: int, kv_len: int) -> int:
@@ -75,8 +90,9 @@ def launches(sanitizer: str = "address,undefined") -> list[str]:
     args = [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},{bits},{FP16},{causal}"
             for v, h, hkv, d, causal, b, sq, skv, bits in cases]
     heads = "1,1" if sanitizer == "thread" else "2,2"
+    steady = STEADY_STATE_LAUNCHES if sanitizer == "thread" else []
     # + float32 I/O: the conversion kernels around the fp16 one
-    return args + kv_cache_launches(sanitizer) + [f"1,{heads},64,1,1,33,40,0,3,1"]
+    return args + steady + kv_cache_launches(sanitizer) + [f"1,{heads},64,1,1,33,40,0,3,1"]
 
 
 def kv_cache_launches(sanitizer: str) -> list[str]:
@@ -86,8 +102,9 @@ def kv_cache_launches(sanitizer: str) -> list[str]:
     kv_cases = KV_CACHE_CASES if sanitizer != "thread" else [
         (v, h // hkv, 1, d, causal, 1, sq, skv, fmt)
         for v, h, hkv, d, causal, b, sq, skv, fmt in KV_CACHE_CASES if sq <= DECODE_MAX_QUERY]
+    steady = STEADY_STATE_KV_CACHE_LAUNCHES if sanitizer == "thread" else []
     return [f"{v},{h},{hkv},{d},{causal},{b},{sq},{emulated_keys(sq, skv)},0,{FP16},{causal},"
-            f"{KV_FORMATS[fmt]}" for v, h, hkv, d, causal, b, sq, skv, fmt in kv_cases]
+            f"{KV_FORMATS[fmt]}" for v, h, hkv, d, causal, b, sq, skv, fmt in kv_cases] + steady
 
 
 @pytest.fixture(scope="module")
