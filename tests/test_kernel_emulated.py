@@ -60,6 +60,23 @@ def emulator_packed_maps(tmp_path_factory):
                                          [*EMULATOR_FLAGS, "-DDIFFX_DECODE_KV_PACK_MAPS=1"]))
 
 
+@pytest.fixture(scope="module")
+def emulator_copies_at_issue(tmp_path_factory):
+    """The emulator with every cp.async landing at its issue (DIFFX_EMULATE_COPIES_LAND=1), the other
+    end of the window the PTX ISA gives a copy. A stage refilled before a read that still wants its
+    old bytes then gives wrong numbers, even where a barrier orders that read after the issue, which
+    ThreadSanitizer cannot report; the default emulator, landing copies at the wait, passes such a
+    kernel. As in the sanitizer builds, the split-KV target is
+    lowered to 4 CTAs so that a few CTAs walk splits of many steps, packed maps are on, and bf16 is left
+    out (half the compile)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_COPIES_AT_ISSUE",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_copies_at_issue",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*EMULATOR_FLAGS, "-DDIFFX_EMULATE_COPIES_LAND=1",
+                                          "-DDIFFX_DECODE_TARGET_CTAS=4", "-DDIFFX_DECODE_KV_PACK_MAPS=1",
+                                          "-DDIFFX_EMULATE_FP16_ONLY"]))
+
+
 def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
@@ -284,9 +301,10 @@ def test_emulated_decode_kernel_matches_the_oracle(emulator, case, rng, monkeypa
 def test_emulated_decode_pipeline_over_many_tiles_a_split(emulator, rng):
     """256 CTAs of one split each, so every CTA walks the whole cache: 3 tiles, the last ragged, through
     the two-stage pipeline (tile j+1 requested before tile j is computed; stage 0 filled twice). The
-    emulator lands a copy at the latest moment its wait allows, so a stage read before its wait, or
-    refilled while another warp reads it, gives wrong numbers. (The one-stage pipeline: the long
-    cache of test_emulated_decode_kernel_matches_the_oracle.)"""
+    emulator lands a copy at the latest moment its wait allows, so a stage read before its wait gives
+    wrong numbers. (A stage refilled too early: ThreadSanitizer's build and
+    test_emulated_pipelines_are_right_with_copies_landing_at_their_issue. The one-stage pipeline: the
+    long cache of test_emulated_decode_kernel_matches_the_oracle.)"""
     attrs = DiffAttentionAttrs(variant=2, num_heads=16, num_kv_heads=16, head_dim=64, causal=1, norm=0,
                                output_scale=0.7)
     inputs = make_inputs(attrs, 16, 1, 150, dtype=torch.bfloat16, rng=rng)
@@ -669,3 +687,39 @@ def test_emulated_kv_cache_folds_a_tiny_query_up_out_of_fp16s_subnormals(emulato
     assert torch.isfinite(out_tiny).all()
     assert torch.equal(out_tiny, out)  # alpha absorbs the 2^18 exactly
     assert cosine(out_tiny, oracle(dequantised, attrs)) >= min_cosine(torch.bfloat16)
+
+
+# Copies landing at their issue (emulator_copies_at_issue), on every pipeline in its steady state: under
+# the lowered target a 2001-key cache (32 tiles, the last ragged) splits into 4 of 8 tiles, so each
+# split refills stages an earlier step read. Plus a prefill call through the one-pass kernel (its K and
+# V tiles refilled each step). Format: label, cache format (None: fp16), variant, causal, GQA ratio,
+# heads, q_len, kv_len, the GPU's shared-memory opt-in (KV_PIPELINES), left pads. Head dim 64.
+AT_ISSUE_CASES = [
+    ("fp16-two-stages", None, 1, 1, 2, 2, 1, 2001, 227 * 1024, [300]),
+    ("int8-two-tiles-a-step-packed-maps", "int8", 1, 1, 1, 1, 2, 2001, 227 * 1024, [300]),
+    ("int8-one-tile-three-stages", "int8", 1, 1, 1, 1, 2, 2001, 101_376, None),
+    ("int8-two-stages", "int8", 1, 1, 1, 1, 2, 2001, 0, None),
+    ("fp8-two-tiles-a-step-a-tile-a-map", "fp8", 2, 0, 4, 4, 4, 2001, 227 * 1024, None),
+    ("fp16-one-pass", None, 1, 1, 2, 2, 20, 300, 227 * 1024, [40]),
+]
+
+
+@pytest.mark.parametrize("case", AT_ISSUE_CASES, ids=[c[0] for c in AT_ISSUE_CASES])
+def test_emulated_pipelines_are_right_with_copies_landing_at_their_issue(emulator_copies_at_issue, case, rng,
+                                                                         monkeypatch):
+    label, fmt, variant, causal, ratio, heads, q_len, kv_len, smem_optin, pads = case
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=64,
+                               causal=causal, norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, 1, q_len, kv_len, dtype=torch.float16, rng=rng)
+    key_mask = None if pads is None else padding_mask(1, kv_len, pads)
+    kv_scales, reference_inputs = None, inputs
+    if fmt is not None:
+        inputs, kv_scales, reference_inputs = cache_of(inputs, fmt)
+    plan = ("split-kv", 4) if q_len <= kernels.DECODE_MAX_QUERY else ("one-pass", 1)
+    out = emulate(emulator_copies_at_issue, inputs, attrs, kv_scales=kv_scales, key_mask=key_mask, plan=plan)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t
+                              for i, t in enumerate(reference_inputs)], attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(reference_inputs, attrs, key_mask), label,
+                         min_cosine=min_cosine(torch.float16))

@@ -3,7 +3,7 @@ compute-sanitizer over tests/kernel_cases.py (plugins/kernels/emulation/sanitize
 
 ThreadSanitizer: every CUDA thread of the emulation is a std::thread, so a shared-memory access no
 barrier orders against another thread's write is a reported race. Its build writes each cp.async at
-both ends of the window the PTX ISA gives it (DIFFX_EMULATE_CP_ASYNC_AT_ISSUE): at the thread's wait,
+both ends of the window the PTX ISA gives it (DIFFX_EMULATE_COPIES_LAND=2): at the thread's wait,
 so a tile read before its wait races, and at the issue, so a copy into a stage that another warp may
 still be reading (no barrier between that read and the issue) races too.
 AddressSanitizer + UBSan: tensors, workspace, key mask and dynamic shared memory are allocated at
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "plugins" / "kernels"
 SOURCES = [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp", KERNELS / "emulation" / "sanitize_cases.cpp"]
 SANITIZERS = {
-    "thread": ["-fsanitize=thread", "-DDIFFX_EMULATE_CP_ASYNC_AT_ISSUE"],
+    "thread": ["-fsanitize=thread", "-DDIFFX_EMULATE_COPIES_LAND=2"],
     "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
 }
 REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
