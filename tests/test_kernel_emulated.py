@@ -61,20 +61,15 @@ def emulator_packed_maps(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def emulator_copies_at_issue(tmp_path_factory):
-    """The emulator with every cp.async landing at its issue (DIFFX_EMULATE_COPIES_LAND=1), the other
-    end of the window the PTX ISA gives a copy. A stage refilled before a read that still wants its
-    old bytes then gives wrong numbers, even where a barrier orders that read after the issue, which
-    ThreadSanitizer cannot report; the default emulator, landing copies at the wait, passes such a
-    kernel. As in the sanitizer builds, the split-KV target is
-    lowered to 4 CTAs so that a few CTAs walk splits of many steps, packed maps are on, and bf16 is left
-    out (half the compile)."""
-    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_COPIES_AT_ISSUE",
-                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_copies_at_issue",
+def emulator_lowered_target(tmp_path_factory):
+    """The emulator with the split-KV target lowered to 4 CTAs (DIFFX_DECODE_TARGET_CTAS), as in the
+    sanitizer builds, so that a few CTAs walk splits of many steps; packed maps on; bf16 left out (half
+    the compile)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_LOWERED_TARGET",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_lowered_target",
                                          [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
-                                         [*EMULATOR_FLAGS, "-DDIFFX_EMULATE_COPIES_LAND=1",
-                                          "-DDIFFX_DECODE_TARGET_CTAS=4", "-DDIFFX_DECODE_KV_PACK_MAPS=1",
-                                          "-DDIFFX_EMULATE_FP16_ONLY"]))
+                                         [*EMULATOR_FLAGS, "-DDIFFX_DECODE_TARGET_CTAS=4",
+                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_EMULATE_FP16_ONLY"]))
 
 
 def emulator_library(path):
@@ -296,22 +291,6 @@ def test_emulated_decode_kernel_matches_the_oracle(emulator, case, rng, monkeypa
     assert not out.isnan().any(), "output not fully written (poison left)"
     assert_close_lowprec(out, lowprec_baseline(*inputs, attrs), oracle(inputs, attrs), str(case),
                          min_cosine=min_cosine(dtype))
-
-
-def test_emulated_decode_pipeline_over_many_tiles_a_split(emulator, rng):
-    """256 CTAs of one split each, so every CTA walks the whole cache: 3 tiles, the last ragged, through
-    the two-stage pipeline (tile j+1 requested before tile j is computed; stage 0 filled twice). The
-    emulator lands a copy at the latest moment its wait allows, so a stage read before its wait gives
-    wrong numbers. (A stage refilled too early: ThreadSanitizer's build and
-    test_emulated_pipelines_are_right_with_copies_landing_at_their_issue. The one-stage pipeline: the
-    long cache of test_emulated_decode_kernel_matches_the_oracle.)"""
-    attrs = DiffAttentionAttrs(variant=2, num_heads=16, num_kv_heads=16, head_dim=64, causal=1, norm=0,
-                               output_scale=0.7)
-    inputs = make_inputs(attrs, 16, 1, 150, dtype=torch.bfloat16, rng=rng)
-    out = emulate(emulator, inputs, attrs, plan=("split-kv", 1))
-    assert not out.isnan().any(), "output not fully written (poison left)"
-    assert_close_lowprec(out, lowprec_baseline(*inputs, attrs), oracle(inputs, attrs), "two stages",
-                         min_cosine=min_cosine(torch.bfloat16))
 
 
 def test_emulated_decode_agrees_with_the_one_pass_kernel(emulator, rng, monkeypatch):
@@ -689,12 +668,17 @@ def test_emulated_kv_cache_folds_a_tiny_query_up_out_of_fp16s_subnormals(emulato
     assert cosine(out_tiny, oracle(dequantised, attrs)) >= min_cosine(torch.bfloat16)
 
 
-# Copies landing at their issue (emulator_copies_at_issue), on every pipeline in its steady state: under
-# the lowered target a 2001-key cache (32 tiles, the last ragged) splits into 4 of 8 tiles, so each
-# split refills stages an earlier step read. Plus a prefill call through the one-pass kernel (its K and
-# V tiles refilled each step). Format: label, cache format (None: fp16), variant, causal, GQA ratio,
-# heads, q_len, kv_len, the GPU's shared-memory opt-in (KV_PIPELINES), left pads. Head dim 64.
-AT_ISSUE_CASES = [
+# Every pipeline in its steady state: under the lowered target (emulator_lowered_target) a 2001-key
+# cache (32 tiles, the last ragged) splits into 4 of 8 tiles, so each split refills stages an earlier
+# step read; plus a prefill call through the one-pass kernel (its K and V tiles refilled each step).
+# Each with the copies landing at their wait (a stage read before its wait gives wrong numbers) and at
+# their issue (DIFFX_EMULATOR_COPIES_LAND=1: a stage refilled while a read still wants its old bytes
+# does, even where a barrier orders that read after the issue, which ThreadSanitizer cannot report).
+# A decode loop that prefetched one step deeper into the stage it was about to read passed every
+# other emulated test and ThreadSanitizer, and failed the five decode cases at their issue.
+# Format: label, cache format (None: fp16), variant, causal, GQA ratio, heads, q_len, kv_len, the GPU's
+# shared-memory opt-in (KV_PIPELINES), left pads. Head dim 64.
+STEADY_STATE_CASES = [
     ("fp16-two-stages", None, 1, 1, 2, 2, 1, 2001, 227 * 1024, [300]),
     ("int8-two-tiles-a-step-packed-maps", "int8", 1, 1, 1, 1, 2, 2001, 227 * 1024, [300]),
     ("int8-one-tile-three-stages", "int8", 1, 1, 1, 1, 2, 2001, 101_376, None),
@@ -704,11 +688,13 @@ AT_ISSUE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", AT_ISSUE_CASES, ids=[c[0] for c in AT_ISSUE_CASES])
-def test_emulated_pipelines_are_right_with_copies_landing_at_their_issue(emulator_copies_at_issue, case, rng,
-                                                                         monkeypatch):
+@pytest.mark.parametrize("land", ["wait", "issue"])
+@pytest.mark.parametrize("case", STEADY_STATE_CASES, ids=[c[0] for c in STEADY_STATE_CASES])
+def test_emulated_pipelines_in_their_steady_state_with_copies_landing_at_either_end(emulator_lowered_target, case,
+                                                                                    land, rng, monkeypatch):
     label, fmt, variant, causal, ratio, heads, q_len, kv_len, smem_optin, pads = case
     monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=64,
                                causal=causal, norm=int(variant == 1), output_scale=0.7)
     inputs = make_inputs(attrs, 1, q_len, kv_len, dtype=torch.float16, rng=rng)
@@ -717,9 +703,18 @@ def test_emulated_pipelines_are_right_with_copies_landing_at_their_issue(emulato
     if fmt is not None:
         inputs, kv_scales, reference_inputs = cache_of(inputs, fmt)
     plan = ("split-kv", 4) if q_len <= kernels.DECODE_MAX_QUERY else ("one-pass", 1)
-    out = emulate(emulator_copies_at_issue, inputs, attrs, kv_scales=kv_scales, key_mask=key_mask, plan=plan)
+    out = emulate(emulator_lowered_target, inputs, attrs, kv_scales=kv_scales, key_mask=key_mask, plan=plan)
     assert not out.isnan().any(), "output not fully written (poison left)"
     base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t
                               for i, t in enumerate(reference_inputs)], attrs, key_mask=key_mask)
-    assert_close_lowprec(out, base, oracle(reference_inputs, attrs, key_mask), label,
+    assert_close_lowprec(out, base, oracle(reference_inputs, attrs, key_mask), f"{label}, copies at the {land}",
                          min_cosine=min_cosine(torch.float16))
+
+
+def test_the_emulator_refuses_an_unknown_landing_of_copies(emulator, rng, monkeypatch):
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=2, head_dim=64, causal=1)
+    inputs = make_inputs(attrs, 1, 20, 10, dtype=torch.float16, rng=rng)  # the one-pass kernel: no workspace
+    monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", "3")
+    params = kernels.make_params(*inputs, torch.empty(1, 20, 2 * 128, dtype=torch.float16), attrs)
+    assert lib_status(emulator, params) == 7  # DIFFX_ERR_BAD_ATTRIBUTE
+    assert "DIFFX_EMULATOR_COPIES_LAND is not 0" in emulator.diffx_last_error().decode()

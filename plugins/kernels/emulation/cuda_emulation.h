@@ -207,19 +207,17 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 namespace diffx {
 
 // cp.async lands at some time between the issue and the thread's cp.async.wait_all.
-// DIFFX_EMULATE_COPIES_LAND picks the moment the emulator writes it:
+// g_copies_land (DIFFX_EMULATOR_COPIES_LAND, read at each launch by emulator.cpp) picks the moment
+// the emulator writes it:
 // 0 (default): the latest, the wait. The copy is queued and done there, so shared memory read before
 //   its wait (or by another thread not ordered after that wait by a barrier) holds stale bytes, which
 //   the numerics tests see and ThreadSanitizer reports as a race (sanitize_cases.cpp).
 // 1: the earliest, the issue. A stage refilled while a read still wants its old bytes then gives
 //   wrong numbers, even where a barrier orders that read after the issue.
-// 2: both (the ThreadSanitizer build): a copy into a tile that another thread may still be reading
+// 2: both (the ThreadSanitizer runs): a copy into a tile that another thread may still be reading
 //   (no barrier orders that read before the issue) is a reported race too, whenever the hardware
 //   lands it.
-#ifndef DIFFX_EMULATE_COPIES_LAND
-#define DIFFX_EMULATE_COPIES_LAND 0
-#endif
-static_assert(DIFFX_EMULATE_COPIES_LAND >= 0 && DIFFX_EMULATE_COPIES_LAND <= 2, "0: at the wait, 1: the issue, 2: both");
+inline int g_copies_land = 0;  // set before a launch's threads start
 struct PendingCopy {
   void* smem;
   const void* gmem;
@@ -236,13 +234,13 @@ inline void cp_async_write(const PendingCopy& c) {
   }
 }
 inline void cp_async_16(void* smem, const void* gmem, bool valid) {
-  if (DIFFX_EMULATE_COPIES_LAND != 0) cp_async_write({smem, gmem, valid});
+  if (g_copies_land != 0) cp_async_write({smem, gmem, valid});
   t_pending_copies.push_back({smem, gmem, valid});
 }
 inline void cp_async_commit() { t_group_ends.push_back(t_pending_copies.size()); }
 // Lands the first `count` pending copies (the oldest), in issue order.
 inline void cp_async_land(size_t count) {
-  if (DIFFX_EMULATE_COPIES_LAND != 1)
+  if (g_copies_land != 1)
     for (size_t i = 0; i < count; ++i) cp_async_write(t_pending_copies[i]);
   t_pending_copies.erase(t_pending_copies.begin(), t_pending_copies.begin() + long(count));
 }

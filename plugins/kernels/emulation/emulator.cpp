@@ -3,6 +3,7 @@
 #include <barrier>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -209,6 +210,10 @@ extern "C" DIFFX_EMU_API int diffx_emulated_attention_forward(const DiffxAttenti
 #endif
   if (diffx::kernel_path(*params) == diffx::KernelPath::kHopper)  // wgmma and TMA have no CPU emulation
     return diffx::record_error(DIFFX_ERR_NO_KERNEL_FOR_GPU, "the CPU emulator has no Hopper path: unset DIFFEXPORT_KERNEL_PATH");
+  const char* land = std::getenv("DIFFX_EMULATOR_COPIES_LAND");  // cuda_emulation.h: where a cp.async writes
+  if (land && std::strcmp(land, "0") != 0 && std::strcmp(land, "1") != 0 && std::strcmp(land, "2") != 0)
+    return diffx::record_error(DIFFX_ERR_BAD_ATTRIBUTE, "DIFFX_EMULATOR_COPIES_LAND is not 0 (at the wait), 1 (at the issue) or 2 (both)");
+  diffx::g_copies_land = land ? land[0] - '0' : 0;
   run(*params);
   return DIFFX_OK;
 }
