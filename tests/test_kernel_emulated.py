@@ -30,6 +30,7 @@ BUILT = ROOT / "build" / "plugins" / "kernels" / "emulation" / "libdiffexport_ke
 
 
 EMULATOR_FLAGS = ["-std=c++20", "-DDIFFX_EMULATE", f"-I{KERNELS}", "-lpthread"]
+LOWERED_TARGET = 4  # emulator_lowered_target's split-KV target (CTAs)
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +52,16 @@ def emulator_fp8_bit_shifts(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def emulator_packed_maps(tmp_path_factory):
-    """The emulator with DIFFX_DECODE_KV_PACK_MAPS=1: an 8-bit cache's decode call whose group rows fit
-    8, on two tiles a step, puts both maps in one row tile (the GPU build's option, off by default)."""
-    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_PACKED_MAPS",
-                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_packed_maps",
-                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
-                                         [*EMULATOR_FLAGS, "-DDIFFX_DECODE_KV_PACK_MAPS=1"]))
-
-
-@pytest.fixture(scope="module")
 def emulator_lowered_target(tmp_path_factory):
-    """The emulator with the split-KV target lowered to 4 CTAs (DIFFX_DECODE_TARGET_CTAS), as in the
-    sanitizer builds, so that a few CTAs walk splits of many steps; packed maps on; bf16 left out (half
-    the compile)."""
+    """The emulator with the split-KV target lowered to LOWERED_TARGET CTAs (DIFFX_DECODE_TARGET_CTAS),
+    as in the sanitizer builds, so that a few CTAs walk splits of many steps, and with
+    DIFFX_DECODE_KV_PACK_MAPS=1: an 8-bit cache's decode call whose group rows fit 8, on two tiles a
+    step, puts both maps in one row tile (the GPU build's option, off by default)."""
     return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_LOWERED_TARGET",
                                          KERNELS / "no-such-build", "diffexport_kernel_emulator_lowered_target",
                                          [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
-                                         [*EMULATOR_FLAGS, "-DDIFFX_DECODE_TARGET_CTAS=4",
-                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_EMULATE_FP16_ONLY"]))
+                                         [*EMULATOR_FLAGS, f"-DDIFFX_DECODE_TARGET_CTAS={LOWERED_TARGET}",
+                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1"]))
 
 
 def emulator_library(path):
@@ -249,12 +241,12 @@ def packed_heads(ratio, q_len, int8=False):
     return 1 if int8 else max(h for h in range(1, ratio + 1) if ratio % h == 0 and h * q_len <= 16)
 
 
-def splits_for(batch, heads, kv_len, ratio=1, q_len=1, int8=False, kv8=False):
-    """The decode plan's key splits (DIFFX_DECODE_TARGET_CTAS = 256 CTAs, never an empty split); an
+def splits_for(batch, heads, kv_len, ratio=1, q_len=1, int8=False, kv8=False, target=256):
+    """The decode plan's key splits (DIFFX_DECODE_TARGET_CTAS = target CTAs, never an empty split); an
     8-bit cache (kv8) gets whole steps of DIFFX_DECODE_KV_TILES = 2 tiles a split."""
     tiles = -(-kv_len // 64)
     ctas = batch * heads // packed_heads(ratio, q_len, int8)
-    splits = min(tiles, max(1, -(-256 // ctas)))
+    splits = min(tiles, max(1, -(-target // ctas)))
     per_split = -(-tiles // splits)
     if kv8:
         per_split += per_split % 2
@@ -525,8 +517,9 @@ def test_emulated_kv_cache_pipelines_match_the_oracle(emulator, pipeline, fmt, r
                          min_cosine=min_cosine(torch.float16))
 
 
-# Both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS=1): group rows 1-8 take it (V1 and V2, int8
-# and fp8, GQA heads packed, key masks, ragged tiles); 16 rows fall back to a tile a map.
+# Both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS=1, emulator_lowered_target: so a split takes many
+# steps): group rows 1-8 take it (V1 and V2, int8 and fp8, GQA heads packed, key masks, ragged tiles);
+# 16 rows fall back to a tile a map.
 PACKED_CASES = [  # format, variant, head dim, GQA ratio, heads, batch, q_len, kv_len, dtype, left pads
     ("int8", 1, 128, 4, 8, 2, 1, 430, torch.bfloat16, [0, 100]),  # 4 rows, the benchmark's shape
     ("fp8", 1, 64, 2, 4, 1, 4, 300, torch.float16, None),         # 8 rows: both halves full
@@ -538,15 +531,15 @@ PACKED_CASES = [  # format, variant, head dim, GQA ratio, heads, batch, q_len, k
 
 @pytest.mark.parametrize("case", PACKED_CASES, ids=[f"{c[0]}-v{c[1]}-d{c[2]}-gqa{c[3]}-{c[6]}x{c[7]}"
                                                     for c in PACKED_CASES])
-def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_packed_maps, case, rng):
+def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_lowered_target, case, rng):
     fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, dtype, pads = case
     attrs, inputs, key_mask = kv_case(case, rng)
     # Map 2's queries 2^-7 of map 1's: the maps' folded Q take different powers of two, which the
     # packed tile reconciles on map 2's logits.
     inputs[0].view(batch, q_len, heads, 2, head_dim)[:, :, :, 1].mul_(2.0 ** -7)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
-    out = emulate(emulator_packed_maps, codes, attrs, key_mask=key_mask, kv_scales=kv_scales,
-                  plan=("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True)))
+    out = emulate(emulator_lowered_target, codes, attrs, key_mask=key_mask, kv_scales=kv_scales,
+                  plan=("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True, target=LOWERED_TARGET)))
     assert not out.isnan().any(), "output not fully written (poison left)"
     base = lowprec_baseline(*[t.to(dtype) if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
@@ -702,7 +695,7 @@ def test_emulated_pipelines_in_their_steady_state_with_copies_landing_at_either_
     kv_scales, reference_inputs = None, inputs
     if fmt is not None:
         inputs, kv_scales, reference_inputs = cache_of(inputs, fmt)
-    plan = ("split-kv", 4) if q_len <= kernels.DECODE_MAX_QUERY else ("one-pass", 1)
+    plan = ("split-kv", LOWERED_TARGET) if q_len <= kernels.DECODE_MAX_QUERY else ("one-pass", 1)
     out = emulate(emulator_lowered_target, inputs, attrs, kv_scales=kv_scales, key_mask=key_mask, plan=plan)
     assert not out.isnan().any(), "output not fully written (poison left)"
     base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t
