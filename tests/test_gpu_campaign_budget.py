@@ -290,6 +290,55 @@ def test_a_bench_stopped_at_its_limit_renders_as_partial(tmp_path):
         assert says_partial == (name == "partial.json"), out.stderr
 
 
+def bench_attention_module():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return bench_attention
+
+
+def test_methods_are_timed_in_rounds_so_a_drift_falls_on_all_alike(capsys):
+    """bench_attention.interleaved_medians on stand-in methods whose every call reads 1% slower than
+    the call before (a GPU warming over the loop): each round times every method once, one method
+    later than the round before, so their medians keep the true ratios, where timing one method's
+    runs back to back would put ~10% of drift on the method timed last. A method that raises in its
+    warm-up or in a round is left out with a line saying why; the others are still measured."""
+    bench = bench_attention_module()
+    calls = []
+
+    def method(name, base, fail_at=None):
+        def run():
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} refused this shape\nsecond line")
+            return base * (1 + 0.01 * len(calls))
+        return run
+
+    methods = {"a": method("a", 1.0), "b": method("b", 2.0), "c": method("c", 4.0),
+               "warm-up failure": method("warm-up failure", 1.0, fail_at=1),
+               "round failure": method("round failure", 1.0, fail_at=6)}
+    medians = bench.interleaved_medians(methods, warmup=2, repeats=10, time_one=lambda fn: fn())
+    assert list(medians) == ["a", "b", "c"]
+    assert medians["b"] / medians["a"] == pytest.approx(2.0, rel=0.03)
+    assert medians["c"] / medians["a"] == pytest.approx(4.0, rel=0.03)
+    err = capsys.readouterr().err
+    assert "warm-up failure: not measured (warm-up failure refused this shape)" in err
+    assert "round failure: not measured (round failure refused this shape)" in err
+    # warm-up: two rounds in the given order; then round r starts r methods later
+    assert calls[:5] == ["a", "b", "c", "warm-up failure", "round failure"]
+    assert calls[5:9] == ["a", "b", "c", "round failure"]
+    timed = calls[9:]
+    assert timed[:8] == ["a", "b", "c", "round failure", "b", "c", "round failure", "a"]
+    assert timed[12:16] == ["round failure", "a", "b", "c"]  # its last call, then the round goes on without it
+    assert timed.count("a") == timed.count("b") == timed.count("c") == 10
+    # back to back, the same stand-ins read the drift: what the rounds are for
+    calls.clear()
+    sequential = {name: bench.statistics.median([methods[name]() for _ in range(10)]) for name in ("a", "b", "c")}
+    assert sequential["c"] / sequential["a"] > 4.0 * 1.15
+
+
 def test_the_fixed_cost_per_cta_is_a_fitted_line_and_renders(tmp_path):
     """bench_attention.py --cta-cost: the intercept and slope of the least-squares line through the
     measured points, how far the worst point lies off it, and the table --render prints of a saved run."""

@@ -7,13 +7,15 @@ what auto runs there) with fp and with INT8 logits (s8 wgmma), the paper's
 FlashDiffAttn_1 and FlashDiffAttn_2 on the eager attention backend (flash_attn when importable,
 else torch SDPA), and the naive eager form where its N x N maps fit in memory. FLOPs are the exact
 12*N^2*d per diff-head (halved for causal); the matmul peak is a bf16 8192^3 matmul measured in
-the same run. Medians of CUDA-event timings after warm-up. Not a test.
+the same run. Medians of CUDA-event timings after warm-up, every method of a case timed once a
+round (benchdoc.interleaved_medians), so that the GPU's drift over the loop falls on all alike. Not a test.
 
 --decode measures decode steps instead (Sq = 1 and 4 query tokens against 1k-128k cached keys):
 our split-KV decode kernels, the one-pass kernel on the same call (DIFFEXPORT_KERNEL_PATH=mma),
 the INT8-logits variant and the compositions, as achieved GB/s (the bytes of Q, K, V and the
 output once) beside a device-to-device copy's GB/s measured in the same run. Each call is timed
-inside a CUDA graph of 20 calls, so Python's launch overhead is not in the numbers.
+inside a CUDA graph of 20 calls, so Python's launch overhead is not in the numbers; our kernels'
+graphs (every build's) are replayed in rounds, the compositions' one after another.
 
 --cta-cost measures the Hopper path's fixed cost per CTA: the prefill cases' grid (4096 tiles of 64
 query rows, a CTA each unless the build is persistent; non-causal) against 256 to 4096 keys, timed
@@ -49,18 +51,34 @@ TOKENS_PER_BATCH = 16384  # B * N: keeps B*H*N/64 CTAs (work per launch) the sam
 NAIVE_MAX_BYTES = 24 * 2**30
 
 
+def event_ms(fn) -> float:
+    """One call of fn on the current stream, timed by CUDA events (ms)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def median_ms(fn, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_ms(fn) for _ in range(repeats))
+
+
+def not_measured(name: str, exc: Exception) -> None:
+    """The line for a method left out of a table (its memory handed back for the next one)."""
+    print(f"  {name}: not measured ({(str(exc).splitlines() or [type(exc).__name__])[0][:150]})", file=sys.stderr)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def interleaved_medians(methods: dict, warmup: int, repeats: int, time_one=event_ms) -> dict[str, float]:
+    """Median ms of each method, timed in rounds (benchdoc.interleaved_medians); a method that raises
+    (a backend refusing a shape, out of memory) is left out with a line saying why."""
+    return benchdoc.interleaved_medians(methods, warmup, repeats, time_one,
+                                        failures=(RuntimeError, torch.OutOfMemoryError), left_out=not_measured)
 
 
 def matmul_peak_tflops() -> float:
@@ -143,14 +161,8 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
     flops = attention_flops(attrs, batch, n)
     row = {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "causal": causal, "n": n, "batch": batch,
            "heads": heads, "backend": reference.attention_backend(q, q), "timings": {}}
-    for name, fn in methods.items():
-        try:
-            ms = median_ms(fn, warmup, repeats)
-        except (RuntimeError, torch.OutOfMemoryError) as exc:  # e.g. a backend refusing a value head of 2d
-            print(f"  {name}: not measured ({(str(exc).splitlines() or [type(exc).__name__])[0][:150]})",
-                  file=sys.stderr)
-            torch.cuda.empty_cache()
-            continue
+    # (a backend refusing a value head of 2d is left out)
+    for name, ms in interleaved_medians(methods, warmup, repeats).items():
         row["timings"][name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
     exact = kernels.diff_attention(*inputs, attrs).float()
     quant = kernels.diff_attention(*inputs, attrs, logit_bits=8).float()
@@ -279,8 +291,9 @@ DECODE_GRAPH_CALLS = 20
 KV_CACHE_FORMATS = ("int8", "fp8")  # the 8-bit caches decode is timed on beside the float one
 
 
-def graph_ms(fn, warmup: int, repeats: int) -> float:
-    """Median ms of one call of fn, replayed as a CUDA graph of DECODE_GRAPH_CALLS calls."""
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """DECODE_GRAPH_CALLS calls of fn captured as one CUDA graph (timed per replay, so that Python's
+    launch overhead is not in the numbers)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (allocations, kernel attributes)
@@ -290,7 +303,12 @@ def graph_ms(fn, warmup: int, repeats: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(DECODE_GRAPH_CALLS):
             fn()
-    return median_ms(graph.replay, warmup, repeats) / DECODE_GRAPH_CALLS
+    return graph
+
+
+def graph_ms(fn, warmup: int, repeats: int) -> float:
+    """Median ms of one call of fn, replayed as a CUDA graph of DECODE_GRAPH_CALLS calls."""
+    return median_ms(captured(fn).replay, warmup, repeats) / DECODE_GRAPH_CALLS
 
 
 def copy_bandwidth_gbs() -> float:
@@ -350,24 +368,36 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
             cache_bytes[name] = cache_bytes[f"split_kv_{fmt}_cache"]
             methods[name], _ = prepared_call(caches[fmt][0], attrs, kv_out[name], kv_scales=caches[fmt][1], lib=lib)
     os.environ.pop(kernels.KERNEL_PATH_ENV, None)
-    for backend in backends:
-        for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
-                         ("flash_diff_2", reference.flash_diff_attention_2)):
-            methods[f"{name}/{backend}"] = forced(backend, fn, inputs, attrs)
     row = {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "q_len": q_len, "kv_len": kv_len,
            "batch": batch, "heads": heads, "kv_heads": kv_heads, "bytes": nbytes,
            "splits": plans["split_kv"][1], "timings": {}}
+
+    def record(name, ms):
+        row["timings"][name] = {"ms": ms, "gbs": cache_bytes.get(name, nbytes) / (ms * 1e-3) / 1e9}
+
+    # Our kernels' calls (every build's), captured first and timed in rounds: their ratios are what
+    # the table compares. (Each graph holds only the call's launches: these calls allocate nothing.)
+    graphs = {}
     for name, fn in methods.items():
         try:
-            ms = graph_ms(fn, warmup, repeats)
+            graphs[name] = captured(fn).replay
         except (RuntimeError, torch.OutOfMemoryError) as exc:
-            print(f"  {name}: not measured ({(str(exc).splitlines() or [type(exc).__name__])[0][:150]})",
-                  file=sys.stderr)
-            torch.cuda.empty_cache()
-            continue
+            not_measured(name, exc)
         finally:
             os.environ.pop(kernels.KERNEL_PATH_ENV, None)
-        row["timings"][name] = {"ms": ms, "gbs": cache_bytes.get(name, nbytes) / (ms * 1e-3) / 1e9}
+    for name, ms in interleaved_medians(graphs, warmup, repeats).items():
+        record(name, ms / DECODE_GRAPH_CALLS)
+    del graphs
+    # The compositions, one after another: each graph holds its call's temporaries (the GQA-expanded
+    # K and V, gigabytes at 128k keys), released before the next, and they are many times slower.
+    for backend in backends:
+        for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
+                         ("flash_diff_2", reference.flash_diff_attention_2)):
+            try:
+                record(f"{name}/{backend}", graph_ms(forced(backend, fn, inputs, attrs), warmup, repeats))
+            except (RuntimeError, torch.OutOfMemoryError) as exc:
+                not_measured(f"{name}/{backend}", exc)
+            torch.cuda.empty_cache()
     exact = torch.as_tensor(reference.flash_diff_attention_1(*[t.float() for t in inputs], attrs))
     methods["split_kv"]()
     row["max_err_vs_fp32"] = (out.float() - exact).abs().max().item()
@@ -441,8 +471,7 @@ def run_cta_cost(args, other_builds: dict) -> int:
             try:
                 row = cta_cost_case(getattr(torch, args.dtypes[0]), d, args.heads, args.warmup, args.repeats, lib)
             except (RuntimeError, DiffExportError) as exc:  # one build's failure leaves the others' rows
-                print(f"  {name}: not measured ({(str(exc).splitlines() or [type(exc).__name__])[0][:150]})",
-                      file=sys.stderr)
+                not_measured(name, exc)
                 continue
             if row is None:
                 print(f"  {name}: the Hopper kernel is not what it plans here; left out", file=sys.stderr)
@@ -526,8 +555,9 @@ def render(path: Path, write: bool) -> int:
         elif record.get("mode") == "cta_cost":
             print(cta_cost_table(record["rows"]))
         else:
-            publish(record, {name.split("@", 1)[1] for row in record["rows"] for name in row["timings"] if "@" in name},
-                    write)
+            # the builds in the order the run timed them (a set's order changes from one process to the next)
+            publish(record, list(dict.fromkeys(name.split("@", 1)[1] for row in record["rows"]
+                                               for name in row["timings"] if "@" in name)), write)
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
         print(f"error: --render {path}: not what bench_attention.py --json writes ({type(exc).__name__}: {exc})",
               file=sys.stderr)
@@ -547,7 +577,9 @@ def publish_decode(record: dict, write: bool) -> None:
             f"{record['copy_gbs']:.0f} GB/s "
             f"(read + write of 2 GiB). Cells: median µs per call (achieved GB/s on the bytes of Q, K, V and the "
             f"output once), each call timed inside a CUDA graph of {DECODE_GRAPH_CALLS} calls, {record['repeats']} "
-            f"replays after {record['warmup']} warm-up. One-pass: the same call with DIFFEXPORT_KERNEL_PATH=mma. "
+            f"replays after {record['warmup']} warm-up"
+            f"{rounds_sentence(record, 'our kernels (every build), the compositions one after another')} "
+            "One-pass: the same call with DIFFEXPORT_KERNEL_PATH=mma. "
             "INT8 includes its K quantisation pre-pass (which reads all of K once more). int8 / fp8 cache: the same "
             "keys and values as an 8-bit KV cache (per-channel static scales, K smoothed; GB/s on its own bytes), "
             "the ratio is the bf16/fp16 split-KV call's time over the 8-bit one's, and the cosine is of its output "
@@ -589,7 +621,8 @@ def publish(record: dict, other_builds, write: bool) -> None:
             f"{completeness(record)}{record['stamp']} Measured bf16 matmul peak (8192^3) in this run: "
             f"{peak:.0f} TFLOP/s. "
             f"Cells: median ms (TFLOP/s on 12*N^2*d per diff-head, halved for causal), {record['repeats']} runs "
-            f"after {record['warmup']} warm-up. Compositions: FlashDiffAttn_1/_2 on the default attention library "
+            f"after {record['warmup']} warm-up{rounds_sentence(record, 'every method, the compositions too')} "
+            "Compositions: FlashDiffAttn_1/_2 on the default attention library "
             f"(`{rows[0]['backend']}`) and with each torch SDPA backend forced ({', '.join(record['backends'])}), "
             "and the naive form where it fits; 'best' is the fastest of them in this run. Fused: the mma.sync "
             "one-pass kernel (DIFFEXPORT_KERNEL_PATH=mma). INT8 = 8-bit logits with K-smoothing, including the K "
@@ -673,7 +706,7 @@ def main() -> int:
              for n in args.seqs]
     record = {"peak_tflops": peak, "rows": [], "cases": len(cases), "complete": False, "stamp": benchdoc.stamp(),
               "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
-              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends}
+              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends, "rounds": True}
     for dtype, d, causal, n in cases:
         print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
         record["rows"].append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
@@ -695,6 +728,15 @@ def save_partial(path: Path | None, record: dict) -> None:
     os.replace(scratch, path)
 
 
+def rounds_sentence(record: dict, which: str) -> str:
+    """How a run ordered its timings: in rounds (interleaved_medians), or, for runs recorded before
+    that, one method's runs back to back."""
+    if not record.get("rounds"):
+        return "."
+    return (f", timed in rounds ({which}): each round times every method once, one method later than the "
+            "round before, so that the GPU's drift over the loop falls on all of them alike.")
+
+
 def completeness(record: dict) -> str:
     """The sentence a section carries when its run was stopped before its last case ('' when whole;
     records written before this field existed were only ever written whole)."""
@@ -712,7 +754,7 @@ def run_decode(args, other_builds: dict) -> int:
              for kv_len in args.keys]
     record = {"mode": "decode", "copy_gbs": copy_gbs, "rows": [], "cases": len(cases), "complete": False,
               "stamp": benchdoc.stamp(), "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
-              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends}
+              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends, "rounds": True}
     for dtype, d, q_len, kv_len in cases:
         print(f"{dtype} d={d} Sq={q_len} keys={kv_len} ...", file=sys.stderr, flush=True)
         record["rows"].append(decode_case(getattr(torch, dtype), d, q_len, kv_len, args.decode_batch, args.heads,

@@ -58,6 +58,12 @@ def feeds_for(sess, past: int) -> dict[str, np.ndarray]:
     return feeds
 
 
+def wall_seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path)
@@ -80,14 +86,9 @@ def main() -> int:
         sessions = [session(m, threads) for m in models]
         feeds = feeds_for(sessions[0], args.past)
         logits = [s.run(["logits"], feeds)[0] for s in sessions]
-        times = [[], []]
-        for round_index in range(args.rounds):
-            order = (0, 1) if round_index % 2 == 0 else (1, 0)
-            for which in order:
-                start = time.perf_counter()
-                sessions[which].run(None, feeds)
-                times[which].append(time.perf_counter() - start)
-        before, after = (float(np.median(t)) * 1e3 for t in times)
+        steps = {"before": lambda s=sessions[0]: s.run(None, feeds), "after": lambda s=sessions[1]: s.run(None, feeds)}
+        medians = benchdoc.interleaved_medians(steps, 0, args.rounds, wall_seconds)
+        before, after = medians["before"] * 1e3, medians["after"] * 1e3
         diff = float(np.abs(logits[0] - logits[1]).max())
         print(f"| {threads} | {before:.2f} | {after:.2f} | {before / after:.3f} | {sum(kernels[0].values())} | "
               f"{sum(kernels[1].values())} | {diff:.2e} |")

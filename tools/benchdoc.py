@@ -1,5 +1,5 @@
-"""Shared by the benchmark tools: hardware/commit stamp, replacing a tool's section in docs/BENCHMARKS.md,
-and which timing of a saved case is the best composition."""
+"""Shared by the benchmark tools: hardware/commit stamp, timing in interleaved rounds, replacing a tool's
+section in docs/BENCHMARKS.md, and which timing of a saved case is the best composition."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -47,6 +48,42 @@ def stamp() -> str:
         gpu = f"GPU {torch.cuda.get_device_name()} (sm_{major}{minor}, CUDA {torch.version.cuda}); "
     return (f"Date {datetime.date.today().isoformat()}; {gpu}{cpu_name()}, {os.cpu_count()} cores, {memory:.0f} GiB; "
             f"torch {torch.__version__}{ort}, Python {platform.python_version()}; commit {commit}.")
+
+
+def interleaved_medians(methods: dict, warmup: int, repeats: int, time_one, failures: tuple = (),
+                        left_out=None) -> dict:
+    """The median of time_one(fn) for each method, measured in rounds: each round times every method
+    once, starting one method later than the round before (two methods: A B, B A, ...). A machine's
+    clocks, temperature and neighbours drift over a loop; timed one method after another, that drift
+    fell on the methods timed last (identical code read 0.99-1.09x in one H200 loop, 2026-11-28),
+    where in rounds it falls on all of them alike. `warmup` untimed rounds come first. A method that
+    raises one of `failures` is left out from then on, left_out(name, exc) told why."""
+    live = dict(methods)
+
+    def call(name, fn):
+        try:
+            return fn()
+        except failures as exc:
+            live.pop(name, None)
+            if left_out:
+                left_out(name, exc)
+            return None
+
+    for _ in range(warmup):
+        for name, fn in list(live.items()):
+            call(name, fn)
+    times = {name: [] for name in live}
+    for round_index in range(repeats):
+        names = list(live)
+        if not names:
+            break
+        start = round_index % len(names)
+        for name in names[start:] + names[:start]:
+            if name in live:
+                measured = call(name, lambda fn=live[name]: time_one(fn))
+                if measured is not None:
+                    times[name].append(measured)
+    return {name: statistics.median(times[name]) for name in live if times[name]}
 
 
 def best_composition(timings: dict) -> tuple[str, dict] | None:
