@@ -19,11 +19,11 @@ graphs (every build's) are replayed in rounds, the compositions' one after anoth
 
 --cta-cost measures the Hopper path's fixed cost per CTA: the prefill cases' grid (4096 tiles of 64
 query rows, a CTA each unless the build is persistent; non-causal) against 256 to 4096 keys, timed
-as CUDA graphs, and a least-squares line through (keys, ms). Its intercept is the time that does not
-grow with the keys a tile reads (barrier set-up, Q's load, the pipeline's fill and drain, the
-epilogue, the CTA's launch), paid once per tile in each of the grid's waves: the most a persistent
-scheduler, which overlaps one tile's epilogue and prologue with the next tile's loads, could take
-off a launch of that grid (and, for a persistent build, what it left).
+as CUDA graphs (a build's key counts in rounds), and a least-squares line through (keys, ms). Its
+intercept is the time that does not grow with the keys a tile reads (barrier set-up, Q's load, the
+pipeline's fill and drain, the epilogue, the CTA's launch), paid once per tile in each of the grid's
+waves: the most a persistent scheduler, which overlaps one tile's epilogue and prologue with the
+next tile's loads, could take off a launch of that grid (and, for a persistent build, what it left).
 """
 
 from __future__ import annotations
@@ -435,7 +435,9 @@ def cta_cost_case(dtype, head_dim: int, heads: int, warmup: int, repeats: int, l
                                output_scale=0.8)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = batch * heads * -(-CTA_COST_QUERIES // 64)  # 64 query rows each: one a CTA, or a persistent CTA's turn
-    points = []
+    # Each key count's graph, timed in rounds with the others; `held` keeps what its launches read and
+    # write alive until then (the inputs, the output, and the call, whose closure owns the workspace).
+    graphs, held = {}, []
     try:
         for keys in CTA_COST_KEYS:
             inputs = random_inputs(attrs, batch, CTA_COST_QUERIES, keys, dtype, keys + head_dim)
@@ -443,10 +445,15 @@ def cta_cost_case(dtype, head_dim: int, heads: int, warmup: int, repeats: int, l
             fn, plan = prepared_call(inputs, attrs, out, path="hopper", lib=lib)
             if plan[0] != "hopper":
                 return None
-            points.append((keys, graph_ms(fn, warmup, repeats)))
-            del inputs, out, fn
+            graphs[keys] = captured(fn).replay
+            held.append((inputs, out, fn))
+        medians = interleaved_medians(graphs, warmup, repeats)
+        if len(medians) < len(CTA_COST_KEYS):
+            raise RuntimeError("a key count could not be timed")
+        points = [(keys, medians[keys] / DECODE_GRAPH_CALLS) for keys in CTA_COST_KEYS]
     finally:
         os.environ.pop(kernels.KERNEL_PATH_ENV, None)
+        graphs = held = None
         torch.cuda.empty_cache()
     # One CTA a streaming multiprocessor at a time (its shared memory), so ceil(tiles / sms) waves.
     waves = -(-tiles // sms)
