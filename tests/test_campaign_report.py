@@ -341,6 +341,28 @@ def test_a_carried_build_whose_output_differs_is_named_beside_its_timings(made_u
     assert line(text, "fused_hopper@keys128 output").endswith("worst cosine 0.999950, agrees")
 
 
+def test_the_control_reads_as_the_loops_noise(made_up):
+    """bench_attention.py times this build's Hopper call a second time as a method of its own
+    (`fused_hopper@again`): the report reads its ratio as the loop's noise for identical code, not as
+    a build that is faster or slower, and the bench's table gives it a column."""
+    record = json.loads((made_up / "bench.json").read_text())
+    for row, factor in zip(record["rows"], (1.01, 0.98, 1.02)):
+        row["timings"]["fused_hopper@again"] = timing(row["timings"]["fused_hopper"]["ms"] * factor)
+    (made_up / "bench.json").write_text(json.dumps(record))
+    text = report(made_up).stdout
+    assert line(text, "fused_hopper@again") == ("fused_hopper@again  the same call timed twice: 0.98x-1.02x "
+                                                "(median 1.01x) in 3 cases (the loop's noise for identical code)")
+    real = json.loads((ROOT / "docs" / "campaign" / "2026-11-28-h200" / "call1" / "bench.json").read_text())
+    for row in real["rows"]:
+        row["timings"]["fused_hopper@again"] = timing(row["timings"]["fused_hopper"]["ms"] * 1.01)
+    (made_up / "real.json").write_text(json.dumps(real))
+    rendered = subprocess.run([sys.executable, "tools/bench_attention.py", "--render", str(made_up / "real.json")],
+                              capture_output=True, text=True, cwd=ROOT)
+    assert rendered.returncode == 0, rendered.stderr
+    assert "| Hopper | Hopper@before | Hopper@keys128 | Hopper@again |" in rendered.stdout
+    assert "| 2.733 | 2.765 (1.01x) | 2.800 (1.02x) | 2.761 (1.01x) |" in rendered.stdout
+
+
 def test_the_fixed_cost_per_cta_reads_as_a_share_of_each_timed_case(made_up):
     """cta_cost.json (bench_attention.py --cta-cost): the intercept of each build's line against the
     same build's Hopper timings of that head dim in bench.json, largest share named."""

@@ -49,6 +49,7 @@ from diffexport.kernel import kernel_probe, kernels, reference  # noqa: E402
 
 TOKENS_PER_BATCH = 16384  # B * N: keeps B*H*N/64 CTAs (work per launch) the same at every N
 NAIVE_MAX_BYTES = 24 * 2**30
+CONTROL = benchdoc.CONTROL_BUILD
 
 
 def event_ms(fn) -> float:
@@ -143,6 +144,9 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
         if hopper_available("hopper-int8"):  # its INT8 logits: Q.K^T on s8 wgmma
             methods["fused_hopper_int8"] = on_path(
                 "hopper", lambda: kernels.diff_attention(*inputs, attrs, logit_bits=8, out=out))
+        # The control: the same call again, as a method of its own. Its ratio to the first is this
+        # loop's noise for identical code, the yardstick for the other builds' ratios.
+        methods[f"fused_hopper@{CONTROL}"] = methods["fused_hopper"]
     for name, lib in other_builds.items():  # other builds of the library, timed in the same loop
         if name not in hopper_only:  # (a Hopper variant's mma.sync kernel is this build's)
             methods[f"fused@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(
@@ -562,9 +566,7 @@ def render(path: Path, write: bool) -> int:
         elif record.get("mode") == "cta_cost":
             print(cta_cost_table(record["rows"]))
         else:
-            # the builds in the order the run timed them (a set's order changes from one process to the next)
-            publish(record, list(dict.fromkeys(name.split("@", 1)[1] for row in record["rows"]
-                                               for name in row["timings"] if "@" in name)), write)
+            publish(record, timed_builds(record), write)
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
         print(f"error: --render {path}: not what bench_attention.py --json writes ({type(exc).__name__}: {exc})",
               file=sys.stderr)
@@ -612,15 +614,23 @@ def profile_decode_launches(kv_len: int, kv_cache: str | None = None) -> None:
     torch.cuda.synchronize()
 
 
-def publish(record: dict, other_builds, write: bool) -> None:
-    """Print the tables of a run and, with write, replace the section of docs/BENCHMARKS.md."""
+def timed_builds(record: dict) -> list[str]:
+    """The other builds (and the control) a prefill run timed, in the order it timed them (a set's
+    order would change from one process to the next)."""
+    return list(dict.fromkeys(name.split("@", 1)[1] for row in record["rows"] for name in row["timings"]
+                              if "@" in name))
+
+
+def publish(record: dict, builds: list[str], write: bool) -> None:
+    """Print the tables of a run (beside the timings of `builds`, timed_builds) and, with write,
+    replace the section of docs/BENCHMARKS.md."""
     rows, peak = record["rows"], record["peak_tflops"]
     text = table(rows, peak) + "\n\nAll compositions, median ms:\n\n" + composition_table(rows)
     if completeness(record):
         print(completeness(record), file=sys.stderr)
-    if other_builds:
+    if builds:
         text += ("\n\nThis build vs the others, median ms (ratio = other / this):\n\n"
-                 + builds_table(rows, list(other_builds)))
+                 + builds_table(rows, builds))
     print(text)
     if not write:
         return
@@ -636,7 +646,10 @@ def publish(record: dict, other_builds, write: bool) -> None:
             "quantisation pre-pass; its cosine is the default (auto) path's INT8 output against its fp output on "
             "the same inputs. Hopper path: the sm_90a TMA + wgmma kernel (DIFFEXPORT_KERNEL_PATH=hopper), what "
             "the default (auto) runs on sm_90 GPUs whose library has it, and Hopper INT8 its INT8 logits (Q.K^T "
-            "on s8 wgmma, with the same pre-pass); '-' where the GPU or the build has none.\n\n" + text + "\n")
+            "on s8 wgmma, with the same pre-pass); '-' where the GPU or the build has none."
+            + (f" Hopper@{CONTROL}: this build's Hopper call timed a second time, as a method of its own: its "
+               "ratio is the loop's noise for identical code." if CONTROL in builds else "")
+            + "\n\n" + text + "\n")
     print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)
 
 
@@ -698,6 +711,10 @@ def main() -> int:
     hopper_only = frozenset(spec.partition("=")[0] for spec in args.hopper_variants)
     for spec in args.compare + ([] if args.decode else args.hopper_variants):
         name, _, path = spec.partition("=")
+        if name == CONTROL:
+            print(f"error: '{CONTROL}' names the control (this build timed twice): give the build another name",
+                  file=sys.stderr)
+            return 2
         try:
             other_builds[name] = kernels.open_library(Path(path), prefill_only=not args.decode,
                                                       float_cache_only=args.decode)
@@ -721,7 +738,7 @@ def main() -> int:
         save_partial(args.json, record)
     record["complete"] = True
     save_partial(args.json, record)
-    publish(record, other_builds, args.write)
+    publish(record, timed_builds(record), args.write)
     return 0
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 from diffexport.backends.speed import cpu_name  # noqa: F401 (the tools' name)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
+# The name under which a run times this build's Hopper call a second time, as a method of its own:
+# the control whose ratio is the loop's noise for identical code (bench_attention.py, campaign_report.py).
+CONTROL_BUILD = "again"
 MAX_RESULT_BYTES = 64 << 20  # a result file a campaign brings back: a run call returns files of at most 16 MiB
 HEADER = """# Benchmarks
 

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchdoc import MAX_RESULT_BYTES, best_composition  # noqa: E402  (the tables' own rule)
+from benchdoc import CONTROL_BUILD, MAX_RESULT_BYTES, best_composition  # noqa: E402  (the tables' own rule)
 
 FUSED_TARGET, INT8_TARGET, COSINE_TARGET = 1.3, 1.2, 0.999
 KV8_TARGET, KV8_FROM_KEYS = 1.6, 32768  # issue 62 item 2: the 8-bit KV cache over the bf16 split-KV call
@@ -211,7 +211,10 @@ def prefill(folder: Path) -> list[str]:
         for method in ("fused", "fused_int8", "fused_hopper"):
             ratio = [r["timings"][f"{method}@{build}"]["ms"] / r["timings"][method]["ms"] for r in rows
                      if method in r["timings"] and f"{method}@{build}" in r["timings"]]
-            if ratio:
+            if ratio and build == CONTROL_BUILD:
+                lines.append(f"{method}@{build:<6} the same call timed twice: {spread(ratio)} in {len(ratio)} "
+                             "cases (the loop's noise for identical code)")
+            elif ratio:
                 lines.append(f"{method}@{build:<6} {build} / this build: {spread(ratio)} in {len(ratio)} cases "
                              "(above 1x: this build is faster)")
         cosines = [r["build_cosine"][build] for r in rows if build in r.get("build_cosine", {})]
