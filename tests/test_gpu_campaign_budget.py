@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -190,6 +191,33 @@ def test_the_sanitizers_run_at_once_racecheck_once_per_kernel_path(stubs):
     assert re.findall(r"^--- (.*)$", text, re.M) == ["memcheck", "initcheck", "racecheck (auto)", "racecheck (mma)",
                                                      "synccheck"]
     assert "racecheck (mma): exit status 0" in text
+
+
+@pytest.mark.parametrize("probed", ["auto and mma", "mma only"])
+def test_the_mma_sanitizer_run_leaves_auto_its_long_decode_calls(monkeypatch, probed):
+    """tests/kernel_cases.py on the mma path of an sm_90 GPU (auto, the Hopper path, runs in another
+    sanitizer process): the decode-sized calls of more than 128 keys and the 8-bit cache's decode
+    calls are auto's (the split-KV kernels), so the mma run leaves them out and runs every other case;
+    where the Hopper path failed its probe, mma is the only path and runs them all."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import kernel_cases
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    calls = []
+
+    def launch(q, k, v, lam, w, attrs, logit_bits=0, key_mask=None, kv_scales=None):
+        calls.append((q.shape[1], k.shape[1], kv_scales is not None))
+        return torch.zeros(1)
+
+    monkeypatch.setattr(kernel_cases.kernels, "diff_attention", launch)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
+    monkeypatch.setattr(kernel_cases, "paths", lambda: ["auto", "mma"] if probed == "auto and mma" else ["mma"])
+    kernel_cases.main(["mma"])
+    every = ({(c[6], c[7], False) for c in kernel_cases.CASES}
+             | {(c[6], c[7], True) for c in kernel_cases.KV_CACHE_CASES})
+    auto_only = {(1, 5000, False), (16, 300, False), (1, 300, True), (16, 130, True)}
+    assert set(calls) == (every - auto_only if probed == "auto and mma" else every)
 
 
 def test_a_variant_that_fails_its_probe_is_left_out_of_the_bench(stubs):

@@ -236,8 +236,10 @@ part_sanitize() {
   # are instrumented (kns=diffx): torch's own kernels would make the run ten times longer.
   # The runs go at once, racecheck (the slowest: 86 s alone on an H100, 2026-11-26) once per kernel
   # path: one after another they needed more than the group's time (2026-11-26, H200: racecheck
-  # stopped at its 130 s in the mma cases, synccheck cut by the group's end). Each writes its own
-  # log (in a temporary folder), appended to sanitizer.log in this order once all have ended.
+  # stopped at its 130 s in the mma cases, synccheck cut by the group's end; 2026-11-28, H200: the
+  # mma racecheck again stopped, at 132 s, so kernel_cases.py's mma run now leaves auto the long
+  # decode-sized calls, which there were the one-pass kernel walking 5000 keys in 8 CTAs). Each
+  # writes its own log (in a temporary folder), appended to sanitizer.log in this order once all have ended.
   local runs=(memcheck initcheck racecheck:auto racecheck:mma synccheck) run tool path rc=0 i status
   local logs pids=()
   logs=$(mktemp -d "${TMPDIR:-/tmp}/campaign-sanitizer.XXXXXX")
