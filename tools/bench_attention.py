@@ -292,6 +292,7 @@ def profile_launches(n: int, lib_path: Path | None = None, logit_bits: int = 0, 
 
 
 DECODE_GRAPH_CALLS = 20
+DECODE_COMPOSITION_WARMUP, DECODE_COMPOSITION_REPEATS = 1, 3  # replays of a composition's graph in --decode
 KV_CACHE_FORMATS = ("int8", "fp8")  # the 8-bit caches decode is timed on beside the float one
 
 
@@ -393,12 +394,16 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
         record(name, ms / DECODE_GRAPH_CALLS)
     del graphs
     # The compositions, one after another: each graph holds its call's temporaries (the GQA-expanded
-    # K and V, gigabytes at 128k keys), released before the next, and they are many times slower.
+    # K and V, gigabytes at 128k keys), released before the next. They are 1.7-21x slower than the
+    # split-KV call (H200, 2026-11-28), so fewer replays tell which is best: at 128k keys their full
+    # count was most of the decode bench's time.
     for backend in backends:
         for name, fn in (("flash_diff_1", reference.flash_diff_attention_1),
                          ("flash_diff_2", reference.flash_diff_attention_2)):
             try:
-                record(f"{name}/{backend}", graph_ms(forced(backend, fn, inputs, attrs), warmup, repeats))
+                record(f"{name}/{backend}", graph_ms(forced(backend, fn, inputs, attrs),
+                                                     min(warmup, DECODE_COMPOSITION_WARMUP),
+                                                     min(repeats, DECODE_COMPOSITION_REPEATS)))
             except (RuntimeError, torch.OutOfMemoryError) as exc:
                 not_measured(f"{name}/{backend}", exc)
             torch.cuda.empty_cache()
@@ -588,6 +593,8 @@ def publish_decode(record: dict, write: bool) -> None:
             f"output once), each call timed inside a CUDA graph of {DECODE_GRAPH_CALLS} calls, {record['repeats']} "
             f"replays after {record['warmup']} warm-up"
             f"{rounds_sentence(record, 'our kernels (every build), the compositions one after another')} "
+            + (f"The compositions: {record['composition_repeats']} replays after {record['composition_warmup']} "
+               "warm-up. " if "composition_repeats" in record else "") +
             "One-pass: the same call with DIFFEXPORT_KERNEL_PATH=mma. "
             "INT8 includes its K quantisation pre-pass (which reads all of K once more). int8 / fp8 cache: the same "
             "keys and values as an 8-bit KV cache (per-channel static scales, K smoothed; GB/s on its own bytes), "
@@ -778,7 +785,9 @@ def run_decode(args, other_builds: dict) -> int:
              for kv_len in args.keys]
     record = {"mode": "decode", "copy_gbs": copy_gbs, "rows": [], "cases": len(cases), "complete": False,
               "stamp": benchdoc.stamp(), "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
-              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends, "rounds": True}
+              "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends, "rounds": True,
+              "composition_warmup": min(args.warmup, DECODE_COMPOSITION_WARMUP),
+              "composition_repeats": min(args.repeats, DECODE_COMPOSITION_REPEATS)}
     for dtype, d, q_len, kv_len in cases:
         print(f"{dtype} d={d} Sq={q_len} keys={kv_len} ...", file=sys.stderr, flush=True)
         record["rows"].append(decode_case(getattr(torch, dtype), d, q_len, kv_len, args.decode_batch, args.heads,
