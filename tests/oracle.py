@@ -25,9 +25,9 @@ def diff_attention_oracle(query, key, value, lambda_full, norm_weight, key_mask=
     Dv = 2 * D if variant == 1 else D
     s = scale if scale > 0 else 1.0 / np.sqrt(D)
     visible = np.ones((Sq, Skv), dtype=bool)
-    if causal:
+    if causal:  # row i sees keys 0 .. i + Skv - Sq; none where that is negative (more queries than keys)
         for i in range(Sq):
-            visible[i, i + (Skv - Sq) + 1:] = False
+            visible[i, max(0, i + (Skv - Sq) + 1):] = False
     out = np.empty((B, Sq, H * Dv))
     for b in range(B):
         seen = visible if key_mask is None else visible & (np.asarray(key_mask)[b] != 0)[None, :]

@@ -114,3 +114,15 @@ def test_causal_longer_query_than_keys_is_refused(rng):
     q, k, v, lam, w = make_inputs(attrs, 1, 9, 4, rng=rng)
     with pytest.raises(DiffExportError, match="Sq <= Skv"):
         contract.check_shapes(attrs, q.shape, k.shape, v.shape, lam.shape, w.shape)
+
+
+def test_the_oracle_below_the_contract_zeroes_rows_that_see_no_key(rng):
+    """Causal with more queries than keys, which the contract refuses and the kernels' C ABI takes
+    (tests/test_kernel_emulated.py: rows without keys): row i sees keys 0 .. i + Skv - Sq, none where
+    that is negative, as FlashDiffAttn_1 computes. (Until 2026-11-29 the oracle's slice from a
+    negative start counted from the end, so rows 1-3 here saw keys they should not.)"""
+    attrs = attrs_for(1, 2, 1)
+    inputs = make_inputs(attrs, 2, 9, 4, rng=rng)
+    expected = oracle(inputs, attrs)
+    assert (expected[:, :5] == 0).all() and (expected[:, 5:] != 0).any()
+    assert_close_fp32(reference.flash_diff_attention_1(*inputs, attrs), expected, "9 queries, 4 keys")
