@@ -6,6 +6,7 @@ tests/test_kernel_gpu.py checks the same on real hardware. The emulator is taken
 build, else compiled here with the host C++ compiler (C++20 and _Float16 needed), else skipped."""
 
 import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -717,3 +718,57 @@ def test_the_emulator_refuses_an_unknown_landing_of_copies(emulator, rng, monkey
     params = kernels.make_params(*inputs, torch.empty(1, 20, 2 * 128, dtype=torch.float16), attrs)
     assert lib_status(emulator, params) == 7  # DIFFX_ERR_BAD_ATTRIBUTE
     assert "DIFFX_EMULATOR_COPIES_LAND is not 0" in emulator.diffx_last_error().decode()
+
+
+def random_shapes(seed: int, count: int) -> list[dict]:
+    """Calls drawn at random within the op contract: float or 8-bit cache, V1/V2, head dim, GQA,
+    batch, decode-sized and longer query lengths, key lengths, causal or not, dtypes, left pads, and
+    the GPU the emulator plays (its opt-in shared memory: which pipeline) and when copies land."""
+    import random
+
+    draw = random.Random(seed)
+    shapes = []
+    for _ in range(count):
+        fmt = draw.choice(["float", "int8", "fp8"])
+        ratio = draw.choice([1, 2, 4, 8])
+        q_len = draw.choice([1, 2, 4, 16, draw.randint(1, 16), draw.randint(17, 150)])
+        causal = 1 if fmt != "float" else draw.choice([0, 1])
+        kv_len = draw.randint(q_len if causal else 1, 700)
+        batch = draw.choice([1, 2, 3])
+        shapes.append(dict(
+            fmt=fmt, variant=draw.choice([1, 2]), head_dim=draw.choice([64, 128]), ratio=ratio,
+            heads=ratio * draw.choice([1, 2]), batch=batch, q_len=q_len, kv_len=kv_len, causal=causal,
+            dtype=draw.choice(["float16", "bfloat16"] + (["float32"] if fmt != "float" else [])),
+            pads=[draw.randint(0, kv_len - q_len) for _ in range(batch)] if draw.random() < 0.4 else None,
+            smem_optin=draw.choice([227 * 1024, 101_376, 0]), copies_land=draw.choice(["0", "1"])))
+    return shapes
+
+
+# DIFFEXPORT_RANDOM_SHAPES=N (default 2) calls from DIFFEXPORT_RANDOM_SHAPES_SEED (default 0): CI runs the
+# same two; after a kernel change, run hundreds (2026-11-29: a few hundred such calls found the float64
+# oracle wrong below the contract, the kernels right).
+RANDOM_SHAPES = random_shapes(int(os.environ.get("DIFFEXPORT_RANDOM_SHAPES_SEED", "0")),
+                              int(os.environ.get("DIFFEXPORT_RANDOM_SHAPES", "2")))
+
+
+@pytest.mark.parametrize("shape", RANDOM_SHAPES, ids=lambda s: "{fmt}-v{variant}-d{head_dim}-gqa{ratio}-b{batch}-"
+                         "{q_len}x{kv_len}-causal{causal}-{dtype}".format(**s))
+def test_random_shapes_match_the_oracle(emulator, shape, rng, monkeypatch):
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(shape["smem_optin"]))
+    monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", shape["copies_land"])
+    dtype = getattr(torch, shape["dtype"])
+    attrs = DiffAttentionAttrs(variant=shape["variant"], num_heads=shape["heads"],
+                               num_kv_heads=shape["heads"] // shape["ratio"], head_dim=shape["head_dim"],
+                               causal=shape["causal"], norm=int(shape["variant"] == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, shape["batch"], shape["q_len"], shape["kv_len"], dtype=dtype, rng=rng)
+    key_mask = None if shape["pads"] is None else padding_mask(shape["batch"], shape["kv_len"], shape["pads"])
+    kv_scales, values = None, inputs  # values: what the kernel's inputs stand for
+    if shape["fmt"] != "float":
+        inputs[1].add_(torch.linspace(-2, 3, attrs.key_width).to(dtype))  # offsets, as smoothing expects
+        inputs, kv_scales, values = cache_of(inputs, shape["fmt"])
+    out = emulate(emulator, inputs, attrs, kv_scales=kv_scales, key_mask=key_mask)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    low = torch.float16 if dtype == torch.float32 else dtype  # fp32 I/O runs the fp16 kernel
+    base = lowprec_baseline(*[t.to(low) if t.is_floating_point() and i < 4 else t for i, t in enumerate(values)],
+                            attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(values, attrs, key_mask), str(shape), min_cosine=min_cosine(low))
