@@ -361,6 +361,11 @@ def test_the_control_reads_as_the_loops_noise(made_up):
     assert rendered.returncode == 0, rendered.stderr
     assert "| Hopper | Hopper@before | Hopper@keys128 | Hopper@again |" in rendered.stdout
     assert "| 2.733 | 2.765 (1.01x) | 2.800 (1.02x) | 2.761 (1.01x) |" in rendered.stdout
+    # a carried build may not take the control's name (its column would read as noise): one line, 2
+    clash = subprocess.run([sys.executable, "tools/bench_attention.py", "--compare", "again=build/x.so"],
+                           capture_output=True, text=True, cwd=ROOT)
+    assert clash.returncode == 2 and clash.stderr.strip().splitlines() == [
+        "error: 'again' names the control (this build timed twice): give the build another name"]
 
 
 def test_the_fixed_cost_per_cta_reads_as_a_share_of_each_timed_case(made_up):

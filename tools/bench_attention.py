@@ -703,6 +703,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.render:  # a run saved on the GPU machine: its own stamp and command, no GPU needed here
         return render(args.render, args.write)
+    if CONTROL in (spec.partition("=")[0] for spec in args.compare + args.hopper_variants):
+        print(f"error: '{CONTROL}' names the control (this build timed twice): give the build another name",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -718,10 +722,6 @@ def main() -> int:
     hopper_only = frozenset(spec.partition("=")[0] for spec in args.hopper_variants)
     for spec in args.compare + ([] if args.decode else args.hopper_variants):
         name, _, path = spec.partition("=")
-        if name == CONTROL:
-            print(f"error: '{CONTROL}' names the control (this build timed twice): give the build another name",
-                  file=sys.stderr)
-            return 2
         try:
             other_builds[name] = kernels.open_library(Path(path), prefill_only=not args.decode,
                                                       float_cache_only=args.decode)
