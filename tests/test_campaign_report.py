@@ -420,3 +420,43 @@ def test_a_carried_builds_8_bit_cache_calls_read_beside_this_builds(made_up):
     table = rendered.stdout.split("\n\n")[0].splitlines()
     assert table[0].endswith("| split-KV @before | this vs @before | 8-bit KV @before vs this (int8 / fp8) |")
     assert table[2].endswith("| 100.0 (4000) | 1.00x | 1.25x / - |")
+
+
+def test_where_the_warps_wait_reads_beside_the_launch_it_belongs_to(made_up):
+    """The per-instruction section tools/ncu_stall_sites.py appends for a launch (here made from an
+    export in ncu's layout, by the tool itself) reads in the summary and in the targets table's cell
+    of that launch: samples by reason and opcode, and the instruction with the most."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_ncu_stall_sites import SPLIT, export
+
+    title = "split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys"
+    section = subprocess.run([sys.executable, str(ROOT / "tools" / "ncu_stall_sites.py"), "-", "--kernel",
+                              "decode_kernel", "--title", title],
+                             input=export(("void diff_attention_decode_kernel<__half>()", SPLIT)),
+                             capture_output=True, text=True, timeout=60)
+    assert section.returncode == 0, section.stderr
+    with open(made_up / "profile.txt", "a") as profile:
+        profile.write("--- split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys\n"
+                      "    Duration                         us          24.50\n" + section.stdout +
+                      "--- where the warps wait, Hopper path (TMA + wgmma), the same launch\n"
+                      "the source page export FAILED\n")
+    rows = [{"dtype": "bfloat16", "kv_len": 32768, "d": 128, "cosine_vs_fp32": {"int8_cache": 0.9999},
+             "timings": {"split_kv": {"ms": 0.02, "gbs": 2000.0}, "split_kv_int8_cache": {"ms": 0.015, "gbs": 1.0}}}]
+    (made_up / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 2500.0, "rows": rows,
+                                                     "cases": 1, "complete": True}))
+    summary = report(made_up)
+    assert summary.returncode == 0, summary.stderr
+    assert line(summary.stdout, "stall sites    split-KV") == (
+        "stall sites    split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys: by reason barrier 50.0%, "
+        "long_sb 30.0%, math 15.0%, selected 5.0%")
+    after = summary.stdout.splitlines()[summary.stdout.splitlines().index(line(summary.stdout, "stall sites    split"))
+                                        + 1]
+    assert after.strip().startswith("by opcode (samples | executed) BAR 50.0% | 10.0%, LDGSTS 30.0% | 10.0%")
+    assert after.endswith("most at one instruction 45.0% at /*00000*/ BAR.SYNC.DEFER_BLOCKING 0x0 (barrier 45.0%)")
+    assert line(summary.stdout, "stall sites    Hopper") == (
+        "stall sites    Hopper path (TMA + wgmma), the same launch: the source page export FAILED")
+    table = report(made_up, "--targets")
+    assert table.returncode == 0, table.stderr
+    cell = next(x for x in table.stdout.splitlines() if x.startswith("| 62.2 int8")).split(" | ")[3]
+    assert cell.startswith("split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys: ") and "24.50" in cell
+    assert "where the warps wait: by reason barrier 50.0%" in cell and "most at one instruction 45.0%" in cell

@@ -473,6 +473,10 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     assert "/tmp/profile-decode-kv8-packmaps" in decode[3] and decode[3].endswith(
         " lib=build-packmaps/libdiffexport_kernels.so")
     assert not decode[1].endswith("kvtiles1/libdiffexport_kernels.so")
+    # each launch's per-instruction warp samples, exported from its own report (tools/ncu_stall_sites.py)
+    sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
+    reports = [re.search(r" -o (\S+)", x).group(1) + ".ncu-rep" for x in ncu]
+    assert sorted(x.split()[2] for x in sources) == sorted(reports), (sources, reports)
 
 
 @pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])

@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import CONTROL_BUILD, MAX_RESULT_BYTES, best_composition  # noqa: E402  (the tables' own rule)
+from ncu_stall_sites import SECTION_PREFIX as STALL_SITES  # noqa: E402
 
 FUSED_TARGET, INT8_TARGET, COSINE_TARGET = 1.3, 1.2, 0.999
 KV8_TARGET, KV8_FROM_KEYS = 1.6, 32768  # issue 62 item 2: the 8-bit KV cache over the bf16 split-KV call
@@ -321,7 +322,25 @@ def profile_sections(text: str) -> list[tuple[str, str]]:
     return [("fused kernel, N=4096", chunks[0])] + list(zip(chunks[1::2], chunks[2::2]))
 
 
+def stall_site_lines(title: str, text: str) -> list[str]:
+    """A "where the warps wait" section (tools/ncu_stall_sites.py) in two lines: its samples by reason
+    and by opcode, then the instruction with the most."""
+    launch = title[len(STALL_SITES):]
+    found = {key: re.search(rf"^{key}[^:]*: (.*)$", text, re.M) for key in ("by reason", "by opcode")}
+    top = re.search(r"^top instructions.*\n\s+([\d.]+%)\s+(/\*[0-9a-f]+\*/)\s+(.*?)\s{2,}(.*?)\s{2,}executed", text,
+                    re.M)
+    if not found["by reason"]:
+        reason = next((x for x in text.splitlines() if x.strip()), "nothing measured")
+        return [f"stall sites    {launch}: {reason}"]
+    lines = [f"stall sites    {launch}: by reason {found['by reason'].group(1)}"]
+    more = ([f"by opcode (samples | executed) {found['by opcode'].group(1)}"] if found["by opcode"] else []) + (
+        [f"most at one instruction {top.group(1)} at {top.group(2)} {top.group(3)} ({top.group(4)})"] if top else [])
+    return lines + (["               " + "; ".join(more)] if more else [])
+
+
 def profile_lines(title: str, text: str) -> list[str]:
+    if title.startswith(STALL_SITES):
+        return stall_site_lines(title, text)
     details = []
     for label, name in DETAILS:
         found = re.search(rf"^\s+{re.escape(name)}\s+(?:([^\s\d][^\s]*)\s+)?([\d,.]+)\s*$", text, re.M)
@@ -366,15 +385,17 @@ COPY_SHARE_TARGET, COPY_FROM_KEYS = 0.85, 32768
 
 
 def _profile_facts(profile_file: Path, *titles: str, source: str = "") -> str:
-    """What the profile's parts of these titles measured (details, tensor pipe, top stalls), or "";
-    source names the run it came from when that is not the run being reported."""
+    """What the profile's parts of these titles measured (details, tensor pipe, top stalls, and where
+    the first title's warps wait), or ""; source names the run it came from when that is not the run
+    being reported."""
     text = read(profile_file)
     facts = []
     for name, chunk in profile_sections(text) if text else []:
-        if name in titles:
+        if name in titles or name == STALL_SITES + titles[0]:
             lines = profile_lines(name, chunk)
             head = lines[0].split(": ", 1)
-            facts += ([head[1]] if len(head) > 1 else []) + [line.strip() for line in lines[1:]]
+            sites = "where the warps wait: " if name.startswith(STALL_SITES) else ""
+            facts += ([sites + head[1]] if len(head) > 1 else []) + [line.strip() for line in lines[1:]]
     facts = [f for f in facts if "nothing measured" not in f]
     return f"{titles[0]}{source}: " + "; ".join(facts) if facts else ""
 

@@ -294,6 +294,20 @@ part_decode() {
   return $rc
 }
 
+# stall_sites REPORT KERNEL TITLE: the launch's warp-state samples per SASS instruction (ncu's source
+# page, condensed by tools/ncu_stall_sites.py) as the section "where the warps wait, TITLE": which
+# instructions a kernel's time goes to and why, where the raw page has only the kernel's sums.
+stall_sites() {
+  local report=$1 kernel=$2 title=$3
+  if timed 40 5 "stall sites ($title)" ncu --import "$report" --page source --csv --print-source sass \
+      > "$report.source.csv" 2>> "$OUT_DIR/campaign.log"; then
+    "$PY" tools/ncu_stall_sites.py "$report.source.csv" --kernel "$kernel" --title "$title" >> "$OUT_DIR/profile.txt" 2>&1
+  else
+    printf -- '--- where the warps wait, %s\nthe source page export FAILED\n' "$title" >> "$OUT_DIR/profile.txt"
+  fi
+  rm -f "$report.source.csv"
+}
+
 # profile_decode WHAT NAME [BENCH ARGS...]: one split-KV decode call at 32k keys under Nsight Compute,
 # its two kernels' details as the sections "split-KV decode [merge] kernel<WHAT>, Sq=1, 32768 keys".
 profile_decode() {
@@ -311,6 +325,7 @@ profile_decode() {
     { echo "--- selected raw metrics, split-KV decode kernel$what"
       ncu --import "/tmp/profile-$name.ncu-rep" --page raw 2>&1 |
         awk '/Context/ { keep = /diff_attention_decode_kernel/ } keep' | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+    stall_sites "/tmp/profile-$name.ncu-rep" diff_attention_decode_kernel "split-KV decode kernel$what, Sq=1, 32768 keys"
   else
     echo "--- split-KV decode profile$what FAILED" >> "$OUT_DIR/profile.txt"
   fi
@@ -330,6 +345,7 @@ part_profile() {
     # What limits it: tensor-pipe activity, issue slots, stall reasons, shared-memory conflicts.
     { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
       >> "$OUT_DIR/profile.txt"
+    stall_sites /tmp/profile.ncu-rep diff_attention_fwd "fused kernel, N=4096"
   fi
   # One split-KV decode call (bf16, d=128, Sq=1, 32k keys), both of its kernels (the split kernel,
   # then the merge): how close to DRAM bandwidth, and how much of the call each kernel takes; then
@@ -351,6 +367,7 @@ part_profile() {
           grep -E "$PROFILE_DETAILS"
         echo "--- selected raw metrics, Hopper path"; ncu --import /tmp/profile-hopper.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+      stall_sites /tmp/profile-hopper.ncu-rep diff_attention_sm90 "Hopper path (TMA + wgmma), the same launch"
     else
       echo "--- Hopper path profile FAILED" >> "$OUT_DIR/profile.txt"
     fi
@@ -364,6 +381,7 @@ part_profile() {
           grep -E "$PROFILE_DETAILS"
         echo "--- selected raw metrics, Hopper path INT8"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+      stall_sites /tmp/profile-hopper-int8.ncu-rep diff_attention_sm90 "Hopper path INT8 logits, the same launch"
     else
       echo "--- Hopper path INT8 profile FAILED" >> "$OUT_DIR/profile.txt"
     fi
@@ -381,6 +399,7 @@ part_profile() {
       { echo "--- Hopper path, variant $name"; ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page details 2>&1 |
           grep -E "$PROFILE_DETAILS"
         ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
+      stall_sites "/tmp/profile-hopper-$name.ncu-rep" diff_attention_sm90 "Hopper path, variant $name"
     done
   fi
   for spec in $(profiling compare && echo "${CAMPAIGN_COMPARE:-}"); do  # the same launch from each carried build, metrics only
