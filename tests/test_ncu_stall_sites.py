@@ -79,7 +79,7 @@ def test_what_the_export_lacks_is_said_not_guessed():
     out = run(out_io.getvalue(), "--title", "t")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1:] == [
-        "kernel: ?",
+        "kernel: (not named in the export)",
         "not in the export: Warp Stall Sampling (All Samples), Warp Stall Sampling (Not-issued Samples), "
         "stall_<reason>",
         "no warp-state samples (was the SourceCounters section collected?)"]
@@ -95,3 +95,15 @@ def test_a_bad_input_is_one_error_line(tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith("error: ") and missing.stderr.count("\n") == 1
     pattern = run(export(("k", SPLIT)), "--kernel", "(", "--title", "t")
     assert pattern.returncode == 2 and pattern.stderr.startswith("error: ") and pattern.stdout == ""
+
+
+def test_an_export_without_kernel_names_reads_its_launches_apart():
+    """Without the "Kernel Name" rows, each header opens a launch: the first (the split kernel, which
+    runs before the merge) is read, not the two summed, and the name is said to be missing."""
+    text = export(("split", SPLIT), ("merge", MERGE))
+    text = "\n".join(x for x in text.splitlines() if not x.startswith('"Kernel Name"')) + "\n"
+    out = run(text, "--kernel", "diff_attention_decode_kernel", "--title", "t")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == "kernel: (not named in the export) (the first of 2 launches)"
+    assert lines[2].startswith("samples: 400 at 5 of 6 instructions")

@@ -30,6 +30,7 @@ SECTION_PREFIX = "where the warps wait, "  # campaign_report.py finds the sectio
 ALL_SAMPLES = "Warp Stall Sampling (All Samples)"
 NOT_ISSUED = "Warp Stall Sampling (Not-issued Samples)"
 EXECUTED = "Instructions Executed"
+UNNAMED = "(not named in the export)"  # such a launch matches any --kernel, and says so
 MAX_INPUT_BYTES = 256 << 20  # a source page of a few thousand instructions is a few MB
 
 
@@ -74,17 +75,19 @@ def parse(text: str) -> list[Launch]:
     """Every launch block of ncu's source-page CSV, in order."""
     launches: list[Launch] = []
     header: list[str] | None = None
+    named = False  # a "Kernel Name" row opened the launch that the next header belongs to
     for row in csv.reader(io.StringIO(text)):
         if not row:
             continue
         first = row[0].strip()
         if first == "Kernel Name":
-            launches.append(Launch(row[1].strip() if len(row) > 1 else "?"))
-            header = None
+            launches.append(Launch(row[1].strip() if len(row) > 1 else UNNAMED))
+            header, named = None, True
         elif first == "Address":
             header = [name.strip() for name in row]
-            if not launches:
-                launches.append(Launch("?"))
+            if not named:  # an export without the name rows: each header opens a launch of its own
+                launches.append(Launch(UNNAMED))
+            named = False
             launches[-1].missing = [name for name in (ALL_SAMPLES, NOT_ISSUED, EXECUTED) if name not in header]
             if not any(_reason(name) for name in header):
                 launches[-1].missing.append("stall_<reason>")
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.csv}: more than {MAX_INPUT_BYTES >> 20} MB, not a source page of one launch",
               file=sys.stderr)
         return 2
-    matched = [launch for launch in parse(text) if pattern.search(launch.kernel)]
+    matched = [launch for launch in parse(text) if launch.kernel == UNNAMED or pattern.search(launch.kernel)]
     if not matched:
         print(f"--- {SECTION_PREFIX}{args.title}\nno launch of a kernel matching {args.kernel!r} in the export")
         return 1
