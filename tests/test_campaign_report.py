@@ -435,9 +435,15 @@ def test_where_the_warps_wait_reads_beside_the_launch_it_belongs_to(made_up):
                              input=export(("void diff_attention_decode_kernel<__half>()", SPLIT)),
                              capture_output=True, text=True, timeout=60)
     assert section.returncode == 0, section.stderr
+    # the per-line part as the tool prints it with --library (its test runs it on the built library)
+    per_line = ("source lines: the library's _ZN5diffx28diff_attention_decode_kernelI (100.0% of the opcodes agree)\n"
+                "by source line (share of samples, the kernel's line > the inlined helpers' lines, top reasons, "
+                "the kernel's line):\n"
+                "   45.0%  diff_attention_decode.cuh:545                        barrier 45.0%  | __syncthreads();\n"
+                "   30.0%  diff_attention_decode.cuh:407 > ptx.cuh:120               long_sb 30.0%  | cp_async_wait\n")
     with open(made_up / "profile.txt", "a") as profile:
         profile.write("--- split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys\n"
-                      "    Duration                         us          24.50\n" + section.stdout +
+                      "    Duration                         us          24.50\n" + section.stdout + per_line +
                       "--- where the warps wait, Hopper path (TMA + wgmma), the same launch\n"
                       "the source page export FAILED\n")
     rows = [{"dtype": "bfloat16", "kv_len": 32768, "d": 128, "cosine_vs_fp32": {"int8_cache": 0.9999},
@@ -452,7 +458,8 @@ def test_where_the_warps_wait_reads_beside_the_launch_it_belongs_to(made_up):
     after = summary.stdout.splitlines()[summary.stdout.splitlines().index(line(summary.stdout, "stall sites    split"))
                                         + 1]
     assert after.strip().startswith("by opcode (samples | executed) BAR 50.0% | 10.0%, LDGSTS 30.0% | 10.0%")
-    assert after.endswith("most at one instruction 45.0% at /*00000*/ BAR.SYNC.DEFER_BLOCKING 0x0 (barrier 45.0%)")
+    assert after.endswith("most at one instruction 45.0% at /*00000*/ BAR.SYNC.DEFER_BLOCKING 0x0 (barrier 45.0%); "
+                          "most at one source line 45.0% at diff_attention_decode.cuh:545 (barrier 45.0%)")
     assert line(summary.stdout, "stall sites    Hopper") == (
         "stall sites    Hopper path (TMA + wgmma), the same launch: the source page export FAILED")
     table = report(made_up, "--targets")

@@ -477,6 +477,13 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
     reports = [re.search(r" -o (\S+)", x).group(1) + ".ncu-rep" for x in ncu]
     assert sorted(x.split()[2] for x in sources) == sorted(reports), (sources, reports)
+    # ... condensed with the line information of the library each launch ran (a carried decode build's own)
+    condense = [x for x in calls.splitlines() if x.startswith("python tools/ncu_stall_sites.py")]
+    assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
+    libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
+    assert sum(x.endswith("build-kvtiles1/libdiffexport_kernels.so") for x in libraries) == 1
+    assert sum(x.endswith("build-packmaps/libdiffexport_kernels.so") for x in libraries) == 1
+    assert sum(x.endswith("-cluster2/plugins/kernels/libdiffexport_kernels.so") for x in libraries) == 1
 
 
 @pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])

@@ -5,12 +5,23 @@ counts whose shares are worked out by hand below."""
 
 import csv
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from diffexport.kernel import kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "ncu_stall_sites.py"
+KERNEL_SOURCES = ROOT / "plugins" / "kernels"
+sys.path.insert(0, str(ROOT / "tools"))
+from kernel_resources import find_tool  # noqa: E402
+from ncu_stall_sites import library_functions  # noqa: E402
+
+DECODE_BF16_D128 = "diff_attention_decode_kernelI13__nv_bfloat16Li128ELi256E"  # mangled: the symbols' own names
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
           "Instructions Executed", "Thread Instructions Executed", "stall_barrier", "stall_long_sb", "stall_math",
           "stall_selected", "stall_barrier_not_issued"]
@@ -107,3 +118,86 @@ def test_an_export_without_kernel_names_reads_its_launches_apart():
     lines = out.stdout.splitlines()
     assert lines[1] == "kernel: (not named in the export) (the first of 2 launches)"
     assert lines[2].startswith("samples: 400 at 5 of 6 instructions")
+
+
+@pytest.fixture(scope="module")
+def decode_kernel():
+    """The bf16 d = 128 decode kernels of the built library, disassembled with line information by the
+    tool (the toolchain's real output); the largest of them."""
+    path = kernels.library_path()
+    if path is None:
+        pytest.skip(f"kernel library not built: {kernels.BUILD_HINT}")
+    if find_tool("cuobjdump") is None or find_tool("nvdisasm") is None:
+        pytest.skip("cuobjdump or nvdisasm not found (pip install -e '.[kernels]')")
+    functions = library_functions(str(path), DECODE_BF16_D128, "sm_90a")
+    if not functions:
+        pytest.skip("the library has no sm_90a decode kernels")
+    name = max(functions, key=lambda n: len(functions[n]))
+    return path, name, functions[name]
+
+
+def barrier_samples_export(name: str, body, drop_last: bool = False) -> str:
+    """An export of one launch of that kernel whose only samples are 10 at each barrier (BAR)."""
+    rows = [(f"0x{0x7f0000000000 + x.offset:x}", f"{x.opcode} ;", *([10] * 3 if x.opcode == "BAR" else [0] * 3),
+             0, *([10] if x.opcode == "BAR" else [0]), 0, 0, 0, 0) for x in body]
+    return export((name, rows[:-1] if drop_last else rows))
+
+
+def test_samples_per_source_line_land_on_the_statements_that_compiled_to_them(decode_kernel, tmp_path):
+    """Every barrier's samples go to a line that is a __syncthreads() (read here from the source, not
+    from the tool): an off-by-one in the offsets or the wrong one of nvdisasm's two line records
+    where inlined code starts would put them on other statements."""
+    lib, name, body = decode_kernel
+    bars = sum(x.opcode == "BAR" for x in body)
+    assert bars >= 4
+    export_file = tmp_path / "source.csv"
+    export_file.write_text(barrier_samples_export(name, body))
+    out = subprocess.run([sys.executable, str(TOOL), str(export_file), "--kernel", DECODE_BF16_D128, "--title", "t",
+                          "--library", str(lib), "--top", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert f"source lines: the library's {name} (100.0% of the opcodes agree)" in lines
+    start = lines.index(next(x for x in lines if x.startswith("by source line")))
+    entries = [x for x in lines[start + 1:] if x.startswith("  ")]
+    assert entries, out.stdout
+    shares = []
+    for entry in entries:
+        share, chain = re.match(r"\s+([\d.]+)%\s+(\S+(?: > \S+)*)", entry).groups()
+        shares.append(float(share))
+        file, line = chain.split(" > ")[-1].rsplit(":", 1)  # the innermost line of the chain
+        source = next(KERNEL_SOURCES.rglob(file)).read_text().splitlines()[int(line) - 1]
+        assert "__syncthreads()" in source, (entry, source)
+        assert "barrier" in entry
+    assert sum(shares) == pytest.approx(100.0, abs=0.1 * len(shares)) or len(entries) == 10
+
+
+def test_a_launch_of_another_build_is_placed_on_no_line(decode_kernel, tmp_path):
+    lib, name, body = decode_kernel
+    export_file = tmp_path / "source.csv"
+    export_file.write_text(barrier_samples_export(name, body, drop_last=True))
+    out = subprocess.run([sys.executable, str(TOOL), str(export_file), "--kernel", DECODE_BF16_D128, "--title", "t",
+                          "--library", str(lib)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^source lines: none of the library's \d+ functions matching the kernel has its instruction "
+                     r"sequence \(another build\?\)$", out.stdout, re.M), out.stdout
+    assert "by source line" not in out.stdout
+
+
+def test_every_instruction_is_placed_inside_the_kernel_it_was_inlined_into(decode_kernel):
+    """nvdisasm writes one line record per inlining level; stitched together, an instruction's
+    outermost line is a statement of the decode kernel's own body (a chain cut short would end in a
+    helper, e.g. the softmax's exponent in diff_attention_fwd.cuh), and the exponent of the online
+    softmax keeps all three levels: the kernel's call, the softmax's line, the ex2 wrapper. ptxas
+    leaves a few instructions a helper's line without its caller (0.1% of this kernel, 2026-11-29;
+    up to 16% in the float-cache kernels, at the shared tile loaders): those stay the helper's."""
+    _, _, body = decode_kernel
+    source = (KERNEL_SOURCES / "diff_attention_decode.cuh").read_text().splitlines()
+    first = next(i for i, x in enumerate(source) if "diff_attention_decode_kernel(const KernelArgs args) {" in x) + 1
+    last = next(i for i, x in enumerate(source) if "diff_attention_decode_merge_kernel(" in x) + 1
+    outer = [(Path(x.frames[-1][0]).name, x.frames[-1][1]) for x in body if x.frames]
+    inside = [name == "diff_attention_decode.cuh" and first - 2 <= line < last for name, line in outer]
+    assert len(outer) == len(body) and sum(inside) >= 0.97 * len(body), (len(body), sum(inside))
+    softmax_call = next(i for i, x in enumerate(source) if "online_softmax_step(s, acc_o" in x) + 1
+    exp = [[(Path(f).name, n) for f, n in reversed(x.frames)] for x in body if x.opcode == "MUFU"]
+    assert any(chain[0] == ("diff_attention_decode.cuh", softmax_call) and len(chain) == 3
+               and chain[1][0] == "diff_attention_fwd.cuh" and chain[2][0] == "ptx.cuh" for chain in exp), exp

@@ -332,9 +332,13 @@ def stall_site_lines(title: str, text: str) -> list[str]:
     if not found["by reason"]:
         reason = next((x for x in text.splitlines() if x.strip()), "nothing measured")
         return [f"stall sites    {launch}: {reason}"]
+    line = re.search(r"^by source line.*\n\s+([\d.]+%)\s+(.*?)\s{2,}(.*?)(?:\s+\|.*)?$", text, re.M)
     lines = [f"stall sites    {launch}: by reason {found['by reason'].group(1)}"]
-    more = ([f"by opcode (samples | executed) {found['by opcode'].group(1)}"] if found["by opcode"] else []) + (
-        [f"most at one instruction {top.group(1)} at {top.group(2)} {top.group(3)} ({top.group(4)})"] if top else [])
+    more = [f"by opcode (samples | executed) {found['by opcode'].group(1)}"] if found["by opcode"] else []
+    if top:
+        more.append(f"most at one instruction {top.group(1)} at {top.group(2)} {top.group(3)} ({top.group(4)})")
+    if line:
+        more.append(f"most at one source line {line.group(1)} at {line.group(2)} ({line.group(3)})")
     return lines + (["               " + "; ".join(more)] if more else [])
 
 

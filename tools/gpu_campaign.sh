@@ -294,14 +294,16 @@ part_decode() {
   return $rc
 }
 
-# stall_sites REPORT KERNEL TITLE: the launch's warp-state samples per SASS instruction (ncu's source
-# page, condensed by tools/ncu_stall_sites.py) as the section "where the warps wait, TITLE": which
-# instructions a kernel's time goes to and why, where the raw page has only the kernel's sums.
+# stall_sites REPORT KERNEL TITLE LIBRARY: the launch's warp-state samples per SASS instruction (ncu's
+# source page, condensed by tools/ncu_stall_sites.py) and per source line (the library's line
+# information) as the section "where the warps wait, TITLE": which instructions and statements a
+# kernel's time goes to and why, where the raw page has only the kernel's sums.
 stall_sites() {
-  local report=$1 kernel=$2 title=$3
+  local report=$1 kernel=$2 title=$3 library=$4
   if timed 40 5 "stall sites ($title)" ncu --import "$report" --page source --csv --print-source sass \
       > "$report.source.csv" 2>> "$OUT_DIR/campaign.log"; then
-    "$PY" tools/ncu_stall_sites.py "$report.source.csv" --kernel "$kernel" --title "$title" >> "$OUT_DIR/profile.txt" 2>&1
+    timed 60 5 "source lines ($title)" "$PY" tools/ncu_stall_sites.py "$report.source.csv" --kernel "$kernel" \
+      --title "$title" --library "$library" --arch "sm_${ARCH%%-*}" >> "$OUT_DIR/profile.txt" 2>&1
   else
     printf -- '--- where the warps wait, %s\nthe source page export FAILED\n' "$title" >> "$OUT_DIR/profile.txt"
   fi
@@ -325,7 +327,8 @@ profile_decode() {
     { echo "--- selected raw metrics, split-KV decode kernel$what"
       ncu --import "/tmp/profile-$name.ncu-rep" --page raw 2>&1 |
         awk '/Context/ { keep = /diff_attention_decode_kernel/ } keep' | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
-    stall_sites "/tmp/profile-$name.ncu-rep" diff_attention_decode_kernel "split-KV decode kernel$what, Sq=1, 32768 keys"
+    stall_sites "/tmp/profile-$name.ncu-rep" diff_attention_decode_kernel "split-KV decode kernel$what, Sq=1, 32768 keys" \
+      "$DIFFEXPORT_KERNEL_LIB"
   else
     echo "--- split-KV decode profile$what FAILED" >> "$OUT_DIR/profile.txt"
   fi
@@ -345,7 +348,7 @@ part_profile() {
     # What limits it: tensor-pipe activity, issue slots, stall reasons, shared-memory conflicts.
     { echo "--- selected raw metrics"; ncu --import /tmp/profile.ncu-rep --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } \
       >> "$OUT_DIR/profile.txt"
-    stall_sites /tmp/profile.ncu-rep diff_attention_fwd "fused kernel, N=4096"
+    stall_sites /tmp/profile.ncu-rep diff_attention_fwd "fused kernel, N=4096" "$DIFFEXPORT_KERNEL_LIB"
   fi
   # One split-KV decode call (bf16, d=128, Sq=1, 32k keys), both of its kernels (the split kernel,
   # then the merge): how close to DRAM bandwidth, and how much of the call each kernel takes; then
@@ -367,7 +370,8 @@ part_profile() {
           grep -E "$PROFILE_DETAILS"
         echo "--- selected raw metrics, Hopper path"; ncu --import /tmp/profile-hopper.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
-      stall_sites /tmp/profile-hopper.ncu-rep diff_attention_sm90 "Hopper path (TMA + wgmma), the same launch"
+      stall_sites /tmp/profile-hopper.ncu-rep diff_attention_sm90 "Hopper path (TMA + wgmma), the same launch" \
+        "$DIFFEXPORT_KERNEL_LIB"
     else
       echo "--- Hopper path profile FAILED" >> "$OUT_DIR/profile.txt"
     fi
@@ -381,7 +385,8 @@ part_profile() {
           grep -E "$PROFILE_DETAILS"
         echo "--- selected raw metrics, Hopper path INT8"; ncu --import /tmp/profile-hopper-int8.ncu-rep --page raw 2>&1 |
           grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
-      stall_sites /tmp/profile-hopper-int8.ncu-rep diff_attention_sm90 "Hopper path INT8 logits, the same launch"
+      stall_sites /tmp/profile-hopper-int8.ncu-rep diff_attention_sm90 "Hopper path INT8 logits, the same launch" \
+        "$DIFFEXPORT_KERNEL_LIB"
     else
       echo "--- Hopper path INT8 profile FAILED" >> "$OUT_DIR/profile.txt"
     fi
@@ -399,7 +404,7 @@ part_profile() {
       { echo "--- Hopper path, variant $name"; ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page details 2>&1 |
           grep -E "$PROFILE_DETAILS"
         ncu --import "/tmp/profile-hopper-$name.ncu-rep" --page raw 2>&1 | grep -E "$PROFILE_METRICS"; } >> "$OUT_DIR/profile.txt"
-      stall_sites "/tmp/profile-hopper-$name.ncu-rep" diff_attention_sm90 "Hopper path, variant $name"
+      stall_sites "/tmp/profile-hopper-$name.ncu-rep" diff_attention_sm90 "Hopper path, variant $name" "$path"
     done
   fi
   for spec in $(profiling compare && echo "${CAMPAIGN_COMPARE:-}"); do  # the same launch from each carried build, metrics only

@@ -14,6 +14,13 @@ Input: ncu's source page as CSV, one block per profiled launch, each opened by a
 then a header row starting "Address","Source" and one row per instruction. The columns read are
 "Warp Stall Sampling (All Samples)", "... (Not-issued Samples)", "Instructions Executed" and one
 "stall_<reason>" column per reason; a column missing from the export is reported as missing.
+
+With `--library LIB` (the kernel library the launch ran, built with -lineinfo as CMake builds it)
+the samples are also summed per source line: the library's cubins of `--arch` are disassembled
+with nvdisasm's line information, the launch's kernel is found among them by its instruction
+sequence (its name in the export is demangled, the cubins' are not), and each instruction's
+samples go to its chain of source lines in plugins/ (the kernel's statement > the inlined
+helper's line ...).
 """
 
 from __future__ import annotations
@@ -21,15 +28,24 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_resources import find_tool  # noqa: E402  (the CUDA binary utilities, toolkit or wheel)
 
 SECTION_PREFIX = "where the warps wait, "  # campaign_report.py finds the sections by it
 ALL_SAMPLES = "Warp Stall Sampling (All Samples)"
 NOT_ISSUED = "Warp Stall Sampling (Not-issued Samples)"
 EXECUTED = "Instructions Executed"
+REPO = Path(__file__).resolve().parent.parent
 UNNAMED = "(not named in the export)"  # such a launch matches any --kernel, and says so
 MAX_INPUT_BYTES = 256 << 20  # a source page of a few thousand instructions is a few MB
 
@@ -46,9 +62,7 @@ class Instruction:
     @property
     def opcode(self) -> str:
         """The base opcode (BAR, HMMA, LDGSTS ...), its predicate and modifiers dropped."""
-        words = self.sass.split()
-        words = words[1:] if words and words[0].startswith("@") else words
-        return words[0].split(".")[0] if words else "?"
+        return _opcode(self.sass)
 
 
 @dataclass
@@ -105,6 +119,138 @@ def parse(text: str) -> list[Launch]:
     return launches
 
 
+@dataclass
+class SassLine:
+    offset: int
+    opcode: str
+    frames: tuple[tuple[str, int], ...]  # (source file, line), innermost first, as nvdisasm lists them
+
+
+def _opcode(sass: str) -> str:
+    words = sass.split()
+    words = words[1:] if words and words[0].startswith("@") else words
+    return words[0].split(".")[0] if words else "?"
+
+
+def parse_disassembly(text: str, pattern: re.Pattern) -> dict[str, list[SassLine]]:
+    """nvdisasm --print-line-info-inline output: each function whose (mangled) name matches, its
+    instructions with the source-line chain in force at each. Where inlined code starts, nvdisasm
+    writes one "//## File" line per level before the instruction, each a callee's line "inlined at"
+    its caller's, then the outermost line alone:
+        ptx.cuh, line 89 inlined at diff_attention_fwd.cuh, line 174
+        diff_attention_fwd.cuh, line 174 inlined at diff_attention_decode.cuh, line 502
+        diff_attention_decode.cuh, line 502
+    A line that starts where the chain so far ends continues it; any other starts a new chain."""
+    functions: dict[str, list[SassLine]] = {}
+    current: list[SassLine] | None = None
+    frames: tuple[tuple[str, int], ...] = ()
+    fresh = False  # a "//## File" line came after the last instruction
+    for line in text.splitlines():
+        if label := re.match(r"^\.text\.(\S+):\s*$", line):
+            current = functions.setdefault(label.group(1), []) if pattern.search(label.group(1)) else None
+            frames, fresh = (), False
+        elif current is None:
+            continue
+        elif "//## File" in line:
+            chain = tuple((path, int(n)) for path, n in re.findall(r'"([^"]+)", line (\d+)', line))
+            frames = frames + chain[1:] if fresh and frames and chain[:1] == frames[-1:] else chain
+            fresh = True
+        elif ins := re.match(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
+            current.append(SassLine(int(ins.group(1), 16), _opcode(ins.group(2)), frames))
+            fresh = False
+    return {name: body for name, body in functions.items() if body}
+
+
+def library_functions(library: str, kernel: str, arch: str) -> dict[str, list[SassLine]]:
+    """The functions matching `kernel` in the library's cubins of `arch`, disassembled in parallel
+    (only the cubins whose symbol names hold a match)."""
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        raise RuntimeError("cuobjdump and nvdisasm not found (CUDA toolkit, or pip install nvidia-cuda-cuobjdump "
+                           "nvidia-cuda-nvdisasm)")
+    pattern = re.compile(kernel)
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run([cuobjdump, "-xelf", "all", "-arch", arch, os.path.abspath(library)], cwd=folder,
+                       capture_output=True, check=True, timeout=120)
+        byte_pattern = re.compile(kernel.encode())
+        cubins = [path for path in sorted(Path(folder).glob("*.cubin")) if byte_pattern.search(path.read_bytes())]
+
+        def disassemble(path: Path) -> str:
+            return subprocess.run([nvdisasm, "--print-line-info-inline", str(path)], capture_output=True,
+                                  text=True, check=True, timeout=120).stdout
+
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            texts = list(pool.map(disassemble, cubins))
+    functions: dict[str, list[SassLine]] = {}
+    for text in texts:
+        functions.update(parse_disassembly(text, pattern))
+    return functions
+
+
+def match_function(launch: Launch, functions: dict[str, list[SassLine]]) -> tuple[str, float] | None:
+    """The function whose instruction sequence is the launch's: same length, at least 98% of the
+    opcodes the same at the same offsets; the best such (name, agreement), or None."""
+    start = min(i.address for i in launch.instructions)
+    ops = {i.address - start: i.opcode for i in launch.instructions}
+    best = None
+    for name, body in functions.items():
+        if len(body) != len(ops):
+            continue
+        agree = sum(ops.get(x.offset) == x.opcode for x in body) / len(body)
+        if agree >= 0.98 and (best is None or agree > best[1]):
+            best = (name, agree)
+    return best
+
+
+def _own_frames(frames: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    """The chain's lines in this repository's kernel sources, outermost (the kernel's statement) first;
+    the innermost line of any file where none is ours (a CUDA header)."""
+    own = tuple(f for f in reversed(frames) if "plugins/" in f[0].replace(os.sep, "/"))
+    return own or frames[:1]
+
+
+def _source_text(path: str, line: int) -> str:
+    """The line's text, read where the build saw it, else in this checkout (a library built in another
+    folder from the same tree, as prepare_gpu_campaign.sh builds the carried ones)."""
+    unix = path.replace(os.sep, "/")
+    if not os.path.exists(path) and "plugins/" in unix:
+        path = str(REPO / unix[unix.index("plugins/"):])
+    try:
+        if os.path.islink(path) or os.path.getsize(path) > (4 << 20):
+            return ""
+        with open(path, encoding="utf-8", errors="replace") as source:
+            lines = source.read().splitlines()
+    except OSError:
+        return ""
+    return lines[line - 1].strip() if 0 < line <= len(lines) else ""
+
+
+def by_source_line(launch: Launch, body: list[SassLine], top: int = 10) -> list[str]:
+    """The launch's samples summed per chain of source lines, the top ones with their reasons and the
+    text of the outermost line."""
+    start = min(i.address for i in launch.instructions)
+    chains = {x.offset: _own_frames(x.frames) for x in body}
+    samples: Counter = Counter()
+    reasons: dict[tuple, Counter] = {}
+    for i in launch.instructions:
+        chain = chains.get(i.address - start, ())
+        samples[chain] += i.samples
+        reasons.setdefault(chain, Counter()).update(i.reasons)
+    total = sum(samples.values())
+    lines = ["by source line (share of samples, the kernel's line > the inlined helpers' lines, top reasons, "
+             "the kernel's line):"]
+    for chain, value in samples.most_common(top):
+        if value <= 0:
+            break
+        shown = [f"{os.path.basename(path)}:{line}" for path, line in chain] or ["(no line information)"]
+        if len(shown) > 3:
+            shown = shown[:2] + ["...", shown[-1]]
+        text = _source_text(*chain[0]) if chain else ""
+        lines.append(f"  {100 * value / total:5.1f}%  {' > '.join(shown):<56s}  "
+                     f"{_shares(reasons[chain], total, 2) or '-'}" + (f"  | {text[:70]}" if text else ""))
+    return lines
+
+
 def _shares(counter: Counter, total: float, top: int) -> str:
     return ", ".join(f"{name} {100 * value / total:.1f}%" for name, value in counter.most_common(top) if value)
 
@@ -150,12 +296,24 @@ def summary(launch: Launch, title: str, top: int = 12, launches_matched: int = 1
     return lines
 
 
+def source_lines(launch: Launch, functions: dict[str, list[SassLine]]) -> list[str]:
+    """The section's last part: which of the library's functions the launch ran, its samples per line."""
+    found = match_function(launch, functions) if launch.instructions else None
+    if found is None:
+        return [f"source lines: none of the library's {len(functions)} functions matching the kernel has its "
+                "instruction sequence (another build?)"]
+    return ([f"source lines: the library's {found[0]} ({100 * found[1]:.1f}% of the opcodes agree)"]
+            + by_source_line(launch, functions[found[0]]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", help="ncu's source page as CSV, or - for stdin")
     parser.add_argument("--kernel", default="", help="a regular expression the launch's kernel name must match")
     parser.add_argument("--title", required=True, help="the launch's section title in profile.txt")
     parser.add_argument("--top", type=int, default=12, help="instructions listed (default 12)")
+    parser.add_argument("--library", help="the kernel library the launch ran: samples per source line too")
+    parser.add_argument("--arch", default="sm_90a", help="its cubins to read (default sm_90a)")
     args = parser.parse_args(argv)
     try:
         if args.csv == "-":
@@ -175,7 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     if not matched:
         print(f"--- {SECTION_PREFIX}{args.title}\nno launch of a kernel matching {args.kernel!r} in the export")
         return 1
-    print("\n".join(summary(matched[0], args.title, args.top, len(matched))))
+    lines = summary(matched[0], args.title, args.top, len(matched))
+    print("\n".join(lines), flush=True)  # kept if the disassembly below runs out of time
+    if args.library and lines[-1].startswith("  "):  # samples to place
+        try:
+            lines = source_lines(matched[0], library_functions(args.library, args.kernel, args.arch))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            lines = [f"source lines: not read ({type(exc).__name__}: {str(exc)[:200]})"]
+        print("\n".join(lines))
     return 0
 
 
