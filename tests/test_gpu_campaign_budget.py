@@ -8,6 +8,7 @@ PYTHON) that record their calls and sleep or hang on request; the script under t
 with the real `timeout`. What runs on the GPU itself is tests/test_gpu_campaign_env.py's concern."""
 
 import json
+import lzma
 import os
 import re
 import shutil
@@ -163,6 +164,38 @@ def test_the_packed_cutlass_headers_are_unpacked_once_whole_or_refused(stubs):
     assert run.stderr == ("error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers "
                           "(include/cute/tensor.hpp)\n")
     assert not [p.name for p in checkout.iterdir() if p.name.startswith("build-cutlass")]
+
+
+def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
+    """Each carried build-NAME/libdiffexport_kernels.so.xz (tools/prepare_gpu_campaign.sh packs them)
+    becomes the library beside it before the first part, a library already there is kept, and a
+    file that is no xz is one error line, exit 2, with no library and no partial file left."""
+    env, tmp_path = stubs
+    checkout = tmp_path / "checkout"
+    (checkout / "tools").mkdir(parents=True)
+    (checkout / "tools" / "gpu_campaign.sh").write_text(CAMPAIGN.read_text())
+    library = bytes(range(256)) * 512  # a stand-in of 128 KiB
+    for name in ("build-before", "build-packmaps", "build-kept"):
+        (checkout / name).mkdir()
+        (checkout / name / "libdiffexport_kernels.so.xz").write_bytes(lzma.compress(library))
+    (checkout / "build-kept" / "libdiffexport_kernels.so").write_bytes(b"built here")
+
+    def campaign_env(out):
+        return subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / out),
+                               "env"], env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+    run = campaign_env("out")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (checkout / "build-before" / "libdiffexport_kernels.so").read_bytes() == library
+    assert (checkout / "build-packmaps" / "libdiffexport_kernels.so").read_bytes() == library
+    assert (checkout / "build-kept" / "libdiffexport_kernels.so").read_bytes() == b"built here"
+    (checkout / "build-broken").mkdir()
+    packed = lzma.compress(library)
+    (checkout / "build-broken" / "libdiffexport_kernels.so.xz").write_bytes(packed[:len(packed) // 2])  # cut short
+    run = campaign_env("out2")
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr == "error: build-broken/libdiffexport_kernels.so.xz is not a packed kernel library (xz)\n"
+    assert [p.name for p in (checkout / "build-broken").iterdir()] == ["libdiffexport_kernels.so.xz"]
 
 
 def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):
@@ -443,8 +476,8 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     # the carried one-tile-a-step build (decode kernels only) beside `before` in decode, not in the prefill bench
     assert ("--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so "
             "kvtiles1=build-kvtiles1/libdiffexport_kernels.so packmaps=build-packmaps/libdiffexport_kernels.so "
-            "--hopper-variants") in decode
-    assert "kvtiles1" not in bench and "packmaps" not in bench
+            "barriers2=build-barriers2/libdiffexport_kernels.so --hopper-variants") in decode
+    assert "kvtiles1" not in bench and "packmaps" not in bench and "barriers2" not in bench
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="

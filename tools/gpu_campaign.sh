@@ -53,6 +53,16 @@ if [[ -z "${CAMPAIGN_CUTLASS_DIR:-}" && ! -f build-cutlass/include/cute/tensor.h
     rm -rf "$unpack"; echo "error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers (include/cute/tensor.hpp)" >&2; exit 2
   fi
 fi
+# The carried kernel libraries travel packed as well (a library is about ten times its xz): each
+# build-NAME/libdiffexport_kernels.so.xz becomes the library beside it, whole or not at all.
+for packed in build-*/libdiffexport_kernels.so.xz; do
+  [[ -f "$packed" && ! -L "$packed" && ! -e "${packed%.xz}" ]] || continue
+  if xz -dc "$packed" > "${packed%.xz}.partial" 2> /dev/null; then
+    mv "${packed%.xz}.partial" "${packed%.xz}"
+  else
+    rm -f "${packed%.xz}.partial"; echo "error: $packed is not a packed kernel library (xz)" >&2; exit 2
+  fi
+done
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 BUILD_DIR="${CAMPAIGN_BUILD_DIR:-build-gpu}"

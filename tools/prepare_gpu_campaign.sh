@@ -5,7 +5,8 @@
 # NVIDIA/TensorRT repository, never committed), those headers, for the plugin and its harness
 # (tests/plugin_harness). They go into ignored folders of this checkout; then the one `run` call of
 # tools/README.md takes them with carry=["build-carry", "build-before", "build-trt"] (the CUTLASS
-# headers packed into build-carry/cutlass-include.tar.xz, which gpu_campaign.sh unpacks).
+# headers packed into build-carry/cutlass-include.tar.xz and each library into
+# build-NAME/libdiffexport_kernels.so.xz, which gpu_campaign.sh unpacks).
 #
 #   [TRT_INCLUDE_DIR=DIR] [PREPARE_VARIANTS="name:flags ..."] tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]
 #                                                          default b8abdb8 (the build measured on 2026-11-23)
@@ -52,9 +53,11 @@ build_library() {
     cmake --build "$worktree/build" --parallel >> "$worktree/build.log" 2>&1 ||
     { tail -30 "$worktree/build.log"; echo "error: the build of $commit${flags:+ ($flags)} failed" >&2; exit 1; }
   rm -rf "$folder" && mkdir -p "$folder"
-  cp "$worktree/build/plugins/kernels/libdiffexport_kernels.so" "$folder/"
+  # Packed: about a tenth of the library's size, so that more builds fit what `run` carries
+  # (gpu_campaign.sh unpacks it before its first part; xz -dk here gives the library back).
+  xz -T0 -6 -c "$worktree/build/plugins/kernels/libdiffexport_kernels.so" > "$folder/libdiffexport_kernels.so.xz"
   echo "$commit $(git rev-parse "$commit") $ARCH${flags:+ $flags}" > "$folder/COMMIT"
-  printf '%-23s %s\n' "$folder" "libdiffexport_kernels.so of $commit${flags:+ ($flags)} for $ARCH ($((SECONDS - start)) s)"
+  printf '%-23s %s\n' "$folder" "libdiffexport_kernels.so.xz of $commit${flags:+ ($flags)} for $ARCH ($((SECONDS - start)) s)"
 }
 build_library "$BEFORE" build-before ""
 # The headers carried packed: 26 MB of files are about 1 MB of xz (gpu_campaign.sh unpacks them).

@@ -71,6 +71,18 @@ static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == k
 #define DIFFX_DECODE_KV_PACK_MAPS 0
 #endif
 
+// Barriers a step of the decode loop in three or more stages (the 8-bit cache's). 1: the step's one
+// barrier, after its tiles have landed, also says every warp has left the step before, whose stage
+// is refilled just after it. 2 (the loop until 2026-11-29): the refill is issued before the wait,
+// so a second barrier at the step's end keeps it off a stage another warp may still read. Both keep
+// STAGES - 1 steps in flight while a step is computed and 1 meets its warps once a step instead of
+// twice; while a step waits for its tiles, 1 has one step less in flight. Two stages (the float
+// cache's) keep 2: their one step in flight during the wait is what keeps DRAM busy there.
+#ifndef DIFFX_DECODE_BARRIERS_A_STEP
+#define DIFFX_DECODE_BARRIERS_A_STEP 1
+#endif
+static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP == 2, "1 or 2 barriers a step");
+
 // KV: the cache's DiffxKvFormat (0: key and value in T; else 1-byte codes, kv_codes.cuh).
 // KT: 64-key tiles a step (a stage holds KT tiles of each of K and V; 8-bit codes only).
 template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1>
@@ -283,6 +295,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // Int8 codes read with their bias (kv_codes.cuh): one more n-tile, P against ones, whose every
   // column is the sum of P as the mmas saw it (fp16), rescaled with O by the online softmax.
   constexpr int kBiasTiles = KV == kKvInt8 && DIFFX_DECODE_KV_BIAS ? 1 : 0;
+  constexpr bool kOneBarrier = DIFFX_DECODE_BARRIERS_A_STEP == 1 && STAGES >= 3;
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
 
@@ -397,16 +410,21 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     const int k0 = quarter * 16;  // this warp's first key in each tile
     const int ahead_stage = stage;  // the stage read in the previous step
     stage = stage == STAGES - 1 ? 0 : stage + 1;
-    if constexpr (STAGES >= 2) {
-      // The step STAGES - 1 ahead goes to the stage read in the previous one, which ended with a barrier.
-      const int ahead = nb + (STAGES - 1) * KT;
-      if (ahead < nb_end) load_kv(ahead, ahead_stage);
+    const int ahead = nb + (STAGES - 1) * KT;  // the step STAGES - 1 ahead: to the stage read in the previous one
+    if constexpr (STAGES >= 2 && !kOneBarrier) {
+      if (ahead < nb_end) load_kv(ahead, ahead_stage);  // that step ended with a barrier
       cp_async_commit();
       cp_async_wait_group<STAGES - 1>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
+    } else if constexpr (kOneBarrier) {
+      cp_async_wait_group<STAGES - 2>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
     } else {
       cp_async_wait_all();                // K(nb) and V(nb) landed
     }
-    __syncthreads();                      // ... for every thread
+    __syncthreads();                      // ... for every thread (kOneBarrier: and every warp has left the last step)
+    if constexpr (kOneBarrier) {
+      if (ahead < nb_end) load_kv(ahead, ahead_stage);
+      cp_async_commit();
+    }
 
     // S = Q K^T for the 16 query rows and this warp's 16 keys of each tile (s[2t], s[2t + 1]: tile t).
     float s[kSTiles][4];
@@ -542,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       }
     }
 
-    __syncthreads();  // every warp has read this stage's K and V
+    if constexpr (!kOneBarrier) __syncthreads();  // every warp has read this stage's K and V
     if (STAGES == 1 && nb + 1 < nb_end) {
       load_v(nb + 1, 0);
       cp_async_commit();
