@@ -136,11 +136,15 @@ def decode_kernel():
     return path, name, functions[name]
 
 
-def barrier_samples_export(name: str, body, drop_last: bool = False) -> str:
-    """An export of one launch of that kernel whose only samples are 10 at each barrier (BAR)."""
-    rows = [(f"0x{0x7f0000000000 + x.offset:x}", f"{x.opcode} ;", *([10] * 3 if x.opcode == "BAR" else [0] * 3),
-             0, *([10] if x.opcode == "BAR" else [0]), 0, 0, 0, 0) for x in body]
-    return export((name, rows[:-1] if drop_last else rows))
+def barrier_samples_export(name: str, body, opcodes=None, extra=()) -> str:
+    """An export of one launch of that kernel whose only samples are 10 at each barrier (BAR); opcodes
+    (offset -> opcode) replaces some, extra adds instructions past its end."""
+    opcodes = opcodes or {}
+    rows = [(f"0x{0x7f0000000000 + x.offset:x}", f"{opcodes.get(x.offset, x.opcode)} ;",
+             *([10] * 3 if x.opcode == "BAR" else [0] * 3), 0, *([10] if x.opcode == "BAR" else [0]), 0, 0, 0, 0)
+            for x in body if x.offset not in opcodes or opcodes[x.offset]]
+    rows += [(f"0x{0x7f0000000000 + offset:x}", "FFMA R0, R1, R2, R3 ;", 0, 0, 5, 0, 0, 0, 0, 0, 0) for offset in extra]
+    return export((name, rows))
 
 
 def test_samples_per_source_line_land_on_the_statements_that_compiled_to_them(decode_kernel, tmp_path):
@@ -172,15 +176,37 @@ def test_samples_per_source_line_land_on_the_statements_that_compiled_to_them(de
 
 
 def test_a_launch_of_another_build_is_placed_on_no_line(decode_kernel, tmp_path):
+    """One opcode in 25 not the library's (a build of other source or flags): no function is named and
+    no line gets the samples."""
     lib, name, body = decode_kernel
     export_file = tmp_path / "source.csv"
-    export_file.write_text(barrier_samples_export(name, body, drop_last=True))
+    export_file.write_text(barrier_samples_export(name, body, {x.offset: "XMAD" for x in body[::25]}))
     out = subprocess.run([sys.executable, str(TOOL), str(export_file), "--kernel", DECODE_BF16_D128, "--title", "t",
                           "--library", str(lib)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert re.search(r"^source lines: none of the library's \d+ functions matching the kernel has its instruction "
                      r"sequence \(another build\?\)$", out.stdout, re.M), out.stdout
     assert "by source line" not in out.stdout
+
+
+def test_a_listing_without_the_padding_and_with_subroutines_still_matches(decode_kernel, tmp_path):
+    """The profiler may leave out the kernel's trailing NOPs and branch, and list subroutines it calls
+    past its end: the kernel is still found, every opcode of what both list agreeing."""
+    lib, name, body = decode_kernel
+    tail = []
+    for x in reversed(body):
+        if x.opcode not in ("NOP", "BRA"):
+            break
+        tail.append(x.offset)
+    assert tail, "the kernel ends with padding"
+    end = body[-1].offset + 16
+    export_file = tmp_path / "source.csv"
+    export_file.write_text(barrier_samples_export(name, body, {offset: "" for offset in tail},
+                                                  extra=range(end + 4096, end + 4096 + 100 * 16, 16)))
+    out = subprocess.run([sys.executable, str(TOOL), str(export_file), "--kernel", DECODE_BF16_D128, "--title", "t",
+                          "--library", str(lib)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"source lines: the library's {name} (100.0% of the opcodes agree)" in out.stdout, out.stdout
 
 
 def test_every_instruction_is_placed_inside_the_kernel_it_was_inlined_into(decode_kernel):

@@ -30,6 +30,7 @@ import csv
 import io
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -161,19 +162,52 @@ def parse_disassembly(text: str, pattern: re.Pattern) -> dict[str, list[SassLine
     return {name: body for name, body in functions.items() if body}
 
 
-def library_functions(library: str, kernel: str, arch: str) -> dict[str, list[SassLine]]:
-    """The functions matching `kernel` in the library's cubins of `arch`, disassembled in parallel
-    (only the cubins whose symbol names hold a match)."""
+SASS_BYTES = 16  # an instruction on sm_70 and later
+PADDING = 64     # instructions a function may end with past what the profiler lists (NOP, the final BRA)
+
+
+def cubin_functions(data: bytes) -> dict[str, int]:
+    """The function symbols of a cubin (ELF64, little-endian) and their sizes in bytes, from its
+    symbol table: which cubin holds a kernel of a given length, without disassembling any."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return {}
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+                if shoff + (i + 1) * shentsize <= len(data)]
+    functions = {}
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind != 2 or entsize < 24 or link >= len(sections):  # SHT_SYMTAB, and its string table
+            continue
+        strings = data[sections[link][4]:sections[link][4] + sections[link][5]]
+        for at in range(offset, min(offset + size, len(data) - 23), entsize):
+            name, info, _, _, _, length = struct.unpack_from("<IBBHQQ", data, at)
+            if info & 0xF == 2 and name < len(strings):  # STT_FUNC
+                functions[strings[name:strings.index(b"\0", name)].decode("latin-1")] = length
+    return functions
+
+
+def library_functions(library: str, kernel: str, arch: str, instructions: int | None = None
+                      ) -> dict[str, list[SassLine]]:
+    """The functions matching `kernel` in the library's cubins of `arch`, disassembled in parallel;
+    with `instructions` (the launch's count), only the cubins holding such a function of about that
+    length (within an eighth, or PADDING: the profiler may list the kernel's own subroutines, such as
+    the division slow paths, and leave out its padding)."""
     cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     if cuobjdump is None or nvdisasm is None:
         raise RuntimeError("cuobjdump and nvdisasm not found (CUDA toolkit, or pip install nvidia-cuda-cuobjdump "
                            "nvidia-cuda-nvdisasm)")
     pattern = re.compile(kernel)
+
+    def holds_the_kernel(path: Path) -> bool:
+        return any(pattern.search(name) and (instructions is None or
+                                             abs(size // SASS_BYTES - instructions) <= max(PADDING, instructions // 8))
+                   for name, size in cubin_functions(path.read_bytes()).items())
+
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run([cuobjdump, "-xelf", "all", "-arch", arch, os.path.abspath(library)], cwd=folder,
                        capture_output=True, check=True, timeout=120)
-        byte_pattern = re.compile(kernel.encode())
-        cubins = [path for path in sorted(Path(folder).glob("*.cubin")) if byte_pattern.search(path.read_bytes())]
+        cubins = [path for path in sorted(Path(folder).glob("*.cubin")) if holds_the_kernel(path)]
 
         def disassemble(path: Path) -> str:
             return subprocess.run([nvdisasm, "--print-line-info-inline", str(path)], capture_output=True,
@@ -188,15 +222,21 @@ def library_functions(library: str, kernel: str, arch: str) -> dict[str, list[Sa
 
 
 def match_function(launch: Launch, functions: dict[str, list[SassLine]]) -> tuple[str, float] | None:
-    """The function whose instruction sequence is the launch's: same length, at least 98% of the
-    opcodes the same at the same offsets; the best such (name, agreement), or None."""
+    """The function whose instruction sequence is the launch's: at least 98% of its instructions and
+    of the launch's within its length have the same opcode at the same offset; the best such (name,
+    agreement), or None. Its trailing NOPs and branches past the launch's last instruction do not
+    count, nor the launch's instructions past the function's end (subroutines the profiler lists)."""
     start = min(i.address for i in launch.instructions)
     ops = {i.address - start: i.opcode for i in launch.instructions}
     best = None
     for name, body in functions.items():
-        if len(body) != len(ops):
+        within = [offset for offset in ops if offset <= body[-1].offset]
+        if not within:
             continue
-        agree = sum(ops.get(x.offset) == x.opcode for x in body) / len(body)
+        end = max(within) + SASS_BYTES  # the launch's last instruction inside this function
+        used = [x for x in body if x.offset < end or x.opcode not in ("NOP", "BRA")]
+        same = sum(ops.get(x.offset) == x.opcode for x in used)
+        agree = same / max(len(used), len(within))
         if agree >= 0.98 and (best is None or agree > best[1]):
             best = (name, agree)
     return best
@@ -337,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), flush=True)  # kept if the disassembly below runs out of time
     if args.library and lines[-1].startswith("  "):  # samples to place
         try:
-            lines = source_lines(matched[0], library_functions(args.library, args.kernel, args.arch))
+            lines = source_lines(matched[0], library_functions(args.library, args.kernel, args.arch,
+                                                               len(matched[0].instructions)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             lines = [f"source lines: not read ({type(exc).__name__}: {str(exc)[:200]})"]
         print("\n".join(lines))
