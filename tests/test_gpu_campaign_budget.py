@@ -73,7 +73,8 @@ def stubs(tmp_path):
     library.write_bytes(b"")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python-stub"),
                STUB_LOG=str(tmp_path / "calls.log"), DIFFEXPORT_KERNEL_LIB=str(library),
-               CAMPAIGN_BUILD_DIR=str(tmp_path / "build"), CAMPAIGN_RESERVE=RESERVES)
+               CAMPAIGN_BUILD_DIR=str(tmp_path / "build"), CAMPAIGN_RESERVE=RESERVES,
+               CAMPAIGN_UNPACK_LIBRARIES="0")  # this checkout's packed carried builds stay as they are
     for name in ("CAMPAIGN_BUDGET", "CAMPAIGN_COMPARE", "CAMPAIGN_DECODE_COMPARE", "CAMPAIGN_VARIANTS",
                  "DIFFEXPORT_PROBE_HOPPER",
                  "DIFFEXPORT_PROBE_HOPPER_INT8", "OUT"):
@@ -171,6 +172,7 @@ def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
     becomes the library beside it before the first part, a library already there is kept, and a
     file that is no xz is one error line, exit 2, with no library and no partial file left."""
     env, tmp_path = stubs
+    env["CAMPAIGN_UNPACK_LIBRARIES"] = "1"  # as on the GPU machine, in a scratch checkout
     checkout = tmp_path / "checkout"
     (checkout / "tools").mkdir(parents=True)
     (checkout / "tools" / "gpu_campaign.sh").write_text(CAMPAIGN.read_text())

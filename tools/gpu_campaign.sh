@@ -55,7 +55,8 @@ if [[ -z "${CAMPAIGN_CUTLASS_DIR:-}" && ! -f build-cutlass/include/cute/tensor.h
 fi
 # The carried kernel libraries travel packed as well (a library is about ten times its xz): each
 # build-NAME/libdiffexport_kernels.so.xz becomes the library beside it, whole or not at all.
-for packed in build-*/libdiffexport_kernels.so.xz; do
+# (CAMPAIGN_UNPACK_LIBRARIES=0 leaves them packed: the CPU tests' stand-in runs of this script.)
+for packed in $([[ "${CAMPAIGN_UNPACK_LIBRARIES:-1}" == 0 ]] || echo build-*/libdiffexport_kernels.so.xz); do
   [[ -f "$packed" && ! -L "$packed" && ! -e "${packed%.xz}" ]] || continue
   if xz -dc "$packed" > "${packed%.xz}.partial" 2> /dev/null; then
     mv "${packed%.xz}.partial" "${packed%.xz}"
