@@ -489,8 +489,8 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
 
 def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
     """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
-    and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from each carried
-    decode build (one tile a step, packed maps); not the mma.sync prefill launches."""
+    and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from the carried
+    packed-maps build; not the mma.sync prefill launches."""
     env, tmp_path = stubs
     env["STUB_LOG_LIB"] = "1"
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
@@ -499,24 +499,21 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
     hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
     decode = [x for x in ncu if "regex:diff_attention_decode" in x]
-    assert len(ncu) == 6 and len(hopper) == 2 and len(decode) == 4
+    assert len(ncu) == 5 and len(hopper) == 2 and len(decode) == 3
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
     assert "--profile-kv-cache int8" not in decode[0] and all("--profile-kv-cache int8" in x for x in decode[1:])
-    assert "/tmp/profile-decode-kv8-kvtiles1" in decode[2] and decode[2].endswith(
-        " lib=build-kvtiles1/libdiffexport_kernels.so")
-    assert "/tmp/profile-decode-kv8-packmaps" in decode[3] and decode[3].endswith(
+    assert "/tmp/profile-decode-kv8-packmaps" in decode[2] and decode[2].endswith(
         " lib=build-packmaps/libdiffexport_kernels.so")
-    assert not decode[1].endswith("kvtiles1/libdiffexport_kernels.so")
+    assert not decode[1].endswith("packmaps/libdiffexport_kernels.so")
     # each launch's per-instruction warp samples, exported from its own report (tools/ncu_stall_sites.py)
     sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
     reports = [re.search(r" -o (\S+)", x).group(1) + ".ncu-rep" for x in ncu]
     assert sorted(x.split()[2] for x in sources) == sorted(reports), (sources, reports)
     # ... condensed with the line information of the library each launch ran (a carried decode build's own)
     condense = [x for x in calls.splitlines() if x.startswith("python tools/ncu_stall_sites.py")]
-    assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
+    assert len(condense) == 5 and all("--arch sm_90a" in x for x in condense), condense
     libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
-    assert sum(x.endswith("build-kvtiles1/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("build-packmaps/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("-cluster2/plugins/kernels/libdiffexport_kernels.so") for x in libraries) == 1
 
