@@ -181,6 +181,15 @@ def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
         (checkout / name).mkdir()
         (checkout / name / "libdiffexport_kernels.so.xz").write_bytes(lzma.compress(library))
     (checkout / "build-kept" / "libdiffexport_kernels.so").write_bytes(b"built here")
+    # a link, packed or as the library's name, is never unpacked through
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"not to be written")
+    (checkout / "build-linked").mkdir()
+    (checkout / "build-linked" / "libdiffexport_kernels.so.xz").write_bytes(lzma.compress(library))
+    (checkout / "build-linked" / "libdiffexport_kernels.so").symlink_to(outside)
+    (checkout / "build-link-packed").mkdir()
+    (checkout / "build-link-packed" / "libdiffexport_kernels.so.xz").symlink_to(
+        checkout / "build-before" / "libdiffexport_kernels.so.xz")
 
     def campaign_env(out):
         return subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / out),
@@ -191,6 +200,11 @@ def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
     assert (checkout / "build-before" / "libdiffexport_kernels.so").read_bytes() == library
     assert (checkout / "build-packmaps" / "libdiffexport_kernels.so").read_bytes() == library
     assert (checkout / "build-kept" / "libdiffexport_kernels.so").read_bytes() == b"built here"
+    assert outside.read_bytes() == b"not to be written"
+    assert (checkout / "build-linked" / "libdiffexport_kernels.so").is_symlink()
+    assert not (checkout / "build-link-packed" / "libdiffexport_kernels.so").exists()
+    assert sorted(p.name for p in (checkout / "build-linked").iterdir()) == ["libdiffexport_kernels.so",
+                                                                           "libdiffexport_kernels.so.xz"]
     (checkout / "build-broken").mkdir()
     packed = lzma.compress(library)
     (checkout / "build-broken" / "libdiffexport_kernels.so.xz").write_bytes(packed[:len(packed) // 2])  # cut short

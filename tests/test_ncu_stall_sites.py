@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "ncu_stall_sites.py"
 KERNEL_SOURCES = ROOT / "plugins" / "kernels"
 sys.path.insert(0, str(ROOT / "tools"))
+import ncu_stall_sites  # noqa: E402
 from kernel_resources import find_tool  # noqa: E402
-from ncu_stall_sites import library_functions  # noqa: E402
+from ncu_stall_sites import cubin_functions, library_functions  # noqa: E402
 
 DECODE_BF16_D128 = "diff_attention_decode_kernelI13__nv_bfloat16Li128ELi256E"  # mangled: the symbols' own names
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
@@ -98,6 +99,43 @@ def test_what_the_export_lacks_is_said_not_guessed():
     assert none.returncode == 1
     assert none.stdout == ("--- where the warps wait, Hopper path\n"
                            "no launch of a kernel matching 'diff_attention_sm90' in the export\n")
+
+
+def test_a_huge_export_is_refused_unparsed(tmp_path, monkeypatch, capsys):
+    """Past its bound (256 MB; lowered here) the export is one error line, exit 2, nothing printed."""
+    monkeypatch.setattr(ncu_stall_sites, "MAX_INPUT_BYTES", 1000)
+    big = tmp_path / "source.csv"
+    big.write_text(export(("k", SPLIT * 20)))
+    assert ncu_stall_sites.main([str(big), "--title", "t"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"error: {big}: more than 0 MB, not a source page of one launch\n"
+
+
+def test_what_is_no_export_is_said_so(tmp_path, capsys):
+    """Bytes of another kind (a binary) read as an export holding no launch; CSV with NUL bytes and an
+    unclosed quote, under a header without the sampling columns, as a launch whose columns are missing."""
+    path = tmp_path / "source.csv"
+    path.write_bytes(bytes(range(256)) * 40)
+    code = ncu_stall_sites.main([str(path), "--kernel", "decode", "--title", "t"])
+    out = capsys.readouterr()
+    assert code == 1 and out.err == ""
+    assert out.out.endswith("no launch of a kernel matching 'decode' in the export\n")
+    path.write_bytes(b'Address,Source\n0x1,\x00BAR\n"unclosed')
+    code = ncu_stall_sites.main([str(path), "--kernel", "decode", "--title", "t"])
+    out = capsys.readouterr()
+    assert code == 0 and out.err == ""
+    assert out.out.splitlines()[2].startswith("not in the export: Warp Stall Sampling (All Samples)")
+    assert out.out.splitlines()[-1] == "no warp-state samples (was the SourceCounters section collected?)"
+
+
+def test_a_cubin_that_is_not_one_holds_no_function():
+    """The symbol-table reader takes bytes of any kind: not an ELF, a header alone, tables past the end."""
+    real_header = b"\x7fELF\x02\x01" + bytes(58)
+    broken = bytearray(real_header)
+    broken[0x28:0x30] = (1 << 40).to_bytes(8, "little")  # section headers far past the end
+    broken[0x3A:0x3E] = (64).to_bytes(2, "little") + (3).to_bytes(2, "little")
+    for data in (b"", b"not an elf", real_header, bytes(broken), b"\x7fELF" + bytes(4000)):
+        assert cubin_functions(data) == {}
 
 
 def test_a_bad_input_is_one_error_line(tmp_path):

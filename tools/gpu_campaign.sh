@@ -57,11 +57,12 @@ fi
 # build-NAME/libdiffexport_kernels.so.xz becomes the library beside it, whole or not at all.
 # (CAMPAIGN_UNPACK_LIBRARIES=0 leaves them packed: the CPU tests' stand-in runs of this script.)
 for packed in $([[ "${CAMPAIGN_UNPACK_LIBRARIES:-1}" == 0 ]] || echo build-*/libdiffexport_kernels.so.xz); do
-  [[ -f "$packed" && ! -L "$packed" && ! -e "${packed%.xz}" ]] || continue
-  if xz -dc "$packed" > "${packed%.xz}.partial" 2> /dev/null; then
-    mv "${packed%.xz}.partial" "${packed%.xz}"
+  [[ -f "$packed" && ! -L "$packed" && ! -e "${packed%.xz}" && ! -L "${packed%.xz}" ]] || continue
+  partial=$(mktemp "${packed%.xz}.XXXXXX")  # a new file: nothing already there is written through
+  if xz -dc "$packed" > "$partial" 2> /dev/null; then
+    mv "$partial" "${packed%.xz}"
   else
-    rm -f "${packed%.xz}.partial"; echo "error: $packed is not a packed kernel library (xz)" >&2; exit 2
+    rm -f "$partial"; echo "error: $packed is not a packed kernel library (xz)" >&2; exit 2
   fi
 done
 PY="${PYTHON:-python3}"

@@ -168,8 +168,16 @@ PADDING = 64     # instructions a function may end with past what the profiler l
 
 def cubin_functions(data: bytes) -> dict[str, int]:
     """The function symbols of a cubin (ELF64, little-endian) and their sizes in bytes, from its
-    symbol table: which cubin holds a kernel of a given length, without disassembling any."""
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    symbol table: which cubin holds a kernel of a given length, without disassembling any. {} for
+    bytes that are not such an ELF file, or whose tables point past its end."""
+    try:
+        return _elf_functions(data)
+    except (struct.error, ValueError, IndexError):
+        return {}
+
+
+def _elf_functions(data: bytes) -> dict[str, int]:
+    if data[:4] != b"\x7fELF" or data[4:6] != b"\x02\x01":
         return {}
     shoff, = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
