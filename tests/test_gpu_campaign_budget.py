@@ -165,6 +165,24 @@ def test_the_packed_cutlass_headers_are_unpacked_once_whole_or_refused(stubs):
     assert run.stderr == ("error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers "
                           "(include/cute/tensor.hpp)\n")
     assert not [p.name for p in checkout.iterdir() if p.name.startswith("build-cutlass")]
+    # The headers and a 2 MiB file of zeros (a few KB of xz) under a 1 MiB limit: refused, nothing left.
+    (tmp_path / "headers" / "include" / "zeros.bin").write_bytes(bytes(2 << 20))
+    with tarfile.open(checkout / "build-carry" / "cutlass-include.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "headers" / "include", arcname="include")
+    run = subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / "out4"), "env"],
+                         env={**env, "CAMPAIGN_UNPACK_LIMIT_MB": "1"}, capture_output=True, text=True, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr == ("error: build-carry/cutlass-include.tar.xz unpacks to more than 1 MiB "
+                          "(CAMPAIGN_UNPACK_LIMIT_MB)\n")
+    assert not [p.name for p in checkout.iterdir() if p.name.startswith("build-cutlass")]
+    # Within a 3 MiB limit the same archive unpacks.
+    run = subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / "out5"), "env"],
+                         env={**env, "CAMPAIGN_UNPACK_LIMIT_MB": "3"}, capture_output=True, text=True, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(p.name for p in (checkout / "build-cutlass").iterdir()) == ["include"]
+    assert (checkout / "build-cutlass" / "include" / "zeros.bin").stat().st_size == 2 << 20
 
 
 def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
@@ -212,6 +230,20 @@ def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
     assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
     assert run.stderr == "error: build-broken/libdiffexport_kernels.so.xz is not a packed kernel library (xz)\n"
     assert [p.name for p in (checkout / "build-broken").iterdir()] == ["libdiffexport_kernels.so.xz"]
+    # One that unpacks past the limit (2 MiB of zeros under 1 MiB): one error line, nothing left.
+    shutil.rmtree(checkout / "build-broken")
+    (checkout / "build-huge").mkdir()
+    (checkout / "build-huge" / "libdiffexport_kernels.so.xz").write_bytes(lzma.compress(bytes(2 << 20)))
+    env["CAMPAIGN_UNPACK_LIMIT_MB"] = "1"
+    run = campaign_env("out3")
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr == ("error: build-huge/libdiffexport_kernels.so.xz unpacks to more than 1 MiB "
+                          "(CAMPAIGN_UNPACK_LIMIT_MB)\n")
+    assert [p.name for p in (checkout / "build-huge").iterdir()] == ["libdiffexport_kernels.so.xz"]
+    env["CAMPAIGN_UNPACK_LIMIT_MB"] = "1e3"  # not whole MiB: refused before anything is unpacked
+    run = campaign_env("out4")
+    assert run.returncode == 2 and run.stderr == (
+        "error: CAMPAIGN_UNPACK_LIMIT_MB takes whole MiB from 1 to 999999, not '1e3'\n"), run.stderr
 
 
 def test_a_hanging_bench_leaves_the_later_parts_their_reserve(stubs):

@@ -42,13 +42,32 @@ for launch in ${PROFILE_PARTS:-}; do
     { echo "error: PROFILE_PARTS takes fused, decode, hopper, hopper-int8, variants and compare, not '$launch'" >&2; exit 2; }
 done
 mkdir -p "$OUT_DIR"
+# What a carried archive may unpack to (CAMPAIGN_UNPACK_LIMIT_MB, default 1024 MiB: a library is
+# about 80 MB, the CUTLASS headers 26 MB): the stream is cut one byte past it and refused, so a
+# corrupt or hostile carry cannot fill the disk (64 GiB) before the parts run.
+[[ "${CAMPAIGN_UNPACK_LIMIT_MB:-1024}" =~ ^[1-9][0-9]{0,5}$ ]] ||
+  { echo "error: CAMPAIGN_UNPACK_LIMIT_MB takes whole MiB from 1 to 999999, not '$CAMPAIGN_UNPACK_LIMIT_MB'" >&2; exit 2; }
+UNPACK_LIMIT=$(( ${CAMPAIGN_UNPACK_LIMIT_MB:-1024} * 1024 * 1024 ))
+# unxz_capped PACKED FILE: PACKED's xz stream into FILE (a new file); 0 when whole and within the
+# limit, 1 when it is no xz, 3 when it unpacks to more than the limit.
+unxz_capped() {
+  xz -dc -- "$1" 2> /dev/null | head -c $((UNPACK_LIMIT + 1)) > "$2"
+  local status=("${PIPESTATUS[@]}")
+  (( $(stat -c %s -- "$2") > UNPACK_LIMIT )) && return 3
+  [[ ${status[0]} == 0 && ${status[1]} == 0 ]]
+}
 # The CUTLASS headers travel packed (tools/prepare_gpu_campaign.sh: 26 MB of headers are about 1 MB
 # of xz, and `run` carries 64 MiB): unpacked here once, before any part builds, through a scratch
 # folder so that no half-unpacked tree is ever build-cutlass/include.
 if [[ -z "${CAMPAIGN_CUTLASS_DIR:-}" && ! -f build-cutlass/include/cute/tensor.hpp && -f build-carry/cutlass-include.tar.xz ]]; then
   unpack=$(mktemp -d "$PWD/build-cutlass.XXXXXX")
-  if tar -xJf build-carry/cutlass-include.tar.xz -C "$unpack" 2> /dev/null && [[ -f "$unpack/include/cute/tensor.hpp" ]]; then
+  unxz_capped build-carry/cutlass-include.tar.xz "$unpack/headers.tar"; status=$?
+  if [[ $status == 0 ]] && tar -xf "$unpack/headers.tar" -C "$unpack" 2> /dev/null && rm -f "$unpack/headers.tar" &&
+     [[ -f "$unpack/include/cute/tensor.hpp" ]]; then
     rm -rf build-cutlass && mv "$unpack" build-cutlass
+  elif [[ $status == 3 ]]; then
+    rm -rf "$unpack"
+    echo "error: build-carry/cutlass-include.tar.xz unpacks to more than ${CAMPAIGN_UNPACK_LIMIT_MB:-1024} MiB (CAMPAIGN_UNPACK_LIMIT_MB)" >&2; exit 2
   else
     rm -rf "$unpack"; echo "error: build-carry/cutlass-include.tar.xz holds no CUTLASS headers (include/cute/tensor.hpp)" >&2; exit 2
   fi
@@ -59,8 +78,12 @@ fi
 for packed in $([[ "${CAMPAIGN_UNPACK_LIBRARIES:-1}" == 0 ]] || echo build-*/libdiffexport_kernels.so.xz); do
   [[ -f "$packed" && ! -L "$packed" && ! -e "${packed%.xz}" && ! -L "${packed%.xz}" ]] || continue
   partial=$(mktemp "${packed%.xz}.XXXXXX")  # a new file: nothing already there is written through
-  if xz -dc "$packed" > "$partial" 2> /dev/null; then
+  unxz_capped "$packed" "$partial"; status=$?
+  if [[ $status == 0 ]]; then
     mv "$partial" "${packed%.xz}"
+  elif [[ $status == 3 ]]; then
+    rm -f "$partial"
+    echo "error: $packed unpacks to more than ${CAMPAIGN_UNPACK_LIMIT_MB:-1024} MiB (CAMPAIGN_UNPACK_LIMIT_MB)" >&2; exit 2
   else
     rm -f "$partial"; echo "error: $packed is not a packed kernel library (xz)" >&2; exit 2
   fi
