@@ -94,11 +94,16 @@ def test_what_the_export_lacks_is_said_not_guessed():
         "kernel: (not named in the export)",
         "not in the export: Warp Stall Sampling (All Samples), Warp Stall Sampling (Not-issued Samples), "
         "stall_<reason>",
+        "columns in the export: Address, Source, Instructions Executed",  # to read another layout next time
         "no warp-state samples (was the SourceCounters section collected?)"]
-    none = run(export(("void other_kernel()", SPLIT)), "--kernel", "diff_attention_sm90", "--title", "Hopper path")
+    other = export(("void other_kernel()", SPLIT))
+    none = run(other, "--kernel", "diff_attention_sm90", "--title", "Hopper path")
     assert none.returncode == 1
+    first_lines = [line for line in other.splitlines() if line.strip()][:3]
     assert none.stdout == ("--- where the warps wait, Hopper path\n"
-                           "no launch of a kernel matching 'diff_attention_sm90' in the export\n")
+                           "no launch of a kernel matching 'diff_attention_sm90' in the export\n"
+                           "kernels in the export: void other_kernel()\n"
+                           + "".join(f"export line {n}: {line}\n" for n, line in enumerate(first_lines, 1)))
 
 
 def test_a_huge_export_is_refused_unparsed(tmp_path, monkeypatch, capsys):
@@ -119,12 +124,18 @@ def test_what_is_no_export_is_said_so(tmp_path, capsys):
     code = ncu_stall_sites.main([str(path), "--kernel", "decode", "--title", "t"])
     out = capsys.readouterr()
     assert code == 1 and out.err == ""
-    assert out.out.endswith("no launch of a kernel matching 'decode' in the export\n")
+    lines = out.out.splitlines()
+    assert lines[1:3] == ["no launch of a kernel matching 'decode' in the export", "kernels in the export: none"]
+    # the bytes are quoted as printable ASCII, each line cut at 800 characters
+    assert lines[3].startswith("export line 1: ") and len(lines) <= 6
+    assert all(" " <= c <= "~" for line in lines[3:] for c in line)
+    assert all(len(line) <= len("export line 1: ") + 800 + 4 for line in lines[3:])
     path.write_bytes(b'Address,Source\n0x1,\x00BAR\n"unclosed')
     code = ncu_stall_sites.main([str(path), "--kernel", "decode", "--title", "t"])
     out = capsys.readouterr()
     assert code == 0 and out.err == ""
     assert out.out.splitlines()[2].startswith("not in the export: Warp Stall Sampling (All Samples)")
+    assert out.out.splitlines()[3] == "columns in the export: Address, Source"
     assert out.out.splitlines()[-1] == "no warp-state samples (was the SourceCounters section collected?)"
 
 

@@ -49,6 +49,7 @@ EXECUTED = "Instructions Executed"
 REPO = Path(__file__).resolve().parent.parent
 UNNAMED = "(not named in the export)"  # such a launch matches any --kernel, and says so
 MAX_INPUT_BYTES = 256 << 20  # a source page of a few thousand instructions is a few MB
+SHOWN_CHARS = 800  # of an export's header or first lines, quoted when its layout is not the one read here
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Launch:
     kernel: str
     instructions: list[Instruction] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    columns: list[str] = field(default_factory=list)  # the export's header, shown when a column is missing
 
 
 def _number(text: str) -> float:
@@ -103,6 +105,7 @@ def parse(text: str) -> list[Launch]:
             if not named:  # an export without the name rows: each header opens a launch of its own
                 launches.append(Launch(UNNAMED))
             named = False
+            launches[-1].columns = header
             launches[-1].missing = [name for name in (ALL_SAMPLES, NOT_ISSUED, EXECUTED) if name not in header]
             if not any(_reason(name) for name in header):
                 launches[-1].missing.append("stall_<reason>")
@@ -299,6 +302,12 @@ def by_source_line(launch: Launch, body: list[SassLine], top: int = 10) -> list[
     return lines
 
 
+def _printable(text: str, limit: int) -> str:
+    """text cut to limit characters, anything but printable ASCII shown as '?'."""
+    cut = text[:limit]
+    return "".join(c if " " <= c <= "~" else "?" for c in cut) + (" ..." if len(text) > limit else "")
+
+
 def _shares(counter: Counter, total: float, top: int) -> str:
     return ", ".join(f"{name} {100 * value / total:.1f}%" for name, value in counter.most_common(top) if value)
 
@@ -308,8 +317,9 @@ def summary(launch: Launch, title: str, top: int = 12, launches_matched: int = 1
     lines = [f"--- {SECTION_PREFIX}{title}",
              f"kernel: {launch.kernel}" + (f" (the first of {launches_matched} launches)" if launches_matched > 1
                                            else "")]
-    if launch.missing:
+    if launch.missing:  # with the columns there were, so that another layout can be read next time
         lines.append("not in the export: " + ", ".join(launch.missing))
+        lines.append("columns in the export: " + _printable(", ".join(launch.columns), SHOWN_CHARS))
     ins = launch.instructions
     samples = sum(i.samples for i in ins)
     executed = sum(i.executed for i in ins)
@@ -377,9 +387,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.csv}: more than {MAX_INPUT_BYTES >> 20} MB, not a source page of one launch",
               file=sys.stderr)
         return 2
-    matched = [launch for launch in parse(text) if launch.kernel == UNNAMED or pattern.search(launch.kernel)]
+    launches = parse(text)
+    matched = [launch for launch in launches if launch.kernel == UNNAMED or pattern.search(launch.kernel)]
     if not matched:
-        print(f"--- {SECTION_PREFIX}{args.title}\nno launch of a kernel matching {args.kernel!r} in the export")
+        # What the export held instead, so that a layout other than the one read here can be read next time.
+        seen = sorted({launch.kernel for launch in launches})
+        head = [line for line in text.splitlines() if line.strip()][:3]
+        print(f"--- {SECTION_PREFIX}{args.title}\nno launch of a kernel matching {args.kernel!r} in the export",
+              f"\nkernels in the export: {_printable(', '.join(seen), SHOWN_CHARS) if seen else 'none'}",
+              *(f"\nexport line {n}: {_printable(line, SHOWN_CHARS)}" for n, line in enumerate(head, 1)), sep="")
         return 1
     lines = summary(matched[0], args.title, args.top, len(matched))
     print("\n".join(lines), flush=True)  # kept if the disassembly below runs out of time
