@@ -16,7 +16,7 @@ from oracle import diff_attention_oracle  # noqa: E402
 
 from diffexport.core import contract  # noqa: E402
 from diffexport.core.contract import DiffAttentionAttrs  # noqa: E402
-from diffexport.export import function_body, op_schema  # noqa: E402
+from diffexport.export import function_body, op_schema, translation  # noqa: E402
 
 ELEM = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 
@@ -143,7 +143,7 @@ def test_attention_body_needs_opset_23():
 
 
 def test_translation_follows_the_contract():
-    fn = next(iter(op_schema.translation_table().values()))
+    fn = next(iter(translation.translation_table().values()))
     params = list(inspect.signature(fn).parameters)
     assert params == [*contract.ALL_INPUT_NAMES, *contract.ATTRIBUTE_NAMES]
 

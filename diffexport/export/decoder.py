@@ -33,7 +33,8 @@ from diffexport.core.errors import DiffExportError
 from diffexport.core.files import check_output_path, is_hub_cache_link, refuse_output_over_inputs, staging_folder
 from diffexport.export import exporter
 from diffexport.export.exporter import DTYPES, ExportOptions
-from diffexport.export.op_schema import register_schema, translation_table
+from diffexport.export.op_schema import register_schema
+from diffexport.export.translation import translation_table
 from diffexport.format import decoders, model_card
 from diffexport.format.decoder_folder import (
     GENAI_PROVIDERS,

@@ -31,7 +31,8 @@ from diffexport.core.files import check_output_path, refuse_output_over_inputs, 
 from diffexport.core.progress import Progress
 from diffexport.export import function_body
 from diffexport.export.norm_form import divide_by_root
-from diffexport.export.op_schema import register_schema, translation_table
+from diffexport.export.op_schema import register_schema
+from diffexport.export.translation import translation_table
 from diffexport.format.metadata_keys import (
     BODY_STYLE,
     CONFIG,
