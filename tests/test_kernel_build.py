@@ -183,3 +183,58 @@ def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
     assert out.stderr == "error: PREPARE_VARIANTS takes name:flags, not 'kvtiles1'\n"
     assert before == {name: (root / name).exists() and sorted(p.name for p in (root / name).iterdir())
                       for name in ("build-cutlass", "build-before")}
+
+
+def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
+    """tools/prepare_gpu_campaign.sh builds a library only where its folder holds none made from the
+    same kernel inputs (the commit's plugins/ and CMakeLists.txt, architecture, flags, nvcc, CUTLASS),
+    and packs the CUTLASS headers only when they changed: a second run keeps every folder, new flags
+    rebuild that variant alone, a broken packed library is rebuilt, and PREPARE_REBUILD=1 rebuilds all.
+    Run in a clone, with cmake and nvcc stand-ins that log their builds and write a stand-in library
+    (the real build takes minutes)."""
+    if importlib.util.find_spec("cutlass_library") is None:
+        pytest.skip("nvidia-cutlass not installed (pip install -e '.[kernels]')")
+    if shutil.which("git") is None or shutil.which("xz") is None:
+        pytest.skip("git and xz are needed")
+    root = KERNELS.parent.parent
+    checkout = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "--quiet", str(root), str(checkout)], check=True, timeout=120)
+    script = checkout / "tools" / "prepare_gpu_campaign.sh"
+    script.write_text((root / "tools" / "prepare_gpu_campaign.sh").read_text())  # this tree's script
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    log = tmp_path / "builds.log"
+    (stubs / "cmake").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = --build ]; then echo "$2" >> {log}; mkdir -p "$2/plugins/kernels"; '
+        'echo "library of $2" > "$2/plugins/kernels/libdiffexport_kernels.so"; fi\n')
+    (stubs / "nvcc").write_text("#!/bin/sh\necho 'nvcc stand-in, release 13.0'\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", TMPDIR=str(tmp_path))
+
+    def prepare(variants, **extra):
+        out = subprocess.run(["bash", str(script), "HEAD"], capture_output=True, text=True, timeout=300,
+                             env={**env, "PREPARE_VARIANTS": variants, **extra}, stdin=subprocess.DEVNULL)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    def builds():
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    first = prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1")
+    assert builds() == 2 and "kept" not in first
+    assert (checkout / "build-tiles1" / "INPUTS").read_text() != (checkout / "build-before" / "INPUTS").read_text()
+    again = prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1")
+    assert builds() == 2, again  # nothing built
+    assert "build-before            kept: built from the same kernel inputs (HEAD)" in again
+    assert "build-tiles1            kept" in again and "build-tiles1" in again.split("carry=[", 1)[1]
+    assert "build-carry             kept: the same CUTLASS headers" in again  # not packed again
+    prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1,-DDIFFX_DECODE_KV_STAGES=2")  # new flags: that variant alone
+    assert builds() == 3
+    (checkout / "build-before" / "libdiffexport_kernels.so.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
+    prepare("")  # a packed library that is no longer whole is built again
+    assert builds() == 4
+    prepare("", PREPARE_REBUILD="1")
+    assert builds() == 5
+    assert not list(tmp_path.glob("diffexport-build-*"))  # no worktree left behind

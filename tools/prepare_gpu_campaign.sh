@@ -15,8 +15,10 @@
 # worktree that is removed afterwards. PREPARE_VARIANTS builds HEAD again with each variant's nvcc
 # flags (commas separate a variant's flags, as in CAMPAIGN_VARIANTS) into build-NAME/, a whole
 # library the campaign times beside this one through CAMPAIGN_COMPARE, so that the GPU machine
-# spends no time building it. Exit status 0 when every folder is ready and together they fit the
-# 64 MiB that `run` carries.
+# spends no time building it. A folder whose library was built from the same kernel inputs (the
+# commit's plugins/ and CMakeLists.txt, the architecture and flags, nvcc's version, the CUTLASS
+# headers: its INPUTS file) is kept as it is (PREPARE_REBUILD=1 builds every one again). Exit status
+# 0 when every folder is ready and together they fit the 64 MiB that `run` carries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,9 +43,23 @@ echo "build-cutlass/include   CUTLASS headers from $cutlass_src"
 # 2. The earlier commit's kernel library, and HEAD's variants, each built in a throw-away worktree.
 worktrees=()
 trap 'for w in "${worktrees[@]}"; do git worktree remove --force "$w" > /dev/null 2>&1 || rm -rf "$w"; done' EXIT
-# build_library COMMIT FOLDER "NVCC FLAGS": the library of COMMIT, for ARCH, into FOLDER/ (with a COMMIT file).
+# kernel_inputs COMMIT "NVCC FLAGS": a digest of what decides the library a build makes.
+kernel_inputs() {
+  { git rev-parse "$1:plugins" "$1:CMakeLists.txt"; echo "$ARCH $2"; nvcc --version
+    cat "$cutlass_src/cutlass/version.h"; } | sha256sum | cut -d' ' -f1
+}
+# build_library COMMIT FOLDER "NVCC FLAGS": the library of COMMIT, for ARCH, into FOLDER/ (with a
+# COMMIT file, and an INPUTS file with kernel_inputs' digest), unless FOLDER already holds a whole
+# library made from the same inputs (a folder or file that is a link is never taken as one).
 build_library() {
-  local commit=$1 folder=$2 flags=$3 worktree start=$SECONDS
+  local commit=$1 folder=$2 flags=$3 worktree start=$SECONDS inputs
+  inputs=$(kernel_inputs "$commit" "$flags")
+  if [[ "${PREPARE_REBUILD:-0}" != 1 && -d "$folder" && ! -L "$folder" && -f "$folder/INPUTS" && ! -L "$folder/INPUTS" &&
+        -f "$folder/libdiffexport_kernels.so.xz" && ! -L "$folder/libdiffexport_kernels.so.xz" &&
+        "$(head -c 100 "$folder/INPUTS")" == "$inputs" ]] && xz -t "$folder/libdiffexport_kernels.so.xz" 2> /dev/null; then
+    printf '%-23s %s\n' "$folder" "kept: built from the same kernel inputs ($(head -c 200 "$folder/COMMIT" 2> /dev/null | cut -d' ' -f1))"
+    return
+  fi
   worktree=$(mktemp -d "${TMPDIR:-/tmp}/diffexport-$folder.XXXXXX")
   worktrees+=("$worktree")
   git worktree add --detach --quiet "$worktree" "$commit"
@@ -57,12 +73,22 @@ build_library() {
   # (gpu_campaign.sh unpacks it before its first part; xz -dk here gives the library back).
   xz -T0 -6 -c "$worktree/build/plugins/kernels/libdiffexport_kernels.so" > "$folder/libdiffexport_kernels.so.xz"
   echo "$commit $(git rev-parse "$commit") $ARCH${flags:+ $flags}" > "$folder/COMMIT"
+  echo "$inputs" > "$folder/INPUTS"
   printf '%-23s %s\n' "$folder" "libdiffexport_kernels.so.xz of $commit${flags:+ ($flags)} for $ARCH ($((SECONDS - start)) s)"
 }
 build_library "$BEFORE" build-before ""
-# The headers carried packed: 26 MB of files are about 1 MB of xz (gpu_campaign.sh unpacks them).
-rm -rf build-carry && mkdir -p build-carry
-tar -C build-cutlass -cJf build-carry/cutlass-include.tar.xz include
+# The headers carried packed: 26 MB of files are about 1 MB of xz (gpu_campaign.sh unpacks them);
+# packed again only when they differ from those packed last (build-carry/INPUTS: their digest).
+headers=$(cd build-cutlass && find include -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+if [[ -d build-carry && ! -L build-carry && -f build-carry/INPUTS && ! -L build-carry/INPUTS &&
+      -f build-carry/cutlass-include.tar.xz && ! -L build-carry/cutlass-include.tar.xz &&
+      "$(head -c 100 build-carry/INPUTS)" == "$headers" ]] && xz -t build-carry/cutlass-include.tar.xz 2> /dev/null; then
+  echo "build-carry             kept: the same CUTLASS headers"
+else
+  rm -rf build-carry && mkdir -p build-carry
+  tar -C build-cutlass -cJf build-carry/cutlass-include.tar.xz include
+  echo "$headers" > build-carry/INPUTS
+fi
 carry='"build-carry", "build-before"'
 variants=""
 folders=(build-carry build-before)
