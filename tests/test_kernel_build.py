@@ -227,7 +227,9 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     assert (checkout / "build-tiles1" / "INPUTS").read_text() != (checkout / "build-before" / "INPUTS").read_text()
     again = prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1")
     assert builds() == 2, again  # nothing built
-    assert "build-before            kept: built from the same kernel inputs (HEAD)" in again
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert f"build-before            kept: built from the same kernel inputs (HEAD {head})" in again
     assert "build-tiles1            kept" in again and "build-tiles1" in again.split("carry=[", 1)[1]
     assert "build-carry             kept: the same CUTLASS headers" in again  # not packed again
     prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1,-DDIFFX_DECODE_KV_STAGES=2")  # new flags: that variant alone

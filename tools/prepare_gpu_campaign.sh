@@ -57,7 +57,7 @@ build_library() {
   if [[ "${PREPARE_REBUILD:-0}" != 1 && -d "$folder" && ! -L "$folder" && -f "$folder/INPUTS" && ! -L "$folder/INPUTS" &&
         -f "$folder/libdiffexport_kernels.so.xz" && ! -L "$folder/libdiffexport_kernels.so.xz" &&
         "$(head -c 100 "$folder/INPUTS")" == "$inputs" ]] && xz -t "$folder/libdiffexport_kernels.so.xz" 2> /dev/null; then
-    printf '%-23s %s\n' "$folder" "kept: built from the same kernel inputs ($(head -c 200 "$folder/COMMIT" 2> /dev/null | cut -d' ' -f1))"
+    printf '%-23s %s\n' "$folder" "kept: built from the same kernel inputs ($(head -c 200 "$folder/COMMIT" 2> /dev/null | awk '{print $1, substr($2, 1, 7); exit}'))"
     return
   fi
   worktree=$(mktemp -d "${TMPDIR:-/tmp}/diffexport-$folder.XXXXXX")
