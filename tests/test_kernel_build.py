@@ -237,6 +237,15 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     (checkout / "build-before" / "libdiffexport_kernels.so.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
     prepare("")  # a packed library that is no longer whole is built again
     assert builds() == 4
+    # A folder that is a link, even to a current copy, is never kept, and its target is not written.
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(checkout / "build-before", copy)
+    kept_bytes = {f.name: f.read_bytes() for f in copy.iterdir()}
+    shutil.rmtree(checkout / "build-before")
+    (checkout / "build-before").symlink_to(copy)
+    prepare("")
+    assert builds() == 5 and not (checkout / "build-before").is_symlink()
+    assert {f.name: f.read_bytes() for f in copy.iterdir()} == kept_bytes
     prepare("", PREPARE_REBUILD="1")
-    assert builds() == 5
+    assert builds() == 6
     assert not list(tmp_path.glob("diffexport-build-*"))  # no worktree left behind

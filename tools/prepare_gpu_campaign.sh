@@ -43,6 +43,13 @@ echo "build-cutlass/include   CUTLASS headers from $cutlass_src"
 # 2. The earlier commit's kernel library, and HEAD's variants, each built in a throw-away worktree.
 worktrees=()
 trap 'for w in "${worktrees[@]}"; do git worktree remove --force "$w" > /dev/null 2>&1 || rm -rf "$w"; done' EXIT
+# still_current FOLDER PACKED DIGEST: FOLDER holds a whole xz file PACKED made from inputs of DIGEST
+# (its INPUTS file), none of them a link, and PREPARE_REBUILD is not 1.
+still_current() {
+  local folder=$1 packed=$1/$2
+  [[ "${PREPARE_REBUILD:-0}" != 1 && -d "$folder" && ! -L "$folder" && -f "$folder/INPUTS" && ! -L "$folder/INPUTS" &&
+     -f "$packed" && ! -L "$packed" && "$(head -c 100 "$folder/INPUTS")" == "$3" ]] && xz -t "$packed" 2> /dev/null
+}
 # kernel_inputs COMMIT "NVCC FLAGS": a digest of what decides the library a build makes.
 kernel_inputs() {
   { git rev-parse "$1:plugins" "$1:CMakeLists.txt"; echo "$ARCH $2"; nvcc --version
@@ -54,9 +61,7 @@ kernel_inputs() {
 build_library() {
   local commit=$1 folder=$2 flags=$3 worktree start=$SECONDS inputs
   inputs=$(kernel_inputs "$commit" "$flags")
-  if [[ "${PREPARE_REBUILD:-0}" != 1 && -d "$folder" && ! -L "$folder" && -f "$folder/INPUTS" && ! -L "$folder/INPUTS" &&
-        -f "$folder/libdiffexport_kernels.so.xz" && ! -L "$folder/libdiffexport_kernels.so.xz" &&
-        "$(head -c 100 "$folder/INPUTS")" == "$inputs" ]] && xz -t "$folder/libdiffexport_kernels.so.xz" 2> /dev/null; then
+  if still_current "$folder" libdiffexport_kernels.so.xz "$inputs"; then
     printf '%-23s %s\n' "$folder" "kept: built from the same kernel inputs ($(head -c 200 "$folder/COMMIT" 2> /dev/null | awk '{print $1, substr($2, 1, 7); exit}'))"
     return
   fi
@@ -80,9 +85,7 @@ build_library "$BEFORE" build-before ""
 # The headers carried packed: 26 MB of files are about 1 MB of xz (gpu_campaign.sh unpacks them);
 # packed again only when they differ from those packed last (build-carry/INPUTS: their digest).
 headers=$(cd build-cutlass && find include -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
-if [[ -d build-carry && ! -L build-carry && -f build-carry/INPUTS && ! -L build-carry/INPUTS &&
-      -f build-carry/cutlass-include.tar.xz && ! -L build-carry/cutlass-include.tar.xz &&
-      "$(head -c 100 build-carry/INPUTS)" == "$headers" ]] && xz -t build-carry/cutlass-include.tar.xz 2> /dev/null; then
+if still_current build-carry cutlass-include.tar.xz "$headers"; then
   echo "build-carry             kept: the same CUTLASS headers"
 else
   rm -rf build-carry && mkdir -p build-carry
