@@ -132,12 +132,16 @@ __device__ __forceinline__ int64_t part_index(const KernelArgs& args, int b, int
          int64_t(part) * args.p.q_len;
 }
 
-// The end of kernel 1: a map's 4 warp states merged in shared memory. Rows padded by 8 floats, so
-// that a warp's float2 accesses to 8 rows x 4 column pairs fall in distinct banks (2 wavefronts).
-template <int DV>
-constexpr int kMergeStride = DV + 8;
-template <int DV>
-constexpr int kMergeBufferBytes = (2 * kDecodeRows * kMergeStride<DV> + 2 * kWarpsPerMap * kDecodeRows * 2) * int(sizeof(float));
+// The end of kernel 1: a map's 4 warp states merged in shared memory, rows padded so that a warp's
+// accesses fall in distinct banks. A float cache's lane holds pairs of channels (float2, 8 rows x 4
+// pairs a warp: 8 floats of padding, 2 wavefronts an access); an 8-bit cache's holds runs of four
+// (float4 over two of its accumulator tiles, 8 rows x 4 runs: 16 floats, 4 wavefronts, the fewest
+// for 512 bytes).
+template <int DV, bool CODES>
+constexpr int kMergeStride = DV + (CODES ? 16 : 8);
+template <int DV, bool CODES>
+constexpr int kMergeBufferBytes =
+    (2 * kDecodeRows * kMergeStride<DV, CODES> + 2 * kWarpsPerMap * kDecodeRows * 2) * int(sizeof(float));
 
 // CTAs per SM the compiler must leave registers for at head dim 64 (2: at most 128 registers a
 // thread, no spills at sm_90). 2 by default; the GPU campaign times 1 as a variant (-DDIFFX_DECODE_D64_MIN_BLOCKS=1).
@@ -578,9 +582,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // The warps of each map (packed maps: all 8, each holding both) merged into one state: each
   // warp's (max, sum) of its rows, the map's max M per row, then each warp's P.V sums rescaled to M
   // and added into the buffer in warp order (a barrier between warps: the same sum on every run).
-  float* merged = reinterpret_cast<float*>(sKV);  // [2 maps][16 rows][kMergeStride] floats
-  float* warp_ml = merged + 2 * kDecodeRows * kMergeStride<DV>;  // [8 warps][16 tile rows][max, sum]
-  static_assert(kMergeBufferBytes<DV> <= STAGES * Cfg::kStageBytes, "the merge buffer reuses the K/V stages");
+  constexpr int kStride = kMergeStride<DV, KV != 0>;
+  static_assert(kStride % 32 == (KV != 0 ? 16 : 8), "a warp's rows 8 (float2) or 16 (float4) banks apart: no conflicts");
+  float* merged = reinterpret_cast<float*>(sKV);  // [2 maps][16 rows][kStride] floats
+  float* warp_ml = merged + 2 * kDecodeRows * kStride;  // [8 warps][16 tile rows][max, sum]
+  static_assert(kMergeBufferBytes<DV, KV != 0> <= STAGES * Cfg::kStageBytes, "the merge buffer reuses the K/V stages");
   constexpr int kStateWarps = PM ? 2 * kWarpsPerMap : kWarpsPerMap;  // warps holding a map's rows
   // Row `row` of map m: the max over its warps' maxima and the sum of their sums at that max
   // (0 with max -inf when no key of the split is visible to the row).
@@ -621,14 +627,22 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     if ((PM ? warp : quarter) == q) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float* row = merged + (row_map(r) * kDecodeRows + row_of_map(r)) * kMergeStride<DV>;
+        float* row = merged + (row_map(r) * kDecodeRows + row_of_map(r)) * kStride;
 #pragma unroll
         for (int i = 0; i < kOTiles; ++i) {
-          if constexpr (KV != 0) {  // tile i's column 2tq + e is channel 16(i/2) + 4tq + 2e + (i&1)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float* out = row + 16 * (i >> 1) + 4 * tq + 2 * e + (i & 1);
-              *out = acc_o[i][2 * r + e] * w[r] + (q > 0 ? *out : 0.f);
+          if constexpr (KV != 0) {
+            // Tile i's column 2tq + e is channel 16(i/2) + 4tq + 2e + (i&1): tiles i and i + 1 (i even)
+            // give this lane channels 16(i/2) + 4tq ... + 3, one float4. (Until 2026-11-29 one float
+            // each: 4x the instructions, each a 4-way bank conflict at a stride of DV + 8.)
+            if (i & 1) continue;
+            float4* out = reinterpret_cast<float4*>(row + 16 * (i >> 1) + 4 * tq);
+            const float4 mine = make_float4(acc_o[i][2 * r] * w[r], acc_o[i + 1][2 * r] * w[r],
+                                            acc_o[i][2 * r + 1] * w[r], acc_o[i + 1][2 * r + 1] * w[r]);
+            if (q > 0) {  // (a store in each branch: no register copies of `mine`, which the loop keeps)
+              const float4 before = *out;
+              *out = make_float4(mine.x + before.x, mine.y + before.y, mine.z + before.z, mine.w + before.w);
+            } else {
+              *out = mine;
             }
           } else {
             float2 sum = make_float2(acc_o[i][2 * r] * w[r], acc_o[i][2 * r + 1] * w[r]);
@@ -662,7 +676,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     const int row = i / kQuads, c = 4 * (i % kQuads);
     const int64_t state = part_index(args, b, h0 + row / p.q_len, map, part) + row % p.q_len;
     *reinterpret_cast<float4*>(args.part_o + state * DV + c) =
-        *reinterpret_cast<const float4*>(merged + (map * kDecodeRows + row) * kMergeStride<DV> + c);
+        *reinterpret_cast<const float4*>(merged + (map * kDecodeRows + row) * kStride + c);
   }
 }
 
