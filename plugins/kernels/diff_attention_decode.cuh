@@ -83,6 +83,28 @@ static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == k
 #endif
 static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP == 2, "1 or 2 barriers a step");
 
+// An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q) at D = 128: rows padded by
+// 16 bytes instead of XOR-swizzled (DIFFX_DECODE_KV_ROW_PAD, default 16; 0 keeps the swizzle).
+// The 8 rows of an ldmatrix phase still fall on 8 distinct 16-byte bank groups (rows of 128k + 16
+// bytes move one group a row), and a chunk's offset is the row's plus a constant: each ldmatrix of
+// a step is a base and an immediate, where the swizzle took two or three integer instructions an
+// address (about 50 a step at V1 d = 128 on sm_90a, the lane's offsets recomputed from its index).
+// D = 64 keeps the swizzle: the padding (18 KB at three stages of two tiles) would leave no room
+// for its two CTAs an SM.
+#ifndef DIFFX_DECODE_KV_ROW_PAD
+#define DIFFX_DECODE_KV_ROW_PAD 16
+#endif
+static_assert(DIFFX_DECODE_KV_ROW_PAD == 0 || DIFFX_DECODE_KV_ROW_PAD == 16, "rows padded by 16 bytes or swizzled");
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW_BYTES rows padded by PAD
+// (0: swizzled_chunk's XOR swizzle).
+template <int ROW_BYTES, int PAD>
+__device__ __forceinline__ int tile_chunk_offset(int row, int chunk) {
+  static_assert(PAD == 0 || ROW_BYTES % 128 == 0, "padded rows of whole 128-byte lines: conflict-free ldmatrix");
+  if constexpr (PAD != 0) return row * (ROW_BYTES + PAD) + chunk * 16;
+  else return swizzled_chunk<ROW_BYTES / 16>(row, chunk) * 16;
+}
+
 // KV: the cache's DiffxKvFormat (0: key and value in T; else 1-byte codes, kv_codes.cuh).
 // KT: 64-key tiles a step (a stage holds KT tiles of each of K and V; 8-bit codes only).
 template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1>
@@ -91,10 +113,11 @@ struct DecodeTileConfig {
   static_assert(STAGES >= 1 && STAGES <= 4 && (KV == 0 || STAGES >= 2), "1-4 K/V stages, at least 2 for 8-bit codes");
   static_assert(!(INT8 && KV), "an 8-bit cache does not combine with INT8 logits");
   static_assert(KT == 1 || (KT == 2 && KV != 0), "two tiles a step only for 8-bit codes");
-  static constexpr int kQTileBytes = kDecodeRows * D * int(sizeof(T));
+  static constexpr int kRowPad = KV && D == 128 ? DIFFX_DECODE_KV_ROW_PAD : 0;  // an 8-bit cache's tiles
+  static constexpr int kQTileBytes = kDecodeRows * (D * int(sizeof(T)) + kRowPad);
   static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
-  static constexpr int kKTileBytes = KV ? KT * kBlockN * D : Fwd::kKTileBytes;  // a map's KT key tiles
-  static constexpr int kVTileBytes = KV ? KT * kBlockN * DV : Fwd::kVTileBytes;
+  static constexpr int kKTileBytes = KV ? KT * kBlockN * (D + kRowPad) : Fwd::kKTileBytes;  // a map's KT key tiles
+  static constexpr int kVTileBytes = KV ? KT * kBlockN * (DV + kRowPad) : Fwd::kVTileBytes;
   static constexpr int kStageBytes = Fwd::kKeyTiles * kKTileBytes + kVTileBytes;  // K tile(s) + V tile
   static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * kStageBytes;
   // The fewest stages of one tile (one; two for 8-bit codes) launch everywhere (sm_86/sm_89 opt in
@@ -149,19 +172,24 @@ constexpr int kMergeBufferBytes =
 #define DIFFX_DECODE_D64_MIN_BLOCKS 2
 #endif
 
-// The cp.async copies a thread issues for one code tile of an 8-bit cache (kv_codes.cuh): rows of
-// ROW_BYTES codes, [64][ROW_BYTES] in shared memory, swizzled like the INT8-logits key tiles, rows
-// past kv_len zero-filled. Set up once a CTA, so a tile's copies are the first tile's moved by whole
-// tiles; load_tile_async recomputes every address and predicate per tile (86 integer instructions
-// a thread per tile of the V1 d = 128 kernel on sm_90a, against its 8 copies).
-template <int ROW_BYTES>
+// The cp.async copies a thread issues for the code tiles of an 8-bit cache (kv_codes.cuh): rows of
+// ROW_BYTES codes, 64 rows in shared memory laid out by tile_chunk_offset (rows padded by PAD, or
+// swizzled like the INT8-logits key tiles), rows past kv_len zero-filled; HEADS tiles a key tile
+// (V1's K1 and K2: heads ROW_BYTES apart in a cache row, tiles HEAD_TILE_BYTES apart in shared
+// memory). Set up once a CTA, so a tile's copies are the first tile's moved by whole tiles;
+// load_tile_async recomputes every address and predicate per tile (86 integer instructions a
+// thread per tile of the V1 d = 128 kernel on sm_90a, against its 8 copies).
+template <int ROW_BYTES, int PAD, int HEADS = 1, int HEAD_TILE_BYTES = 0>
 struct CodeTileCopies {
   static constexpr int kChunks = ROW_BYTES / 16;
   static constexpr int kRowStep = kThreads / kChunks;  // rows apart of a thread's copies
   static constexpr int kCopies = kBlockN / kRowStep;
+  static constexpr int kPitch = ROW_BYTES + PAD;          // a row in shared memory
+  static constexpr int kTileBytes = kBlockN * kPitch;     // a tile in shared memory
   static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlockN % kRowStep == 0,
                 "fixed trip count, one swizzle per thread");
-  const char* src;    // this thread's chunk of row row0 of tile 0
+  static_assert(HEADS == 1 || HEAD_TILE_BYTES >= kTileBytes, "one tile a head");
+  const char* src;    // this thread's chunk of row row0 of tile 0 (head 0)
   int64_t row_step;   // bytes from one of its copies to the next (kRowStep rows; a tile is kBlockN rows)
   int dst;            // byte offset of its first chunk in a shared tile
   int row0;
@@ -171,21 +199,38 @@ struct CodeTileCopies {
     row0 = tid / kChunks;
     const int chunk = tid % kChunks;
     src = tile0 + row0 * row_stride + chunk * 16;
-    dst = swizzled_chunk<kChunks>(row0, chunk) * 16;
+    dst = tile_chunk_offset<ROW_BYTES, PAD>(row0, chunk);
   }
-  // Tile nb, whose first `rows` rows hold keys.
-  __device__ __forceinline__ void issue(char* tile, int nb, int rows) const {
-    const char* from = src + int64_t(nb) * (kBlockN / kRowStep) * row_step;
+  // Tile nb of head h into `tile`, whose first `rows` rows hold keys.
+  __device__ __forceinline__ void issue(char* tile, int nb, int h, int rows) const {
+    const char* from = src + h * ROW_BYTES + int64_t(nb) * kCopies * row_step;
     if (rows >= kBlockN) {
 #pragma unroll
-      for (int i = 0; i < kCopies; ++i) cp_async_16(tile + dst + i * kRowStep * ROW_BYTES, from + i * row_step, true);
+      for (int i = 0; i < kCopies; ++i) cp_async_16(tile + dst + i * kRowStep * kPitch, from + i * row_step, true);
     } else {
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) {
         const bool valid = row0 + i * kRowStep < rows;
-        cp_async_16(tile + dst + i * kRowStep * ROW_BYTES, valid ? from + i * row_step : src, valid);
+        cp_async_16(tile + dst + i * kRowStep * kPitch, valid ? from + i * row_step : src, valid);
       }
     }
+  }
+  // Tiles nb .. nb + KT - 1 of every head, every row holding a key, into tiles[t] (head h at
+  // tiles[t] + h * HEAD_TILE_BYTES): one base a step, one address a copy, a second head's the
+  // first's plus an immediate (V1 d = 128 on sm_90a: 42 instructions beside the 16 copies, where
+  // a tile's own base and a head's own addresses took 62).
+  template <int KT>
+  __device__ __forceinline__ void issue_full_step(char* const (&tiles)[KT], int nb) const {
+    const char* base = src + uint64_t(uint32_t(nb)) * uint64_t(kCopies * row_step);  // (nb >= 0: no sign extension)
+#pragma unroll
+    for (int t = 0; t < KT; ++t)
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const char* from = base + (t * kCopies + i) * row_step;
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h)
+          cp_async_16(tiles[t] + h * HEAD_TILE_BYTES + dst + i * kRowStep * kPitch, from + h * ROW_BYTES, true);
+      }
   }
 };
 
@@ -205,7 +250,7 @@ constexpr float kFoldedQueryMax = 16384.f;
 // otherwise push Q into fp16's subnormals.) All threads call it (it synchronises); `reduce` holds
 // a float per warp. PM (DIFFX_DECODE_KV_PACK_MAPS): both maps in the first tile, map m's row r at
 // row 8m + r. Returns both maps' alpha.
-template <typename T, int D, bool V1, int KV, bool PM = false>
+template <typename T, int D, bool V1, int KV, int PAD, bool PM = false>
 __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
                                                              float* reduce, int tid) {
   constexpr int kRows = PM ? kDecodeRows / 2 : kDecodeRows;  // rows a map holds
@@ -215,13 +260,12 @@ __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_til
   const int row = PM ? map * kRows + item / kGroups % kRows : item / kGroups % kRows;  // in its map's tile
   const int tile = PM ? 0 : map;
   float q[16];
-  T* lo = nullptr;
-  T* hi = nullptr;
   float largest = 0.f;
   if (item < kItems) {
     const float* scale = args.p.k_scale + (V1 ? 2 * g + map : g) * D + group * 16;
-    lo = reinterpret_cast<T*>(sQ + tile * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group) * 16);
-    hi = reinterpret_cast<T*>(sQ + tile * q_tile_bytes + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
+    const char* q_tile = sQ + tile * q_tile_bytes;  // as loaded: swizzled, in T
+    const T* lo = reinterpret_cast<const T*>(q_tile + swizzled_chunk<kChunks>(row, 2 * group) * 16);
+    const T* hi = reinterpret_cast<const T*>(q_tile + swizzled_chunk<kChunks>(row, 2 * group + 1) * 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       q[j] = to_float(lo[j]) * (scale[j] / kv_code_unit(KV));
@@ -245,12 +289,14 @@ __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_til
   }
   // (selects, not alpha[map]: a runtime index would put the pair in local memory)
   const float mine = map == 0 ? alpha[0] : alpha[1];
-  if (item < kItems) {
+  if (item < kItems) {  // (every thread has read its Q: the barrier above)
+    char* lo = sQ + tile * q_tile_bytes + tile_chunk_offset<D * 2, PAD>(row, 2 * group);
+    char* hi = sQ + tile * q_tile_bytes + tile_chunk_offset<D * 2, PAD>(row, 2 * group + 1);
 #pragma unroll
     for (int j = 0; j < 16; j += 2) {  // position j (pairs j, j+1) takes channel 4t + 2*(j >= 8) (and the next)
       const int t = (j & 7) >> 1, c = 4 * t + 2 * (j >> 3);
       const uint32_t pair = pack2(q[c] / mine, q[c + 1] / mine, __half());
-      *reinterpret_cast<uint32_t*>(j < 8 ? lo + j : hi + (j - 8)) = pair;
+      *reinterpret_cast<uint32_t*>(j < 8 ? lo + 2 * j : hi + 2 * (j - 8)) = pair;
     }
   }
   __syncthreads();  // the tiles are rewritten, and `reduce` may be used again
@@ -262,21 +308,21 @@ __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_til
 // as b16 pairs: register i of lane (gq, tq) holds channels 4tq..4tq+3 of key gq of its 8 x
 // 16-channel matrix (keys k0.. or k0+8.., channels of k-step 2ks or 2ks+1); Q's channels were
 // reordered to match (fold_key_scales_into_query). Each Q fragment serves all N tiles.
-template <int KV, int D, int N>
+template <int KV, int D, int PAD, int N>
 __device__ __forceinline__ void qk_on_codes(float (&s)[2 * N][4], const char* q_tile, const char* const (&k_tiles)[N],
                                             int k0, int lane) {
-  constexpr int kChunks = D / 8, kChunks8 = D / 16;
   const int mi = lane >> 3;
 #pragma unroll
   for (int ks = 0; ks < D / 32; ++ks) {
-    const int key_chunk = swizzled_chunk<kChunks8>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1)) * 16;
+    const int key_chunk = tile_chunk_offset<D, PAD>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1));
     uint32_t bf[N][4];
 #pragma unroll
     for (int n = 0; n < N; ++n) ldmatrix_x4(bf[n], k_tiles[n] + key_chunk);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       uint32_t a[4];
-      ldmatrix_x4(a, q_tile + swizzled_chunk<kChunks>((lane & 7) + ((lane >> 3) & 1) * 8, (2 * ks + half) * 2 + (lane >> 4)) * 16);
+      const int q_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+      ldmatrix_x4(a, q_tile + tile_chunk_offset<D * 2, PAD>(q_row, (2 * ks + half) * 2 + (lane >> 4)));
 #pragma unroll
       for (int n = 0; n < N; ++n) {
         mma_16816(s[2 * n], a, code_pair<KV, 0, 1>(bf[n][half]), code_pair<KV, 2, 3>(bf[n][half]), __half());
@@ -344,27 +390,34 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
   auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
   // An 8-bit cache: the copies of key tile(s) (key heads 2g and 2g+1 for V1, else g) and value tile.
-  const char* key_codes = static_cast<const char*>(p.key) + b * p.k_batch_stride;
-  const CodeTileCopies<D> k_copies[2] = {  // (V2: one, twice)
-      {key_codes + (Fwd::kKeyTiles == 2 ? 2 * g : g) * D, p.k_row_stride, tid},
-      {key_codes + (Fwd::kKeyTiles == 2 ? 2 * g + 1 : g) * D, p.k_row_stride, tid}};
-  const CodeTileCopies<DV> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
-                                    p.v_row_stride, tid);
+  const CodeTileCopies<D, Cfg::kRowPad, Fwd::kKeyTiles, Cfg::kKTileBytes> k_copies(
+      static_cast<const char*>(p.key) + b * p.k_batch_stride + (Fwd::kKeyTiles == 2 ? 2 * g : g) * D, p.k_row_stride,
+      tid);
+  const CodeTileCopies<DV, Cfg::kRowPad> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
+                                                  p.v_row_stride, tid);
   auto load_kv = [&](int nb, int stage) {  // the KT tiles from tile nb
     if constexpr (KV) {
-      auto copy_tiles = [&](auto rows_of_tile) {
+      // One test a step: a step whose every row holds a key takes the copies alone.
+      if (key_end - nb * kBlockN >= KT * kBlockN) {
+        char* k_tiles[KT];
+        char* v_tiles[KT];
 #pragma unroll
         for (int t = 0; t < KT; ++t) {
-          const int rows = rows_of_tile(t);
+          k_tiles[t] = sK(stage) + t * kBlockN * (D + Cfg::kRowPad);
+          v_tiles[t] = sV(stage) + t * kBlockN * (DV + Cfg::kRowPad);
+        }
+        k_copies.template issue_full_step<KT>(k_tiles, nb);
+        v_copies.template issue_full_step<KT>(v_tiles, nb);
+      } else {
+#pragma unroll
+        for (int t = 0; t < KT; ++t) {
+          const int rows = key_end - (nb + t) * kBlockN;
 #pragma unroll
           for (int m = 0; m < Fwd::kKeyTiles; ++m)
-            k_copies[m].issue(sK(stage) + m * Cfg::kKTileBytes + t * kBlockN * D, nb + t, rows);
-          v_copies.issue(sV(stage) + t * kBlockN * DV, nb + t, rows);
+            k_copies.issue(sK(stage) + m * Cfg::kKTileBytes + t * kBlockN * (D + Cfg::kRowPad), nb + t, m, rows);
+          v_copies.issue(sV(stage) + t * kBlockN * (DV + Cfg::kRowPad), nb + t, 0, rows);
         }
-      };
-      // One test a step: with every row valid, issue() compiles to its copies alone.
-      if (key_end - nb * kBlockN >= KT * kBlockN) copy_tiles([](int) { return kBlockN; });
-      else copy_tiles([&](int t) { return key_end - (nb + t) * kBlockN; });
+      }
     } else {
       load_k(nb, stage);
       load_v(nb, stage);
@@ -385,7 +438,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   if constexpr (KV != 0) {  // Q lands with the first tile (before the accumulators are live: fewer registers)
     cp_async_wait_group<STAGES - 2>();
     __syncthreads();
-    const float2 alpha = fold_key_scales_into_query<T, D, Fwd::kV1, KV, PM>(sQ, Cfg::kQTileBytes, args, g, reduce, tid);
+    const float2 alpha =
+        fold_key_scales_into_query<T, D, Fwd::kV1, KV, Cfg::kRowPad, PM>(sQ, Cfg::kQTileBytes, args, g, reduce, tid);
     qk_alpha = PM || map == 0 ? alpha.x : alpha.y;
     map2_to_map1 = alpha.y / alpha.x;
   }
@@ -463,11 +517,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       constexpr int kMaps = Fwd::kV1 ? 2 : 1;
       const char* k_tiles[kMaps];
 #pragma unroll
-      for (int m = 0; m < kMaps; ++m) k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * kBlockN * D;
+      for (int m = 0; m < kMaps; ++m)
+        k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * kBlockN * (D + Cfg::kRowPad);
       float both[2 * kMaps][4];
 #pragma unroll
       for (int i = 0; i < 2 * kMaps; ++i) both[i][0] = both[i][1] = both[i][2] = both[i][3] = 0.f;
-      qk_on_codes<KV, D, kMaps>(both, sQ, k_tiles, k0, lane);
+      qk_on_codes<KV, D, Cfg::kRowPad, kMaps>(both, sQ, k_tiles, k0, lane);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         s[i][0] = both[i][0];
@@ -480,8 +535,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Cfg::kKTileBytes;
       const char* k_tiles[KT];
 #pragma unroll
-      for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * kBlockN * D;
-      qk_on_codes<KV, D, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
+      for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * kBlockN * (D + Cfg::kRowPad);
+      qk_on_codes<KV, D, Cfg::kRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
     } else {
       constexpr int kChunks = D / 8;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
@@ -539,12 +594,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
         // Its even channels make one n-tile's B fragment, its odd ones another: accumulator tile i
         // holds channels 16(i/2) + 2n + (i&1) at column n (kv_output_channel).
-        constexpr int kVChunks8 = DV / 16;
 #pragma unroll
         for (int gp = 0; gp < DV / 32; ++gp) {
           uint32_t r[4];
-          ldmatrix_x4_trans(r, sV(stage) + t * kBlockN * DV +
-                                   swizzled_chunk<kVChunks8>(k0 + (mi & 1) * 8 + (lane & 7), gp * 2 + (mi >> 1)) * 16);
+          const int v_row = k0 + (mi & 1) * 8 + (lane & 7);
+          ldmatrix_x4_trans(r, sV(stage) + t * kBlockN * (DV + Cfg::kRowPad) +
+                                   tile_chunk_offset<DV, Cfg::kRowPad>(v_row, gp * 2 + (mi >> 1)));
 #pragma unroll
           for (int G = 0; G < 2; ++G) {
             mma_16816(acc_o[4 * gp + 2 * G], a, code_pair<KV, 0, 2>(r[2 * G]), code_pair<KV, 0, 2>(r[2 * G + 1]), __half());
