@@ -49,13 +49,10 @@ def test_decode_kernels_are_built_for_every_architecture_without_spills(lib):
     for arch in built:
         names = {r["kernel"] for r in decode if r["arch"] == arch}
         assert sum("decode_kernel<" in n for n in names) == 52 and sum("merge_kernel<" in n for n in names) == 6, arch
-    # One exception, bounded: the int8-cache V1 head-dim-64 kernel with two tiles a step, capped at 128
-    # registers for two CTAs an SM, keeps up to 8 bytes of loop-invariant values (ldmatrix offsets) in
-    # local memory: one L1 load a step (one more where a step masks keys), against the ~450
-    # instructions it issues.
-    allowed = re.compile(r"diff_attention_decode_kernel<[^,]+, 64, 128, false, 3, 1, 2(, (false|true))?>")
-    spilled = [(r["arch"], r["kernel"], r["stack"]) for r in decode
-               if r["stack"] and not (allowed.search(r["kernel"]) and r["stack"] <= 8)]
+    # No decode kernel spills: the int8-cache V1 head-dim-64 kernel with two tiles a step, capped at 128
+    # registers for two CTAs an SM, kept 8-16 bytes of ldmatrix offsets in local memory until its
+    # copies and padded rows took fewer registers.
+    spilled = [(r["arch"], r["kernel"], r["stack"]) for r in decode if r["stack"]]
     assert not spilled, spilled
 
 

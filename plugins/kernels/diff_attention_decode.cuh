@@ -83,14 +83,14 @@ static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == k
 #endif
 static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP == 2, "1 or 2 barriers a step");
 
-// An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q) at D = 128: rows padded by
-// 16 bytes instead of XOR-swizzled (DIFFX_DECODE_KV_ROW_PAD, default 16; 0 keeps the swizzle).
-// The 8 rows of an ldmatrix phase still fall on 8 distinct 16-byte bank groups (rows of 128k + 16
-// bytes move one group a row), and a chunk's offset is the row's plus a constant: each ldmatrix of
-// a step is a base and an immediate, where the swizzle took two or three integer instructions an
-// address (about 50 a step at V1 d = 128 on sm_90a, the lane's offsets recomputed from its index).
-// D = 64 keeps the swizzle: the padding (18 KB at three stages of two tiles) would leave no room
-// for its two CTAs an SM.
+// An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q): rows padded by 16 bytes
+// instead of XOR-swizzled (DIFFX_DECODE_KV_ROW_PAD, default 16; 0 keeps the swizzle). The 8 rows
+// of an ldmatrix phase still fall on 8 distinct 16-byte bank groups (a row of an odd number of
+// chunks moves to the next group), and a chunk's offset is the row's plus a constant: each
+// ldmatrix of a step is a base and an immediate, where the swizzle took two or three integer
+// instructions an address (about 70 a step at V1 d = 128 on sm_90a: ptxas recomputed the lane's
+// offsets from its index). V1's key tiles at D = 64 keep the swizzle: their padding (12 KB at three
+// stages of two tiles) would leave no room for two CTAs an SM.
 #ifndef DIFFX_DECODE_KV_ROW_PAD
 #define DIFFX_DECODE_KV_ROW_PAD 16
 #endif
@@ -100,7 +100,7 @@ static_assert(DIFFX_DECODE_KV_ROW_PAD == 0 || DIFFX_DECODE_KV_ROW_PAD == 16, "ro
 // (0: swizzled_chunk's XOR swizzle).
 template <int ROW_BYTES, int PAD>
 __device__ __forceinline__ int tile_chunk_offset(int row, int chunk) {
-  static_assert(PAD == 0 || ROW_BYTES % 128 == 0, "padded rows of whole 128-byte lines: conflict-free ldmatrix");
+  static_assert(PAD == 0 || ((ROW_BYTES + PAD) / 16) % 2 == 1, "an odd number of chunks a row: conflict-free ldmatrix");
   if constexpr (PAD != 0) return row * (ROW_BYTES + PAD) + chunk * 16;
   else return swizzled_chunk<ROW_BYTES / 16>(row, chunk) * 16;
 }
@@ -113,11 +113,15 @@ struct DecodeTileConfig {
   static_assert(STAGES >= 1 && STAGES <= 4 && (KV == 0 || STAGES >= 2), "1-4 K/V stages, at least 2 for 8-bit codes");
   static_assert(!(INT8 && KV), "an 8-bit cache does not combine with INT8 logits");
   static_assert(KT == 1 || (KT == 2 && KV != 0), "two tiles a step only for 8-bit codes");
-  static constexpr int kRowPad = KV && D == 128 ? DIFFX_DECODE_KV_ROW_PAD : 0;  // an 8-bit cache's tiles
-  static constexpr int kQTileBytes = kDecodeRows * (D * int(sizeof(T)) + kRowPad);
+  // An 8-bit cache's rows padded (DIFFX_DECODE_KV_ROW_PAD): the folded Q's, the value codes', and the
+  // key codes' but for V1 at D = 64.
+  static constexpr int kQRowPad = KV ? DIFFX_DECODE_KV_ROW_PAD : 0;
+  static constexpr int kKRowPad = KV && (D == 128 || !Fwd::kV1) ? DIFFX_DECODE_KV_ROW_PAD : 0;
+  static constexpr int kVRowPad = KV ? DIFFX_DECODE_KV_ROW_PAD : 0;
+  static constexpr int kQTileBytes = kDecodeRows * (D * int(sizeof(T)) + kQRowPad);
   static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
-  static constexpr int kKTileBytes = KV ? KT * kBlockN * (D + kRowPad) : Fwd::kKTileBytes;  // a map's KT key tiles
-  static constexpr int kVTileBytes = KV ? KT * kBlockN * (DV + kRowPad) : Fwd::kVTileBytes;
+  static constexpr int kKTileBytes = KV ? KT * kBlockN * (D + kKRowPad) : Fwd::kKTileBytes;  // a map's KT key tiles
+  static constexpr int kVTileBytes = KV ? KT * kBlockN * (DV + kVRowPad) : Fwd::kVTileBytes;
   static constexpr int kStageBytes = Fwd::kKeyTiles * kKTileBytes + kVTileBytes;  // K tile(s) + V tile
   static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * kStageBytes;
   // The fewest stages of one tile (one; two for 8-bit codes) launch everywhere (sm_86/sm_89 opt in
@@ -126,6 +130,9 @@ struct DecodeTileConfig {
   static_assert(STAGES > (KV ? 2 : 1) || KT > 1 || kSmemBytes <= kDynamicSmemLimit,
                 "the decode tiles would not launch on sm_86/sm_89");
   static_assert(kSmemBytes <= 227 * 1024, "the decode tiles would not launch on any GPU");
+  // D = 64 runs two CTAs an SM (DIFFX_DECODE_D64_MIN_BLOCKS): on sm_90 (228 KB an SM, 1 KB of it
+  // reserved a CTA) up to three stages of its tiles, with the static budget, leave room for both.
+  static_assert(D != 64 || STAGES > 3 || 2 * (kSmemBytes + kStaticSmemBudget + 1024) <= 228 * 1024, "two CTAs an SM on sm_90");
   static constexpr bool kFitsEverywhere = kSmemBytes <= kDynamicSmemLimit;
 };
 
@@ -308,13 +315,13 @@ __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_til
 // as b16 pairs: register i of lane (gq, tq) holds channels 4tq..4tq+3 of key gq of its 8 x
 // 16-channel matrix (keys k0.. or k0+8.., channels of k-step 2ks or 2ks+1); Q's channels were
 // reordered to match (fold_key_scales_into_query). Each Q fragment serves all N tiles.
-template <int KV, int D, int PAD, int N>
+template <int KV, int D, int Q_PAD, int K_PAD, int N>
 __device__ __forceinline__ void qk_on_codes(float (&s)[2 * N][4], const char* q_tile, const char* const (&k_tiles)[N],
                                             int k0, int lane) {
   const int mi = lane >> 3;
 #pragma unroll
   for (int ks = 0; ks < D / 32; ++ks) {
-    const int key_chunk = tile_chunk_offset<D, PAD>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1));
+    const int key_chunk = tile_chunk_offset<D, K_PAD>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1));
     uint32_t bf[N][4];
 #pragma unroll
     for (int n = 0; n < N; ++n) ldmatrix_x4(bf[n], k_tiles[n] + key_chunk);
@@ -322,7 +329,7 @@ __device__ __forceinline__ void qk_on_codes(float (&s)[2 * N][4], const char* q_
     for (int half = 0; half < 2; ++half) {
       uint32_t a[4];
       const int q_row = (lane & 7) + ((lane >> 3) & 1) * 8;
-      ldmatrix_x4(a, q_tile + tile_chunk_offset<D * 2, PAD>(q_row, (2 * ks + half) * 2 + (lane >> 4)));
+      ldmatrix_x4(a, q_tile + tile_chunk_offset<D * 2, Q_PAD>(q_row, (2 * ks + half) * 2 + (lane >> 4)));
 #pragma unroll
       for (int n = 0; n < N; ++n) {
         mma_16816(s[2 * n], a, code_pair<KV, 0, 1>(bf[n][half]), code_pair<KV, 2, 3>(bf[n][half]), __half());
@@ -390,10 +397,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
   auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
   // An 8-bit cache: the copies of key tile(s) (key heads 2g and 2g+1 for V1, else g) and value tile.
-  const CodeTileCopies<D, Cfg::kRowPad, Fwd::kKeyTiles, Cfg::kKTileBytes> k_copies(
+  const CodeTileCopies<D, Cfg::kKRowPad, Fwd::kKeyTiles, Cfg::kKTileBytes> k_copies(
       static_cast<const char*>(p.key) + b * p.k_batch_stride + (Fwd::kKeyTiles == 2 ? 2 * g : g) * D, p.k_row_stride,
       tid);
-  const CodeTileCopies<DV, Cfg::kRowPad> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
+  const CodeTileCopies<DV, Cfg::kVRowPad> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
                                                   p.v_row_stride, tid);
   auto load_kv = [&](int nb, int stage) {  // the KT tiles from tile nb
     if constexpr (KV) {
@@ -403,8 +410,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         char* v_tiles[KT];
 #pragma unroll
         for (int t = 0; t < KT; ++t) {
-          k_tiles[t] = sK(stage) + t * kBlockN * (D + Cfg::kRowPad);
-          v_tiles[t] = sV(stage) + t * kBlockN * (DV + Cfg::kRowPad);
+          k_tiles[t] = sK(stage) + t * kBlockN * (D + Cfg::kKRowPad);
+          v_tiles[t] = sV(stage) + t * kBlockN * (DV + Cfg::kVRowPad);
         }
         k_copies.template issue_full_step<KT>(k_tiles, nb);
         v_copies.template issue_full_step<KT>(v_tiles, nb);
@@ -414,8 +421,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
           const int rows = key_end - (nb + t) * kBlockN;
 #pragma unroll
           for (int m = 0; m < Fwd::kKeyTiles; ++m)
-            k_copies.issue(sK(stage) + m * Cfg::kKTileBytes + t * kBlockN * (D + Cfg::kRowPad), nb + t, m, rows);
-          v_copies.issue(sV(stage) + t * kBlockN * (DV + Cfg::kRowPad), nb + t, 0, rows);
+            k_copies.issue(sK(stage) + m * Cfg::kKTileBytes + t * kBlockN * (D + Cfg::kKRowPad), nb + t, m, rows);
+          v_copies.issue(sV(stage) + t * kBlockN * (DV + Cfg::kVRowPad), nb + t, 0, rows);
         }
       }
     } else {
@@ -439,7 +446,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     cp_async_wait_group<STAGES - 2>();
     __syncthreads();
     const float2 alpha =
-        fold_key_scales_into_query<T, D, Fwd::kV1, KV, Cfg::kRowPad, PM>(sQ, Cfg::kQTileBytes, args, g, reduce, tid);
+        fold_key_scales_into_query<T, D, Fwd::kV1, KV, Cfg::kQRowPad, PM>(sQ, Cfg::kQTileBytes, args, g, reduce, tid);
     qk_alpha = PM || map == 0 ? alpha.x : alpha.y;
     map2_to_map1 = alpha.y / alpha.x;
   }
@@ -518,11 +525,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       const char* k_tiles[kMaps];
 #pragma unroll
       for (int m = 0; m < kMaps; ++m)
-        k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * kBlockN * (D + Cfg::kRowPad);
+        k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * kBlockN * (D + Cfg::kKRowPad);
       float both[2 * kMaps][4];
 #pragma unroll
       for (int i = 0; i < 2 * kMaps; ++i) both[i][0] = both[i][1] = both[i][2] = both[i][3] = 0.f;
-      qk_on_codes<KV, D, Cfg::kRowPad, kMaps>(both, sQ, k_tiles, k0, lane);
+      qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, kMaps>(both, sQ, k_tiles, k0, lane);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         s[i][0] = both[i][0];
@@ -535,8 +542,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Cfg::kKTileBytes;
       const char* k_tiles[KT];
 #pragma unroll
-      for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * kBlockN * (D + Cfg::kRowPad);
-      qk_on_codes<KV, D, Cfg::kRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
+      for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * kBlockN * (D + Cfg::kKRowPad);
+      qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
     } else {
       constexpr int kChunks = D / 8;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
@@ -594,12 +601,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
         // Its even channels make one n-tile's B fragment, its odd ones another: accumulator tile i
         // holds channels 16(i/2) + 2n + (i&1) at column n (kv_output_channel).
+        const int v_row = k0 + (mi & 1) * 8 + (lane & 7);
+        const char* v_tile = sV(stage) + t * kBlockN * (DV + Cfg::kVRowPad);
+        // (padded rows: the lane's address once, each gp's an immediate from it)
+        const char* v_lane = v_tile + tile_chunk_offset<DV, Cfg::kVRowPad>(v_row, mi >> 1);
 #pragma unroll
         for (int gp = 0; gp < DV / 32; ++gp) {
           uint32_t r[4];
-          const int v_row = k0 + (mi & 1) * 8 + (lane & 7);
-          ldmatrix_x4_trans(r, sV(stage) + t * kBlockN * (DV + Cfg::kRowPad) +
-                                   tile_chunk_offset<DV, Cfg::kRowPad>(v_row, gp * 2 + (mi >> 1)));
+          ldmatrix_x4_trans(r, Cfg::kVRowPad ? v_lane + gp * 32
+                                            : v_tile + tile_chunk_offset<DV, 0>(v_row, gp * 2 + (mi >> 1)));
 #pragma unroll
           for (int G = 0; G < 2; ++G) {
             mma_16816(acc_o[4 * gp + 2 * G], a, code_pair<KV, 0, 2>(r[2 * G]), code_pair<KV, 0, 2>(r[2 * G + 1]), __half());
