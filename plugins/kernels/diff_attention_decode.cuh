@@ -120,8 +120,10 @@ struct DecodeTileConfig {
   static constexpr int kVRowPad = KV ? DIFFX_DECODE_KV_ROW_PAD : 0;
   static constexpr int kQTileBytes = kDecodeRows * (D * int(sizeof(T)) + kQRowPad);
   static constexpr int kQ8TileBytes = INT8 ? kDecodeRows * D : 0;
-  static constexpr int kKTileBytes = KV ? KT * kBlockN * (D + kKRowPad) : Fwd::kKTileBytes;  // a map's KT key tiles
-  static constexpr int kVTileBytes = KV ? KT * kBlockN * (DV + kVRowPad) : Fwd::kVTileBytes;
+  static constexpr int kKCodeTileBytes = kBlockN * (D + kKRowPad);   // an 8-bit cache: one 64-key tile of a key head
+  static constexpr int kVCodeTileBytes = kBlockN * (DV + kVRowPad);  // ... and of the values
+  static constexpr int kKTileBytes = KV ? KT * kKCodeTileBytes : Fwd::kKTileBytes;  // a map's KT key tiles
+  static constexpr int kVTileBytes = KV ? KT * kVCodeTileBytes : Fwd::kVTileBytes;
   static constexpr int kStageBytes = Fwd::kKeyTiles * kKTileBytes + kVTileBytes;  // K tile(s) + V tile
   static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * kStageBytes;
   // The fewest stages of one tile (one; two for 8-bit codes) launch everywhere (sm_86/sm_89 opt in
@@ -402,6 +404,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       tid);
   const CodeTileCopies<DV, Cfg::kVRowPad> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
                                                   p.v_row_stride, tid);
+  static_assert(decltype(k_copies)::kTileBytes == Cfg::kKCodeTileBytes &&
+                    decltype(v_copies)::kTileBytes == Cfg::kVCodeTileBytes,
+                "the copies' tiles are the config's");
   auto load_kv = [&](int nb, int stage) {  // the KT tiles from tile nb
     if constexpr (KV) {
       // One test a step: a step whose every row holds a key takes the copies alone.
@@ -410,8 +415,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         char* v_tiles[KT];
 #pragma unroll
         for (int t = 0; t < KT; ++t) {
-          k_tiles[t] = sK(stage) + t * kBlockN * (D + Cfg::kKRowPad);
-          v_tiles[t] = sV(stage) + t * kBlockN * (DV + Cfg::kVRowPad);
+          k_tiles[t] = sK(stage) + t * Cfg::kKCodeTileBytes;
+          v_tiles[t] = sV(stage) + t * Cfg::kVCodeTileBytes;
         }
         k_copies.template issue_full_step<KT>(k_tiles, nb);
         v_copies.template issue_full_step<KT>(v_tiles, nb);
@@ -421,8 +426,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
           const int rows = key_end - (nb + t) * kBlockN;
 #pragma unroll
           for (int m = 0; m < Fwd::kKeyTiles; ++m)
-            k_copies.issue(sK(stage) + m * Cfg::kKTileBytes + t * kBlockN * (D + Cfg::kKRowPad), nb + t, m, rows);
-          v_copies.issue(sV(stage) + t * kBlockN * (DV + Cfg::kVRowPad), nb + t, 0, rows);
+            k_copies.issue(sK(stage) + m * Cfg::kKTileBytes + t * Cfg::kKCodeTileBytes, nb + t, m, rows);
+          v_copies.issue(sV(stage) + t * Cfg::kVCodeTileBytes, nb + t, 0, rows);
         }
       }
     } else {
@@ -524,8 +529,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       constexpr int kMaps = Fwd::kV1 ? 2 : 1;
       const char* k_tiles[kMaps];
 #pragma unroll
-      for (int m = 0; m < kMaps; ++m)
-        k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * kBlockN * (D + Cfg::kKRowPad);
+      for (int m = 0; m < kMaps; ++m) k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * Cfg::kKCodeTileBytes;
       float both[2 * kMaps][4];
 #pragma unroll
       for (int i = 0; i < 2 * kMaps; ++i) both[i][0] = both[i][1] = both[i][2] = both[i][3] = 0.f;
@@ -542,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       const char* k_tile = sK(stage) + (Fwd::kV1 ? map : 0) * Cfg::kKTileBytes;
       const char* k_tiles[KT];
 #pragma unroll
-      for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * kBlockN * (D + Cfg::kKRowPad);
+      for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * Cfg::kKCodeTileBytes;
       qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
     } else {
       constexpr int kChunks = D / 8;
@@ -602,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         // Its even channels make one n-tile's B fragment, its odd ones another: accumulator tile i
         // holds channels 16(i/2) + 2n + (i&1) at column n (kv_output_channel).
         const int v_row = k0 + (mi & 1) * 8 + (lane & 7);
-        const char* v_tile = sV(stage) + t * kBlockN * (DV + Cfg::kVRowPad);
+        const char* v_tile = sV(stage) + t * Cfg::kVCodeTileBytes;
         // (padded rows: the lane's address once, each gp's an immediate from it)
         const char* v_lane = v_tile + tile_chunk_offset<DV, Cfg::kVRowPad>(v_row, mi >> 1);
 #pragma unroll
