@@ -56,14 +56,16 @@ def emulator_fp8_bit_shifts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def emulator_lowered_target(tmp_path_factory):
     """The emulator with the split-KV target lowered to LOWERED_TARGET CTAs (DIFFX_DECODE_TARGET_CTAS),
-    as in the sanitizer builds, so that a few CTAs walk splits of many steps, and with
-    DIFFX_DECODE_KV_PACK_MAPS=1: an 8-bit cache's decode call whose group rows fit 8, on two tiles a
-    step, puts both maps in one row tile (the GPU build's option, off by default)."""
+    as in the sanitizer builds, so that a few CTAs walk splits of many steps, and with the GPU
+    build's two 8-bit-cache options that are off by default: DIFFX_DECODE_KV_PACK_MAPS=1 (a decode
+    call whose group rows fit 8, on two tiles a step, puts both maps in one row tile) and
+    DIFFX_DECODE_KV_OVERLAP=1 (a loop of three stages overlaps step i + 1's Q.K^T and softmax with
+    step i's P.V, its key ring a step ahead of its value ring)."""
     return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_LOWERED_TARGET",
                                          KERNELS / "no-such-build", "diffexport_kernel_emulator_lowered_target",
                                          [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
                                          [*EMULATOR_FLAGS, f"-DDIFFX_DECODE_TARGET_CTAS={LOWERED_TARGET}",
-                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1"]))
+                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_OVERLAP=1"]))
 
 
 def emulator_library(path):
@@ -498,11 +500,14 @@ def test_emulated_kv_cache_matches_the_oracle_on_its_dequantised_values(emulator
     assert cosine(out, exact) >= KV_BUDGET[fmt], f"{fmt}: cosine {cosine(out, exact):.6f} vs the float cache"
 
 
-# The 8-bit cache's pipelines (with_decode_pipeline in diff_attention_decode.cuh), as the emulator picks
-# them for a GPU of this opt-in: at V1 head dim 64, 227 KB (sm_90) takes two 64-key tiles a step in
-# three stages (102,400 bytes), 99 KB (sm_86/sm_89) one tile a step in three, 0 the fewest (two stages).
+# The 8-bit cache's pipelines (with_decode_pipeline in diff_attention_decode.cuh) as (V1 head dim, the
+# GPU's shared-memory opt-in the emulator picks them for): at head dim 64, 227 KB (sm_90) takes two
+# 64-key tiles a step in three stages (102,400 bytes) and 99 KB (sm_86/sm_89) one tile a step in three
+# (56,832 bytes, which every GPU launches: head dim 64 never takes two stages); at head dim 128, 99 KB
+# takes the fewest, two stages of one tile (three would need 116,224 bytes).
 # (Stages refilled within a split, under the sanitizers: tests/test_kernel_sanitized.py.)
-KV_PIPELINES = {"two-tiles-a-step": 227 * 1024, "one-tile-three-stages": 101_376, "two-stages": 0}
+KV_PIPELINES = {"two-tiles-a-step": (64, 227 * 1024), "one-tile-three-stages": (64, 101_376),
+                "two-stages": (128, 101_376)}
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -510,13 +515,38 @@ KV_PIPELINES = {"two-tiles-a-step": 227 * 1024, "one-tile-three-stages": 101_376
 def test_emulated_kv_cache_pipelines_match_the_oracle(emulator, pipeline, fmt, rng, monkeypatch):
     """Each pipeline on 7 tiles, the last ragged, key-masked: 4 splits of two tiles (whole steps of
     two), the last split's step reaching past the cache's end, whose rows must be masked out."""
-    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(KV_PIPELINES[pipeline]))
-    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=64, causal=1, output_scale=0.7)
+    head_dim, smem_optin = KV_PIPELINES[pipeline]
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=1, output_scale=0.7)
     inputs = make_inputs(attrs, 1, 1, 430, dtype=torch.float16, rng=rng)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
     key_mask = padding_mask(1, 430, [100])
     out = emulate(emulator, codes, attrs, kv_scales=kv_scales, key_mask=key_mask,
                   plan=("split-kv", splits_for(1, 2, 430, 2, 1, kv8=True)))
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
+                            attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), pipeline,
+                         min_cosine=min_cosine(torch.float16))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("pipeline", KV_PIPELINES)
+def test_emulated_kv_cache_overlapped_loop_matches_the_oracle(emulator_lowered_target, pipeline, fmt, rng,
+                                                               monkeypatch):
+    """The overlapped loop (DIFFX_DECODE_KV_OVERLAP=1: the three-stage pipelines; two stages keep the
+    loop in turn) on splits of several steps, so that its key ring refills a stage before its value
+    ring does: 2501 keys (40 tiles, the last ragged) split into 4 of 10 tiles (5 steps of two tiles,
+    10 of one), GQA 2 at 3 query tokens (6 group rows: packed maps on two tiles a step), left-padded
+    and causal."""
+    head_dim, smem_optin = KV_PIPELINES[pipeline]
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=1, output_scale=0.7)
+    inputs = make_inputs(attrs, 1, 3, 2501, dtype=torch.float16, rng=rng)
+    codes, kv_scales, dequantised = cache_of(inputs, fmt)
+    key_mask = padding_mask(1, 2501, [70])
+    out = emulate(emulator_lowered_target, codes, attrs, kv_scales=kv_scales, key_mask=key_mask,
+                  plan=("split-kv", splits_for(1, 2, 2501, 2, 3, kv8=True, target=LOWERED_TARGET)))
     assert not out.isnan().any(), "output not fully written (poison left)"
     base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
@@ -676,15 +706,15 @@ def test_emulated_kv_cache_folds_a_tiny_query_up_out_of_fp16s_subnormals(emulato
 # does, even where a barrier orders that read after the issue, which ThreadSanitizer cannot report).
 # A decode loop that prefetched one step deeper into the stage it was about to read passed every
 # other emulated test and ThreadSanitizer, and failed the five decode cases at their issue.
-# Format: label, cache format (None: fp16), variant, causal, GQA ratio, heads, q_len, kv_len, the GPU's
-# shared-memory opt-in (KV_PIPELINES), left pads. Head dim 64.
+# Format: label, cache format (None: fp16), variant, head dim, causal, GQA ratio, heads, q_len, kv_len,
+# the GPU's shared-memory opt-in (KV_PIPELINES), left pads.
 STEADY_STATE_CASES = [
-    ("fp16-two-stages", None, 1, 1, 2, 2, 1, 2001, 227 * 1024, [300]),
-    ("int8-two-tiles-a-step-packed-maps", "int8", 1, 1, 1, 1, 2, 2001, 227 * 1024, [300]),
-    ("int8-one-tile-three-stages", "int8", 1, 1, 1, 1, 2, 2001, 101_376, None),
-    ("int8-two-stages", "int8", 1, 1, 1, 1, 2, 2001, 0, None),
-    ("fp8-two-tiles-a-step-a-tile-a-map", "fp8", 2, 0, 4, 4, 4, 2001, 227 * 1024, None),
-    ("fp16-one-pass", None, 1, 1, 2, 2, 20, 300, 227 * 1024, [40]),
+    ("fp16-two-stages", None, 1, 64, 1, 2, 2, 1, 2001, 227 * 1024, [300]),
+    ("int8-two-tiles-a-step-packed-maps", "int8", 1, 64, 1, 1, 1, 2, 2001, 227 * 1024, [300]),
+    ("int8-one-tile-three-stages", "int8", 1, 64, 1, 1, 1, 2, 2001, 101_376, None),
+    ("int8-two-stages", "int8", 1, 128, 1, 1, 1, 2, 2001, 101_376, None),
+    ("fp8-two-tiles-a-step-a-tile-a-map", "fp8", 2, 64, 0, 4, 4, 4, 2001, 227 * 1024, None),
+    ("fp16-one-pass", None, 1, 64, 1, 2, 2, 20, 300, 227 * 1024, [40]),
 ]
 
 
@@ -692,10 +722,10 @@ STEADY_STATE_CASES = [
 @pytest.mark.parametrize("case", STEADY_STATE_CASES, ids=[c[0] for c in STEADY_STATE_CASES])
 def test_emulated_pipelines_in_their_steady_state_with_copies_landing_at_either_end(emulator_lowered_target, case,
                                                                                     land, rng, monkeypatch):
-    label, fmt, variant, causal, ratio, heads, q_len, kv_len, smem_optin, pads = case
+    label, fmt, variant, head_dim, causal, ratio, heads, q_len, kv_len, smem_optin, pads = case
     monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
     monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
-    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=64,
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
                                causal=causal, norm=int(variant == 1), output_scale=0.7)
     inputs = make_inputs(attrs, 1, q_len, kv_len, dtype=torch.float16, rng=rng)
     key_mask = None if pads is None else padding_mask(1, kv_len, pads)

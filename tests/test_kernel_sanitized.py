@@ -16,7 +16,9 @@ kernel's CTA to 64 threads (DIFFX_MERGE_THREADS; ThreadSanitizer's cost grows wi
 meet at a barrier, and 64 still makes two or four groups of parts at head dim 64). They also turn on
 the 8-bit cache's packed maps (DIFFX_DECODE_KV_PACK_MAPS=1), so that the cache cases run both
 layouts of two tiles a step (the int8 case's 2 group rows packed, the fp8 case's 16 not) and, as a
-99 KB GPU runs them, one tile a step. The launches are
+99 KB GPU runs them, one tile a step. The ThreadSanitizer build also turns on the overlapped decode
+loop (DIFFX_DECODE_KV_OVERLAP=1: the key ring a step ahead of the value ring, each refilled after
+the step's barrier); AddressSanitizer's keeps the default loop. The launches are
 kernel_cases.CASES (the list compute-sanitizer runs on the GPU), in fp16 (the builds leave the bf16
 instantiations out, DIFFX_EMULATE_FP16_ONLY, which halves their compile: bf16 goes through the same
 2-byte indexing and barriers; compute-sanitizer's GPU runs take both), key-masked where causal,
@@ -44,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "plugins" / "kernels"
 SOURCES = [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp", KERNELS / "emulation" / "sanitize_cases.cpp"]
 SANITIZERS = {
-    "thread": ["-fsanitize=thread"],
+    # (the overlapped decode loop, off by default: its refills are the ordering ThreadSanitizer checks)
+    "thread": ["-fsanitize=thread", "-DDIFFX_DECODE_KV_OVERLAP=1"],
     "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
 }
 REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")

@@ -83,6 +83,16 @@ static_assert(kDecodeWarpsPerMap == kWarpsPerMap && kDecodeWarpsPerMap * 16 == k
 #endif
 static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP == 2, "1 or 2 barriers a step");
 
+// 1: the 8-bit cache's loop of three or more stages (one barrier a step) overlaps two steps in each
+// warp, as FlashAttention-3 does within a warpgroup: step i + 1's Q.K^T is issued before step i's
+// P.V, and its softmax runs beside that P.V. The key ring then leads the value ring by a step, so
+// the same shared memory holds as many steps in flight. 0 (default until a GPU has timed it): each
+// step's Q.K^T, softmax and P.V in turn, as two warps of an SM sub-partition (map 1's and map 2's
+// of the same keys) also run them.
+#ifndef DIFFX_DECODE_KV_OVERLAP
+#define DIFFX_DECODE_KV_OVERLAP 0
+#endif
+
 // An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q): rows padded by 16 bytes
 // instead of XOR-swizzled (DIFFX_DECODE_KV_ROW_PAD, default 16; 0 keeps the swizzle). The 8 rows
 // of an ldmatrix phase still fall on 8 distinct 16-byte bank groups (a row of an odd number of
@@ -355,6 +365,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // column is the sum of P as the mmas saw it (fp16), rescaled with O by the online softmax.
   constexpr int kBiasTiles = KV == kKvInt8 && DIFFX_DECODE_KV_BIAS ? 1 : 0;
   constexpr bool kOneBarrier = DIFFX_DECODE_BARRIERS_A_STEP == 1 && STAGES >= 3;
+  constexpr bool kOverlap = DIFFX_DECODE_KV_OVERLAP && KV != 0 && kOneBarrier;
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
 
@@ -407,42 +418,64 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   static_assert(decltype(k_copies)::kTileBytes == Cfg::kKCodeTileBytes &&
                     decltype(v_copies)::kTileBytes == Cfg::kVCodeTileBytes,
                 "the copies' tiles are the config's");
-  auto load_kv = [&](int nb, int stage) {  // the KT tiles from tile nb
-    if constexpr (KV) {
-      // One test a step: a step whose every row holds a key takes the copies alone.
-      if (key_end - nb * kBlockN >= KT * kBlockN) {
-        char* k_tiles[KT];
-        char* v_tiles[KT];
+  // An 8-bit cache's copies of a step's KT tiles from tile nb into `stage`: the key tile(s), the
+  // value tile or both (the overlapped loop takes them a step apart).
+  auto load_codes = [&](int nb, int stage, bool keys, bool values) {
+    // One test a step: a step whose every row holds a key takes the copies alone.
+    if (key_end - nb * kBlockN >= KT * kBlockN) {
+      char* k_tiles[KT];
+      char* v_tiles[KT];
 #pragma unroll
-        for (int t = 0; t < KT; ++t) {
-          k_tiles[t] = sK(stage) + t * Cfg::kKCodeTileBytes;
-          v_tiles[t] = sV(stage) + t * Cfg::kVCodeTileBytes;
-        }
-        k_copies.template issue_full_step<KT>(k_tiles, nb);
-        v_copies.template issue_full_step<KT>(v_tiles, nb);
-      } else {
+      for (int t = 0; t < KT; ++t) {
+        k_tiles[t] = sK(stage) + t * Cfg::kKCodeTileBytes;
+        v_tiles[t] = sV(stage) + t * Cfg::kVCodeTileBytes;
+      }
+      if (keys) k_copies.template issue_full_step<KT>(k_tiles, nb);
+      if (values) v_copies.template issue_full_step<KT>(v_tiles, nb);
+    } else {
 #pragma unroll
-        for (int t = 0; t < KT; ++t) {
-          const int rows = key_end - (nb + t) * kBlockN;
+      for (int t = 0; t < KT; ++t) {
+        const int rows = key_end - (nb + t) * kBlockN;
+        if (keys) {
 #pragma unroll
           for (int m = 0; m < Fwd::kKeyTiles; ++m)
             k_copies.issue(sK(stage) + m * Cfg::kKTileBytes + t * Cfg::kKCodeTileBytes, nb + t, m, rows);
-          v_copies.issue(sV(stage) + t * Cfg::kVCodeTileBytes, nb + t, 0, rows);
         }
+        if (values) v_copies.issue(sV(stage) + t * Cfg::kVCodeTileBytes, nb + t, 0, rows);
       }
+    }
+  };
+  auto load_kv = [&](int nb, int stage) {  // the KT tiles from tile nb
+    if constexpr (KV) {
+      load_codes(nb, stage, true, true);
     } else {
       load_k(nb, stage);
       load_v(nb, stage);
     }
   };
 
-  // STAGES - 1 tiles in flight ahead of the one computed (one group each, empty past the split's end).
-  load_kv(nb_begin, 0);
-  cp_async_commit();
-#pragma unroll
-  for (int i = 1; i + 1 < STAGES; ++i) {
-    if (nb_begin + i * KT < nb_end) load_kv(nb_begin + i * KT, i);
+  if constexpr (kOverlap) {
+    // The key ring leads the value ring by a step (step i's keys and step i - 1's values are read
+    // together): group 0 holds Q, K(0), V(0) and K(1); group m then V(m) and K(m + 1). Stage s holds
+    // the keys and the values of the steps i with i % STAGES == s, as in the loop below.
+    load_codes(nb_begin, 0, true, true);
+    if (nb_begin + KT < nb_end) load_codes(nb_begin + KT, 1, true, false);
     cp_async_commit();
+#pragma unroll
+    for (int i = 1; i + 1 < STAGES; ++i) {
+      if (nb_begin + i * KT < nb_end) load_codes(nb_begin + i * KT, i, false, true);
+      if (nb_begin + (i + 1) * KT < nb_end) load_codes(nb_begin + (i + 1) * KT, i + 1, true, false);
+      cp_async_commit();
+    }
+  } else {
+    // STAGES - 1 tiles in flight ahead of the one computed (one group each, empty past the split's end).
+    load_kv(nb_begin, 0);
+    cp_async_commit();
+#pragma unroll
+    for (int i = 1; i + 1 < STAGES; ++i) {
+      if (nb_begin + i * KT < nb_end) load_kv(nb_begin + i * KT, i);
+      cp_async_commit();
+    }
   }
 
   float qk_alpha = 1.f;     // an 8-bit cache: logits = alpha * (folded Q, fp16) . codes
@@ -473,34 +506,14 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   for (int i = 0; i < kOTiles + kBiasTiles; ++i) acc_o[i][0] = acc_o[i][1] = acc_o[i][2] = acc_o[i][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
+  const int k0 = quarter * 16;  // this warp's first key in each tile
+  const int mi = lane >> 3;
 
-  int stage = STAGES - 1;  // (nb - nb_begin) % STAGES, stepped: no division a tile
-  for (int nb = nb_begin; nb < nb_end; nb += KT) {
-    const int n_start = nb * kBlockN;
-    const int k0 = quarter * 16;  // this warp's first key in each tile
-    const int ahead_stage = stage;  // the stage read in the previous step
-    stage = stage == STAGES - 1 ? 0 : stage + 1;
-    const int ahead = nb + (STAGES - 1) * KT;  // the step STAGES - 1 ahead: to the stage read in the previous one
-    if constexpr (STAGES >= 2 && !kOneBarrier) {
-      if (ahead < nb_end) load_kv(ahead, ahead_stage);  // that step ended with a barrier
-      cp_async_commit();
-      cp_async_wait_group<STAGES - 1>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
-    } else if constexpr (kOneBarrier) {
-      cp_async_wait_group<STAGES - 2>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
-    } else {
-      cp_async_wait_all();                // K(nb) and V(nb) landed
-    }
-    __syncthreads();                      // ... for every thread (kOneBarrier: and every warp has left the last step)
-    if constexpr (kOneBarrier) {
-      if (ahead < nb_end) load_kv(ahead, ahead_stage);
-      cp_async_commit();
-    }
-
-    // S = Q K^T for the 16 query rows and this warp's 16 keys of each tile (s[2t], s[2t + 1]: tile t).
-    float s[kSTiles][4];
+  // S = Q K^T for the 16 query rows and this warp's 16 keys of each tile of the step from tile nb,
+  // its keys at `stage` (s[2t], s[2t + 1]: tile t).
+  auto qk_step = [&](int nb, int stage, float (&s)[kSTiles][4]) {
 #pragma unroll
     for (int i = 0; i < kSTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-    const int mi = lane >> 3;
     if constexpr (INT8) {
       constexpr int kChunks8 = D / 16;
       const char* q_tile = sQ8 + map * Cfg::kQ8TileBytes;
@@ -561,8 +574,11 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         mma_16816(s[1], a, bf[2], bf[3], T());
       }
     }
+  };
 
-    // Keys past the split's end, after the bottom-right diagonal (row 0 sees up to kv_len - q_len), padding.
+  // Keys past the split's end, after the bottom-right diagonal (row 0 sees up to kv_len - q_len), padding.
+  auto mask_step = [&](int nb, float (&s)[kSTiles][4]) {
+    const int n_start = nb * kBlockN;
     const bool need_mask = (n_start + KT * kBlockN > key_end) || mask_row ||
                            (p.causal && n_start + KT * kBlockN - 1 > p.kv_len - p.q_len);
     if (need_mask) {
@@ -578,29 +594,28 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
           if (!visible) s[i][e] = -INFINITY;
         }
     }
+  };
 
-    if (STAGES == 1) {
-      __syncthreads();  // every warp has read K(nb): the next K tile may land while P.V runs
-      if (nb + 1 < nb_end) {
-        load_k(nb + 1, 0);
-        cp_async_commit();
-      }
-    }
-
-    online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // this warp's partial state
-
-    // O += P V over this warp's 16 keys of each tile (one k-step of 16 a tile); on an 8-bit cache P
-    // in fp16 (values in [0, 1]).
-    using PType = std::conditional_t<KV != 0, __half, T>;
+  // P (the exponentials of S, this warp's partial softmax) as the A operand of P.V, one 16-key
+  // k-step a tile; on an 8-bit cache in fp16 (values in [0, 1]).
+  using PType = std::conditional_t<KV != 0, __half, T>;
+  auto pack_p = [&](const float (&s)[kSTiles][4], uint32_t (&pa)[kSTiles / 2][4]) {
 #pragma unroll
     for (int i = 0; i < kSTiles / 2; ++i) {
-      const int t = PM ? map : i;  // the step's tile of these keys
-      uint32_t a[4];
-      a[0] = pack2(s[2 * i][0], s[2 * i][1], PType());
-      a[1] = pack2(s[2 * i][2], s[2 * i][3], PType());
-      a[2] = pack2(s[2 * i + 1][0], s[2 * i + 1][1], PType());
-      a[3] = pack2(s[2 * i + 1][2], s[2 * i + 1][3], PType());
+      pa[i][0] = pack2(s[2 * i][0], s[2 * i][1], PType());
+      pa[i][1] = pack2(s[2 * i][2], s[2 * i][3], PType());
+      pa[i][2] = pack2(s[2 * i + 1][0], s[2 * i + 1][1], PType());
+      pa[i][3] = pack2(s[2 * i + 1][2], s[2 * i + 1][3], PType());
+    }
+  };
+
+  // O += P V over this warp's 16 keys of each tile of the step whose values are at `stage`.
+  auto pv_step = [&](int stage, const uint32_t (&pa)[kSTiles / 2][4]) {
+#pragma unroll
+    for (int i = 0; i < kSTiles / 2; ++i) {
+      const uint32_t(&a)[4] = pa[i];
       if constexpr (KV != 0) {
+        const int t = PM ? map : i;  // the step's tile of these keys
         // Value codes through ldmatrix .trans as b16 pairs: register i of lane (gq, tq) holds keys
         // 2tq and 2tq+1 (low, high half) of channels 2gq and 2gq+1 of its 8-key x 16-channel matrix.
         // Its even channels make one n-tile's B fragment, its odd ones another: accumulator tile i
@@ -632,11 +647,88 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         }
       }
     }
+  };
 
-    if constexpr (!kOneBarrier) __syncthreads();  // every warp has read this stage's K and V
-    if (STAGES == 1 && nb + 1 < nb_end) {
-      load_v(nb + 1, 0);
+  if constexpr (kOverlap) {
+    // FlashAttention-3's intra-warpgroup overlap on mma.sync: step i + 1's Q.K^T is issued before
+    // step i's P.V, and its softmax runs beside that P.V, so that one step's exponentials and
+    // reductions fill the gaps of the other's conversions and mmas (one block of code, which ptxas
+    // interleaves). P of step i and S of step i + 1 are live at once. Stage s holds K(i + 1) and
+    // V(i) of the step computed, so the refill after the barrier takes K(i + STAGES) into step i's
+    // stage and V(i + STAGES - 1) into step i - 1's: every warp has read both (the last step's Q.K
+    // and P.V), and STAGES - 1 steps stay in flight while a step is computed, as in the loop below.
+    uint32_t pa[kSTiles / 2][4];
+    if (nb_begin < nb_end) {  // step 0's softmax: its tiles landed before the fold above
+      float s[kSTiles][4];
+      qk_step(nb_begin, 0, s);
+      mask_step(nb_begin, s);
+      online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);
+      pack_p(s, pa);
+    }
+    int stage = 0;  // (nb - nb_begin) / KT % STAGES: step i's values, step i + 1's keys at the next
+    for (int nb = nb_begin; nb < nb_end; nb += KT) {
+      const int next_stage = stage == STAGES - 1 ? 0 : stage + 1;
+      const int last_stage = stage == 0 ? STAGES - 1 : stage - 1;
+      cp_async_wait_group<STAGES - 2>();  // K(i + 1) and V(i) landed; the steps after it stay in flight
+      __syncthreads();                     // ... for every thread, and every warp has left step i - 1
+      if (nb + STAGES * KT < nb_end) load_codes(nb + STAGES * KT, stage, true, false);
+      if (nb + (STAGES - 1) * KT < nb_end) load_codes(nb + (STAGES - 1) * KT, last_stage, false, true);
       cp_async_commit();
+      if (nb + KT < nb_end) {
+        float s[kSTiles][4];
+        qk_step(nb + KT, next_stage, s);
+        mask_step(nb + KT, s);
+        pv_step(stage, pa);
+        online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // (O's rescale after its P.V)
+        pack_p(s, pa);
+      } else {
+        pv_step(stage, pa);
+      }
+      stage = next_stage;
+    }
+  } else {
+    int stage = STAGES - 1;  // (nb - nb_begin) % STAGES, stepped: no division a tile
+    for (int nb = nb_begin; nb < nb_end; nb += KT) {
+      const int ahead_stage = stage;  // the stage read in the previous step
+      stage = stage == STAGES - 1 ? 0 : stage + 1;
+      const int ahead = nb + (STAGES - 1) * KT;  // the step STAGES - 1 ahead: to the stage read in the previous one
+      if constexpr (STAGES >= 2 && !kOneBarrier) {
+        if (ahead < nb_end) load_kv(ahead, ahead_stage);  // that step ended with a barrier
+        cp_async_commit();
+        cp_async_wait_group<STAGES - 1>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
+      } else if constexpr (kOneBarrier) {
+        cp_async_wait_group<STAGES - 2>();  // K(nb) and V(nb) landed; the tiles after it stay in flight
+      } else {
+        cp_async_wait_all();                // K(nb) and V(nb) landed
+      }
+      __syncthreads();                      // ... for every thread (kOneBarrier: and every warp has left the last step)
+      if constexpr (kOneBarrier) {
+        if (ahead < nb_end) load_kv(ahead, ahead_stage);
+        cp_async_commit();
+      }
+
+      float s[kSTiles][4];
+      qk_step(nb, stage, s);
+      mask_step(nb, s);
+
+      if (STAGES == 1) {
+        __syncthreads();  // every warp has read K(nb): the next K tile may land while P.V runs
+        if (nb + 1 < nb_end) {
+          load_k(nb + 1, 0);
+          cp_async_commit();
+        }
+      }
+
+      online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // this warp's partial state
+      uint32_t pa[kSTiles / 2][4];
+      pack_p(s, pa);
+      pv_step(stage, pa);
+
+      if constexpr (!kOneBarrier) __syncthreads();  // every warp has read this stage's K and V
+      if (STAGES == 1 && nb + 1 < nb_end) {
+        load_v(nb + 1, 0);
+        cp_async_commit();
+      }
     }
   }
   cp_async_wait_all();
