@@ -510,24 +510,30 @@ KV_PIPELINES = {"two-tiles-a-step": (64, 227 * 1024), "one-tile-three-stages": (
                 "two-stages": (128, 101_376)}
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-@pytest.mark.parametrize("pipeline", KV_PIPELINES)
-def test_emulated_kv_cache_pipelines_match_the_oracle(emulator, pipeline, fmt, rng, monkeypatch):
-    """Each pipeline on 7 tiles, the last ragged, key-masked: 4 splits of two tiles (whole steps of
-    two), the last split's step reaching past the cache's end, whose rows must be masked out."""
+def check_kv_pipeline(lib, pipeline, fmt, q_len, kv_len, pads, target, rng, monkeypatch):
+    """A V1 GQA-2 cache call (causal, left-padded) on `pipeline` of KV_PIPELINES against the oracle,
+    its plan's splits those of `target` CTAs."""
     head_dim, smem_optin = KV_PIPELINES[pipeline]
     monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
     attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=1, output_scale=0.7)
-    inputs = make_inputs(attrs, 1, 1, 430, dtype=torch.float16, rng=rng)
+    inputs = make_inputs(attrs, 1, q_len, kv_len, dtype=torch.float16, rng=rng)
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
-    key_mask = padding_mask(1, 430, [100])
-    out = emulate(emulator, codes, attrs, kv_scales=kv_scales, key_mask=key_mask,
-                  plan=("split-kv", splits_for(1, 2, 430, 2, 1, kv8=True)))
+    key_mask = padding_mask(1, kv_len, pads)
+    out = emulate(lib, codes, attrs, kv_scales=kv_scales, key_mask=key_mask,
+                  plan=("split-kv", splits_for(1, 2, kv_len, 2, q_len, kv8=True, target=target)))
     assert not out.isnan().any(), "output not fully written (poison left)"
     base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
     assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), pipeline,
                          min_cosine=min_cosine(torch.float16))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("pipeline", KV_PIPELINES)
+def test_emulated_kv_cache_pipelines_match_the_oracle(emulator, pipeline, fmt, rng, monkeypatch):
+    """Each pipeline on 7 tiles, the last ragged, key-masked: 4 splits of two tiles (whole steps of
+    two), the last split's step reaching past the cache's end, whose rows must be masked out."""
+    check_kv_pipeline(emulator, pipeline, fmt, 1, 430, [100], 256, rng, monkeypatch)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -539,19 +545,7 @@ def test_emulated_kv_cache_overlapped_loop_matches_the_oracle(emulator_lowered_t
     ring does: 2501 keys (40 tiles, the last ragged) split into 4 of 10 tiles (5 steps of two tiles,
     10 of one), GQA 2 at 3 query tokens (6 group rows: packed maps on two tiles a step), left-padded
     and causal."""
-    head_dim, smem_optin = KV_PIPELINES[pipeline]
-    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
-    attrs = DiffAttentionAttrs(variant=1, num_heads=2, num_kv_heads=1, head_dim=head_dim, causal=1, output_scale=0.7)
-    inputs = make_inputs(attrs, 1, 3, 2501, dtype=torch.float16, rng=rng)
-    codes, kv_scales, dequantised = cache_of(inputs, fmt)
-    key_mask = padding_mask(1, 2501, [70])
-    out = emulate(emulator_lowered_target, codes, attrs, kv_scales=kv_scales, key_mask=key_mask,
-                  plan=("split-kv", splits_for(1, 2, 2501, 2, 3, kv8=True, target=LOWERED_TARGET)))
-    assert not out.isnan().any(), "output not fully written (poison left)"
-    base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
-                            attrs, key_mask=key_mask)
-    assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), pipeline,
-                         min_cosine=min_cosine(torch.float16))
+    check_kv_pipeline(emulator_lowered_target, pipeline, fmt, 3, 2501, [70], LOWERED_TARGET, rng, monkeypatch)
 
 
 # Both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS=1, emulator_lowered_target: so a split takes many
