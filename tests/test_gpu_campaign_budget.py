@@ -521,11 +521,12 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     assert ("--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
             in bench)
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
-    # the carried one-tile-a-step build (decode kernels only) beside `before` in decode, not in the prefill bench
-    assert ("--keys 32768 131072 --compare before=build-before/libdiffexport_kernels.so "
+    # the carried decode-only builds beside `before` in decode (its bf16 cases), not in the prefill bench
+    assert ("--keys 32768 131072 --dtypes bfloat16 --compare before=build-before/libdiffexport_kernels.so "
             "kvtiles1=build-kvtiles1/libdiffexport_kernels.so packmaps=build-packmaps/libdiffexport_kernels.so "
-            "barriers2=build-barriers2/libdiffexport_kernels.so --hopper-variants") in decode
-    assert "kvtiles1" not in bench and "packmaps" not in bench and "barriers2" not in bench
+            "barriers2=build-barriers2/libdiffexport_kernels.so overlap=build-overlap/libdiffexport_kernels.so "
+            "--hopper-variants") in decode
+    assert not any(name in bench for name in ("kvtiles1", "packmaps", "barriers2", "overlap"))
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
@@ -536,7 +537,7 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
 def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
     """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
     and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from the carried
-    packed-maps build; not the mma.sync prefill launches."""
+    packed-maps and overlapped-steps builds; not the mma.sync prefill launches."""
     env, tmp_path = stubs
     env["STUB_LOG_LIB"] = "1"
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
@@ -545,22 +546,24 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
     hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
     decode = [x for x in ncu if "regex:diff_attention_decode" in x]
-    assert len(ncu) == 5 and len(hopper) == 2 and len(decode) == 3
+    assert len(ncu) == 6 and len(hopper) == 2 and len(decode) == 4
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
     assert "--profile-kv-cache int8" not in decode[0] and all("--profile-kv-cache int8" in x for x in decode[1:])
-    assert "/tmp/profile-decode-kv8-packmaps" in decode[2] and decode[2].endswith(
-        " lib=build-packmaps/libdiffexport_kernels.so")
-    assert not decode[1].endswith("packmaps/libdiffexport_kernels.so")
+    for launch, name in zip(decode[2:], ("packmaps", "overlap")):
+        assert f"/tmp/profile-decode-kv8-{name}" in launch
+        assert launch.endswith(f" lib=build-{name}/libdiffexport_kernels.so")
+    assert not any(decode[1].endswith(f"{name}/libdiffexport_kernels.so") for name in ("packmaps", "overlap"))
     # each launch's per-instruction warp samples, exported from its own report (tools/ncu_stall_sites.py)
     sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
     reports = [re.search(r" -o (\S+)", x).group(1) + ".ncu-rep" for x in ncu]
     assert sorted(x.split()[2] for x in sources) == sorted(reports), (sources, reports)
     # ... condensed with the line information of the library each launch ran (a carried decode build's own)
     condense = [x for x in calls.splitlines() if x.startswith("python tools/ncu_stall_sites.py")]
-    assert len(condense) == 5 and all("--arch sm_90a" in x for x in condense), condense
+    assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
     libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
     assert sum(x.endswith("build-packmaps/libdiffexport_kernels.so") for x in libraries) == 1
+    assert sum(x.endswith("build-overlap/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("-cluster2/plugins/kernels/libdiffexport_kernels.so") for x in libraries) == 1
 
 

@@ -272,7 +272,9 @@ def test_every_instruction_is_placed_inside_the_kernel_it_was_inlined_into(decod
     outer = [(Path(x.frames[-1][0]).name, x.frames[-1][1]) for x in body if x.frames]
     inside = [name == "diff_attention_decode.cuh" and first - 2 <= line < last for name, line in outer]
     assert len(outer) == len(body) and sum(inside) >= 0.97 * len(body), (len(body), sum(inside))
-    softmax_call = next(i for i, x in enumerate(source) if "online_softmax_step(s, acc_o" in x) + 1
+    # (the loop in turn and the overlapped loop each call it: any of those lines)
+    softmax_calls = {("diff_attention_decode.cuh", i + 1) for i, x in enumerate(source)
+                     if "online_softmax_step(s, acc_o" in x}
     exp = [[(Path(f).name, n) for f, n in reversed(x.frames)] for x in body if x.opcode == "MUFU"]
-    assert any(chain[0] == ("diff_attention_decode.cuh", softmax_call) and len(chain) == 3
+    assert any(chain[0] in softmax_calls and len(chain) == 3
                and chain[1][0] == "diff_attention_fwd.cuh" and chain[2][0] == "ptx.cuh" for chain in exp), exp
