@@ -184,7 +184,7 @@ def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
 
 def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     """tools/prepare_gpu_campaign.sh builds a library only where its folder holds none made from the
-    same kernel inputs (the commit's plugins/ and CMakeLists.txt, architecture, flags, nvcc, CUTLASS),
+    same kernel inputs (the commit's plugins/ but its Markdown, and CMakeLists.txt, architecture, flags, nvcc, CUTLASS),
     and packs the CUTLASS headers only when they changed: a second run keeps every folder, new flags
     rebuild that variant alone, a broken packed library is rebuilt, and PREPARE_REBUILD=1 rebuilds all.
     Run in a clone, with cmake and nvcc stand-ins that log their builds and write a stand-in library
@@ -234,6 +234,17 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     (checkout / "build-before" / "libdiffexport_kernels.so.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
     prepare("")  # a packed library that is no longer whole is built again
     assert builds() == 4
+
+    def commit(path, text):
+        (checkout / path).write_text((checkout / path).read_text() + text)
+        subprocess.run(["git", "-C", str(checkout), "commit", "--quiet", "-am", "an edit", "--author", "t <t@t>"],
+                       check=True, timeout=60, env={**env, "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+
+    commit("plugins/kernels/README.md", "\nA line of prose.\n")  # no kernel input: the build is kept
+    assert "build-before            kept" in prepare("") and builds() == 4
+    commit("plugins/kernels/diff_attention.h", "\n// a comment\n")  # a kernel input: built again
+    prepare("")
+    assert builds() == 5
     # A folder that is a link, even to a current copy, is never kept, and its target is not written.
     copy = tmp_path / "elsewhere"
     shutil.copytree(checkout / "build-before", copy)
@@ -241,8 +252,8 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     shutil.rmtree(checkout / "build-before")
     (checkout / "build-before").symlink_to(copy)
     prepare("")
-    assert builds() == 5 and not (checkout / "build-before").is_symlink()
+    assert builds() == 6 and not (checkout / "build-before").is_symlink()
     assert {f.name: f.read_bytes() for f in copy.iterdir()} == kept_bytes
     prepare("", PREPARE_REBUILD="1")
-    assert builds() == 6
+    assert builds() == 7
     assert not list(tmp_path.glob("diffexport-build-*"))  # no worktree left behind

@@ -16,7 +16,7 @@
 # flags (commas separate a variant's flags, as in CAMPAIGN_VARIANTS) into build-NAME/, a whole
 # library the campaign times beside this one through CAMPAIGN_COMPARE, so that the GPU machine
 # spends no time building it. A folder whose library was built from the same kernel inputs (the
-# commit's plugins/ and CMakeLists.txt, the architecture and flags, nvcc's version, the CUTLASS
+# commit's plugins/ but its *.md files, and CMakeLists.txt, the architecture and flags, nvcc's version, the CUTLASS
 # headers: its INPUTS file) is kept as it is (PREPARE_REBUILD=1 builds every one again). Exit status
 # 0 when every folder is ready and together they fit the 64 MiB that `run` carries.
 set -euo pipefail
@@ -51,8 +51,9 @@ still_current() {
      -f "$packed" && ! -L "$packed" && "$(head -c 100 "$folder/INPUTS")" == "$3" ]] && xz -t "$packed" 2> /dev/null
 }
 # kernel_inputs COMMIT "NVCC FLAGS": a digest of what decides the library a build makes.
+# (plugins/ file by file but for its Markdown: an edit of a README beside the kernels keeps the builds)
 kernel_inputs() {
-  { git rev-parse "$1:plugins" "$1:CMakeLists.txt"; echo "$ARCH $2"; nvcc --version
+  { git ls-tree -r "$1" -- plugins CMakeLists.txt | awk '!/\.md$/'; echo "$ARCH $2"; nvcc --version
     cat "$cutlass_src/cutlass/version.h"; } | sha256sum | cut -d' ' -f1
 }
 # build_library COMMIT FOLDER "NVCC FLAGS": the library of COMMIT, for ARCH, into FOLDER/ (with a
