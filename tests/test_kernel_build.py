@@ -144,6 +144,34 @@ def test_hopper_index_arithmetic_matches_cute_layouts(tmp_path):
     assert run.stdout.count("stages of 64 keys") == 10, run.stdout
 
 
+@pytest.mark.slow
+def test_the_cluster_variant_builds_for_sm90a_without_spills(tmp_path):
+    """The GPU campaign builds -DDIFFX_SM90_CLUSTER_M=2 on the GPU machine (tools/README.md, the
+    profile call), where a build that fails costs the lent machine's time. Here, for the shape it is
+    timed on (bf16, d = 64, fp logits: V1 and V2) as CMake instantiates it: it compiles for sm_90a
+    with today's defaults (128-key tiles), spills nothing, and loads its K/V tiles by TMA multicast."""
+    cuda_bin = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=cuda_bin)
+    include, cuobjdump = cutlass_include(), kernel_resources.find_tool("cuobjdump")
+    if nvcc is None or include is None or cuobjdump is None:
+        pytest.skip("needs nvcc, cuobjdump and the CUTLASS headers (pip install -e '.[kernels]')")
+    unit = tmp_path / "sm90_bf16_d64_fp.cu"
+    unit.write_text('#include "hopper/diff_attention_sm90.cuh"\n' + "".join(
+        f"template cudaError_t diffx::launch_diff_attention_sm90<__nv_bfloat16, 64, {dv}, false>("
+        "const diffx::KernelArgs&, cudaStream_t);\n" for dv in (128, 64)))
+    cubin = tmp_path / "cluster2.cubin"
+    build = subprocess.run([nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-isystem", str(include),
+                            f"-I{KERNELS}", "-DDIFFX_HAVE_SM90=1", '-DDIFFX_BUILD_ARCHS="90a-real"',
+                            "-DDIFFX_SM90_CLUSTER_M=2", "--generate-code=arch=compute_90a,code=[sm_90a]",
+                            "-cubin", str(unit), "-o", str(cubin)], capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    rows = kernel_resources.resource_usage(cubin)
+    assert len(rows) == 2 and all("diff_attention_sm90_kernel" in r["kernel"] for r in rows), rows
+    assert not [r for r in rows if r["stack"]], rows
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert sass.count("UTMALDG.4D.MULTICAST") > 0 and sass.count("HGMMA") > 0
+
+
 def test_the_fma_pipe_exponential_matches_exp2_within_its_bound(tmp_path):
     """hopper/exp2_fma.h (the exponentials DIFFX_SM90_EXP2_FMA_EVERY moves off MUFU), built for the
     host from the same header: relative error against exp2 in double precision below 4e-6 over
