@@ -294,6 +294,8 @@ def test_the_mma_sanitizer_run_leaves_auto_its_long_decode_calls(monkeypatch, pr
     monkeypatch.setattr(kernel_cases.kernels, "diff_attention", launch)
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self: self)
     monkeypatch.setattr(kernel_cases, "paths", lambda: ["auto", "mma"] if probed == "auto and mma" else ["mma"])
+    # (main sets $DIFFEXPORT_KERNEL_PATH for its launches, in this process here: restored at the end)
+    monkeypatch.setenv(kernel_cases.kernels.KERNEL_PATH_ENV, "auto")
     kernel_cases.main(["mma"])
     every = ({(c[6], c[7], False) for c in kernel_cases.CASES}
              | {(c[6], c[7], True) for c in kernel_cases.KV_CACHE_CASES})

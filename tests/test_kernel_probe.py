@@ -57,6 +57,7 @@ def test_a_failing_child_gives_its_last_line_and_a_passing_one_none(monkeypatch)
 def test_the_answer_is_kept_for_child_processes(monkeypatch):
     calls = []
     monkeypatch.setattr(kernel_probe, "probe", lambda path, timeout: calls.append(path) or "failed: it hung")
+    monkeypatch.setenv(kernel_probe.env_name("hopper"), "")  # not yet probed; the answer goes with the test
     assert kernel_probe.probed("hopper") == "failed: it hung"
     assert kernel_probe.probed("hopper") == "failed: it hung" and calls == ["hopper"]
     assert os.environ[kernel_probe.env_name("hopper")] == "failed: it hung"
@@ -80,6 +81,8 @@ def kernels_on_the_cpu(monkeypatch, broken: str | None = None):
     """The child's launches on CPU tensors, the torch reference standing in for every kernel path
     (path `broken` with a wrong lambda) and each path planning its own kernel."""
     monkeypatch.setattr(kernel_probe, "DEVICE", "cpu")
+    # (run_child sets $DIFFEXPORT_KERNEL_PATH, in the test's own process here: restored at the end)
+    monkeypatch.setenv(kernels.KERNEL_PATH_ENV, "auto")
     monkeypatch.setattr(kernels, "kernel_plan",
                         lambda params, lib=None: (PLANS[os.environ[kernels.KERNEL_PATH_ENV]], 1))
     monkeypatch.setattr(kernels, "make_params", lambda *args, **kw: None)
