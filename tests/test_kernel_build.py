@@ -110,6 +110,12 @@ def test_hopper_path_is_tma_and_wgmma_without_spills(lib, sm90a_markers):
     assert one_pass and all(c["HGMMA"] == 0 and c["HMMA"] > 0 for c in one_pass)  # the check can tell them apart
 
 
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else in $CUDA_HOME/bin (default /usr/local/cuda)."""
+    cuda_bin = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")
+    return shutil.which("nvcc") or shutil.which("nvcc", path=cuda_bin)
+
+
 def cutlass_include() -> Path | None:
     """The pinned nvidia-cutlass wheel's headers (the kernels extra), as CMake finds them."""
     spec = importlib.util.find_spec("cutlass_library")
@@ -122,8 +128,7 @@ def test_hopper_index_arithmetic_matches_cute_layouts(tmp_path):
     """The wgmma kernel cannot run here, but what it assumes of CuTe's layouts can be checked: the
     accumulator rows/columns its masks and epilogue compute, P converted in place as the P.V A
     operand, the transposed V view, the TMA byte counts, for all 8 instantiations."""
-    cuda_bin = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")
-    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=cuda_bin)
+    nvcc = find_nvcc()
     include = cutlass_include()
     if nvcc is None or include is None:
         pytest.skip("needs nvcc and the CUTLASS headers (pip install -e '.[kernels]')")
@@ -150,8 +155,7 @@ def test_the_cluster_variant_builds_for_sm90a_without_spills(tmp_path):
     profile call), where a build that fails costs the lent machine's time. Here, for the shape it is
     timed on (bf16, d = 64, fp logits: V1 and V2) as CMake instantiates it: it compiles for sm_90a
     with today's defaults (128-key tiles), spills nothing, and loads its K/V tiles by TMA multicast."""
-    cuda_bin = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin")
-    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path=cuda_bin)
+    nvcc = find_nvcc()
     include, cuobjdump = cutlass_include(), kernel_resources.find_tool("cuobjdump")
     if nvcc is None or include is None or cuobjdump is None:
         pytest.skip("needs nvcc, cuobjdump and the CUTLASS headers (pip install -e '.[kernels]')")
