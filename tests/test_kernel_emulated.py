@@ -68,6 +68,20 @@ def emulator_lowered_target(tmp_path_factory):
                                           "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_OVERLAP=1"]))
 
 
+@pytest.fixture(scope="module")
+def emulator_warp_copies(tmp_path_factory):
+    """emulator_lowered_target's packed maps with DIFFX_DECODE_KV_WARP_COPIES=1 (each warp copies the
+    rows it reads and waits for them alone: no CTA barrier a step) in the loop of one step at a time
+    (the overlap off), fp16 only (DIFFX_EMULATE_FP16_ONLY, a quarter of the compile: the copies move
+    codes, whatever the query's dtype)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_WARP_COPIES",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_warp_copies",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*EMULATOR_FLAGS, "-DDIFFX_EMULATE_FP16_ONLY",
+                                          f"-DDIFFX_DECODE_TARGET_CTAS={LOWERED_TARGET}",
+                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_WARP_COPIES=1"]))
+
+
 def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
@@ -575,6 +589,44 @@ def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_lowered_target,
     base = lowprec_baseline(*[t.to(dtype) if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
     assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), str(case), min_cosine=min_cosine(dtype))
+
+
+# Warp copies (DIFFX_DECODE_KV_WARP_COPIES=1) move the same bytes to the same places and leave the
+# arithmetic as it was, so the output is the same bit for bit as the CTA's copies' (emulator_lowered_target,
+# whose overlapped loop is itself bit for bit the plain one's). Splits of several steps under the
+# lowered target, the last tile ragged, left pads: each warp's copies predicated on its own rows.
+# Format: label, cache format, variant, head dim, GQA ratio, heads, q_len, kv_len, left pads, GPU opt-in.
+WARP_COPY_CASES = [
+    ("int8-v1-d128-gqa4", "int8", 1, 128, 4, 4, 1, 2001, [0, 300], 227 * 1024),  # the benchmark's shape
+    ("int8-v1-d64-gqa2", "int8", 1, 64, 2, 2, 3, 1100, [45], 227 * 1024),       # V1 d64: swizzled key rows
+    ("fp8-v2-d64-gqa8", "fp8", 2, 64, 8, 8, 1, 700, None, 227 * 1024),          # V2: one K, 8 rows
+    ("int8-v1-d64-99kb", "int8", 1, 64, 4, 4, 1, 600, [10], 101_376),           # one tile a step: CTA copies
+]
+
+
+@pytest.mark.parametrize("land", ["wait", "issue"])
+@pytest.mark.parametrize("case", WARP_COPY_CASES, ids=[c[0] for c in WARP_COPY_CASES])
+def test_warp_copies_give_the_cta_copies_bits(emulator_warp_copies, emulator_lowered_target, case, land, rng,
+                                              monkeypatch):
+    label, fmt, variant, head_dim, ratio, heads, q_len, kv_len, pads, smem_optin = case
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.7)
+    batch = 1 if pads is None else len(pads)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=torch.float16, rng=rng)
+    inputs[1].add_(torch.linspace(-2, 3, attrs.key_width).to(torch.float16))
+    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
+    codes, kv_scales, dequantised = cache_of(inputs, fmt)
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True, target=LOWERED_TARGET))
+    assert plan[1] > 1
+    out = emulate(emulator_warp_copies, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    cta = emulate(emulator_lowered_target, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert torch.equal(out, cta), f"{label}: warp copies differ from the CTA's by {(out - cta).abs().max().item():.3e}"
+    base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
+                            attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), label, min_cosine=min_cosine(torch.float16))
 
 
 @pytest.mark.parametrize("case", [c for c in KV_CASES if c[0] == "fp8" and c[6] <= 16][:2],

@@ -18,7 +18,9 @@ the 8-bit cache's packed maps (DIFFX_DECODE_KV_PACK_MAPS=1), so that the cache c
 layouts of two tiles a step (the int8 case's 2 group rows packed, the fp8 case's 16 not) and, as a
 99 KB GPU runs them, one tile a step. The ThreadSanitizer build also turns on the overlapped decode
 loop (DIFFX_DECODE_KV_OVERLAP=1: the key ring a step ahead of the value ring, each refilled after
-the step's barrier); AddressSanitizer's keeps the default loop. The launches are
+the step's barrier); AddressSanitizer's keeps the default loop, with packed maps' warp copies
+(DIFFX_DECODE_KV_WARP_COPIES=1: each warp copies the rows it reads), which a third build, under
+ThreadSanitizer, runs on the decode kernel's cache cases. The launches are
 kernel_cases.CASES (the list compute-sanitizer runs on the GPU), in fp16 (the builds leave the bf16
 instantiations out, DIFFX_EMULATE_FP16_ONLY, which halves their compile: bf16 goes through the same
 2-byte indexing and barriers; compute-sanitizer's GPU runs take both), key-masked where causal,
@@ -45,10 +47,13 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "plugins" / "kernels"
 SOURCES = [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp", KERNELS / "emulation" / "sanitize_cases.cpp"]
-SANITIZERS = {
+SANITIZERS = {  # build: flags (the builds' names before a "-" are their -fsanitize values)
     # (the overlapped decode loop, off by default: its refills are the ordering ThreadSanitizer checks)
     "thread": ["-fsanitize=thread", "-DDIFFX_DECODE_KV_OVERLAP=1"],
-    "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"],
+    # (packed maps' warp copies, off by default: a warp's refill of its own rows, ordered by __syncwarp alone)
+    "thread-warp-copies": ["-fsanitize=thread", "-DDIFFX_DECODE_KV_WARP_COPIES=1"],
+    "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                          "-DDIFFX_DECODE_KV_WARP_COPIES=1"],
 }
 REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
 
@@ -135,30 +140,54 @@ def builds(tmp_path_factory):
             proc.wait()
 
 
+def built(builds, name):
+    proc, exe, log = builds[name]
+    if proc.wait(timeout=600) != 0:
+        pytest.skip(f"cannot build with -fsanitize={name.split('-')[0]}: {log.read_text().strip().splitlines()[-1:]}")
+    return exe
+
+
 @pytest.fixture(params=["thread", "address,undefined"])  # the quick build's launches first
 def sanitized(request, builds):
-    proc, exe, log = builds[request.param]
-    if proc.wait(timeout=600) != 0:
-        pytest.skip(f"cannot build with -fsanitize={request.param}: {log.read_text().strip().splitlines()[-1:]}")
-    return request.param, exe
+    return request.param, built(builds, request.param)
+
+
+def sanitizer_reports(exe, args, **env):
+    """The sanitizer's report lines of one run of sanitize_cases (with its exit status where not 0),
+    and its output."""
+    env = dict(os.environ, **env)
+    env.pop("DIFFEXPORT_KERNEL_PATH", None)  # the emulator has the automatic paths only (a shell may set hopper)
+    run = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=900, env=env)
+    output = run.stdout + run.stderr
+    reports = [line for line in output.splitlines() if any(r in line for r in REPORTS)]
+    return reports if run.returncode == 0 else [f"exit {run.returncode}", *reports], output
 
 
 def test_emulated_kernels_are_sanitizer_clean(sanitized):
     name, exe = sanitized
-    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1", ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
+    env = dict(TSAN_OPTIONS="halt_on_error=1", ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
                DIFFX_EMULATOR_COPIES_LAND="2" if name == "thread" else "0")
-    env.pop("DIFFEXPORT_KERNEL_PATH", None)  # the emulator has the automatic paths only (a shell may set hopper)
-    run = subprocess.run([str(exe), *launches(name)], capture_output=True, text=True, timeout=900, env=env)
-    output = run.stdout + run.stderr
-    reports = [line for line in output.splitlines() if any(r in line for r in REPORTS)]
-    assert run.returncode == 0 and not reports, f"-fsanitize={name}:\n" + "\n".join(output.splitlines()[:60])
+    reports, output = sanitizer_reports(exe, launches(name), **env)
+    assert not reports, f"-fsanitize={name}:\n" + "\n".join(output.splitlines()[:60])
     assert output.count(" ok") == len(launches(name))  # every launch ran and wrote finite outputs
     # The 8-bit cache's decode kernel as the emulator runs it by default takes two tiles a step (an
     # sm_90's shared memory); again as a GPU of 99 KB runs it: one tile a step, three stages.
     kv = kv_cache_launches(name)
-    run = subprocess.run([str(exe), *kv], capture_output=True, text=True, timeout=900,
-                         env=dict(env, DIFFX_EMULATOR_SMEM_OPTIN="101376"))
-    output = run.stdout + run.stderr
-    reports = [line for line in output.splitlines() if any(r in line for r in REPORTS)]
-    assert run.returncode == 0 and not reports, f"-fsanitize={name}, 99 KB:\n" + "\n".join(output.splitlines()[:60])
+    reports, output = sanitizer_reports(exe, kv, DIFFX_EMULATOR_SMEM_OPTIN="101376", **env)
+    assert not reports, f"-fsanitize={name}, 99 KB:\n" + "\n".join(output.splitlines()[:60])
+    assert output.count(" ok") == len(kv)
+
+
+def test_warp_copies_are_thread_sanitizer_clean(builds):
+    """Packed maps' warp copies (DIFFX_DECODE_KV_WARP_COPIES=1): each warp refills the rows it alone
+    reads once its lanes have met (__syncwarp), with no CTA barrier a step. ThreadSanitizer, copies
+    written at both ends of their window, on the decode kernel's cache cases and their steady state
+    (the packed int8 case refills stages within its splits). A mutant whose warps copy each other's
+    rows is a reported race. (The emulated ldmatrix meets its lanes itself, so a missing __syncwarp
+    between a lane's copy and another lane's read is not one here: ptxas compiles it to a NOP, as
+    the warp runs converged.)"""
+    exe = built(builds, "thread-warp-copies")
+    kv = kv_cache_launches("thread")
+    reports, output = sanitizer_reports(exe, kv, TSAN_OPTIONS="halt_on_error=1", DIFFX_EMULATOR_COPIES_LAND="2")
+    assert not reports, "-fsanitize=thread, warp copies:\n" + "\n".join(output.splitlines()[:60])
     assert output.count(" ok") == len(kv)

@@ -93,6 +93,20 @@ static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP 
 #define DIFFX_DECODE_KV_OVERLAP 0
 #endif
 
+// 1: with packed maps (DIFFX_DECODE_KV_PACK_MAPS), each warp copies the rows it reads (its 16 keys
+// of its tile of the step: both maps' key codes and their values, which no other warp reads), so a
+// step waits for this warp's copies alone (cp.async.wait_group, then __syncwarp) and meets no other
+// warp until the end: the CTA barrier a step is gone, and the warps of an SM sub-partition (w and
+// w + 4, keys of different tiles) may drift apart, one converting while the other exponentiates.
+// The same shared memory, copies and steps in flight. 0 (default until a GPU has timed it): the
+// CTA's threads copy whole tiles and meet at the step's barrier.
+#ifndef DIFFX_DECODE_KV_WARP_COPIES
+#define DIFFX_DECODE_KV_WARP_COPIES 0
+#endif
+#if DIFFX_DECODE_KV_WARP_COPIES && !DIFFX_DECODE_KV_PACK_MAPS
+#error "DIFFX_DECODE_KV_WARP_COPIES=1 needs DIFFX_DECODE_KV_PACK_MAPS=1: a warp reads rows of its own only with packed maps"
+#endif
+
 // An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q): rows padded by 16 bytes
 // instead of XOR-swizzled (DIFFX_DECODE_KV_ROW_PAD, default 16; 0 keeps the swizzle). The 8 rows
 // of an ldmatrix phase still fall on 8 distinct 16-byte bank groups (a row of an odd number of
@@ -197,15 +211,19 @@ constexpr int kMergeBufferBytes =
 // (V1's K1 and K2: heads ROW_BYTES apart in a cache row, tiles HEAD_TILE_BYTES apart in shared
 // memory). Set up once a CTA, so a tile's copies are the first tile's moved by whole tiles;
 // load_tile_async recomputes every address and predicate per tile (86 integer instructions a
-// thread per tile of the V1 d = 128 kernel on sm_90a, against its 8 copies).
-template <int ROW_BYTES, int PAD, int HEADS = 1, int HEAD_TILE_BYTES = 0>
+// thread per tile of the V1 d = 128 kernel on sm_90a, against its 8 copies). THREADS threads copy
+// ROWS rows of each tile from row `first` (DIFFX_DECODE_KV_WARP_COPIES: a warp its own 16), the
+// thread of index `tid` among them.
+template <int ROW_BYTES, int PAD, int HEADS = 1, int HEAD_TILE_BYTES = 0, int THREADS = kThreads, int ROWS = kBlockN>
 struct CodeTileCopies {
   static constexpr int kChunks = ROW_BYTES / 16;
-  static constexpr int kRowStep = kThreads / kChunks;  // rows apart of a thread's copies
-  static constexpr int kCopies = kBlockN / kRowStep;
+  static constexpr int kRowStep = THREADS / kChunks;  // rows apart of a thread's copies
+  static constexpr int kCopies = ROWS / kRowStep;
+  static constexpr int kTileRowSteps = kBlockN / kRowStep;  // a tile in row steps
   static constexpr int kPitch = ROW_BYTES + PAD;          // a row in shared memory
   static constexpr int kTileBytes = kBlockN * kPitch;     // a tile in shared memory
-  static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlockN % kRowStep == 0,
+  static_assert(THREADS % kChunks == 0 && (PAD != 0 || kRowStep % 8 == 0) && ROWS % kRowStep == 0 &&
+                    ROWS <= kBlockN,
                 "fixed trip count, one swizzle per thread");
   static_assert(HEADS == 1 || HEAD_TILE_BYTES >= kTileBytes, "one tile a head");
   const char* src;    // this thread's chunk of row row0 of tile 0 (head 0)
@@ -213,16 +231,16 @@ struct CodeTileCopies {
   int dst;            // byte offset of its first chunk in a shared tile
   int row0;
 
-  __device__ __forceinline__ CodeTileCopies(const char* tile0, int64_t row_stride, int tid)
+  __device__ __forceinline__ CodeTileCopies(const char* tile0, int64_t row_stride, int tid, int first = 0)
       : row_step(kRowStep * row_stride) {
-    row0 = tid / kChunks;
+    row0 = first + tid / kChunks;
     const int chunk = tid % kChunks;
     src = tile0 + row0 * row_stride + chunk * 16;
     dst = tile_chunk_offset<ROW_BYTES, PAD>(row0, chunk);
   }
   // Tile nb of head h into `tile`, whose first `rows` rows hold keys.
   __device__ __forceinline__ void issue(char* tile, int nb, int h, int rows) const {
-    const char* from = src + h * ROW_BYTES + int64_t(nb) * kCopies * row_step;
+    const char* from = src + h * ROW_BYTES + int64_t(nb) * kTileRowSteps * row_step;
     if (rows >= kBlockN) {
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) cp_async_16(tile + dst + i * kRowStep * kPitch, from + i * row_step, true);
@@ -240,12 +258,12 @@ struct CodeTileCopies {
   // a tile's own base and a head's own addresses took 62).
   template <int KT>
   __device__ __forceinline__ void issue_full_step(char* const (&tiles)[KT], int nb) const {
-    const char* base = src + uint64_t(uint32_t(nb)) * uint64_t(kCopies * row_step);  // (nb >= 0: no sign extension)
+    const char* base = src + uint64_t(uint32_t(nb)) * uint64_t(kTileRowSteps * row_step);  // (nb >= 0: no sign extension)
 #pragma unroll
     for (int t = 0; t < KT; ++t)
 #pragma unroll
       for (int i = 0; i < kCopies; ++i) {
-        const char* from = base + (t * kCopies + i) * row_step;
+        const char* from = base + (t * kTileRowSteps + i) * row_step;
 #pragma unroll
         for (int h = 0; h < HEADS; ++h)
           cp_async_16(tiles[t] + h * HEAD_TILE_BYTES + dst + i * kRowStep * kPitch, from + h * ROW_BYTES, true);
@@ -366,6 +384,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   constexpr int kBiasTiles = KV == kKvInt8 && DIFFX_DECODE_KV_BIAS ? 1 : 0;
   constexpr bool kOneBarrier = DIFFX_DECODE_BARRIERS_A_STEP == 1 && STAGES >= 3;
   constexpr bool kOverlap = DIFFX_DECODE_KV_OVERLAP && KV != 0 && kOneBarrier;
+  // Packed maps read warp-private rows: each warp copies and waits for its own (DIFFX_DECODE_KV_WARP_COPIES).
+  constexpr bool kWarpCopies = DIFFX_DECODE_KV_WARP_COPIES && PM && kOneBarrier;
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
 
@@ -409,18 +429,37 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   }
   auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
   auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
-  // An 8-bit cache: the copies of key tile(s) (key heads 2g and 2g+1 for V1, else g) and value tile.
-  const CodeTileCopies<D, Cfg::kKRowPad, Fwd::kKeyTiles, Cfg::kKTileBytes> k_copies(
+  // An 8-bit cache: the copies of key tile(s) (key heads 2g and 2g+1 for V1, else g) and value tile,
+  // whole tiles by the CTA's threads or (kWarpCopies) this warp's 16 rows of them by its lanes.
+  constexpr int kCopyThreads = kWarpCopies ? 32 : kThreads, kCopyRows = kWarpCopies ? 16 : kBlockN;
+  const int copy_tid = kWarpCopies ? lane : tid, copy_row = kWarpCopies ? quarter * 16 : 0;
+  const CodeTileCopies<D, Cfg::kKRowPad, Fwd::kKeyTiles, Cfg::kKTileBytes, kCopyThreads, kCopyRows> k_copies(
       static_cast<const char*>(p.key) + b * p.k_batch_stride + (Fwd::kKeyTiles == 2 ? 2 * g : g) * D, p.k_row_stride,
-      tid);
-  const CodeTileCopies<DV, Cfg::kVRowPad> v_copies(static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV,
-                                                  p.v_row_stride, tid);
+      copy_tid, copy_row);
+  const CodeTileCopies<DV, Cfg::kVRowPad, 1, 0, kCopyThreads, kCopyRows> v_copies(
+      static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV, p.v_row_stride, copy_tid, copy_row);
   static_assert(decltype(k_copies)::kTileBytes == Cfg::kKCodeTileBytes &&
                     decltype(v_copies)::kTileBytes == Cfg::kVCodeTileBytes,
                 "the copies' tiles are the config's");
   // An 8-bit cache's copies of a step's KT tiles from tile nb into `stage`: the key tile(s), the
   // value tile or both (the overlapped loop takes them a step apart).
   auto load_codes = [&](int nb, int stage, bool keys, bool values) {
+    if constexpr (kWarpCopies) {  // this warp's 16 keys (from k0) of the step's tile `map`, both maps' and their values
+      const int t = map, rows = key_end - (nb + t) * kBlockN;
+      char* const k_tile[1] = {sK(stage) + t * Cfg::kKCodeTileBytes};
+      char* const v_tile[1] = {sV(stage) + t * Cfg::kVCodeTileBytes};
+      if (rows >= kBlockN) {
+        if (keys) k_copies.template issue_full_step<1>(k_tile, nb + t);
+        if (values) v_copies.template issue_full_step<1>(v_tile, nb + t);
+      } else {
+        if (keys) {
+#pragma unroll
+          for (int m = 0; m < Fwd::kKeyTiles; ++m) k_copies.issue(k_tile[0] + m * Cfg::kKTileBytes, nb + t, m, rows);
+        }
+        if (values) v_copies.issue(v_tile[0], nb + t, 0, rows);
+      }
+      return;
+    }
     // One test a step: a step whose every row holds a key takes the copies alone.
     if (key_end - nb * kBlockN >= KT * kBlockN) {
       char* k_tiles[KT];
@@ -649,6 +688,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
   };
 
+  // A step's meeting once its tiles have landed: the CTA's, or with warp copies this warp's lanes
+  // (whose copies are the rows it reads; "every thread" and "every warp" below are then its own).
+  auto step_barrier = [] {
+    if constexpr (kWarpCopies) __syncwarp();
+    else __syncthreads();
+  };
+
   if constexpr (kOverlap) {
     // FlashAttention-3's intra-warpgroup overlap on mma.sync: step i + 1's Q.K^T is issued before
     // step i's P.V, and its softmax runs beside that P.V, so that one step's exponentials and
@@ -670,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       const int next_stage = stage == STAGES - 1 ? 0 : stage + 1;
       const int last_stage = stage == 0 ? STAGES - 1 : stage - 1;
       cp_async_wait_group<STAGES - 2>();  // K(i + 1) and V(i) landed; the steps after it stay in flight
-      __syncthreads();                     // ... for every thread, and every warp has left step i - 1
+      step_barrier();                      // ... for every thread, and every warp has left step i - 1
       if (nb + STAGES * KT < nb_end) load_codes(nb + STAGES * KT, stage, true, false);
       if (nb + (STAGES - 1) * KT < nb_end) load_codes(nb + (STAGES - 1) * KT, last_stage, false, true);
       cp_async_commit();
@@ -701,7 +747,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       } else {
         cp_async_wait_all();                // K(nb) and V(nb) landed
       }
-      __syncthreads();                      // ... for every thread (kOneBarrier: and every warp has left the last step)
+      step_barrier();                       // ... for every thread (kOneBarrier: and every warp has left the last step)
       if constexpr (kOneBarrier) {
         if (ahead < nb_end) load_kv(ahead, ahead_stage);
         cp_async_commit();

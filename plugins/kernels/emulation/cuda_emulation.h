@@ -174,6 +174,8 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays Na
 #define DIFFX_SHARED_ARRAY(type, name, count) type* name = diffx_emu::block_static<type>(#name, (count))
 
 inline void __syncthreads() { diffx_emu::t_ctx.block->sync.arrive_and_wait(); }
+// The lanes of a warp meet, and what each wrote to memory before is seen by all (every lane takes part here).
+inline void __syncwarp(unsigned = 0xffffffffu) { diffx_emu::warp().sync.arrive_and_wait(); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
