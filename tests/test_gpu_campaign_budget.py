@@ -527,8 +527,8 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     assert ("--keys 32768 131072 --dtypes bfloat16 --compare before=build-before/libdiffexport_kernels.so "
             "kvtiles1=build-kvtiles1/libdiffexport_kernels.so packmaps=build-packmaps/libdiffexport_kernels.so "
             "barriers2=build-barriers2/libdiffexport_kernels.so overlap=build-overlap/libdiffexport_kernels.so "
-            "--hopper-variants") in decode
-    assert not any(name in bench for name in ("kvtiles1", "packmaps", "barriers2", "overlap"))
+            "warpcopies=build-warpcopies/libdiffexport_kernels.so --hopper-variants") in decode
+    assert not any(name in bench for name in ("kvtiles1", "packmaps", "barriers2", "overlap", "warpcopies"))
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
@@ -539,7 +539,7 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
 def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
     """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
     and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from the carried
-    packed-maps and overlapped-steps builds; not the mma.sync prefill launches."""
+    packed-maps and warp-copies builds; not the mma.sync prefill launches."""
     env, tmp_path = stubs
     env["STUB_LOG_LIB"] = "1"
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
@@ -552,10 +552,10 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
     assert "--profile-kv-cache int8" not in decode[0] and all("--profile-kv-cache int8" in x for x in decode[1:])
-    for launch, name in zip(decode[2:], ("packmaps", "overlap")):
+    for launch, name in zip(decode[2:], ("packmaps", "warpcopies")):
         assert f"/tmp/profile-decode-kv8-{name}" in launch
         assert launch.endswith(f" lib=build-{name}/libdiffexport_kernels.so")
-    assert not any(decode[1].endswith(f"{name}/libdiffexport_kernels.so") for name in ("packmaps", "overlap"))
+    assert not any(decode[1].endswith(f"{name}/libdiffexport_kernels.so") for name in ("packmaps", "warpcopies"))
     # each launch's per-instruction warp samples, exported from its own report (tools/ncu_stall_sites.py)
     sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
     reports = [re.search(r" -o (\S+)", x).group(1) + ".ncu-rep" for x in ncu]
@@ -565,7 +565,7 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
     libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
     assert sum(x.endswith("build-packmaps/libdiffexport_kernels.so") for x in libraries) == 1
-    assert sum(x.endswith("build-overlap/libdiffexport_kernels.so") for x in libraries) == 1
+    assert sum(x.endswith("build-warpcopies/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("-cluster2/plugins/kernels/libdiffexport_kernels.so") for x in libraries) == 1
 
 

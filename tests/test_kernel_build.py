@@ -258,6 +258,14 @@ def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
                          text=True, timeout=60, env=dict(os.environ, PREPARE_VARIANTS="kvtiles1"))
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "error: PREPARE_VARIANTS takes name:flags, not 'kvtiles1'\n"
+    # More folders than one run call carries (8 paths: build-carry, build-before, the variants,
+    # build-trt), the same.
+    out = subprocess.run(["bash", str(root / "tools" / "prepare_gpu_campaign.sh"), "HEAD"], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, TRT_INCLUDE_DIR="/no/such/dir",
+                                                         PREPARE_VARIANTS=" ".join(f"v{i}:-DX={i}" for i in range(6))))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("error: 9 folders to carry, and run carries at most 8 paths: "
+                          "drop 1 of PREPARE_VARIANTS\n")
     assert before == {name: (root / name).exists() and sorted(p.name for p in (root / name).iterdir())
                       for name in ("build-cutlass", "build-before")}
 

@@ -27,9 +27,14 @@ ARCH="${CAMPAIGN_ARCH:-90a-real}"
 CARRY_LIMIT_MB=64
 
 git rev-parse --verify --quiet "$BEFORE^{commit}" > /dev/null || { echo "error: $BEFORE is not a commit here" >&2; exit 2; }
+CARRY_PATHS=8  # what one `run` call carries: build-carry, build-before, the variants and build-trt
+paths=2; [[ -z "${TRT_INCLUDE_DIR:-}" ]] || paths=3
 for spec in ${PREPARE_VARIANTS:-}; do  # every spec checked before anything is written
   [[ "$spec" =~ ^[A-Za-z0-9_-]+:. ]] || { echo "error: PREPARE_VARIANTS takes name:flags, not '$spec'" >&2; exit 2; }
+  paths=$((paths + 1))
 done
+(( paths <= CARRY_PATHS )) ||
+  { echo "error: $paths folders to carry, and run carries at most $CARRY_PATHS paths: drop $((paths - CARRY_PATHS)) of PREPARE_VARIANTS" >&2; exit 2; }
 command -v nvcc > /dev/null || { echo "error: nvcc not found: the kernel library needs the CUDA compiler" >&2; exit 2; }
 
 # 1. CUTLASS headers from the pinned wheel (pip install -e ".[kernels]").
