@@ -68,18 +68,21 @@ def emulator_lowered_target(tmp_path_factory):
                                           "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_OVERLAP=1"]))
 
 
-@pytest.fixture(scope="module")
-def emulator_warp_copies(tmp_path_factory):
+@pytest.fixture(scope="module", params=["one-step-at-a-time", "overlapped"])
+def emulator_warp_copies(request, tmp_path_factory):
     """emulator_lowered_target's packed maps with DIFFX_DECODE_KV_WARP_COPIES=1 (each warp copies the
-    rows it reads and waits for them alone: no CTA barrier a step) in the loop of one step at a time
-    (the overlap off), fp16 only (DIFFX_EMULATE_FP16_ONLY, a quarter of the compile: the copies move
-    codes, whatever the query's dtype)."""
-    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_WARP_COPIES",
-                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_warp_copies",
+    rows it reads and waits for them alone: no CTA barrier a step), in the loop of one step at a time
+    and in the overlapped one (DIFFX_DECODE_KV_OVERLAP=1), fp16 only (DIFFX_EMULATE_FP16_ONLY, a
+    quarter of the compile: the copies move codes, whatever the query's dtype)."""
+    overlap = request.param == "overlapped"
+    name = "diffexport_kernel_emulator_warp_copies" + ("_overlapped" if overlap else "")
+    return emulator_library(host_library(tmp_path_factory, name.upper(),
+                                         KERNELS / "no-such-build", name,
                                          [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
                                          [*EMULATOR_FLAGS, "-DDIFFX_EMULATE_FP16_ONLY",
                                           f"-DDIFFX_DECODE_TARGET_CTAS={LOWERED_TARGET}",
-                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_WARP_COPIES=1"]))
+                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_WARP_COPIES=1",
+                                          f"-DDIFFX_DECODE_KV_OVERLAP={int(overlap)}"]))
 
 
 def emulator_library(path):
