@@ -70,8 +70,8 @@ def emulator_lowered_target(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["one-step-at-a-time", "overlapped"])
 def emulator_warp_copies(request, tmp_path_factory):
-    """emulator_lowered_target's packed maps with DIFFX_DECODE_KV_WARP_COPIES=1 (each warp copies the
-    rows it reads and waits for them alone: no CTA barrier a step), in the loop of one step at a time
+    """emulator_lowered_target's packed maps with DIFFX_DECODE_KV_WARP_COPIES=1 (the warps that read a
+    row copy it and wait for each other alone: no CTA barrier a step), in the loop of one step at a time
     and in the overlapped one (DIFFX_DECODE_KV_OVERLAP=1), fp16 only (DIFFX_EMULATE_FP16_ONLY, a
     quarter of the compile: the copies move codes, whatever the query's dtype)."""
     overlap = request.param == "overlapped"
@@ -598,12 +598,15 @@ def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_lowered_target,
 # arithmetic as it was, so the output is the same bit for bit as the CTA's copies' (emulator_lowered_target,
 # whose overlapped loop is itself bit for bit the plain one's). Splits of several steps under the
 # lowered target, the last tile ragged, left pads: each warp's copies predicated on its own rows.
+# Packed maps (group rows up to 8) take a warp's own rows; 16 rows and one tile a step take a pair's.
 # Format: label, cache format, variant, head dim, GQA ratio, heads, q_len, kv_len, left pads, GPU opt-in.
 WARP_COPY_CASES = [
     ("int8-v1-d128-gqa4", "int8", 1, 128, 4, 4, 1, 2001, [0, 300], 227 * 1024),  # the benchmark's shape
     ("int8-v1-d64-gqa2", "int8", 1, 64, 2, 2, 3, 1100, [45], 227 * 1024),       # V1 d64: swizzled key rows
     ("fp8-v2-d64-gqa8", "fp8", 2, 64, 8, 8, 1, 700, None, 227 * 1024),          # V2: one K, 8 rows
-    ("int8-v1-d64-99kb", "int8", 1, 64, 4, 4, 1, 600, [10], 101_376),           # one tile a step: CTA copies
+    ("int8-v1-d128-gqa4-sq4", "int8", 1, 128, 4, 4, 4, 1500, [0, 70], 227 * 1024),  # 16 rows: pairs
+    ("fp8-v2-d64-gqa4-sq4", "fp8", 2, 64, 4, 4, 4, 900, [33], 227 * 1024),      # pairs share K too
+    ("int8-v1-d64-99kb", "int8", 1, 64, 4, 4, 1, 600, [10], 101_376),           # one tile a step: pairs
 ]
 
 

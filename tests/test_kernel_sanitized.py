@@ -18,8 +18,8 @@ the 8-bit cache's packed maps (DIFFX_DECODE_KV_PACK_MAPS=1), so that the cache c
 layouts of two tiles a step (the int8 case's 2 group rows packed, the fp8 case's 16 not) and, as a
 99 KB GPU runs them, one tile a step. The ThreadSanitizer build also turns on the overlapped decode
 loop (DIFFX_DECODE_KV_OVERLAP=1: the key ring a step ahead of the value ring, each refilled after
-the step's barrier); AddressSanitizer's keeps the default loop, with packed maps' warp copies
-(DIFFX_DECODE_KV_WARP_COPIES=1: each warp copies the rows it reads), which a third build, under
+the step's barrier); AddressSanitizer's keeps the default loop, with warp copies
+(DIFFX_DECODE_KV_WARP_COPIES=1: the warps that read a row copy it), which a third build, under
 ThreadSanitizer, runs on the decode kernel's cache cases. The launches are
 kernel_cases.CASES (the list compute-sanitizer runs on the GPU), in fp16 (the builds leave the bf16
 instantiations out, DIFFX_EMULATE_FP16_ONLY, which halves their compile: bf16 goes through the same
@@ -50,7 +50,7 @@ SOURCES = [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp", KERNE
 SANITIZERS = {  # build: flags (the builds' names before a "-" are their -fsanitize values)
     # (the overlapped decode loop, off by default: its refills are the ordering ThreadSanitizer checks)
     "thread": ["-fsanitize=thread", "-DDIFFX_DECODE_KV_OVERLAP=1"],
-    # (packed maps' warp copies, off by default: a warp's refill of its own rows, ordered by __syncwarp alone)
+    # (warp copies, off by default: refills ordered by a warp's __syncwarp or a pair's barrier alone)
     "thread-warp-copies": ["-fsanitize=thread", "-DDIFFX_DECODE_KV_WARP_COPIES=1"],
     "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
                           "-DDIFFX_DECODE_KV_WARP_COPIES=1"],
@@ -179,11 +179,13 @@ def test_emulated_kernels_are_sanitizer_clean(sanitized):
 
 
 def test_warp_copies_are_thread_sanitizer_clean(builds):
-    """Packed maps' warp copies (DIFFX_DECODE_KV_WARP_COPIES=1): each warp refills the rows it alone
-    reads once its lanes have met (__syncwarp), with no CTA barrier a step. ThreadSanitizer, copies
-    written at both ends of their window, on the decode kernel's cache cases and their steady state
-    (the packed int8 case refills stages within its splits). A mutant whose warps copy each other's
-    rows is a reported race. (The emulated ldmatrix meets its lanes itself, so a missing __syncwarp
+    """Warp copies (DIFFX_DECODE_KV_WARP_COPIES=1), no CTA barrier a step: with packed maps each warp
+    refills the rows it alone reads once its lanes have met (__syncwarp); with a tile a map the two
+    warps of a quarter each refill half of the rows they share once they have met at their named
+    barrier. ThreadSanitizer, copies written at both ends of their window, on the decode kernel's
+    cache cases and their steady state (packed int8 and 16-row fp8 cases refill stages within their
+    splits). Mutants whose packed warps copy each other's rows, or whose pairs meet at __syncwarp,
+    are reported races. (The emulated ldmatrix meets its lanes itself, so a missing __syncwarp
     between a lane's copy and another lane's read is not one here: ptxas compiles it to a NOP, as
     the warp runs converged.)"""
     exe = built(builds, "thread-warp-copies")

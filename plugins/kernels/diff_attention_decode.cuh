@@ -93,18 +93,20 @@ static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP 
 #define DIFFX_DECODE_KV_OVERLAP 0
 #endif
 
-// 1: with packed maps (DIFFX_DECODE_KV_PACK_MAPS), each warp copies the rows it reads (its 16 keys
-// of its tile of the step: both maps' key codes and their values, which no other warp reads), so a
-// step waits for this warp's copies alone (cp.async.wait_group, then __syncwarp) and meets no other
-// warp until the end: the CTA barrier a step is gone, and the warps of an SM sub-partition (w and
-// w + 4, keys of different tiles) may drift apart, one converting while the other exponentiates.
-// The same shared memory, copies and steps in flight. 0 (default until a GPU has timed it): the
-// CTA's threads copy whole tiles and meet at the step's barrier.
+// 1: in the 8-bit cache's loop of three or more stages, the warps that read a row copy it, and a
+// step waits for those warps alone, not for the CTA. With packed maps (DIFFX_DECODE_KV_PACK_MAPS)
+// every row a warp reads is its own (its 16 keys of its tile of the step: both maps' key codes and
+// their values): it copies them, waits for its own copies (cp.async.wait_group, then __syncwarp)
+// and meets no other warp until the end. Without, the two warps of a quarter (map 1's and map 2's
+// of the same 16 keys) share their value rows (V2: their key rows too): each copies half of every
+// tile's 16 rows, and the pair meets at a named barrier of its 64 threads. Map 2's warp of
+// quarter q is then warp 4 + (q + 3) % 4, so that an SM sub-partition holds warps of two pairs.
+// Either way the warps of a sub-partition may drift apart, one converting while the other
+// exponentiates, and a step no longer waits for the CTA's slowest warp. The same shared memory,
+// copies and steps in flight. 0 (default until a GPU has timed it): the CTA's threads copy whole
+// tiles and meet at the step's barrier.
 #ifndef DIFFX_DECODE_KV_WARP_COPIES
 #define DIFFX_DECODE_KV_WARP_COPIES 0
-#endif
-#if DIFFX_DECODE_KV_WARP_COPIES && !DIFFX_DECODE_KV_PACK_MAPS
-#error "DIFFX_DECODE_KV_WARP_COPIES=1 needs DIFFX_DECODE_KV_PACK_MAPS=1: a warp reads rows of its own only with packed maps"
 #endif
 
 // An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q): rows padded by 16 bytes
@@ -119,6 +121,9 @@ static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP 
 #define DIFFX_DECODE_KV_ROW_PAD 16
 #endif
 static_assert(DIFFX_DECODE_KV_ROW_PAD == 0 || DIFFX_DECODE_KV_ROW_PAD == 16, "rows padded by 16 bytes or swizzled");
+#if DIFFX_DECODE_KV_WARP_COPIES && DIFFX_DECODE_KV_ROW_PAD == 0
+#error "DIFFX_DECODE_KV_WARP_COPIES=1 needs padded rows: a warp's copies of a swizzled tile would take one swizzle a copy"
+#endif
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW_BYTES rows padded by PAD
 // (0: swizzled_chunk's XOR swizzle).
@@ -384,8 +389,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   constexpr int kBiasTiles = KV == kKvInt8 && DIFFX_DECODE_KV_BIAS ? 1 : 0;
   constexpr bool kOneBarrier = DIFFX_DECODE_BARRIERS_A_STEP == 1 && STAGES >= 3;
   constexpr bool kOverlap = DIFFX_DECODE_KV_OVERLAP && KV != 0 && kOneBarrier;
-  // Packed maps read warp-private rows: each warp copies and waits for its own (DIFFX_DECODE_KV_WARP_COPIES).
+  // The warps that read a row copy it (DIFFX_DECODE_KV_WARP_COPIES): packed maps' warps their own
+  // rows, else the two warps of a quarter half of theirs each.
   constexpr bool kWarpCopies = DIFFX_DECODE_KV_WARP_COPIES && PM && kOneBarrier;
+  constexpr bool kPairCopies = DIFFX_DECODE_KV_WARP_COPIES && !PM && KV != 0 && kOneBarrier;
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
 
@@ -395,7 +402,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // 0: map 1, 1: map 2 (warp-uniform). Packed maps: every warp has both (rows 0-7, 8-15), and this
   // names the step's tile whose keys it takes; the CTA's halves still write one map's part each.
   const int map = warp / kWarpsPerMap;
-  const int quarter = warp % kWarpsPerMap;    // this warp's 16 keys of each tile (packed maps: of tile `map`)
+  // This warp's 16 keys of each tile (packed maps: of tile `map`). Pair copies: map 2's warps rotated
+  // by one, so that the warps of a sub-partition (w and w + 4) are of different pairs.
+  const int quarter = kPairCopies && map == 1 ? (warp + 1) % kWarpsPerMap : warp % kWarpsPerMap;
   const int gq = lane >> 2, tq = lane & 3;    // mma fragment coordinates (row group, column pair)
   const int heads = args.plan.heads_per_cta, h0 = blockIdx.x * heads, b = blockIdx.y, split = blockIdx.z;
   const int g = h0 / (p.num_heads / p.num_kv_heads);
@@ -430,9 +439,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   auto load_k = [&](int nb, int stage) { load_key_tiles<T, D, DV, INT8>(sK(stage), args, b, g, nb, tid); };
   auto load_v = [&](int nb, int stage) { load_value_tile<T, DV>(sV(stage), args, b, g, nb, tid); };
   // An 8-bit cache: the copies of key tile(s) (key heads 2g and 2g+1 for V1, else g) and value tile,
-  // whole tiles by the CTA's threads or (kWarpCopies) this warp's 16 rows of them by its lanes.
-  constexpr int kCopyThreads = kWarpCopies ? 32 : kThreads, kCopyRows = kWarpCopies ? 16 : kBlockN;
-  const int copy_tid = kWarpCopies ? lane : tid, copy_row = kWarpCopies ? quarter * 16 : 0;
+  // whole tiles by the CTA's threads, or by this warp's lanes its 16 rows of them (kWarpCopies) or
+  // the half of its quarter's 16 rows that its map names (kPairCopies: rows k0 + 8 map ...).
+  constexpr int kCopyThreads = kWarpCopies || kPairCopies ? 32 : kThreads;
+  constexpr int kCopyRows = kWarpCopies ? 16 : kPairCopies ? 8 : kBlockN;
+  const int copy_tid = kWarpCopies || kPairCopies ? lane : tid;
+  const int copy_row = kWarpCopies ? quarter * 16 : kPairCopies ? quarter * 16 + 8 * map : 0;
   const CodeTileCopies<D, Cfg::kKRowPad, Fwd::kKeyTiles, Cfg::kKTileBytes, kCopyThreads, kCopyRows> k_copies(
       static_cast<const char*>(p.key) + b * p.k_batch_stride + (Fwd::kKeyTiles == 2 ? 2 * g : g) * D, p.k_row_stride,
       copy_tid, copy_row);
@@ -688,10 +700,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
   };
 
-  // A step's meeting once its tiles have landed: the CTA's, or with warp copies this warp's lanes
-  // (whose copies are the rows it reads; "every thread" and "every warp" below are then its own).
-  auto step_barrier = [] {
+  // A step's meeting once its tiles have landed: the CTA's, or the warps that copy what they read:
+  // this warp's lanes (kWarpCopies) or its quarter's pair of warps (kPairCopies: named barrier
+  // 1 + quarter). "Every thread" and "every warp" below are then theirs.
+  auto step_barrier = [quarter] {
     if constexpr (kWarpCopies) __syncwarp();
+    else if constexpr (kPairCopies) named_barrier_sync<2 * 32>(1 + quarter);
     else __syncthreads();
   };
 
@@ -814,8 +828,8 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     float l = row_sum[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (tq == 0) {
-      float* ml = warp_ml + (warp * kDecodeRows + gq + r * 8) * 2;
+    if (tq == 0) {  // (in quarter order within a map: pair copies rotate map 2's warps)
+      float* ml = warp_ml + ((kPairCopies ? map * kWarpsPerMap + quarter : warp) * kDecodeRows + gq + r * 8) * 2;
       ml[0] = row_max[r];
       ml[1] = l;
     }

@@ -36,6 +36,14 @@ __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Barrier `id` (1-15; 0 is __syncthreads') of THREADS threads, whole warps: they meet, and their
+// writes to shared memory before it are seen after it (bar.sync).
+template <int THREADS>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  static_assert(THREADS % 32 == 0, "whole warps");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
+}
+
 // Four 8x8 b16 matrices; lane l supplies the row address of matrix l/8.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

@@ -117,6 +117,15 @@ struct Block {
   std::mutex statics_mutex;
   std::vector<std::unique_ptr<Warp>> warps;
   char* smem() { return dynamic_smem.get(); }
+  // bar.sync `id`, `threads` (id 0 is __syncthreads'): made at its first use, for that use's count.
+  Barrier& named_barrier(int id, int threads) {
+    std::lock_guard<std::mutex> lock(named_mutex);
+    std::unique_ptr<Barrier>& barrier = named[id];
+    if (!barrier) barrier = std::make_unique<Barrier>(threads);
+    return *barrier;
+  }
+  std::unique_ptr<Barrier> named[16];
+  std::mutex named_mutex;
 };
 
 struct ThreadContext {
@@ -240,6 +249,12 @@ inline void cp_async_16(void* smem, const void* gmem, bool valid) {
   t_pending_copies.push_back({smem, gmem, valid});
 }
 inline void cp_async_commit() { t_group_ends.push_back(t_pending_copies.size()); }
+
+// bar.sync id, THREADS: the THREADS threads (whole warps) that name barrier `id` (1-15) meet.
+template <int THREADS>
+inline void named_barrier_sync(int id) {
+  diffx_emu::t_ctx.block->named_barrier(id, THREADS).arrive_and_wait();
+}
 // Lands the first `count` pending copies (the oldest), in issue order.
 inline void cp_async_land(size_t count) {
   if (g_copies_land != 1)
