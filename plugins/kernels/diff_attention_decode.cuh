@@ -456,36 +456,23 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // An 8-bit cache's copies of a step's KT tiles from tile nb into `stage`: the key tile(s), the
   // value tile or both (the overlapped loop takes them a step apart).
   auto load_codes = [&](int nb, int stage, bool keys, bool values) {
-    if constexpr (kWarpCopies) {  // this warp's 16 keys (from k0) of the step's tile `map`, both maps' and their values
-      const int t = map, rows = key_end - (nb + t) * kBlockN;
-      char* const k_tile[1] = {sK(stage) + t * Cfg::kKCodeTileBytes};
-      char* const v_tile[1] = {sV(stage) + t * Cfg::kVCodeTileBytes};
-      if (rows >= kBlockN) {
-        if (keys) k_copies.template issue_full_step<1>(k_tile, nb + t);
-        if (values) v_copies.template issue_full_step<1>(v_tile, nb + t);
-      } else {
-        if (keys) {
-#pragma unroll
-          for (int m = 0; m < Fwd::kKeyTiles; ++m) k_copies.issue(k_tile[0] + m * Cfg::kKTileBytes, nb + t, m, rows);
-        }
-        if (values) v_copies.issue(v_tile[0], nb + t, 0, rows);
-      }
-      return;
-    }
+    // The CTA's copies take the step's KT tiles; a warp's own (kWarpCopies) its one tile, `map`.
+    constexpr int kTiles = kWarpCopies ? 1 : KT;
+    const int first = kWarpCopies ? map : 0;
     // One test a step: a step whose every row holds a key takes the copies alone.
-    if (key_end - nb * kBlockN >= KT * kBlockN) {
-      char* k_tiles[KT];
-      char* v_tiles[KT];
+    if (key_end - (nb + first) * kBlockN >= kTiles * kBlockN) {
+      char* k_tiles[kTiles];
+      char* v_tiles[kTiles];
 #pragma unroll
-      for (int t = 0; t < KT; ++t) {
-        k_tiles[t] = sK(stage) + t * Cfg::kKCodeTileBytes;
-        v_tiles[t] = sV(stage) + t * Cfg::kVCodeTileBytes;
+      for (int t = 0; t < kTiles; ++t) {
+        k_tiles[t] = sK(stage) + (first + t) * Cfg::kKCodeTileBytes;
+        v_tiles[t] = sV(stage) + (first + t) * Cfg::kVCodeTileBytes;
       }
-      if (keys) k_copies.template issue_full_step<KT>(k_tiles, nb);
-      if (values) v_copies.template issue_full_step<KT>(v_tiles, nb);
+      if (keys) k_copies.template issue_full_step<kTiles>(k_tiles, nb + first);
+      if (values) v_copies.template issue_full_step<kTiles>(v_tiles, nb + first);
     } else {
 #pragma unroll
-      for (int t = 0; t < KT; ++t) {
+      for (int t = first; t < first + kTiles; ++t) {
         const int rows = key_end - (nb + t) * kBlockN;
         if (keys) {
 #pragma unroll
