@@ -518,6 +518,7 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
                                                                 r"[^\n]*\\\n      CAMPAIGN_DECODE_COMPARE="))
     assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
     assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls
+    assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_MAPS_PER_WARPGROUP=2" in calls
     bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
     # a variant of -DDIFFX_SM90_* flags only is timed on the Hopper path alone, and not in decode
     assert ("--seqs 4096 16384 --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
@@ -537,7 +538,7 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
 
 
 def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
-    """The short profile call: this build's Hopper path and the variant's on the d = 64, 16k launch,
+    """The short profile call: this build's Hopper path and the variants' on the d = 64, 16k launch,
     and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from the carried
     packed-maps and warp-copies builds; not the mma.sync prefill launches."""
     env, tmp_path = stubs
@@ -548,9 +549,10 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
     hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
     decode = [x for x in ncu if "regex:diff_attention_decode" in x]
-    assert len(ncu) == 6 and len(hopper) == 2 and len(decode) == 4
+    assert len(ncu) == 7 and len(hopper) == 3 and len(decode) == 4
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
+    assert "-maps2/plugins/kernels/libdiffexport_kernels.so" in hopper[2]
     assert "--profile-kv-cache int8" not in decode[0] and all("--profile-kv-cache int8" in x for x in decode[1:])
     for launch, name in zip(decode[2:], ("packmaps", "warpcopies")):
         assert f"/tmp/profile-decode-kv8-{name}" in launch
@@ -562,7 +564,7 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     assert sorted(x.split()[2] for x in sources) == sorted(reports), (sources, reports)
     # ... condensed with the line information of the library each launch ran (a carried decode build's own)
     condense = [x for x in calls.splitlines() if x.startswith("python tools/ncu_stall_sites.py")]
-    assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
+    assert len(condense) == 7 and all("--arch sm_90a" in x for x in condense), condense
     libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
     assert sum(x.endswith("build-packmaps/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("build-warpcopies/libdiffexport_kernels.so") for x in libraries) == 1

@@ -39,11 +39,14 @@ DEVICE = "cuda"
 # Every (variant, head dim) instantiation once, causal and not, odd and even counts of 64-row query
 # blocks (a cluster of two Hopper CTAs pads an odd count), key counts that end inside a 64- and a
 # 128-key tile; and a grid of 280 tiles (35 blocks x 2 heads x 4), more than an H100 or H200 has
-# SMs, so that a persistent Hopper grid takes two or three tiles of different lengths a CTA.
+# SMs, so that a persistent Hopper grid takes two or three tiles of different lengths a CTA. With
+# both maps a Hopper warpgroup (128 rows a CTA at d = 64) 70 and 200 rows end in a partial second
+# row block, and 50 and 2200 (non-causal and causal) leave the last CTA's second row block no row.
 PREFILL = ((1, 128, 1, 2, 130, 300),  # three query blocks with a ragged end, keys over several stages
            (2, 64, 0, 1, 70, 520),
            (1, 64, 1, 1, 200, 333),
            (2, 128, 0, 2, 190, 260),
+           (1, 64, 0, 3, 50, 190),
            (1, 64, 1, 4, 2200, 2200))
 DECODE = ((1, 128, 1, 2, 1, 700),  # one token over a cache of 11 tiles, and a full 16-row tile
           (2, 64, 1, 1, 16, 300))

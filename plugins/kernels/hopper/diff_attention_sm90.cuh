@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   const DiffxAttentionParams& p = prm.args.p;
 
   const int warpgroup = cutlass::canonical_warp_group_idx();
-  const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
+  constexpr int kBlockRows = Cfg::kBlockRows;  // query rows a tile: 64, or 128 with both maps a warpgroup
+  const int m_blocks = (p.q_len + kBlockRows - 1) / kBlockRows;
   constexpr int kBlockN = Cfg::kKeyBlock;
   constexpr bool kPersistent = Cfg::kPersistent;
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
@@ -106,14 +107,21 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       b = int(blockIdx.z);
       lead_block = min(int(gridDim.x) - 1 - int(blockIdx.x) / kClusterM * kClusterM, m_blocks - 1);
     }
-    m_start = m_block * kBlockM;
+    m_start = m_block * kBlockRows;
     g = h / (p.num_heads / p.num_kv_heads);
-    const int lead_start = lead_block * kBlockM;
+    const int lead_start = lead_block * kBlockRows;
     n_end = n_total;
     if (p.causal) {
-      const int last_key = lead_start + min(kBlockM, p.q_len - lead_start) - 1 + p.kv_len - p.q_len;
+      const int last_key = lead_start + min(kBlockRows, p.q_len - lead_start) - 1 + p.kv_len - p.q_len;
       n_end = last_key < 0 ? 0 : min(n_total, last_key / kBlockN + 1);
     }
+  };
+
+  // Row blocks of the tile that hold a query row: with both maps a warpgroup, the last tile's second
+  // may hold none. (One row block a CTA: always loaded, the cluster's extra CTA past the end included.)
+  auto row_blocks_live = [&] {
+    if constexpr (Cfg::kBothMaps) return min(Cfg::kRowBlocks, (p.q_len - m_start + kBlockM - 1) / kBlockM);
+    else return 1;
   };
 
   typename Pipeline::Params pipe_params;
@@ -132,8 +140,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   if constexpr (kClusterM > 1) cute::cluster_sync();
   else __syncthreads();
 
-  Tensor sQ1 = make_tensor(make_smem_ptr(storage.q[0].data()), typename Cfg::SmemLayoutQ{});
-  Tensor sQ2 = make_tensor(make_smem_ptr(storage.q[1].data()), typename Cfg::SmemLayoutQ{});
+  // Q of each map for the 64 rows of row block `block` (0 but with both maps a warpgroup).
+  auto q_tile = [&](int block, int map) {
+    return make_tensor(make_smem_ptr(storage.q[2 * block + map].data()), typename Cfg::SmemLayoutQ{});
+  };
 
   if (warpgroup == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();  // (a cluster's slices and multicast too)
@@ -154,13 +164,17 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       auto load_q = [&] {
         if constexpr (kPersistent)
           if (iter > 0) cutlass::arch::ClusterBarrier::wait(&storage.persistent.q_free, (iter - 1) & 1);
-        QBarrier::arrive_and_expect_tx(&storage.q_loaded, Cfg::kQBytes);
-        for (int m = 0; m < 2; ++m) {
-          Tensor gQ = local_tile(mQ(_, _, 2 * h + m, b), Shape<_64, Int<D>>{}, make_coord(m_block, 0));
-          auto [tQg, tQs] = tma_partition(prm.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(m == 0 ? sQ1 : sQ2),
-                                          group_modes<0, 2>(gQ));
-          copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
-        }
+        // A row block wholly past q_len is not loaded (its consumer reads no Q, below).
+        const int live_blocks = row_blocks_live();
+        QBarrier::arrive_and_expect_tx(&storage.q_loaded, Cfg::kQBytes / Cfg::kRowBlocks * live_blocks);
+        for (int block = 0; block < live_blocks; ++block)
+          for (int m = 0; m < 2; ++m) {
+            Tensor gQ = local_tile(mQ(_, _, 2 * h + m, b), Shape<_64, Int<D>>{},
+                                   make_coord(m_block * Cfg::kRowBlocks + block, 0));
+            auto [tQg, tQs] = tma_partition(prm.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(q_tile(block, m)),
+                                            group_modes<0, 2>(gQ));
+            copy(prm.tma_q.with(storage.q_loaded), tQg, tQs);
+          }
       };
       const bool q_after_first_stage = kPersistent && iter > 0 && n_end > 0;
       if (!q_after_first_stage) load_q();
@@ -190,33 +204,42 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     return;
   }
 
-  // Consumers: warpgroup 1 runs map 1, warpgroup 2 map 2.
+  // Consumers. One map a warpgroup (the default): warpgroup 1 runs map 1 and warpgroup 2 map 2 over
+  // the tile's 64 rows. Both maps a warpgroup (Cfg::kBothMaps): warpgroup 1 + c runs map 1 and map 2
+  // over row block c, the tile's rows 64c..64c+63, holding a second set of the state below (slot 1).
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-  const int map = warpgroup - 1;
+  constexpr bool kBothMaps = Cfg::kBothMaps;
+  const int map = kBothMaps ? 0 : warpgroup - 1;        // the (first) map this warpgroup runs
+  const int row_block = kBothMaps ? warpgroup - 1 : 0;  // the block of its 64 rows in the tile
   const int tid = threadIdx.x % cutlass::NumThreadsPerWarpGroup;
   typename Cfg::TiledMmaS mma_s;
   typename Cfg::TiledMmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(tid);
   auto thr_o = mma_o.get_thread_slice(tid);
-  Tensor sK = make_tensor(make_smem_ptr(storage.ring.k[Cfg::kV1 ? map : 0].data()), typename Cfg::SmemLayoutK{});
+  auto key_tiles = [&](int m) {
+    return make_tensor(make_smem_ptr(storage.ring.k[Cfg::kV1 ? m : 0].data()), typename Cfg::SmemLayoutK{});
+  };
   Tensor sVt = make_tensor(make_smem_ptr(storage.ring.v.data()), typename Cfg::SmemLayoutVt{});
-  // S's A operand: Q of this map, or (INT8) its codes, written below once Q has landed.
-  auto sQ_operand = [&] {
-    if constexpr (INT8) return make_tensor(make_smem_ptr(storage.q_codes.q[map].data()), typename Cfg::SmemLayoutQCodes{});
-    else return map == 0 ? sQ1 : sQ2;
-  }();
+  // S's A operand: Q of map m for this warpgroup's rows, or (INT8) its codes, written below once Q
+  // has landed.
+  auto q_operand = [&](int m) {
+    if constexpr (INT8) return make_tensor(make_smem_ptr(storage.q_codes.q[m].data()), typename Cfg::SmemLayoutQCodes{});
+    else return q_tile(row_block, m);
+  };
+  auto sQ_operand = q_operand(map);
   Tensor tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ_operand));
-  Tensor tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK));
+  Tensor tSrK = thr_s.make_fragment_B(thr_s.partition_B(key_tiles(map)));
   Tensor tOrV = thr_o.make_fragment_B(thr_o.partition_B(sVt));
   Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<DV>>{});
 
   const float scale_log2 = prm.args.scale * kLog2e;
-  // Per tile (set where each tile starts): the key mask's row, the running max and sum of each row.
+  // Per tile (set where each tile starts): the key mask's row, the running max and sum of each row,
+  // of each map a warpgroup runs (slot 0; with both maps, map 2's in slot 1).
   const int64_t* mask_row = nullptr;
-  float row_max[2], row_sum[2];
+  float row_max[2][2], row_sum[2][2];
 
   // S = Q K^T of the stage's key tile into acc_s, issued (not waited for).
-  auto issue_qk = [&](auto& acc_s, int stage) {
+  auto issue_qk = [&](auto& acc_s, auto& tSrQ, auto& tSrK, int stage) {
     warpgroup_fence_operand(acc_s);
     warpgroup_arrive();
     // The first k-block overwrites the accumulator, the others add to it (one gemm call over all
@@ -230,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     warpgroup_commit_batch();
   };
   // O += P V of the stage's value tile, issued (not waited for); P stays read until the wait.
-  auto issue_pv = [&](auto& tOrP, int stage) {
+  auto issue_pv = [&](auto& tOrP, auto& acc_o, int stage) {
     mma_o.accumulate_ = GMMA::ScaleOut::One;
     warpgroup_fence_operand(tOrP);
     warpgroup_fence_operand(acc_o);
@@ -243,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   // are TMA's zeros), inv = qmax/absmax, code = clamp(rint(x*inv)); returns scale = absmax/qmax.
   auto quantise_q = [&]() -> float {
     constexpr int kWarpgroupThreads = cutlass::NumThreadsPerWarpGroup;
-    Tensor q = map == 0 ? sQ1 : sQ2;
+    Tensor q = q_tile(0, map);
     float amax = 0.f;
     for (int i = tid; i < kBlockM * D; i += kWarpgroupThreads) amax = fmaxf(amax, fabsf(to_f(q(i / D, i % D))));
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -264,16 +287,19 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   };
   // Masks, then the online softmax of tile nb on the accumulator (rows acc_row(tid, 0) and
   // acc_row(tid, 2), the mma.sync kernel's arithmetic): acc_s becomes P, alpha the rescale of O.
-  auto softmax = [&](auto& acc_s, int nb, float (&alpha)[2]) {
+  auto softmax = [&](auto& acc_s, int nb, float (&alpha)[2], int slot) {
     const int n_start = nb * kBlockN;
+    float(&running_max)[2] = row_max[slot];
+    float(&running_sum)[2] = row_sum[slot];
+    const int rows_start = m_start + row_block * kBlockM;  // this warpgroup's first query row
     // Keys past the end, after the bottom-right diagonal, and padding keys (index c + 2r + 4j).
     const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
-                           (p.causal && n_start + kBlockN - 1 > m_start + p.kv_len - p.q_len);
+                           (p.causal && n_start + kBlockN - 1 > rows_start + p.kv_len - p.q_len);
     if (need_mask) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
         const int key = n_start + acc_col(tid, i);
-        const int qi = m_start + acc_row(tid, i);
+        const int qi = rows_start + acc_row(tid, i);
         const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
                              (!mask_row || mask_row[key] != 0);
         if (!visible) acc_s(i) = -INFINITY;
@@ -281,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     }
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+      float mx = running_max[r];
       CUTE_UNROLL
       for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(acc_s(4 * j + 2 * r), acc_s(4 * j + 2 * r + 1)));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -290,10 +316,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       // it by more than the slack (log2 units), so O is rescaled (almost) only on the first tiles;
       // P then reaches at most 2^slack, and O and the sum keep sharing one max, so the output is the
       // same up to rounding. (-inf, the max of a row with no key seen yet, always gives way.)
-      if (DIFFX_SM90_RESCALE_SLACK > 0 && (mx - row_max[r]) * scale_log2 <= float(DIFFX_SM90_RESCALE_SLACK)) mx = row_max[r];
-      alpha[r] = mx == row_max[r] ? 1.f : diffx::fast_exp2((row_max[r] - mx) * scale_log2);
+      if (DIFFX_SM90_RESCALE_SLACK > 0 && (mx - running_max[r]) * scale_log2 <= float(DIFFX_SM90_RESCALE_SLACK)) mx = running_max[r];
+      alpha[r] = mx == running_max[r] ? 1.f : diffx::fast_exp2((running_max[r] - mx) * scale_log2);
       const float neg_max = mx == -INFINITY ? 0.f : -mx * scale_log2;
-      row_max[r] = mx;
+      running_max[r] = mx;
       float sum = 0.f;
       CUTE_UNROLL
       for (int j = 0; j < kBlockN / 8; ++j)
@@ -308,13 +334,13 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
                   : diffx::fast_exp2(x);
           sum += s;
         }
-      row_sum[r] = row_sum[r] * alpha[r] + sum;
+      running_sum[r] = running_sum[r] * alpha[r] + sum;
     }
   };
   // O *= alpha, skipped when no row of the warp has a new max (every factor is then exactly 1, so
   // the skip changes no bit), as the mma.sync kernel does: at D = 128 the multiply is 128 FMULs a
   // thread per tile, beside 32 exponentials, and after the first tiles most maxima stop growing.
-  auto rescale_o = [&](const float (&alpha)[2]) {
+  auto rescale_o = [&](auto& acc_o, const float (&alpha)[2]) {
     if (DIFFX_SM90_LAZY_RESCALE && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_o); ++i) acc_o(i) *= alpha[(i >> 1) & 1];
@@ -327,10 +353,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   // S of tile nb issued (not waited for); its key scale read meanwhile.
   auto issue_s = [&](int stage, int nb) {
     if constexpr (INT8) {
-      issue_qk(acc_qk, stage);
+      issue_qk(acc_qk, tSrQ, tSrK, stage);
       k_scale = k_scales[nb];
     } else {
-      issue_qk(acc_s, stage);
+      issue_qk(acc_s, tSrQ, tSrK, stage);
     }
   };
   // S landed: fp32 logits in acc_s (INT8: fp32(integer sum) * (scale_q * scale_k), as the reference).
@@ -349,10 +375,17 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
   // P (the accumulator, converted in place order) as the register A operand of P.V.
   Tensor tOrP = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, typename Cfg::KeyBlock>{}));
   static_assert(decltype(size(tOrP))::value == decltype(size(acc_s))::value, "P has the accumulator's values");
-  auto convert_p = [&] {
+  auto convert_p = [&](auto& acc_s, auto& tOrP) {
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) tOrP(i) = Element(acc_s(i));
   };
+  // Both maps a warpgroup: map 2's operands, accumulators and P beside map 1's above (unused, and
+  // so left out by the compiler, with one map a warpgroup).
+  Tensor tSrQ2 = thr_s.make_fragment_A(thr_s.partition_A(q_operand(1)));
+  Tensor tSrK2 = thr_s.make_fragment_B(thr_s.partition_B(key_tiles(1)));
+  Tensor acc_s2 = make_tensor<float>(partition_shape_C(mma_s, Shape<_64, typename Cfg::KeyBlock>{}));
+  Tensor tOrP2 = make_tensor<Element>(partition_shape_A(mma_o, Shape<_64, typename Cfg::KeyBlock>{}));
+  Tensor acc_o2 = partition_fragment_C(mma_o, Shape<_64, Int<DV>>{});
 
   typename Pipeline::PipelineState next_stage;  // the first stage not yet consumed: index 0, phase 0
   int iter = 0;
@@ -361,100 +394,222 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
     if constexpr (INT8)
       k_scales = prm.args.k_scales + (int64_t(b) * prm.args.key_maps + (Cfg::kV1 ? 2 * g + map : g)) * prm.args.n_kv_blocks;
-    row_max[0] = row_max[1] = -INFINITY;
-    row_sum[0] = row_sum[1] = 0.f;
+    for (int slot = 0; slot < 2; ++slot) {
+      row_max[slot][0] = row_max[slot][1] = -INFINITY;
+      row_sum[slot][0] = row_sum[slot][1] = 0.f;
+    }
     clear(acc_o);
-    QBarrier::wait(&storage.q_loaded, iter & 1);
-    if constexpr (INT8) q_scale = quantise_q();
     auto state = next_stage;
+    auto last_stage = state;  // both maps a warpgroup: the stage of the tile before
     float alpha[2];
-#if DIFFX_SM90_OVERLAP
-    // FA3's intra-warpgroup overlap: S of tile nb is issued, then P.V of tile nb-1, so the softmax of
-    // tile nb runs while P.V of tile nb-1 occupies the tensor cores. Tile nb-1's stage is released
-    // once its P.V is done: the consumer holds two stages, hence kStages >= 3.
-    // Ping-pong: barrier kTurnBarrier + map completes when this consumer waits on it and the other
-    // has passed the turn (map 0 starts with it), so their issues alternate: map 0, map 1, map 0...
-    // Each consumer issues n_end times; map 0 waits once more at the end for map 1's last pass, so
-    // that every arrival is consumed before the epilogue.
-    constexpr uint32_t kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
-    auto wait_turn = [&] {
-      if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, kTurnBarrier + map);
-    };
-    auto pass_turn = [&] {
-      if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier + 1 - map);
-    };
-    if (n_end > 0) {
-      if (DIFFX_SM90_PINGPONG && map == 0) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier);
-      pipeline.consumer_wait(state);
-      wait_turn();
-      issue_s(state.index(), 0);
-      pass_turn();
-      warpgroup_wait<0>();
-      land_s();
-      softmax(acc_s, 0, alpha);  // O is zero: nothing to rescale
-      convert_p();
-      for (int nb = 1; nb < n_end; ++nb) {
-        const auto previous = state;
-        ++state;
-        pipeline.consumer_wait(state);
-        wait_turn();
-        issue_s(state.index(), nb);         // S of tile nb (P of tile nb-1 is in tOrP already)
-        issue_pv(tOrP, previous.index());   // O += P V of tile nb-1
-        pass_turn();
-        warpgroup_wait<1>();                // S landed; P.V may still run
-        land_s();
-        softmax(acc_s, nb, alpha);
-        warpgroup_wait<0>();                // P.V of tile nb-1 done: tOrP and its stage are free
+    if constexpr (kBothMaps) {
+      // A row block past q_len (the last tile's second, at most) has no Q: its warpgroup only
+      // passes the stages on, each after it landed (the ring's empty barriers count both consumers).
+      if (row_block >= row_blocks_live()) {
+        for (int nb = 0; nb < n_end; ++nb, ++state) {
+          pipeline.consumer_wait(state);
+          pipeline.consumer_release(state);
+        }
+        continue;
+      }
+      clear(acc_o2);
+      QBarrier::wait(&storage.q_loaded, iter & 1);
+      // S1 and S2 of a tile are issued together, so that softmax(S1) runs while S2 is on the tensor
+      // cores and softmax(S2) while P1.V is; P2.V of tile nb-1 and S1, S2 of tile nb follow one
+      // another. Registers a wgmma reads (P, O) are written only where no wgmma is pending, and the
+      // loop's back edge is such a point (after P1.V of tile nb-1, before its P2.V is issued):
+      // where a wgmma is pending across the back edge, or its inputs are written while another
+      // runs, ptxas serialises every wgmma of the kernel. The wait for S1 of tile nb is one for
+      // P2.V of tile nb-1 too (wgmma groups complete in order), and tile nb-1's stage is released
+      // there: the warpgroup holds two stages, hence kStages >= 3.
+      // P2 of tile nb-1 still held (its P.V running) while S1 and S2 of tile nb are issued: where
+      // registers allow (DV = 64; at DV = 128 O1, O2, S1, S2 and P2 take 208 of the 240 and ptxas
+      // serialises the wgmmas for want of registers). Elsewhere P2.V is waited for first.
+      constexpr bool kP2BesideNextS = DV <= 64;
+      float alpha2[2];
+      // Tile nb up to its P2 (in tOrP2, P2.V not yet issued), O1 and O2 rescaled for it.
+      auto up_to_p2 = [&](int nb) {
+        issue_qk(acc_s, tSrQ, tSrK, state.index());
+        issue_qk(acc_s2, tSrQ2, tSrK2, state.index());
+        warpgroup_wait<1>();  // S1 landed (and P2.V of tile nb-1); S2 may run
+        warpgroup_fence_operand(acc_s);
+        warpgroup_fence_operand(acc_o2);
+        warpgroup_fence_operand(tOrP2);
+        if (nb > 0) pipeline.consumer_release(last_stage);
+        softmax(acc_s, nb, alpha, 0);
+        warpgroup_wait<0>();  // S2 landed
+        warpgroup_fence_operand(acc_s2);
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
-        pipeline.consumer_release(previous);
-        rescale_o(alpha);
-        convert_p();
+        rescale_o(acc_o, alpha);
+        convert_p(acc_s, tOrP);
+        issue_pv(tOrP, acc_o, state.index());
+        softmax(acc_s2, nb, alpha2, 1);  // while P1.V runs
+        warpgroup_wait<0>();             // P1.V done
+        warpgroup_fence_operand(acc_o);
+        warpgroup_fence_operand(tOrP);
+        rescale_o(acc_o2, alpha2);
+        convert_p(acc_s2, tOrP2);
+      };
+      if (n_end > 0) {
+        pipeline.consumer_wait(state);
+        up_to_p2(0);
+        for (int nb = 1; nb < n_end; ++nb) {
+          last_stage = state;
+          ++state;
+          issue_pv(tOrP2, acc_o2, last_stage.index());  // O2 += P2 V of tile nb-1
+          if constexpr (!kP2BesideNextS) {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_o2);
+            warpgroup_fence_operand(tOrP2);
+          }
+          pipeline.consumer_wait(state);
+          up_to_p2(nb);
+        }
+        issue_pv(tOrP2, acc_o2, state.index());
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o2);
+        pipeline.consumer_release(state);
+        ++state;
       }
-      wait_turn();
-      issue_pv(tOrP, state.index());
-      pass_turn();
-      if (map == 0) wait_turn();  // map 1's last pass
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      pipeline.consumer_release(state);
-    }
-#else
-    // One tile at a time: S, softmax, P.V, each waited for before the next.
-    for (int nb = 0; nb < n_end; ++nb) {
-      pipeline.consumer_wait(state);
-      issue_s(state.index(), nb);
-      warpgroup_wait<0>();
-      land_s();
-      softmax(acc_s, nb, alpha);
-      rescale_o(alpha);
-      convert_p();
-      issue_pv(tOrP, state.index());
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_o);
-      pipeline.consumer_release(state);
-      ++state;
-    }
-#endif
-
-    // The stage after this tile's last (the non-overlapped loop has stepped past it already).
+      next_stage = state;
+    } else {
+      QBarrier::wait(&storage.q_loaded, iter & 1);
+      if constexpr (INT8) q_scale = quantise_q();
 #if DIFFX_SM90_OVERLAP
-    next_stage = state;
-    if (n_end > 0) ++next_stage;
+      // FA3's intra-warpgroup overlap: S of tile nb is issued, then P.V of tile nb-1, so the softmax of
+      // tile nb runs while P.V of tile nb-1 occupies the tensor cores. Tile nb-1's stage is released
+      // once its P.V is done: the consumer holds two stages, hence kStages >= 3.
+      // Ping-pong: barrier kTurnBarrier + map completes when this consumer waits on it and the other
+      // has passed the turn (map 0 starts with it), so their issues alternate: map 0, map 1, map 0...
+      // Each consumer issues n_end times; map 0 waits once more at the end for map 1's last pass, so
+      // that every arrival is consumed before the epilogue.
+      constexpr uint32_t kConsumerThreads = 2 * cutlass::NumThreadsPerWarpGroup;
+      auto wait_turn = [&] {
+        if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::sync(kConsumerThreads, kTurnBarrier + map);
+      };
+      auto pass_turn = [&] {
+        if constexpr (DIFFX_SM90_PINGPONG) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier + 1 - map);
+      };
+      if (n_end > 0) {
+        if (DIFFX_SM90_PINGPONG && map == 0) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kTurnBarrier);
+        pipeline.consumer_wait(state);
+        wait_turn();
+        issue_s(state.index(), 0);
+        pass_turn();
+        warpgroup_wait<0>();
+        land_s();
+        softmax(acc_s, 0, alpha, 0);  // O is zero: nothing to rescale
+        convert_p(acc_s, tOrP);
+        for (int nb = 1; nb < n_end; ++nb) {
+          const auto previous = state;
+          ++state;
+          pipeline.consumer_wait(state);
+          wait_turn();
+          issue_s(state.index(), nb);               // S of tile nb (P of tile nb-1 is in tOrP already)
+          issue_pv(tOrP, acc_o, previous.index());  // O += P V of tile nb-1
+          pass_turn();
+          warpgroup_wait<1>();                      // S landed; P.V may still run
+          land_s();
+          softmax(acc_s, nb, alpha, 0);
+          warpgroup_wait<0>();                      // P.V of tile nb-1 done: tOrP and its stage are free
+          warpgroup_fence_operand(acc_o);
+          warpgroup_fence_operand(tOrP);
+          pipeline.consumer_release(previous);
+          rescale_o(acc_o, alpha);
+          convert_p(acc_s, tOrP);
+        }
+        wait_turn();
+        issue_pv(tOrP, acc_o, state.index());
+        pass_turn();
+        if (map == 0) wait_turn();  // map 1's last pass
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        pipeline.consumer_release(state);
+      }
+      // The stage after this tile's last.
+      next_stage = state;
+      if (n_end > 0) ++next_stage;
 #else
-    next_stage = state;
+      // One tile at a time: S, softmax, P.V, each waited for before the next.
+      for (int nb = 0; nb < n_end; ++nb) {
+        pipeline.consumer_wait(state);
+        issue_s(state.index(), nb);
+        warpgroup_wait<0>();
+        land_s();
+        softmax(acc_s, nb, alpha, 0);
+        rescale_o(acc_o, alpha);
+        convert_p(acc_s, tOrP);
+        issue_pv(tOrP, acc_o, state.index());
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_o);
+        pipeline.consumer_release(state);
+        ++state;
+      }
+      next_stage = state;  // the loop has stepped past this tile's last stage
 #endif
+    }
     // Persistent: every wgmma of this tile has completed, so Q (and INT8's codes) may be replaced.
     if constexpr (kPersistent) cutlass::arch::ClusterBarrier::arrive(&storage.persistent.q_free);
 
     // Epilogue: out = norm(O1/l1 - lambda * O2/l2) * weight * output_scale (acc_o index c + 2r + 4j).
+    // 1 / l of each row of slot `slot`'s map (0 for a row without a visible key).
+    auto inverse_sums = [&](int slot, float (&inv_l)[2]) {
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        float l = row_sum[slot][r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        inv_l[r] = l > 0.f ? 1.f / l : 0.f;
+      }
+    };
     float inv_l[2];
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      float l = row_sum[r];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv_l[r] = l > 0.f ? 1.f / l : 0.f;
+    inverse_sums(0, inv_l);
+    // Writes the output rows of this thread from O1 (acc_o, scaled by inv_l) and O2 / l2, which
+    // o2_over_l(r, j) gives for row acc_row(tid, 2r) at columns acc_col(tid, 4j) and the next.
+    auto write_output = [&](auto&& o2_over_l) {
+      const Element* lambda = static_cast<const Element*>(p.lambda_full);
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        const int qi = m_start + row_block * kBlockM + acc_row(tid, 2 * r);
+        float lam = 0.f;
+        if constexpr (Cfg::kV1) {
+          lam = to_f(lambda[0]);
+        } else if (qi < p.q_len) {
+          lam = to_f(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride + h * p.lambda_head_stride]);
+        }
+        float sumsq = 0.f;
+        CUTE_UNROLL
+        for (int j = 0; j < DV / 8; ++j) {
+          const float2 o2 = o2_over_l(r, j);
+          const float o0 = acc_o(4 * j + 2 * r) * inv_l[r] - lam * o2.x;
+          const float o1 = acc_o(4 * j + 2 * r + 1) * inv_l[r] - lam * o2.y;
+          acc_o(4 * j + 2 * r) = o0;
+          acc_o(4 * j + 2 * r + 1) = o1;
+          sumsq += o0 * o0 + o1 * o1;
+        }
+        sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
+        sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
+        const float rms = p.norm ? rsqrtf(sumsq / float(DV) + p.norm_eps) : 1.f;
+        if (qi < p.q_len) {
+          Element* out = static_cast<Element*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
+          CUTE_UNROLL
+          for (int j = 0; j < DV / 8; ++j) {  // two adjacent channels a store (the contract's strides are multiples of 8)
+            const int col = acc_col(tid, 4 * j);
+            alignas(4) Element pair[2] = {Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale),
+                                          Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale)};
+            *reinterpret_cast<uint32_t*>(out + col) = *reinterpret_cast<const uint32_t*>(pair);
+          }
+        }
+      }
+    };
+    if constexpr (kBothMaps) {  // O2 is this thread's too
+      float inv_l2[2];
+      inverse_sums(1, inv_l2);
+      write_output([&](int r, int j) {
+        return make_float2(acc_o2(4 * j + 2 * r) * inv_l2[r], acc_o2(4 * j + 2 * r + 1) * inv_l2[r]);
+      });
+      continue;
     }
     // Both consumers are past their last wgmma and (one tile a CTA) the producer issued nothing more:
     // the ring's space becomes the scratch. Persistent, the scratch is its own (the producer is
@@ -475,40 +630,9 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     }
     cutlass::arch::NamedBarrier::sync(2 * cutlass::NumThreadsPerWarpGroup, kEpilogueBarrier);
     if (map != 0) continue;  // map 2: on to the next tile
-    const Element* lambda = static_cast<const Element*>(p.lambda_full);
-    CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int row = acc_row(tid, 2 * r), qi = m_start + row;
-      float lam = 0.f;
-      if constexpr (Cfg::kV1) {
-        lam = to_f(lambda[0]);
-      } else if (qi < p.q_len) {
-        lam = to_f(lambda[b * p.lambda_batch_stride + int64_t(qi) * p.lambda_row_stride + h * p.lambda_head_stride]);
-      }
-      float sumsq = 0.f;
-      CUTE_UNROLL
-      for (int j = 0; j < DV / 8; ++j) {
-        const float2 o2 = *reinterpret_cast<const float2*>(scratch + row * Cfg::kScratchStride + acc_col(tid, 4 * j));
-        const float o0 = acc_o(4 * j + 2 * r) * inv_l[r] - lam * o2.x;
-        const float o1 = acc_o(4 * j + 2 * r + 1) * inv_l[r] - lam * o2.y;
-        acc_o(4 * j + 2 * r) = o0;
-        acc_o(4 * j + 2 * r + 1) = o1;
-        sumsq += o0 * o0 + o1 * o1;
-      }
-      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 1);
-      sumsq += __shfl_xor_sync(0xffffffffu, sumsq, 2);
-      const float rms = p.norm ? rsqrtf(sumsq / float(DV) + p.norm_eps) : 1.f;
-      if (qi < p.q_len) {
-        Element* out = static_cast<Element*>(p.output) + b * p.o_batch_stride + int64_t(qi) * p.o_row_stride + h * DV;
-        CUTE_UNROLL
-        for (int j = 0; j < DV / 8; ++j) {  // two adjacent channels a store (the contract's strides are multiples of 8)
-          const int col = acc_col(tid, 4 * j);
-          alignas(4) Element pair[2] = {Element(acc_o(4 * j + 2 * r) * rms * p.norm_weight[col] * p.output_scale),
-                                        Element(acc_o(4 * j + 2 * r + 1) * rms * p.norm_weight[col + 1] * p.output_scale)};
-          *reinterpret_cast<uint32_t*>(out + col) = *reinterpret_cast<const uint32_t*>(pair);
-        }
-      }
-    }
+    write_output([&](int r, int j) {
+      return *reinterpret_cast<const float2*>(scratch + acc_row(tid, 2 * r) * Cfg::kScratchStride + acc_col(tid, 4 * j));
+    });
   }
 }
 
@@ -546,7 +670,7 @@ cudaError_t launch(const KernelArgs& args, cudaStream_t stream) {
   const int smem = int(sizeof(typename Cfg::SharedStorage));
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const int m_blocks = (p.q_len + kBlockM - 1) / kBlockM;
+  const int m_blocks = (p.q_len + Cfg::kBlockRows - 1) / Cfg::kBlockRows;
   dim3 grid(unsigned((m_blocks + kClusterM - 1) / kClusterM * kClusterM), unsigned(p.num_heads), unsigned(p.batch));
   if constexpr (Cfg::kPersistent) {  // one CTA a streaming multiprocessor (or a tile, if fewer)
     int device = 0, sms = 0;

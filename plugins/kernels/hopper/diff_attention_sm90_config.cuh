@@ -99,6 +99,22 @@ static_assert(!(DIFFX_SM90_PERSISTENT && DIFFX_SM90_CLUSTER_M > 1), "a persisten
 #define DIFFX_SM90_EXP2_FMA_EVERY 0
 #endif
 static_assert(DIFFX_SM90_EXP2_FMA_EVERY >= 0 && DIFFX_SM90_EXP2_FMA_EVERY <= 8, "one in 1..8 column pairs, or none");
+// 2: each consumer warpgroup runs both maps for its own 64 query rows, and a CTA takes 128 rows
+// (two such warpgroups), where the registers allow it: fp logits, head dim 64 (O1 and O2 take 128
+// of a thread's 240 at V1's DV = 128) and 64-key tiles (S1 and S2 another 64). Within a warpgroup S2's
+// wgmma is issued with S1's, so softmax(S1) runs while S2 is on the tensor cores and softmax(S2)
+// while P1.V is (FlashAttention-3's inter-GEMM overlap, which one map a warpgroup cannot have),
+// each K/V stage serves 128 query rows instead of 64 (the cluster variant's halving of the
+// L2-to-SM traffic, without a cluster), and the epilogue finds O1 and O2 in the same thread (no
+// scratch, no barrier). Elsewhere (head dim 128, INT8 logits) the kernel is the default one.
+// 1 (default): one map a consumer warpgroup, 64 query rows a CTA. A variant
+// (-DDIFFX_SM90_MAPS_PER_WARPGROUP=2), not yet run on a GPU.
+#ifndef DIFFX_SM90_MAPS_PER_WARPGROUP
+#define DIFFX_SM90_MAPS_PER_WARPGROUP 1
+#endif
+static_assert(DIFFX_SM90_MAPS_PER_WARPGROUP == 1 || DIFFX_SM90_MAPS_PER_WARPGROUP == 2, "one map or both a warpgroup");
+static_assert(DIFFX_SM90_MAPS_PER_WARPGROUP == 1 || (!DIFFX_SM90_PERSISTENT && DIFFX_SM90_CLUSTER_M == 1),
+              "both maps a warpgroup is built without a persistent grid or clusters");
 static_assert(DIFFX_SM90_CLUSTER_M == 1 || DIFFX_SM90_CLUSTER_M == 2, "a cluster of 1 or 2 query blocks");
 constexpr int kClusterM = DIFFX_SM90_CLUSTER_M;
 using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
@@ -112,21 +128,29 @@ using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOA
 CUTE_HOST_DEVICE constexpr int acc_row(int tid, int i) { return (tid >> 5) * 16 + ((tid & 31) >> 2) + ((i >> 1) & 1) * 8; }
 CUTE_HOST_DEVICE constexpr int acc_col(int tid, int i) { return (i >> 2) * 8 + (tid & 3) * 2 + (i & 1); }
 
-template <typename Element, int D, int DV, bool INT8 = false>
+// MAPS_PER_WARPGROUP: DIFFX_SM90_MAPS_PER_WARPGROUP, a parameter so that layout_check.cu checks
+// both configurations in one compile.
+template <typename Element, int D, int DV, bool INT8 = false, int MAPS_PER_WARPGROUP = DIFFX_SM90_MAPS_PER_WARPGROUP>
 struct Config {
   static constexpr bool kV1 = DV == 2 * D;
   static constexpr int kKeyMaps = kV1 ? 2 : 1;
+  // Both maps in each consumer warpgroup (above), where its registers hold O1, O2, S1, S2, P1, P2
+  // and the wgmma descriptors without spilling (V2 at d = 128 spills 32 bytes: D = 64 only).
+  static constexpr bool kBothMaps = MAPS_PER_WARPGROUP == 2 && !INT8 && D == 64;
+  static constexpr int kRowBlocks = kBothMaps ? 2 : 1;   // 64-row query blocks a CTA: one a consumer
+  static constexpr int kBlockRows = kRowBlocks * kBlockM;  // query rows a CTA
+  static constexpr int kQTiles = 2 * kRowBlocks;           // 64 x D tiles of Q in shared memory: (row block, map)
   // INT8 logits: K arrives as the pre-pass's int8 codes (quantize_keys.cuh), each consumer turns
   // its Q map into codes in shared memory, and S = Q8 K8^T runs on s8 wgmma (int32 accumulator,
   // the fp32 one's layout). P.V stays fp16/bf16.
   using KElement = std::conditional_t<INT8, int8_t, Element>;
   using AccumulatorS = std::conditional_t<INT8, int32_t, float>;
   static constexpr int kQCodeBytes = INT8 ? 2 * kBlockM * D : 0;
-  static constexpr int kQBytesAll = 2 * kBlockM * D * int(sizeof(Element)) + kQCodeBytes;
+  static constexpr int kQBytesAll = kQTiles * kBlockM * D * int(sizeof(Element)) + kQCodeBytes;
   static constexpr int stages_of(int keys) {
     return (kMaxDynamicSmem - kQBytesAll - 1024) / (kKeyMaps * keys * D * int(sizeof(KElement)) + keys * DV * int(sizeof(Element)));
   }
-  static constexpr bool kWideKeys = DIFFX_SM90_KEY_BLOCK == 128 && !INT8 && stages_of(128) >= 3;
+  static constexpr bool kWideKeys = DIFFX_SM90_KEY_BLOCK == 128 && !INT8 && !kBothMaps && stages_of(128) >= 3;
   static constexpr int kKeyBlock = kWideKeys ? 128 : DIFFX_KEY_BLOCK;  // keys a tile
   using KeyBlock = Int<kKeyBlock>;
   // As many K/V stages as sm_90's shared memory holds beside Q (at most 4): with 64-key tiles 3 for
@@ -168,7 +192,7 @@ struct Config {
   using TmaV = decltype(make_tma_copy(TmaLoadKV{}, GmemTensor{}, take<0, 2>(SmemLayoutV{}), Int<kClusterM>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  static constexpr uint32_t kQBytes = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
+  static constexpr uint32_t kQBytes = kQTiles * cosize_v<SmemLayoutQ> * sizeof(Element);
   // What lands in each CTA's stage (with a cluster of 2, half of it from the other CTA's loads).
   static constexpr uint32_t kStageBytes =
       kKeyMaps * size(take<0, 2>(SmemLayoutK{})) * sizeof(KElement) + size(take<0, 2>(SmemLayoutV{})) * sizeof(Element);
@@ -183,7 +207,7 @@ struct Config {
   };
   struct NoPersistentParts {};
   struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q[2];
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q[kQTiles];  // Q of (row block, map) at 2 * block + map
     union {
       struct {
         cute::array_aligned<KElement, cosize_v<SmemLayoutK>, 1024> k[kKeyMaps];

@@ -8,7 +8,10 @@
 //   3. SmemLayoutVt(dv, key, stage) addresses the same element as SmemLayoutV(key, dv, stage);
 //   4. the TMA transaction bytes per stage and for Q are what the tiles hold;
 //   5. INT8 logits: the s8 wgmma's int32 accumulator has the fp32 one's layout (the kernel
-//      dequantises it value for value into S), and its K tiles and Q codes are int8.
+//      dequantises it value for value into S), and its K tiles and Q codes are int8;
+//   6. both maps a warpgroup (DIFFX_SM90_MAPS_PER_WARPGROUP=2, checked here beside the default):
+//      where it applies (head dim 64, fp logits) 128 query rows a CTA over 64-key tiles, Q's four
+//      64-row tiles counted in its TMA bytes, at least three stages; elsewhere the default tiles.
 // tests/test_kernel_build.py compiles it with nvcc (host code only) and runs it; exit status 0 when
 // every fact holds, 1 with the first mismatches printed otherwise.
 #include <cstdarg>
@@ -33,9 +36,9 @@ void fail(const char* fmt, ...) {
   va_end(args);
 }
 
-template <typename Element, int D, int DV, bool INT8>
+template <typename Element, int D, int DV, bool INT8, int MAPS = 1>
 void check(const char* dtype) {
-  using Cfg = Config<Element, D, DV, INT8>;
+  using Cfg = Config<Element, D, DV, INT8, MAPS>;
   using Keys = typename Cfg::KeyBlock;
   constexpr int kKeys = Cfg::kKeyBlock;
   // S's fp32 wgmma over the same tile, for INT8's int32 accumulator to be compared with.
@@ -92,7 +95,13 @@ void check(const char* dtype) {
   const int stage_bytes = Cfg::kKeyMaps * kKeys * D * key_bytes + kKeys * DV * int(sizeof(Element));
   if (int(Cfg::kStageBytes) != stage_bytes)
     fail("stage bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kStageBytes), stage_bytes);
-  const int q_bytes = 2 * kBlockM * D * int(sizeof(Element));
+  const bool both_maps = MAPS == 2 && D == 64 && !INT8;
+  if (Cfg::kBothMaps != both_maps || Cfg::kBlockRows != (both_maps ? 2 : 1) * kBlockM)
+    fail("maps a warpgroup (D %d, DV %d, %s, INT8 %d, MAPS %d): both %d, %d rows a CTA", D, DV, dtype, int(INT8), MAPS,
+         int(Cfg::kBothMaps), Cfg::kBlockRows);
+  if (both_maps && (kKeys != 64 || Cfg::kStages < 3))
+    fail("both maps a warpgroup (D %d, DV %d, %s): %d stages of %d keys", D, DV, dtype, Cfg::kStages, kKeys);
+  const int q_bytes = 2 * Cfg::kBlockRows * D * int(sizeof(Element));
   if (int(Cfg::kQBytes) != q_bytes)
     fail("Q bytes (D %d, DV %d, %s): %d, the tiles hold %d", D, DV, dtype, int(Cfg::kQBytes), q_bytes);
 #if DIFFX_SM90_PERSISTENT
@@ -100,9 +109,9 @@ void check(const char* dtype) {
   if (Cfg::kKeyBlock == 64 && Cfg::kPersistent != (DV == D || D == 64))
     fail("persistent (D %d, DV %d, %s): %d", D, DV, dtype, int(Cfg::kPersistent));
 #endif
-  std::printf("D %3d DV %3d %s%s: %d facts, shared storage %zu bytes (%d stages of %d keys)%s\n", D, DV, dtype,
+  std::printf("D %3d DV %3d %s%s: %d facts, shared storage %zu bytes (%d stages of %d keys)%s%s\n", D, DV, dtype,
               INT8 ? " INT8" : "", checked, sizeof(typename Cfg::SharedStorage), Cfg::kStages, kKeys,
-              Cfg::kPersistent ? ", persistent" : "");
+              Cfg::kPersistent ? ", persistent" : "", Cfg::kBothMaps ? ", both maps a warpgroup (128 rows)" : "");
 }
 
 template <typename Element>
@@ -113,6 +122,10 @@ void check_dtype(const char* dtype) {
     (int8 ? check<Element, 128, 128, true> : check<Element, 128, 128, false>)(dtype);
     (int8 ? check<Element, 128, 256, true> : check<Element, 128, 256, false>)(dtype);
   }
+  // Both maps a warpgroup: the head dim 64 fp configurations it changes, and one it leaves alone.
+  check<Element, 64, 64, false, 2>(dtype);
+  check<Element, 64, 128, false, 2>(dtype);
+  check<Element, 128, 256, false, 2>(dtype);
 }
 
 }  // namespace
