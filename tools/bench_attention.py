@@ -24,6 +24,9 @@ intercept is the time that does not grow with the keys a tile reads (barrier set
 pipeline's fill and drain, the epilogue, the CTA's launch), paid once per tile in each of the grid's
 waves: the most a persistent scheduler, which overlaps one tile's epilogue and prologue with the
 next tile's loads, could take off a launch of that grid (and, for a persistent build, what it left).
+Tiles and waves count 64-row tiles: a build whose Hopper CTA holds 128 rows (both maps a warpgroup,
+DIFFX_SM90_MAPS_PER_WARPGROUP=2, at d = 64) runs half as many CTAs in half the waves, so its fixed
+cost per CTA is twice its per-tile column; the intercept, a launch's fixed cost, compares as it is.
 """
 
 from __future__ import annotations
