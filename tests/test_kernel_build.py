@@ -152,10 +152,11 @@ def test_hopper_index_arithmetic_matches_cute_layouts(tmp_path):
     assert run.stdout.count("stages of 64 keys), both maps a warpgroup (128 rows)") == 2, run.stdout
 
 
-# The Hopper-only variants the GPU campaign builds on the GPU machine (tools/README.md), with what
-# their SASS must hold beside HGMMA.
+# The Hopper-only variants the GPU campaign builds on the GPU machine (tools/README.md), and the
+# default kernel (which auto runs on sm_90), with what their SASS must hold beside HGMMA.
 # The value dims built at d = 64: V1's 128 (the timed shape), and V2's 64 where its schedule differs.
 HOPPER_VARIANTS = {
+    "default": ("", "UTMALDG.4D", (128,)),
     # K/V tiles loaded by TMA multicast into both CTAs of a cluster
     "cluster2": ("-DDIFFX_SM90_CLUSTER_M=2", "UTMALDG.4D.MULTICAST", (128,)),
     # both maps a warpgroup: four Q tiles of 64 rows (two row blocks x two maps), plain TMA loads;
@@ -168,7 +169,8 @@ HOPPER_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(HOPPER_VARIANTS))
 def test_the_hopper_variants_build_for_sm90a_without_spills_or_serialised_wgmma(tmp_path, variant):
     """The GPU campaign builds the Hopper-only variants on the GPU machine (tools/README.md, the
-    profile call), where a build that fails costs the lent machine's time. Here, for the shape they
+    profile call), where a build that fails costs the lent machine's time; the default kernel is
+    what every sm_90 user runs. Here, for the shape they
     are timed on (bf16, d = 64, fp logits: V1, and V2 where its schedule differs): each compiles for
     sm_90a with today's defaults, spills nothing, and ptxas keeps its wgmmas asynchronous. ptxas
     serialises every wgmma of a kernel (a "Potential Performance Loss" note, C7510-C7519) where it
@@ -186,7 +188,7 @@ def test_the_hopper_variants_build_for_sm90a_without_spills_or_serialised_wgmma(
         "const diffx::KernelArgs&, cudaStream_t);\n" for dv in value_dims))
     cubin = tmp_path / f"{variant}.cubin"
     build = subprocess.run([nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-isystem", str(include),
-                            f"-I{KERNELS}", "-DDIFFX_HAVE_SM90=1", '-DDIFFX_BUILD_ARCHS="90a-real"', flag,
+                            f"-I{KERNELS}", "-DDIFFX_HAVE_SM90=1", '-DDIFFX_BUILD_ARCHS="90a-real"', *flag.split(),
                             "--generate-code=arch=compute_90a,code=[sm_90a]", "-Xptxas", "-v",
                             "-cubin", str(unit), "-o", str(cubin)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
