@@ -28,16 +28,17 @@ import torch  # noqa: E402 (after the worker's cores are set: its thread pool is
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
 
 
-# The files whose tests take longest in all (seconds on a 2-core machine, 2026-11-30), run first.
-# Under `--dist loadfile` pytest-xdist hands whole files to its workers in the order it holds
-# them, by default the files with the most tests first. That left the sanitizer runs (2 tests,
-# 217 s), the quickstart and the wheel for last, where one worker ran them while the other idled:
-# 1004 s of wall time for 1718 s of tests on two workers.
+# The files whose tests take longest in all (seconds on a 2-core machine under `-n auto`, 2026-11-30,
+# `--durations=0` summed per file), run first. Under `--dist loadfile` pytest-xdist hands whole files
+# to its workers in the order it holds them, by default the files with the most tests first. That
+# left the sanitizer runs (2 tests, 217 s), the quickstart and the wheel for last, where one worker
+# ran them while the other idled: 1004 s of wall time for 1718 s of tests on two workers.
 LONG_FILES_FIRST = {
-    "test_kernel_emulated.py": 305, "test_kernel_sanitized.py": 217, "test_fusion.py": 122,
-    "test_kernel_build.py": 77, "test_hostile_inputs.py": 66, "test_campaign_report.py": 63,
-    "test_needles.py": 60, "test_gpu_campaign_budget.py": 59, "test_cli.py": 57,
-    "test_plugin_tensorrt_rtx.py": 54, "test_readme_quickstart.py": 47, "test_triton.py": 45,
+    "test_kernel_emulated.py": 390, "test_kernel_sanitized.py": 230, "test_fusion.py": 175,
+    "test_kernel_build.py": 145, "test_hostile_inputs.py": 97, "test_wheel.py": 80, "test_export_errors.py": 73,
+    "test_readme_quickstart.py": 63, "test_campaign_report.py": 63, "test_gpu_campaign_budget.py": 63,
+    "test_needles.py": 60, "test_checkpoint.py": 60, "test_decoder_export.py": 58, "test_beam_search.py": 53,
+    "test_decoder_check.py": 51, "test_triton.py": 49, "test_docs.py": 49, "test_export.py": 49,
 }
 
 

@@ -12,6 +12,7 @@ assert file by file.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import site
 import subprocess
@@ -148,8 +149,21 @@ def test_installed_console_script_help_and_demo(venv, tmp_path):
     help_text = _run([script, "--help"], env=env, cwd=tmp_path).stdout
     assert "demo" in help_text and "triton" in help_text
     assert "diff-v1-tiny" in _run([script, "presets"], env=env, cwd=tmp_path).stdout  # the zoo, from the wheel
+    # the demo (README command 1) as the installed script runs it: every step passes, and the files
+    # stay, so each polygraphy command it printed runs as printed
     demo = _run([script, "demo", "--out-dir", tmp_path / "demo"], env=env, cwd=tmp_path)
-    assert "PASS" in demo.stdout
+    assert "preset        diff-text-tiny" in demo.stdout and "4 DiffAttention" in demo.stdout
+    assert "PASS" in demo.stdout and "error" not in demo.stderr and "Traceback" not in demo.stderr
+    assert "generated     '" in demo.stdout and "eager generate identical" in demo.stdout
+    commands = [line.split(None, 1)[1] for line in demo.stdout.splitlines() if line.startswith("polygraphy ")]
+    assert len(commands) == 2 and (tmp_path / "demo" / "model-kv" / "model.onnx").is_file()
+    polygraphy = shutil.which("polygraphy", path=env["PATH"]) or pytest.skip("no polygraphy on PATH")
+    for command in commands:
+        args = shlex.split(command)
+        assert args[:2] == ["polygraphy", "run"]
+        out = subprocess.run([polygraphy, *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "PASSED" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+    _run([script, "demo", "--out-dir", tmp_path / "demo"], env=env, cwd=tmp_path)  # replaces its own earlier files
 
     # a Triton repository written by the installed package, its model.py loaded by the venv's Python
     _run([script, "triton", tmp_path / "demo" / "model-kv", "-o", tmp_path / "repo", "--name", "tiny"],
