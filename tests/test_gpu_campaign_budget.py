@@ -539,8 +539,8 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
 
 def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
     """The short profile call: this build's Hopper path and the variants' on the d = 64, 16k launch,
-    and the split-KV decode kernel on a bf16 and an int8 cache, the int8 one again from the carried
-    packed-maps and warp-copies builds; not the mma.sync prefill launches."""
+    and the split-KV decode kernel on an int8 cache (decode-kv8: not the bf16 one), again from the
+    carried packed-maps and warp-copies builds; not the mma.sync prefill launches."""
     env, tmp_path = stubs
     env["STUB_LOG_LIB"] = "1"
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
@@ -549,22 +549,22 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
     hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
     decode = [x for x in ncu if "regex:diff_attention_decode" in x]
-    assert len(ncu) == 7 and len(hopper) == 3 and len(decode) == 4
+    assert len(ncu) == 6 and len(hopper) == 3 and len(decode) == 3
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
     assert "-maps2/plugins/kernels/libdiffexport_kernels.so" in hopper[2]
-    assert "--profile-kv-cache int8" not in decode[0] and all("--profile-kv-cache int8" in x for x in decode[1:])
-    for launch, name in zip(decode[2:], ("packmaps", "warpcopies")):
+    assert all("--profile-kv-cache int8" in x for x in decode)
+    for launch, name in zip(decode[1:], ("packmaps", "warpcopies")):
         assert f"/tmp/profile-decode-kv8-{name}" in launch
         assert launch.endswith(f" lib=build-{name}/libdiffexport_kernels.so")
-    assert not any(decode[1].endswith(f"{name}/libdiffexport_kernels.so") for name in ("packmaps", "warpcopies"))
+    assert not any(decode[0].endswith(f"{name}/libdiffexport_kernels.so") for name in ("packmaps", "warpcopies"))
     # each launch's per-instruction warp samples, exported from its own report (tools/ncu_stall_sites.py)
     sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
     reports = [re.search(r" -o (\S+)", x).group(1) + ".ncu-rep" for x in ncu]
     assert sorted(x.split()[2] for x in sources) == sorted(reports), (sources, reports)
     # ... condensed with the line information of the library each launch ran (a carried decode build's own)
     condense = [x for x in calls.splitlines() if x.startswith("python tools/ncu_stall_sites.py")]
-    assert len(condense) == 7 and all("--arch sm_90a" in x for x in condense), condense
+    assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
     libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
     assert sum(x.endswith("build-packmaps/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("build-warpcopies/libdiffexport_kernels.so") for x in libraries) == 1
@@ -577,7 +577,7 @@ def test_a_bad_profile_launch_name_runs_nothing(stubs, parts):
     env["PROFILE_PARTS"] = parts
     proc, log, _, _ = campaign(env, tmp_path, "profile")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert proc.stderr.startswith("error: PROFILE_PARTS takes fused, decode, hopper")
+    assert proc.stderr.startswith("error: PROFILE_PARTS takes fused, decode, decode-kv8, hopper")
     assert not log and not (tmp_path / "calls.log").exists()
 
 

@@ -38,8 +38,9 @@ done
 [[ "${CAMPAIGN_TEST_WORKERS:-8}" =~ ^[1-9][0-9]?$ ]] ||
   { echo "error: CAMPAIGN_TEST_WORKERS takes a number of pytest workers from 1 to 99, not '$CAMPAIGN_TEST_WORKERS'" >&2; exit 2; }
 for launch in ${PROFILE_PARTS:-}; do
-  [[ " fused decode hopper hopper-int8 variants compare " == *" $launch "* ]] ||
-    { echo "error: PROFILE_PARTS takes fused, decode, hopper, hopper-int8, variants and compare, not '$launch'" >&2; exit 2; }
+  [[ " fused decode decode-kv8 hopper hopper-int8 variants compare " == *" $launch "* ]] ||
+    { echo "error: PROFILE_PARTS takes fused, decode, decode-kv8, hopper, hopper-int8, variants and compare, not '$launch'" >&2
+      exit 2; }
 done
 mkdir -p "$OUT_DIR"
 # What a carried archive may unpack to (CAMPAIGN_UNPACK_LIMIT_MB, default 1024 MiB: a library is
@@ -388,8 +389,9 @@ part_profile() {
   # One split-KV decode call (bf16, d=128, Sq=1, 32k keys), both of its kernels (the split kernel,
   # then the merge): how close to DRAM bandwidth, and how much of the call each kernel takes; then
   # the same call on an int8 KV cache (issue 62 item 2: the codes read, converted in registers).
-  if profiling decode; then
-    profile_decode "" decode
+  # decode-kv8 alone: the int8 launches without the bf16 one (a short call's ~30 s for another launch).
+  if profiling decode || profiling decode-kv8; then
+    profiling decode && profile_decode "" decode
     profile_decode " on an int8 KV cache" decode-kv8 --profile-kv-cache int8
     local spec
     for spec in ${CAMPAIGN_DECODE_COMPARE:-}; do  # the same int8 launch from each decode-only build: what its change did
