@@ -525,7 +525,8 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
             in bench)
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
     # the carried decode-only builds beside `before` in decode (its bf16 cases), not in the prefill bench
-    assert ("--keys 32768 131072 --dtypes bfloat16 --compare before=build-before/libdiffexport_kernels.so "
+    assert ("--keys 32768 131072 --dtypes bfloat16 --masked-compare before --compare "
+            "before=build-before/libdiffexport_kernels.so "
             "kvtiles1=build-kvtiles1/libdiffexport_kernels.so packmaps=build-packmaps/libdiffexport_kernels.so "
             "barriers2=build-barriers2/libdiffexport_kernels.so overlap=build-overlap/libdiffexport_kernels.so "
             "warpcopies=build-warpcopies/libdiffexport_kernels.so --hopper-variants") in decode
@@ -603,3 +604,13 @@ def test_render_refuses_what_is_not_a_saved_run_in_one_line_writing_nothing(tmp_
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: --render "), out.stderr
     assert doc.read_bytes() == before
+
+
+def test_masked_decode_builds_must_be_builds_of_compare(monkeypatch, capsys):
+    """--masked-compare names builds of --compare whose key-masked decode call is timed too: a name
+    that is not one is refused with one line (exit 2) before any GPU or library is touched."""
+    bench = bench_attention_module()
+    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--decode", "--compare", "before=build-before/lib.so",
+                                      "--masked-compare", "before", "befor"])
+    assert bench.main() == 2
+    assert capsys.readouterr().err == "error: --masked-compare befor: not a build of --compare\n"

@@ -200,6 +200,9 @@ MASK_CASES = [  # variant, head dim, GQA ratio, batch, q_len, kv_len, left pads 
     (2, 128, 1, 1, 17, 200, [130, ], torch.bfloat16),       # multi-token step against a long padded cache
     (1, 64, 2, 2, 1, 150, [(40, 107), 3], torch.float16),   # decode after a right-padded prompt: a hole of keys
     (2, 64, 1, 2, 33, 33, [(9, 33), 0], torch.bfloat16),    # prefill of a right-padded prompt (padding rows last)
+    # head dim 128 decode: the key flags tested as bits (present_keys), a step of all-present keys skipped
+    (1, 128, 2, 2, 1, 300, [(40, 107), 3], torch.bfloat16),  # a hole across tiles, and a row padded at its start
+    (2, 128, 4, 2, 3, 140, [9, 0], torch.float16),           # 4 heads x 3 tokens: the diagonal cuts the last step
 ]
 
 

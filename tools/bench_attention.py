@@ -297,6 +297,7 @@ def profile_launches(n: int, lib_path: Path | None = None, logit_bits: int = 0, 
 DECODE_GRAPH_CALLS = 20
 DECODE_COMPOSITION_WARMUP, DECODE_COMPOSITION_REPEATS = 1, 3  # replays of a composition's graph in --decode
 KV_CACHE_FORMATS = ("int8", "fp8")  # the 8-bit caches decode is timed on beside the float one
+MASKED, MASKED_INT8 = "split_kv_key_mask", "split_kv_int8_cache_key_mask"  # decode calls with a key mask
 
 
 def captured(fn) -> torch.cuda.CUDAGraph:
@@ -327,12 +328,12 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
 
 
-def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto", lib=None, kv_scales=None):
+def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto", lib=None, kv_scales=None, key_mask=None):
     """Our library (or `lib`, another build) called directly on prepared params and a preallocated
     workspace (capturable), with DIFFEXPORT_KERNEL_PATH set to `path` for the call; returns (fn, plan).
     kv_scales: inputs hold an 8-bit KV cache's codes (kernels.diff_attention)."""
     lib = lib or kernels.load_library()
-    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, kv_scales=kv_scales)
+    params = kernels.make_params(*inputs, out, attrs, logit_bits=bits, kv_scales=kv_scales, key_mask=key_mask)
     size = lib.diffx_attention_workspace_size(ctypes.byref(params))
     workspace = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
     params.workspace, params.workspace_bytes = (workspace.data_ptr(), size) if size else (None, 0)
@@ -349,7 +350,8 @@ def prepared_call(inputs, attrs, out, *, bits: int = 0, path: str = "auto", lib=
 
 
 def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads: int, kv_heads: int, warmup: int,
-                repeats: int, backends: list[str], other_builds: dict | None = None) -> dict:
+                repeats: int, backends: list[str], other_builds: dict | None = None,
+                masked_builds: tuple[str, ...] = ()) -> dict:
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=1,
                                output_scale=0.8)
     inputs = q, k, v, lam, w = random_inputs(attrs, batch, q_len, kv_len, dtype, kv_len + head_dim + q_len)
@@ -368,8 +370,21 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
         kv_out[fmt] = torch.empty_like(out)
         cache_bytes[f"split_kv_{fmt}_cache"] = sum(t.numel() * t.element_size() for t in (q, *codes[1:3], out))
         methods[f"split_kv_{fmt}_cache"], _ = prepared_call(codes, attrs, kv_out[fmt], kv_scales=caches[fmt][1])
+    # The same calls with the key mask every KV-cache decoder passes (op version 2: attention_mask),
+    # all ones here (a batch of equal lengths): what a deployed decode step runs, whose output must
+    # be the unmasked call's bit for bit. Also from each build of masked_builds.
+    key_mask = torch.ones(batch, kv_len, dtype=torch.int64, device="cuda")
+    masked_names = (MASKED, MASKED_INT8, *(f"{MASKED}@{b}" for b in masked_builds))
+    masked_out = {name: torch.empty_like(out) for name in masked_names}
+    methods[MASKED], _ = prepared_call(inputs, attrs, masked_out[MASKED], key_mask=key_mask)
+    methods[MASKED_INT8], _ = prepared_call(caches["int8"][0], attrs, masked_out[MASKED_INT8],
+                                            kv_scales=caches["int8"][1], key_mask=key_mask)
+    cache_bytes[MASKED_INT8] = cache_bytes["split_kv_int8_cache"]
     for build, lib in (other_builds or {}).items():  # the same split-KV calls from each other build
         methods[f"split_kv@{build}"], _ = prepared_call(inputs, attrs, out, path="auto", lib=lib)
+        if build in masked_builds:
+            methods[f"{MASKED}@{build}"], _ = prepared_call(inputs, attrs, masked_out[f"{MASKED}@{build}"],
+                                                            key_mask=key_mask, lib=lib)
         for fmt in KV_CACHE_FORMATS:  # (a build older than the 8-bit caches refuses them: not measured)
             name = f"split_kv_{fmt}_cache@{build}"
             kv_out[name] = torch.empty_like(out)
@@ -422,7 +437,17 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
             if name in row["timings"]:
                 methods[name]()
                 row["cosine_vs_fp32"][f"{fmt}_cache@{build}"] = cosine(kv_out[name], exact)
-    del inputs, q, k, v, out, exact, caches, kv_out
+    # An all-ones key mask changes nothing: each masked call's output against its unmasked call's.
+    unmasked = {MASKED: (methods["split_kv"], out), MASKED_INT8: (methods["split_kv_int8_cache"], kv_out["int8"])}
+    unmasked.update({f"{MASKED}@{b}": (methods[f"split_kv@{b}"], out) for b in masked_builds
+                     if f"split_kv@{b}" in methods})
+    row["key_mask_same_output"] = {}
+    for name, (plain, plain_out) in unmasked.items():
+        if name in row["timings"]:
+            plain()
+            methods[name]()
+            row["key_mask_same_output"][name] = bool(torch.equal(masked_out[name], plain_out))
+    del inputs, q, k, v, out, exact, caches, kv_out, masked_out, key_mask
     torch.cuda.empty_cache()
     return row
 
@@ -529,13 +554,22 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
         return "-" if t is None else f"{t['ms'] * 1e3:.1f} ({t['gbs']:.0f})"
 
     builds = sorted({name.split("@", 1)[1] for row in rows for name in row["timings"] if "@" in name})
+    masked = [b for b in builds if any(f"{MASKED}@{b}" in row["timings"] for row in rows)]
+
+    def mask_cost(row, masked_name, plain_name):  # a key-masked call's time over the unmasked one's
+        t, same = row["timings"], row.get("key_mask_same_output", {})
+        if masked_name not in t or plain_name not in t:
+            return "-"
+        differs = "" if same.get(masked_name, True) else " (output differs)"
+        return f"{t[masked_name]['ms'] / t[plain_name]['ms']:.2f}x{differs}"
 
     lines = ["| dtype | d (V) | Sq | keys | B x H (kv) | splits | split-KV | one-pass | split-KV INT8 | best "
              "composition "
              "| which | split-KV vs best | vs one-pass | % of copy GB/s | int8 cache | fp8 cache "
-             "| 8-bit KV vs bf16 KV (int8 / fp8) | cosine vs fp32 (int8 / fp8) |"
-             + "".join(f" split-KV @{b} | this vs @{b} | 8-bit KV @{b} vs this (int8 / fp8) |" for b in builds),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|---|" * len(builds)]
+             "| 8-bit KV vs bf16 KV (int8 / fp8) | cosine vs fp32 (int8 / fp8) | key mask vs none (bf16 / int8) |"
+             + "".join(f" split-KV @{b} | this vs @{b} | 8-bit KV @{b} vs this (int8 / fp8) |" for b in builds)
+             + "".join(f" key mask vs none @{b} |" for b in masked),
+             "|---" * 19 + "|" + "---|---|---|" * len(builds) + "---|" * len(masked)]
     for row in rows:
         t = row["timings"]
         ours = t.get("split_kv")
@@ -551,10 +585,12 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
                      f"| {row['batch']} x {row['heads']} ({row['kv_heads']}) | {row['splits']} | {cell(ours)} "
                      f"| {cell(t.get('one_pass'))} | {cell(t.get('split_kv_int8'))} "
                      f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} "
-                     f"| {cell(kv8[0])} | {cell(kv8[1])} | {kv8_vs} | {kv8_cos} |"
+                     f"| {cell(kv8[0])} | {cell(kv8[1])} | {kv8_vs} | {kv8_cos} "
+                     f"| {mask_cost(row, MASKED, 'split_kv')} / {mask_cost(row, MASKED_INT8, 'split_kv_int8_cache')} |"
                      + "".join((f" {cell(t.get(f'split_kv@{b}'))} | "
                                 f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
-                                else " - | - |") + f" {kv8_build_ratios(t, b)} |" for b in builds))
+                                else " - | - |") + f" {kv8_build_ratios(t, b)} |" for b in builds)
+                     + "".join(f" {mask_cost(row, f'{MASKED}@{b}', f'split_kv@{b}')} |" for b in masked))
     return "\n".join(lines)
 
 
@@ -603,7 +639,9 @@ def publish_decode(record: dict, write: bool) -> None:
             "keys and values as an 8-bit KV cache (per-channel static scales, K smoothed; GB/s on its own bytes), "
             "the ratio is the bf16/fp16 split-KV call's time over the 8-bit one's, and the cosine is of its output "
             "against the float32 reference on the float cache; '8-bit KV @build vs this' is that build's 8-bit call's "
-            "time over this build's. Compositions: "
+            "time over this build's. 'key mask vs none': the bf16 call's and the int8 cache's time with an "
+            "all-ones key mask [B, keys] (what every KV-cache decoder passes) over the same call without one "
+            "(each masked output is checked bit for bit against the unmasked one). Compositions: "
             f"FlashDiffAttn_1/_2 on {', '.join(record['backends'])}.\n\n" + text + "\n")
     print(f"wrote {benchdoc.write_section('fused-attention-decode', body)}", file=sys.stderr)
 
@@ -701,6 +739,9 @@ def main() -> int:
                         help="decode: cached keys")
     parser.add_argument("--decode-batch", type=int, default=4, help="decode: batch (default 4)")
     parser.add_argument("--kv-heads", type=int, help="decode: kv groups (default --heads / 4: GQA 4)")
+    parser.add_argument("--masked-compare", nargs="*", default=[], metavar="NAME",
+                        help="decode: builds of --compare whose split-KV call is also timed with a key mask (this "
+                             "build's always is)")
     parser.add_argument("--cta-cost", action="store_true",
                         help="the Hopper path's fixed cost per CTA instead (first of --dtypes, each of --head-dims)")
     args = parser.parse_args()
@@ -709,6 +750,10 @@ def main() -> int:
     if CONTROL in (spec.partition("=")[0] for spec in args.compare + args.hopper_variants):
         print(f"error: '{CONTROL}' names the control (this build timed twice): give the build another name",
               file=sys.stderr)
+        return 2
+    unknown = set(args.masked_compare) - {spec.partition("=")[0] for spec in args.compare}
+    if unknown:
+        print(f"error: --masked-compare {' '.join(sorted(unknown))}: not a build of --compare", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
@@ -794,7 +839,8 @@ def run_decode(args, other_builds: dict) -> int:
     for dtype, d, q_len, kv_len in cases:
         print(f"{dtype} d={d} Sq={q_len} keys={kv_len} ...", file=sys.stderr, flush=True)
         record["rows"].append(decode_case(getattr(torch, dtype), d, q_len, kv_len, args.decode_batch, args.heads,
-                                          kv_heads, args.warmup, args.repeats, args.backends, other_builds))
+                                          kv_heads, args.warmup, args.repeats, args.backends, other_builds,
+                                          tuple(args.masked_compare)))
         save_partial(args.json, record)
     record["complete"] = True
     save_partial(args.json, record)

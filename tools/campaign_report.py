@@ -292,6 +292,24 @@ def decode(folder: Path) -> list[str]:
         if speed:
             lines.append(f"{fmt} cache     vs the float cache's split-KV call {spread(speed)}; "
                          f"cosine vs fp32 {min(cosines):.5f} at worst")
+    return lines + key_mask_costs(rows)
+
+
+def key_mask_costs(rows: list[dict]) -> list[str]:
+    """The decode calls with an all-ones key mask (what every KV-cache decoder passes) against the same
+    calls without, this build's and other builds' (bench_attention.py --masked-compare)."""
+    pairs = [("split_kv_key_mask", "split_kv", "bf16"),
+             ("split_kv_int8_cache_key_mask", "split_kv_int8_cache", "int8 cache")]
+    builds = sorted({n.split("@", 1)[1] for r in rows for n in r["timings"] if n.startswith("split_kv_key_mask@")})
+    pairs += [(f"split_kv_key_mask@{b}", f"split_kv@{b}", f"bf16 @{b}") for b in builds]
+    lines = []
+    for masked, plain, what in pairs:
+        picked = [r for r in rows if masked in r["timings"] and plain in r["timings"]]
+        if picked:
+            ratio = [r["timings"][masked]["ms"] / r["timings"][plain]["ms"] for r in picked]
+            differ = sum(not r.get("key_mask_same_output", {}).get(masked, True) for r in picked)
+            lines.append(f"key mask       {what}: masked / unmasked {spread(ratio)} in {len(ratio)} cases; "
+                         + (f"OUTPUT DIFFERS in {differ}" if differ else "same output bits"))
     return lines
 
 

@@ -395,6 +395,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   constexpr bool kPairCopies = DIFFX_DECODE_KV_WARP_COPIES && !PM && KV != 0 && kOneBarrier;
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
+  // The last key each tile row sees under the causal mask, read in the masked block: in shared
+  // memory, since the D = 64 kernels (two CTAs an SM, 128 registers) have no register to hold it.
+  DIFFX_SHARED_ARRAY(int, row_last_key, kDecodeRows);
 
   launch_dependent_grids();  // the merge kernel (DIFFX_DECODE_PDL) waits for this whole grid anyway
   const DiffxAttentionParams& p = args.p;
@@ -538,6 +541,12 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   const float scale_log2 = args.scale * kLog2e * qk_alpha;
   const int key_head = Fwd::kV1 ? 2 * g + map : g;
   const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
+  // Tile row r is query token r % q_len (packed maps: of r % 8), which sees keys up to kv_len -
+  // q_len + that. (Rows >= `rows`, of each half with packed maps, are padding: computed, never written.)
+  if (D != 64) {  // (kMaskBits below)
+    if (tid < kDecodeRows) row_last_key[tid] = (PM ? tid % 8 : tid) % p.q_len + p.kv_len - p.q_len;
+    __syncthreads();
+  }
 
   float acc_o[kOTiles + kBiasTiles][4];
 #pragma unroll
@@ -614,12 +623,51 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
   };
 
-  // Keys past the split's end, after the bottom-right diagonal (row 0 sees up to kv_len - q_len), padding.
-  auto mask_step = [&](int nb, float (&s)[kSTiles][4]) {
+  // Keys past the split's end, after the bottom-right diagonal, padding (key_mask). A warp's keys of
+  // a step: j = 0 .. kWarpKeys - 1, its 16 of each tile (packed maps: of tile `map`); their flags are
+  // loaded before the step's Q.K (key_flags, masked_scores below) and tested as bits (present_keys),
+  // and a step whose keys are all present and not cut by the diagonal skips the masked block. Not at
+  // head dim 64: there the kernels run two CTAs an SM at 128 registers, and every form of it tried
+  // spilled 4-32 bytes in one of the builds (sm_86/89, packed maps, warp copies, overlap); those
+  // kernels test each element's flag in the masked block as before (the other CTA hides its loads).
+  constexpr bool kMaskBits = D != 64;
+  constexpr int kWarpKeys = PM ? 16 : 16 * KT;
+  auto key_of = [&](int nb, int j) { return nb * kBlockN + (PM ? map : j >> 4) * kBlockN + k0 + (j & 15); };
+  auto step_flags = [&](int nb) {
+    return key_flags<kWarpKeys>(mask_row, key_end, lane, [&](int j) { return key_of(nb, j); });
+  };
+  // The warp's keys of the step that row r of this lane's (gq + 8r) sees under the causal mask, as
+  // bits: a prefix of each tile's 16.
+  auto causal_bits = [&](int nb, int r) {
+    using Bits = typename KeyFlags<kWarpKeys>::Bits;
+    const int last = row_last_key[gq + 8 * r];
+    Bits bits = 0;
+#pragma unroll
+    for (int t = 0; t < kWarpKeys / 16; ++t) {
+      const int seen = min(max(last - key_of(nb, 16 * t) + 1, 0), 16);  // of the tile's 16 keys, a prefix
+      bits |= Bits((1u << seen) - 1u) << (16 * t);
+    }
+    return bits;
+  };
+  auto mask_step = [&](int nb, float (&s)[kSTiles][4], const KeyFlags<kWarpKeys>& flags) {
     const int n_start = nb * kBlockN;
-    const bool need_mask = (n_start + KT * kBlockN > key_end) || mask_row ||
-                           (p.causal && n_start + KT * kBlockN - 1 > p.kv_len - p.q_len);
-    if (need_mask) {
+    const bool edge = n_start + KT * kBlockN > key_end;
+    const bool diagonal = p.causal && n_start + KT * kBlockN - 1 > p.kv_len - p.q_len;
+    if constexpr (kMaskBits) {
+      const auto present = mask_row || edge ? present_keys(flags) : KeyFlags<kWarpKeys>::kAll;
+      if (diagonal || present != KeyFlags<kWarpKeys>::kAll) {
+        // bit c of row r's: this lane's key j = c + tq * 2 of the step is visible to it
+        const auto row0 = (diagonal ? present & causal_bits(nb, 0) : present) >> (tq * 2);
+        const auto row1 = (diagonal ? present & causal_bits(nb, 1) : present) >> (tq * 2);
+#pragma unroll
+        for (int i = 0; i < kSTiles; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = (PM ? 0 : (i >> 1) * 16) + (i & 1) * 8 + (e & 1);  // j less tq * 2
+            if (!((((e >> 1) ? row1 : row0) >> c) & 1)) s[i][e] = -INFINITY;
+          }
+      }
+    } else if (edge || diagonal || mask_row) {
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
@@ -633,6 +681,16 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         }
     }
   };
+
+
+  // S of a step, masked; the flags are loaded before its Q.K, whose mmas hide their latency.
+  auto masked_scores = [&](int nb, int stage, float (&s)[kSTiles][4]) {
+    KeyFlags<kWarpKeys> flags{};
+    if constexpr (kMaskBits) flags = step_flags(nb);
+    qk_step(nb, stage, s);
+    mask_step(nb, s, flags);
+  };
+
 
   // P (the exponentials of S, this warp's partial softmax) as the A operand of P.V, one 16-key
   // k-step a tile; on an 8-bit cache in fp16 (values in [0, 1]).
@@ -707,8 +765,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     uint32_t pa[kSTiles / 2][4];
     if (nb_begin < nb_end) {  // step 0's softmax: its tiles landed before the fold above
       float s[kSTiles][4];
-      qk_step(nb_begin, 0, s);
-      mask_step(nb_begin, s);
+      masked_scores(nb_begin, 0, s);
       online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);
       pack_p(s, pa);
     }
@@ -723,8 +780,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       cp_async_commit();
       if (nb + KT < nb_end) {
         float s[kSTiles][4];
-        qk_step(nb + KT, next_stage, s);
-        mask_step(nb + KT, s);
+        masked_scores(nb + KT, next_stage, s);
         pv_step(stage, pa);
         online_softmax_step(s, acc_o, row_max, row_sum, scale_log2);  // (O's rescale after its P.V)
         pack_p(s, pa);
@@ -755,8 +811,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       }
 
       float s[kSTiles][4];
-      qk_step(nb, stage, s);
-      mask_step(nb, s);
+      masked_scores(nb, stage, s);
 
       if (STAGES == 1) {
         __syncthreads();  // every warp has read K(nb): the next K tile may land while P.V runs

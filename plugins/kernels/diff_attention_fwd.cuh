@@ -13,6 +13,7 @@
 #pragma once
 
 #include <math.h>
+#include <type_traits>
 
 #include "diff_attention.h"
 #include "kernel_args.h"
@@ -188,6 +189,43 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[S_TILES][4], floa
   }
 }
 
+// Which of a warp's KEYS keys of a tile are present: key j (key_of(j), j < KEYS) is when it lies
+// before `end` and key_mask (null: none) holds a nonzero flag there. key_flags is a lane's load of
+// the flags of keys lane and lane + 32, issued before the tile's Q.K so that its latency hides
+// behind the mmas; present_keys turns them into bit j with one ballot per 32 keys. The masked block
+// then tests bits: it loaded one int64 flag per score element (sm_90a: a dependent LDG.E.64 each,
+// 16 a warp's step of the decode loop, 32 a tile of the one-pass kernel), and every KV-cache decoder
+// passes key_mask (op version 2), so each step of a deployed decode took that block. A tile whose
+// keys are all present now skips it unless the causal diagonal crosses it.
+template <int KEYS>
+struct KeyFlags {
+  static_assert(KEYS == 16 || KEYS == 32 || KEYS == 64, "a warp's 16, 32 or 64 keys");
+  static constexpr int kLoads = (KEYS + 31) / 32;
+  using Bits = std::conditional_t<(KEYS > 32), uint64_t, uint32_t>;  // bit j: key j present
+  static constexpr Bits kAll = Bits(KEYS == 64 ? ~uint64_t(0) : (uint64_t(1) << KEYS) - 1);
+  int64_t flag[kLoads];
+};
+template <int KEYS, typename KeyOf>
+__device__ __forceinline__ KeyFlags<KEYS> key_flags(const int64_t* mask_row, int end, int lane, KeyOf key_of) {
+  KeyFlags<KEYS> f;
+#pragma unroll
+  for (int h = 0; h < KeyFlags<KEYS>::kLoads; ++h) {
+    const int j = 32 * h + lane, key = key_of(j);
+    const bool in_range = (KEYS >= 32 || j < KEYS) && key < end;
+    f.flag[h] = !in_range ? 0 : mask_row ? mask_row[key] : 1;
+  }
+  return f;
+}
+template <int KEYS>
+__device__ __forceinline__ typename KeyFlags<KEYS>::Bits present_keys(const KeyFlags<KEYS>& f) {
+  using Bits = typename KeyFlags<KEYS>::Bits;
+  Bits bits = 0;
+#pragma unroll
+  for (int h = 0; h < KeyFlags<KEYS>::kLoads; ++h)
+    bits |= Bits(__ballot_sync(0xffffffffu, f.flag[h] != 0)) << (32 * h);
+  return bits & KeyFlags<KEYS>::kAll;
+}
+
 // Head dim 64 could run two CTAs per SM (at most 128 registers a thread, under half the shared
 // memory), hiding one CTA's barriers and epilogue behind the other's matrix work. Under that cap
 // ptxas spills (V1 fp: 208-byte stack frame for sm_90a), so the default stays at one CTA until a
@@ -272,8 +310,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM<D>) diff_attention_f
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};  // per-thread partial sums; the quad is reduced in the epilogue
 
+  // Padding keys (key_mask) and the last key each of this lane's rows (wrow + gq, + 8) sees under
+  // the causal mask: bottom-right, query m sees up to kv_len - q_len + m.
+  const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
+  int last_key[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) last_key[r] = m_start + wrow + gq + 8 * r + p.kv_len - p.q_len;
+
   for (int nb = 0; nb < n_end; ++nb) {
     const int n_start = nb * kBlockN;
+    // This tile's key flags, loaded before its Q.K (key_flags: a lane the tile's keys lane and lane + 32).
+    const KeyFlags<kBlockN> flags = key_flags<kBlockN>(mask_row, p.kv_len, lane, [&](int j) { return n_start + j; });
     cp_async_wait_all();  // K(nb) (and Q) landed
     __syncthreads();      // ... for every thread, and everyone finished P.V of the previous V tile
     load_v(nb);
@@ -332,18 +379,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM<D>) diff_attention_f
     }
 
     // Mask keys past the end, for causal keys after the bottom-right diagonal, and padding keys.
-    const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
-    const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
-                           (p.causal && n_start + kBlockN - 1 > m_start + p.kv_len - p.q_len);
-    if (need_mask) {
+    const bool edge = n_start + kBlockN > p.kv_len;
+    const bool diagonal = p.causal && n_start + kBlockN - 1 > m_start + p.kv_len - p.q_len;
+    const uint64_t present = mask_row || edge ? present_keys(flags) : KeyFlags<kBlockN>::kAll;
+    if (diagonal || present != KeyFlags<kBlockN>::kAll) {
+      const uint64_t mine = present >> (tq * 2);  // bit c: this lane's key i * 8 + c, as below
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n_start + i * 8 + tq * 2 + (e & 1);
-          const int qi = m_start + wrow + gq + (e >> 1) * 8;
-          const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
-                               (!mask_row || mask_row[key] != 0);
+          const int c = i * 8 + (e & 1);  // the key's place in the tile, less tq * 2
+          const bool visible = ((mine >> c) & 1) && (!p.causal || n_start + c + tq * 2 <= last_key[e >> 1]);
           if (!visible) s[i][e] = -INFINITY;
         }
     }

@@ -211,6 +211,18 @@ inline bool __any_sync(unsigned, bool predicate) {
   return any;
 }
 
+// Warp vote: bit i of the result, in every lane, is lane i's predicate (all 32 lanes take part here).
+inline unsigned __ballot_sync(unsigned, bool predicate) {
+  diffx_emu::Warp& w = diffx_emu::warp();
+  const int l = diffx_emu::lane();
+  w.words[l][0] = predicate ? 1u : 0u;
+  w.sync.arrive_and_wait();
+  unsigned bits = 0;
+  for (int i = 0; i < 32; ++i) bits |= (w.words[i][0] != 0u ? 1u : 0u) << i;
+  w.sync.arrive_and_wait();
+  return bits;
+}
+
 inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // default rounding: half to even
 inline float __int2float_rn(int x) { return float(x); }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
