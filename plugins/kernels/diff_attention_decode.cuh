@@ -541,9 +541,15 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   const float scale_log2 = args.scale * kLog2e * qk_alpha;
   const int key_head = Fwd::kV1 ? 2 * g + map : g;
   const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
+  // Key-masked steps tested as bits, and a step whose keys are all present and not cut by the causal
+  // diagonal skipping the masked block (mask_step). Not at head dim 64: there the kernels run two
+  // CTAs an SM at 128 registers, and every form of it tried spilled 4-32 bytes in one of the builds
+  // (sm_86/89, packed maps, warp copies, overlap); those kernels test each element's flag in the
+  // masked block as before (the other CTA hides its loads).
+  constexpr bool kMaskBits = D != 64;
   // Tile row r is query token r % q_len (packed maps: of r % 8), which sees keys up to kv_len -
   // q_len + that. (Rows >= `rows`, of each half with packed maps, are padding: computed, never written.)
-  if (D != 64) {  // (kMaskBits below)
+  if constexpr (kMaskBits) {
     if (tid < kDecodeRows) row_last_key[tid] = (PM ? tid % 8 : tid) % p.q_len + p.kv_len - p.q_len;
     __syncthreads();
   }
@@ -624,13 +630,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   };
 
   // Keys past the split's end, after the bottom-right diagonal, padding (key_mask). A warp's keys of
-  // a step: j = 0 .. kWarpKeys - 1, its 16 of each tile (packed maps: of tile `map`); their flags are
-  // loaded before the step's Q.K (key_flags, masked_scores below) and tested as bits (present_keys),
-  // and a step whose keys are all present and not cut by the diagonal skips the masked block. Not at
-  // head dim 64: there the kernels run two CTAs an SM at 128 registers, and every form of it tried
-  // spilled 4-32 bytes in one of the builds (sm_86/89, packed maps, warp copies, overlap); those
-  // kernels test each element's flag in the masked block as before (the other CTA hides its loads).
-  constexpr bool kMaskBits = D != 64;
+  // a step: j = 0 .. kWarpKeys - 1, its 16 of each tile (packed maps: of tile `map`); with kMaskBits
+  // (above) their flags are loaded before the step's Q.K (key_flags, masked_scores below) and tested
+  // as bits (present_keys).
   constexpr int kWarpKeys = PM ? 16 : 16 * KT;
   auto key_of = [&](int nb, int j) { return nb * kBlockN + (PM ? map : j >> 4) * kBlockN + k0 + (j & 15); };
   auto step_flags = [&](int nb) {

@@ -199,18 +199,6 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   return other;
 }
 
-// Warp vote: true in every lane when the predicate holds in any lane (all 32 lanes take part here).
-inline bool __any_sync(unsigned, bool predicate) {
-  diffx_emu::Warp& w = diffx_emu::warp();
-  const int l = diffx_emu::lane();
-  w.words[l][0] = predicate ? 1u : 0u;
-  w.sync.arrive_and_wait();
-  bool any = false;
-  for (int i = 0; i < 32; ++i) any = any || w.words[i][0] != 0u;
-  w.sync.arrive_and_wait();
-  return any;
-}
-
 // Warp vote: bit i of the result, in every lane, is lane i's predicate (all 32 lanes take part here).
 inline unsigned __ballot_sync(unsigned, bool predicate) {
   diffx_emu::Warp& w = diffx_emu::warp();
@@ -222,6 +210,9 @@ inline unsigned __ballot_sync(unsigned, bool predicate) {
   w.sync.arrive_and_wait();
   return bits;
 }
+
+// Warp vote: true in every lane when the predicate holds in any lane.
+inline bool __any_sync(unsigned mask, bool predicate) { return __ballot_sync(mask, predicate) != 0u; }
 
 inline int __float2int_rn(float x) { return int(std::nearbyint(x)); }  // default rounding: half to even
 inline float __int2float_rn(int x) { return float(x); }
