@@ -147,6 +147,17 @@ def test_a_broken_result_file_is_one_error_line(made_up, name, content, options)
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
 
 
+def test_a_masked_calls_field_of_the_wrong_type_is_one_error_line(made_up):
+    """The verdicts read decode.json's key-masked calls (the targets table does not): their output
+    check of the wrong type is one error line, exit 2, as any broken field."""
+    (made_up / "decode.json").write_text(
+        '{"rows": [{"kv_len": 1, "d": 64, "key_mask_same_output": [1], "timings": {"split_kv": {"ms": 1, "gbs": 1}, '
+        '"split_kv_key_mask": {"ms": 1, "gbs": 1}}}], "copy_gbs": 1}')
+    out = report(made_up)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+
+
 def test_a_huge_result_file_is_refused_unread(made_up):
     with open(made_up / "pytest.log", "wb") as f:  # sparse: 65 MiB on paper, no disk
         f.truncate(65 << 20)
