@@ -274,11 +274,12 @@ def perturb_norm_weights(model, seed):
 def padding_mask(batch: int, kv_len: int, pads: list) -> torch.Tensor:
     """[B, Skv] int64 key mask. Per row: an int n, the first n keys are padding (a left-padded
     batch); a pair (a, b), keys a..b-1 are (a right-padded prompt's padding before its answer,
-    as onnxruntime-genai pads a batch)."""
+    as onnxruntime-genai pads a batch); a triple (a, b, s), keys a, a + s, ... before b (holes
+    scattered through every key tile, so that each key's place in a tile is tested both ways)."""
     mask = torch.ones(batch, kv_len, dtype=torch.int64)
     for row, pad in enumerate(pads):
-        start, stop = (0, pad) if isinstance(pad, int) else pad
-        mask[row, start:stop] = 0
+        start, stop, step = (0, pad, 1) if isinstance(pad, int) else (*pad, 1)[:3]
+        mask[row, start:stop:step] = 0
     return mask
 
 

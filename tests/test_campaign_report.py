@@ -352,6 +352,33 @@ def test_a_carried_build_whose_output_differs_is_named_beside_its_timings(made_u
     assert line(text, "fused_hopper@keys128 output").endswith("worst cosine 0.999950, agrees")
 
 
+def test_key_masked_prefill_calls_read_against_the_same_calls_without(made_up):
+    """A KV-cache decoder's prompt prefill passes a key mask too: the prefill bench times this build's
+    Hopper call with an all-ones one (and `before`'s, --masked-compare); the report and the bench's
+    table give masked / unmasked per build and name a masked output that is not the unmasked one's bits."""
+    record = json.loads((made_up / "bench.json").read_text())
+    for row, before, same in zip(record["rows"], (2.0, 1.6, 1.8), (True, True, False)):
+        hopper = row["timings"]["fused_hopper"]["ms"]
+        row["timings"].update({"fused_hopper_key_mask": timing(hopper * 1.01),
+                               "fused_hopper@before": timing(hopper * 1.1),
+                               "fused_hopper_key_mask@before": timing(hopper * 1.1 * before)})
+        row["key_mask_same_output"] = {"fused_hopper_key_mask": same, "fused_hopper_key_mask@before": True}
+        row.update(batch=1, heads=16)  # (for the bench's own tables)
+    (made_up / "bench.json").write_text(json.dumps(record))
+    masked = [x for x in report(made_up).stdout.splitlines() if x.startswith("key mask")]
+    assert masked == [
+        "key mask       Hopper prefill: masked / unmasked 1.01x-1.01x (median 1.01x) in 3 cases; OUTPUT DIFFERS in 1",
+        "key mask       Hopper prefill @before: masked / unmasked 1.60x-2.00x (median 1.80x) in 3 cases; "
+        "same output bits"]
+    rendered = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--render",
+                               str(made_up / "bench.json")], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    table = rendered.stdout.split("bit for bit against the unmasked one:\n\n")[1].splitlines()
+    assert table[0] == "| dtype | d | causal | N | this build: masked ms (vs none) | before: masked ms (vs none) |"
+    assert table[2].endswith("| 0.505 (1.01x) | 1.100 (2.00x) |")
+    assert table[4].endswith("| 4.040 (1.01x, output differs) | 7.920 (1.80x) |")
+
+
 def test_the_control_reads_as_the_loops_noise(made_up):
     """bench_attention.py times this build's Hopper call a second time as a method of its own
     (`fused_hopper@again`): the report reads its ratio as the loop's noise for identical code, not as

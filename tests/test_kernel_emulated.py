@@ -203,6 +203,7 @@ MASK_CASES = [  # variant, head dim, GQA ratio, batch, q_len, kv_len, left pads 
     # head dim 128 decode: the key flags tested as bits (present_keys), a step of all-present keys skipped
     (1, 128, 2, 2, 1, 300, [(40, 107), 3], torch.bfloat16),  # a hole across tiles, and a row padded at its start
     (2, 128, 4, 2, 3, 140, [9, 0], torch.float16),           # 4 heads x 3 tokens: the diagonal cuts the last step
+    (1, 64, 2, 1, 40, 150, [(1, 150, 3)], torch.float16),    # prefill: every third key a hole (each bit both ways)
 ]
 
 

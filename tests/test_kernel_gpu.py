@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_lowprec, lowprec_baseline, make_inputs
+from helpers import assert_close_lowprec, lowprec_baseline, make_inputs, padding_mask
 from oracle import diff_attention_oracle
 
 from diffexport.core.contract import DiffAttentionAttrs
@@ -229,10 +229,15 @@ def test_float32_io_equals_the_fp16_kernel(rng):
     assert torch.equal(kernels.diff_attention(*wide, attrs), run_kernel(half, attrs).float())
 
 
-MASK_CASES = [  # variant, head dim, batch, q_len, kv_len, left pads, dtype: op version 2 (KV-cache decoders)
+MASK_CASES = [  # variant, head dim, batch, q_len, kv_len, pads (helpers.padding_mask), dtype: op version 2
     (1, 128, 2, 1, 4097, [3000, 0], torch.float16),
     (1, 64, 2, 70, 70, [70, 5], torch.bfloat16),
     (2, 128, 3, 4, 1023, [0, 1022, 500], torch.float16),
+    # prefills (the Hopper path on sm_90): every third key a hole, and a hole across a tile boundary;
+    # 128-key tiles at V1 d = 64 and V2, 64-key ones at V1 d = 128
+    (1, 64, 2, 300, 300, [(1, 300, 3), (40, 203)], torch.bfloat16),
+    (2, 128, 2, 130, 390, [(2, 390, 5), 0], torch.float16),
+    (1, 128, 2, 100, 260, [(0, 260, 3), (60, 70)], torch.bfloat16),
 ]
 
 
@@ -242,9 +247,7 @@ def test_key_mask_matches_the_oracle(case, rng):
     attrs = DiffAttentionAttrs(variant=variant, num_heads=4, num_kv_heads=2, head_dim=head_dim, causal=1,
                                norm=int(variant == 1), output_scale=0.6)
     cpu = make_inputs(attrs, batch, q_len, kv_len, dtype=dtype, rng=rng)
-    key_mask = torch.ones(batch, kv_len, dtype=torch.int64)
-    for row, pad in enumerate(pads):
-        key_mask[row, :pad] = 0
+    key_mask = padding_mask(batch, kv_len, pads)
     B, Sq = cpu[0].shape[:2]
     out = torch.full((B, Sq, attrs.num_heads * attrs.value_dim), POISON, dtype=dtype, device="cuda")
     kernels.diff_attention(*[t.cuda() for t in cpu], attrs, out=out, key_mask=key_mask.cuda())

@@ -128,7 +128,8 @@ def random_inputs(attrs: DiffAttentionAttrs, batch: int, q_len: int, kv_len: int
 
 
 def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: int, repeats: int,
-               backends: list[str], other_builds: dict, hopper_only: frozenset = frozenset()) -> dict:
+               backends: list[str], other_builds: dict, hopper_only: frozenset = frozenset(),
+               masked_builds: tuple[str, ...] = ()) -> dict:
     batch = max(1, TOKENS_PER_BATCH // n)
     attrs = DiffAttentionAttrs(variant=1, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=causal,
                                output_scale=0.8)
@@ -150,6 +151,16 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
         # The control: the same call again, as a method of its own. Its ratio to the first is this
         # loop's noise for identical code, the yardstick for the other builds' ratios.
         methods[f"fused_hopper@{CONTROL}"] = methods["fused_hopper"]
+    # The Hopper call with an all-ones key mask: what a KV-cache decoder's prompt prefill passes (its
+    # attention_mask). Its output must be the unmasked call's bit for bit. Also from masked_builds.
+    key_mask = torch.ones(batch, n, dtype=torch.int64, device="cuda")
+    masked_libs = {HOPPER_MASKED: None} if hopper else {}
+    masked_libs.update({f"{HOPPER_MASKED}@{b}": other_builds[b] for b in masked_builds
+                        if hopper and b in other_builds and "sm90=1" in other_builds[b].diffx_build_info().decode()})
+    masked_out = {name: torch.empty_like(out) for name in masked_libs}
+    for name, lib in masked_libs.items():
+        methods[name] = on_path("hopper", lambda name=name, lib=lib: kernels.diff_attention(
+            *inputs, attrs, out=masked_out[name], key_mask=key_mask, lib=lib))
     for name, lib in other_builds.items():  # other builds of the library, timed in the same loop
         if name not in hopper_only:  # (a Hopper variant's mma.sync kernel is this build's)
             methods[f"fused@{name}"] = on_path("mma", lambda lib=lib: kernels.diff_attention(
@@ -183,9 +194,16 @@ def bench_case(dtype, head_dim: int, causal: int, n: int, heads: int, warmup: in
             row["build_cosine"][name] = torch.nn.functional.cosine_similarity(
                 other.flatten(), exact.flatten(), dim=0).nan_to_num(-1.0).item()
             del other
+    # An all-ones key mask changes nothing: each masked call's output against its build's unmasked one.
+    row["key_mask_same_output"] = {}
+    for name, lib in masked_libs.items():
+        plain = on_path("hopper", lambda lib=lib: kernels.diff_attention(*inputs, attrs, lib=lib))()
+        methods[name]()
+        row["key_mask_same_output"][name] = bool(torch.equal(masked_out[name], plain))
+        del plain
     methods.clear()  # the timed lambdas, then the GPU tensors they held
     del q, exact, quant
-    inputs = out = None
+    inputs = out = masked_out = key_mask = None
     torch.cuda.empty_cache()
     return row
 
@@ -292,6 +310,31 @@ def profile_launches(n: int, lib_path: Path | None = None, logit_bits: int = 0, 
     for _ in range(4):
         kernels.diff_attention(*inputs, attrs, lib=lib, logit_bits=logit_bits)
     torch.cuda.synchronize()
+
+
+HOPPER_MASKED = "fused_hopper_key_mask"  # the Hopper prefill call with a key mask
+
+
+def key_mask_table(rows: list[dict]) -> str:
+    """The Hopper prefill calls with an all-ones key mask against the same calls without, this build's
+    and each --masked-compare build's ('-' where a case has no such timing)."""
+    builds = list(dict.fromkeys(name.split("@", 1)[1] for row in rows for name in row["timings"]
+                                if name.startswith(f"{HOPPER_MASKED}@")))
+    pairs = [(HOPPER_MASKED, "fused_hopper", "this build")] + [
+        (f"{HOPPER_MASKED}@{b}", f"fused_hopper@{b}", b) for b in builds]
+    lines = ["| dtype | d | causal | N | " + " | ".join(f"{what}: masked ms (vs none)" for *_, what in pairs) + " |",
+             "|---|---|---|---|" + "---|" * len(pairs)]
+    for row in rows:
+        t, same = row["timings"], row.get("key_mask_same_output", {})
+        cells = []
+        for masked, plain, _ in pairs:
+            if masked not in t or plain not in t:
+                cells.append("-")
+                continue
+            differs = "" if same.get(masked, True) else ", output differs"
+            cells.append(f"{t[masked]['ms']:.3f} ({t[masked]['ms'] / t[plain]['ms']:.2f}x{differs})")
+        lines.append(f"| {row['dtype']} | {row['d']} | {row['causal']} | {row['n']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 DECODE_GRAPH_CALLS = 20
@@ -679,6 +722,10 @@ def publish(record: dict, builds: list[str], write: bool) -> None:
     if builds:
         text += ("\n\nThis build vs the others, median ms (ratio = other / this):\n\n"
                  + builds_table(rows, builds))
+    if any(HOPPER_MASKED in row["timings"] for row in rows):
+        text += ("\n\nThe Hopper call with an all-ones key mask (what a KV-cache decoder's prompt prefill passes), "
+                 "median ms and its ratio to the same build's call without one; each masked output is checked "
+                 "bit for bit against the unmasked one:\n\n" + key_mask_table(rows))
     print(text)
     if not write:
         return
@@ -740,8 +787,8 @@ def main() -> int:
     parser.add_argument("--decode-batch", type=int, default=4, help="decode: batch (default 4)")
     parser.add_argument("--kv-heads", type=int, help="decode: kv groups (default --heads / 4: GQA 4)")
     parser.add_argument("--masked-compare", nargs="*", default=[], metavar="NAME",
-                        help="decode: builds of --compare whose split-KV call is also timed with a key mask (this "
-                             "build's always is)")
+                        help="builds of --compare whose split-KV call (decode) or Hopper call (prefill) is also "
+                             "timed with an all-ones key mask (this build's always is)")
     parser.add_argument("--cta-cost", action="store_true",
                         help="the Hopper path's fixed cost per CTA instead (first of --dtypes, each of --head-dims)")
     args = parser.parse_args()
@@ -789,7 +836,7 @@ def main() -> int:
     for dtype, d, causal, n in cases:
         print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
         record["rows"].append(bench_case(getattr(torch, dtype), d, causal, n, args.heads, args.warmup, args.repeats,
-                                         args.backends, other_builds, hopper_only))
+                                         args.backends, other_builds, hopper_only, tuple(args.masked_compare)))
         save_partial(args.json, record)
     record["complete"] = True
     save_partial(args.json, record)

@@ -225,7 +225,7 @@ def prefill(folder: Path) -> list[str]:
                        else f"DISAGREES (below {COSINE_TARGET}): its timings compare unlike work")
             lines.append(f"fused_hopper@{build:<6} output against this build's in {len(cosines)} cases: "
                          f"worst cosine {worst:.6f}, {verdict}")
-    return lines
+    return lines + key_mask_costs(rows, (("fused_hopper", "Hopper prefill"),))
 
 
 def cta_cost_shares(folder: Path) -> list[tuple[dict, list[tuple[float, dict]]]]:
@@ -295,13 +295,15 @@ def decode(folder: Path) -> list[str]:
     return lines + key_mask_costs(rows)
 
 
-def key_mask_costs(rows: list[dict]) -> list[str]:
-    """The decode calls with an all-ones key mask (what every KV-cache decoder passes) against the same
-    calls without, this build's and other builds' (bench_attention.py --masked-compare)."""
-    pairs = [("split_kv_key_mask", "split_kv", "bf16"),
-             ("split_kv_int8_cache_key_mask", "split_kv_int8_cache", "int8 cache")]
-    builds = sorted({n.split("@", 1)[1] for r in rows for n in r["timings"] if n.startswith("split_kv_key_mask@")})
-    pairs += [(f"split_kv_key_mask@{b}", f"split_kv@{b}", f"bf16 @{b}") for b in builds]
+def key_mask_costs(rows: list[dict], plain_calls: tuple[tuple[str, str], ...] = (
+        ("split_kv", "bf16"), ("split_kv_int8_cache", "int8 cache"))) -> list[str]:
+    """The calls with an all-ones key mask (what every KV-cache decoder passes; bench_attention.py
+    times each plain call P so as P_key_mask) against the same calls without, this build's and other
+    builds' (--masked-compare, the first plain call's): decode's split-KV calls, or prefill's Hopper call."""
+    first, first_what = plain_calls[0]
+    pairs = [(f"{plain}_key_mask", plain, what) for plain, what in plain_calls]
+    builds = sorted({n.split("@", 1)[1] for r in rows for n in r["timings"] if n.startswith(f"{first}_key_mask@")})
+    pairs += [(f"{first}_key_mask@{b}", f"{first}@{b}", f"{first_what} @{b}") for b in builds]
     lines = []
     for masked, plain, what in pairs:
         picked = [r for r in rows if masked in r["timings"] and plain in r["timings"]]

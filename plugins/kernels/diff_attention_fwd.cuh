@@ -17,6 +17,7 @@
 
 #include "diff_attention.h"
 #include "kernel_args.h"
+#include "key_flags.cuh"
 #include "ptx.cuh"
 
 namespace diffx {
@@ -187,43 +188,6 @@ __device__ __forceinline__ void online_softmax_step(float (&s)[S_TILES][4], floa
       acc_o[i][3] *= alpha[1];
     }
   }
-}
-
-// Which of a warp's KEYS keys of a tile are present: key j (key_of(j), j < KEYS) is when it lies
-// before `end` and key_mask (null: none) holds a nonzero flag there. key_flags is a lane's load of
-// the flags of keys lane and lane + 32, issued before the tile's Q.K so that its latency hides
-// behind the mmas; present_keys turns them into bit j with one ballot per 32 keys. The masked block
-// then tests bits: it loaded one int64 flag per score element (sm_90a: a dependent LDG.E.64 each,
-// 16 a warp's step of the decode loop, 32 a tile of the one-pass kernel), and every KV-cache decoder
-// passes key_mask (op version 2), so each step of a deployed decode took that block. A tile whose
-// keys are all present now skips it unless the causal diagonal crosses it.
-template <int KEYS>
-struct KeyFlags {
-  static_assert(KEYS == 16 || KEYS == 32 || KEYS == 64, "a warp's 16, 32 or 64 keys");
-  static constexpr int kLoads = (KEYS + 31) / 32;
-  using Bits = std::conditional_t<(KEYS > 32), uint64_t, uint32_t>;  // bit j: key j present
-  static constexpr Bits kAll = Bits(KEYS == 64 ? ~uint64_t(0) : (uint64_t(1) << KEYS) - 1);
-  int64_t flag[kLoads];
-};
-template <int KEYS, typename KeyOf>
-__device__ __forceinline__ KeyFlags<KEYS> key_flags(const int64_t* mask_row, int end, int lane, KeyOf key_of) {
-  KeyFlags<KEYS> f;
-#pragma unroll
-  for (int h = 0; h < KeyFlags<KEYS>::kLoads; ++h) {
-    const int j = 32 * h + lane, key = key_of(j);
-    const bool in_range = (KEYS >= 32 || j < KEYS) && key < end;
-    f.flag[h] = !in_range ? 0 : mask_row ? mask_row[key] : 1;
-  }
-  return f;
-}
-template <int KEYS>
-__device__ __forceinline__ typename KeyFlags<KEYS>::Bits present_keys(const KeyFlags<KEYS>& f) {
-  using Bits = typename KeyFlags<KEYS>::Bits;
-  Bits bits = 0;
-#pragma unroll
-  for (int h = 0; h < KeyFlags<KEYS>::kLoads; ++h)
-    bits |= Bits(__ballot_sync(0xffffffffu, f.flag[h] != 0)) << (32 * h);
-  return bits & KeyFlags<KEYS>::kAll;
 }
 
 // Head dim 64 could run two CTAs per SM (at most 128 registers a thread, under half the shared

@@ -47,6 +47,7 @@
 #include <cutlass/cutlass.h>
 
 #include "../kernel_args.h"
+#include "../key_flags.cuh"
 #include "../ptx.cuh"
 #include "diff_attention_sm90.h"
 #include "diff_attention_sm90_config.cuh"
@@ -285,23 +286,31 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
     cutlass::arch::NamedBarrier::sync(kWarpgroupThreads, kQuantBarrier + map);
     return amax / float(qmax);
   };
+  // Tile nb's present keys (key_flags.cuh: before kv_len, and not padding under key_mask) as bits,
+  // called once its S is issued, so that the flags' loads run beside the wgmma; all present without
+  // a load where there is no key_mask and the tile ends before kv_len.
+  using KeyBits = typename KeyFlags<kBlockN>::Bits;
+  auto tile_keys = [&](int nb) -> KeyBits {
+    const int n_start = nb * kBlockN;
+    if (!mask_row && n_start + kBlockN <= p.kv_len) return KeyFlags<kBlockN>::kAll;
+    return present_keys(key_flags<kBlockN>(mask_row, p.kv_len, tid & 31, [&](int j) { return n_start + j; }));
+  };
   // Masks, then the online softmax of tile nb on the accumulator (rows acc_row(tid, 0) and
   // acc_row(tid, 2), the mma.sync kernel's arithmetic): acc_s becomes P, alpha the rescale of O.
-  auto softmax = [&](auto& acc_s, int nb, float (&alpha)[2], int slot) {
+  auto softmax = [&](auto& acc_s, int nb, KeyBits keys, float (&alpha)[2], int slot) {
     const int n_start = nb * kBlockN;
     float(&running_max)[2] = row_max[slot];
     float(&running_sum)[2] = row_sum[slot];
     const int rows_start = m_start + row_block * kBlockM;  // this warpgroup's first query row
-    // Keys past the end, after the bottom-right diagonal, and padding keys (index c + 2r + 4j).
-    const bool need_mask = (n_start + kBlockN > p.kv_len) || mask_row ||
-                           (p.causal && n_start + kBlockN - 1 > rows_start + p.kv_len - p.q_len);
-    if (need_mask) {
+    // Keys past the end or padding (not in `keys`), and after the bottom-right diagonal.
+    const bool diagonal = p.causal && n_start + kBlockN - 1 > rows_start + p.kv_len - p.q_len;
+    if (diagonal || keys != KeyFlags<kBlockN>::kAll) {
+      const KeyBits mine = keys >> acc_key_shift(tid);  // value i's key: bit acc_col(0, i)
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
         const int key = n_start + acc_col(tid, i);
         const int qi = rows_start + acc_row(tid, i);
-        const bool visible = key < p.kv_len && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
-                             (!mask_row || mask_row[key] != 0);
+        const bool visible = ((mine >> acc_col(0, i)) & 1) && (!p.causal || key <= qi + p.kv_len - p.q_len);
         if (!visible) acc_s(i) = -INFINITY;
       }
     }
@@ -431,12 +440,13 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       auto up_to_p2 = [&](int nb) {
         issue_qk(acc_s, tSrQ, tSrK, state.index());
         issue_qk(acc_s2, tSrQ2, tSrK2, state.index());
+        const KeyBits keys = tile_keys(nb);
         warpgroup_wait<1>();  // S1 landed (and P2.V of tile nb-1); S2 may run
         warpgroup_fence_operand(acc_s);
         warpgroup_fence_operand(acc_o2);
         warpgroup_fence_operand(tOrP2);
         if (nb > 0) pipeline.consumer_release(last_stage);
-        softmax(acc_s, nb, alpha, 0);
+        softmax(acc_s, nb, keys, alpha, 0);
         warpgroup_wait<0>();  // S2 landed
         warpgroup_fence_operand(acc_s2);
         warpgroup_fence_operand(acc_o);
@@ -444,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
         rescale_o(acc_o, alpha);
         convert_p(acc_s, tOrP);
         issue_pv(tOrP, acc_o, state.index());
-        softmax(acc_s2, nb, alpha2, 1);  // while P1.V runs
+        softmax(acc_s2, nb, keys, alpha2, 1);  // while P1.V runs
         warpgroup_wait<0>();             // P1.V done
         warpgroup_fence_operand(acc_o);
         warpgroup_fence_operand(tOrP);
@@ -497,9 +507,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
         wait_turn();
         issue_s(state.index(), 0);
         pass_turn();
+        KeyBits keys = tile_keys(0);
         warpgroup_wait<0>();
         land_s();
-        softmax(acc_s, 0, alpha, 0);  // O is zero: nothing to rescale
+        softmax(acc_s, 0, keys, alpha, 0);  // O is zero: nothing to rescale
         convert_p(acc_s, tOrP);
         for (int nb = 1; nb < n_end; ++nb) {
           const auto previous = state;
@@ -509,9 +520,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
           issue_s(state.index(), nb);               // S of tile nb (P of tile nb-1 is in tOrP already)
           issue_pv(tOrP, acc_o, previous.index());  // O += P V of tile nb-1
           pass_turn();
+          keys = tile_keys(nb);
           warpgroup_wait<1>();                      // S landed; P.V may still run
           land_s();
-          softmax(acc_s, nb, alpha, 0);
+          softmax(acc_s, nb, keys, alpha, 0);
           warpgroup_wait<0>();                      // P.V of tile nb-1 done: tOrP and its stage are free
           warpgroup_fence_operand(acc_o);
           warpgroup_fence_operand(tOrP);
@@ -535,9 +547,10 @@ __global__ void __launch_bounds__(kThreads, 1) diff_attention_sm90_kernel(const 
       for (int nb = 0; nb < n_end; ++nb) {
         pipeline.consumer_wait(state);
         issue_s(state.index(), nb);
+        const KeyBits keys = tile_keys(nb);
         warpgroup_wait<0>();
         land_s();
-        softmax(acc_s, nb, alpha, 0);
+        softmax(acc_s, nb, keys, alpha, 0);
         rescale_o(acc_o, alpha);
         convert_p(acc_s, tOrP);
         issue_pv(tOrP, acc_o, state.index());

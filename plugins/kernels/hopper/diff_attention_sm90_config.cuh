@@ -127,6 +127,9 @@ using TmaLoadKV = std::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOA
 // layout_check.cu compares them with CuTe's own partition of the accumulator.
 CUTE_HOST_DEVICE constexpr int acc_row(int tid, int i) { return (tid >> 5) * 16 + ((tid & 31) >> 2) + ((i >> 1) & 1) * 8; }
 CUTE_HOST_DEVICE constexpr int acc_col(int tid, int i) { return (i >> 2) * 8 + (tid & 3) * 2 + (i & 1); }
+// The key masks' bits (key_flags.cuh: bit j, key j of the tile), shifted right once a tile by
+// acc_key_shift(tid), hold value i's key at bit acc_col(0, i), known at compile time per value.
+CUTE_HOST_DEVICE constexpr int acc_key_shift(int tid) { return acc_col(tid, 0) - acc_col(0, 0); }
 
 // MAPS_PER_WARPGROUP: DIFFX_SM90_MAPS_PER_WARPGROUP, a parameter so that layout_check.cu checks
 // both configurations in one compile.

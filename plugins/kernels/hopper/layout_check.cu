@@ -9,7 +9,8 @@
 //   4. the TMA transaction bytes per stage and for Q are what the tiles hold;
 //   5. INT8 logits: the s8 wgmma's int32 accumulator has the fp32 one's layout (the kernel
 //      dequantises it value for value into S), and its K tiles and Q codes are int8;
-//   6. both maps a warpgroup (DIFFX_SM90_MAPS_PER_WARPGROUP=2, checked here beside the default):
+//   6. the key mask's bit of each S value (acc_key_shift, acc_col(0, i)) is the key CuTe gives it;
+//   7. both maps a warpgroup (DIFFX_SM90_MAPS_PER_WARPGROUP=2, checked here beside the default):
 //      where it applies (head dim 64, fp logits; a static_assert) 128 query rows a CTA over 64-key
 //      tiles, Q's four 64-row tiles counted in its TMA bytes, at least three stages.
 // tests/test_kernel_build.py compiles it with nvcc (host code only) and runs it; exit status 0 when
@@ -66,6 +67,9 @@ void check(const char* dtype) {
       if (row != acc_row(tid, i) || key != acc_col(tid, i))
         fail("S accumulator (D %d, DV %d, %s): thread %d value %d: CuTe (%d, %d), acc_row/acc_col (%d, %d)", D, DV,
              dtype, tid, i, row, key, acc_row(tid, i), acc_col(tid, i));
+      if (acc_key_shift(tid) + acc_col(0, i) != key || key >= kKeys)
+        fail("key mask bit (D %d, DV %d, %s): thread %d value %d: key %d, bit %d after the shift %d of %d keys", D, DV,
+             dtype, tid, i, key, acc_col(0, i), acc_key_shift(tid), kKeys);
       if (get<0>(fp_coord(i)) != row || get<1>(fp_coord(i)) != key)
         fail("S accumulator (D %d, DV %d, %s, INT8 %d): thread %d value %d: (%d, %d), the fp32 one (%d, %d)", D, DV,
              dtype, int(INT8), tid, i, row, key, int(get<0>(fp_coord(i))), int(get<1>(fp_coord(i))));
