@@ -529,9 +529,9 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     assert ("--keys 32768 131072 --dtypes bfloat16 --masked-compare before --compare "
             "before=build-before/libdiffexport_kernels.so "
             "kvtiles1=build-kvtiles1/libdiffexport_kernels.so packmaps=build-packmaps/libdiffexport_kernels.so "
-            "barriers2=build-barriers2/libdiffexport_kernels.so overlap=build-overlap/libdiffexport_kernels.so "
+            "s8qk=build-s8qk/libdiffexport_kernels.so overlap=build-overlap/libdiffexport_kernels.so "
             "warpcopies=build-warpcopies/libdiffexport_kernels.so --hopper-variants") in decode
-    assert not any(name in bench for name in ("kvtiles1", "packmaps", "barriers2", "overlap", "warpcopies"))
+    assert not any(name in bench for name in ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies"))
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="

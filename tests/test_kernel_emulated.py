@@ -92,6 +92,20 @@ def emulator_warp_copies(request, tmp_path_factory):
                                           f"-DDIFFX_DECODE_KV_OVERLAP={int(overlap)}"]))
 
 
+@pytest.fixture(scope="module")
+def emulator_s8_qk(tmp_path_factory):
+    """The emulator with DIFFX_DECODE_KV_S8_QK=1 (an int8 cache's Q.K^T on s8 mma: Q's folded values as
+    int8 codes, one scale a map's tile), beside packed maps (DIFFX_DECODE_KV_PACK_MAPS=1: group rows up
+    to 8 take one tile, 16 a tile a map, so both Q layouts run) under the lowered split target; fp16 only
+    (DIFFX_EMULATE_FP16_ONLY: the folded Q is made from the query the same way whatever its dtype)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_S8_QK",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_s8_qk",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*OPTION_BUILD_FLAGS, "-DDIFFX_EMULATE_FP16_ONLY",
+                                          f"-DDIFFX_DECODE_TARGET_CTAS={LOWERED_TARGET}",
+                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_S8_QK=1"]))
+
+
 def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
@@ -603,6 +617,41 @@ def test_emulated_kv_cache_packed_maps_match_the_oracle(emulator_lowered_target,
     base = lowprec_baseline(*[t.to(dtype) if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
     assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), str(case), min_cosine=min_cosine(dtype))
+
+
+# s8 Q.K^T on an int8 cache (DIFFX_DECODE_KV_S8_QK=1, emulator_s8_qk): packed maps (rows 1-8) and a
+# tile a map (16 rows), V1 and V2, both head dims, key masks, ragged tiles, two tiles a step and (at
+# 99 KB, head dim 128) two stages of one. Format: variant, head dim, GQA ratio, heads, batch, q_len,
+# kv_len, left pads, GPU opt-in.
+S8_QK_CASES = [
+    (1, 128, 4, 8, 2, 1, 430, [0, 100], 227 * 1024),  # 4 rows, the benchmark's shape
+    (1, 64, 2, 4, 1, 3, 300, [20], 227 * 1024),       # 6 rows, V1 d64's swizzled key rows
+    (2, 64, 4, 4, 1, 4, 200, [7], 227 * 1024),        # 16 rows: a tile a map
+    (2, 128, 8, 8, 1, 1, 129, None, 227 * 1024),      # GQA 8: 8 rows, 3 tiles
+    (1, 128, 4, 4, 1, 4, 1000, [3], 101_376),         # 16 rows, two stages of one tile
+]
+S8_QK_BUDGET = 0.9995  # cosine against the float32 oracle on the values the codes stand for (Q rounded to int8)
+
+
+@pytest.mark.parametrize("case", S8_QK_CASES, ids=[f"v{c[0]}-d{c[1]}-gqa{c[2]}-{c[5]}x{c[6]}-{c[8] >> 10}kb"
+                                                    for c in S8_QK_CASES])
+def test_emulated_int8_cache_on_s8_mma_keeps_its_budget(emulator_s8_qk, emulator_lowered_target, case, rng,
+                                                         monkeypatch):
+    variant, head_dim, ratio, heads, batch, q_len, kv_len, pads, smem_optin = case
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    attrs, inputs, key_mask = kv_case(("int8", variant, head_dim, ratio, heads, batch, q_len, kv_len, torch.float16,
+                                       pads), rng)
+    codes, kv_scales, dequantised = cache_of(inputs, "int8")
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True, target=LOWERED_TARGET))
+    out = emulate(emulator_s8_qk, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    on_codes = cosine(out, oracle(dequantised, attrs, key_mask))
+    assert on_codes >= S8_QK_BUDGET, f"cosine {on_codes:.6f} vs the oracle on the cache's values"
+    on_floats = cosine(out, oracle(inputs, attrs, key_mask))
+    assert on_floats >= KV_BUDGET["int8"], f"cosine {on_floats:.6f} vs the float cache"
+    # The same call with fp16 Q.K^T (the default): Q rounded to int8 changes the output (the s8 path ran).
+    fp16_qk = emulate(emulator_lowered_target, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert not torch.equal(out, fp16_qk)
 
 
 # Warp copies (DIFFX_DECODE_KV_WARP_COPIES=1) move the same bytes to the same places and leave the

@@ -109,6 +109,19 @@ static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP 
 #define DIFFX_DECODE_KV_WARP_COPIES 0
 #endif
 
+// 1: on an int8 cache, Q.K^T runs on s8 mma (m16n8k32) straight on the key codes: each map's folded Q
+// (K's scales folded in, as below) becomes int8 codes with one absmax scale a map's tile (the INT8
+// logits recipe's, quantization.py "qk"), and a logit is that scale x the int32 sum. The key codes
+// then need no conversion to fp16 (two PRMT a pair of codes), and a 32-channel k-step takes one mma
+// and one Q ldmatrix a key n-tile where fp16 takes two of each: about 150 of the ~630 instructions
+// a warp issues a step at V1 d = 128 (sm_90a SASS). The cost: Q rounded to 8 bits (cosine against
+// the float32 reference on the float cache 0.99984-0.99990 in a float64 model of it, against
+// 0.99987-0.99992 for the fp16 Q; issue 62's budget is 0.999). The e4m3 cache keeps fp16 Q.K^T.
+// 0 (default until a GPU has timed it): fp16 Q.K^T on converted codes.
+#ifndef DIFFX_DECODE_KV_S8_QK
+#define DIFFX_DECODE_KV_S8_QK 0
+#endif
+
 // An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q): rows padded by 16 bytes
 // instead of XOR-swizzled (DIFFX_DECODE_KV_ROW_PAD, default 16; 0 keeps the swizzle). The 8 rows
 // of an ldmatrix phase still fall on 8 distinct 16-byte bank groups (a row of an odd number of
@@ -291,8 +304,10 @@ constexpr float kFoldedQueryMax = 16384.f;
 // S * alpha, exactly. (Up as well as down: keys that barely vary get small scales, which would
 // otherwise push Q into fp16's subnormals.) All threads call it (it synchronises); `reduce` holds
 // a float per warp. PM (DIFFX_DECODE_KV_PACK_MAPS): both maps in the first tile, map m's row r at
-// row 8m + r. Returns both maps' alpha.
-template <typename T, int D, bool V1, int KV, int PAD, bool PM = false>
+// row 8m + r. Returns both maps' alpha. S8 (DIFFX_DECODE_KV_S8_QK, int8 codes): the tiles become
+// int8 codes instead, rows of D bytes (tile_chunk_offset<D, PAD>) in channel order, code =
+// rint(q / alpha) with alpha = the map's largest |q| / 127 (1 for an all-zero Q).
+template <typename T, int D, bool V1, int KV, int PAD, bool PM = false, bool S8 = false>
 __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_tile_bytes, const KernelArgs& args, int g,
                                                              float* reduce, int tid) {
   constexpr int kRows = PM ? kDecodeRows / 2 : kDecodeRows;  // rows a map holds
@@ -325,13 +340,28 @@ __device__ __forceinline__ float2 fold_key_scales_into_query(char* sQ, int q_til
   for (int m = 0; m < 2; ++m) {
     float most = 0.f;
     for (int w = 0; w < kWarpsPerFoldMap; ++w) most = fmaxf(most, reduce[m * kWarpsPerFoldMap + w]);
-    int exponent = 0;  // most / kFoldedQueryMax = f * 2^exponent, f in [0.5, 1) (0 for an all-zero Q)
-    if (most > 0.f && most <= FLT_MAX) frexpf(most / kFoldedQueryMax, &exponent);
-    alpha[m] = ldexpf(1.f, exponent);  // a power of two: exact to undo
+    if constexpr (S8) {
+      alpha[m] = most > 0.f && most <= FLT_MAX ? most / 127.f : 1.f;
+    } else {
+      int exponent = 0;  // most / kFoldedQueryMax = f * 2^exponent, f in [0.5, 1) (0 for an all-zero Q)
+      if (most > 0.f && most <= FLT_MAX) frexpf(most / kFoldedQueryMax, &exponent);
+      alpha[m] = ldexpf(1.f, exponent);  // a power of two: exact to undo
+    }
   }
   // (selects, not alpha[map]: a runtime index would put the pair in local memory)
   const float mine = map == 0 ? alpha[0] : alpha[1];
-  if (item < kItems) {  // (every thread has read its Q: the barrier above)
+  if (S8 && item < kItems) {  // one 16-byte chunk of codes an item
+    const float inv = 1.f / mine;
+    uint32_t* chunk = reinterpret_cast<uint32_t*>(sQ + tile * q_tile_bytes + tile_chunk_offset<D, PAD>(row, group));
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        word |= uint32_t(uint8_t(int8_t(max(-127, min(127, __float2int_rn(q[4 * w + c] * inv)))))) << (8 * c);
+      chunk[w] = word;
+    }
+  } else if (item < kItems) {  // (every thread has read its Q: the barrier above)
     char* lo = sQ + tile * q_tile_bytes + tile_chunk_offset<D * 2, PAD>(row, 2 * group);
     char* hi = sQ + tile * q_tile_bytes + tile_chunk_offset<D * 2, PAD>(row, 2 * group + 1);
 #pragma unroll
@@ -374,6 +404,29 @@ __device__ __forceinline__ void qk_on_codes(float (&s)[2 * N][4], const char* q_
   }
 }
 
+// S += Q K^T on an int8 cache with int8 Q codes (DIFFX_DECODE_KV_S8_QK): s8 mma m16n8k32 on the key
+// codes as they were loaded. Per 32-channel k-step one ldmatrix x4 of each key tile gives a lane
+// channels 4tq..4tq+3 and 16+4tq.. of keys gq and 8+gq (the s8 B fragments of both n-tiles), one of
+// Q its A fragment; s[2n], s[2n + 1]: tile n's two n-tiles of 8 keys, int32 sums.
+template <int D, int Q_PAD, int K_PAD, int N>
+__device__ __forceinline__ void qk_on_int8_codes(int (&s)[2 * N][4], const char* q_tile, const char* const (&k_tiles)[N],
+                                                 int k0, int lane) {
+  const int mi = lane >> 3;
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4(a, q_tile + tile_chunk_offset<D, Q_PAD>((lane & 7) + ((lane >> 3) & 1) * 8, ks * 2 + (lane >> 4)));
+    const int key_chunk = tile_chunk_offset<D, K_PAD>(k0 + (mi >> 1) * 8 + (lane & 7), ks * 2 + (mi & 1));
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      uint32_t bf[4];
+      ldmatrix_x4(bf, k_tiles[n] + key_chunk);
+      mma_16832_s8(s[2 * n], a, bf[0], bf[1]);
+      mma_16832_s8(s[2 * n + 1], a, bf[2], bf[3]);
+    }
+  }
+}
+
 // PM: both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS; two tiles a step, at most 8 group rows).
 template <typename T, int D, int DV, bool INT8, int STAGES, int KV = 0, int KT = 1, bool PM = false>
 __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1)
@@ -393,6 +446,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // rows, else the two warps of a quarter half of theirs each.
   constexpr bool kWarpCopies = DIFFX_DECODE_KV_WARP_COPIES && PM && kOneBarrier;
   constexpr bool kPairCopies = DIFFX_DECODE_KV_WARP_COPIES && !PM && KV != 0 && kOneBarrier;
+  constexpr bool kS8 = DIFFX_DECODE_KV_S8_QK && KV == kKvInt8;  // s8 Q.K^T on the key codes
   DIFFX_DYNAMIC_SHARED(smem);
   DIFFX_SHARED_ARRAY(float, reduce, 2 * kWarpsPerMap);
   // The last key each tile row sees under the causal mask, read in the masked block: in shared
@@ -519,13 +573,14 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
   }
 
-  float qk_alpha = 1.f;     // an 8-bit cache: logits = alpha * (folded Q, fp16) . codes
-  float map2_to_map1 = 1.f;  // packed maps: map 2's alpha over map 1's (a power of two), onto its rows' S
+  float qk_alpha = 1.f;     // an 8-bit cache: logits = alpha * (folded Q, fp16 or int8 codes) . codes
+  float map2_to_map1 = 1.f;  // packed maps: map 2's alpha over map 1's (fp16 Q: a power of two), onto its rows' S
   if constexpr (KV != 0) {  // Q lands with the first tile (before the accumulators are live: fewer registers)
     cp_async_wait_group<STAGES - 2>();
     __syncthreads();
     const float2 alpha =
-        fold_key_scales_into_query<T, D, Fwd::kV1, KV, Cfg::kQRowPad, PM>(sQ, Cfg::kQTileBytes, args, g, reduce, tid);
+        fold_key_scales_into_query<T, D, Fwd::kV1, KV, Cfg::kQRowPad, PM, kS8>(sQ, Cfg::kQTileBytes, args, g, reduce,
+                                                                               tid);
     qk_alpha = PM || map == 0 ? alpha.x : alpha.y;
     map2_to_map1 = alpha.y / alpha.x;
   }
@@ -597,9 +652,18 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
 #pragma unroll
       for (int m = 0; m < kMaps; ++m) k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * Cfg::kKCodeTileBytes;
       float both[2 * kMaps][4];
+      if constexpr (kS8) {
+        int sums[2 * kMaps][4] = {};
+        qk_on_int8_codes<D, Cfg::kQRowPad, Cfg::kKRowPad, kMaps>(sums, sQ, k_tiles, k0, lane);
 #pragma unroll
-      for (int i = 0; i < 2 * kMaps; ++i) both[i][0] = both[i][1] = both[i][2] = both[i][3] = 0.f;
-      qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, kMaps>(both, sQ, k_tiles, k0, lane);
+        for (int i = 0; i < 2 * kMaps; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) both[i][e] = __int2float_rn(sums[i][e]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 2 * kMaps; ++i) both[i][0] = both[i][1] = both[i][2] = both[i][3] = 0.f;
+        qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, kMaps>(both, sQ, k_tiles, k0, lane);
+      }
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         s[i][0] = both[i][0];
@@ -613,7 +677,16 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       const char* k_tiles[KT];
 #pragma unroll
       for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * Cfg::kKCodeTileBytes;
-      qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
+      if constexpr (kS8) {
+        int sums[kSTiles][4] = {};
+        qk_on_int8_codes<D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(sums, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
+#pragma unroll
+        for (int i = 0; i < kSTiles; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[i][e] = __int2float_rn(sums[i][e]);
+      } else {
+        qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
+      }
     } else {
       constexpr int kChunks = D / 8;
       const char* q_tile = sQ + map * Cfg::kQTileBytes;
