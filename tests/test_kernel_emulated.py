@@ -635,8 +635,7 @@ S8_QK_BUDGET = 0.9995  # cosine against the float32 oracle on the values the cod
 
 @pytest.mark.parametrize("case", S8_QK_CASES, ids=[f"v{c[0]}-d{c[1]}-gqa{c[2]}-{c[5]}x{c[6]}-{c[8] >> 10}kb"
                                                     for c in S8_QK_CASES])
-def test_emulated_int8_cache_on_s8_mma_keeps_its_budget(emulator_s8_qk, emulator_lowered_target, case, rng,
-                                                         monkeypatch):
+def test_emulated_int8_cache_on_s8_mma_keeps_its_budget(emulator_s8_qk, case, rng, monkeypatch):
     variant, head_dim, ratio, heads, batch, q_len, kv_len, pads, smem_optin = case
     monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
     attrs, inputs, key_mask = kv_case(("int8", variant, head_dim, ratio, heads, batch, q_len, kv_len, torch.float16,
@@ -647,11 +646,11 @@ def test_emulated_int8_cache_on_s8_mma_keeps_its_budget(emulator_s8_qk, emulator
     assert not out.isnan().any(), "output not fully written (poison left)"
     on_codes = cosine(out, oracle(dequantised, attrs, key_mask))
     assert on_codes >= S8_QK_BUDGET, f"cosine {on_codes:.6f} vs the oracle on the cache's values"
+    # Q rounded to int8 shows (0.99993-0.99997 here), where fp16 Q.K^T (the default) reads 0.9999999
+    # on these cases: the s8 path ran.
+    assert on_codes < 0.99999, f"cosine {on_codes:.7f}: the fp16 path's, not Q rounded to int8"
     on_floats = cosine(out, oracle(inputs, attrs, key_mask))
     assert on_floats >= KV_BUDGET["int8"], f"cosine {on_floats:.6f} vs the float cache"
-    # The same call with fp16 Q.K^T (the default): Q rounded to int8 changes the output (the s8 path ran).
-    fp16_qk = emulate(emulator_lowered_target, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
-    assert not torch.equal(out, fp16_qk)
 
 
 # Warp copies (DIFFX_DECODE_KV_WARP_COPIES=1) move the same bytes to the same places and leave the
