@@ -113,10 +113,10 @@ static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP 
 // (K's scales folded in, as below) becomes int8 codes with one absmax scale a map's tile (the INT8
 // logits recipe's, quantization.py "qk"), and a logit is that scale x the int32 sum. The key codes
 // then need no conversion to fp16 (two PRMT a pair of codes), and a 32-channel k-step takes one mma
-// and one Q ldmatrix a key n-tile where fp16 takes two of each: about 150 of the ~630 instructions
-// a warp issues a step at V1 d = 128 (sm_90a SASS). The cost: Q rounded to 8 bits (cosine against
-// the float32 reference on the float cache 0.99984-0.99990 in a float64 model of it, against
-// 0.99987-0.99992 for the fp16 Q; issue 62's budget is 0.999). The e4m3 cache keeps fp16 Q.K^T.
+// and one Q ldmatrix a key n-tile where fp16 takes two of each: about 100 of the ~630 instructions
+// a warp issues a step at V1 d = 128 (sm_90a SASS). The cost: Q rounded to 8 bits (emulated cosine
+// against the float32 reference on the float cache 0.99986-0.99992; issue 62's budget is 0.999).
+// The e4m3 cache keeps fp16 Q.K^T.
 // 0 (default until a GPU has timed it): fp16 Q.K^T on converted codes.
 #ifndef DIFFX_DECODE_KV_S8_QK
 #define DIFFX_DECODE_KV_S8_QK 0
@@ -407,11 +407,12 @@ __device__ __forceinline__ void qk_on_codes(float (&s)[2 * N][4], const char* q_
 // S += Q K^T on an int8 cache with int8 Q codes (DIFFX_DECODE_KV_S8_QK): s8 mma m16n8k32 on the key
 // codes as they were loaded. Per 32-channel k-step one ldmatrix x4 of each key tile gives a lane
 // channels 4tq..4tq+3 and 16+4tq.. of keys gq and 8+gq (the s8 B fragments of both n-tiles), one of
-// Q its A fragment; s[2n], s[2n + 1]: tile n's two n-tiles of 8 keys, int32 sums.
+// Q its A fragment; s[2n], s[2n + 1]: tile n's two n-tiles of 8 keys, set to the int32 sums in float.
 template <int D, int Q_PAD, int K_PAD, int N>
-__device__ __forceinline__ void qk_on_int8_codes(int (&s)[2 * N][4], const char* q_tile, const char* const (&k_tiles)[N],
-                                                 int k0, int lane) {
+__device__ __forceinline__ void qk_on_int8_codes(float (&s)[2 * N][4], const char* q_tile,
+                                                 const char* const (&k_tiles)[N], int k0, int lane) {
   const int mi = lane >> 3;
+  int sums[2 * N][4] = {};
 #pragma unroll
   for (int ks = 0; ks < D / 32; ++ks) {
     uint32_t a[4];
@@ -421,10 +422,14 @@ __device__ __forceinline__ void qk_on_int8_codes(int (&s)[2 * N][4], const char*
     for (int n = 0; n < N; ++n) {
       uint32_t bf[4];
       ldmatrix_x4(bf, k_tiles[n] + key_chunk);
-      mma_16832_s8(s[2 * n], a, bf[0], bf[1]);
-      mma_16832_s8(s[2 * n + 1], a, bf[2], bf[3]);
+      mma_16832_s8(sums[2 * n], a, bf[0], bf[1]);
+      mma_16832_s8(sums[2 * n + 1], a, bf[2], bf[3]);
     }
   }
+#pragma unroll
+  for (int i = 0; i < 2 * N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[i][e] = __int2float_rn(sums[i][e]);
 }
 
 // PM: both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS; two tiles a step, at most 8 group rows).
@@ -653,12 +658,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       for (int m = 0; m < kMaps; ++m) k_tiles[m] = sK(stage) + m * Cfg::kKTileBytes + map * Cfg::kKCodeTileBytes;
       float both[2 * kMaps][4];
       if constexpr (kS8) {
-        int sums[2 * kMaps][4] = {};
-        qk_on_int8_codes<D, Cfg::kQRowPad, Cfg::kKRowPad, kMaps>(sums, sQ, k_tiles, k0, lane);
-#pragma unroll
-        for (int i = 0; i < 2 * kMaps; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) both[i][e] = __int2float_rn(sums[i][e]);
+        qk_on_int8_codes<D, Cfg::kQRowPad, Cfg::kKRowPad, kMaps>(both, sQ, k_tiles, k0, lane);
       } else {
 #pragma unroll
         for (int i = 0; i < 2 * kMaps; ++i) both[i][0] = both[i][1] = both[i][2] = both[i][3] = 0.f;
@@ -678,12 +678,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
 #pragma unroll
       for (int t = 0; t < KT; ++t) k_tiles[t] = k_tile + t * Cfg::kKCodeTileBytes;
       if constexpr (kS8) {
-        int sums[kSTiles][4] = {};
-        qk_on_int8_codes<D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(sums, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
-#pragma unroll
-        for (int i = 0; i < kSTiles; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[i][e] = __int2float_rn(sums[i][e]);
+        qk_on_int8_codes<D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
       } else {
         qk_on_codes<KV, D, Cfg::kQRowPad, Cfg::kKRowPad, KT>(s, sQ + map * Cfg::kQTileBytes, k_tiles, k0, lane);
       }

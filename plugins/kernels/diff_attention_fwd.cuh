@@ -13,7 +13,6 @@
 #pragma once
 
 #include <math.h>
-#include <type_traits>
 
 #include "diff_attention.h"
 #include "kernel_args.h"
