@@ -147,15 +147,25 @@ def test_a_broken_result_file_is_one_error_line(made_up, name, content, options)
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
 
 
-def test_a_masked_calls_field_of_the_wrong_type_is_one_error_line(made_up):
-    """The verdicts read decode.json's key-masked calls (the targets table does not): their output
-    check of the wrong type is one error line, exit 2, as any broken field."""
-    (made_up / "decode.json").write_text(
-        '{"rows": [{"kv_len": 1, "d": 64, "key_mask_same_output": [1], "timings": {"split_kv": {"ms": 1, "gbs": 1}, '
-        '"split_kv_key_mask": {"ms": 1, "gbs": 1}}}], "copy_gbs": 1}')
+@pytest.mark.parametrize("name, content", [
+    ("decode.json", '{"rows": [{"kv_len": 1, "d": 64, "key_mask_same_output": [1], "timings": {"split_kv": '
+                    '{"ms": 1, "gbs": 1}, "split_kv_key_mask": {"ms": 1, "gbs": 1}}}], "copy_gbs": 1}'),
+    ("bench.json", '{"peak_tflops": 1, "rows": [{"dtype": "bfloat16", "d": 64, "causal": 0, "n": 1, "batch": 1, '
+                   '"heads": 1, "int8_cosine": 1, "key_mask_same_output": [1], "timings": {"fused_hopper": '
+                   '{"ms": 1, "tflops": 1}, "fused_hopper_key_mask": {"ms": 1, "tflops": 1}}}]}'),
+], ids=["decode", "prefill"])
+def test_a_masked_calls_field_of_the_wrong_type_is_one_error_line(made_up, name, content):
+    """The verdicts read the key-masked calls of decode.json and bench.json (the targets table does
+    not), and bench_attention.py --render their tables: an output check of the wrong type is one
+    error line, exit 2, as any broken field."""
+    (made_up / name).write_text(content)
     out = report(made_up)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    rendered = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--render",
+                               str(made_up / name)], capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 2 and rendered.stdout == ""
+    assert rendered.stderr.startswith("error: --render ") and rendered.stderr.count("\n") == 1, rendered.stderr
 
 
 def test_a_huge_result_file_is_refused_unread(made_up):
