@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_main import run_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "docs" / "campaign" / "2026-11-23-h100"
 
 
 def report(folder: Path, *options: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), *options, str(folder)],
-                          capture_output=True, text=True, timeout=60)
+    return run_tool("campaign_report", *options, str(folder))
 
 
 def line(out: str, head: str) -> str:
@@ -26,7 +26,9 @@ def line(out: str, head: str) -> str:
 
 
 def test_the_first_h100_run_reads_as_it_was():
-    out = report(RUN)
+    # as gpu_campaign.sh runs it (a script from a shell); the other tests call its main() in-process
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), str(RUN)],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = json.loads((RUN / "bench.json").read_text())["rows"]
     ratios = []
@@ -162,8 +164,7 @@ def test_a_masked_calls_field_of_the_wrong_type_is_one_error_line(made_up, name,
     out = report(made_up)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
-    rendered = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--render",
-                               str(made_up / name)], capture_output=True, text=True, timeout=120)
+    rendered = run_tool("bench_attention", "--render", str(made_up / name))
     assert rendered.returncode == 2 and rendered.stdout == ""
     assert rendered.stderr.startswith("error: --render ") and rendered.stderr.count("\n") == 1, rendered.stderr
 
@@ -221,8 +222,7 @@ def test_issue_44s_targets_table_is_recomputed_from_a_stored_run():
     """--targets: the H200 run of 2026-11-26 (call 1) as docs/BENCHMARKS.md's table, every value from
     its raw files: the Hopper path's ratios and share of the peak come from fused_hopper alone."""
     folder = ROOT / "docs" / "campaign" / "2026-11-26-h200-pingpong" / "call1"
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), "--targets", str(folder)],
-                         capture_output=True, text=True, timeout=60)
+    out = report(folder, "--targets")
     assert out.returncode == 0, out.stderr
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.stdout.splitlines()[2:]}
     bench = json.loads((folder / "bench.json").read_text())
@@ -260,8 +260,7 @@ def test_a_run_that_passed_everything_meets_the_correctness_rows(made_up):
         for tool, path in (("memcheck", ""), ("initcheck", ""), ("racecheck", "auto"), ("racecheck", "mma"),
                            ("synccheck", ""))
         for name in [f"{tool} ({path})" if path else tool]))
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), "--targets", str(made_up)],
-                         capture_output=True, text=True, timeout=60)
+    out = report(made_up, "--targets")
     assert out.returncode == 0, out.stderr
     table = out.stdout.splitlines()
     assert ("| 4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine) | 2 passed | yes |  |"
@@ -327,8 +326,7 @@ def test_the_8_bit_kv_cache_rows_compare_with_the_bf16_call_from_32k_keys(made_u
                       "    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio  ratio 0.42\n"
                       "--- split-KV decode merge kernel on an int8 KV cache, Sq=1, 32768 keys\n"
                       "    Duration                         us          6.10\n")
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "campaign_report.py"), "--targets", str(made_up)],
-                         capture_output=True, text=True, timeout=60)
+    out = report(made_up, "--targets")
     assert out.returncode == 0, out.stderr
     cells = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.stdout.splitlines()[2:]}
     table = {k: v[:2] for k, v in cells.items()}
@@ -380,8 +378,7 @@ def test_key_masked_prefill_calls_read_against_the_same_calls_without(made_up):
         "key mask       Hopper prefill: masked / unmasked 1.01x-1.01x (median 1.01x) in 3 cases; OUTPUT DIFFERS in 1",
         "key mask       Hopper prefill @before: masked / unmasked 1.60x-2.00x (median 1.80x) in 3 cases; "
         "same output bits"]
-    rendered = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--render",
-                               str(made_up / "bench.json")], capture_output=True, text=True, timeout=120)
+    rendered = run_tool("bench_attention", "--render", str(made_up / "bench.json"))
     assert rendered.returncode == 0, rendered.stderr
     table = rendered.stdout.split("bit for bit against the unmasked one:\n\n")[1].splitlines()
     assert table[0] == "| dtype | d | causal | N | this build: masked ms (vs none) | before: masked ms (vs none) |"
@@ -404,14 +401,12 @@ def test_the_control_reads_as_the_loops_noise(made_up):
     for row in real["rows"]:
         row["timings"]["fused_hopper@again"] = timing(row["timings"]["fused_hopper"]["ms"] * 1.01)
     (made_up / "real.json").write_text(json.dumps(real))
-    rendered = subprocess.run([sys.executable, "tools/bench_attention.py", "--render", str(made_up / "real.json")],
-                              capture_output=True, text=True, cwd=ROOT)
+    rendered = run_tool("bench_attention", "--render", str(made_up / "real.json"))
     assert rendered.returncode == 0, rendered.stderr
     assert "| Hopper | Hopper@before | Hopper@keys128 | Hopper@again |" in rendered.stdout
     assert "| 2.733 | 2.765 (1.01x) | 2.800 (1.02x) | 2.761 (1.01x) |" in rendered.stdout
     # a carried build may not take the control's name (its column would read as noise): one line, 2
-    clash = subprocess.run([sys.executable, "tools/bench_attention.py", "--compare", "again=build/x.so"],
-                           capture_output=True, text=True, cwd=ROOT)
+    clash = run_tool("bench_attention", "--compare", "again=build/x.so")
     assert clash.returncode == 2 and clash.stderr.strip().splitlines() == [
         "error: 'again' names the control (this build timed twice): give the build another name"]
 
@@ -462,8 +457,7 @@ def test_a_carried_builds_8_bit_cache_calls_read_beside_this_builds(made_up):
         "before / this build: 1.25x-1.30x (median 1.27x) in 2 cases (above 1x: this build is faster); "
         "its cosine vs fp32 0.99985 at worst")
     assert "fp8 cache@before" not in summary
-    rendered = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--render",
-                               str(made_up / "decode.json")], capture_output=True, text=True, timeout=120)
+    rendered = run_tool("bench_attention", "--render", str(made_up / "decode.json"))
     assert rendered.returncode == 0, rendered.stderr
     table = rendered.stdout.split("\n\n")[0].splitlines()
     assert table[0].endswith("| split-KV @before | this vs @before | 8-bit KV @before vs this (int8 / fp8) |")
@@ -540,8 +534,7 @@ def test_key_masked_decode_calls_read_against_the_same_calls_without(made_up):
         "key mask       bf16: masked / unmasked 1.02x-1.02x (median 1.02x) in 2 cases; same output bits",
         "key mask       int8 cache: masked / unmasked 1.05x-1.05x (median 1.05x) in 2 cases; OUTPUT DIFFERS in 1",
         "key mask       bf16 @before: masked / unmasked 1.40x-1.50x (median 1.45x) in 2 cases; same output bits"]
-    rendered = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_attention.py"), "--render",
-                               str(made_up / "decode.json")], capture_output=True, text=True, timeout=120)
+    rendered = run_tool("bench_attention", "--render", str(made_up / "decode.json"))
     assert rendered.returncode == 0, rendered.stderr
     table = rendered.stdout.split("\n\n")[0].splitlines()
     assert "| key mask vs none (bf16 / int8) |" in table[0] and table[0].endswith("| key mask vs none @before |")

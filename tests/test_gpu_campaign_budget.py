@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tool_main import run_tool
 
 pytestmark = pytest.mark.slow
 
@@ -600,8 +601,7 @@ def test_render_refuses_what_is_not_a_saved_run_in_one_line_writing_nothing(tmp_
         path.write_text(content)
     doc = ROOT / "docs" / "BENCHMARKS.md"
     before = doc.read_bytes()
-    out = subprocess.run([sys.executable, "tools/bench_attention.py", "--render", str(path), "--write"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = run_tool("bench_attention", "--render", str(path), "--write")
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: --render "), out.stderr
     assert doc.read_bytes() == before

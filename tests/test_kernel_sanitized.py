@@ -1,7 +1,8 @@
 """The emulated kernels under the host compiler's sanitizers: the CPU counterpart of
 compute-sanitizer over tests/kernel_cases.py (plugins/kernels/emulation/sanitize_cases.cpp).
 
-ThreadSanitizer: every CUDA thread of the emulation is a std::thread, so a shared-memory access no
+ThreadSanitizer: in these builds every CUDA thread of the emulation is a std::thread (not a fiber, as
+in the default emulator, which would be one thread to it), so a shared-memory access no
 barrier orders against another thread's write is a reported race. Its runs write each cp.async at
 both ends of the window the PTX ISA gives it (DIFFX_EMULATOR_COPIES_LAND=2): at the thread's wait,
 so a tile read before its wait races, and at the issue, so a copy into a stage that another warp may

@@ -550,7 +550,7 @@ def run_cta_cost(args, other_builds: dict) -> int:
     builds = {"this build": None}
     builds.update({name: lib for name, lib in other_builds.items() if "sm90=1" in lib.diffx_build_info().decode()})
     record = {"mode": "cta_cost", "rows": [], "stamp": benchdoc.stamp(), "warmup": args.warmup,
-              "repeats": args.repeats, "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:])}
+              "repeats": args.repeats, "command": args.command}
     for name, lib in builds.items():
         for d in args.head_dims:
             print(f"{name}: Hopper path d={d}, {CTA_COST_QUERIES} queries against {CTA_COST_KEYS} keys ...",
@@ -748,7 +748,7 @@ def publish(record: dict, builds: list[str], write: bool) -> None:
     print(f"wrote {benchdoc.write_section('fused-attention', body)}", file=sys.stderr)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[128, 64])
@@ -791,7 +791,9 @@ def main() -> int:
                              "timed with an all-ones key mask (this build's always is)")
     parser.add_argument("--cta-cost", action="store_true",
                         help="the Hopper path's fixed cost per CTA instead (first of --dtypes, each of --head-dims)")
-    args = parser.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.command = "python tools/bench_attention.py " + " ".join(argv)  # as the run records it
     if args.render:  # a run saved on the GPU machine: its own stamp and command, no GPU needed here
         return render(args.render, args.write)
     if CONTROL in (spec.partition("=")[0] for spec in args.compare + args.hopper_variants):
@@ -831,7 +833,7 @@ def main() -> int:
     cases = [(dtype, d, causal, n) for dtype in args.dtypes for d in args.head_dims for causal in args.causal
              for n in args.seqs]
     record = {"peak_tflops": peak, "rows": [], "cases": len(cases), "complete": False, "stamp": benchdoc.stamp(),
-              "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
+              "command": args.command,
               "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends, "rounds": True}
     for dtype, d, causal, n in cases:
         print(f"{dtype} d={d} causal={causal} N={n} ...", file=sys.stderr, flush=True)
@@ -879,7 +881,7 @@ def run_decode(args, other_builds: dict) -> int:
     cases = [(dtype, d, q_len, kv_len) for dtype in args.dtypes for d in args.head_dims for q_len in args.queries
              for kv_len in args.keys]
     record = {"mode": "decode", "copy_gbs": copy_gbs, "rows": [], "cases": len(cases), "complete": False,
-              "stamp": benchdoc.stamp(), "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:]),
+              "stamp": benchdoc.stamp(), "command": args.command,
               "warmup": args.warmup, "repeats": args.repeats, "backends": args.backends, "rounds": True,
               "composition_warmup": min(args.warmup, DECODE_COMPOSITION_WARMUP),
               "composition_repeats": min(args.repeats, DECODE_COMPOSITION_REPEATS)}

@@ -1,5 +1,6 @@
 // A CPU emulation of the CUDA built-ins and PTX wrappers the kernels use, so the unchanged kernel
-// source runs on a CPU (one std::thread per CUDA thread). It exists to test the kernels' index
+// source runs on a CPU (a block's CUDA threads as fibers, fibers.h; in the sanitizer builds an OS
+// thread each). It exists to test the kernels' index
 // arithmetic, tiling, masking, online softmax and epilogue where no GPU is available; it says
 // nothing about speed. Warp collectives (shfl, ldmatrix, mma) follow the PTX ISA's documented
 // fragment layouts: each lane publishes its operands, the warp synchronises, each lane computes
@@ -18,6 +19,8 @@
 #include <new>
 #include <string>
 #include <vector>
+
+#include "fibers.h"
 
 #define __global__
 #define __device__
@@ -54,11 +57,12 @@ struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 
-// The barriers of a block and of a warp. Under ThreadSanitizer a mutex and condition variable:
-// TSan does not see every happens-before edge of libstdc++ 12's tree barrier (std::barrier), so
-// with copies written at their issue it reported a read one barrier before another thread's write
-// as a race, which this barrier, around the same kernel code, does not. Elsewhere std::barrier,
-// about 11x faster at 256 threads.
+// The barriers of a block and of a warp. By default the block's threads are fibers (fibers.h) and a
+// barrier switches between them. The sanitizer builds run an OS thread per CUDA thread: under
+// ThreadSanitizer a mutex and condition variable (TSan does not see every happens-before edge of
+// libstdc++ 12's tree barrier, std::barrier, so with copies written at their issue it reported a
+// read one barrier before another thread's write as a race, which this barrier, around the same
+// kernel code, does not); under AddressSanitizer std::barrier, about 11x faster at 256 threads.
 #if defined(__SANITIZE_THREAD__)  // GCC's -fsanitize=thread
 #define DIFFX_EMU_THREAD_SANITIZER 1
 #elif defined(__has_feature)
@@ -66,7 +70,23 @@ struct Dim3 {
 #define DIFFX_EMU_THREAD_SANITIZER 1
 #endif
 #endif
-#ifdef DIFFX_EMU_THREAD_SANITIZER
+#if defined(__SANITIZE_ADDRESS__)
+#define DIFFX_EMU_ADDRESS_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DIFFX_EMU_ADDRESS_SANITIZER 1
+#endif
+#endif
+#ifndef DIFFX_EMU_FIBERS
+#if defined(DIFFX_EMU_THREAD_SANITIZER) || defined(DIFFX_EMU_ADDRESS_SANITIZER)
+#define DIFFX_EMU_FIBERS 0
+#else
+#define DIFFX_EMU_FIBERS 1
+#endif
+#endif
+#if DIFFX_EMU_FIBERS
+using Barrier = FiberBarrier;
+#elif defined(DIFFX_EMU_THREAD_SANITIZER)
 class Barrier {
  public:
   explicit Barrier(int threads) : threads_(threads) {}
@@ -128,18 +148,33 @@ struct Block {
   std::mutex named_mutex;
 };
 
+// cp.async in flight (diffx::cp_async_16 below): where it lands, from where (or zeros).
+struct PendingCopy {
+  void* smem;
+  const void* gmem;
+  bool valid;
+};
+
+// What a CUDA thread has of its own: its indices, its block, its copies in flight.
 struct ThreadContext {
   Dim3 thread_idx, block_idx;
   Block* block = nullptr;
+  std::vector<PendingCopy> pending_copies;
+  std::vector<size_t> group_ends;  // pending_copies' size at each commit
 };
-inline thread_local ThreadContext t_ctx;
+#if DIFFX_EMU_FIBERS
+inline ThreadContext& ctx() { return *static_cast<ThreadContext*>(t_fiber->user); }  // the running fiber's
+#else
+inline thread_local ThreadContext t_thread_ctx;
+inline ThreadContext& ctx() { return t_thread_ctx; }
+#endif
 
-inline int lane() { return int(t_ctx.thread_idx.x) & 31; }
-inline Warp& warp() { return *t_ctx.block->warps[t_ctx.thread_idx.x >> 5]; }
+inline int lane() { return int(ctx().thread_idx.x) & 31; }
+inline Warp& warp() { return *ctx().block->warps[ctx().thread_idx.x >> 5]; }
 
 template <typename T>
 T* block_static(const char* name, size_t count) {
-  Block& b = *t_ctx.block;
+  Block& b = *ctx().block;
   std::lock_guard<std::mutex> lock(b.statics_mutex);
   std::vector<char>& storage = b.statics[name];
   if (storage.empty()) storage.resize(count * sizeof(T) + 16);
@@ -177,12 +212,12 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, NaN stays Na
 
 }  // namespace diffx_emu
 
-#define threadIdx (diffx_emu::t_ctx.thread_idx)
-#define blockIdx (diffx_emu::t_ctx.block_idx)
-#define DIFFX_DYNAMIC_SHARED(name) char* name = diffx_emu::t_ctx.block->smem()
+#define threadIdx (diffx_emu::ctx().thread_idx)
+#define blockIdx (diffx_emu::ctx().block_idx)
+#define DIFFX_DYNAMIC_SHARED(name) char* name = diffx_emu::ctx().block->smem()
 #define DIFFX_SHARED_ARRAY(type, name, count) type* name = diffx_emu::block_static<type>(#name, (count))
 
-inline void __syncthreads() { diffx_emu::t_ctx.block->sync.arrive_and_wait(); }
+inline void __syncthreads() { diffx_emu::ctx().block->sync.arrive_and_wait(); }
 // The lanes of a warp meet, and what each wrote to memory before is seen by all (every lane takes part here).
 inline void __syncwarp(unsigned = 0xffffffffu) { diffx_emu::warp().sync.arrive_and_wait(); }
 
@@ -232,13 +267,7 @@ namespace diffx {
 //   (no barrier orders that read before the issue) is a reported race too, whenever the hardware
 //   lands it.
 inline int g_copies_land = 0;  // set before a launch's threads start
-struct PendingCopy {
-  void* smem;
-  const void* gmem;
-  bool valid;
-};
-inline thread_local std::vector<PendingCopy> t_pending_copies;
-inline thread_local std::vector<size_t> t_group_ends;  // t_pending_copies' size at each commit
+using diffx_emu::PendingCopy;
 
 inline void cp_async_write(const PendingCopy& c) {
   if (c.valid) {
@@ -249,34 +278,39 @@ inline void cp_async_write(const PendingCopy& c) {
 }
 inline void cp_async_16(void* smem, const void* gmem, bool valid) {
   if (g_copies_land != 0) cp_async_write({smem, gmem, valid});
-  t_pending_copies.push_back({smem, gmem, valid});
+  diffx_emu::ctx().pending_copies.push_back({smem, gmem, valid});
 }
-inline void cp_async_commit() { t_group_ends.push_back(t_pending_copies.size()); }
+inline void cp_async_commit() {
+  diffx_emu::ThreadContext& c = diffx_emu::ctx();
+  c.group_ends.push_back(c.pending_copies.size());
+}
 
 // bar.sync id, THREADS: the THREADS threads (whole warps) that name barrier `id` (1-15) meet.
 template <int THREADS>
 inline void named_barrier_sync(int id) {
-  diffx_emu::t_ctx.block->named_barrier(id, THREADS).arrive_and_wait();
+  diffx_emu::ctx().block->named_barrier(id, THREADS).arrive_and_wait();
 }
 // Lands the first `count` pending copies (the oldest), in issue order.
 inline void cp_async_land(size_t count) {
+  std::vector<PendingCopy>& pending = diffx_emu::ctx().pending_copies;
   if (g_copies_land != 1)
-    for (size_t i = 0; i < count; ++i) cp_async_write(t_pending_copies[i]);
-  t_pending_copies.erase(t_pending_copies.begin(), t_pending_copies.begin() + long(count));
+    for (size_t i = 0; i < count; ++i) cp_async_write(pending[i]);
+  pending.erase(pending.begin(), pending.begin() + long(count));
 }
 inline void cp_async_wait_all() {
-  cp_async_land(t_pending_copies.size());
-  t_group_ends.clear();
+  cp_async_land(diffx_emu::ctx().pending_copies.size());
+  diffx_emu::ctx().group_ends.clear();
 }
 // The latest moment again: the N newest committed groups (and uncommitted copies) stay pending.
 template <int N>
 inline void cp_async_wait_group() {
-  if (t_group_ends.size() <= size_t(N)) return;
-  const size_t done_groups = t_group_ends.size() - size_t(N);
-  const size_t landed = t_group_ends[done_groups - 1];
+  std::vector<size_t>& group_ends = diffx_emu::ctx().group_ends;
+  if (group_ends.size() <= size_t(N)) return;
+  const size_t done_groups = group_ends.size() - size_t(N);
+  const size_t landed = group_ends[done_groups - 1];
   cp_async_land(landed);
-  t_group_ends.erase(t_group_ends.begin(), t_group_ends.begin() + long(done_groups));
-  for (size_t& end : t_group_ends) end -= landed;
+  group_ends.erase(group_ends.begin(), group_ends.begin() + long(done_groups));
+  for (size_t& end : group_ends) end -= landed;
 }
 
 inline uint32_t load_u32(const char* p) {

@@ -24,27 +24,50 @@
 
 namespace {
 
-// One std::thread per CUDA thread of a block, kept for the whole launch: the threads run the grid's
-// blocks one after another (x fastest, then y, then z), meeting at `phase` between blocks while
-// this thread sets up the next block's shared state. (A new std::thread per CUDA thread per block
-// spent more time in thread creation than in the kernels.) Each block starts with its thread's
-// cp.async emulation state empty, as a fresh thread's would be.
+// The grid's blocks one after another (x fastest, then y, then z), each from fresh shared memory
+// and barriers, each thread starting with no cp.async in flight.
 template <typename Body>
 void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_bytes, Body body) {
   const uint64_t blocks = uint64_t(gx) * gy * gz;
+  const auto block_idx = [&](uint64_t i) {
+    return diffx_emu::Dim3{unsigned(i % gx), unsigned(i / gx % gy), unsigned(i / (uint64_t(gx) * gy))};
+  };
+#if DIFFX_EMU_FIBERS
+  // A fiber per CUDA thread, on this thread (fibers.h).
+  diffx_emu::Fibers fibers(threads);
+  std::vector<diffx_emu::ThreadContext> contexts(threads);
+  std::vector<void*> users(threads);
+  for (int t = 0; t < threads; ++t) users[t] = &contexts[t];
+  auto run_thread = [&](int) { body(); };
+  for (uint64_t i = 0; i < blocks; ++i) {
+    diffx_emu::Block block(threads, smem_bytes);
+    for (int t = 0; t < threads; ++t) {
+      contexts[t].thread_idx = {unsigned(t), 0, 0};
+      contexts[t].block_idx = block_idx(i);
+      contexts[t].block = &block;
+      contexts[t].pending_copies.clear();
+      contexts[t].group_ends.clear();
+    }
+    fibers.run(users.data(), run_thread, /*descending=*/i % 2 == 1);  // one block ahead-first, the next behind-first
+  }
+#else
+  // One std::thread per CUDA thread, kept for the whole launch, meeting at `phase` between blocks
+  // while this thread sets up the next block. (A new std::thread per CUDA thread per block spent
+  // more time in thread creation than in the kernels.)
   std::unique_ptr<diffx_emu::Block> block;
   std::barrier<> phase(threads + 1);  // the CUDA threads and this one
   std::vector<std::thread> pool;
   pool.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
+      diffx_emu::ThreadContext& c = diffx_emu::ctx();
       for (uint64_t i = 0; i < blocks; ++i) {
         phase.arrive_and_wait();  // block i is set up
-        diffx::t_pending_copies.clear();
-        diffx::t_group_ends.clear();
-        diffx_emu::t_ctx.thread_idx = {unsigned(t), 0, 0};
-        diffx_emu::t_ctx.block_idx = {unsigned(i % gx), unsigned(i / gx % gy), unsigned(i / (uint64_t(gx) * gy))};
-        diffx_emu::t_ctx.block = block.get();
+        c.pending_copies.clear();
+        c.group_ends.clear();
+        c.thread_idx = {unsigned(t), 0, 0};
+        c.block_idx = block_idx(i);
+        c.block = block.get();
         body();
         phase.arrive_and_wait();  // every thread is done with block i
       }
@@ -56,6 +79,7 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, int threads, size_t smem_by
     phase.arrive_and_wait();
   }
   for (auto& th : pool) th.join();
+#endif
 }
 
 template <typename T, int D, int DV, bool INT8, int KV, int STAGES, int KT, bool PM>
