@@ -34,11 +34,11 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py
 # left the sanitizer runs (2 tests, 217 s), the quickstart and the wheel for last, where one worker
 # ran them while the other idled: 1004 s of wall time for 1718 s of tests on two workers.
 LONG_FILES_FIRST = {
-    "test_kernel_emulated.py": 390, "test_kernel_sanitized.py": 230, "test_fusion.py": 175,
-    "test_kernel_build.py": 145, "test_hostile_inputs.py": 97, "test_wheel.py": 80, "test_export_errors.py": 73,
-    "test_readme_quickstart.py": 63, "test_campaign_report.py": 63, "test_gpu_campaign_budget.py": 63,
-    "test_needles.py": 60, "test_checkpoint.py": 60, "test_decoder_export.py": 58, "test_beam_search.py": 53,
-    "test_decoder_check.py": 51, "test_triton.py": 49, "test_docs.py": 49, "test_export.py": 49,
+    "test_kernel_sanitized.py": 228, "test_fusion.py": 149, "test_kernel_build.py": 116,
+    "test_kernel_emulated.py": 106, "test_hostile_inputs.py": 69, "test_needles.py": 60, "test_wheel.py": 59,
+    "test_decoder_export.py": 59, "test_export_errors.py": 50, "test_readme_quickstart.py": 48,
+    "test_gpu_campaign_budget.py": 46, "test_beam_search.py": 44, "test_triton.py": 44, "test_docs.py": 43,
+    "test_checkpoint.py": 40, "test_qdq.py": 38, "test_export.py": 37, "test_decoder_check.py": 35,
 }
 
 

@@ -297,7 +297,8 @@ def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
 
 def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     """tools/prepare_gpu_campaign.sh builds a library only where its folder holds none made from the
-    same kernel inputs (the commit's plugins/ but its Markdown, and CMakeLists.txt, architecture, flags, nvcc, CUTLASS),
+    same kernel inputs (the commit's plugins/ but its Markdown and the CPU emulator, and CMakeLists.txt, architecture,
+    flags, nvcc, CUTLASS),
     and packs the CUTLASS headers only when they changed: a second run keeps every folder, new flags
     rebuild that variant alone, a broken packed library is rebuilt, and PREPARE_REBUILD=1 rebuilds all.
     Run in a clone, with cmake and nvcc stand-ins that log their builds and write a stand-in library
@@ -354,6 +355,8 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
                        check=True, timeout=60, env={**env, "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
 
     commit("plugins/kernels/README.md", "\nA line of prose.\n")  # no kernel input: the build is kept
+    assert "build-before            kept" in prepare("") and builds() == 4
+    commit("plugins/kernels/emulation/fibers.h", "\n// a comment\n")  # the CPU emulator: no library input
     assert "build-before            kept" in prepare("") and builds() == 4
     commit("plugins/kernels/diff_attention.h", "\n// a comment\n")  # a kernel input: built again
     prepare("")

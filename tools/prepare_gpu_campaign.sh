@@ -56,9 +56,11 @@ still_current() {
      -f "$packed" && ! -L "$packed" && "$(head -c 100 "$folder/INPUTS")" == "$3" ]] && xz -t "$packed" 2> /dev/null
 }
 # kernel_inputs COMMIT "NVCC FLAGS": a digest of what decides the library a build makes.
-# (plugins/ file by file but for its Markdown: an edit of a README beside the kernels keeps the builds)
+# (plugins/ file by file but for its Markdown and the CPU emulator, which the library does not
+# compile: an edit of a README beside the kernels, or of the emulation, keeps the builds)
 kernel_inputs() {
-  { git ls-tree -r "$1" -- plugins CMakeLists.txt | awk '!/\.md$/'; echo "$ARCH $2"; nvcc --version
+  { git ls-tree -r "$1" -- plugins CMakeLists.txt | awk '!/\.md$/ && !/\tplugins\/kernels\/emulation\//'
+    echo "$ARCH $2"; nvcc --version
     cat "$cutlass_src/cutlass/version.h"; } | sha256sum | cut -d' ' -f1
 }
 # build_library COMMIT FOLDER "NVCC FLAGS": the library of COMMIT, for ARCH, into FOLDER/ (with a
