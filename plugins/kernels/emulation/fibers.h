@@ -11,7 +11,9 @@
 //
 // The switch: a few lines of assembly on x86-64 and AArch64 ELF (the callee-saved registers and the
 // stack pointer, as boost.context's fcontext does); elsewhere, or with
-// -DDIFFX_EMU_FIBER_UCONTEXT=1, POSIX swapcontext (a signal-mask system call per switch).
+// -DDIFFX_EMU_FIBER_UCONTEXT=1, POSIX swapcontext (a signal-mask system call per switch). The x86-64
+// and swapcontext switches run in the tests; the AArch64 one was only compiled and linked (fibers_check.cpp
+// with `zig c++ -target aarch64-linux-gnu`, 2026-11-30): no AArch64 machine has run it yet.
 #pragma once
 
 #include <cstddef>
