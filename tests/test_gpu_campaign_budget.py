@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tool_main import run_tool
+from tool_main import run_tool, tool_module
 
 pytestmark = pytest.mark.slow
 
@@ -402,22 +402,13 @@ def test_a_bench_stopped_at_its_limit_renders_as_partial(tmp_path):
         assert says_partial == (name == "partial.json"), out.stderr
 
 
-def bench_attention_module():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_attention
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return bench_attention
-
-
 def test_methods_are_timed_in_rounds_so_a_drift_falls_on_all_alike(capsys):
     """bench_attention.interleaved_medians on stand-in methods whose every call reads 1% slower than
     the call before (a GPU warming over the loop): each round times every method once, one method
     later than the round before, so their medians keep the true ratios, where timing one method's
     runs back to back would put ~10% of drift on the method timed last. A method that raises in its
     warm-up or in a round is left out with a line saying why; the others are still measured."""
-    bench = bench_attention_module()
+    bench = tool_module("bench_attention")
     calls = []
 
     def method(name, base, fail_at=None):
@@ -454,11 +445,7 @@ def test_methods_are_timed_in_rounds_so_a_drift_falls_on_all_alike(capsys):
 def test_the_fixed_cost_per_cta_is_a_fitted_line_and_renders(tmp_path):
     """bench_attention.py --cta-cost: the intercept and slope of the least-squares line through the
     measured points, how far the worst point lies off it, and the table --render prints of a saved run."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_attention
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    bench_attention = tool_module("bench_attention")
     keys = bench_attention.CTA_COST_KEYS
     straight = bench_attention.fixed_cost_fit([(k, 0.08 + 0.5e-3 * k) for k in keys])
     assert straight["intercept_ms"] == pytest.approx(0.08) and straight["ms_per_1k_keys"] == pytest.approx(0.5)
@@ -607,11 +594,10 @@ def test_render_refuses_what_is_not_a_saved_run_in_one_line_writing_nothing(tmp_
     assert doc.read_bytes() == before
 
 
-def test_masked_decode_builds_must_be_builds_of_compare(monkeypatch, capsys):
+def test_masked_decode_builds_must_be_builds_of_compare():
     """--masked-compare names builds of --compare whose key-masked decode call is timed too: a name
     that is not one is refused with one line (exit 2) before any GPU or library is touched."""
-    bench = bench_attention_module()
-    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--decode", "--compare", "before=build-before/lib.so",
-                                      "--masked-compare", "before", "befor"])
-    assert bench.main() == 2
-    assert capsys.readouterr().err == "error: --masked-compare befor: not a build of --compare\n"
+    out = run_tool("bench_attention", "--decode", "--compare", "before=build-before/lib.so",
+                   "--masked-compare", "before", "befor")
+    assert out.returncode == 2
+    assert out.stderr == "error: --masked-compare befor: not a build of --compare\n"

@@ -13,12 +13,20 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
+def tool_module(name: str):
+    """tools/<name>.py imported as a module (the folder on sys.path for the import alone: each tool
+    puts it there itself for its siblings)."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
 def run_tool(name: str, *args: str) -> subprocess.CompletedProcess:
     """tools/<name>.py's main(list(args)): its exit status, stdout and stderr, as subprocess.run with
     capture_output=True, text=True returns them (argparse's SystemExit is the status)."""
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    module = importlib.import_module(name)
+    module = tool_module(name)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
