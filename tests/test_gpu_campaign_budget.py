@@ -209,6 +209,15 @@ def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
     (checkout / "build-link-packed").mkdir()
     (checkout / "build-link-packed" / "libdiffexport_kernels.so.xz").symlink_to(
         checkout / "build-before" / "libdiffexport_kernels.so.xz")
+    # prepare_gpu_campaign.sh's variants, one carried folder: each unpacked, but not through a folder link
+    for name in ("s8qk", "s8all"):
+        (checkout / "build-variants" / name).mkdir(parents=True)
+        (checkout / "build-variants" / name / "libdiffexport_kernels.so.xz").write_bytes(lzma.compress(library))
+    linked_folder = tmp_path / "linked-folder"
+    linked_folder.mkdir()
+    (linked_folder / "libdiffexport_kernels.so.xz").write_bytes(lzma.compress(library))
+    (checkout / "build-variants" / "linked").symlink_to(linked_folder)
+    (checkout / "build-dirlink").symlink_to(linked_folder)
 
     def campaign_env(out):
         return subprocess.run(["bash", str(checkout / "tools" / "gpu_campaign.sh"), "--out", str(tmp_path / out),
@@ -218,6 +227,9 @@ def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
     assert run.returncode == 0, run.stdout + run.stderr
     assert (checkout / "build-before" / "libdiffexport_kernels.so").read_bytes() == library
     assert (checkout / "build-packmaps" / "libdiffexport_kernels.so").read_bytes() == library
+    for name in ("s8qk", "s8all"):
+        assert (checkout / "build-variants" / name / "libdiffexport_kernels.so").read_bytes() == library
+    assert [p.name for p in linked_folder.iterdir()] == ["libdiffexport_kernels.so.xz"]
     assert (checkout / "build-kept" / "libdiffexport_kernels.so").read_bytes() == b"built here"
     assert outside.read_bytes() == b"not to be written"
     assert (checkout / "build-linked" / "libdiffexport_kernels.so").is_symlink()
@@ -499,6 +511,10 @@ def run_readme_command(env, tmp_path, command: str):
     return log, (tmp_path / "calls.log").read_text()
 
 
+# The decode-only builds prepare_gpu_campaign.sh makes for the issue 62 call (tools/README.md), in its order.
+DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all")
+
+
 def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     """The call prepared for issue 62 (a Hopper variant beside this build and `before`), as written."""
     env, tmp_path = stubs
@@ -514,12 +530,14 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
             "--hopper-variants cluster2=" in bench)
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
     # the carried decode-only builds beside `before` in decode (its bf16 cases), not in the prefill bench
+    carried = " ".join(f"{name}=build-variants/{name}/libdiffexport_kernels.so" for name in DECODE_VARIANTS)
     assert ("--keys 32768 131072 --dtypes bfloat16 --masked-compare before --compare "
-            "before=build-before/libdiffexport_kernels.so "
-            "kvtiles1=build-kvtiles1/libdiffexport_kernels.so packmaps=build-packmaps/libdiffexport_kernels.so "
-            "s8qk=build-s8qk/libdiffexport_kernels.so overlap=build-overlap/libdiffexport_kernels.so "
-            "warpcopies=build-warpcopies/libdiffexport_kernels.so --hopper-variants") in decode
-    assert not any(name in bench for name in ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies"))
+            f"before=build-before/libdiffexport_kernels.so {carried} --hopper-variants") in decode
+    assert not any(name in bench for name in DECODE_VARIANTS)
+    # ... the very builds that the README's preparation before it makes
+    prepared = re.search(r'PREPARE_VARIANTS="([^"]*)"[^\n]*\\\n\s*tools/prepare_gpu_campaign.sh 58e623d',
+                         (ROOT / "tools" / "README.md").read_text()).group(1)
+    assert tuple(spec.partition(":")[0] for spec in prepared.split()) == DECODE_VARIANTS
     # then the Hopper path's fixed cost per CTA, of this build and every carried one
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
@@ -546,7 +564,7 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     assert all("--profile-kv-cache int8" in x for x in decode)
     for launch, name in zip(decode[1:], ("packmaps", "warpcopies")):
         assert f"/tmp/profile-decode-kv8-{name}" in launch
-        assert launch.endswith(f" lib=build-{name}/libdiffexport_kernels.so")
+        assert launch.endswith(f" lib=build-variants/{name}/libdiffexport_kernels.so")
     assert not any(decode[0].endswith(f"{name}/libdiffexport_kernels.so") for name in ("packmaps", "warpcopies"))
     # each launch's per-instruction warp samples, exported from its own report (tools/ncu_stall_sites.py)
     sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
@@ -556,8 +574,8 @@ def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launche
     condense = [x for x in calls.splitlines() if x.startswith("python tools/ncu_stall_sites.py")]
     assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
     libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
-    assert sum(x.endswith("build-packmaps/libdiffexport_kernels.so") for x in libraries) == 1
-    assert sum(x.endswith("build-warpcopies/libdiffexport_kernels.so") for x in libraries) == 1
+    assert sum(x.endswith("build-variants/packmaps/libdiffexport_kernels.so") for x in libraries) == 1
+    assert sum(x.endswith("build-variants/warpcopies/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("-cluster2/plugins/kernels/libdiffexport_kernels.so") for x in libraries) == 1
 
 

@@ -273,7 +273,7 @@ def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
     that is no commit here is one line, exit 2, and build-cutlass/build-before stay as they were."""
     root = KERNELS.parent.parent
     before = {name: (root / name).exists() and sorted(p.name for p in (root / name).iterdir())
-              for name in ("build-cutlass", "build-before")}
+              for name in ("build-cutlass", "build-before", "build-variants")}
     out = subprocess.run(["bash", str(root / "tools" / "prepare_gpu_campaign.sh"), "no-such-commit-0123"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
@@ -283,16 +283,13 @@ def test_campaign_preparation_refuses_what_is_not_a_commit_before_writing():
                          text=True, timeout=60, env=dict(os.environ, PREPARE_VARIANTS="kvtiles1"))
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "error: PREPARE_VARIANTS takes name:flags, not 'kvtiles1'\n"
-    # More folders than one run call carries (8 paths: build-carry, build-before, the variants,
-    # build-trt), the same.
+    # A variant named twice, the same (its folder would be built twice and timed once).
     out = subprocess.run(["bash", str(root / "tools" / "prepare_gpu_campaign.sh"), "HEAD"], capture_output=True,
-                         text=True, timeout=60, env=dict(os.environ, TRT_INCLUDE_DIR="/no/such/dir",
-                                                         PREPARE_VARIANTS=" ".join(f"v{i}:-DX={i}" for i in range(6))))
+                         text=True, timeout=60, env=dict(os.environ, PREPARE_VARIANTS="v1:-DX=1 v2:-DX=2 v1:-DX=3"))
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == ("error: 9 folders to carry, and run carries at most 8 paths: "
-                          "drop 1 of PREPARE_VARIANTS\n")
+    assert out.stderr == "error: PREPARE_VARIANTS names 'v1' twice\n"
     assert before == {name: (root / name).exists() and sorted(p.name for p in (root / name).iterdir())
-                      for name in ("build-cutlass", "build-before")}
+                      for name in ("build-cutlass", "build-before", "build-variants")}
 
 
 def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
@@ -335,19 +332,35 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
 
     first = prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1")
     assert builds() == 2 and "kept" not in first
-    assert (checkout / "build-tiles1" / "INPUTS").read_text() != (checkout / "build-before" / "INPUTS").read_text()
+    tiles1 = checkout / "build-variants" / "tiles1"  # the variants in one carried folder
+    assert (tiles1 / "INPUTS").read_text() != (checkout / "build-before" / "INPUTS").read_text()
+    assert 'carry=["build-carry", "build-before", "build-variants"]' in first
+    assert "tiles1=build-variants/tiles1/libdiffexport_kernels.so" in first
     again = prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1")
     assert builds() == 2, again  # nothing built
     head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=7", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert f"build-before            kept: built from the same kernel inputs (HEAD {head})" in again
-    assert "build-tiles1            kept" in again and "build-tiles1" in again.split("carry=[", 1)[1]
+    assert "build-variants/tiles1   kept" in again
     assert "build-carry             kept: the same CUTLASS headers" in again  # not packed again
     prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1,-DDIFFX_DECODE_KV_STAGES=2")  # new flags: that variant alone
     assert builds() == 3
+    # A second variant is built beside it; one no longer named is removed, not carried.
+    prepare("tiles1:-DDIFFX_DECODE_KV_TILES=1,-DDIFFX_DECODE_KV_STAGES=2 s8:-DDIFFX_DECODE_KV_S8_QK=1")
+    assert builds() == 4 and sorted(p.name for p in tiles1.parent.iterdir()) == ["s8", "tiles1"]
+    dropped = prepare("s8:-DDIFFX_DECODE_KV_S8_QK=1")
+    assert builds() == 4 and "build-variants/tiles1   removed: not a variant of PREPARE_VARIANTS" in dropped
+    assert [p.name for p in tiles1.parent.iterdir()] == ["s8"]
+    # build-variants as a link is replaced by a folder of its own; the link's target is not written.
+    shutil.move(tiles1.parent, tmp_path / "variants-elsewhere")
+    tiles1.parent.symlink_to(tmp_path / "variants-elsewhere")
+    prepare("s8:-DDIFFX_DECODE_KV_S8_QK=1")
+    assert builds() == 5 and not tiles1.parent.is_symlink() and (tiles1.parent / "s8" / "INPUTS").is_file()
+    assert [p.name for p in (tmp_path / "variants-elsewhere").iterdir()] == ["s8"]
+    assert 'carry=["build-carry", "build-before"]' in prepare("") and not tiles1.parent.exists()
     (checkout / "build-before" / "libdiffexport_kernels.so.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
     prepare("")  # a packed library that is no longer whole is built again
-    assert builds() == 4
+    assert builds() == 6
 
     def commit(path, text):
         (checkout / path).write_text((checkout / path).read_text() + text)
@@ -355,12 +368,12 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
                        check=True, timeout=60, env={**env, "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
 
     commit("plugins/kernels/README.md", "\nA line of prose.\n")  # no kernel input: the build is kept
-    assert "build-before            kept" in prepare("") and builds() == 4
+    assert "build-before            kept" in prepare("") and builds() == 6
     commit("plugins/kernels/emulation/fibers.h", "\n// a comment\n")  # the CPU emulator: no library input
-    assert "build-before            kept" in prepare("") and builds() == 4
+    assert "build-before            kept" in prepare("") and builds() == 6
     commit("plugins/kernels/diff_attention.h", "\n// a comment\n")  # a kernel input: built again
     prepare("")
-    assert builds() == 5
+    assert builds() == 7
     # A folder that is a link, even to a current copy, is never kept, and its target is not written.
     copy = tmp_path / "elsewhere"
     shutil.copytree(checkout / "build-before", copy)
@@ -368,8 +381,8 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     shutil.rmtree(checkout / "build-before")
     (checkout / "build-before").symlink_to(copy)
     prepare("")
-    assert builds() == 6 and not (checkout / "build-before").is_symlink()
+    assert builds() == 8 and not (checkout / "build-before").is_symlink()
     assert {f.name: f.read_bytes() for f in copy.iterdir()} == kept_bytes
     prepare("", PREPARE_REBUILD="1")
-    assert builds() == 7
+    assert builds() == 9
     assert not list(tmp_path.glob("diffexport-build-*"))  # no worktree left behind

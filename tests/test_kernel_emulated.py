@@ -106,6 +106,19 @@ def emulator_s8_qk(tmp_path_factory):
                                           "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_S8_QK=1"]))
 
 
+@pytest.fixture(scope="module")
+def emulator_s8_qk_all(tmp_path_factory):
+    """emulator_s8_qk with the warp copies and the overlapped loop as well (DIFFX_DECODE_KV_WARP_COPIES=1,
+    DIFFX_DECODE_KV_OVERLAP=1): the carried build `s8all` of the issue 62 campaign (tools/README.md)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_S8_QK_ALL",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_s8_qk_all",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*OPTION_BUILD_FLAGS, "-DDIFFX_EMULATE_FP16_ONLY",
+                                          f"-DDIFFX_DECODE_TARGET_CTAS={LOWERED_TARGET}",
+                                          "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_S8_QK=1",
+                                          "-DDIFFX_DECODE_KV_WARP_COPIES=1", "-DDIFFX_DECODE_KV_OVERLAP=1"]))
+
+
 def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
@@ -693,6 +706,32 @@ def test_warp_copies_give_the_cta_copies_bits(emulator_warp_copies, emulator_low
     base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
     assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), label, min_cosine=min_cosine(torch.float16))
+
+
+@pytest.mark.parametrize("land", ["wait", "issue"])
+@pytest.mark.parametrize("case", [c for c in WARP_COPY_CASES if c[1] == "int8"], ids=lambda c: c[0])
+def test_s8_qk_with_warp_copies_and_the_overlap_gives_its_bits(emulator_s8_qk_all, emulator_s8_qk, case, land, rng,
+                                                               monkeypatch):
+    """The three 8-bit-cache options together (the campaign's `s8all`) on the int8 caches: the warp
+    copies and the overlapped loop move the same bytes and do the same arithmetic in the same order as
+    s8 Q.K^T alone does, so the output is emulator_s8_qk's bit for bit, with copies landing at their
+    wait or at their issue."""
+    label, fmt, variant, head_dim, ratio, heads, q_len, kv_len, pads, smem_optin = case
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.7)
+    batch = 1 if pads is None else len(pads)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=torch.float16, rng=rng)
+    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
+    codes, kv_scales, dequantised = cache_of(inputs, fmt)
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True, target=LOWERED_TARGET))
+    out = emulate(emulator_s8_qk_all, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    alone = emulate(emulator_s8_qk, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert torch.equal(out, alone), f"{label}: differs from s8 Q.K^T alone by {(out - alone).abs().max().item():.3e}"
+    on_codes = cosine(out, oracle(dequantised, attrs, key_mask))
+    assert S8_QK_BUDGET <= on_codes < 0.99999, f"{label}: cosine {on_codes:.7f} (Q rounded to int8 shows below 0.99999)"
 
 
 @pytest.mark.parametrize("case", [c for c in KV_CASES if c[0] == "fp8" and c[6] <= 16][:2],

@@ -74,10 +74,14 @@ if [[ -z "${CAMPAIGN_CUTLASS_DIR:-}" && ! -f build-cutlass/include/cute/tensor.h
   fi
 fi
 # The carried kernel libraries travel packed as well (a library is about ten times its xz): each
-# build-NAME/libdiffexport_kernels.so.xz becomes the library beside it, whole or not at all.
+# build-NAME/libdiffexport_kernels.so.xz and build-variants/NAME/libdiffexport_kernels.so.xz
+# (prepare_gpu_campaign.sh's variants, one carried path for all of them) becomes the library beside
+# it, whole or not at all; none is unpacked through a link, the file's or a folder's.
 # (CAMPAIGN_UNPACK_LIBRARIES=0 leaves them packed: the CPU tests' stand-in runs of this script.)
-for packed in $([[ "${CAMPAIGN_UNPACK_LIBRARIES:-1}" == 0 ]] || echo build-*/libdiffexport_kernels.so.xz); do
-  [[ -f "$packed" && ! -L "$packed" && ! -e "${packed%.xz}" && ! -L "${packed%.xz}" ]] || continue
+for packed in $([[ "${CAMPAIGN_UNPACK_LIBRARIES:-1}" == 0 ]] ||
+                echo build-*/libdiffexport_kernels.so.xz build-variants/*/libdiffexport_kernels.so.xz); do
+  [[ -f "$packed" && ! -L "$packed" && ! -L "${packed%/*}" && ! -e "${packed%.xz}" && ! -L "${packed%.xz}" ]] || continue
+  [[ "$packed" != build-variants/* || ! -L build-variants ]] || continue
   partial=$(mktemp "${packed%.xz}.XXXXXX")  # a new file: nothing already there is written through
   unxz_capped "$packed" "$partial"; status=$?
   if [[ $status == 0 ]]; then

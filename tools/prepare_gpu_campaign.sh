@@ -4,18 +4,21 @@
 # against and, when TRT_INCLUDE_DIR names a folder of TensorRT's public headers (fetched from the
 # NVIDIA/TensorRT repository, never committed), those headers, for the plugin and its harness
 # (tests/plugin_harness). They go into ignored folders of this checkout; then the one `run` call of
-# tools/README.md takes them with carry=["build-carry", "build-before", "build-trt"] (the CUTLASS
-# headers packed into build-carry/cutlass-include.tar.xz and each library into
-# build-NAME/libdiffexport_kernels.so.xz, which gpu_campaign.sh unpacks).
+# tools/README.md takes them with carry=["build-carry", "build-before", "build-variants", "build-trt"]
+# (the CUTLASS headers packed into build-carry/cutlass-include.tar.xz and each library into
+# build-before/ or build-variants/NAME/libdiffexport_kernels.so.xz, which gpu_campaign.sh unpacks).
 #
 #   [TRT_INCLUDE_DIR=DIR] [PREPARE_VARIANTS="name:flags ..."] tools/prepare_gpu_campaign.sh [BEFORE_COMMIT]
 #                                                          default b8abdb8 (the build measured on 2026-11-23)
 #
 # Builds only the kernel library, for 90a-real (about 2 minutes on 2 cores), in a temporary git
 # worktree that is removed afterwards. PREPARE_VARIANTS builds HEAD again with each variant's nvcc
-# flags (commas separate a variant's flags, as in CAMPAIGN_VARIANTS) into build-NAME/, a whole
-# library the campaign times beside this one through CAMPAIGN_COMPARE, so that the GPU machine
-# spends no time building it. A folder whose library was built from the same kernel inputs (the
+# flags (commas separate a variant's flags, as in CAMPAIGN_VARIANTS) into build-variants/NAME/, a
+# whole library the campaign times beside this one through CAMPAIGN_COMPARE, so that the GPU machine
+# spends no time building it. The variants share one folder because `run` carries at most 8 paths
+# (64 MiB in all, about 1.5 MiB a packed library): any number of them is one path, and a folder of
+# build-variants/ that PREPARE_VARIANTS does not name is removed, so that what is carried is what
+# was asked for. A folder whose library was built from the same kernel inputs (the
 # commit's plugins/ but its *.md files, and CMakeLists.txt, the architecture and flags, nvcc's version, the CUTLASS
 # headers: its INPUTS file) is kept as it is (PREPARE_REBUILD=1 builds every one again). Exit status
 # 0 when every folder is ready and together they fit the 64 MiB that `run` carries.
@@ -27,14 +30,12 @@ ARCH="${CAMPAIGN_ARCH:-90a-real}"
 CARRY_LIMIT_MB=64
 
 git rev-parse --verify --quiet "$BEFORE^{commit}" > /dev/null || { echo "error: $BEFORE is not a commit here" >&2; exit 2; }
-CARRY_PATHS=8  # what one `run` call carries: build-carry, build-before, the variants and build-trt
-paths=2; [[ -z "${TRT_INCLUDE_DIR:-}" ]] || paths=3
+names=" "
 for spec in ${PREPARE_VARIANTS:-}; do  # every spec checked before anything is written
   [[ "$spec" =~ ^[A-Za-z0-9_-]+:. ]] || { echo "error: PREPARE_VARIANTS takes name:flags, not '$spec'" >&2; exit 2; }
-  paths=$((paths + 1))
+  [[ "$names" != *" ${spec%%:*} "* ]] || { echo "error: PREPARE_VARIANTS names '${spec%%:*}' twice" >&2; exit 2; }
+  names+="${spec%%:*} "
 done
-(( paths <= CARRY_PATHS )) ||
-  { echo "error: $paths folders to carry, and run carries at most $CARRY_PATHS paths: drop $((paths - CARRY_PATHS)) of PREPARE_VARIANTS" >&2; exit 2; }
 command -v nvcc > /dev/null || { echo "error: nvcc not found: the kernel library needs the CUDA compiler" >&2; exit 2; }
 
 # 1. CUTLASS headers from the pinned wheel (pip install -e ".[kernels]").
@@ -73,7 +74,7 @@ build_library() {
     printf '%-23s %s\n' "$folder" "kept: built from the same kernel inputs ($(head -c 200 "$folder/COMMIT" 2> /dev/null | awk '{print $1, substr($2, 1, 7); exit}'))"
     return
   fi
-  worktree=$(mktemp -d "${TMPDIR:-/tmp}/diffexport-$folder.XXXXXX")
+  worktree=$(mktemp -d "${TMPDIR:-/tmp}/diffexport-${folder//\//-}.XXXXXX")
   worktrees+=("$worktree")
   git worktree add --detach --quiet "$worktree" "$commit"
   cmake -S "$worktree" -B "$worktree/build" -G Ninja -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
@@ -103,12 +104,26 @@ fi
 carry='"build-carry", "build-before"'
 variants=""
 folders=(build-carry build-before)
+# build-variants/ holds the variants PREPARE_VARIANTS names and nothing else (a link there is
+# replaced by a folder, its target left alone).
+[[ ! -L build-variants ]] || rm -f build-variants
+if [[ -n "${PREPARE_VARIANTS:-}" ]]; then
+  mkdir -p build-variants
+  for folder in build-variants/* build-variants/.[!.]*; do
+    [[ -e "$folder" || -L "$folder" ]] || continue
+    name="${folder#build-variants/}"
+    [[ "$names" == *" $name "* && -d "$folder" && ! -L "$folder" ]] && continue
+    rm -rf "$folder"; printf '%-23s %s\n' "$folder" "removed: not a variant of PREPARE_VARIANTS"
+  done
+  carry="$carry, \"build-variants\""
+  folders+=(build-variants)
+else
+  rm -rf build-variants
+fi
 for spec in ${PREPARE_VARIANTS:-}; do
   name="${spec%%:*}"; flags="${spec#*:}"
-  build_library HEAD "build-$name" "${flags//,/ }"
-  carry="$carry, \"build-$name\""
-  variants="${variants:+$variants }$name=build-$name/libdiffexport_kernels.so"
-  folders+=("build-$name")
+  build_library HEAD "build-variants/$name" "${flags//,/ }"
+  variants="${variants:+$variants }$name=build-variants/$name/libdiffexport_kernels.so"
 done
 
 # 3. TensorRT's headers, when given.
