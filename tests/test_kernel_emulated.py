@@ -683,11 +683,11 @@ WARP_COPY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("land", ["wait", "issue"])
-@pytest.mark.parametrize("case", WARP_COPY_CASES, ids=[c[0] for c in WARP_COPY_CASES])
-def test_warp_copies_give_the_cta_copies_bits(emulator_warp_copies, emulator_lowered_target, case, land, rng,
-                                              monkeypatch):
-    label, fmt, variant, head_dim, ratio, heads, q_len, kv_len, pads, smem_optin = case
+def warp_copy_call(case, land, rng, monkeypatch):
+    """A WARP_COPY_CASES call (K with per-channel offsets, left pads as the case says), the emulated GPU's
+    opt-in shared memory and where its copies land (at their wait or their issue) set: the op's
+    attributes, the cache's codes and scales, the values they stand for, the key mask and the plan."""
+    _label, fmt, variant, head_dim, ratio, heads, q_len, kv_len, pads, smem_optin = case
     monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
     monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
@@ -699,6 +699,15 @@ def test_warp_copies_give_the_cta_copies_bits(emulator_warp_copies, emulator_low
     codes, kv_scales, dequantised = cache_of(inputs, fmt)
     plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True, target=LOWERED_TARGET))
     assert plan[1] > 1
+    return attrs, codes, kv_scales, dequantised, key_mask, plan
+
+
+@pytest.mark.parametrize("land", ["wait", "issue"])
+@pytest.mark.parametrize("case", WARP_COPY_CASES, ids=[c[0] for c in WARP_COPY_CASES])
+def test_warp_copies_give_the_cta_copies_bits(emulator_warp_copies, emulator_lowered_target, case, land, rng,
+                                              monkeypatch):
+    label = case[0]
+    attrs, codes, kv_scales, dequantised, key_mask, plan = warp_copy_call(case, land, rng, monkeypatch)
     out = emulate(emulator_warp_copies, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
     assert not out.isnan().any(), "output not fully written (poison left)"
     cta = emulate(emulator_lowered_target, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
@@ -716,16 +725,8 @@ def test_s8_qk_with_warp_copies_and_the_overlap_gives_its_bits(emulator_s8_qk_al
     copies and the overlapped loop move the same bytes and do the same arithmetic in the same order as
     s8 Q.K^T alone does, so the output is emulator_s8_qk's bit for bit, with copies landing at their
     wait or at their issue."""
-    label, fmt, variant, head_dim, ratio, heads, q_len, kv_len, pads, smem_optin = case
-    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
-    monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
-    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
-                               causal=1, norm=int(variant == 1), output_scale=0.7)
-    batch = 1 if pads is None else len(pads)
-    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=torch.float16, rng=rng)
-    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
-    codes, kv_scales, dequantised = cache_of(inputs, fmt)
-    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, kv8=True, target=LOWERED_TARGET))
+    label = case[0]
+    attrs, codes, kv_scales, dequantised, key_mask, plan = warp_copy_call(case, land, rng, monkeypatch)
     out = emulate(emulator_s8_qk_all, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
     assert not out.isnan().any(), "output not fully written (poison left)"
     alone = emulate(emulator_s8_qk, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
