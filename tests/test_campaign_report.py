@@ -4,6 +4,7 @@ made-up folders for what that run did not have: a stopped suite, a met target, a
 a missing sanitizer, decode results, a broken file."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -340,6 +341,39 @@ def test_the_8_bit_kv_cache_rows_compare_with_the_bf16_call_from_32k_keys(made_u
     assert fp8 == ["1.50x-1.90x (median 1.70x), >= 1.6x in 1 of 2; cosine 0.99740 at worst", "cosine no, speed no"]
     summary = report(made_up).stdout
     assert "int8 cache     vs the float cache's split-KV call 1.00x-1.80x" in summary
+
+
+def test_each_carried_builds_8_bit_call_has_its_own_target_row(made_up):
+    """The campaign times the 8-bit cache calls of carried decode builds (the options off by default,
+    alone and together): each gets issue 62's row, against this build's bf16 call, so the run says
+    which set would meet the target as the default. A build without a cosine reads nan, never a pass,
+    and a format a build did not time has no row."""
+    cases = (("bfloat16", 32768, 0.9996), ("bfloat16", 131072, 0.9993), ("float16", 131072, 0.9))
+    rows = [{"dtype": dtype, "kv_len": keys, "d": 128,
+             "cosine_vs_fp32": {"int8_cache": cos, "fp8_cache": cos, "int8_cache@s8all": cos - 0.0001,
+                                **({"int8_cache@overlap": cos} if keys == 32768 else {})},
+             "timings": {"split_kv": {"ms": 0.02, "gbs": 2000.0},
+                         "split_kv_int8_cache": {"ms": 0.02 / 1.25, "gbs": 1.0},
+                         "split_kv_fp8_cache": {"ms": 0.02, "gbs": 1.0},
+                         "split_kv_int8_cache@s8all": {"ms": 0.02 / (1.6 if keys == 32768 else 1.7), "gbs": 1.0},
+                         "split_kv_int8_cache@overlap": {"ms": 0.02 / 1.3, "gbs": 1.0}}}
+            for dtype, keys, cos in cases]
+    (made_up / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 2500.0, "rows": rows,
+                                                     "cases": 3, "complete": True}))
+    out = report(made_up, "--targets")
+    assert out.returncode == 0, out.stderr
+    table = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:3] for line in out.stdout.splitlines()[2:]}
+    label = "62.2 int8 KV cache decode >= 1.6x the bf16 split-KV call from 32k keys, cosine >= 0.999"
+    assert table[label] == ["1.25x-1.25x (median 1.25x), >= 1.6x in 0 of 2; cosine 0.99930 at worst",
+                            "cosine yes, speed no"]
+    assert table[label + "; build s8all's 8-bit call"] == [
+        "1.60x-1.70x (median 1.65x), >= 1.6x in 2 of 2; cosine 0.99920 at worst", "cosine yes, speed yes"]
+    assert table[label + "; build overlap's 8-bit call"] == [
+        "1.30x-1.30x (median 1.30x), >= 1.6x in 0 of 2; cosine nan at worst", "cosine no, speed no"]
+    assert [k for k in table if k.startswith("62.2 fp8")] == [label.replace("int8", "fp8")]
+    # the summary's per-build lines take the same worst cosine: nan where a case has none
+    assert "int8 cache@overlap overlap / this build:" in report(made_up).stdout
+    assert re.search(r"int8 cache@overlap .*its cosine vs fp32 nan at worst", report(made_up).stdout)
 
 
 def test_a_carried_build_whose_output_differs_is_named_beside_its_timings(made_up):
