@@ -357,10 +357,14 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     prepare("s8:-DDIFFX_DECODE_KV_S8_QK=1")
     assert builds() == 5 and not tiles1.parent.is_symlink() and (tiles1.parent / "s8" / "INPUTS").is_file()
     assert [p.name for p in (tmp_path / "variants-elsewhere").iterdir()] == ["s8"]
-    assert 'carry=["build-carry", "build-before"]' in prepare("") and not tiles1.parent.exists()
+    shutil.rmtree(tiles1.parent / "s8")
+    (tiles1.parent / "s8").write_text("a file where its folder was")
+    assert "build-variants/s8       removed: not a folder of its own" in prepare("s8:-DDIFFX_DECODE_KV_S8_QK=1")
+    assert builds() == 6 and (tiles1.parent / "s8" / "INPUTS").is_file()
+    assert 'carry=["build-carry", "build-before"]' in prepare(" ") and not tiles1.parent.exists()
     (checkout / "build-before" / "libdiffexport_kernels.so.xz").write_bytes(b"\xfd7zXZ\x00 cut short")
     prepare("")  # a packed library that is no longer whole is built again
-    assert builds() == 6
+    assert builds() == 7
 
     def commit(path, text):
         (checkout / path).write_text((checkout / path).read_text() + text)
@@ -368,12 +372,12 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
                        check=True, timeout=60, env={**env, "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
 
     commit("plugins/kernels/README.md", "\nA line of prose.\n")  # no kernel input: the build is kept
-    assert "build-before            kept" in prepare("") and builds() == 6
+    assert "build-before            kept" in prepare("") and builds() == 7
     commit("plugins/kernels/emulation/fibers.h", "\n// a comment\n")  # the CPU emulator: no library input
-    assert "build-before            kept" in prepare("") and builds() == 6
+    assert "build-before            kept" in prepare("") and builds() == 7
     commit("plugins/kernels/diff_attention.h", "\n// a comment\n")  # a kernel input: built again
     prepare("")
-    assert builds() == 7
+    assert builds() == 8
     # A folder that is a link, even to a current copy, is never kept, and its target is not written.
     copy = tmp_path / "elsewhere"
     shutil.copytree(checkout / "build-before", copy)
@@ -381,8 +385,8 @@ def test_campaign_preparation_keeps_a_build_of_the_same_kernel_inputs(tmp_path):
     shutil.rmtree(checkout / "build-before")
     (checkout / "build-before").symlink_to(copy)
     prepare("")
-    assert builds() == 8 and not (checkout / "build-before").is_symlink()
+    assert builds() == 9 and not (checkout / "build-before").is_symlink()
     assert {f.name: f.read_bytes() for f in copy.iterdir()} == kept_bytes
     prepare("", PREPARE_REBUILD="1")
-    assert builds() == 9
+    assert builds() == 10
     assert not list(tmp_path.glob("diffexport-build-*"))  # no worktree left behind

@@ -107,13 +107,15 @@ folders=(build-carry build-before)
 # build-variants/ holds the variants PREPARE_VARIANTS names and nothing else (a link there is
 # replaced by a folder, its target left alone).
 [[ ! -L build-variants ]] || rm -f build-variants
-if [[ -n "${PREPARE_VARIANTS:-}" ]]; then
+if [[ "$names" != " " ]]; then  # (a PREPARE_VARIANTS of blanks names none)
   mkdir -p build-variants
   for folder in build-variants/* build-variants/.[!.]*; do
     [[ -e "$folder" || -L "$folder" ]] || continue
     name="${folder#build-variants/}"
-    [[ "$names" == *" $name "* && -d "$folder" && ! -L "$folder" ]] && continue
-    rm -rf "$folder"; printf '%-23s %s\n' "$folder" "removed: not a variant of PREPARE_VARIANTS"
+    if [[ "$names" != *" $name "* ]]; then why="not a variant of PREPARE_VARIANTS"
+    elif [[ -d "$folder" && ! -L "$folder" ]]; then continue
+    else why="not a folder of its own (built again)"; fi
+    rm -rf "$folder"; printf '%-23s %s\n' "$folder" "removed: $why"
   done
   carry="$carry, \"build-variants\""
   folders+=(build-variants)
