@@ -702,16 +702,25 @@ def warp_copy_call(case, land, rng, monkeypatch):
     return attrs, codes, kv_scales, dequantised, key_mask, plan
 
 
+def same_bits(library, other, case, land, rng, monkeypatch, what):
+    """The warp_copy_call of case from two emulator builds, whose outputs must be the same bit for bit
+    (what: how the assertion says they differ): the first's output, the attributes, the values the
+    codes stand for and the key mask."""
+    attrs, codes, kv_scales, dequantised, key_mask, plan = warp_copy_call(case, land, rng, monkeypatch)
+    out = emulate(library, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    theirs = emulate(other, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert torch.equal(out, theirs), f"{case[0]}: {what} by {(out - theirs).abs().max().item():.3e}"
+    return out, attrs, dequantised, key_mask
+
+
 @pytest.mark.parametrize("land", ["wait", "issue"])
 @pytest.mark.parametrize("case", WARP_COPY_CASES, ids=[c[0] for c in WARP_COPY_CASES])
 def test_warp_copies_give_the_cta_copies_bits(emulator_warp_copies, emulator_lowered_target, case, land, rng,
                                               monkeypatch):
     label = case[0]
-    attrs, codes, kv_scales, dequantised, key_mask, plan = warp_copy_call(case, land, rng, monkeypatch)
-    out = emulate(emulator_warp_copies, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
-    assert not out.isnan().any(), "output not fully written (poison left)"
-    cta = emulate(emulator_lowered_target, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
-    assert torch.equal(out, cta), f"{label}: warp copies differ from the CTA's by {(out - cta).abs().max().item():.3e}"
+    out, attrs, dequantised, key_mask = same_bits(emulator_warp_copies, emulator_lowered_target, case, land, rng,
+                                                  monkeypatch, "warp copies differ from the CTA's")
     base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(dequantised)],
                             attrs, key_mask=key_mask)
     assert_close_lowprec(out, base, oracle(dequantised, attrs, key_mask), label, min_cosine=min_cosine(torch.float16))
@@ -726,11 +735,8 @@ def test_s8_qk_with_warp_copies_and_the_overlap_gives_its_bits(emulator_s8_qk_al
     s8 Q.K^T alone does, so the output is emulator_s8_qk's bit for bit, with copies landing at their
     wait or at their issue."""
     label = case[0]
-    attrs, codes, kv_scales, dequantised, key_mask, plan = warp_copy_call(case, land, rng, monkeypatch)
-    out = emulate(emulator_s8_qk_all, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
-    assert not out.isnan().any(), "output not fully written (poison left)"
-    alone = emulate(emulator_s8_qk, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
-    assert torch.equal(out, alone), f"{label}: differs from s8 Q.K^T alone by {(out - alone).abs().max().item():.3e}"
+    out, attrs, dequantised, key_mask = same_bits(emulator_s8_qk_all, emulator_s8_qk, case, land, rng, monkeypatch,
+                                                  "differs from s8 Q.K^T alone")
     on_codes = cosine(out, oracle(dequantised, attrs, key_mask))
     assert S8_QK_BUDGET <= on_codes < 0.99999, f"{label}: cosine {on_codes:.7f} (Q rounded to int8 shows below 0.99999)"
 
