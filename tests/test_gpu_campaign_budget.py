@@ -233,6 +233,13 @@ def test_the_packed_libraries_are_unpacked_whole_or_refused(stubs):
     assert (checkout / "build-kept" / "libdiffexport_kernels.so").read_bytes() == b"built here"
     assert outside.read_bytes() == b"not to be written"
     assert (checkout / "build-linked" / "libdiffexport_kernels.so").is_symlink()
+    # nor through build-variants itself as a link
+    shutil.rmtree(checkout / "build-variants")
+    (checkout / "build-variants").symlink_to(tmp_path / "variants-elsewhere", target_is_directory=True)
+    (tmp_path / "variants-elsewhere" / "s8qk").mkdir(parents=True)
+    (tmp_path / "variants-elsewhere" / "s8qk" / "libdiffexport_kernels.so.xz").write_bytes(lzma.compress(library))
+    assert campaign_env("out-linked-variants").returncode == 0
+    assert [p.name for p in (tmp_path / "variants-elsewhere" / "s8qk").iterdir()] == ["libdiffexport_kernels.so.xz"]
     assert not (checkout / "build-link-packed" / "libdiffexport_kernels.so").exists()
     assert sorted(p.name for p in (checkout / "build-linked").iterdir()) == ["libdiffexport_kernels.so",
                                                                            "libdiffexport_kernels.so.xz"]

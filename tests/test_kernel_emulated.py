@@ -687,7 +687,7 @@ def warp_copy_call(case, land, rng, monkeypatch):
     """A WARP_COPY_CASES call (K with per-channel offsets, left pads as the case says), the emulated GPU's
     opt-in shared memory and where its copies land (at their wait or their issue) set: the op's
     attributes, the cache's codes and scales, the values they stand for, the key mask and the plan."""
-    _label, fmt, variant, head_dim, ratio, heads, q_len, kv_len, pads, smem_optin = case
+    _, fmt, variant, head_dim, ratio, heads, q_len, kv_len, pads, smem_optin = case
     monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
     monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
     attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,

@@ -80,8 +80,9 @@ fi
 # (CAMPAIGN_UNPACK_LIBRARIES=0 leaves them packed: the CPU tests' stand-in runs of this script.)
 for packed in $([[ "${CAMPAIGN_UNPACK_LIBRARIES:-1}" == 0 ]] ||
                 echo build-*/libdiffexport_kernels.so.xz build-variants/*/libdiffexport_kernels.so.xz); do
-  [[ -f "$packed" && ! -L "$packed" && ! -L "${packed%/*}" && ! -e "${packed%.xz}" && ! -L "${packed%.xz}" ]] || continue
-  [[ "$packed" != build-variants/* || ! -L build-variants ]] || continue
+  # (no folder of its path a link: the one beside it, ${packed%/*}, and the top one, ${packed%%/*})
+  [[ -f "$packed" && ! -L "$packed" && ! -L "${packed%/*}" && ! -L "${packed%%/*}" && ! -e "${packed%.xz}" &&
+     ! -L "${packed%.xz}" ]] || continue
   partial=$(mktemp "${packed%.xz}.XXXXXX")  # a new file: nothing already there is written through
   unxz_capped "$packed" "$partial"; status=$?
   if [[ $status == 0 ]]; then
