@@ -376,6 +376,39 @@ def test_each_carried_builds_8_bit_call_has_its_own_target_row(made_up):
     assert re.search(r"int8 cache@overlap .*its cosine vs fp32 nan at worst", report(made_up).stdout)
 
 
+def kv8_builds_decode_json(folder: Path, per_case: dict) -> None:
+    """decode.json of two bf16 cases (32k, 131k keys) where carried build b's int8 cache call in case i
+    is per_case[b][i] = (this build's time / b's, its cosine or None), or absent where that is None."""
+    rows = [{"dtype": "bfloat16", "kv_len": keys, "d": 128,
+             "cosine_vs_fp32": {"int8_cache": 0.9999, **{f"int8_cache@{b}": c[i][1] for b, c in per_case.items()
+                                                         if c[i] and c[i][1] is not None}},
+             "timings": {"split_kv": {"ms": 0.1, "gbs": 1.0}, "split_kv_int8_cache": {"ms": 0.06, "gbs": 1.0},
+                         **{f"split_kv_int8_cache@{b}": {"ms": 0.06 / c[i][0], "gbs": 1.0} for b, c in per_case.items()
+                            if c[i]}}}
+            for i, keys in enumerate((32768, 131072))]
+    (folder / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 4000.0, "rows": rows,
+                                                    "cases": 2, "complete": True}))
+
+
+def test_the_fastest_carried_8_bit_build_within_the_cosine_budget_is_named_alone(made_up):
+    """--fastest-kv8 (what gpu_campaign.sh profiles beside this build): the carried build whose int8
+    cache calls were fastest against this build's (geometric mean over the cases it ran), among those
+    whose cosine meets 0.999 in every case: a faster build with one case below it, or none, is passed
+    over; nothing on stdout where no build beat this one; why on stderr. No other option with it."""
+    kv8_builds_decode_json(made_up, {"s8all": ((1.8, 0.9995), (1.9, 0.9985)), "s8warp": ((1.5, 0.9994), (1.3, 0.9996)),
+                                     "s8qk": ((1.6, None), (1.6, 0.9999)), "packmaps": ((1.2, 0.9999), None)})
+    out = report(made_up, "--fastest-kv8")
+    assert out.returncode == 0 and out.stdout == "s8warp\n", (out.stdout, out.stderr)
+    assert out.stderr == ("fastest int8 cache build: s8warp: this build's int8 cache time / its 1.396x (geometric "
+                          "mean of 2 cases), cosine vs fp32 0.99940 at worst\n")
+    kv8_builds_decode_json(made_up, {"packmaps": ((0.95, 0.9999), (0.9, 0.9999)), "s8all": ((1.5, 0.99), None)})
+    out = report(made_up, "--fastest-kv8")
+    assert out.returncode == 0 and out.stdout == "", out.stdout
+    assert out.stderr.startswith("fastest int8 cache build: none faster than this build; the best, packmaps: "
+                                 "this build's int8 cache time / its 0.925x")
+    assert report(made_up, "--fastest-kv8", "--targets").returncode == 2
+
+
 def test_a_carried_build_whose_output_differs_is_named_beside_its_timings(made_up):
     """A variant timed beside this build is compared as the same function: the bench records the
     cosine of its Hopper output against this build's on each timed case, and the report flags the

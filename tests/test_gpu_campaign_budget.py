@@ -31,7 +31,8 @@ CAMPAIGN = ROOT / "tools" / "gpu_campaign.sh"
 # (SIGINT ends it, as it ends pytest), and its kernel probe answers $STUB_PROBE, or fails where
 # $DIFFEXPORT_KERNEL_LIB holds $STUB_BAD_LIB; nvidia-smi sleeps $STUB_SMI_SLEEP seconds and
 # compute-sanitizer $STUB_SANITIZER_SLEEP, then records that it ended. STUB_LOG_LIB: each tool's line also
-# records the kernel library its environment names.
+# records the kernel library its environment names. STUB_REAL_PYTHON: campaign_report.py --fastest-kv8
+# runs for real, on what the test left in the output folder.
 PYTHON_STUB = """#!/usr/bin/env bash
 echo "python $*" >> "$STUB_LOG"
 if [[ -n "${STUB_HANG:-}" && " $* " == *"$STUB_HANG"* ]]; then sleep 1000; exit 0; fi
@@ -42,6 +43,8 @@ case " $* " in
     else echo "${STUB_PROBE:-unavailable: stand-in}"; fi ;;
   *" -m diffexport kernels --check "*) echo "result: ok" ;;
   *" -m pytest "*) echo "1 passed in 0.01s" ;;
+  *" tools/campaign_report.py --fastest-kv8 "*) [[ -n "${STUB_REAL_PYTHON:-}" ]] && exec "$STUB_REAL_PYTHON" "$@"
+    echo "stand-in python" ;;
   *) cat > /dev/null 2>&1 < /dev/null; echo "stand-in python" ;;
 esac
 """
@@ -522,12 +525,32 @@ def run_readme_command(env, tmp_path, command: str):
 DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all")
 
 
-def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
-    """The call prepared for issue 62 (a Hopper variant beside this build and `before`), as written."""
+def fastest_decode_json(folder: Path, speed: dict | None = None) -> None:
+    """A decode.json as the decode part leaves it, each build's int8 cache calls speed[build] = (this
+    build's time / the build's, cosine vs fp32); by default s8all fastest but below the cosine budget,
+    s8warp the fastest within it, packmaps slower than this build."""
+    speed = speed or {"packmaps": (0.9, 0.9999), "s8warp": (1.4, 0.9998), "s8all": (1.5, 0.998)}
+    rows = [{"dtype": "bfloat16", "kv_len": keys, "d": 128,
+             "cosine_vs_fp32": {"int8_cache": 0.9999, **{f"int8_cache@{b}": c for b, (_, c) in speed.items()}},
+             "timings": {"split_kv": {"ms": 0.1, "gbs": 1.0}, "split_kv_int8_cache": {"ms": 0.08, "gbs": 1.0},
+                         **{f"split_kv_int8_cache@{b}": {"ms": 0.08 / x, "gbs": 1.0} for b, (x, _) in speed.items()}}}
+            for keys in (32768, 131072)]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 4000.0, "rows": rows,
+                                                    "cases": 2, "complete": True}))
+
+
+def test_the_issue_62_first_call_in_tools_readme_times_every_variant_then_profiles(stubs):
+    """The first call prepared for issue 62, as written: the prefill bench with the Hopper variants
+    beside this build and `before`, decode with every carried build, then the profile: the int8-cache
+    decode launch of this build and of the carried build decode just timed fastest within the cosine
+    budget, then the Hopper launch at d = 64, 16k of this build and each variant; no suite (call 2)."""
     env, tmp_path = stubs
-    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=\d+ [^\n]*before="
-                                                                r"[^\n]*\\\n      CAMPAIGN_DECODE_COMPARE="))
-    assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "test", "sanitize", "bench", "decode")}
+    env.update(STUB_LOG_LIB="1", STUB_REAL_PYTHON=sys.executable)
+    fastest_decode_json(tmp_path / "out")
+    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_COMPARE=\"before=[^\n]*\\\n      "
+                                                                r"CAMPAIGN_DECODE_COMPARE="))
+    assert verdicts(log) == {part: "ok" for part in ("env", "build", "variants", "bench", "decode", "profile")}
     assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_CLUSTER_M=2" in calls
     assert "-DCMAKE_CUDA_FLAGS=-DDIFFX_SM90_MAPS_PER_WARPGROUP=2" in calls
     bench = next(x for x in calls.splitlines() if "bench_attention.py" in x and "--decode" not in x)
@@ -549,41 +572,83 @@ def test_the_issue_62_call_in_tools_readme_times_every_variant(stubs):
     cta_cost = next(x for x in calls.splitlines() if "bench_attention.py --cta-cost" in x)
     assert ("/cta_cost.json --compare before=build-before/libdiffexport_kernels.so --hopper-variants cluster2="
             in cta_cost)
-    assert calls.index("--seqs 4096 16384") < calls.index("--cta-cost") < calls.index("--decode")
-
-
-def test_the_profile_call_in_tools_readme_profiles_the_hopper_and_decode_launches(stubs):
-    """The short profile call: this build's Hopper path and the variants' on the d = 64, 16k launch,
-    and the split-KV decode kernel on an int8 cache (decode-kv8: not the bf16 one), again from the
-    carried packed-maps and warp-copies builds; not the mma.sync prefill launches."""
-    env, tmp_path = stubs
-    env["STUB_LOG_LIB"] = "1"
-    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_VARIANTS=\"cluster2[^\n]*"
-                                                                r"PROFILE_PARTS"))
-    assert verdicts(log) == {"build": "ok", "variants": "ok", "profile": "ok"}
+    assert "-m pytest" not in calls and "compute-sanitizer" not in calls
     ncu = [x for x in calls.splitlines() if x.startswith("ncu ") and " -o " in x]
+    assert calls.index("--seqs 4096 16384") < calls.index("--cta-cost") < calls.index("--decode") < calls.index(ncu[0])
+    # the profile: decode-kv8 of this build, then of s8warp (s8all is faster, but its cosine misses 0.999)
+    decode_launches = [x for x in ncu if "regex:diff_attention_decode" in x]
     hopper = [x for x in ncu if "regex:diff_attention_sm90" in x]
-    decode = [x for x in ncu if "regex:diff_attention_decode" in x]
-    assert len(ncu) == 6 and len(hopper) == 3 and len(decode) == 3
+    assert ncu == decode_launches + hopper and len(decode_launches) == 2 and len(hopper) == 3, ncu
+    assert all("--profile-kv-cache int8" in x for x in decode_launches)
+    assert not any(decode_launches[0].endswith(f"{name}/libdiffexport_kernels.so") for name in DECODE_VARIANTS)
+    assert "/tmp/profile-decode-kv8-s8warp" in decode_launches[1]
+    assert decode_launches[1].endswith(" lib=build-variants/s8warp/libdiffexport_kernels.so")
+    assert re.search(r"profile: fastest int8 cache build: s8warp: this build's int8 cache time / its 1\.400x "
+                     r"\(geometric mean of 2 cases\), cosine vs fp32 0\.99980 at worst", log), log
     assert all("--profile 16384 --profile-head-dim 64" in x for x in hopper)
     assert "--profile-lib" not in hopper[0] and "-cluster2/plugins/kernels/libdiffexport_kernels.so" in hopper[1]
     assert "-maps2/plugins/kernels/libdiffexport_kernels.so" in hopper[2]
-    assert all("--profile-kv-cache int8" in x for x in decode)
-    for launch, name in zip(decode[1:], ("packmaps", "warpcopies")):
-        assert f"/tmp/profile-decode-kv8-{name}" in launch
-        assert launch.endswith(f" lib=build-variants/{name}/libdiffexport_kernels.so")
-    assert not any(decode[0].endswith(f"{name}/libdiffexport_kernels.so") for name in ("packmaps", "warpcopies"))
     # each launch's per-instruction warp samples, exported from its own report (tools/ncu_stall_sites.py)
     sources = [x for x in calls.splitlines() if x.startswith("ncu --import") and "--page source" in x]
     reports = [re.search(r" -o (\S+)", x).group(1) + ".ncu-rep" for x in ncu]
     assert sorted(x.split()[2] for x in sources) == sorted(reports), (sources, reports)
     # ... condensed with the line information of the library each launch ran (a carried decode build's own)
     condense = [x for x in calls.splitlines() if x.startswith("python tools/ncu_stall_sites.py")]
-    assert len(condense) == 6 and all("--arch sm_90a" in x for x in condense), condense
+    assert len(condense) == 5 and all("--arch sm_90a" in x for x in condense), condense
     libraries = [re.search(r"--library (\S+)", x).group(1) for x in condense]
-    assert sum(x.endswith("build-variants/packmaps/libdiffexport_kernels.so") for x in libraries) == 1
-    assert sum(x.endswith("build-variants/warpcopies/libdiffexport_kernels.so") for x in libraries) == 1
+    assert sum(x.endswith("build-variants/s8warp/libdiffexport_kernels.so") for x in libraries) == 1
     assert sum(x.endswith("-cluster2/plugins/kernels/libdiffexport_kernels.so") for x in libraries) == 1
+
+
+def test_the_issue_62_second_call_in_tools_readme_runs_the_suite_beside_the_sanitizers(stubs):
+    """Call 2, as written: the GPU suite on 14 workers and the sanitizers, on the first call's build."""
+    env, tmp_path = stubs
+    log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=14 tools/gpu_campaign.sh"))
+    assert verdicts(log) == {"test": "ok", "sanitize": "ok"}
+    assert "-m pytest" in calls and "-n 14 " in calls and "compute-sanitizer" in calls
+    assert "ncu" not in calls and "bench_attention.py" not in calls
+
+
+@pytest.mark.parametrize("setting", ["", "packmaps=/carried/packmaps.so"])
+def test_the_profile_takes_the_decode_builds_named_or_none(stubs, setting):
+    """PROFILE_DECODE_COMPARE names the carried decode builds the profile takes beside this build
+    (nothing: none), whatever CAMPAIGN_DECODE_COMPARE times."""
+    env, tmp_path = stubs
+    env.update(PROFILE_PARTS="decode-kv8", PROFILE_DECODE_COMPARE=setting, STUB_LOG_LIB="1",
+               CAMPAIGN_DECODE_COMPARE="s8qk=/carried/s8qk.so packmaps=/carried/packmaps.so")
+    proc, log, _, _ = campaign(env, tmp_path, "profile")
+    assert verdicts(log) == {"profile": "ok"}, log
+    launches = [x for x in (tmp_path / "calls.log").read_text().splitlines() if x.startswith("ncu ") and " -o " in x]
+    assert [x.rsplit(" lib=", 1)[1] for x in launches[1:]] == ([setting.split("=")[1]] if setting else [])
+
+
+def test_no_build_faster_than_this_one_is_profiled_as_none(stubs):
+    """PROFILE_DECODE_COMPARE=fastest where every carried build was slower, or decode.json is missing:
+    this build's launch alone, and campaign.log says why."""
+    env, tmp_path = stubs
+    env.update(PROFILE_PARTS="decode-kv8", PROFILE_DECODE_COMPARE="fastest", STUB_REAL_PYTHON=sys.executable,
+               CAMPAIGN_DECODE_COMPARE="packmaps=/carried/packmaps.so")
+    expected = ("decode.json missing", "none faster than this build; the best, packmaps: this build's int8 cache "
+                "time / its 0.900x", "s8warp is no CAMPAIGN_DECODE_COMPARE build")
+    for speed, why in zip((None, {"packmaps": (0.9, 0.9999), "s8all": (1.2, float("nan"))}, {"s8warp": (1.4, 1.0)}),
+                          expected):
+        if speed:
+            fastest_decode_json(tmp_path / "out", speed)
+        proc, log, _, _ = campaign(env, tmp_path, "profile")
+        assert verdicts(log) == {"profile": "ok"}, log
+        assert why in [x for x in log.splitlines() if " profile: " in x][-1], log
+    launches = [x for x in (tmp_path / "calls.log").read_text().splitlines() if x.startswith("ncu ") and " -o " in x]
+    assert len(launches) == 3 and not any("packmaps" in x or "s8warp" in x for x in launches)
+
+
+@pytest.mark.parametrize("setting", ["fastest packmaps", "packmaps", "a=b;ls"])
+def test_a_bad_profile_decode_compare_runs_nothing(stubs, setting):
+    env, tmp_path = stubs
+    env["PROFILE_DECODE_COMPARE"] = setting
+    proc, log, _, _ = campaign(env, tmp_path, "profile")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: PROFILE_DECODE_COMPARE takes fastest or name=path pairs")
+    assert not log and not (tmp_path / "calls.log").exists()
 
 
 @pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])

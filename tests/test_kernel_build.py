@@ -169,7 +169,7 @@ HOPPER_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(HOPPER_VARIANTS))
 def test_the_hopper_variants_build_for_sm90a_without_spills_or_serialised_wgmma(tmp_path, variant):
     """The GPU campaign builds the Hopper-only variants on the GPU machine (tools/README.md, the
-    profile call), where a build that fails costs the lent machine's time; the default kernel is
+    first call), where a build that fails costs the lent machine's time; the default kernel is
     what every sm_90 user runs. Here, for the shape they
     are timed on (bf16, d = 64, fp logits: V1, and V2 where its schedule differs): each compiles for
     sm_90a with today's defaults, spills nothing, and ptxas keeps its wgmmas asynchronous. ptxas

@@ -2,6 +2,7 @@
 
     python tools/campaign_report.py DIR
     python tools/campaign_report.py --targets DIR      issue 44's targets as docs/BENCHMARKS.md's Markdown table
+    python tools/campaign_report.py --fastest-kv8 DIR  the carried build whose int8 cache decode was fastest
 
 DIR holds what tools/gpu_campaign.sh wrote (the files a `run` call brings back): campaign.log,
 pytest.log, sanitizer.log, bench.json, decode.json. Prints one verdict per target: the GPU suite
@@ -340,6 +341,35 @@ def kv8_builds(rows: list[dict], fmt: str) -> list[str]:
     return sorted({name[len(prefix):] for r in rows for name in r["timings"] if name.startswith(prefix)})
 
 
+def fastest_kv8_build(folder: Path, fmt: str = "int8") -> tuple[str | None, str]:
+    """The carried build whose fmt-cache decode calls decode.json timed fastest against this build's
+    (the geometric mean of this build's time over the build's, in the cases both ran), among the builds
+    whose cosine vs fp32 meets COSINE_TARGET in each of them: (its name, why), or (None, why) where no
+    such build beat this one. What a campaign profiles beside this build's 8-bit call, in the same
+    call that timed them (gpu_campaign.sh, PROFILE_DECODE_COMPARE=fastest)."""
+    record = saved_run(folder, "decode.json")
+    if record is None:
+        return None, "decode.json missing"
+    this = f"split_kv_{fmt}_cache"
+    rows = [r for r in record["rows"] if this in r["timings"]]
+    ranked = []
+    for build in kv8_builds(rows, fmt):
+        picked = [r for r in rows if f"{this}@{build}" in r["timings"]]
+        if not picked:
+            continue
+        worst = worst_cosine([r["cosine_vs_fp32"].get(f"{fmt}_cache@{build}") for r in picked])
+        speed = statistics.geometric_mean(r["timings"][this]["ms"] / r["timings"][f"{this}@{build}"]["ms"]
+                                          for r in picked)
+        if worst >= COSINE_TARGET:  # False for nan
+            ranked.append((speed, build, len(picked), worst))
+    if not ranked:
+        return None, f"no carried build's {fmt} cache call measured with cosine >= {COSINE_TARGET}"
+    speed, build, cases, worst = max(ranked)
+    why = (f"{build}: this build's {fmt} cache time / its {speed:.3f}x (geometric mean of {cases} cases), "
+           f"cosine vs fp32 {worst:.5f} at worst")
+    return (build, why) if speed > 1 else (None, f"none faster than this build; the best, {why}")
+
+
 # From ncu's details page: (label, metric name); each printed with the unit ncu gives it.
 DETAILS = (("time", "Duration"), ("SM", "Compute (SM) Throughput"), ("memory", "Memory Throughput"),
            ("DRAM", "DRAM Throughput"), ("L2", "L2 Cache Throughput"), ("L2 hit", "L2 Hit Rate"),
@@ -560,14 +590,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, metavar="FILE",
                         help="with --targets: the profile.txt of an earlier run, for a run that left the profile out "
                              "(each 'what limits it' cell names it)")
+    parser.add_argument("--fastest-kv8", action="store_true",
+                        help="print only the name of the carried build whose int8 cache decode calls were fastest "
+                             "(cosine >= 0.999), nothing when none beat this build; why on stderr")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"error: {args.folder} is not a folder of campaign output", file=sys.stderr)
+        return 2
+    if args.fastest_kv8 and (args.targets or args.profile is not None):
+        print("error: --fastest-kv8 takes no other option", file=sys.stderr)
         return 2
     if args.profile is not None and not (args.targets and args.profile.is_file() and not args.profile.is_symlink()):
         print(f"error: --profile {args.profile}: needs --targets and a profile.txt file (not a link)", file=sys.stderr)
         return 2
     try:
+        if args.fastest_kv8:
+            build, why = fastest_kv8_build(args.folder)
+            print(f"fastest int8 cache build: {why}", file=sys.stderr)
+            if build:
+                print(build)
+            return 0
         lines = targets(args.folder, args.profile) if args.targets else (
             correctness(args.folder) + prefill(args.folder) + cta_cost(args.folder) + decode(args.folder)
             + profile(args.folder))

@@ -42,6 +42,8 @@ for launch in ${PROFILE_PARTS:-}; do
     { echo "error: PROFILE_PARTS takes fused, decode, decode-kv8, hopper, hopper-int8, variants and compare, not '$launch'" >&2
       exit 2; }
 done
+[[ "${PROFILE_DECODE_COMPARE:-fastest}" == fastest || "$PROFILE_DECODE_COMPARE" =~ ^([A-Za-z0-9_.-]+=[A-Za-z0-9_./+-]+[[:space:]]*)+$ ]] ||
+  { echo "error: PROFILE_DECODE_COMPARE takes fastest or name=path pairs, not '$PROFILE_DECODE_COMPARE'" >&2; exit 2; }
 mkdir -p "$OUT_DIR"
 # What a carried archive may unpack to (CAMPAIGN_UNPACK_LIMIT_MB, default 1024 MiB: a library is
 # about 80 MB, the CUTLASS headers 26 MB): the stream is cut one byte past it and refused, so a
@@ -377,6 +379,24 @@ profile_decode() {
 
 profiling() { [[ " $PROFILE_PARTS " == *" $1 "* ]]; }
 
+# The carried decode builds whose int8 launch the profile takes beside this build's:
+# PROFILE_DECODE_COMPARE ("name=path ..."; unset: every CAMPAIGN_DECODE_COMPARE build), or
+# "fastest": the one whose int8 cache calls this call's decode part timed fastest with cosine >= 0.999
+# (campaign_report.py --fastest-kv8), so that one call times every build and profiles the best.
+profiled_decode_builds() {
+  if [[ "${PROFILE_DECODE_COMPARE-${CAMPAIGN_DECODE_COMPARE:-}}" != fastest ]]; then
+    echo "${PROFILE_DECODE_COMPARE-${CAMPAIGN_DECODE_COMPARE:-}}"; return
+  fi
+  local report name spec
+  report=$(timeout 30 "$PY" tools/campaign_report.py --fastest-kv8 "$OUT_DIR" 2>&1)
+  if [[ $? != 0 ]]; then note "profile: campaign_report.py --fastest-kv8 FAILED: ${report##*$'\n'}" >&2; return; fi
+  note "profile: $(grep -m1 '^fastest int8 cache build: ' <<< "$report")" >&2
+  name=$(grep -v '^fastest int8 cache build: ' <<< "$report")
+  [[ -z "$name" ]] && return
+  for spec in ${CAMPAIGN_DECODE_COMPARE:-}; do [[ "${spec%%=*}" == "$name" ]] && { echo "$spec"; return; }; done
+  note "profile: $name is no CAMPAIGN_DECODE_COMPARE build: not profiled" >&2
+}
+
 part_profile() {
   : > "$OUT_DIR/profile.txt"
   # One launch of the mma.sync kernel at N=4096 (bf16, d=128, non-causal), the clocks left as they
@@ -399,7 +419,7 @@ part_profile() {
     profiling decode && profile_decode "" decode
     profile_decode " on an int8 KV cache" decode-kv8 --profile-kv-cache int8
     local spec
-    for spec in ${CAMPAIGN_DECODE_COMPARE:-}; do  # the same int8 launch from each decode-only build: what its change did
+    for spec in $(profiled_decode_builds); do  # the same int8 launch from decode-only builds: what their change did
       DIFFEXPORT_KERNEL_LIB="${spec#*=}" profile_decode " on an int8 KV cache, build ${spec%%=*}" "decode-kv8-${spec%%=*}" \
         --profile-kv-cache int8
     done
