@@ -144,7 +144,9 @@ total_mb=$(du -sm --apparent-size "${folders[@]}" | awk '{s += $1} END {print s}
 echo "carried                 ${total_mb} MiB of at most ${CARRY_LIMIT_MB}"
 (( total_mb <= CARRY_LIMIT_MB )) || { echo "error: more than the ${CARRY_LIMIT_MB} MiB that run carries" >&2; exit 1; }
 cat <<EOF
-next, one run call with carry=[$carry] and timeout_s=570, then give_back (tools/README.md):
-  CAMPAIGN_TEST_WORKERS=14 CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 540 all
+next, run calls with carry=[$carry], then give_back: tools/README.md's "The next session"
+gives them (the timings and the profile first, the suite and the sanitizers second); in general:
+  CAMPAIGN_COMPARE="before=build-before/libdiffexport_kernels.so" tools/gpu_campaign.sh --out \$OUT --budget 560 env build+variants bench decode profile
+  CAMPAIGN_TEST_WORKERS=14 tools/gpu_campaign.sh --out \$OUT --budget 230 test+sanitize
 EOF
 [[ -z "$variants" ]] || echo "with HEAD's variants in CAMPAIGN_DECODE_COMPARE (decode kernels only) or CAMPAIGN_COMPARE: $variants"
