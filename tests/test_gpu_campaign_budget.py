@@ -641,23 +641,18 @@ def test_no_build_faster_than_this_one_is_profiled_as_none(stubs):
     assert len(launches) == 3 and not any("packmaps" in x or "s8warp" in x for x in launches)
 
 
-@pytest.mark.parametrize("setting", ["fastest packmaps", "packmaps", "a=b;ls"])
-def test_a_bad_profile_decode_compare_runs_nothing(stubs, setting):
+@pytest.mark.parametrize("name, setting, message", [
+    ("PROFILE_PARTS", "hopper bogus", "PROFILE_PARTS takes fused, decode, decode-kv8, hopper"),
+    ("PROFILE_PARTS", "hopper;ls", "PROFILE_PARTS takes fused, decode, decode-kv8, hopper"),
+    ("PROFILE_DECODE_COMPARE", "fastest packmaps", "PROFILE_DECODE_COMPARE takes fastest or name=path pairs"),
+    ("PROFILE_DECODE_COMPARE", "packmaps", "PROFILE_DECODE_COMPARE takes fastest or name=path pairs"),
+    ("PROFILE_DECODE_COMPARE", "a=b;ls", "PROFILE_DECODE_COMPARE takes fastest or name=path pairs")])
+def test_a_bad_profile_setting_runs_nothing(stubs, name, setting, message):
     env, tmp_path = stubs
-    env["PROFILE_DECODE_COMPARE"] = setting
+    env[name] = setting
     proc, log, _, _ = campaign(env, tmp_path, "profile")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert proc.stderr.startswith("error: PROFILE_DECODE_COMPARE takes fastest or name=path pairs")
-    assert not log and not (tmp_path / "calls.log").exists()
-
-
-@pytest.mark.parametrize("parts", ["hopper bogus", "hopper;ls"])
-def test_a_bad_profile_launch_name_runs_nothing(stubs, parts):
-    env, tmp_path = stubs
-    env["PROFILE_PARTS"] = parts
-    proc, log, _, _ = campaign(env, tmp_path, "profile")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert proc.stderr.startswith("error: PROFILE_PARTS takes fused, decode, decode-kv8, hopper")
+    assert proc.stderr.startswith(f"error: {message}")
     assert not log and not (tmp_path / "calls.log").exists()
 
 
