@@ -401,6 +401,7 @@ def test_the_fastest_carried_8_bit_build_within_the_cosine_budget_is_named_alone
     assert out.returncode == 0 and out.stdout == "s8warp\n", (out.stdout, out.stderr)
     assert out.stderr == ("fastest int8 cache build: s8warp: this build's int8 cache time / its 1.396x (geometric "
                           "mean of 2 cases), cosine vs fp32 0.99940 at worst\n")
+    assert line(report(made_up).stdout, "int8 fastest").endswith(out.stderr.strip().split(": ", 1)[1])
     kv8_builds_decode_json(made_up, {"packmaps": ((0.95, 0.9999), (0.9, 0.9999)), "s8all": ((1.5, 0.99), None)})
     out = report(made_up, "--fastest-kv8")
     assert out.returncode == 0 and out.stdout == "", out.stdout

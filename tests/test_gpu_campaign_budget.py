@@ -73,7 +73,8 @@ def stubs(tmp_path):
     (bin_dir / "python-stub").write_text(PYTHON_STUB)
     for path in bin_dir.iterdir():
         path.chmod(0o755)
-    library = tmp_path / "libdiffexport_kernels.so"
+    library = tmp_path / "build" / "plugins" / "kernels" / "libdiffexport_kernels.so"  # the build's own
+    library.parent.mkdir(parents=True)
     library.write_bytes(b"")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python-stub"),
                STUB_LOG=str(tmp_path / "calls.log"), DIFFEXPORT_KERNEL_LIB=str(library),
@@ -600,13 +601,24 @@ def test_the_issue_62_first_call_in_tools_readme_times_every_variant_then_profil
     assert sum(x.endswith("-cluster2/plugins/kernels/libdiffexport_kernels.so") for x in libraries) == 1
 
 
-def test_the_issue_62_second_call_in_tools_readme_runs_the_suite_beside_the_sanitizers(stubs):
-    """Call 2, as written: the GPU suite on 14 workers and the sanitizers, on the first call's build."""
+@pytest.mark.parametrize("library", ["", "build-variants/s8warp/libdiffexport_kernels.so"])
+def test_the_issue_62_second_call_in_tools_readme_runs_the_suite_beside_the_sanitizers(stubs, library):
+    """Call 2, as written: the GPU suite on 14 workers and the sanitizers, on the first call's build,
+    or with DIFFEXPORT_KERNEL_LIB on a carried candidate default (relative, as the README gives it:
+    made absolute for the tests' child processes, and named in campaign.log)."""
     env, tmp_path = stubs
+    env["STUB_LOG_LIB"] = "1"
+    if library:
+        env["DIFFEXPORT_KERNEL_LIB"] = library
+    else:
+        env.pop("DIFFEXPORT_KERNEL_LIB")
     log, calls = run_readme_command(env, tmp_path, readme_block(r"CAMPAIGN_TEST_WORKERS=14 tools/gpu_campaign.sh"))
     assert verdicts(log) == {"test": "ok", "sanitize": "ok"}
-    assert "-m pytest" in calls and "-n 14 " in calls and "compute-sanitizer" in calls
-    assert "ncu" not in calls and "bench_attention.py" not in calls
+    assert "-n 14 " in calls and "ncu" not in calls and "bench_attention.py" not in calls
+    expected = str(ROOT / library) if library else str(tmp_path / "build" / "plugins/kernels/libdiffexport_kernels.so")
+    runs = [x for x in calls.splitlines() if x.startswith("compute-sanitizer --tool") and not x.endswith(" ended")]
+    assert len(runs) == 5 and all(x.endswith(f" lib={expected}") for x in runs), runs
+    assert (f"kernel library: {expected} (DIFFEXPORT_KERNEL_LIB), not this build's" in log) == bool(library)
 
 
 @pytest.mark.parametrize("setting", ["", "packmaps=/carried/packmaps.so"])

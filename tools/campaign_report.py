@@ -293,6 +293,8 @@ def decode(folder: Path) -> list[str]:
         if speed:
             lines.append(f"{fmt} cache     vs the float cache's split-KV call {spread(speed)}; "
                          f"cosine vs fp32 {worst_cosine(cosines):.5f} at worst")
+    if kv8_builds(rows, "int8"):  # the candidate default (tools/README.md: call 2 may run the suite on it)
+        lines.append(f"int8 fastest   {fastest_kv8_build(folder)[1]}")
     return lines + key_mask_costs(rows)
 
 

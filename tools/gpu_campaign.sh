@@ -101,7 +101,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONDON
 BUILD_DIR="${CAMPAIGN_BUILD_DIR:-build-gpu}"
 BUILD_DIR=$(realpath -m -s "$BUILD_DIR")  # absolute: the paths below are handed to other programs
 ARCH="${CAMPAIGN_ARCH:-90a-real}"
-export DIFFEXPORT_KERNEL_LIB="${DIFFEXPORT_KERNEL_LIB:-$BUILD_DIR/plugins/kernels/libdiffexport_kernels.so}"
+# The library the suite, the sanitizers and the benches take as "this build": the build's own, or one
+# the call names (e.g. a carried build-variants/NAME library, a candidate default: its options then
+# run the GPU suite and the sanitizers); absolute, as the tests' child processes run elsewhere.
+export DIFFEXPORT_KERNEL_LIB=$(realpath -m -s "${DIFFEXPORT_KERNEL_LIB:-$BUILD_DIR/plugins/kernels/libdiffexport_kernels.so}")
 export DIFFEXPORT_REQUIRE_KERNELS=1   # a missing library fails the GPU tests instead of skipping them
 failed=0
 
@@ -196,7 +199,7 @@ part_build() {
 # CAMPAIGN_VARIANTS="name:nvcc flags ..." builds more libraries (e.g. "slack8:-DDIFFX_SM90_RESCALE_SLACK=8";
 # commas separate a variant's flags: "both:-DDIFFX_SM90_CLUSTER_M=2,-DDIFFX_SM90_KEY_BLOCK=128"),
 # and the bench times each beside this checkout's build, with any CAMPAIGN_COMPARE="name=path"
-# (e.g. a carried build of the previous commit). The suite runs only on this checkout's build, so each
+# (e.g. a carried build of the previous commit). The suite runs on one library (DIFFEXPORT_KERNEL_LIB), so each
 # variant's Hopper paths are probed against the float32 reference first (diffexport/kernel/kernel_probe.py,
 # a child process each); a variant that fails its probe is left out of the bench, reported.
 # (Parts run in subshells: a dropped variant is a file in its build folder, probe-failed.)
@@ -533,6 +536,8 @@ group_reserve() {
 }
 
 [[ -n "$BUDGET" ]] && note "budget: $BUDGET s for ${parts[*]}"
+[[ "$DIFFEXPORT_KERNEL_LIB" == "$BUILD_DIR/plugins/kernels/libdiffexport_kernels.so" ]] ||
+  note "kernel library: $DIFFEXPORT_KERNEL_LIB (DIFFEXPORT_KERNEL_LIB), not this build's"
 for i in "${!parts[@]}"; do
   group="${parts[$i]}"
   IFS=+ read -r -a members <<< "$group"
