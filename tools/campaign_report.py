@@ -294,7 +294,7 @@ def decode(folder: Path) -> list[str]:
             lines.append(f"{fmt} cache     vs the float cache's split-KV call {spread(speed)}; "
                          f"cosine vs fp32 {worst_cosine(cosines):.5f} at worst")
     if kv8_builds(rows, "int8"):  # the candidate default (tools/README.md: call 2 may run the suite on it)
-        lines.append(f"int8 fastest   {fastest_kv8_build(folder)[1]}")
+        lines.append(f"int8 fastest   {fastest_kv8_build(rows)[1]}")
     return lines + key_mask_costs(rows)
 
 
@@ -343,22 +343,17 @@ def kv8_builds(rows: list[dict], fmt: str) -> list[str]:
     return sorted({name[len(prefix):] for r in rows for name in r["timings"] if name.startswith(prefix)})
 
 
-def fastest_kv8_build(folder: Path, fmt: str = "int8") -> tuple[str | None, str]:
-    """The carried build whose fmt-cache decode calls decode.json timed fastest against this build's
+def fastest_kv8_build(decode_rows: list[dict], fmt: str = "int8") -> tuple[str | None, str]:
+    """The carried build whose fmt-cache decode calls were timed fastest against this build's
     (the geometric mean of this build's time over the build's, in the cases both ran), among the builds
     whose cosine vs fp32 meets COSINE_TARGET in each of them: (its name, why), or (None, why) where no
     such build beat this one. What a campaign profiles beside this build's 8-bit call, in the same
     call that timed them (gpu_campaign.sh, PROFILE_DECODE_COMPARE=fastest)."""
-    record = saved_run(folder, "decode.json")
-    if record is None:
-        return None, "decode.json missing"
     this = f"split_kv_{fmt}_cache"
-    rows = [r for r in record["rows"] if this in r["timings"]]
+    rows = [r for r in decode_rows if this in r["timings"]]
     ranked = []
     for build in kv8_builds(rows, fmt):
         picked = [r for r in rows if f"{this}@{build}" in r["timings"]]
-        if not picked:
-            continue
         worst = worst_cosine([r["cosine_vs_fp32"].get(f"{fmt}_cache@{build}") for r in picked])
         speed = statistics.geometric_mean(r["timings"][this]["ms"] / r["timings"][f"{this}@{build}"]["ms"]
                                           for r in picked)
@@ -607,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.fastest_kv8:
-            build, why = fastest_kv8_build(args.folder)
+            record = saved_run(args.folder, "decode.json")
+            build, why = fastest_kv8_build(record["rows"]) if record else (None, "decode.json missing")
             print(f"fastest int8 cache build: {why}", file=sys.stderr)
             if build:
                 print(build)

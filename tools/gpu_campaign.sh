@@ -387,10 +387,8 @@ profiling() { [[ " $PROFILE_PARTS " == *" $1 "* ]]; }
 # "fastest": the one whose int8 cache calls this call's decode part timed fastest with cosine >= 0.999
 # (campaign_report.py --fastest-kv8), so that one call times every build and profiles the best.
 profiled_decode_builds() {
-  if [[ "${PROFILE_DECODE_COMPARE-${CAMPAIGN_DECODE_COMPARE:-}}" != fastest ]]; then
-    echo "${PROFILE_DECODE_COMPARE-${CAMPAIGN_DECODE_COMPARE:-}}"; return
-  fi
-  local report name spec
+  local chosen="${PROFILE_DECODE_COMPARE-${CAMPAIGN_DECODE_COMPARE:-}}" report name spec
+  [[ "$chosen" == fastest ]] || { echo "$chosen"; return; }
   report=$(timeout 30 "$PY" tools/campaign_report.py --fastest-kv8 "$OUT_DIR" 2>&1)
   if [[ $? != 0 ]]; then note "profile: campaign_report.py --fastest-kv8 FAILED: ${report##*$'\n'}" >&2; return; fi
   note "profile: $(grep -m1 '^fastest int8 cache build: ' <<< "$report")" >&2
