@@ -170,6 +170,23 @@ def test_a_masked_calls_field_of_the_wrong_type_is_one_error_line(made_up, name,
     assert rendered.stderr.startswith("error: --render ") and rendered.stderr.count("\n") == 1, rendered.stderr
 
 
+@pytest.mark.parametrize("content", ['{"rows": [', "[1, 2]", '{"rows": 5}', "huge",
+                                     '{"rows": [{"timings": {"split_kv_int8_cache": {"ms": 1}, '
+                                     '"split_kv_int8_cache@a": {"ms": "x"}}, "cosine_vs_fp32": {"int8_cache@a": 1}}]}'])
+def test_fastest_kv8_on_a_broken_decode_json_is_one_error_line(made_up, content):
+    """--fastest-kv8 (which gpu_campaign.sh runs in the middle of a call) reads decode.json as the rest
+    of the report does: cut off, the wrong shape or type, or larger than a campaign writes is one
+    error line, exit 2, and no build named."""
+    if content == "huge":
+        with open(made_up / "decode.json", "wb") as f:  # sparse: no disk used
+            f.truncate(65 << 20)
+    else:
+        (made_up / "decode.json").write_text(content)
+    out = report(made_up, "--fastest-kv8")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+
+
 def test_a_huge_result_file_is_refused_unread(made_up):
     with open(made_up / "pytest.log", "wb") as f:  # sparse: 65 MiB on paper, no disk
         f.truncate(65 << 20)

@@ -635,8 +635,9 @@ def test_the_profile_takes_the_decode_builds_named_or_none(stubs, setting):
 
 
 def test_no_build_faster_than_this_one_is_profiled_as_none(stubs):
-    """PROFILE_DECODE_COMPARE=fastest where every carried build was slower, or decode.json is missing:
-    this build's launch alone, and campaign.log says why."""
+    """PROFILE_DECODE_COMPARE=fastest where every carried build was slower, the fastest is no
+    CAMPAIGN_DECODE_COMPARE build, or decode.json is missing or broken: this build's launch alone, and
+    campaign.log says why."""
     env, tmp_path = stubs
     env.update(PROFILE_PARTS="decode-kv8", PROFILE_DECODE_COMPARE="fastest", STUB_REAL_PYTHON=sys.executable,
                CAMPAIGN_DECODE_COMPARE="packmaps=/carried/packmaps.so")
@@ -649,8 +650,12 @@ def test_no_build_faster_than_this_one_is_profiled_as_none(stubs):
         proc, log, _, _ = campaign(env, tmp_path, "profile")
         assert verdicts(log) == {"profile": "ok"}, log
         assert why in [x for x in log.splitlines() if " profile: " in x][-1], log
+    (tmp_path / "out" / "decode.json").write_text('{"rows": [')  # cut off: the report fails, nothing chosen
+    proc, log, _, _ = campaign(env, tmp_path, "profile")
+    assert verdicts(log) == {"profile": "ok"}, log
+    assert "campaign_report.py --fastest-kv8 FAILED: error: " in [x for x in log.splitlines() if " profile: " in x][-1]
     launches = [x for x in (tmp_path / "calls.log").read_text().splitlines() if x.startswith("ncu ") and " -o " in x]
-    assert len(launches) == 3 and not any("packmaps" in x or "s8warp" in x for x in launches)
+    assert len(launches) == 4 and not any("packmaps" in x or "s8warp" in x for x in launches)
 
 
 @pytest.mark.parametrize("name, setting, message", [
