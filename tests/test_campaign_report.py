@@ -236,7 +236,7 @@ def test_sanitizer_sections_per_kernel_path_and_runs_that_did_not_finish(tmp_pat
     assert line(text, "synccheck") == "synccheck      ERROR SUMMARY: 0 errors, but the cases did not finish"
 
 
-def test_issue_44s_targets_table_is_recomputed_from_a_stored_run():
+def test_issue_62s_targets_table_is_recomputed_from_a_stored_run():
     """--targets: the H200 run of 2026-11-26 (call 1) as docs/BENCHMARKS.md's table, every value from
     its raw files: the Hopper path's ratios and share of the peak come from fused_hopper alone."""
     folder = ROOT / "docs" / "campaign" / "2026-11-26-h200-pingpong" / "call1"
@@ -257,13 +257,14 @@ def test_issue_44s_targets_table_is_recomputed_from_a_stored_run():
         assert (f"d = {d}: " in peak[0] and f"({min(got):.0%}-{max(got):.0%}), >= {goal:.0%} in "
                 f"{sum(x >= goal for x in got)} of 8") in peak[0]
     assert peak[1] == "no" and peak[0].index("d = 128") < peak[0].index("d = 64")
-    int8 = next(v for k, v in rows.items() if k.startswith("2."))
-    assert int8[1] == "cosine yes, speed no" and "cosine 0.99988 at worst" in int8[0]
-    decode = next(v for k, v in rows.items() if k.startswith("3."))
+    assert out.stdout.startswith("| issue 62 target | measured | met | what limits it (profile) |\n|---|---|---|---|\n")
+    int8 = next(v for k, v in rows.items() if k.startswith("3. INT8 logits"))  # item 3: no speed target
+    assert int8[1] == "cosine yes" and "cosine 0.99988 at worst" in int8[0] and "the fp path's speed" in int8[0]
+    decode = next(v for k, v in rows.items() if k.startswith("2. (its baseline)"))
     assert decode[0] == "d = 64: 88%-104%; d = 128: 90%-106% of 4224 GB/s" and decode[1] == "yes"
-    assert next(v for k, v in rows.items() if k.startswith("4."))[:2] == ["13 passed", "yes"]
-    assert rows["GPU suite"][1] == "no" and "stopped at its time limit of 209 s" in rows["GPU suite"][0]
-    sanitizers = next(v for k, v in rows.items() if k.startswith("sanitizers"))
+    assert next(v for k, v in rows.items() if k.startswith("done: the plugin"))[:2] == ["13 passed", "yes"]
+    assert rows["done: GPU suite"][1] == "no" and "stopped at its time limit of 209 s" in rows["done: GPU suite"][0]
+    sanitizers = next(v for k, v in rows.items() if k.startswith("done: sanitizers"))
     assert sanitizers[1] == "no" and "racecheck: stopped at its time limit of 130 s" in sanitizers[0]
 
 
@@ -281,15 +282,60 @@ def test_a_run_that_passed_everything_meets_the_correctness_rows(made_up):
     out = report(made_up, "--targets")
     assert out.returncode == 0, out.stderr
     table = out.stdout.splitlines()
-    assert ("| 4. the plugin's code on a GPU (a harness in TensorRT's place, not an engine) | 2 passed | yes |  |"
+    assert ("| done: the plugin's code on a GPU (a harness in TensorRT's place, not an engine) | 2 passed | yes |  |"
             in table)
-    assert "| GPU suite | 2 passed, 3 skipped in 100.00s | yes |  |" in table
-    assert any(line.startswith("| sanitizers") and line.endswith("| yes |  |") for line in table), table
+    assert "| done: GPU suite | 2 passed, 3 skipped in 100.00s | yes |  |" in table
+    assert any(line.startswith("| done: sanitizers") and line.endswith("| yes |  |") for line in table), table
     # the made-up bench: the Hopper path at 3x and 2.25x the best composition, no INT8 on it; decode.json
     # has no case at d = 64
     assert any(line.startswith("| 1. prefill (fused_hopper)") and "met in 2 of 2 | yes |" in line for line in table)
-    assert "| 2. INT8 logits (fused_hopper_int8) against the fp path | not measured in this run | - |  |" in table
-    assert any(line.startswith("| 3. split-KV") and "| no |" in line for line in table), table
+    assert "| 3. INT8 logits (fused_hopper_int8) against the fp path | not measured in this run | - |  |" in table
+    assert any(line.startswith("| 2. (its baseline)") and "| no |" in line for line in table), table
+
+
+def test_one_sessions_two_calls_make_one_table(made_up, tmp_path):
+    """The session's plan makes two calls (tools/README.md): the timings and the profile, then the suite
+    and the sanitizers. --targets over both reads each file from the first folder that holds it and
+    names it in a last column; a file both hold is the first's. Several folders need --targets."""
+    call1, call2 = tmp_path / "call1", tmp_path / "call2"
+    call1.mkdir(), call2.mkdir()
+    for name in ("bench.json", "decode.json", "profile.txt", "campaign.log"):
+        (call1 / name).write_bytes((made_up / name).read_bytes())
+    (call2 / "campaign.log").write_text("== 10:20:00 done: 0 part(s) failed in 200 s of a 230 s budget\n")
+    (call2 / "pytest.log").write_text("[gw0] [ 50%] PASSED tests/test_plugin_harness.py::test_a\n"
+                                      "=================== 1 passed, 3 skipped in 90.00s ===================\n")
+    (call2 / "sanitizer.log").write_text("".join(
+        f"--- {name}\nkernel cases ok ({path or 'auto'})\n========= "
+        f"{'RACECHECK SUMMARY: 0 hazards displayed' if tool == 'racecheck' else 'ERROR SUMMARY: 0 errors'}\n"
+        f"{name}: exit status 0\n"
+        for tool, path in (("memcheck", ""), ("initcheck", ""), ("racecheck", "auto"), ("racecheck", "mma"),
+                           ("synccheck", ""))
+        for name in [f"{tool} ({path})" if path else tool]))
+    for first, second in ((call1, call2), (call2, call1)):
+        out = run_tool("campaign_report", "--targets", str(first), str(second))
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0] == "| issue 62 target | measured | met | what limits it (profile) | read from |"
+        cells = {r.split(" | ")[0].lstrip("| "): r.rstrip(" |").split(" | ")[1:] for r in lines[2:]}
+        assert all(len(v) == 4 for v in cells.values()), cells
+        prefill = next(v for k, v in cells.items() if k.startswith("1. prefill"))
+        assert prefill[1] == "yes" and prefill[3] == str(call1) and "Duration" not in prefill[2]
+        decode = next(v for k, v in cells.items() if k.startswith("2. (its baseline)"))
+        assert decode[3] == str(call1) and "DRAM 83.10%" in decode[2]  # call 1's profile
+        assert cells["done: GPU suite"] == ["1 passed, 3 skipped in 90.00s", "yes", "", str(call2)]
+        assert cells["done: sanitizers (memcheck, initcheck, racecheck, synccheck)"][1:] == ["yes", "", str(call2)]
+    # a file both folders hold is the first one's: made_up's suite, stopped at its limit, or call 2's
+    both = run_tool("campaign_report", "--targets", str(call2), str(made_up)).stdout
+    assert f"| done: GPU suite | 1 passed, 3 skipped in 90.00s | yes |  | {call2} |" in both
+    both = run_tool("campaign_report", "--targets", str(made_up), str(call2)).stdout
+    assert f"| done: GPU suite | 1 failed, 1 passed in 400.10s (stopped at its time limit of 380 s) | no |  " \
+           f"| {made_up} |" in both
+    one = report(call1, "--targets").stdout.splitlines()
+    assert one[0] == "| issue 62 target | measured | met | what limits it (profile) |"
+    for options in ([str(call2)], ["--fastest-kv8", str(call2)], ["--targets", str(tmp_path / "absent")]):
+        bad = report(call1, *options)
+        assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1, bad
+        assert bad.stderr.startswith("error: ")
 
 
 def test_a_run_without_a_profile_takes_an_earlier_runs_and_says_so(tmp_path):
@@ -305,8 +351,8 @@ def test_a_run_without_a_profile_takes_an_earlier_runs_and_says_so(tmp_path):
     prefill = next(v for k, v in rows.items() if k.startswith("1. prefill"))
     assert prefill[:2] == ["1.11x-2.12x (median 1.47x), met in 12 of 16", "no"]  # this run's timings
     assert f"(profile of an earlier run, {earlier})" in prefill[2] and "tensor pipe 65.7%" in prefill[2]
-    assert "tensor pipe 54.6%" in next(v for k, v in rows.items() if k.startswith("2."))[2]
-    assert rows["GPU suite"][:2] == ["403 passed, 15 skipped, 60 warnings in 163.43s (0:02:43)", "yes"]
+    assert "tensor pipe 54.6%" in next(v for k, v in rows.items() if k.startswith("3. INT8 logits"))[2]
+    assert rows["done: GPU suite"][:2] == ["403 passed, 15 skipped, 60 warnings in 163.43s (0:02:43)", "yes"]
     link = tmp_path / "profile.txt"
     link.symlink_to(earlier)
     for options in (["--profile", str(earlier)], ["--targets", "--profile", str(link)],
@@ -348,12 +394,12 @@ def test_the_8_bit_kv_cache_rows_compare_with_the_bf16_call_from_32k_keys(made_u
     assert out.returncode == 0, out.stderr
     cells = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in out.stdout.splitlines()[2:]}
     table = {k: v[:2] for k, v in cells.items()}
-    limits = next(v for k, v in cells.items() if k.startswith("62.2 int8"))[2]
+    limits = next(v for k, v in cells.items() if k.startswith("2. int8"))[2]
     assert limits.startswith("split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys: ") and "71.30" in limits
     # The split kernel's stall reasons beside it; not the merge kernel's time.
     assert "top stalls (cycles per issue) barrier 2.71, long_scoreboard 0.42" in limits and "6.10" not in limits
-    int8 = next(v for k, v in table.items() if k.startswith("62.2 int8"))
-    fp8 = next(v for k, v in table.items() if k.startswith("62.2 fp8"))
+    int8 = next(v for k, v in table.items() if k.startswith("2. int8"))
+    fp8 = next(v for k, v in table.items() if k.startswith("2. fp8"))
     assert int8 == ["1.70x-1.80x (median 1.75x), >= 1.6x in 2 of 2; cosine 0.99940 at worst", "cosine yes, speed yes"]
     assert fp8 == ["1.50x-1.90x (median 1.70x), >= 1.6x in 1 of 2; cosine 0.99740 at worst", "cosine no, speed no"]
     summary = report(made_up).stdout
@@ -380,14 +426,14 @@ def test_each_carried_builds_8_bit_call_has_its_own_target_row(made_up):
     out = report(made_up, "--targets")
     assert out.returncode == 0, out.stderr
     table = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:3] for line in out.stdout.splitlines()[2:]}
-    label = "62.2 int8 KV cache decode >= 1.6x the bf16 split-KV call from 32k keys, cosine >= 0.999"
+    label = "2. int8 KV cache decode >= 1.6x the bf16 split-KV call from 32k keys, cosine >= 0.999"
     assert table[label] == ["1.25x-1.25x (median 1.25x), >= 1.6x in 0 of 2; cosine 0.99930 at worst",
                             "cosine yes, speed no"]
     assert table[label + "; build s8all's 8-bit call"] == [
         "1.60x-1.70x (median 1.65x), >= 1.6x in 2 of 2; cosine 0.99920 at worst", "cosine yes, speed yes"]
     assert table[label + "; build overlap's 8-bit call"] == [
         "1.30x-1.30x (median 1.30x), >= 1.6x in 0 of 2; cosine nan at worst", "cosine no, speed no"]
-    assert [k for k in table if k.startswith("62.2 fp8")] == [label.replace("int8", "fp8")]
+    assert [k for k in table if k.startswith("2. fp8")] == [label.replace("int8", "fp8")]
     # the summary's per-build lines take the same worst cosine: nan where a case has none
     assert "int8 cache@overlap overlap / this build:" in report(made_up).stdout
     assert re.search(r"int8 cache@overlap .*its cosine vs fp32 nan at worst", report(made_up).stdout)
@@ -591,7 +637,7 @@ def test_where_the_warps_wait_reads_beside_the_launch_it_belongs_to(made_up):
         "stall sites    Hopper path (TMA + wgmma), the same launch: the source page export FAILED")
     table = report(made_up, "--targets")
     assert table.returncode == 0, table.stderr
-    cell = next(x for x in table.stdout.splitlines() if x.startswith("| 62.2 int8")).split(" | ")[3]
+    cell = next(x for x in table.stdout.splitlines() if x.startswith("| 2. int8")).split(" | ")[3]
     assert cell.startswith("split-KV decode kernel on an int8 KV cache, Sq=1, 32768 keys: ") and "24.50" in cell
     assert "where the warps wait: by reason barrier 50.0%" in cell and "most at one instruction 45.0%" in cell
 
