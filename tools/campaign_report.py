@@ -9,7 +9,7 @@ pytest.log, sanitizer.log, bench.json, decode.json. Prints one verdict per targe
 (pytest's own summary line, and whether it was stopped at its limit), `diffexport kernels --check`,
 each compute-sanitizer tool's summary, the Hopper probe, each part's verdict, then from bench.json
 the fused kernel against the best composition of the same run at N = 4k and 16k (target >= 1.3x),
-the INT8 logits against the fused fp path (target >= 1.2x with cosine >= 0.999), the Hopper path
+the INT8 logits against the fused fp path (cosine >= 0.999; their speed shown, no target), the Hopper path
 and any carried build (`fused@NAME`) beside this one, and from decode.json the split-KV decode
 kernels against the best composition and the copy bandwidth, from cta_cost.json the Hopper path's
 fixed cost per CTA as a share of each timed case, and from profile.txt what limits each
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdoc import CONTROL_BUILD, MAX_RESULT_BYTES, best_composition  # noqa: E402  (the tables' own rule)
 from ncu_stall_sites import SECTION_PREFIX as STALL_SITES  # noqa: E402
 
-FUSED_TARGET, INT8_TARGET, COSINE_TARGET = 1.3, 1.2, 0.999
+FUSED_TARGET, COSINE_TARGET = 1.3, 0.999
 KV8_TARGET, KV8_FROM_KEYS = 1.6, 32768  # issue 62 item 2: the 8-bit KV cache over the bf16 split-KV call
 KV8_FORMATS = ("int8", "fp8")
 TARGET_SEQS = (4096, 16384)
@@ -189,16 +189,17 @@ def prefill(folder: Path) -> list[str]:
     lines = [measured("bench", record) + f"; bf16 matmul peak {record['peak_tflops']:.0f} TFLOP/s"]
     lines.append(against_best(rows, "fused", "fused vs best")
                  or f"fused vs best  no case at N in {TARGET_SEQS} with both timings")
-    # INT8 logits against the fp path of the same kernel; on sm_90 the Hopper pair is what auto runs,
-    # so the target is read there (the cosine is auto's INT8 output against auto's fp output).
+    # INT8 logits against the fp path of the same kernel; on sm_90 the Hopper pair is what auto runs
+    # (the cosine is auto's INT8 output against auto's fp output). An accuracy option with no speed
+    # target (issue 62 item 3): the speed is shown, the cosine is what is held.
     for fp, quant, label in (("fused", "fused_int8", "INT8 vs fused "), ("fused_hopper", "fused_hopper_int8",
                                                                           "Hopper INT8 vs Hopper")):
         int8 = [(r["timings"][fp]["ms"] / r["timings"][quant]["ms"], r["int8_cosine"], r) for r in rows
                 if fp in r["timings"] and quant in r["timings"]]
         if int8:
-            met = [x for x in int8 if x[0] >= INT8_TARGET and x[1] >= COSINE_TARGET]
-            lines.append(f"{label} {spread([x[0] for x in int8])}, cosine {min(x[1] for x in int8):.5f} at worst; "
-                         f"target >= {INT8_TARGET}x with cosine >= {COSINE_TARGET} met in {len(met)} of {len(int8)} "
+            held = sum(x[1] >= COSINE_TARGET for x in int8)
+            lines.append(f"{label} {spread([x[0] for x in int8])} the fp path's speed (no speed target), cosine "
+                         f"{min(x[1] for x in int8):.5f} at worst; cosine >= {COSINE_TARGET} in {held} of {len(int8)} "
                          "cases")
     hopper = [r["timings"]["fused"]["ms"] / r["timings"]["fused_hopper"]["ms"] for r in rows
               if "fused" in r["timings"] and "fused_hopper" in r["timings"]]
