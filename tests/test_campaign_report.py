@@ -269,17 +269,21 @@ def test_issue_62s_targets_table_is_recomputed_from_a_stored_run():
     assert sanitizers[1] == "no" and "racecheck: stopped at its time limit of 130 s" in sanitizers[0]
 
 
+# sanitizer.log of a campaign whose five sanitizer runs finished with 0 errors
+CLEAN_SANITIZER_LOG = "".join(
+    f"--- {name}\nkernel cases ok ({path or 'auto'})\n========= "
+    f"{'RACECHECK SUMMARY: 0 hazards displayed' if tool == 'racecheck' else 'ERROR SUMMARY: 0 errors'}\n"
+    f"{name}: exit status 0\n"
+    for tool, path in (("memcheck", ""), ("initcheck", ""), ("racecheck", "auto"), ("racecheck", "mma"),
+                       ("synccheck", ""))
+    for name in [f"{tool} ({path})" if path else tool])
+
+
 def test_a_run_that_passed_everything_meets_the_correctness_rows(made_up):
     (made_up / "pytest.log").write_text(
         "[gw0] [ 50%] PASSED tests/test_plugin_harness.py::test_a\nPASSED tests/test_plugin_harness.py::test_b\n"
         "=================== 2 passed, 3 skipped in 100.00s ===================\n")
-    (made_up / "sanitizer.log").write_text("".join(
-        f"--- {name}\nkernel cases ok ({path or 'auto'})\n========= "
-        f"{'RACECHECK SUMMARY: 0 hazards displayed' if tool == 'racecheck' else 'ERROR SUMMARY: 0 errors'}\n"
-        f"{name}: exit status 0\n"
-        for tool, path in (("memcheck", ""), ("initcheck", ""), ("racecheck", "auto"), ("racecheck", "mma"),
-                           ("synccheck", ""))
-        for name in [f"{tool} ({path})" if path else tool]))
+    (made_up / "sanitizer.log").write_text(CLEAN_SANITIZER_LOG)
     out = report(made_up, "--targets")
     assert out.returncode == 0, out.stderr
     table = out.stdout.splitlines()
@@ -305,13 +309,7 @@ def test_one_sessions_two_calls_make_one_table(made_up, tmp_path):
     (call2 / "campaign.log").write_text("== 10:20:00 done: 0 part(s) failed in 200 s of a 230 s budget\n")
     (call2 / "pytest.log").write_text("[gw0] [ 50%] PASSED tests/test_plugin_harness.py::test_a\n"
                                       "=================== 1 passed, 3 skipped in 90.00s ===================\n")
-    (call2 / "sanitizer.log").write_text("".join(
-        f"--- {name}\nkernel cases ok ({path or 'auto'})\n========= "
-        f"{'RACECHECK SUMMARY: 0 hazards displayed' if tool == 'racecheck' else 'ERROR SUMMARY: 0 errors'}\n"
-        f"{name}: exit status 0\n"
-        for tool, path in (("memcheck", ""), ("initcheck", ""), ("racecheck", "auto"), ("racecheck", "mma"),
-                           ("synccheck", ""))
-        for name in [f"{tool} ({path})" if path else tool]))
+    (call2 / "sanitizer.log").write_text(CLEAN_SANITIZER_LOG)
     for first, second in ((call1, call2), (call2, call1)):
         out = run_tool("campaign_report", "--targets", str(first), str(second))
         assert out.returncode == 0, out.stderr
