@@ -249,6 +249,39 @@ def test_the_warp_copies_variant_builds_for_sm90a_without_a_barrier_in_its_loop(
         assert plain[0] and all(re.fullmatch(r"BAR\.SYNC\S* R\d+, 0x40", i) for i in plain[0]), plain
 
 
+def test_the_d64_mask_bits_variant_builds_for_sm90a_with_one_flag_load_and_no_spill(tmp_path):
+    """The campaign times DIFFX_DECODE_MASK_BITS_D64=1 as `maskbits64` (a library built on the CPU by
+    tools/prepare_gpu_campaign.sh): the head-dim-64 decode kernels (fp16; float, int8 and e4m3 caches,
+    INT8 logits) compile for sm_90a without a spill at their two-CTA cap of 128 registers, and each
+    loads a masked step's int64 flags once (one LDG.E.64 in the kernel) where the per-element test of
+    the default build loads one per score element of a lane (8 or 16 in the kernel)."""
+    nvcc, cuobjdump = find_nvcc(), kernel_resources.find_tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    unit = tmp_path / "decode_d64.cu"
+    unit.write_text('#include "diff_attention_decode.cuh"\n' + "".join(
+        f"template cudaError_t diffx::launch_diff_attention_decode<__half, 64, {dv}, {args}>("
+        "const diffx::KernelArgs&, cudaStream_t);\n"
+        for dv in (128, 64) for args in ("false", "true", "false, 1", "false, 2")))
+    loads = {}
+    for flag in (0, 1):
+        cubin = tmp_path / f"mask_bits_d64_{flag}.cubin"
+        build = subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{KERNELS}", '-DDIFFX_BUILD_ARCHS="90a-real"',
+                                f"-DDIFFX_DECODE_MASK_BITS_D64={flag}",
+                                "--generate-code=arch=compute_90a,code=[sm_90a]", "-cubin", str(unit),
+                                "-o", str(cubin)],
+                               capture_output=True, text=True, timeout=600)
+        assert build.returncode == 0, build.stderr[-3000:]
+        rows = kernel_resources.resource_usage(cubin)
+        assert not [r for r in rows if r["stack"]], rows
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        functions = re.split(r"\n\s+Function : ", sass)[1:]
+        loads[flag] = {f.split("\n", 1)[0]: f.count("LDG.E.64") for f in functions if "decode_kernel" in f[:200]}
+    assert len(loads[1]) >= 10 and loads[1].keys() == loads[0].keys(), loads
+    assert all(n == 1 for n in loads[1].values()), loads[1]
+    assert all(n >= 8 for n in loads[0].values()), loads[0]
+
+
 def test_the_fma_pipe_exponential_matches_exp2_within_its_bound(tmp_path):
     """hopper/exp2_fma.h (the exponentials DIFFX_SM90_EXP2_FMA_EVERY moves off MUFU), built for the
     host from the same header: relative error against exp2 in double precision below 4e-6 over

@@ -119,6 +119,19 @@ def emulator_s8_qk_all(tmp_path_factory):
                                           "-DDIFFX_DECODE_KV_WARP_COPIES=1", "-DDIFFX_DECODE_KV_OVERLAP=1"]))
 
 
+@pytest.fixture(scope="module")
+def emulator_mask_bits_d64(tmp_path_factory):
+    """The emulator with DIFFX_DECODE_MASK_BITS_D64=1 (the head-dim-64 decode kernels test a key-masked
+    step's flags as bits, loaded after its Q.K^T: the carried build `maskbits64` of the issue 62
+    campaign, tools/README.md); fp16 only (DIFFX_EMULATE_FP16_ONLY: the mask is read the same way
+    whatever the query's dtype)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_MASK_BITS_D64",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_mask_bits_d64",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*OPTION_BUILD_FLAGS, "-DDIFFX_EMULATE_FP16_ONLY",
+                                          "-DDIFFX_DECODE_MASK_BITS_D64=1"]))
+
+
 def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
@@ -253,6 +266,42 @@ def test_emulated_key_mask_matches_the_oracle(emulator, case, rng):
     empty = [isinstance(p, int) and p >= kv_len for p in pads]
     if any(empty):
         assert (out[empty] == 0).all()
+
+
+# Head-dim-64 decode calls with a key mask, for DIFFX_DECODE_MASK_BITS_D64: (cache format or None,
+# variant, GQA ratio, heads, batch, q_len, kv_len, pads per batch row, INT8 logit bits), fp16.
+MASK_BITS_D64_CASES = [
+    (None, 1, 2, 4, 2, 1, 300, [(40, 107), 3], 0),       # float cache: a hole across tiles, a row padded at its start
+    (None, 2, 4, 4, 2, 3, 140, [9, 0], 0),               # 4 heads x 3 tokens: the diagonal cuts the last step
+    (None, 1, 2, 4, 1, 2, 333, [(0, 333, 5)], 8),        # INT8 logits, every fifth key a hole, ragged last tile
+    ("int8", 1, 2, 4, 2, 1, 700, [(1, 700, 3), 5], 0),   # int8 cache, two tiles a step: every third key a hole
+    ("int8", 2, 4, 8, 1, 4, 500, [(100, 300)], 0),       # 16 group rows, the diagonal, a hole of whole steps
+    ("fp8", 1, 1, 2, 1, 2, 333, [(64, 200, 7)], 0),      # e4m3 cache, ragged, holes in some steps only
+]
+
+
+@pytest.mark.parametrize("case", MASK_BITS_D64_CASES,
+                         ids=[f"{c[0] or 'fp16'}-v{c[1]}-{c[5]}x{c[6]}-bits{c[8]}" for c in MASK_BITS_D64_CASES])
+def test_mask_bits_at_head_dim_64_give_the_per_element_tests_bits(emulator, emulator_mask_bits_d64, case, rng):
+    """DIFFX_DECODE_MASK_BITS_D64=1 (the campaign's `maskbits64`): a masked step's flags as bits, a step
+    of all-present keys skipping its masked block, the diagonal as bits. The same keys are hidden as
+    by the default build's per-element test, so the output is its bit for bit; the mask changes the
+    output, and it agrees with the oracle."""
+    fmt, variant, ratio, heads, batch, q_len, kv_len, pads, bits = case
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=64, causal=1,
+                               norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=torch.float16, rng=rng)
+    key_mask = padding_mask(batch, kv_len, pads)
+    codes, kv_scales, exact_inputs = cache_of(inputs, fmt) if fmt else (inputs, None, inputs)
+    plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, int8=bits > 0, kv8=fmt is not None))
+    assert plan[1] > 1
+    out = emulate(emulator_mask_bits_d64, codes, attrs, bits=bits, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert not out.isnan().any(), "output not fully written (poison left) or NaN"
+    per_element = emulate(emulator, codes, attrs, bits=bits, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert torch.equal(out, per_element), f"differs from the per-element test by {(out - per_element).abs().max():.3e}"
+    assert not torch.equal(out, emulate(emulator_mask_bits_d64, codes, attrs, bits=bits, kv_scales=kv_scales))
+    if bits == 0:
+        assert cosine(out, oracle(exact_inputs, attrs, key_mask)) >= (0.9999 if fmt is None else 0.999)
 
 
 INT8_CASES = [  # variant, head dim, bits, K-smoothing, dtype, queries, keys

@@ -122,6 +122,19 @@ static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP 
 #define DIFFX_DECODE_KV_S8_QK 0
 #endif
 
+// 1: the head-dim-64 decode kernels test a key-masked step's flags as bits too (one load a lane, a
+// ballot; a step whose keys are all present skips its masked block), as those of head dim 128 do,
+// but load them after the step's Q.K^T, not before: held across it they spilled at the 128 registers
+// of two CTAs an SM. Every KV-cache decoder passes key_mask, so each of its decode steps is a masked
+// one. sm_90a SASS: a masked step's 8 (float cache) or 16 (8-bit cache, two tiles) dependent
+// LDG.E.64 a thread become one, no spill; on sm_80-89 the 8-bit cache's V1 kernel of two tiles a
+// step spills 8 bytes (a loop-invariant shared address reloaded each step; on sm_86/89 that kernel
+// does not fit the shared memory and never runs). 0 (default until a GPU has timed it): the
+// per-element test in the masked block, entered by every step of a masked call.
+#ifndef DIFFX_DECODE_MASK_BITS_D64
+#define DIFFX_DECODE_MASK_BITS_D64 0
+#endif
+
 // An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q): rows padded by 16 bytes
 // instead of XOR-swizzled (DIFFX_DECODE_KV_ROW_PAD, default 16; 0 keeps the swizzle). The 8 rows
 // of an ldmatrix phase still fall on 8 distinct 16-byte bank groups (a row of an odd number of
@@ -602,11 +615,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   const int key_head = Fwd::kV1 ? 2 * g + map : g;
   const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
   // Key-masked steps tested as bits, and a step whose keys are all present and not cut by the causal
-  // diagonal skipping the masked block (mask_step). Not at head dim 64: there the kernels run two
-  // CTAs an SM at 128 registers, and every form of it tried spilled 4-32 bytes in one of the builds
-  // (sm_86/89, packed maps, warp copies, overlap); those kernels test each element's flag in the
-  // masked block as before (the other CTA hides its loads).
-  constexpr bool kMaskBits = D != 64;
+  // diagonal skipping the masked block (mask_step). At head dim 64 only with DIFFX_DECODE_MASK_BITS_D64,
+  // the flags then loaded after the step's Q.K^T: there the kernels run two CTAs an SM at 128
+  // registers, and every form that held the flags across Q.K^T spilled 4-32 bytes in one of the
+  // builds (sm_86/89, packed maps, warp copies, overlap). Without it those kernels test each element's
+  // flag in the masked block (the other CTA hides its loads).
+  constexpr bool kMaskBits = D != 64 || DIFFX_DECODE_MASK_BITS_D64;
+  constexpr bool kFlagsBeforeQK = D != 64;
   // Tile row r is query token r % q_len (packed maps: of r % 8), which sees keys up to kv_len -
   // q_len + that. (Rows >= `rows`, of each half with packed maps, are padding: computed, never written.)
   if constexpr (kMaskBits) {
@@ -753,11 +768,13 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   };
 
 
-  // S of a step, masked; the flags are loaded before its Q.K, whose mmas hide their latency.
+  // S of a step, masked; the flags are loaded before its Q.K, whose mmas hide their latency (at head
+  // dim 64, after it: kFlagsBeforeQK).
   auto masked_scores = [&](int nb, int stage, float (&s)[kSTiles][4]) {
     KeyFlags<kWarpKeys> flags{};
-    if constexpr (kMaskBits) flags = step_flags(nb);
+    if constexpr (kMaskBits && kFlagsBeforeQK) flags = step_flags(nb);
     qk_step(nb, stage, s);
+    if constexpr (kMaskBits && !kFlagsBeforeQK) flags = step_flags(nb);
     mask_step(nb, s, flags);
   };
 
