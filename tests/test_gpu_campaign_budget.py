@@ -523,7 +523,7 @@ def run_readme_command(env, tmp_path, command: str):
 
 
 # The decode-only builds prepare_gpu_campaign.sh makes for the issue 62 call (tools/README.md), in its order.
-DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all")
+DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all", "maskbits64")
 
 
 def fastest_decode_json(folder: Path, speed: dict | None = None) -> None:
@@ -562,7 +562,7 @@ def test_the_issue_62_first_call_in_tools_readme_times_every_variant_then_profil
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
     # the carried decode-only builds beside `before` in decode (its bf16 cases), not in the prefill bench
     carried = " ".join(f"{name}=build-variants/{name}/libdiffexport_kernels.so" for name in DECODE_VARIANTS)
-    assert ("--keys 32768 131072 --dtypes bfloat16 --masked-compare before --compare "
+    assert ("--keys 32768 131072 --dtypes bfloat16 --masked-compare before maskbits64 --compare "
             f"before=build-before/libdiffexport_kernels.so {carried} --hopper-variants") in decode
     assert not any(name in bench for name in DECODE_VARIANTS)
     # ... the very builds that the README's preparation before it makes
@@ -641,7 +641,7 @@ def test_no_build_faster_than_this_one_is_profiled_as_none(stubs):
     env, tmp_path = stubs
     env.update(PROFILE_PARTS="decode-kv8", PROFILE_DECODE_COMPARE="fastest", STUB_REAL_PYTHON=sys.executable,
                CAMPAIGN_DECODE_COMPARE="packmaps=/carried/packmaps.so")
-    expected = ("decode.json missing", "none faster than this build; the best, packmaps: this build's int8 cache "
+    expected = ("decode.json missing", "none faster than this build by more than 1.04x; the best, packmaps: this build's int8 cache "
                 "time / its 0.900x", "s8warp is no CAMPAIGN_DECODE_COMPARE build")
     for speed, why in zip((None, {"packmaps": (0.9, 0.9999), "s8all": (1.2, float("nan"))}, {"s8warp": (1.4, 1.0)}),
                           expected):
