@@ -641,8 +641,8 @@ def test_no_build_faster_than_this_one_is_profiled_as_none(stubs):
     env, tmp_path = stubs
     env.update(PROFILE_PARTS="decode-kv8", PROFILE_DECODE_COMPARE="fastest", STUB_REAL_PYTHON=sys.executable,
                CAMPAIGN_DECODE_COMPARE="packmaps=/carried/packmaps.so")
-    expected = ("decode.json missing", "none faster than this build by more than 1.04x; the best, packmaps: this build's int8 cache "
-                "time / its 0.900x", "s8warp is no CAMPAIGN_DECODE_COMPARE build")
+    expected = ("decode.json missing", "none faster than this build by more than 1.04x; the best, packmaps: this "
+                "build's int8 cache time / its 0.900x", "s8warp is no CAMPAIGN_DECODE_COMPARE build")
     for speed, why in zip((None, {"packmaps": (0.9, 0.9999), "s8all": (1.2, float("nan"))}, {"s8warp": (1.4, 1.0)}),
                           expected):
         if speed:

@@ -216,6 +216,25 @@ def loops_of(sass: str, function: str) -> list[list[str]]:
 
 
 @pytest.mark.slow
+def decode_sass_for_sm90a(tmp_path: Path, name: str, instances: list[str], *flags: str) -> str:
+    """The SASS of split-KV decode instantiations (each its template arguments) compiled for sm_90a with
+    flags, after checking that no kernel spills; a skip without nvcc and cuobjdump."""
+    nvcc, cuobjdump = find_nvcc(), kernel_resources.find_tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        pytest.skip("needs nvcc and cuobjdump")
+    unit, cubin = tmp_path / f"{name}.cu", tmp_path / f"{name}.cubin"
+    unit.write_text('#include "diff_attention_decode.cuh"\n' + "".join(
+        f"template cudaError_t diffx::launch_diff_attention_decode<{args}>(const diffx::KernelArgs&, cudaStream_t);\n"
+        for args in instances))
+    build = subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{KERNELS}", '-DDIFFX_BUILD_ARCHS="90a-real"', *flags,
+                            "--generate-code=arch=compute_90a,code=[sm_90a]", "-cubin", str(unit), "-o", str(cubin)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    rows = kernel_resources.resource_usage(cubin)
+    assert not [r for r in rows if r["stack"]], rows
+    return subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
 def test_the_warp_copies_variant_builds_for_sm90a_without_a_barrier_in_its_loop(tmp_path):
     """The campaign times packed maps with warp copies (-DDIFFX_DECODE_KV_PACK_MAPS=1
     -DDIFFX_DECODE_KV_WARP_COPIES=1, a library built on the CPU by tools/prepare_gpu_campaign.sh).
@@ -223,22 +242,8 @@ def test_the_warp_copies_variant_builds_for_sm90a_without_a_barrier_in_its_loop(
     at 128 registers for two): it compiles for sm_90a, spills nothing, the packed-maps kernel's main
     loop (the one with the mmas) holds no BAR.SYNC, and the 16-row kernel's beside it only barriers
     of 64 threads (a pair of warps), where without the flag it holds the CTA's."""
-    nvcc, cuobjdump = find_nvcc(), kernel_resources.find_tool("cuobjdump")
-    if nvcc is None or cuobjdump is None:
-        pytest.skip("needs nvcc and cuobjdump")
-    unit = tmp_path / "decode_v1_kvint8.cu"
-    unit.write_text('#include "diff_attention_decode.cuh"\n' + "".join(
-        f"template cudaError_t diffx::launch_diff_attention_decode<{t}, {d}, {2 * d}, false, 1>("
-        "const diffx::KernelArgs&, cudaStream_t);\n" for t, d in (("__nv_bfloat16", 128), ("__half", 64))))
-    cubin = tmp_path / "warpcopies.cubin"
-    build = subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{KERNELS}", '-DDIFFX_BUILD_ARCHS="90a-real"',
-                            "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_WARP_COPIES=1",
-                            "--generate-code=arch=compute_90a,code=[sm_90a]", "-cubin", str(unit), "-o", str(cubin)],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-3000:]
-    rows = kernel_resources.resource_usage(cubin)
-    assert not [r for r in rows if r["stack"]], rows
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = decode_sass_for_sm90a(tmp_path, "warpcopies", [f"{t}, {d}, {2 * d}, false, 1" for t, d in (
+        ("__nv_bfloat16", 128), ("__half", 64))], "-DDIFFX_DECODE_KV_PACK_MAPS=1", "-DDIFFX_DECODE_KV_WARP_COPIES=1")
     for t in ("13__nv_bfloat16Li128ELi256E", "6__halfLi64ELi128E"):
         # <T, D, DV, INT8 false, 3 stages, int8 cache, 2 tiles a step, packed maps or not>
         packed, plain = ([[i for i in loop if i.startswith("BAR")]
@@ -255,26 +260,11 @@ def test_the_d64_mask_bits_variant_builds_for_sm90a_with_one_flag_load_and_no_sp
     INT8 logits) compile for sm_90a without a spill at their two-CTA cap of 128 registers, and each
     loads a masked step's int64 flags once (one LDG.E.64 in the kernel) where the per-element test of
     the default build loads one per score element of a lane (8 or 16 in the kernel)."""
-    nvcc, cuobjdump = find_nvcc(), kernel_resources.find_tool("cuobjdump")
-    if nvcc is None or cuobjdump is None:
-        pytest.skip("needs nvcc and cuobjdump")
-    unit = tmp_path / "decode_d64.cu"
-    unit.write_text('#include "diff_attention_decode.cuh"\n' + "".join(
-        f"template cudaError_t diffx::launch_diff_attention_decode<__half, 64, {dv}, {args}>("
-        "const diffx::KernelArgs&, cudaStream_t);\n"
-        for dv in (128, 64) for args in ("false", "true", "false, 1", "false, 2")))
+    instances = [f"__half, 64, {dv}, {args}" for dv in (128, 64) for args in ("false", "true", "false, 1", "false, 2")]
     loads = {}
     for flag in (0, 1):
-        cubin = tmp_path / f"mask_bits_d64_{flag}.cubin"
-        build = subprocess.run([nvcc, "-std=c++17", "-O3", f"-I{KERNELS}", '-DDIFFX_BUILD_ARCHS="90a-real"',
-                                f"-DDIFFX_DECODE_MASK_BITS_D64={flag}",
-                                "--generate-code=arch=compute_90a,code=[sm_90a]", "-cubin", str(unit),
-                                "-o", str(cubin)],
-                               capture_output=True, text=True, timeout=600)
-        assert build.returncode == 0, build.stderr[-3000:]
-        rows = kernel_resources.resource_usage(cubin)
-        assert not [r for r in rows if r["stack"]], rows
-        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = decode_sass_for_sm90a(tmp_path, f"mask_bits_d64_{flag}", instances,
+                                     f"-DDIFFX_DECODE_MASK_BITS_D64={flag}")
         functions = re.split(r"\n\s+Function : ", sass)[1:]
         loads[flag] = {f.split("\n", 1)[0]: f.count("LDG.E.64") for f in functions if "decode_kernel" in f[:200]}
     assert len(loads[1]) >= 10 and loads[1].keys() == loads[0].keys(), loads

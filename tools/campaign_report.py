@@ -352,8 +352,9 @@ def fastest_kv8_build(decode_rows: list[dict], fmt: str = "int8") -> tuple[str |
     """The carried build whose fmt-cache decode calls were timed fastest against this build's
     (the geometric mean of this build's time over the build's, in the cases both ran), among the builds
     whose cosine vs fp32 meets COSINE_TARGET in each of them: (its name, why), or (None, why) where no
-    such build beat this one by more than the loop's noise (FASTER_THAN_NOISE). What a campaign profiles beside this build's 8-bit call, in the same
-    call that timed them (gpu_campaign.sh, PROFILE_DECODE_COMPARE=fastest)."""
+    such build beat this one by more than the loop's noise (FASTER_THAN_NOISE). What a campaign
+    profiles beside this build's 8-bit call, in the same call that timed them (gpu_campaign.sh,
+    PROFILE_DECODE_COMPARE=fastest)."""
     this = f"split_kv_{fmt}_cache"
     rows = [r for r in decode_rows if this in r["timings"]]
     ranked = []
