@@ -331,6 +331,11 @@ def test_one_sessions_two_calls_make_one_table(made_up, tmp_path):
            f"| {made_up} |" in both
     one = report(call1, "--targets").stdout.splitlines()
     assert one[0] == "| issue 62 target | measured | met | what limits it (profile) |"
+    (call2 / "bench.json").write_text('{"rows": [')  # cut off, in the second folder: one line naming both
+    bad = run_tool("campaign_report", "--targets", str(call2), str(call1))
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith(f"error: {call2} + {call1}: a result "
+                                                                              "file is not what"), bad.stderr
+    assert len(bad.stderr.splitlines()) == 1
     for options in ([str(call2)], ["--fastest-kv8", str(call2)], ["--targets", str(tmp_path / "absent")]):
         bad = report(call1, *options)
         assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1, bad

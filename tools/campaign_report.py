@@ -620,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(each 'what limits it' cell names it)")
     parser.add_argument("--fastest-kv8", action="store_true",
                         help="print only the name of the carried build whose int8 cache decode calls were fastest "
-                             "(cosine >= 0.999), nothing when none beat this build; why on stderr")
+                             "(cosine >= 0.999), nothing when none beat this build by more than the loop's "
+                             "noise (1.04x); why on stderr")
     args = parser.parse_args(argv)
     for folder in args.folders:
         if not folder.is_dir():
