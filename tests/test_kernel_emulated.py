@@ -120,16 +120,16 @@ def emulator_s8_qk_all(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def emulator_mask_bits_d64(tmp_path_factory):
-    """The emulator with DIFFX_DECODE_MASK_BITS_D64=1 (the head-dim-64 decode kernels test a key-masked
-    step's flags as bits, loaded after its Q.K^T: the carried build `maskbits64` of the issue 62
-    campaign, tools/README.md); fp16 only (DIFFX_EMULATE_FP16_ONLY: the mask is read the same way
-    whatever the query's dtype)."""
-    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_MASK_BITS_D64",
-                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_mask_bits_d64",
+def emulator_loaded_flags(tmp_path_factory):
+    """The emulator with DIFFX_DECODE_STAGED_FLAGS=0 (the decode kernels load a key-masked step's flags
+    from global memory in the step instead of reading the ones copied with its keys: the carried build
+    `maskloads` of the issue 62 campaign, tools/README.md); fp16 only (DIFFX_EMULATE_FP16_ONLY: the
+    mask is read the same way whatever the query's dtype)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_LOADED_FLAGS",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_loaded_flags",
                                          [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
                                          [*OPTION_BUILD_FLAGS, "-DDIFFX_EMULATE_FP16_ONLY",
-                                          "-DDIFFX_DECODE_MASK_BITS_D64=1"]))
+                                          "-DDIFFX_DECODE_STAGED_FLAGS=0"]))
 
 
 def emulator_library(path):
@@ -268,38 +268,50 @@ def test_emulated_key_mask_matches_the_oracle(emulator, case, rng):
         assert (out[empty] == 0).all()
 
 
-# Head-dim-64 decode calls with a key mask, for DIFFX_DECODE_MASK_BITS_D64: (cache format or None,
-# variant, GQA ratio, heads, batch, q_len, kv_len, pads per batch row, INT8 logit bits), fp16.
-MASK_BITS_D64_CASES = [
-    (None, 1, 2, 4, 2, 1, 300, [(40, 107), 3], 0),       # float cache: a hole across tiles, a row padded at its start
-    (None, 2, 4, 4, 2, 3, 140, [9, 0], 0),               # 4 heads x 3 tokens: the diagonal cuts the last step
-    (None, 1, 2, 4, 1, 2, 333, [(0, 333, 5)], 8),        # INT8 logits, every fifth key a hole, ragged last tile
-    ("int8", 1, 2, 4, 2, 1, 700, [(1, 700, 3), 5], 0),   # int8 cache, two tiles a step: every third key a hole
-    ("int8", 2, 4, 8, 1, 4, 500, [(100, 300)], 0),       # 16 group rows, the diagonal, a hole of whole steps
-    ("fp8", 1, 1, 2, 1, 2, 333, [(64, 200, 7)], 0),      # e4m3 cache, ragged, holes in some steps only
+# Decode calls with a key mask, for DIFFX_DECODE_STAGED_FLAGS: (cache format or None, variant, head dim,
+# GQA ratio, heads, batch, q_len, kv_len, pads per batch row, INT8 logit bits, the emulated GPU's
+# opt-in shared memory (0: the fewest stages), where copies land, causal), fp16. Holes at a period
+# that does not divide 64, so that each tile's flags differ from the last's; keys past the cache's
+# end hidden by their flags alone where the call is not causal.
+SM90_OPTIN = 227 * 1024  # sm_90's opt-in shared memory a block
+STAGED_FLAG_CASES = [
+    (None, 1, 64, 2, 4, 2, 1, 300, [(40, 107), 3], 0, SM90_OPTIN, "wait", 1),        # a hole across tiles, a pad
+    (None, 2, 64, 4, 4, 2, 3, 140, [9, 0], 0, SM90_OPTIN, "issue", 1),               # 4 heads x 3 tokens, diagonal
+    (None, 1, 64, 2, 4, 1, 2, 333, [(0, 333, 5)], 8, SM90_OPTIN, "wait", 0),         # INT8 logits, a fifth holes
+    ("int8", 1, 64, 2, 4, 2, 1, 700, [(1, 700, 3), 5], 0, SM90_OPTIN, "issue", 1),   # two tiles a step
+    ("int8", 2, 64, 4, 8, 1, 4, 500, [(100, 300)], 0, SM90_OPTIN, "wait", 1),        # 16 rows, a hole of steps
+    ("fp8", 1, 64, 1, 2, 1, 2, 333, [(64, 200, 7)], 0, SM90_OPTIN, "wait", 0),       # e4m3, holes in some steps
+    (None, 1, 128, 1, 4, 2, 1, 4500, [(3, 4500, 7), 20], 0, 0, "wait", 0),           # one stage, 3 tiles a split
+    (None, 2, 128, 4, 4, 2, 3, 260, [(70, 130), 11], 0, SM90_OPTIN, "issue", 1),     # two stages, the diagonal
+    ("int8", 1, 128, 4, 4, 1, 1, 1100, [(5, 1100, 6)], 0, 0, "issue", 0),            # 8-bit cache, fewest stages
+    ("fp8", 2, 128, 2, 2, 2, 2, 600, [(0, 600, 3), 37], 0, SM90_OPTIN, "wait", 1),   # every third key a hole
 ]
 
 
-@pytest.mark.parametrize("case", MASK_BITS_D64_CASES,
-                         ids=[f"{c[0] or 'fp16'}-v{c[1]}-{c[5]}x{c[6]}-bits{c[8]}" for c in MASK_BITS_D64_CASES])
-def test_mask_bits_at_head_dim_64_give_the_per_element_tests_bits(emulator, emulator_mask_bits_d64, case, rng):
-    """DIFFX_DECODE_MASK_BITS_D64=1 (the campaign's `maskbits64`): a masked step's flags as bits, a step
-    of all-present keys skipping its masked block, the diagonal as bits. The same keys are hidden as
-    by the default build's per-element test, so the output is its bit for bit; the mask changes the
-    output, and it agrees with the oracle."""
-    fmt, variant, ratio, heads, batch, q_len, kv_len, pads, bits = case
-    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=64, causal=1,
-                               norm=int(variant == 1), output_scale=0.7)
+@pytest.mark.parametrize("case", STAGED_FLAG_CASES, ids=[
+    f"{c[0] or 'fp16'}-v{c[1]}-d{c[2]}-{c[6]}x{c[7]}-bits{c[9]}-{'stages' if c[10] else 'fewest'}-{c[11]}-causal{c[12]}"
+    for c in STAGED_FLAG_CASES])
+def test_staged_key_flags_give_the_loaded_flags_bits(emulator, emulator_loaded_flags, case, rng, monkeypatch):
+    """DIFFX_DECODE_STAGED_FLAGS (default 1): a masked step's flags are copied with its keys into shared
+    memory and read from there; the `maskloads` build (0) loads them in the step. Both hide the same
+    keys, so the outputs are the same bit for bit, with copies landing at their wait (a flag read
+    before its copy landed reads a stale stage) or at their issue (a flag refilled while a warp still
+    needs it); the mask changes the output, and it agrees with the oracle."""
+    fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, pads, bits, smem_optin, land, causal = case
+    monkeypatch.setenv("DIFFX_EMULATOR_SMEM_OPTIN", str(smem_optin))
+    monkeypatch.setenv("DIFFX_EMULATOR_COPIES_LAND", {"wait": "0", "issue": "1"}[land])
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=causal, norm=int(variant == 1), output_scale=0.7)
     inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=torch.float16, rng=rng)
     key_mask = padding_mask(batch, kv_len, pads)
     codes, kv_scales, exact_inputs = cache_of(inputs, fmt) if fmt else (inputs, None, inputs)
     plan = ("split-kv", splits_for(batch, heads, kv_len, ratio, q_len, int8=bits > 0, kv8=fmt is not None))
     assert plan[1] > 1
-    out = emulate(emulator_mask_bits_d64, codes, attrs, bits=bits, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    out = emulate(emulator, codes, attrs, bits=bits, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
     assert not out.isnan().any(), "output not fully written (poison left) or NaN"
-    per_element = emulate(emulator, codes, attrs, bits=bits, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
-    assert torch.equal(out, per_element), f"differs from the per-element test by {(out - per_element).abs().max():.3e}"
-    assert not torch.equal(out, emulate(emulator_mask_bits_d64, codes, attrs, bits=bits, kv_scales=kv_scales))
+    loaded = emulate(emulator_loaded_flags, codes, attrs, bits=bits, key_mask=key_mask, kv_scales=kv_scales, plan=plan)
+    assert torch.equal(out, loaded), f"differs from the loaded flags by {(out - loaded).abs().max():.3e}"
+    assert not torch.equal(out, emulate(emulator, codes, attrs, bits=bits, kv_scales=kv_scales, plan=plan))
     if bits == 0:
         assert cosine(out, oracle(exact_inputs, attrs, key_mask)) >= (0.9999 if fmt is None else 0.999)
 

@@ -122,17 +122,20 @@ static_assert(DIFFX_DECODE_BARRIERS_A_STEP == 1 || DIFFX_DECODE_BARRIERS_A_STEP 
 #define DIFFX_DECODE_KV_S8_QK 0
 #endif
 
-// 1: the head-dim-64 decode kernels test a key-masked step's flags as bits too (one load a lane, a
-// ballot; a step whose keys are all present skips its masked block), as those of head dim 128 do,
-// but load them after the step's Q.K^T, not before: held across it they spilled at the 128 registers
-// of two CTAs an SM. Every KV-cache decoder passes key_mask, so each of its decode steps is a masked
-// one. sm_90a SASS: a masked step's 8 (float cache) or 16 (8-bit cache, two tiles) dependent
-// LDG.E.64 a thread become one, no spill; on sm_80-89 the 8-bit cache's V1 kernel of two tiles a
-// step spills 8 bytes (a loop-invariant shared address reloaded each step; on sm_86/89 that kernel
-// does not fit the shared memory and never runs). 0 (default until a GPU has timed it): the
-// per-element test in the masked block, entered by every step of a masked call.
-#ifndef DIFFX_DECODE_MASK_BITS_D64
-#define DIFFX_DECODE_MASK_BITS_D64 0
+// A key-masked call's flags (int64, one a key). 1 (default, 2026-12-01; not yet run on a GPU): they
+// travel with the keys. The threads that copy a step's key tiles copy its keys' flags by cp.async
+// into shared memory beside them, and a warp reads its keys' flags from there (one LDS.64 a lane)
+// for the ballot that makes them bits; a step whose keys are all present (and not cut by the causal
+// diagonal) skips its masked block. No load from global memory is left in a step, none waits there,
+// no register holds a flag across Q.K^T, and map 1's and map 2's warps no longer load the same flags
+// each. 1 KB of shared memory a stage at two tiles a step. Every KV-cache decoder passes key_mask,
+// so each of its decode steps is a masked one.
+// 0 (the campaign's `maskloads`): each lane loads its keys' flags from global memory in the step:
+// at head dim 128 before Q.K^T, whose mmas hide the load; at head dim 64 after it (held across it at
+// the 128 registers of two CTAs an SM they spilled). Until 2026-12-01 head dim 64 loaded one flag per
+// score element instead, 8 (float cache) or 16 (8-bit cache) dependent LDG.E.64 a thread a step.
+#ifndef DIFFX_DECODE_STAGED_FLAGS
+#define DIFFX_DECODE_STAGED_FLAGS 1
 #endif
 
 // An 8-bit cache's shared tiles (its code tiles and its folded fp16 Q): rows padded by 16 bytes
@@ -180,7 +183,9 @@ struct DecodeTileConfig {
   static constexpr int kKTileBytes = KV ? KT * kKCodeTileBytes : Fwd::kKTileBytes;  // a map's KT key tiles
   static constexpr int kVTileBytes = KV ? KT * kVCodeTileBytes : Fwd::kVTileBytes;
   static constexpr int kStageBytes = Fwd::kKeyTiles * kKTileBytes + kVTileBytes;  // K tile(s) + V tile
-  static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * kStageBytes;
+  // A stage's key-mask flags (DIFFX_DECODE_STAGED_FLAGS): an int64 a key of its KT tiles, after the stages.
+  static constexpr int kFlagBytes = DIFFX_DECODE_STAGED_FLAGS ? KT * kBlockN * int(sizeof(int64_t)) : 0;
+  static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * kQ8TileBytes + STAGES * (kStageBytes + kFlagBytes);
   // The fewest stages of one tile (one; two for 8-bit codes) launch everywhere (sm_86/sm_89 opt in
   // to 99 KB); the others need the GPU's opt-in checked at launch (decode_pipeline) unless they
   // fit that too. 227 KB: sm_90's opt-in.
@@ -490,6 +495,9 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   char* sKV = sQ8 + 2 * Cfg::kQ8TileBytes;  // STAGES x ([kKeyTiles][KT][64][D] T or int8, then [KT][64][DV] T or codes)
   auto sK = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
   auto sV = [&](int stage) { return sKV + stage * Cfg::kStageBytes + Fwd::kKeyTiles * Cfg::kKTileBytes; };
+  // [STAGES][KT][64] int64: the key-mask flags of each stage's keys (DIFFX_DECODE_STAGED_FLAGS)
+  auto sFlags = [&](int stage) { return reinterpret_cast<int64_t*>(sKV + STAGES * Cfg::kStageBytes + stage * Cfg::kFlagBytes); };
+  constexpr bool kStagedFlags = DIFFX_DECODE_STAGED_FLAGS;
 
   const int n_total = (p.kv_len + kBlockN - 1) / kBlockN;
   const int nb_begin = split * args.plan.tiles_per_split;
@@ -497,6 +505,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // Keys this split reads end here: a step of KT tiles past it (the plan gives an 8-bit cache whole
   // steps a split, so only at the cache's end) is zero-filled and masked.
   const int key_end = min(p.kv_len, nb_end * kBlockN);
+  const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
   // Under a causal mask the last query token sees every key, so no tile of the split is skipped.
 
   const T* q_batch = static_cast<const T*>(p.query) + b * p.q_batch_stride;
@@ -525,12 +534,28 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       copy_tid, copy_row);
   const CodeTileCopies<DV, Cfg::kVRowPad, 1, 0, kCopyThreads, kCopyRows> v_copies(
       static_cast<const char*>(p.value) + b * p.v_batch_stride + g * DV, p.v_row_stride, copy_tid, copy_row);
+  // A key-masked call's flags of the step's keys from tile nb into `stage`, copied with the keys by the
+  // threads that copy them: copy_tid of the kCopyRows rows from copy_row of each of the step's tiles
+  // (a warp's own, `map`, with kWarpCopies); a key past key_end gets 0 (absent), as its rows get zeros.
+  auto load_flags = [&](int nb, int stage) {
+    if constexpr (kStagedFlags) {
+      constexpr int kTiles = kWarpCopies ? 1 : KT;
+      const int first = kWarpCopies ? map : 0;
+      const int i = copy_tid;
+      if (mask_row && i < kTiles * kCopyRows) {
+        const int slot = (first + i / kCopyRows) * kBlockN + copy_row + i % kCopyRows;
+        const int key = nb * kBlockN + slot;
+        cp_async_8(sFlags(stage) + slot, mask_row + (key < key_end ? key : 0), key < key_end);
+      }
+    }
+  };
   static_assert(decltype(k_copies)::kTileBytes == Cfg::kKCodeTileBytes &&
                     decltype(v_copies)::kTileBytes == Cfg::kVCodeTileBytes,
                 "the copies' tiles are the config's");
   // An 8-bit cache's copies of a step's KT tiles from tile nb into `stage`: the key tile(s), the
   // value tile or both (the overlapped loop takes them a step apart).
   auto load_codes = [&](int nb, int stage, bool keys, bool values) {
+    if (keys) load_flags(nb, stage);
     // The CTA's copies take the step's KT tiles; a warp's own (kWarpCopies) its one tile, `map`.
     constexpr int kTiles = kWarpCopies ? 1 : KT;
     const int first = kWarpCopies ? map : 0;
@@ -563,6 +588,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
       load_codes(nb, stage, true, true);
     } else {
       load_k(nb, stage);
+      load_flags(nb, stage);
       load_v(nb, stage);
     }
   };
@@ -613,21 +639,16 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   // the exponent's scale takes alpha instead, and the parts written for the merge are in raw logit units.
   const float scale_log2 = args.scale * kLog2e * qk_alpha;
   const int key_head = Fwd::kV1 ? 2 * g + map : g;
-  const int64_t* mask_row = p.key_mask ? p.key_mask + b * p.mask_batch_stride : nullptr;
   // Key-masked steps tested as bits, and a step whose keys are all present and not cut by the causal
-  // diagonal skipping the masked block (mask_step). At head dim 64 only with DIFFX_DECODE_MASK_BITS_D64,
-  // the flags then loaded after the step's Q.K^T: there the kernels run two CTAs an SM at 128
-  // registers, and every form that held the flags across Q.K^T spilled 4-32 bytes in one of the
-  // builds (sm_86/89, packed maps, warp copies, overlap). Without it those kernels test each element's
-  // flag in the masked block (the other CTA hides its loads).
-  constexpr bool kMaskBits = D != 64 || DIFFX_DECODE_MASK_BITS_D64;
-  constexpr bool kFlagsBeforeQK = D != 64;
+  // diagonal skipping the masked block (mask_step): the flags staged in shared memory with the keys
+  // (DIFFX_DECODE_STAGED_FLAGS), or loaded in the step: at head dim 128 before its Q.K^T, at head
+  // dim 64 after it (two CTAs an SM at 128 registers: every form that held the flags across Q.K^T
+  // spilled 4-32 bytes in one of the builds, sm_86/89, packed maps, warp copies, overlap).
+  constexpr bool kFlagsBeforeQK = D != 64 && !kStagedFlags;
   // Tile row r is query token r % q_len (packed maps: of r % 8), which sees keys up to kv_len -
   // q_len + that. (Rows >= `rows`, of each half with packed maps, are padding: computed, never written.)
-  if constexpr (kMaskBits) {
-    if (tid < kDecodeRows) row_last_key[tid] = (PM ? tid % 8 : tid) % p.q_len + p.kv_len - p.q_len;
-    __syncthreads();
-  }
+  if (tid < kDecodeRows) row_last_key[tid] = (PM ? tid % 8 : tid) % p.q_len + p.kv_len - p.q_len;
+  __syncthreads();
 
   float acc_o[kOTiles + kBiasTiles][4];
 #pragma unroll
@@ -713,13 +734,24 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
   };
 
   // Keys past the split's end, after the bottom-right diagonal, padding (key_mask). A warp's keys of
-  // a step: j = 0 .. kWarpKeys - 1, its 16 of each tile (packed maps: of tile `map`); with kMaskBits
-  // (above) their flags are loaded before the step's Q.K (key_flags, masked_scores below) and tested
-  // as bits (present_keys).
+  // a step: j = 0 .. kWarpKeys - 1, its 16 of each tile (packed maps: of tile `map`), their flags read
+  // from the stage or loaded (key_flags; masked_scores below) and tested as bits (present_keys).
   constexpr int kWarpKeys = PM ? 16 : 16 * KT;
   auto key_of = [&](int nb, int j) { return nb * kBlockN + (PM ? map : j >> 4) * kBlockN + k0 + (j & 15); };
   auto step_flags = [&](int nb) {
     return key_flags<kWarpKeys>(mask_row, key_end, lane, [&](int j) { return key_of(nb, j); });
+  };
+  // ... or read from the stage's flags (a lane its key j's: 2 wavefronts a warp)
+  auto staged_flags = [&](int stage) {
+    KeyFlags<kWarpKeys> f;
+    const int64_t* flags = sFlags(stage);
+#pragma unroll
+    for (int h = 0; h < KeyFlags<kWarpKeys>::kLoads; ++h) {
+      const int j = 32 * h + lane;
+      const int slot = (PM ? map : j >> 4) * kBlockN + k0 + (j & 15);
+      f.flag[h] = kWarpKeys >= 32 || j < kWarpKeys ? flags[slot] : 0;
+    }
+    return f;
   };
   // The warp's keys of the step that row r of this lane's (gq + 8r) sees under the causal mask, as
   // bits: a prefix of each tile's 16.
@@ -734,48 +766,36 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
     }
     return bits;
   };
-  auto mask_step = [&](int nb, float (&s)[kSTiles][4], const KeyFlags<kWarpKeys>& flags) {
+  auto mask_step = [&](int nb, int stage, float (&s)[kSTiles][4], const KeyFlags<kWarpKeys>& flags) {
     const int n_start = nb * kBlockN;
     const bool edge = n_start + KT * kBlockN > key_end;
     const bool diagonal = p.causal && n_start + KT * kBlockN - 1 > p.kv_len - p.q_len;
-    if constexpr (kMaskBits) {
-      const auto present = mask_row || edge ? present_keys(flags) : KeyFlags<kWarpKeys>::kAll;
-      if (diagonal || present != KeyFlags<kWarpKeys>::kAll) {
-        // bit c of row r's: this lane's key j = c + tq * 2 of the step is visible to it
-        const auto row0 = (diagonal ? present & causal_bits(nb, 0) : present) >> (tq * 2);
-        const auto row1 = (diagonal ? present & causal_bits(nb, 1) : present) >> (tq * 2);
-#pragma unroll
-        for (int i = 0; i < kSTiles; ++i)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = (PM ? 0 : (i >> 1) * 16) + (i & 1) * 8 + (e & 1);  // j less tq * 2
-            if (!((((e >> 1) ? row1 : row0) >> c) & 1)) s[i][e] = -INFINITY;
-          }
-      }
-    } else if (edge || diagonal || mask_row) {
+    // (staged: a null mask's keys past key_end from key_flags, which then loads nothing)
+    const auto present = kStagedFlags ? (mask_row ? present_keys(staged_flags(stage))
+                                                  : edge ? present_keys(step_flags(nb)) : KeyFlags<kWarpKeys>::kAll)
+                                      : mask_row || edge ? present_keys(flags) : KeyFlags<kWarpKeys>::kAll;
+    if (diagonal || present != KeyFlags<kWarpKeys>::kAll) {
+      // bit c of row r's: this lane's key j = c + tq * 2 of the step is visible to it
+      const auto row0 = (diagonal ? present & causal_bits(nb, 0) : present) >> (tq * 2);
+      const auto row1 = (diagonal ? present & causal_bits(nb, 1) : present) >> (tq * 2);
 #pragma unroll
       for (int i = 0; i < kSTiles; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n_start + (PM ? map : i >> 1) * kBlockN + k0 + (i & 1) * 8 + tq * 2 + (e & 1);
-          // rows >= `rows` (packed maps: of each half) are padding: computed, never written
-          const int qi = (PM ? gq : gq + (e >> 1) * 8) % p.q_len;
-          const bool visible = key < key_end && (!p.causal || key <= qi + p.kv_len - p.q_len) &&
-                               (!mask_row || mask_row[key] != 0);
-          if (!visible) s[i][e] = -INFINITY;
+          const int c = (PM ? 0 : (i >> 1) * 16) + (i & 1) * 8 + (e & 1);  // j less tq * 2
+          if (!((((e >> 1) ? row1 : row0) >> c) & 1)) s[i][e] = -INFINITY;
         }
     }
   };
 
-
-  // S of a step, masked; the flags are loaded before its Q.K, whose mmas hide their latency (at head
-  // dim 64, after it: kFlagsBeforeQK).
+  // S of a step, masked; the flags read from the stage after its Q.K, or loaded in the step: before
+  // its Q.K, whose mmas hide their latency (at head dim 64 after it: kFlagsBeforeQK).
   auto masked_scores = [&](int nb, int stage, float (&s)[kSTiles][4]) {
     KeyFlags<kWarpKeys> flags{};
-    if constexpr (kMaskBits && kFlagsBeforeQK) flags = step_flags(nb);
+    if constexpr (kFlagsBeforeQK) flags = step_flags(nb);
     qk_step(nb, stage, s);
-    if constexpr (kMaskBits && !kFlagsBeforeQK) flags = step_flags(nb);
-    mask_step(nb, s, flags);
+    if constexpr (!kFlagsBeforeQK && !kStagedFlags) flags = step_flags(nb);
+    mask_step(nb, stage, s, flags);
   };
 
 
@@ -904,6 +924,7 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? DIFFX_DECODE_D64_MIN_BLOCK
         __syncthreads();  // every warp has read K(nb): the next K tile may land while P.V runs
         if (nb + 1 < nb_end) {
           load_k(nb + 1, 0);
+          load_flags(nb + 1, 0);  // (read in masked_scores, before the barrier above)
           cp_async_commit();
         }
       }

@@ -148,11 +148,13 @@ struct Block {
   std::mutex named_mutex;
 };
 
-// cp.async in flight (diffx::cp_async_16 below): where it lands, from where (or zeros).
+// cp.async in flight (diffx::cp_async_16 / cp_async_8 below): where it lands, from where (or zeros),
+// how many bytes.
 struct PendingCopy {
   void* smem;
   const void* gmem;
   bool valid;
+  int bytes;
 };
 
 // What a CUDA thread has of its own: its indices, its block, its copies in flight.
@@ -271,15 +273,17 @@ using diffx_emu::PendingCopy;
 
 inline void cp_async_write(const PendingCopy& c) {
   if (c.valid) {
-    std::memcpy(c.smem, c.gmem, 16);
+    std::memcpy(c.smem, c.gmem, size_t(c.bytes));
   } else {
-    std::memset(c.smem, 0, 16);
+    std::memset(c.smem, 0, size_t(c.bytes));
   }
 }
-inline void cp_async_16(void* smem, const void* gmem, bool valid) {
-  if (g_copies_land != 0) cp_async_write({smem, gmem, valid});
-  diffx_emu::ctx().pending_copies.push_back({smem, gmem, valid});
+inline void cp_async_bytes(void* smem, const void* gmem, bool valid, int bytes) {
+  if (g_copies_land != 0) cp_async_write({smem, gmem, valid, bytes});
+  diffx_emu::ctx().pending_copies.push_back({smem, gmem, valid, bytes});
 }
+inline void cp_async_16(void* smem, const void* gmem, bool valid) { cp_async_bytes(smem, gmem, valid, 16); }
+inline void cp_async_8(void* smem, const void* gmem, bool valid) { cp_async_bytes(smem, gmem, valid, 8); }
 inline void cp_async_commit() {
   diffx_emu::ThreadContext& c = diffx_emu::ctx();
   c.group_ends.push_back(c.pending_copies.size());
