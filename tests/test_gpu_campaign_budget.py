@@ -523,7 +523,7 @@ def run_readme_command(env, tmp_path, command: str):
 
 
 # The decode-only builds prepare_gpu_campaign.sh makes for the issue 62 call (tools/README.md), in its order.
-DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all", "maskbits64")
+DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all", "maskloads")
 
 
 def fastest_decode_json(folder: Path, speed: dict | None = None) -> None:
@@ -562,7 +562,7 @@ def test_the_issue_62_first_call_in_tools_readme_times_every_variant_then_profil
     decode = next(x for x in calls.splitlines() if "bench_attention.py --decode" in x)
     # the carried decode-only builds beside `before` in decode (its bf16 cases), not in the prefill bench
     carried = " ".join(f"{name}=build-variants/{name}/libdiffexport_kernels.so" for name in DECODE_VARIANTS)
-    assert ("--keys 32768 131072 --dtypes bfloat16 --masked-compare before maskbits64 --compare "
+    assert ("--keys 32768 131072 --dtypes bfloat16 --masked-compare before maskloads --compare "
             f"before=build-before/libdiffexport_kernels.so {carried} --hopper-variants") in decode
     assert not any(name in bench for name in DECODE_VARIANTS)
     # ... the very builds that the README's preparation before it makes

@@ -38,7 +38,7 @@ KV8_TARGET, KV8_FROM_KEYS = 1.6, 32768  # issue 62 item 2: the 8-bit KV cache ov
 KV8_FORMATS = ("int8", "fp8")
 # A carried build counts as faster than this one past this ratio: in one loop, kernels whose code
 # did not change read 0.97-1.04x (docs/BENCHMARKS.md), and a build that changes only key-masked steps
-# (`maskbits64`) times the unmasked 8-bit calls of this build.
+# (`maskloads`) times the unmasked 8-bit calls of nearly this build.
 FASTER_THAN_NOISE = 1.04
 TARGET_SEQS = (4096, 16384)
 SANITIZERS = ("memcheck", "initcheck", "racecheck", "synccheck")
