@@ -112,10 +112,17 @@ def run_cases(leave_to_auto: bool = False) -> None:
             v = torch.randn(batch, kv_len, kv_heads * attrs.value_dim, generator=gen)
             cache = KvCacheScales.calibrate(k, v, fmt)
             lam = (torch.full((1,), 0.4) if variant == 1 else torch.rand(batch, q_len, heads, generator=gen))
-            out = kernels.diff_attention(q, cache.quantise_keys(k).cuda(), cache.quantise_values(v).cuda(),
-                                         lam.to(dtype).cuda(), torch.ones(attrs.value_dim).cuda(), attrs,
-                                         kv_scales=(cache.k_scale.cuda(), cache.v_scale.cuda()))
+            codes = cache.quantise_keys(k).cuda(), cache.quantise_values(v).cuda()
+            scales = cache.k_scale.cuda(), cache.v_scale.cuda()
+            out = kernels.diff_attention(q, *codes, lam.to(dtype).cuda(), torch.ones(attrs.value_dim).cuda(), attrs,
+                                         kv_scales=scales)
             assert torch.isfinite(out.cpu()).all()
+            if causal:  # with left padding too: the decode kernels copy the flags with the codes
+                mask = torch.ones(batch, kv_len, dtype=torch.int64)
+                mask[0, : kv_len // 3] = 0
+                out = kernels.diff_attention(q, *codes, lam.to(dtype).cuda(), torch.ones(attrs.value_dim).cuda(),
+                                             attrs, kv_scales=scales, key_mask=mask.cuda())
+                assert torch.isfinite(out.cpu()).all()
 
 
 if __name__ == "__main__":
