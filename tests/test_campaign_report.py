@@ -655,18 +655,20 @@ def test_where_the_warps_wait_reads_beside_the_launch_it_belongs_to(made_up):
 
 def test_key_masked_decode_calls_read_against_the_same_calls_without(made_up):
     """Every KV-cache decoder passes a key mask: the decode bench times this build's bf16 and int8-cache
-    calls with an all-ones one (and `before`'s bf16 call, --masked-compare), and both the report and
-    the table give masked / unmasked per call; a masked output that is not the unmasked one's bits
-    is named, never averaged in silently."""
+    calls with an all-ones one (and `before`'s, --masked-compare), and both the report and the table
+    give masked / unmasked per call; a masked output that is not the unmasked one's bits is named,
+    never averaged in silently."""
     rows = [{"dtype": "bfloat16", "kv_len": keys, "d": 128, "q_len": 1, "batch": 4, "heads": 16, "kv_heads": 4,
              "splits": 16, "cosine_vs_fp32": {"int8_cache": 0.9999},
              "key_mask_same_output": {"split_kv_key_mask": True, "split_kv_int8_cache_key_mask": same,
-                                      "split_kv_key_mask@before": True},
+                                      "split_kv_key_mask@before": True, "split_kv_int8_cache_key_mask@before": True},
              "timings": {"split_kv": {"ms": 0.1, "gbs": 4000.0}, "split_kv@before": {"ms": 0.1, "gbs": 4000.0},
                          "split_kv_key_mask": {"ms": 0.102, "gbs": 3900.0},
                          "split_kv_key_mask@before": {"ms": 0.1 * before, "gbs": 3000.0},
                          "split_kv_int8_cache": {"ms": 0.06, "gbs": 3000.0},
-                         "split_kv_int8_cache_key_mask": {"ms": 0.063, "gbs": 2900.0}}}
+                         "split_kv_int8_cache_key_mask": {"ms": 0.063, "gbs": 2900.0},
+                         "split_kv_int8_cache@before": {"ms": 0.07, "gbs": 2500.0},
+                         "split_kv_int8_cache_key_mask@before": {"ms": 0.07 * before, "gbs": 2000.0}}}
             for keys, before, same in ((32768, 1.5, True), (131072, 1.4, False))]
     (made_up / "decode.json").write_text(json.dumps({"mode": "decode", "copy_gbs": 4200.0, "rows": rows,
                                                      "cases": 2, "complete": True}))
@@ -675,10 +677,12 @@ def test_key_masked_decode_calls_read_against_the_same_calls_without(made_up):
     assert masked == [
         "key mask       bf16: masked / unmasked 1.02x-1.02x (median 1.02x) in 2 cases; same output bits",
         "key mask       int8 cache: masked / unmasked 1.05x-1.05x (median 1.05x) in 2 cases; OUTPUT DIFFERS in 1",
-        "key mask       bf16 @before: masked / unmasked 1.40x-1.50x (median 1.45x) in 2 cases; same output bits"]
+        "key mask       bf16 @before: masked / unmasked 1.40x-1.50x (median 1.45x) in 2 cases; same output bits",
+        "key mask       int8 cache @before: masked / unmasked 1.40x-1.50x (median 1.45x) in 2 cases; same output bits"]
     rendered = run_tool("bench_attention", "--render", str(made_up / "decode.json"))
     assert rendered.returncode == 0, rendered.stderr
     table = rendered.stdout.split("\n\n")[0].splitlines()
-    assert "| key mask vs none (bf16 / int8) |" in table[0] and table[0].endswith("| key mask vs none @before |")
-    assert "| 1.02x / 1.05x |" in table[2] and table[2].endswith("| 1.50x |")
-    assert "| 1.02x / 1.05x (output differs) |" in table[3] and table[3].endswith("| 1.40x |")
+    assert "| key mask vs none (bf16 / int8) |" in table[0]
+    assert table[0].endswith("| key mask vs none @before (bf16 / int8) |")
+    assert "| 1.02x / 1.05x |" in table[2] and table[2].endswith("| 1.50x / 1.50x |")
+    assert "| 1.02x / 1.05x (output differs) |" in table[3] and table[3].endswith("| 1.40x / 1.40x |")

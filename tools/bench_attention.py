@@ -415,9 +415,10 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
         methods[f"split_kv_{fmt}_cache"], _ = prepared_call(codes, attrs, kv_out[fmt], kv_scales=caches[fmt][1])
     # The same calls with the key mask every KV-cache decoder passes (op version 2: attention_mask),
     # all ones here (a batch of equal lengths): what a deployed decode step runs, whose output must
-    # be the unmasked call's bit for bit. Also from each build of masked_builds.
+    # be the unmasked call's bit for bit. Also from each build of masked_builds (its int8-cache call
+    # too, where the build has 8-bit caches).
     key_mask = torch.ones(batch, kv_len, dtype=torch.int64, device="cuda")
-    masked_names = (MASKED, MASKED_INT8, *(f"{MASKED}@{b}" for b in masked_builds))
+    masked_names = (MASKED, MASKED_INT8, *(f"{name}@{b}" for b in masked_builds for name in (MASKED, MASKED_INT8)))
     masked_out = {name: torch.empty_like(out) for name in masked_names}
     methods[MASKED], _ = prepared_call(inputs, attrs, masked_out[MASKED], key_mask=key_mask)
     methods[MASKED_INT8], _ = prepared_call(caches["int8"][0], attrs, masked_out[MASKED_INT8],
@@ -428,6 +429,10 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
         if build in masked_builds:
             methods[f"{MASKED}@{build}"], _ = prepared_call(inputs, attrs, masked_out[f"{MASKED}@{build}"],
                                                             key_mask=key_mask, lib=lib)
+            methods[f"{MASKED_INT8}@{build}"], _ = prepared_call(
+                caches["int8"][0], attrs, masked_out[f"{MASKED_INT8}@{build}"], kv_scales=caches["int8"][1],
+                key_mask=key_mask, lib=lib)
+            cache_bytes[f"{MASKED_INT8}@{build}"] = cache_bytes["split_kv_int8_cache"]
         for fmt in KV_CACHE_FORMATS:  # (a build older than the 8-bit caches refuses them: not measured)
             name = f"split_kv_{fmt}_cache@{build}"
             kv_out[name] = torch.empty_like(out)
@@ -484,6 +489,8 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
     unmasked = {MASKED: (methods["split_kv"], out), MASKED_INT8: (methods["split_kv_int8_cache"], kv_out["int8"])}
     unmasked.update({f"{MASKED}@{b}": (methods[f"split_kv@{b}"], out) for b in masked_builds
                      if f"split_kv@{b}" in methods})
+    unmasked.update({f"{MASKED_INT8}@{b}": (methods[f"split_kv_int8_cache@{b}"], kv_out[f"split_kv_int8_cache@{b}"])
+                     for b in masked_builds if f"split_kv_int8_cache@{b}" in row["timings"]})
     row["key_mask_same_output"] = {}
     for name, (plain, plain_out) in unmasked.items():
         if name in row["timings"]:
@@ -611,7 +618,7 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
              "| which | split-KV vs best | vs one-pass | % of copy GB/s | int8 cache | fp8 cache "
              "| 8-bit KV vs bf16 KV (int8 / fp8) | cosine vs fp32 (int8 / fp8) | key mask vs none (bf16 / int8) |"
              + "".join(f" split-KV @{b} | this vs @{b} | 8-bit KV @{b} vs this (int8 / fp8) |" for b in builds)
-             + "".join(f" key mask vs none @{b} |" for b in masked),
+             + "".join(f" key mask vs none @{b} (bf16 / int8) |" for b in masked),
              "|---" * 19 + "|" + "---|---|---|" * len(builds) + "---|" * len(masked)]
     for row in rows:
         t = row["timings"]
@@ -633,7 +640,8 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
                      + "".join((f" {cell(t.get(f'split_kv@{b}'))} | "
                                 f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
                                 else " - | - |") + f" {kv8_build_ratios(t, b)} |" for b in builds)
-                     + "".join(f" {mask_cost(row, f'{MASKED}@{b}', f'split_kv@{b}')} |" for b in masked))
+                     + "".join(f" {mask_cost(row, f'{MASKED}@{b}', f'split_kv@{b}')} / "
+                               f"{mask_cost(row, f'{MASKED_INT8}@{b}', f'split_kv_int8_cache@{b}')} |" for b in masked))
     return "\n".join(lines)
 
 

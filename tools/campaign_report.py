@@ -307,11 +307,11 @@ def key_mask_costs(rows: list[dict], plain_calls: tuple[tuple[str, str], ...] = 
         ("split_kv", "bf16"), ("split_kv_int8_cache", "int8 cache"))) -> list[str]:
     """The calls with an all-ones key mask (what every KV-cache decoder passes; bench_attention.py
     times each plain call P so as P_key_mask) against the same calls without, this build's and other
-    builds' (--masked-compare, the first plain call's): decode's split-KV calls, or prefill's Hopper call."""
-    first, first_what = plain_calls[0]
+    builds' (--masked-compare): decode's split-KV calls, or prefill's Hopper call."""
     pairs = [(f"{plain}_key_mask", plain, what) for plain, what in plain_calls]
-    builds = sorted({n.split("@", 1)[1] for r in rows for n in r["timings"] if n.startswith(f"{first}_key_mask@")})
-    pairs += [(f"{first}_key_mask@{b}", f"{first}@{b}", f"{first_what} @{b}") for b in builds]
+    for plain, what in plain_calls:
+        builds = sorted({n.split("@", 1)[1] for r in rows for n in r["timings"] if n.startswith(f"{plain}_key_mask@")})
+        pairs += [(f"{plain}_key_mask@{b}", f"{plain}@{b}", f"{what} @{b}") for b in builds]
     lines = []
     for masked, plain, what in pairs:
         picked = [r for r in rows if masked in r["timings"] and plain in r["timings"]]
