@@ -70,8 +70,9 @@ def resource_usage(lib: Path) -> list[dict]:
     return rows
 
 
-def sass_markers(lib: Path, arch: str = "sm_90a") -> dict[str, collections.Counter]:
-    """Per kernel (demangled) of one architecture: how many of each MARKERS opcode its SASS holds."""
+def sass_markers(lib: Path, arch: str = "sm_90a", exact: tuple[str, ...] = ()) -> dict[str, collections.Counter]:
+    """Per kernel (demangled) of one architecture: how many of each MARKERS opcode its SASS holds, and
+    of each `exact` opcode with its modifiers (e.g. LDG.E.64)."""
     tool, disasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     if tool is None or disasm is None:
         raise RuntimeError("cuobjdump and nvdisasm not found (CUDA toolkit, or pip install nvidia-cuda-cuobjdump "
@@ -84,8 +85,11 @@ def sass_markers(lib: Path, arch: str = "sm_90a") -> dict[str, collections.Count
     for line in text.splitlines():
         if m := re.search(r"Function : (\S+)", line):
             current = counts.setdefault(m.group(1), collections.Counter())
-        elif current is not None and (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)):
-            if m.group(1) in MARKERS:
+        elif current is not None and (m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(([A-Z][A-Z0-9_]*)\S*)",
+                                                     line)):
+            if m.group(2) in MARKERS:
+                current[m.group(2)] += 1
+            if m.group(1) in exact:
                 current[m.group(1)] += 1
     names = demangle(sorted(counts))
     return {names[k]: v for k, v in counts.items()}
