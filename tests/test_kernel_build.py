@@ -7,7 +7,6 @@ architecture. Skipped where the library is not built or the binary utilities are
 Also the Hopper path's layout facts (plugins/kernels/hopper/layout_check.cu): its index arithmetic
 against CuTe's own layouts, compiled with nvcc as host code and run on the CPU."""
 
-import collections
 import importlib.util
 import os
 import re
@@ -216,7 +215,6 @@ def loops_of(sass: str, function: str) -> list[list[str]]:
     return loops
 
 
-@pytest.mark.slow
 def decode_sass_for_sm90a(tmp_path: Path, name: str, instances: list[str], *flags: str,
                           reloads: dict[str, int] | None = None) -> str:
     """The SASS of split-KV decode instantiations (each its template arguments) compiled for sm_90a with
@@ -248,6 +246,7 @@ def decode_sass_for_sm90a(tmp_path: Path, name: str, instances: list[str], *flag
     return sass
 
 
+@pytest.mark.slow
 def test_the_warp_copies_variant_builds_for_sm90a_without_a_barrier_in_its_loop(tmp_path):
     """The campaign times packed maps with warp copies (-DDIFFX_DECODE_KV_PACK_MAPS=1
     -DDIFFX_DECODE_KV_WARP_COPIES=1, a library built on the CPU by tools/prepare_gpu_campaign.sh).
@@ -271,19 +270,6 @@ def test_the_warp_copies_variant_builds_for_sm90a_without_a_barrier_in_its_loop(
         assert plain[0] and all(re.fullmatch(r"BAR\.SYNC\S* R\d+, 0x40", i) for i in plain[0]), plain
 
 
-def decode_global_loads(sass: str) -> dict[str, collections.Counter]:
-    """Per split-KV decode kernel (mangled name) of cuobjdump -sass output: how many of its instructions
-    are 64-bit global loads (LDG.E.64, a key-mask flag) and 8-byte async copies (LDGSTS.E.64, a flag
-    copied with its keys)."""
-    counts = {}
-    for function in re.split(r"\n\s+Function : ", sass)[1:]:
-        name = function.split("\n", 1)[0].strip()
-        if "diff_attention_decode_kernel" in name:
-            counts[name] = collections.Counter(m.group(1) for m in re.finditer(r"\b(LDG\.E\.64|LDGSTS\.E\.64)\b",
-                                                                               function))
-    return counts
-
-
 def test_decode_kernels_copy_key_flags_with_their_keys(sm90a_markers):
     """DIFFX_DECODE_STAGED_FLAGS (default): in every split-KV decode kernel of the built library
     (sm_90a's SASS; the source is the same for every architecture), a key-masked step's flags come by
@@ -296,6 +282,7 @@ def test_decode_kernels_copy_key_flags_with_their_keys(sm90a_markers):
     assert one_pass and all(c["LDG.E.64"] >= 1 for c in one_pass)  # the count sees a flag load where there is one
 
 
+@pytest.mark.slow
 def test_the_loaded_flags_variant_builds_for_sm90a_with_one_flag_load_and_no_spill(tmp_path):
     """The campaign times DIFFX_DECODE_STAGED_FLAGS=0 as `maskloads` (a library built on the CPU by
     tools/prepare_gpu_campaign.sh): a masked step's flags loaded from global memory in the step, one
@@ -303,9 +290,12 @@ def test_the_loaded_flags_variant_builds_for_sm90a_with_one_flag_load_and_no_spi
     INT8 logits) compile for sm_90a without a spill at their two-CTA cap of 128 registers, each with
     one LDG.E.64 and no flag copy, where the default build has copies and no load."""
     instances = [f"__half, 64, {dv}, {args}" for dv in (128, 64) for args in ("false", "true", "false, 1", "false, 2")]
-    counts = {flag: decode_global_loads(decode_sass_for_sm90a(tmp_path, f"flags_{flag}", instances,
-                                                              f"-DDIFFX_DECODE_STAGED_FLAGS={flag}"))
-              for flag in (0, 1)}
+    counts = {}
+    for flag in (0, 1):
+        decode_sass_for_sm90a(tmp_path, f"flags_{flag}", instances, f"-DDIFFX_DECODE_STAGED_FLAGS={flag}")
+        markers = kernel_resources.sass_markers(tmp_path / f"flags_{flag}.cubin", "sm_90a",
+                                                exact=("LDG.E.64", "LDGSTS.E.64"))
+        counts[flag] = {n: c for n, c in markers.items() if "diff_attention_decode_kernel<" in n}
     assert len(counts[0]) >= 10 and counts[0].keys() == counts[1].keys(), counts
     assert all(c["LDG.E.64"] == 1 and c["LDGSTS.E.64"] == 0 for c in counts[0].values()), counts[0]
     assert all(c["LDG.E.64"] == 0 and c["LDGSTS.E.64"] >= 1 for c in counts[1].values()), counts[1]
