@@ -584,9 +584,11 @@ def test_the_fixed_cost_per_cta_reads_as_a_share_of_each_timed_case(made_up):
 def test_a_carried_builds_8_bit_cache_calls_read_beside_this_builds(made_up):
     """The decode bench times each carried build's 8-bit cache calls too: the report gives their
     time over this build's and their worst cosine, and the decode table a column per build; a
-    build that did not run them (older than the 8-bit caches) gives neither."""
+    build that did not run them (older than the 8-bit caches) gives neither. A build whose plan
+    took other splits (onewave's, from the GPU's SMs) has them beside its time."""
     rows = [{"dtype": "bfloat16", "kv_len": keys, "d": 128, "q_len": 1, "batch": 4, "heads": 16, "kv_heads": 4,
-             "splits": 16, "cosine_vs_fp32": {"int8_cache": 0.9999, "fp8_cache": 0.9992, "int8_cache@before": cos},
+             "splits": 16, "splits_by_build": {"before": 16 if keys == 32768 else 8},
+             "cosine_vs_fp32": {"int8_cache": 0.9999, "fp8_cache": 0.9992, "int8_cache@before": cos},
              "timings": {"split_kv": {"ms": 0.1, "gbs": 4000.0}, "split_kv@before": {"ms": 0.1, "gbs": 4000.0},
                          "split_kv_int8_cache": {"ms": 0.06, "gbs": 3000.0},
                          "split_kv_int8_cache@before": {"ms": 0.06 * slower, "gbs": 2500.0},
@@ -604,6 +606,7 @@ def test_a_carried_builds_8_bit_cache_calls_read_beside_this_builds(made_up):
     table = rendered.stdout.split("\n\n")[0].splitlines()
     assert table[0].endswith("| split-KV @before | this vs @before | 8-bit KV @before vs this (int8 / fp8) |")
     assert table[2].endswith("| 100.0 (4000) | 1.00x | 1.25x / - |")
+    assert table[3].endswith("| 100.0 (4000), 8 splits | 1.00x | 1.30x / - |")
 
 
 def test_where_the_warps_wait_reads_beside_the_launch_it_belongs_to(made_up):

@@ -523,7 +523,8 @@ def run_readme_command(env, tmp_path, command: str):
 
 
 # The decode-only builds prepare_gpu_campaign.sh makes for the issue 62 call (tools/README.md), in its order.
-DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all", "maskloads")
+DECODE_VARIANTS = ("kvtiles1", "packmaps", "s8qk", "overlap", "warpcopies", "s8pack", "s8warp", "s8all", "maskloads",
+                   "onewave")
 
 
 def fastest_decode_json(folder: Path, speed: dict | None = None) -> None:

@@ -132,6 +132,21 @@ def emulator_loaded_flags(tmp_path_factory):
                                           "-DDIFFX_DECODE_STAGED_FLAGS=0"]))
 
 
+ONE_WAVE_SMS = 3  # emulator_one_wave's GPU (DIFFX_EMULATED_SM_COUNT)
+
+
+@pytest.fixture(scope="module")
+def emulator_one_wave(tmp_path_factory):
+    """The emulator with DIFFX_DECODE_ONE_WAVE=1 (the decode plan sizes its splits to one wave of the
+    GPU: the campaign's `onewave`, tools/README.md) on a GPU of ONE_WAVE_SMS SMs; fp16 only
+    (DIFFX_EMULATE_FP16_ONLY: the plan reads the shapes, not the dtype)."""
+    return emulator_library(host_library(tmp_path_factory, "DIFFEXPORT_KERNEL_EMULATOR_ONE_WAVE",
+                                         KERNELS / "no-such-build", "diffexport_kernel_emulator_one_wave",
+                                         [KERNELS / "params.cpp", KERNELS / "emulation" / "emulator.cpp"],
+                                         [*OPTION_BUILD_FLAGS, "-DDIFFX_EMULATE_FP16_ONLY", "-DDIFFX_DECODE_ONE_WAVE=1",
+                                          f"-DDIFFX_EMULATED_SM_COUNT={ONE_WAVE_SMS}"]))
+
+
 def emulator_library(path):
     lib = ctypes.CDLL(str(path))
     lib.diffx_emulated_attention_forward.argtypes = [ctypes.POINTER(kernels.DiffxAttentionParams)]
@@ -365,12 +380,13 @@ def packed_heads(ratio, q_len, int8=False):
     return 1 if int8 else max(h for h in range(1, ratio + 1) if ratio % h == 0 and h * q_len <= 16)
 
 
-def splits_for(batch, heads, kv_len, ratio=1, q_len=1, int8=False, kv8=False, target=256):
+def splits_for(batch, heads, kv_len, ratio=1, q_len=1, int8=False, kv8=False, target=256, wave=0):
     """The decode plan's key splits (DIFFX_DECODE_TARGET_CTAS = target CTAs, never an empty split); an
-    8-bit cache (kv8) gets whole steps of DIFFX_DECODE_KV_TILES = 2 tiles a split."""
+    8-bit cache (kv8) gets whole steps of DIFFX_DECODE_KV_TILES = 2 tiles a split. wave: the CTAs one
+    wave of the GPU holds (DIFFX_DECODE_ONE_WAVE), whose splits round down instead."""
     tiles = -(-kv_len // 64)
     ctas = batch * heads // packed_heads(ratio, q_len, int8)
-    splits = min(tiles, max(1, -(-target // ctas)))
+    splits = min(tiles, max(1, min(target, wave) // ctas if wave else -(-target // ctas)))
     per_split = -(-tiles // splits)
     if kv8:
         per_split += per_split % 2
@@ -661,6 +677,40 @@ def test_emulated_kv_cache_overlapped_loop_matches_the_oracle(emulator_lowered_t
     4 of 10 tiles (5 steps of two tiles, 10 of one), GQA 2 at 3 query tokens (6 group rows: packed
     maps on two tiles a step), left-padded and causal."""
     check_kv_pipeline(emulator_lowered_target, pipeline, fmt, 3, 2501, [70], LOWERED_TARGET, rng, monkeypatch)
+
+
+# DIFFX_DECODE_ONE_WAVE=1 (emulator_one_wave: a GPU of ONE_WAVE_SMS SMs, so a wave is 6 CTAs at head dim
+# 64, two an SM, and 3 at 128): float, int8 and e4m3 caches whose fixed-target plans take 5-16 splits.
+ONE_WAVE_CASES = [  # cache format (None: float), variant, head dim, GQA ratio, heads, batch, q_len, kv_len, left pads
+    (None, 1, 64, 1, 2, 1, 1, 1000, None),       # 2 CTAs a split: 3 splits of 6 tiles (fixed target: 16 of 1)
+    (None, 1, 128, 2, 4, 1, 3, 700, [40]),       # GQA heads packed, 2 CTAs a split: 1 split of 11 tiles (11)
+    ("int8", 1, 128, 4, 4, 2, 1, 900, [0, 70]),  # 1 split of 15 tiles, 8 steps of two (8 splits of one step)
+    ("fp8", 1, 64, 2, 2, 1, 4, 900, None),       # 1 CTA a split: 4 splits of 2 steps (8 of 1)
+    (None, 2, 128, 1, 4, 2, 1, 300, None),       # 8 CTAs a split, more than a wave: 1 split (5)
+]
+
+
+@pytest.mark.parametrize("case", ONE_WAVE_CASES,
+                         ids=[f"{c[0] or 'float'}-v{c[1]}-d{c[2]}-gqa{c[3]}-b{c[5]}-{c[6]}x{c[7]}"
+                              for c in ONE_WAVE_CASES])
+def test_emulated_one_wave_plan_takes_fewer_longer_splits(emulator_one_wave, case, rng):
+    """The one-wave plan (DIFFX_DECODE_ONE_WAVE=1) gives a decode call at most one wave of CTAs: the
+    splits the library reports are those, not the fixed target's, and each walks more steps, whose
+    output the oracle checks (an 8-bit cache's on the values its codes stand for), causal, key-masked."""
+    fmt, variant, head_dim, ratio, heads, batch, q_len, kv_len, pads = case
+    kv8 = fmt is not None
+    splits = splits_for(batch, heads, kv_len, ratio, q_len, kv8=kv8, wave=ONE_WAVE_SMS * (2 if head_dim == 64 else 1))
+    assert splits < splits_for(batch, heads, kv_len, ratio, q_len, kv8=kv8)  # a case the two plans tell apart
+    attrs = DiffAttentionAttrs(variant=variant, num_heads=heads, num_kv_heads=heads // ratio, head_dim=head_dim,
+                               causal=1, norm=int(variant == 1), output_scale=0.7)
+    inputs = make_inputs(attrs, batch, q_len, kv_len, dtype=torch.float16, rng=rng)
+    key_mask = None if pads is None else padding_mask(batch, kv_len, pads)
+    codes, kv_scales, values = cache_of(inputs, fmt) if kv8 else (inputs, None, inputs)
+    out = emulate(emulator_one_wave, codes, attrs, key_mask=key_mask, kv_scales=kv_scales, plan=("split-kv", splits))
+    assert not out.isnan().any(), "output not fully written (poison left)"
+    base = lowprec_baseline(*[t.half() if t.is_floating_point() and i < 4 else t for i, t in enumerate(values)],
+                            attrs, key_mask=key_mask)
+    assert_close_lowprec(out, base, oracle(values, attrs, key_mask), str(case), min_cosine=min_cosine(torch.float16))
 
 
 # Both maps in one row tile (DIFFX_DECODE_KV_PACK_MAPS=1, emulator_lowered_target: so a split takes many

@@ -425,7 +425,8 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
                                             kv_scales=caches["int8"][1], key_mask=key_mask)
     cache_bytes[MASKED_INT8] = cache_bytes["split_kv_int8_cache"]
     for build, lib in (other_builds or {}).items():  # the same split-KV calls from each other build
-        methods[f"split_kv@{build}"], _ = prepared_call(inputs, attrs, out, path="auto", lib=lib)
+        methods[f"split_kv@{build}"], plans[f"split_kv@{build}"] = prepared_call(inputs, attrs, out, path="auto",
+                                                                               lib=lib)
         if build in masked_builds:
             methods[f"{MASKED}@{build}"], _ = prepared_call(inputs, attrs, masked_out[f"{MASKED}@{build}"],
                                                             key_mask=key_mask, lib=lib)
@@ -441,7 +442,9 @@ def decode_case(dtype, head_dim: int, q_len: int, kv_len: int, batch: int, heads
     os.environ.pop(kernels.KERNEL_PATH_ENV, None)
     row = {"dtype": str(dtype).replace("torch.", ""), "d": head_dim, "q_len": q_len, "kv_len": kv_len,
            "batch": batch, "heads": heads, "kv_heads": kv_heads, "bytes": nbytes,
-           "splits": plans["split_kv"][1], "timings": {}}
+           "splits": plans["split_kv"][1], "timings": {},
+           # each other build's plan for the bf16 call (a plan from the GPU's SMs, onewave's, differs)
+           "splits_by_build": {name.partition("@")[2]: plan[1] for name, plan in plans.items() if "@" in name}}
 
     def record(name, ms):
         row["timings"][name] = {"ms": ms, "gbs": cache_bytes.get(name, nbytes) / (ms * 1e-3) / 1e9}
@@ -606,6 +609,10 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
     builds = sorted({name.split("@", 1)[1] for row in rows for name in row["timings"] if "@" in name})
     masked = [b for b in builds if any(f"{MASKED}@{b}" in row["timings"] for row in rows)]
 
+    def build_cell(row, b):  # another build's bf16 call, with its splits where its plan differs (onewave)
+        splits = row.get("splits_by_build", {}).get(b, row["splits"])
+        return cell(row["timings"].get(f"split_kv@{b}")) + ("" if splits == row["splits"] else f", {splits} splits")
+
     def mask_cost(row, masked_name, plain_name):  # a key-masked call's time over the unmasked one's
         t, same = row["timings"], row.get("key_mask_same_output", {})
         if masked_name not in t or plain_name not in t:
@@ -637,7 +644,7 @@ def decode_table(rows: list[dict], copy_gbs: float) -> str:
                      f"| {cell(best[1] if best else None)} | {best[0] if best else '-'} | {vs_best} | {vs_one} | {pct} "
                      f"| {cell(kv8[0])} | {cell(kv8[1])} | {kv8_vs} | {kv8_cos} "
                      f"| {mask_cost(row, MASKED, 'split_kv')} / {mask_cost(row, MASKED_INT8, 'split_kv_int8_cache')} |"
-                     + "".join((f" {cell(t.get(f'split_kv@{b}'))} | "
+                     + "".join((f" {build_cell(row, b)} | "
                                 f"{t[f'split_kv@{b}']['ms'] / ours['ms']:.2f}x |" if ours and f"split_kv@{b}" in t
                                 else " - | - |") + f" {kv8_build_ratios(t, b)} |" for b in builds)
                      + "".join(f" {mask_cost(row, f'{MASKED}@{b}', f'split_kv@{b}')} / "

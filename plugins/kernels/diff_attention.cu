@@ -73,6 +73,12 @@ bool diffx::hopper_path_runs_here() {
          current_device_attribute<cudaDevAttrComputeCapabilityMinor>() == 0;
 }
 
+int diffx::decode_wave_ctas(int head_dim) {
+  if (!DIFFX_DECODE_ONE_WAVE) return 0;
+  const int sms = std::max(0, current_device_attribute<cudaDevAttrMultiProcessorCount>());
+  return sms * (head_dim == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1);
+}
+
 // Whether the decode kernel's two K/V stages fit at head dim 128 (0 when unknown).
 int diffx::device_smem_optin() {
   return std::max(0, current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>());

@@ -56,7 +56,8 @@ extern "C" {
    a 132-SM H100), never more splits than 64-key tiles. A constant, not the GPU's SM count, so
    that the workspace size is a function of the shapes alone (diffx_attention_workspace_size
    touches no device). Only the emulator's sanitizer build (sanitize_cases.cpp) defines another
-   value, to reach splits of several tiles with a handful of emulated CTAs. */
+   value, to reach splits of several tiles with a handful of emulated CTAs. A variant
+   (DIFFX_DECODE_ONE_WAVE in kernel_args.h) plans at most one wave of the GPU's SMs, within this bound. */
 #ifndef DIFFX_DECODE_TARGET_CTAS
 #define DIFFX_DECODE_TARGET_CTAS 256
 #endif

@@ -235,11 +235,7 @@ template <int DV, bool CODES>
 constexpr int kMergeBufferBytes =
     (2 * kDecodeRows * kMergeStride<DV, CODES> + 2 * kWarpsPerMap * kDecodeRows * 2) * int(sizeof(float));
 
-// CTAs per SM the compiler must leave registers for at head dim 64 (2: at most 128 registers a
-// thread, no spills at sm_90). 2 by default; the GPU campaign times 1 as a variant (-DDIFFX_DECODE_D64_MIN_BLOCKS=1).
-#ifndef DIFFX_DECODE_D64_MIN_BLOCKS
-#define DIFFX_DECODE_D64_MIN_BLOCKS 2
-#endif
+// DIFFX_DECODE_D64_MIN_BLOCKS (CTAs an SM at head dim 64): kernel_args.h, since the plan reads it too.
 
 // The cp.async copies a thread issues for the code tiles of an 8-bit cache (kv_codes.cuh): rows of
 // ROW_BYTES codes, 64 rows in shared memory laid out by tile_chunk_offset (rows padded by PAD, or

@@ -33,6 +33,25 @@ constexpr int kDecodeWarpsPerMap = 4;
 static_assert(DIFFX_DECODE_KV_TILES == 1 || DIFFX_DECODE_KV_TILES == 2, "one or two 64-key tiles a step");
 // decode_plan gives such a cache whole steps a split.
 
+// CTAs per SM the compiler must leave registers for in the decode kernels at head dim 64 (2: at most
+// 128 registers a thread, no spills at sm_90; head dim 128 takes 1). 2 by default; the GPU campaign
+// times 1 as a variant (-DDIFFX_DECODE_D64_MIN_BLOCKS=1). Here since decode_wave_ctas reads it too.
+#ifndef DIFFX_DECODE_D64_MIN_BLOCKS
+#define DIFFX_DECODE_D64_MIN_BLOCKS 2
+#endif
+
+// 1: decode_plan sizes a call's splits to one wave of the GPU it runs on (decode_wave_ctas): at most
+// the CTAs its SMs hold at once, and never more than DIFFX_DECODE_TARGET_CTAS, so the workspace
+// bound holds. What it tests: with the fixed target, head dim 128 (one CTA an SM) runs 256 CTAs in
+// two waves on 132 SMs. Every CTA has as many keys, so the SMs end their first CTAs together; the
+// second ones then start from an empty pipeline, fold Q and merge their warps' states again, with
+// no copy of the SMs in flight while they start. One wave pays that once, for as many keys an SM. 0
+// (default until a GPU has timed it): the fixed target, a plan that is the shapes' alone. Read by
+// the nvcc-compiled decode_wave_ctas (the campaign's variant flags reach nvcc only).
+#ifndef DIFFX_DECODE_ONE_WAVE
+#define DIFFX_DECODE_ONE_WAVE 0
+#endif
+
 // Which kernel runs a call (DIFFX_DECODE_MAX_QUERY, DIFFEXPORT_KERNEL_PATH in diff_attention.h).
 enum class KernelPath { kOnePass, kDecode, kHopper };
 
@@ -82,7 +101,8 @@ bool kv_dequantised(const DiffxAttentionParams& p);  // ... met by a call longer
 size_t element_bytes(int dtype);                     // bytes of a DiffxDtype element
 // An 8-bit cache met by a longer call: the plain call on its dequantised copies in the workspace.
 DiffxAttentionParams dequantised_params(const DiffxAttentionParams& p);
-// The decode kernel's plan for p (deterministic: shapes and DIFFX_DECODE_TARGET_CTAS only).
+// The decode kernel's plan for p (deterministic: shapes and DIFFX_DECODE_TARGET_CTAS only; with
+// DIFFX_DECODE_ONE_WAVE, decode_wave_ctas too).
 DecodePlan decode_plan(const DiffxAttentionParams& p);
 // The kernel that runs p: kDecode for q_len <= DIFFX_DECODE_MAX_QUERY unless DIFFEXPORT_KERNEL_PATH=mma;
 // kHopper for longer calls (fp or INT8 logits, batch strides) when DIFFEXPORT_KERNEL_PATH=hopper, or
@@ -91,6 +111,10 @@ KernelPath kernel_path(const DiffxAttentionParams& p);
 // Whether this library has the Hopper path and the current device is an sm_90 GPU. Defined by each
 // library that links params.cpp: the CUDA one asks the device (once per device), the CPU emulator says no.
 bool hopper_path_runs_here();
+// DIFFX_DECODE_ONE_WAVE=1: the decode kernel's CTAs that one wave of the current device holds at head
+// dim head_dim (its SMs x the CTAs an SM the kernel is built for); 0 when the flag is off or the SM
+// count unknown (the CPU emulator unless DIFFX_EMULATED_SM_COUNT is set): the fixed target stands.
+int decode_wave_ctas(int head_dim);
 // Shared memory a block of this GPU may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), 0 if
 // unknown: whether the decode kernel's two K/V stages fit at head dim 128.
 int device_smem_optin();

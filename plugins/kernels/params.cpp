@@ -196,6 +196,10 @@ DecodePlan decode_plan(const DiffxAttentionParams& p) {
   const int64_t bh = int64_t(p.batch) * (p.num_heads / plan.heads_per_cta);
   const int64_t tiles = (int64_t(p.kv_len) + DIFFX_KEY_BLOCK - 1) / DIFFX_KEY_BLOCK;
   int64_t splits = std::min<int64_t>(tiles, std::max<int64_t>(1, (DIFFX_DECODE_TARGET_CTAS + bh - 1) / bh));
+  // DIFFX_DECODE_ONE_WAVE: as many splits as one wave of this GPU holds, rounded down (so never more
+  // CTAs than the fixed target's splits: the workspace bound stands).
+  if (const int64_t wave = std::min<int64_t>(DIFFX_DECODE_TARGET_CTAS, decode_wave_ctas(p.head_dim)); wave > 0)
+    splits = std::min<int64_t>(tiles, std::max<int64_t>(1, wave / bh));
   plan.tiles_per_split = int((tiles + splits - 1) / splits);
   // An 8-bit cache is read DIFFX_DECODE_KV_TILES tiles a step: a split of whole steps takes as many
   // steps a CTA as one with a tile less, and no step reads (then masks) the next split's tile. Short

@@ -224,6 +224,15 @@ void run(const DiffxAttentionParams& p) {
 
 bool diffx::hopper_path_runs_here() { return false; }  // wgmma and TMA have no CPU emulation
 
+// DIFFX_DECODE_ONE_WAVE's SM count: unknown (the fixed split target) unless a build sets one to test
+// that plan (tests/test_kernel_emulated.py).
+#ifndef DIFFX_EMULATED_SM_COUNT
+#define DIFFX_EMULATED_SM_COUNT 0
+#endif
+int diffx::decode_wave_ctas(int head_dim) {
+  return DIFFX_DECODE_ONE_WAVE ? DIFFX_EMULATED_SM_COUNT * (head_dim == 64 ? DIFFX_DECODE_D64_MIN_BLOCKS : 1) : 0;
+}
+
 extern "C" DIFFX_EMU_API int diffx_emulated_attention_forward(const DiffxAttentionParams* params) {
   diffx::clear_error();
   const int status = diffx::check_params(params);
