@@ -326,13 +326,15 @@ def key_mask_costs(rows: list[dict], plain_calls: tuple[tuple[str, str], ...] = 
 def kv8_cache(rows: list[dict], fmt: str, from_keys: int = 0, dtype: str | None = None,
               build: str = "") -> tuple[list, list]:
     """An 8-bit cache's decode rows: (float cache's split-KV time / the 8-bit one's, its cosine vs fp32).
-    build: the 8-bit call of that carried build (bench_attention's "@build" timings) against this
-    build's float-cache call, the one a default would be measured against."""
+    build: the 8-bit call of that carried build (bench_attention's "@build" timings) against the same
+    build's float-cache call where the row timed one (the call it would be measured against as the
+    default: a build whose plan differs, onewave's, times its bf16 call apart), else this build's."""
     at = f"@{build}" if build else ""
     name = f"split_kv_{fmt}_cache{at}"
     picked = [r for r in rows if name in r["timings"] and "split_kv" in r["timings"] and r["kv_len"] >= from_keys
               and (dtype is None or r["dtype"] == dtype)]
-    return ([r["timings"]["split_kv"]["ms"] / r["timings"][name]["ms"] for r in picked],
+    return ([r["timings"].get(f"split_kv{at}", r["timings"]["split_kv"])["ms"] / r["timings"][name]["ms"]
+             for r in picked],
             [r["cosine_vs_fp32"].get(f"{fmt}_cache{at}") for r in picked])
 
 
