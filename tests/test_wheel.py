@@ -6,11 +6,13 @@ does a .pth line put this interpreter's site-packages (torch, onnxruntime, ...) 
 dependencies are not downloaded again. A .pth line adds a folder to sys.path without running that
 folder's own .pth files, so the editable install of the checkout (an import hook started from a
 .pth) stays out: every diffexport module the venv imports comes from the wheel, which the tests
-assert file by file.
+assert file by file. Because the host's test extras sit behind the venv too, the demo runs once more
+with every package README command 1 would not install made unimportable (a sitecustomize).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shlex
 import shutil
@@ -22,6 +24,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -49,6 +53,47 @@ def _module_names(package_dir: Path) -> set[str]:
             continue
         names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
+
+
+def _installed_closure(roots: list[Requirement]) -> set[str]:
+    """Canonical names of the distributions that installing `roots` pulls in, read from this
+    interpreter's installed metadata (each requirement's markers evaluated with its own extras)."""
+    seen: set[str] = set()
+    pending = [(req, "") for req in roots]
+    while pending:
+        req, extra = pending.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        name = canonicalize_name(req.name)
+        for wanted in [""] + sorted(req.extras):
+            if (name, wanted) in seen:
+                continue
+            seen.add((name, wanted))
+            try:
+                requires = importlib.metadata.requires(name) or []
+            except importlib.metadata.PackageNotFoundError:
+                continue  # a platform-only dependency not installed here, so nothing can import it
+            pending += [(Requirement(line), wanted) for line in requires]
+    return {name for name, _ in seen}
+
+
+def _onnx_install_blocker(wheel: Path, site_dir: Path) -> Path:
+    """A sitecustomize that makes unimportable every installed package that README command 1
+    (`pip install torch==2.13.0 ".[onnx]"`) would not install: the host's test extras (transformers,
+    tokenizers, matplotlib, ...) must not be what lets the demo pass."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode().splitlines()
+    requires = [Requirement(line.split(":", 1)[1]) for line in lines if line.startswith("Requires-Dist:")]
+    roots = [Requirement("torch==2.13.0")] + [Requirement(f"{r.name}{r.specifier}") for r in requires
+                                                if r.marker is None or r.marker.evaluate({"extra": "onnx"})]
+    allowed = _installed_closure(roots) | {"diffexport"}
+    blocked = sorted(module for module, dists in importlib.metadata.packages_distributions().items()
+                     if module.isidentifier() and not any(canonicalize_name(d) in allowed for d in dists))
+    site_dir.mkdir(parents=True, exist_ok=True)
+    (site_dir / "sitecustomize.py").write_text(  # None in sys.modules: `import` raises ModuleNotFoundError
+        f"import sys\nfor _name in {blocked!r}:\n    sys.modules[_name] = None\n")
+    return site_dir
 
 
 def _clean_env(venv: Path) -> dict:
@@ -142,7 +187,7 @@ def test_installed_wheel_imports_every_module_from_itself(venv):
     assert sorted(out.stdout.split()) == expected
 
 
-def test_installed_console_script_help_and_demo(venv, tmp_path):
+def test_installed_console_script_help_and_demo(built, venv, tmp_path):
     env = _clean_env(venv)
     script = venv / "bin" / "diffexport"
     assert script.is_file()
@@ -163,7 +208,13 @@ def test_installed_console_script_help_and_demo(venv, tmp_path):
         assert args[:2] == ["polygraphy", "run"]
         out = subprocess.run([polygraphy, *args[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and "PASSED" in out.stdout + out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
-    _run([script, "demo", "--out-dir", tmp_path / "demo"], env=env, cwd=tmp_path)  # replaces its own earlier files
+    # again, with only what README command 1 installs importable: it replaces its own earlier files
+    only_onnx = dict(env, PYTHONPATH=str(_onnx_install_blocker(built["wheel"], tmp_path / "only-onnx")))
+    probe = subprocess.run([venv / "bin" / "python", "-c", "import transformers"], env=only_onnx, cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, probe.stderr  # the blocker holds
+    again = _run([script, "demo", "--out-dir", tmp_path / "demo"], env=only_onnx, cwd=tmp_path)
+    assert "transformers not installed" in again.stdout and "eager generate identical" in again.stdout
 
     # a Triton repository written by the installed package, its model.py loaded by the venv's Python
     _run([script, "triton", tmp_path / "demo" / "model-kv", "-o", tmp_path / "repo", "--name", "tiny"],
